@@ -1,0 +1,65 @@
+"""The attention-backend interface.
+
+A backend is bound to one model's KV cache. Per forward it builds its metadata once (``init_forward_metadata``: the
+single builder, used by eager runs and by CUDA-graph capture and replay, which only differ in whether the metadata
+lands in fresh tensors or in the persistent buffers made by ``init_graph_state``), then each attention layer calls
+``forward``, which stores the new K/V and runs the extend-style or the decode-style kernel for the batch's mode.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from workers.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    layer_id: int
+    num_heads: int  # local (per TP rank)
+    num_kv_heads: int  # local
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    """Five methods: init_graph_state, init_forward_metadata, forward (concrete), forward_extend, forward_decode."""
+
+    #: which kernel family runs TARGET_VERIFY: "decode" (split-KV, the default) or "prefill"
+    verify_attention_mode: str = "decode"
+
+    def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
+        """Allocate persistent metadata buffers for CUDA graphs (backends without graph support keep none)."""
+
+    @abstractmethod
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Compute everything the kernels need for this batch, once for all layers."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerSpec,
+                fb: ForwardBatch) -> torch.Tensor:
+        """q: [T, heads, dim]; k, v: [T, kv_heads, dim] (None: K/V already stored). Returns [T, heads, dim]."""
+        if k is not None:
+            fb.kv_cache.store(layer.layer_id, fb.out_cache_loc, k, v)
+        if uses_decode_kernel(fb.mode, self.verify_attention_mode):
+            return self.forward_decode(q, layer, fb)
+        return self.forward_extend(q, layer, fb)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """Prefill-style kernel: causal over the new tokens (+ tree mask for TARGET_VERIFY in prefill mode)."""
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """Decode-style split-KV kernel: DECODE, and TARGET_VERIFY with q_len_per_req = num_draft_tokens."""
+
+
+def uses_decode_kernel(mode: ForwardMode, verify_attention_mode: str) -> bool:
+    """The one place that decides kernel family per forward mode."""
+    if mode == ForwardMode.DECODE:
+        return True
+    if mode == ForwardMode.TARGET_VERIFY:
+        return verify_attention_mode == "decode"
+    return False

@@ -1,0 +1,64 @@
+"""Backend construction and hybrid dispatch (prefill kernel and decode kernel chosen separately)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
+from workers.forward_batch import ForwardBatch
+
+# name → "module:Class"; imported lazily so GPU-only backends cost nothing on CPU
+BACKENDS = {
+    "torch_native": "attention.torch_native:TorchNativeBackend",
+    "triton": "attention.triton_backend:TritonBackend",
+    "flashinfer": "attention.flashinfer_backend:FlashInferBackend",
+}
+VERIFY_ATTENTION_MODES = ("decode", "prefill")
+
+
+def _make(name: str, verify_attention_mode: str, device: torch.device) -> AttentionBackend:
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+    if name != "torch_native" and torch.device(device).type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device; use torch_native on {device}")
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)(verify_attention_mode=verify_attention_mode)
+
+
+class HybridBackend(AttentionBackend):
+    """Routes each forward to the prefill-family or decode-family child (see ``uses_decode_kernel``)."""
+
+    def __init__(self, prefill: AttentionBackend, decode: AttentionBackend, verify_attention_mode: str):
+        self.prefill, self.decode = prefill, decode
+        self.verify_attention_mode = verify_attention_mode
+        self.name = f"hybrid({getattr(prefill, 'name', '?')}+{getattr(decode, 'name', '?')})"
+
+    def child(self, fb: ForwardBatch) -> AttentionBackend:
+        return self.decode if uses_decode_kernel(fb.mode, self.verify_attention_mode) else self.prefill
+
+    def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
+        self.prefill.init_graph_state(max_batch_size, max_num_tokens)
+        self.decode.init_graph_state(max_batch_size, max_num_tokens)
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self.child(fb).init_forward_metadata(fb)
+
+    def forward(self, q, k, v, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        return self.child(fb).forward(q, k, v, layer, fb)
+
+    def forward_extend(self, q, layer, fb):
+        return self.prefill.forward_extend(q, layer, fb)
+
+    def forward_decode(self, q, layer, fb):
+        return self.decode.forward_decode(q, layer, fb)
+
+
+def create_attention_backend(prefill: str, decode: str, verify_attention_mode: str, device) -> AttentionBackend:
+    if verify_attention_mode not in VERIFY_ATTENTION_MODES:
+        raise ValueError(f"verify_attention_mode must be one of {VERIFY_ATTENTION_MODES}, got {verify_attention_mode!r}")
+    if prefill == decode:
+        return _make(prefill, verify_attention_mode, device)
+    return HybridBackend(_make(prefill, verify_attention_mode, device), _make(decode, verify_attention_mode, device),
+                         verify_attention_mode)

@@ -1,0 +1,107 @@
+"""Configuration models. ``EngineConfig`` is the engine_kwargs of a deployment (and what the CLI builds);
+``LLMConfig`` mirrors Ray Serve LLM's config shape: model_loading_config, engine_kwargs, deployment_config,
+placement_group_config."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AttentionBackendName = Literal["torch_native", "triton", "flashinfer"]
+SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class SpeculativeConfig(_Strict):
+    method: SpecMethod
+    model: str | None = Field(None, description="draft model / EAGLE head directory (not used by ngram)")
+    num_steps: int = Field(3, ge=1, le=16, description="draft depth per round")
+    topk: int = Field(1, ge=1, le=16, description="branching per draft step (1 = chain)")
+    num_draft_tokens: int | None = Field(None, ge=2, description="verified tokens per round incl. the root; "
+                                         "default num_steps + 1 for chains")
+    draft_tensor_parallel_size: int | None = Field(None, ge=1, description="1 or the target's TP size")
+    ngram_min: int = Field(1, ge=1)
+    ngram_max: int = Field(4, ge=1)
+    simulated_accept_length: float | None = Field(
+        None, ge=1.0, description="BENCHMARK ONLY: force this mean accept length; outputs are not the model's")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.method == "naive":
+            self.num_steps, self.topk = 1, 1
+            self.num_draft_tokens = 2
+        if self.num_draft_tokens is None:
+            self.num_draft_tokens = self.num_steps + 1 if self.topk == 1 else min(self.num_steps * self.topk + 1, 16)
+        if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
+            raise ValueError(f"a chain of {self.num_steps} steps verifies at most {self.num_steps + 1} tokens")
+        if self.num_draft_tokens > self.num_steps * self.topk + 1:
+            raise ValueError("num_draft_tokens exceeds num_steps * topk + 1 tree nodes")
+        if self.method in ("eagle", "eagle3", "draft") and not self.model:
+            raise ValueError(f"speculative method {self.method!r} needs `model` (the draft/head directory)")
+        return self
+
+
+class EngineConfig(_Strict):
+    model: str = Field(..., description="HF checkpoint directory of the target model")
+    tokenizer: str | None = None
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    page_size: int = Field(16, ge=1)
+    max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
+    max_num_seqs: int = Field(64, ge=1, description="running requests at most")
+    max_prefill_tokens: int = Field(2048, ge=16, description="chunked prefill: prompt tokens per step at most")
+    kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    prefill_attention_backend: AttentionBackendName = "torch_native"
+    decode_attention_backend: AttentionBackendName = "torch_native"
+    verify_attention_mode: Literal["decode", "prefill"] = "decode"
+    speculative_config: SpeculativeConfig | None = None
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = Field(64, ge=1)
+    max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
+    seed: int = 0
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self, checkpoint_dtype):
+        import torch
+
+        from workers.model_config import parse_dtype
+
+        if self.dtype != "auto":
+            return parse_dtype(self.dtype)
+        if self.resolved_device() == "cpu":
+            return torch.float32  # CPU half-precision matmuls are slow and inexact
+        return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
+
+
+class ModelLoadingConfig(_Strict):
+    model_id: str = Field(..., description="the name clients pass as `model`")
+    model_source: str = Field(..., description="checkpoint directory")
+
+
+class PlacementGroupConfig(_Strict):
+    strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    bundles: list[dict[str, float]] | None = None
+
+
+class LLMConfig(_Strict):
+    model_loading_config: ModelLoadingConfig
+    engine_kwargs: dict = Field(default_factory=dict)
+    deployment_config: dict = Field(default_factory=dict)
+    placement_group_config: PlacementGroupConfig = Field(default_factory=PlacementGroupConfig)
+    api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <api_key>`")
+    create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(model=self.model_loading_config.model_source, **self.engine_kwargs)

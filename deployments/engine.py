@@ -1,0 +1,208 @@
+"""The engine: tokenizer + scheduler + workers. Used offline (``specserve generate``, tests, benchmarks) and by the
+controller actor, which drives ``step()`` in its loop.
+
+Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this process; the Ray executor
+(deployments/executor.py) drives one actor per TP rank.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from deployments.config import EngineConfig
+from deployments.request import InvalidRequest, Request, RequestOutput, SamplingParams
+from deployments.scheduler import Scheduler
+from deployments.tokenizer import Detokenizer, load_tokenizer
+from workers.kv_cache import PageAllocator
+from workers.worker import StepResult, Worker, WorkerStep
+
+
+class Executor(Protocol):
+    model_config: object
+    max_model_len: int
+    lookahead: int
+
+    def execute(self, step: WorkerStep) -> StepResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """A single in-process worker (TP = 1)."""
+
+    def __init__(self, cfg: EngineConfig):
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError("LocalExecutor runs TP=1; use the Ray executor for tensor_parallel_size > 1")
+        self.worker = Worker(cfg)
+        self.model_config = self.worker.model_config
+        self.max_model_len = self.worker.max_model_len
+        self.lookahead = self.worker.lookahead
+        self.num_pages = self.worker.kv_capacity_pages()
+        self.worker.allocate_kv(self.num_pages)
+
+    def execute(self, step: WorkerStep) -> StepResult:
+        return self.worker.execute(step)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+@dataclass
+class Completion:
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float]
+    spec: dict | None = None
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+             "num_prompt_tokens": len(self.prompt_token_ids)}
+        if self.spec is not None:
+            d["spec"] = self.spec
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, executor: Executor | None = None, metrics=None):
+        self.cfg = cfg
+        self.metrics = metrics  # deployments.metrics.EngineMetrics, or None offline
+        self.executor = executor or LocalExecutor(cfg)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
+        mc = self.executor.model_config
+        self.max_model_len = self.executor.max_model_len
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size)
+        spec = cfg.speculative_config
+        host_drafter = None
+        if spec is not None and spec.method == "ngram":
+            from speculative.proposers import propose_ngram
+
+            def host_drafter(tokens: list[int]) -> list[int]:
+                return propose_ngram(tokens, spec.num_steps, spec.ngram_min, spec.ngram_max)
+
+        self.scheduler = Scheduler(
+            self.allocator,
+            max_num_seqs=cfg.max_num_seqs,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=tuple(sorted(eos)),
+            vocab_size=mc.vocab_size,
+            decode_lookahead=self.executor.lookahead,
+            max_queue_len=cfg.max_queue_len,
+            host_drafter=host_drafter,
+        )
+        self._detok: dict[str, Detokenizer] = {}
+        self.num_steps = 0
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None) -> Request:
+        """Validate and queue. Raises InvalidRequest (bad input) or OverflowError (queue full); nothing else changes."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
+        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            prompt_ids = list(prompt)
+        else:
+            raise InvalidRequest("prompt must be a string or a list of token ids")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
+        self.scheduler.add(req)
+        self._detok[req.rid] = Detokenizer(self.tokenizer, params.stop)
+        return req
+
+    def abort(self, rid: str) -> bool:
+        req = self.scheduler.abort(rid)
+        self._detok.pop(rid, None)
+        return req is not None
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- stepping --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; returns an output for every request that got tokens or finished."""
+        outputs: list[RequestOutput] = []
+        plan = self.scheduler.schedule()
+        for req in self.scheduler.failed:
+            outputs.append(RequestOutput(req.rid, [], "", True, req.finish_reason, req))
+            self._detok.pop(req.rid, None)
+        self.scheduler.failed.clear()
+        if plan is None:
+            return outputs
+        result = self.executor.execute(plan.to_worker_step())
+        self.num_steps += 1
+        now = time.time()
+        for req, new_ids in self.scheduler.update(plan, result):
+            prev_token_time = req.last_token_time
+            if req.first_token_time is None:
+                req.first_token_time = now
+            req.last_token_time = now
+            if self.metrics is not None:
+                self.metrics.record_tokens(req, len(new_ids), now, prev_token_time)
+            detok = self._detok[req.rid]
+            new_text, hit_stop = detok.push(new_ids, final=req.finished)
+            if hit_stop and not req.finished:
+                self.scheduler.finish(req, "stop")
+            req.text = detok.text
+            if req.finished:
+                self._detok.pop(req.rid, None)
+            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req))
+        if self.metrics is not None:
+            self.metrics.record_step(self.step_stats(result))
+            for out in outputs:
+                if out.finished:
+                    self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
+        return outputs
+
+    def step_stats(self, result: StepResult | None = None) -> dict:
+        stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                 "kv_usage": self.scheduler.kv_usage}
+        if result is not None and result.spec:
+            per_pos = [0] * (max((len(acc) for _, acc in result.spec), default=0))
+            for _, acc in result.spec:
+                for p in acc:
+                    per_pos[p] += 1
+            stats["spec"] = {"drafts": len(result.spec), "draft_tokens": sum(n for n, _ in result.spec),
+                             "accepted": sum(len(a) for _, a in result.spec), "per_pos": per_pos}
+        return stats
+
+    # ---- offline API -----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """Run prompts to completion. Invalid prompts come back with ``error`` set; the others are unaffected."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        reqs: list[Request | None] = []
+        errors: dict[int, str] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                reqs.append(self.add_request(p, sp))
+            except (InvalidRequest, OverflowError) as e:
+                reqs.append(None)
+                errors[i] = str(e)
+        while self.has_work():
+            self.step()
+        out = []
+        for i, req in enumerate(reqs):
+            if req is None:
+                out.append(Completion("", [], [], "", "error", [], error=errors[i]))
+                continue
+            spec = req.spec.as_dict() if self.cfg.speculative_config else None
+            out.append(Completion(req.rid, req.prompt_ids, req.output_ids, req.text, req.finish_reason,
+                                  req.output_logprobs, spec=spec, error=req.error))
+        return out
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

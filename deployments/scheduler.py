@@ -1,0 +1,297 @@
+"""Continuous-batching scheduler: admission by KV budget, chunked prefill, preemption by retract-and-recompute.
+
+Each ``schedule()`` returns one ``StepPlan`` (an EXTEND step when prompts are waiting and fit, otherwise a DECODE
+step over every running request). ``update()`` applies the worker's sampled tokens, detects token-level stops and
+frees the KV of finished requests. The scheduler owns the page allocator; workers only see page grants.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deployments.request import InvalidRequest, Request, RequestStatus
+from workers.forward_batch import ForwardMode
+from workers.kv_cache import OutOfPages, PageAllocator
+from workers.worker import StepResult, WorkerStep
+
+
+@dataclass
+class StepPlan:
+    """One scheduled step: the requests in batch order and what each contributes."""
+
+    mode: ForwardMode
+    requests: list[Request]
+    input_ids: list[int]
+    seq_lens: list[int]  # KV length after the step
+    extend_lens: list[int]
+    page_updates: tuple[list[int], list[int], list[int]]
+    next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled
+    draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
+
+    def to_worker_step(self) -> WorkerStep:
+        """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
+        reqs = self.requests
+        return WorkerStep(
+            mode=self.mode,
+            req_slots=[r.req_slot for r in reqs],
+            input_ids=self.input_ids,
+            seq_lens=self.seq_lens,
+            extend_lens=self.extend_lens,
+            page_updates=self.page_updates,
+            temperature=[r.params.temperature for r in reqs],
+            top_k=[r.params.top_k for r in reqs],
+            top_p=[r.params.top_p for r in reqs],
+            min_p=[r.params.min_p for r in reqs],
+            seeds=[r.seed for r in reqs],
+            counters=[len(r.output_ids) for r in reqs],
+            next_ids=self.next_ids,
+            draft_tokens=self.draft_tokens,
+        )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        *,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        decode_lookahead: int = 1,
+        max_queue_len: int = 1 << 30,
+        host_drafter=None,
+    ):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.decode_lookahead = decode_lookahead  # KV slots a decode step writes per request (1, or draft tokens)
+        self.max_queue_len = max_queue_len
+        self.host_drafter = host_drafter  # tokens -> draft tokens (n-gram speculation), or None
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._by_id: dict[str, Request] = {}
+        self._page_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self.num_preemptions = 0
+        self.failed: list[Request] = []  # finished with an error during scheduling; the engine reports them
+
+    # ---- requests in and out ---------------------------------------------------------------------------------
+    def validate(self, req: Request) -> None:
+        req.params.validate()
+        n = len(req.prompt_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens")
+        if n + req.params.max_tokens > self.max_model_len:
+            raise InvalidRequest(
+                f"this model's maximum context length is {self.max_model_len} tokens; you requested {n} prompt "
+                f"tokens + {req.params.max_tokens} max_tokens = {n + req.params.max_tokens} tokens")
+        need = self.allocator.pages_for(n + req.params.max_tokens + self.decode_lookahead)
+        if need > self.allocator.capacity_pages:
+            raise InvalidRequest(f"the request needs {need} KV pages but the whole cache has "
+                                 f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens")
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises InvalidRequest (nothing queued) for bad input, OverflowError when full."""
+        self.validate(req)
+        if req.rid in self._by_id:
+            raise InvalidRequest(f"duplicate request id {req.rid!r}")
+        if len(self.waiting) >= self.max_queue_len:
+            raise OverflowError(f"the server is overloaded: {len(self.waiting)} requests are waiting")
+        self._by_id[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Request | None:
+        """Drop a request wherever it is and free its KV now."""
+        req = self._by_id.get(rid)
+        if req is None or req.finished:
+            return None
+        self.finish(req, "abort")
+        return req
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self._release(req)
+        self._by_id.pop(req.rid, None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        a = self.allocator
+        return 1.0 - a.num_free / a.capacity_pages
+
+    # ---- KV bookkeeping --------------------------------------------------------------------------------------
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        start = len(req.pages)
+        new = self.allocator.grow(req.pages, num_tokens)
+        if new:
+            slots, pos, ids = self._page_updates
+            slots.extend([req.req_slot] * len(new))
+            pos.extend(range(start, start + len(new)))
+            ids.extend(new)
+
+    def _release(self, req: Request) -> None:
+        self.allocator.free(req.pages)
+        if req.req_slot is not None:
+            self._free_slots.append(req.req_slot)
+            req.req_slot = None
+        req.num_computed = 0
+
+    def _preempt(self, req: Request) -> None:
+        """Retract a running request: free its KV; it is recomputed (prompt + outputs so far) when readmitted."""
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _take_page_updates(self):
+        out = self._page_updates
+        self._page_updates = ([], [], [])
+        return out
+
+    # ---- scheduling ------------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        return self._schedule_extend() or self._schedule_decode()
+
+    def _schedule_extend(self) -> StepPlan | None:
+        budget = self.max_prefill_tokens
+        batch: list[tuple[Request, int]] = []
+        # pages kept free for the running requests' next decode steps, so admission does not force preemption
+        reserve = sum(self.allocator.pages_for(r.num_tokens + self.decode_lookahead) - len(r.pages) for r in self.running)
+        for req in self.waiting:
+            if budget <= 0:
+                break
+            if req.req_slot is None:
+                if len(self.running) + len(batch) >= self.max_num_seqs or not self._free_slots:
+                    break
+                need_all = self.allocator.pages_for(req.num_tokens + self.decode_lookahead)
+                if need_all > self.allocator.num_free - max(reserve, 0):
+                    break
+                req.req_slot = self._free_slots.pop()
+            chunk = min(req.num_tokens - req.num_computed, budget)
+            try:
+                self._grow(req, req.num_computed + chunk)
+            except OutOfPages:
+                if not req.pages:
+                    self._free_slots.append(req.req_slot)
+                    req.req_slot = None
+                break
+            batch.append((req, chunk))
+            budget -= chunk
+        if not batch:
+            return None
+        ids: list[int] = []
+        next_ids: list[int] = []
+        for req, chunk in batch:
+            all_ids = req.all_ids
+            end = req.num_computed + chunk
+            ids.extend(all_ids[req.num_computed : end])
+            next_ids.append(all_ids[end] if end < len(all_ids) else -1)
+        return StepPlan(
+            mode=ForwardMode.EXTEND,
+            requests=[r for r, _ in batch],
+            input_ids=ids,
+            seq_lens=[r.num_computed + c for r, c in batch],
+            extend_lens=[c for _, c in batch],
+            page_updates=self._take_page_updates(),
+            next_ids=next_ids,
+        )
+
+    def _schedule_decode(self) -> StepPlan | None:
+        if not self.running:
+            return None
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            try:
+                self._grow(req, req.num_tokens - 1 + self.decode_lookahead)
+                i += 1
+            except OutOfPages:
+                victim = self.running[-1]
+                if victim is req and len(self.running) == 1:
+                    req.error = "the KV cache cannot hold this request even alone"
+                    self.finish(req, "error")
+                    self.failed.append(req)
+                    continue
+                self._preempt(victim)
+        if not self.running:
+            return None
+        reqs = list(self.running)
+        return StepPlan(
+            mode=ForwardMode.DECODE,
+            requests=reqs,
+            input_ids=[r.all_ids[-1] for r in reqs],
+            seq_lens=[r.num_tokens for r in reqs],
+            extend_lens=[1] * len(reqs),
+            page_updates=self._take_page_updates(),
+            draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
+        )
+
+    # ---- results ---------------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
+        """Apply sampled tokens; returns (request, new tokens) for every request that produced tokens."""
+        produced = []
+        for i, req in enumerate(plan.requests):
+            if req.finished:  # aborted while the step ran
+                continue
+            if plan.mode == ForwardMode.EXTEND:
+                req.num_computed = plan.seq_lens[i]
+                if req.num_computed < req.num_tokens:
+                    continue  # more prompt chunks to go
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+            new = self._append_tokens(req, result.tokens[i], result.logprobs[i])
+            spec = result.spec[i] if result.spec else None
+            if spec is not None:
+                req.spec.num_drafts += 1
+                req.spec.num_draft_tokens += spec[0]
+                req.spec.num_accepted_tokens += len(spec[1])
+                per = req.spec.accepted_per_position
+                per.extend([0] * (len(spec[1]) - len(per)))
+                for pos_ok in range(len(spec[1])):
+                    per[pos_ok] += 1
+            produced.append((req, new))
+            if req.finished:
+                self.finish(req, req.finish_reason)
+        return produced
+
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append tokens up to the first stop condition; sets req.finish_reason when one is hit."""
+        new = []
+        p = req.params
+        for tok, lp in zip(tokens, logprobs):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            new.append(tok)
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                req.status, req.finish_reason = RequestStatus.FINISHED, "stop"
+            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                req.status, req.finish_reason = RequestStatus.FINISHED, "length"
+            if req.finished:
+                break
+        # every token but the newest has its K/V cached now. A speculative round wrote K/V for all draft nodes;
+        # only the accepted ones are kept, and whole pages past them go back to the pool.
+        if not req.finished:
+            req.num_computed = req.num_tokens - 1
+            self.allocator.shrink(req.pages, req.num_computed)
+        return new

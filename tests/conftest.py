@@ -1,0 +1,56 @@
+"""Shared fixtures: tiny random checkpoints in real HF format, built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+from tools.make_tiny import make_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """One tiny checkpoint per architecture (llama untied with llama3 rope, qwen2 with qkv bias, qwen3 q/k norm)."""
+    base = tmp_path_factory.mktemp("models")
+    return {
+        "llama": make_tiny("llama", base / "llama", layers=2, hidden=64, vocab=512, max_position=1024,
+                           rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+        "qwen2": make_tiny("qwen2", base / "qwen2", layers=2, hidden=64, vocab=512, max_position=1024,
+                           max_shard_size="100KB"),
+        "qwen3": make_tiny("qwen3", base / "qwen3", layers=2, hidden=64, vocab=512, max_position=1024),
+    }
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for arch, path in tiny_models.items():
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        m.eval()
+        out[arch] = m
+    return out
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy continuation (stops at EOS like the engine)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def mixed_prompts(n: int = 8, vocab: int = 500, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 1, 40, 9, 64, 25, 5, 33, 12][:n]
+    return [torch.randint(4, vocab, (L,), generator=g).tolist() for L in lengths]

@@ -1,0 +1,181 @@
+"""Engine core: greedy parity with transformers, paging, chunked prefill, preemption, sampling, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, hf_greedy, mixed_prompts
+from deployments.config import EngineConfig
+from deployments.engine import Engine
+from deployments.request import InvalidRequest, SamplingParams
+from workers.model_config import CheckpointError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+def make_engine(path, **kw) -> Engine:
+    kw.setdefault("max_model_len", 512)
+    return Engine(EngineConfig(model=str(path), device="cpu", **kw))
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_models, hf_models):
+    prompts = mixed_prompts(8)
+    return prompts, {arch: [hf_greedy(hf_models[arch], p, GREEDY.max_tokens) for p in prompts] for arch in tiny_models}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_matches_transformers(tiny_models, hf_reference, arch, page_size):
+    prompts, ref = hf_reference
+    engine = make_engine(tiny_models[arch], page_size=page_size)
+    out = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == ref[arch]
+    assert all(o.finish_reason in ("stop", "length") for o in out)
+    assert engine.allocator.num_free == engine.allocator.capacity_pages  # every page came back
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_preemption_and_chunked_prefill_keep_outputs(tiny_models, hf_reference, page_size):
+    prompts, ref = hf_reference
+    # room for ~2 requests at a time, prompts split into 16-token chunks
+    engine = make_engine(tiny_models["llama"], page_size=page_size, kv_cache_tokens=160, max_prefill_tokens=16)
+    out = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in out] == ref["llama"]
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
+    engine = make_engine(tiny_models["qwen2"])
+    prompts = mixed_prompts(4)
+    sp = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True) for i in range(4)]
+    a = engine.generate(prompts, sp)
+    b = engine.generate(prompts[::-1], sp[::-1])[::-1]  # other batch order
+    c = engine.generate(prompts[:1], sp[:1])  # alone
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].token_ids == c[0].token_ids
+    other = engine.generate(prompts[:1], [SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)])
+    assert other[0].token_ids != a[0].token_ids
+    assert all(len(o.logprobs) == 16 and all(lp <= 0 for lp in o.logprobs) for o in a)
+
+
+def test_filters_that_leave_one_token_equal_greedy(tiny_models):
+    engine = make_engine(tiny_models["qwen3"])
+    prompts = mixed_prompts(3)
+    greedy = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    for sp in (SamplingParams(max_tokens=24, temperature=0.8, top_k=1, seed=1),
+               SamplingParams(max_tokens=24, temperature=0.8, top_p=1e-6, seed=2),
+               SamplingParams(max_tokens=24, temperature=0.8, min_p=1.0, seed=3)):
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == greedy
+
+
+def test_stop_conditions(tiny_models):
+    engine = make_engine(tiny_models["llama"])
+    prompt = mixed_prompts(1)[0]
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert len(free.token_ids) == 12 and free.finish_reason == "length"
+    stop_tok = free.token_ids[5]
+    first = free.token_ids.index(stop_tok)
+    by_id = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     stop_token_ids=[stop_tok]))[0]
+    assert by_id.token_ids == free.token_ids[: first + 1] and by_id.finish_reason == "stop"
+    text = free.text
+    if len(text.strip()) >= 4:
+        stop = text.strip()[1:3]
+        by_str = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                          stop=[stop]))[0]
+        assert by_str.finish_reason == "stop"
+        assert by_str.text == text[: text.index(stop)]
+
+
+def test_bad_input_is_rejected_and_others_keep_going(tiny_models):
+    engine = make_engine(tiny_models["llama"], max_model_len=128)
+    good = mixed_prompts(2)
+    prompts = [good[0], [], list(range(4, 200)), good[1]]
+    params = [GREEDY, GREEDY, GREEDY, GREEDY]
+    out = engine.generate(prompts, params)
+    assert out[1].error == "the prompt is empty"
+    assert "maximum context length is 128" in out[2].error
+    alone = engine.generate([good[0], good[1]], GREEDY)
+    assert out[0].token_ids == alone[0].token_ids and out[3].token_ids == alone[1].token_ids
+    with pytest.raises(InvalidRequest, match="max_tokens must be an integer >= 1"):
+        engine.add_request(good[0], SamplingParams(max_tokens=0))
+    with pytest.raises(InvalidRequest, match="token ids must be in"):
+        engine.add_request([10**6], GREEDY)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.add_request(good[0], SamplingParams(temperature=-1))
+    assert not engine.has_work()
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+
+
+def test_abort_frees_kv_and_keeps_others(tiny_models):
+    engine = make_engine(tiny_models["qwen2"], page_size=4)
+    prompts = mixed_prompts(3)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)) for p in prompts]
+    for _ in range(4):
+        engine.step()
+    held = len(reqs[1].pages)
+    assert held > 0
+    free_before = engine.allocator.num_free
+    assert engine.abort(reqs[1].rid)
+    assert engine.allocator.num_free == free_before + held
+    while engine.has_work():
+        engine.step()
+    ref = engine.generate([prompts[0], prompts[2]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    assert reqs[0].output_ids == ref[0].token_ids and reqs[2].output_ids == ref[1].token_ids
+    assert reqs[1].finish_reason == "abort"
+
+
+def test_checkpoint_errors(tiny_models, tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        make_engine(tmp_path / "nope")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    cfg["architectures"] = ["MambaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unsupported architecture 'MambaForCausalLM'"):
+        make_engine(bad)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        make_engine(bad)
+
+
+def test_sampler_draws_from_the_processed_distribution():
+    from scipy.stats import chisquare
+
+    from workers.sampling import SamplingTensors, processed_probs, sample_from_probs
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
+    n = 20000
+    p = SamplingTensors.from_lists([0.7] * n, [4] * n, [1.0] * n, [0.0] * n, [11] * n, list(range(n)), "cpu")
+    probs = processed_probs(logits.expand(n, -1), p)
+    assert probs[0, 4:].sum() == 0  # top-k 4 removed the tail
+    draws = sample_from_probs(probs, p)
+    counts = torch.bincount(draws, minlength=6)[:4].double()
+    expected = probs[0, :4].double() / probs[0, :4].double().sum() * n
+    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-4  # false alarm rate 1e-4
+
+
+def test_cli_generate_json(tiny_models):
+    out = subprocess.run(
+        [sys.executable, "-m", "deployments.cli", "generate", "--model", str(tiny_models["qwen3"]), "--prompt",
+         "def main():", "--prompt", "import os", "--max-tokens", "8", "--json", "--device", "cpu"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(x) for x in out.stdout.strip().splitlines()]
+    assert len(lines) == 2
+    for obj in lines:
+        assert set(obj) >= {"text", "token_ids", "finish_reason"}
+        assert 1 <= len(obj["token_ids"]) <= 8
+    bad = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "--model", "/nonexistent", "--prompt",
+                          "x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr

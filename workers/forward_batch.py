@@ -1,0 +1,114 @@
+"""Forward modes and the per-forward batch description every layer and attention backend reads."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from workers.kv_cache import KVCache, PageTable
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"  # prefill (possibly a chunk of it) of new tokens after a cached prefix
+    DECODE = "decode"  # one new token per request
+    TARGET_VERIFY = "target_verify"  # num_draft_tokens per request, tree mask over the draft block
+    DRAFT_EXTEND = "draft_extend"  # draft model catches up over accepted tokens (causal, like EXTEND)
+    IDLE = "idle"  # no tokens on this rank (keeps TP collectives in step)
+
+    @property
+    def is_extend_like(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+
+@dataclass
+class ForwardBatch:
+    """Device tensors for one forward pass plus the host copies the scheduler already knew (no device sync).
+
+    Layout: requests are concatenated; request ``b`` owns tokens ``extend_start[b] : extend_start[b] + extend_lens[b]``
+    which are stored at KV positions ``seq_lens[b] - extend_lens[b] ...  seq_lens[b] - 1``.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, RoPE positions (tree depth for draft tokens)
+    req_slots: torch.Tensor  # [B] int64, rows of the page table
+    seq_lens: torch.Tensor  # [B] int32, KV length after this forward
+    extend_lens: torch.Tensor  # [B] int32, new tokens per request
+    extend_start: torch.Tensor  # [B] int32, exclusive cumsum of extend_lens
+    out_cache_loc: torch.Tensor  # [T] int64, KV slots the new tokens are written to
+    logits_indices: torch.Tensor  # [N] int64, token rows whose logits are needed
+    kv_cache: KVCache
+    page_table: PageTable
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_slots_cpu: list[int]
+    # Speculative block mask, [B, n, L] bool: the n new tokens against the last L positions of each sequence
+    # (verify: L = n draft nodes, row i sees its ancestors and itself; draft steps: the scratch area). Positions
+    # before the block are always visible. None = causal.
+    tree_mask: torch.Tensor | None = None
+    attn_backend: object | None = None
+    capture_hidden: bool = False
+    aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[int] | torch.Tensor,
+        req_slots: list[int],
+        seq_lens: list[int],
+        extend_lens: list[int],
+        kv_cache: KVCache,
+        page_table: PageTable,
+        *,
+        positions: list[int] | torch.Tensor | None = None,
+        logits_indices: list[int] | torch.Tensor | None = None,
+        tree_mask: torch.Tensor | None = None,
+        capture_hidden: bool = False,
+    ) -> "ForwardBatch":
+        """The one metadata builder for model inputs: KV write slots and positions are derived on the device from
+        the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers."""
+        device = page_table.table.device
+        ids = torch.as_tensor(input_ids, dtype=torch.int64, device=device)
+        t = int(ids.shape[0])
+        slots_t = torch.tensor(req_slots, dtype=torch.int64, device=device)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+        ext_t = torch.tensor(extend_lens, dtype=torch.int32, device=device)
+        start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
+        tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
+        offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
+        storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
+        out_loc = page_table.slots(tok_req, storage_pos)
+        pos = storage_pos if positions is None else torch.as_tensor(positions, dtype=torch.int64, device=device)
+        if logits_indices is None:  # last token of every request
+            logits_idx = (start_t + ext_t - 1).long()
+        else:
+            logits_idx = torch.as_tensor(logits_indices, dtype=torch.int64, device=device)
+        return cls(
+            mode=mode,
+            input_ids=ids,
+            positions=pos.long(),
+            req_slots=slots_t,
+            seq_lens=seq_t,
+            extend_lens=ext_t,
+            extend_start=start_t,
+            out_cache_loc=out_loc,
+            logits_indices=logits_idx,
+            kv_cache=kv_cache,
+            page_table=page_table,
+            seq_lens_cpu=list(seq_lens),
+            extend_lens_cpu=list(extend_lens),
+            req_slots_cpu=list(req_slots),
+            tree_mask=tree_mask,
+            capture_hidden=capture_hidden,
+        )

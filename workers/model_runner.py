@@ -1,0 +1,71 @@
+"""One model (target or draft) on one TP rank: weights, its KV cache and its attention backend."""
+
+from __future__ import annotations
+
+import torch
+
+from attention.registry import create_attention_backend
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import KVCache, PageTable
+from workers.layers import TPGroup
+from workers.loader import load_weights
+from workers.model_config import ModelConfig
+from workers.models.llama import Attention, LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        tp: TPGroup,
+        max_positions: int,
+        prefill_backend: str = "torch_native",
+        decode_backend: str = "torch_native",
+        verify_attention_mode: str = "decode",
+        config: ModelConfig | None = None,
+        build_model=None,
+    ):
+        """``build_model``: a callable making the module (default: the decoder for ``config``)."""
+        self.config = config or ModelConfig.from_pretrained(model_path)
+        self.device = device
+        self.dtype = dtype
+        self.tp = tp
+        with torch.device(device):
+            self.model = build_model() if build_model else LlamaForCausalLM(self.config, dtype, tp, max_positions)
+        load_weights(self.model, model_path)
+        self.model.eval()
+        self.attn_backend = create_attention_backend(prefill_backend, decode_backend, verify_attention_mode, device)
+        self.kv_cache: KVCache | None = None
+
+    @property
+    def attention_specs(self) -> list:
+        return [m.spec for m in self.model.modules() if isinstance(m, Attention)]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        specs = self.attention_specs
+        return KVCache.bytes_per_token(len(specs), specs[0].num_kv_heads, specs[0].head_dim, self.dtype)
+
+    def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
+        specs = self.attention_specs
+        self.kv_cache = KVCache(len(specs), num_pages, page_size, specs[0].num_kv_heads, specs[0].head_dim,
+                                self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, **model_inputs):
+        """Runs the model (the target returns final hidden states [T, hidden]; logits are computed by the caller
+        on the rows it needs)."""
+        fb.kv_cache = self.kv_cache
+        fb.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb, **model_inputs)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    def new_batch(self, *args, page_table: PageTable, **kwargs) -> ForwardBatch:
+        return ForwardBatch.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)

@@ -1,0 +1,160 @@
+"""Llama 2/3/3.1, Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm) decoder, tensor-parallel, over the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.base import AttentionLayerSpec
+from workers.forward_batch import ForwardBatch
+from workers.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    apply_rope,
+    rope_cos_sin,
+)
+from workers.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, tp: TPGroup):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, tp
+        )
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.spec = AttentionLayerSpec(
+            layer_id=layer_id,
+            num_heads=self.qkv_proj.local_heads,
+            num_kv_heads=self.qkv_proj.local_kv_heads,
+            head_dim=cfg.head_dim,
+            scaling=cfg.head_dim**-0.5,
+        )
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        s = self.spec
+        q, k, v = self.qkv_proj(x)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = fb.attn_backend.forward(q, k, v, s, fb)
+        return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, tp: TPGroup):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_id, dtype, tp)
+        self.mlp = MLP(cfg, dtype, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, residual, cos, sin, fb):
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (differences are config flags).
+
+    ``aux_hidden_layers``: layer indices whose input hidden states (residual stream) are captured for EAGLE-3.
+    """
+
+    # HF parameter name fragment → (our module attribute, shard id)
+    _FUSED = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup, max_positions: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        cos, sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.aux_hidden_layers: tuple[int, ...] = ()
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, fb: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Returns the final-norm hidden states [T, hidden]; aux hidden states go to ``fb.aux``."""
+        x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
+        cos, sin = self.rope_cos[fb.positions], self.rope_sin[fb.positions]
+        residual = None
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_hidden_layers:
+                captured[i] = x if residual is None else x + residual
+            x, residual = layer(x, residual, cos, sin, fb)
+        x, _ = self.norm(x, residual)
+        if captured:
+            fb.aux["aux_hidden"] = torch.cat([captured[i] for i in self.aux_hidden_layers], dim=-1)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:  # tied: the embedding matrix is the (vocab-parallel) head
+            logits = self.tp.all_gather_last_dim(F.linear(hidden, self.embed_tokens.weight))
+            return logits[..., : self.cfg.vocab_size].float()
+        return self.lm_head(hidden).float()
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    def load_weight(self, name: str, slice_) -> bool:
+        """Load one checkpoint tensor (HF name); returns False when the name is not ours (e.g. rotary caches)."""
+        if name.startswith("model."):
+            name = name[len("model.") :]
+        if name == "lm_head.weight":
+            if self.lm_head is None:
+                return True  # tied checkpoints may still store it
+            self.lm_head.load_weight("weight", slice_)
+            return True
+        module_path, _, pname = name.rpartition(".")
+        shard_id = None
+        parts = module_path.split(".")
+        if parts[-1] in self._FUSED:
+            parts[-1], shard_id = self._FUSED[parts[-1]]
+        try:
+            module = self.get_submodule(".".join(parts))
+        except AttributeError:
+            return False
+        if not hasattr(module, "load_weight"):
+            return False
+        module.load_weight(pname, slice_, shard_id)
+        return True

@@ -1,0 +1,187 @@
+"""A worker = one TP rank: the target model (and the draft), the shared page table, and step execution.
+
+The controller sends every rank the same ``WorkerStep``; ranks compute identical sampled tokens (sampling is a pure
+function of logits, seeds and counters), and the controller reads rank 0's ``StepResult``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from deployments.config import EngineConfig
+from workers.forward_batch import ForwardMode
+from workers.kv_cache import PageTable
+from workers.layers import TPGroup
+from workers.model_config import ModelConfig
+from workers.model_runner import ModelRunner
+from workers.sampling import SamplingTensors, sample
+
+
+@dataclass
+class WorkerStep:
+    mode: ForwardMode
+    req_slots: list[int]
+    input_ids: list[int]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    page_updates: tuple[list[int], list[int], list[int]]
+    temperature: list[float]
+    top_k: list[int]
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int]
+    counters: list[int]
+    # speculative decoding
+    next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
+    draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
+
+
+@dataclass
+class StepResult:
+    tokens: list[list[int]]  # per request: the tokens this step appends (1, or accepted + bonus when speculating)
+    logprobs: list[list[float]]
+    spec: list[tuple[int, list[int]]] | None = None  # per request: (draft tokens proposed, accepted positions)
+    timings: dict = field(default_factory=dict)
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str) -> TPGroup:
+    if world_size == 1:
+        return TPGroup()
+    backend = "nccl" if device == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size)
+    return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, rank: int = 0, dist_addr: tuple[str, int] | None = None):
+        self.cfg = cfg
+        self.rank = rank
+        device_type = cfg.resolved_device()
+        if device_type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", 0)) if dist_addr is None else 0
+            torch.cuda.set_device(local)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(cfg.seed)
+        addr = dist_addr or ("127.0.0.1", 29500)
+        self.tp = init_distributed(rank, cfg.tensor_parallel_size, addr[0], addr[1], device_type)
+        model_cfg = ModelConfig.from_pretrained(cfg.model)
+        self.model_config = model_cfg
+        self.dtype = cfg.resolved_dtype(model_cfg.checkpoint_dtype)
+        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        self.target = ModelRunner(
+            cfg.model, device=self.device, dtype=self.dtype, tp=self.tp, config=model_cfg,
+            max_positions=model_cfg.max_position_embeddings,
+            prefill_backend=cfg.prefill_attention_backend, decode_backend=cfg.decode_attention_backend,
+            verify_attention_mode=cfg.verify_attention_mode,
+        )
+        spec = cfg.speculative_config
+        self.proposer = None
+        self.lookahead = 1
+        if spec is not None:
+            from speculative.proposers import make_proposer
+
+            draft_tp = spec.draft_tensor_parallel_size or self.tp.size
+            if draft_tp not in (1, self.tp.size):
+                raise ValueError(f"draft_tensor_parallel_size must be 1 or {self.tp.size}, got {draft_tp}")
+            self.draft_tp = self.tp if draft_tp == self.tp.size else TPGroup()
+            self.proposer = make_proposer(self, spec)
+            self.lookahead = self.proposer.lookahead
+        self.page_table: PageTable | None = None
+
+    # ---- KV sizing -------------------------------------------------------------------------------------------
+    def kv_capacity_pages(self) -> int:
+        """How many KV pages this rank can hold (the controller uses the minimum over ranks)."""
+        page = self.cfg.page_size
+        if self.cfg.kv_cache_tokens is not None:
+            tokens = self.cfg.kv_cache_tokens
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - self.cfg.gpu_memory_utilization) * total
+            tokens = int(budget // self.kv_bytes_per_token())
+        else:  # CPU: enough for every sequence at full length, capped at 64k tokens
+            tokens = min(self.cfg.max_num_seqs * self.max_model_len, 65536)
+        return tokens // page + 1  # + the reserved padding page
+
+    def kv_bytes_per_token(self) -> int:
+        return self.target.kv_bytes_per_token + (self.proposer.kv_bytes_per_token() if self.proposer else 0)
+
+    def allocate_kv(self, num_pages: int) -> None:
+        page = self.cfg.page_size
+        self.target.allocate_kv_cache(num_pages, page)
+        if self.proposer is not None:
+            self.proposer.allocate_kv(num_pages, page)
+        max_pages_per_req = -(-(self.max_model_len + self.lookahead) // page)
+        self.page_table = PageTable(self.cfg.max_num_seqs, max_pages_per_req, page, self.device)
+
+    # ---- steps -----------------------------------------------------------------------------------------------
+    def _apply_pages(self, step: WorkerStep) -> None:
+        slots, pos, ids = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in step.page_updates)
+        self.page_table.apply(slots, pos, ids)
+
+    def _sampling(self, step: WorkerStep) -> SamplingTensors:
+        return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
+                                          step.counters, self.device)
+
+    @torch.inference_mode()
+    def execute(self, step: WorkerStep) -> StepResult:
+        self._apply_pages(step)
+        if self.proposer is not None and step.mode == ForwardMode.DECODE:
+            return self._speculative_round(step)
+        fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
+                                   page_table=self.page_table)
+        hidden = self.target.forward(fb)
+        logits = self.target.logits(hidden[fb.logits_indices])
+        ids, logprobs = sample(logits, self._sampling(step))
+        if self.proposer is not None:  # prefill: the draft catches up on the same tokens
+            self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
+        return StepResult(tokens=[[t] for t in ids.tolist()], logprobs=[[lp] for lp in logprobs.tolist()])
+
+    def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
+        fn = getattr(self.proposer, "target_features", None)
+        return fn(fb, hidden) if fn else hidden
+
+    def _speculative_round(self, step: WorkerStep) -> StepResult:
+        """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; one host sync at the end."""
+        from speculative.verify import verify_tree
+
+        b = len(step.req_slots)
+        root = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        m = torch.tensor(step.seq_lens, dtype=torch.int64, device=self.device) - 1  # root position
+        tree = self.proposer.propose(step, root, m)
+        d = tree.num_nodes
+        fb = self.target.new_batch(
+            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), step.req_slots, [x - 1 + d for x in step.seq_lens],
+            [d] * b, page_table=self.page_table, positions=(m.unsqueeze(1) + tree.depths).reshape(-1),
+            logits_indices=torch.arange(b * d, device=self.device), tree_mask=tree.mask,
+        )
+        hidden = self.target.forward(fb)
+        logits = self.target.logits(hidden).view(b, d, -1)
+        verdict = verify_tree(tree, logits, self._sampling(step), self.proposer.max_depth)
+        # accepted nodes move to consecutive positions m, m+1, ... (a no-op along a chain)
+        depth = torch.arange(verdict.path.shape[1], device=self.device)
+        slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
+        src = self.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
+        dst = self.page_table.slots(slots, m.unsqueeze(1) + depth)
+        keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
+        self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
+        self.proposer.after_verify(step, m, tree, verdict, self._features(fb, hidden))
+        accept = verdict.accept_len.tolist()
+        tokens, logprobs = verdict.out_tokens.tolist(), verdict.out_logprobs.tolist()
+        return StepResult(
+            tokens=[t[: a + 1] for t, a in zip(tokens, accept)],
+            logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
+            spec=[(d - 1, list(range(a))) for a in accept],
+        )
+
+    def shutdown(self) -> None:
+        if self.tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
