@@ -1,0 +1,271 @@
+"""Draft proposers. Each turns the state of a batch into a draft tree and keeps its draft model in step:
+
+- ``after_extend``: after a target EXTEND (prefill chunk), the draft consumes the same tokens (DRAFT_EXTEND);
+- ``propose``: the multi-step draft → ``DraftTree`` (root = the last verified token, stored at KV position m);
+- ``after_verify``: the draft consumes the accepted tokens (fixed shape, padded: no host sync).
+
+KV layout of a round for a request whose root sits at position m (pages cover m + ``lookahead``): the target
+verifies D nodes at m .. m+D-1; the draft's step s >= 2 writes its k frontier nodes to a scratch area starting at
+m (EAGLE) or m+1 (standalone draft, whose step 1 consumes the root at m); DRAFT_EXTEND rewrites m .. m+S.
+
+EAGLE's draft position p holds the pair (token p+1, target feature p); the standalone draft's holds token p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.tree import DraftTree, TreeCandidates, chain_tree
+from speculative.verify import Verdict
+from workers.forward_batch import ForwardBatch, ForwardMode
+
+
+def _lookahead(num_steps: int, topk: int, num_draft_tokens: int) -> int:
+    return max(num_draft_tokens, num_steps + 1, 1 + (num_steps - 1) * topk)
+
+
+class Proposer:
+    """Base: chain of drafts given by the host (n-gram); subclasses run a draft model on the device."""
+
+    def __init__(self, worker, spec_cfg):
+        self.worker = worker
+        self.num_steps = spec_cfg.num_steps
+        self.topk = spec_cfg.topk
+        self.num_draft_tokens = spec_cfg.num_draft_tokens
+        self.lookahead = _lookahead(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def max_depth(self) -> int:
+        return self.num_steps
+
+    def kv_bytes_per_token(self) -> int:
+        return 0
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        pass
+
+    def after_extend(self, step, fb: ForwardBatch, features: torch.Tensor, sampled: torch.Tensor) -> None:
+        pass
+
+    def propose(self, step, root: torch.Tensor, m: torch.Tensor) -> DraftTree:
+        drafts = torch.tensor(step.draft_tokens, dtype=torch.int64, device=root.device)
+        return chain_tree(root, drafts)
+
+    def after_verify(self, step, m: torch.Tensor, tree: DraftTree, verdict: Verdict, features: torch.Tensor) -> None:
+        pass
+
+    # ---- shared helpers --------------------------------------------------------------------------------------
+    def _batch(self, runner, mode, ids, step, seq_lens, ext_len, positions, tree_mask=None, logits_rows=None):
+        """A draft-side ForwardBatch over the same request slots as the step, with ``ext_len`` tokens each."""
+        b = len(step.req_slots)
+        return runner.new_batch(
+            mode, ids, step.req_slots, seq_lens, [ext_len] * b, page_table=self.worker.page_table,
+            positions=positions, tree_mask=tree_mask, logits_indices=logits_rows,
+        )
+
+
+class _ModelProposer(Proposer):
+    """Shared multi-step tree drafting for EAGLE heads and standalone draft models."""
+
+    runner = None
+    scratch_offset = 0  # first scratch position relative to m
+
+    def kv_bytes_per_token(self) -> int:
+        return self.runner.kv_bytes_per_token
+
+    def allocate_kv(self, num_pages: int, page_size: int) -> None:
+        self.runner.allocate_kv_cache(num_pages, page_size)
+
+    def _draft_forward(self, fb: ForwardBatch, features: torch.Tensor | None):
+        """Returns (draft log-probs over target ids as (logp [N, V'], d2t or None), next-step features)."""
+        raise NotImplementedError
+
+    def _topk(self, logp: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        vals, ids = logp.topk(self.topk, dim=-1)
+        if d2t is not None:
+            ids = ids + d2t[ids]
+        return ids, vals
+
+    def _expand_steps(self, step, cand: TreeCandidates, m: torch.Tensor, frontier_feat: torch.Tensor | None,
+                      first_step: int, seq_base: list[int], root_visible: bool) -> None:
+        """Steps first_step..S: expand the frontier (k nodes per request) one level per step."""
+        k, b = self.topk, m.shape[0]
+        device = m.device
+        scratch_mask = torch.zeros(b, k, 0, dtype=torch.bool, device=device)
+        eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
+        for s in range(first_step, self.num_steps + 1):
+            depth = s - 1  # depth of the frontier nodes being fed
+            ids = cand.tokens.gather(1, cand.frontier)  # [B, k]
+            used = scratch_mask.shape[2] + k
+            seq_lens = [base + used for base in seq_base]
+            positions = (m + depth - 1 + self.scratch_offset).unsqueeze(1).expand(b, k).reshape(-1)
+            mask = torch.cat([scratch_mask, eye], dim=2)
+            if root_visible:
+                mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool, device=device), mask], dim=2)
+            fb = self._batch(self.runner, ForwardMode.DECODE, ids.reshape(-1), step, seq_lens, k, positions,
+                             tree_mask=mask, logits_rows=list(range(b * k)))
+            (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
+            child_ids, child_logp = self._topk(logp, d2t)
+            origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
+            scratch_mask = torch.cat([scratch_mask, eye], dim=2).gather(
+                1, origin.unsqueeze(2).expand(b, k, scratch_mask.shape[2] + k))
+            if feat is not None:
+                frontier_feat = feat.view(b, k, -1).gather(1, origin.unsqueeze(2).expand(b, k, feat.shape[-1])) \
+                    .reshape(b * k, -1)
+
+
+class EagleProposer(_ModelProposer):
+    """EAGLE-1/2 and EAGLE-3 heads (``naive`` is EAGLE with one step, top-1, two verified tokens)."""
+
+    def __init__(self, worker, spec_cfg):
+        super().__init__(worker, spec_cfg)
+        from workers.model_runner import ModelRunner
+        from workers.models.eagle import EagleHead, load_eagle_config
+
+        cfg, raw = load_eagle_config(spec_cfg.model)
+        target = worker.target.model
+        tp = worker.draft_tp
+        self.runner = ModelRunner(
+            spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=tp, config=cfg,
+            max_positions=target.cfg.max_position_embeddings,
+            prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
+            verify_attention_mode=worker.cfg.verify_attention_mode,
+            build_model=lambda: EagleHead(cfg, raw, worker.dtype, tp, target.cfg.max_position_embeddings,
+                                          target.cfg.hidden_size),
+        )
+        self.head: EagleHead = self.runner.model
+        self.head.attach_target(target)
+        if self.head.eagle3:
+            target.aux_hidden_layers = self.head.aux_layer_ids
+        n, k, h = worker.cfg.max_num_seqs, self.topk, cfg.hidden_size
+        self.state_ids = torch.zeros(n, k, dtype=torch.int64, device=worker.device)
+        self.state_logp = torch.zeros(n, k, dtype=torch.float32, device=worker.device)
+        self.state_feat = torch.zeros(n, h, dtype=worker.dtype, device=worker.device)
+
+    def target_features(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse_target_features(fb.aux["aux_hidden"]) if self.head.eagle3 else hidden
+
+    def _draft_forward(self, fb, features):
+        hidden, feat = self.runner.forward(fb, features=features)
+        with torch.inference_mode():
+            logp, d2t = self.head.compute_logprobs(hidden[fb.logits_indices])
+        return (logp, d2t), feat[fb.logits_indices]
+
+    def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
+        ids, vals = self._topk(logp, d2t)
+        self.state_ids[slots] = ids
+        self.state_logp[slots] = vals
+        self.state_feat[slots] = feat.to(self.state_feat.dtype)
+
+    def after_extend(self, step, fb, features, sampled):
+        # pair (token p+1, feature p): shift the chunk's tokens left, the token after the chunk comes last
+        nxt = torch.tensor(step.next_ids, dtype=torch.int64, device=sampled.device)
+        nxt = torch.where(nxt >= 0, nxt, sampled)
+        ids = torch.roll(fb.input_ids, -1)
+        ids[fb.logits_indices] = nxt
+        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, step.req_slots, step.seq_lens, step.extend_lens,
+                                    page_table=self.worker.page_table)
+        (logp, d2t), feat = self._draft_forward(dfb, features)
+        self._save_state(dfb.req_slots, logp, d2t, feat)
+
+    def propose(self, step, root, m):
+        b = root.shape[0]
+        slots = torch.tensor(step.req_slots, dtype=torch.int64, device=root.device)
+        cand = TreeCandidates(b, self.topk, self.num_steps, root.device)
+        cand.add_root_children(self.state_ids[slots], self.state_logp[slots])
+        if self.num_steps > 1:
+            feat = self.state_feat[slots].repeat_interleave(self.topk, dim=0)
+            self._expand_steps(step, cand, m, feat, first_step=2, seq_base=[x - 1 for x in step.seq_lens],
+                               root_visible=False)
+        return cand.build(root, self.num_draft_tokens, self.max_depth)
+
+    def after_verify(self, step, m, tree, verdict: Verdict, features):
+        b, s1 = verdict.out_tokens.shape  # S + 1 tokens per request: t_{m+1} .. t_{m+S+1}, valid up to accept
+        feats = features.view(b, tree.num_nodes, -1).gather(
+            1, verdict.path.unsqueeze(2).expand(b, s1, features.shape[-1])).reshape(b * s1, -1)
+        positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
+        rows = torch.arange(b, device=m.device) * s1 + verdict.accept_len
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), step,
+                         [x - 1 + s1 for x in step.seq_lens], s1, positions)
+        fb.logits_indices = rows
+        (logp, d2t), feat = self._draft_forward(fb, feats)
+        self._save_state(fb.req_slots, logp, d2t, feat)
+
+
+class DraftModelProposer(_ModelProposer):
+    """A standalone smaller model with the target's tokenizer."""
+
+    scratch_offset = 1
+
+    def __init__(self, worker, spec_cfg):
+        super().__init__(worker, spec_cfg)
+        from workers.model_config import ModelConfig
+        from workers.model_runner import ModelRunner
+
+        cfg = ModelConfig.from_pretrained(spec_cfg.model)
+        if cfg.vocab_size != worker.target.config.vocab_size:
+            from workers.model_config import CheckpointError
+
+            raise CheckpointError(f"draft vocab {cfg.vocab_size} != target vocab {worker.target.config.vocab_size}: "
+                                  "a standalone draft must share the target's tokenizer")
+        self.runner = ModelRunner(
+            spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=worker.draft_tp, config=cfg,
+            max_positions=cfg.max_position_embeddings,
+            prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
+            verify_attention_mode=worker.cfg.verify_attention_mode,
+        )
+
+    def _draft_forward(self, fb, features):
+        hidden = self.runner.forward(fb)
+        logits = self.runner.logits(hidden[fb.logits_indices])
+        return (torch.log_softmax(logits, -1), None), None
+
+    def after_extend(self, step, fb, features, sampled):
+        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens,
+                                    step.extend_lens, page_table=self.worker.page_table)
+        self.runner.forward(dfb)
+
+    def propose(self, step, root, m):
+        b = root.shape[0]
+        # step 1: the root itself at position m
+        fb = self._batch(self.runner, ForwardMode.DECODE, root, step, list(step.seq_lens), 1, m)
+        (logp, _), _ = self._draft_forward(fb, None)
+        cand = TreeCandidates(b, self.topk, self.num_steps, root.device)
+        cand.add_root_children(*self._topk(logp, None))
+        if self.num_steps > 1:
+            self._expand_steps(step, cand, m, None, first_step=2, seq_base=list(step.seq_lens), root_visible=True)
+        return cand.build(root, self.num_draft_tokens, self.max_depth)
+
+    def after_verify(self, step, m, tree, verdict, features):
+        b, s1 = verdict.out_tokens.shape
+        # consume root + accepted drafts (t_m .. t_{m+accept}); the new bonus is next round's root
+        ids = torch.cat([tree.tokens[:, :1], verdict.out_tokens[:, :-1]], dim=1).reshape(-1)
+        positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, ids, step, [x - 1 + s1 for x in step.seq_lens], s1,
+                         positions)
+        self.runner.forward(fb)
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: drafts come from the host (``propose_ngram``), verified as a chain."""
+
+
+def propose_ngram(tokens: list[int], num_tokens: int, n_min: int, n_max: int) -> list[int]:
+    """Continue ``tokens`` by what followed the latest earlier occurrence of its longest suffix n-gram
+    (n_max down to n_min). Pads with the last token when the match runs short or nothing matches."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                cont = tokens[start + n:start + n + num_tokens]
+                return cont + [cont[-1]] * (num_tokens - len(cont))
+    return [tokens[-1]] * num_tokens
+
+
+def make_proposer(worker, spec_cfg) -> Proposer:
+    if spec_cfg.method in ("eagle", "eagle3", "naive"):
+        return EagleProposer(worker, spec_cfg)
+    if spec_cfg.method == "draft":
+        return DraftModelProposer(worker, spec_cfg)
+    return NgramProposer(worker, spec_cfg)

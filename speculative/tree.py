@@ -1,0 +1,112 @@
+"""Draft trees: the EAGLE-2 dynamic tree built from per-step top-k expansions, and its verify-time tensors.
+
+All functions are batched over requests and run on the device with fixed shapes (no host sync), so a whole draft
+round can be captured in a CUDA graph.
+
+Node 0 of every tree is the root: the last verified token, whose K/V the target has not computed yet. Nodes
+1..D-1 are drafted tokens; ``parents[b, i] < i`` (parents come first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, D] int64, node 0 = root
+    parents: torch.Tensor  # [B, D] int64, -1 for the root
+    depths: torch.Tensor  # [B, D] int64, root depth 0
+    mask: torch.Tensor  # [B, D, D] bool, row i sees node j iff j is i or an ancestor of i
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.shape[1])
+
+
+def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    """[B, N, N] bool: self plus every ancestor, following ``parents`` (−1 = none) up to max_depth hops."""
+    b, n = parents.shape
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
+    rows = torch.arange(n, device=parents.device).expand(b, n)
+    anc = parents
+    for _ in range(max_depth):
+        valid = anc >= 0
+        mask[torch.arange(b, device=parents.device).unsqueeze(1).expand(b, n)[valid], rows[valid], anc[valid]] = True
+        anc = torch.where(valid, parents.gather(1, anc.clamp(min=0)), anc)
+    return mask
+
+
+def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
+    """A chain root → d1 → d2 ... (drafts [B, S])."""
+    b, s = drafts.shape
+    d = s + 1
+    idx = torch.arange(d, device=drafts.device)
+    parents = (idx - 1).expand(b, d).clone()
+    mask = torch.tril(torch.ones(d, d, dtype=torch.bool, device=drafts.device)).expand(b, d, d).clone()
+    return DraftTree(torch.cat([root.unsqueeze(1), drafts], dim=1), parents, idx.expand(b, d).clone(), mask)
+
+
+class TreeCandidates:
+    """Bookkeeping of the EAGLE-2 expansion: every expanded child is a candidate with a cumulative log-prob score.
+
+    Step 1 adds the root's top-k children. Every later step expands the current frontier (the best k candidates
+    of the previous step) by top-k each and keeps the best k of the k*k children as the next frontier.
+    """
+
+    def __init__(self, batch: int, topk: int, num_steps: int, device):
+        self.k = topk
+        cap = topk + (num_steps - 1) * topk * topk
+        self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
+        self.scores = torch.full((batch, cap), float("-inf"), device=device)
+        self.parents = torch.full((batch, cap), -1, dtype=torch.int64, device=device)  # candidate index, -1 = root
+        self.depths = torch.zeros(batch, cap, dtype=torch.int64, device=device)
+        self.used = 0
+        self.frontier = None  # [B, k] candidate indices
+        self.frontier_scores = None
+
+    def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor) -> None:
+        k = self.k
+        self.tokens[:, :k] = tokens
+        self.scores[:, :k] = logp
+        self.depths[:, :k] = 1
+        self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
+        self.frontier_scores = logp
+        self.used = k
+
+    def expand(self, child_tokens: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
+        """child_tokens/logp: [B, k(frontier), k(children)]. Returns, per new frontier slot, which old frontier
+        slot it descends from ([B, k]) — the caller carries that parent's hidden state forward."""
+        b, k = self.frontier.shape
+        cum = (self.frontier_scores.unsqueeze(2) + child_logp).reshape(b, k * k)
+        start, end = self.used, self.used + k * k
+        self.tokens[:, start:end] = child_tokens.reshape(b, k * k)
+        self.scores[:, start:end] = cum
+        self.parents[:, start:end] = self.frontier.repeat_interleave(k, dim=1)
+        self.depths[:, start:end] = self.depths.gather(1, self.frontier).repeat_interleave(k, dim=1) + 1
+        self.used = end
+        best_scores, best = cum.topk(k, dim=1)
+        self.frontier = best + start
+        self.frontier_scores = best_scores
+        return best // k
+
+    def build(self, root: torch.Tensor, num_nodes: int, max_depth: int) -> DraftTree:
+        """Keep the ``num_nodes - 1`` best candidates (scores fall along every path, so the set is closed under
+        parents; ties are broken towards shallower nodes) and return the verify tree."""
+        b = root.shape[0]
+        n = num_nodes - 1
+        used = self.used
+        # shallower first on ties: subtract a tiny depth penalty
+        key = self.scores[:, :used] - self.depths[:, :used].float() * 1e-6
+        chosen = key.topk(n, dim=1).indices.sort(dim=1).values  # candidate order = parents before children
+        remap = torch.full((b, used), -1, dtype=torch.int64, device=root.device)
+        remap.scatter_(1, chosen, torch.arange(1, n + 1, device=root.device).expand(b, n))
+        cand_parent = self.parents[:, :used].gather(1, chosen)
+        node_parent = torch.where(cand_parent >= 0, remap.gather(1, cand_parent.clamp(min=0)), torch.zeros_like(cand_parent))
+        tokens = torch.cat([root.unsqueeze(1), self.tokens[:, :used].gather(1, chosen)], dim=1)
+        parents = torch.cat([torch.full((b, 1), -1, dtype=torch.int64, device=root.device), node_parent], dim=1)
+        depths = torch.cat([torch.zeros(b, 1, dtype=torch.int64, device=root.device),
+                            self.depths[:, :used].gather(1, chosen)], dim=1)
+        return DraftTree(tokens, parents, depths, ancestor_mask(parents, max_depth))

@@ -1,0 +1,66 @@
+"""Verification of a draft tree against the target's logits — lossless for greedy and for sampling.
+
+Every proposer here drafts deterministically (argmax / top-k / prompt lookup), i.e. the draft distribution of a
+proposed child is a point mass. Recursive rejection sampling over the children of a node then reduces to: accept
+child c with probability p_res(c), otherwise zero c out of the residual p_res and renormalise; if no child is
+accepted the bonus token is drawn from the final residual. Drawing x ~ p once and following the child equal to x
+(bonus = x when there is none) realises exactly that procedure, so we do that, with x drawn by the same
+counter-based sampler as plain decoding: token j of a request uses noise (seed, j) whether or not it was drafted,
+hence a seeded request yields the same tokens with speculation on or off, and greedy is the argmax case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from speculative.tree import DraftTree
+from workers.sampling import SamplingTensors, processed_probs, sample_from_probs
+
+
+@dataclass
+class Verdict:
+    accept_len: torch.Tensor  # [B] accepted draft tokens (0..max_depth)
+    path: torch.Tensor  # [B, max_depth + 1] node index on the accepted path (root first; padded with the last)
+    out_tokens: torch.Tensor  # [B, max_depth + 1] tokens emitted: out_tokens[:, :accept_len + 1] are valid
+    out_logprobs: torch.Tensor  # [B, max_depth + 1] target log-prob of each emitted token
+
+
+def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
+    """The token the target emits after each node ([B, D]): argmax, or a sample with counter = output position."""
+    b, d, v = logits.shape
+    greedy = logits.argmax(-1)
+    if sampling.all_greedy:
+        return greedy
+    per_node = SamplingTensors(
+        temperature=sampling.temperature.repeat_interleave(d), top_k=sampling.top_k.repeat_interleave(d),
+        top_p=sampling.top_p.repeat_interleave(d), min_p=sampling.min_p.repeat_interleave(d),
+        seeds=sampling.seeds.repeat_interleave(d),
+        counters=(sampling.counters.unsqueeze(1) + tree.depths).reshape(-1),
+    )
+    flat = logits.reshape(b * d, v)
+    drawn = sample_from_probs(processed_probs(flat, per_node), per_node).view(b, d)
+    return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn)
+
+
+def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
+    """Walk each tree from the root along children equal to the target's choice. Fixed trip count, no sync."""
+    b, d, _ = logits.shape
+    choice = target_choices(tree, logits, sampling)
+    logprobs = torch.log_softmax(logits.float(), -1).gather(2, choice.unsqueeze(2)).squeeze(2)  # [B, D]
+    rows = torch.arange(b, device=logits.device)
+    cur = torch.zeros(b, dtype=torch.int64, device=logits.device)
+    alive = torch.ones(b, dtype=torch.bool, device=logits.device)
+    accept = torch.zeros(b, dtype=torch.int64, device=logits.device)
+    path = [cur]
+    for _ in range(max_depth):
+        want = choice[rows, cur]
+        match = (tree.parents == cur.unsqueeze(1)) & (tree.tokens == want.unsqueeze(1))
+        found = match.any(1) & alive
+        cur = torch.where(found, match.int().argmax(1), cur)
+        alive = found
+        accept += found.long()
+        path.append(cur)
+    path_t = torch.stack(path, 1)
+    return Verdict(accept, path_t, choice.gather(1, path_t), logprobs.gather(1, path_t))
