@@ -200,6 +200,8 @@ class Engine:
                 out.append(Completion("", [], [], "", "error", [], error=errors[i]))
                 continue
             spec = req.spec.as_dict() if self.cfg.speculative_config else None
+            if spec is not None and self.cfg.speculative_config.simulated_accept_length is not None:
+                spec["simulated"] = True  # the tokens are drafts forced through, not the model's output
             out.append(Completion(req.rid, req.prompt_ids, req.output_ids, req.text, req.finish_reason,
                                   req.output_logprobs, spec=spec, error=req.error))
         return out

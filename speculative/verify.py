@@ -44,6 +44,23 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
     return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn)
 
 
+def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int,
+                         mean_accept_length: float) -> Verdict:
+    """BENCHMARK ONLY: accept floor(L - 1 + u) draft tokens of a chain (u uniform, so the mean accept length is L)
+    whatever the target says. The emitted tokens are the drafts, not the model's output."""
+    from workers.sampling import uniform_noise
+
+    b = logits.shape[0]
+    u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
+    accept = (mean_accept_length - 1.0 + u).floor().long().clamp(0, max_depth)
+    choice = target_choices(tree, logits, sampling)
+    path = torch.arange(max_depth + 1, device=logits.device).expand(b, -1)
+    nxt = torch.cat([tree.tokens[:, 1:max_depth + 1], choice[:, -1:]], dim=1)
+    out = torch.where(path < accept.unsqueeze(1), nxt, choice.gather(1, path))
+    logprobs = torch.log_softmax(logits.float(), -1).gather(2, out.unsqueeze(2)).squeeze(2)
+    return Verdict(accept, path.clone(), out, logprobs)
+
+
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
     """Walk each tree from the root along children equal to the target's choice. Fixed trip count, no sync."""
     b, d, _ = logits.shape

@@ -169,3 +169,15 @@ def test_cli_generate_with_speculation(spec_models):
          "--prompt", "def f(x):", "--max-tokens", "12", "--ignore-eos", "--spec", "ngram"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert plain.returncode == 0 and "accept length" in plain.stderr
+
+
+def test_simulated_acceptance_is_benchmark_only(spec_models):
+    assert SpeculativeConfig(method="eagle3", model="x").simulated_accept_length is None  # off by default
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
+                             simulated_accept_length=3.0)
+    out = engine(spec_models["target"], spec).generate(mixed_prompts(4), SamplingParams(
+        max_tokens=200, temperature=0.0, ignore_eos=True))
+    drafts = sum(o.spec["num_drafts"] for o in out)
+    accepted = sum(o.spec["num_accepted_tokens"] for o in out)
+    assert 2.7 < 1 + accepted / drafts < 3.3
+    assert all(o.spec["simulated"] for o in out)

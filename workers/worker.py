@@ -151,7 +151,7 @@ class Worker:
 
     def _speculative_round(self, step: WorkerStep) -> StepResult:
         """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; one host sync at the end."""
-        from speculative.verify import verify_tree
+        from speculative.verify import simulated_acceptance, verify_tree
 
         b = len(step.req_slots)
         root = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
@@ -165,7 +165,11 @@ class Worker:
         )
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden).view(b, d, -1)
-        verdict = verify_tree(tree, logits, self._sampling(step), self.proposer.max_depth)
+        simulated = self.cfg.speculative_config.simulated_accept_length
+        if simulated is None:
+            verdict = verify_tree(tree, logits, self._sampling(step), self.proposer.max_depth)
+        else:
+            verdict = simulated_acceptance(tree, logits, self._sampling(step), self.proposer.max_depth, simulated)
         # accepted nodes move to consecutive positions m, m+1, ... (a no-op along a chain)
         depth = torch.arange(verdict.path.shape[1], device=self.device)
         slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
