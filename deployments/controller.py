@@ -1,0 +1,166 @@
+"""The controller: a Serve deployment whose replica owns the engine (scheduler + worker actors) and streams tokens.
+
+The engine loop runs in a dedicated thread (steps are compute-bound); requests enter through ``generate``, an async
+generator that Serve streams back to the ingress. When the caller goes away (client disconnect) Serve cancels the
+generator and its ``finally`` aborts the request, which frees its KV before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+
+from ray import serve
+
+from deployments.config import LLMConfig
+from deployments.request import InvalidRequest, RequestOutput, SamplingParams
+
+logger = logging.getLogger("specserve")
+
+
+class EngineLoop:
+    """Runs ``engine.step()`` continuously in a thread and fans outputs out to per-request asyncio queues."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt, params: SamplingParams, rid: str) -> asyncio.Queue:
+        """Queue a request; raises InvalidRequest / OverflowError synchronously (nothing queued then)."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine stopped: {self.error}")
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            req = self.engine.add_request(prompt, params, rid)
+            self._queues[rid] = (asyncio.get_running_loop(), queue)
+        self._wake.set()
+        return queue
+
+    def abort(self, rid: str) -> None:
+        with self._lock:
+            self.engine.abort(rid)
+            self._queues.pop(rid, None)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.step_stats()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self._lock:
+                    outputs = self.engine.step()
+                    targets = [(self._queues.get(o.rid), o) for o in outputs]
+                    for o in outputs:
+                        if o.finished:
+                            self._queues.pop(o.rid, None)
+            except BaseException as e:  # noqa: BLE001 - surface to every waiting request
+                logger.exception("engine step failed")
+                self.error = e
+                for loop, q in list(self._queues.values()):
+                    loop.call_soon_threadsafe(q.put_nowait, e)
+                self._queues.clear()
+                return
+            for target, out in targets:
+                if target is not None:
+                    loop, q = target
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._thread.join(timeout=10)
+
+
+def _output_dict(out: RequestOutput) -> dict:
+    req = out.request
+    d = {"rid": out.rid, "token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
+         "finish_reason": out.finish_reason}
+    if out.finished:
+        d.update(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                 spec=req.spec.as_dict() if req.spec.num_drafts else None, error=req.error)
+    return d
+
+
+@serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+class LLMController:
+    def __init__(self, llm_config: dict):
+        from deployments.engine import Engine
+        from deployments.executor import RayExecutor
+        from deployments.metrics import EngineMetrics
+
+        self.config = LLMConfig(**llm_config)
+        cfg = self.config.engine_config()
+        t0 = time.time()
+        executor = RayExecutor.start(cfg)
+        self.engine = Engine(cfg, executor, metrics=EngineMetrics(self.config.model_loading_config.model_id))
+        self.loop = EngineLoop(self.engine)
+        self.cold_start_s = time.time() - t0
+        logger.info("engine ready in %.1f s (%d KV pages)", self.cold_start_s, executor.num_pages)
+
+    def info(self) -> dict:
+        tok = self.engine.tokenizer
+        return {"model_id": self.config.model_loading_config.model_id, "max_model_len": self.engine.max_model_len,
+                "cold_start_s": self.cold_start_s, "eos_token_id": tok.eos_token_id,
+                "speculative": self.engine.cfg.speculative_config is not None}
+
+    def check_health(self) -> None:  # Serve calls this periodically
+        if self.loop.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.loop.error}")
+
+    def stats(self) -> dict:
+        return self.loop.stats()
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                         add_generation_prompt=add_generation_prompt)
+
+    async def generate(self, prompt, params: dict, rid: str | None = None):
+        """Stream dicts: one per step that produced tokens; the last has ``finished`` and usage. The first item is
+        either {"accepted": rid} or {"error": ..., "status": ...} so the ingress can answer errors with a status."""
+        rid = rid or uuid.uuid4().hex
+        try:
+            queue = self.loop.submit(prompt, SamplingParams(**params), rid)
+        except InvalidRequest as e:
+            yield {"error": str(e), "status": 400, "type": "invalid_request_error",
+                   "code": "context_length_exceeded" if "context length" in str(e) else None}
+            return
+        except OverflowError as e:
+            yield {"error": str(e), "status": 503, "type": "server_overloaded", "code": None}
+            return
+        finished = False
+        try:
+            yield {"accepted": rid}
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    yield {"error": f"engine failure: {out}", "status": 500, "type": "internal_error", "code": None}
+                    return
+                d = _output_dict(out)
+                finished = out.finished
+                yield d
+                if finished:
+                    return
+        finally:
+            if not finished:  # client went away (or cancelled): free the KV now
+                self.loop.abort(rid)
+
+    def __del__(self):
+        try:
+            self.loop.shutdown()
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+

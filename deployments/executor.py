@@ -1,0 +1,99 @@
+"""Worker actors: one per TP rank, placed in a placement group (one bundle per rank), driven every step.
+
+Per-step orchestration goes through a Ray Compiled Graph (``execute`` bound to every worker, inputs and outputs
+over shared-memory channels), which costs tens of microseconds instead of a regular actor call's ~1 ms; plain
+actor calls remain as a fallback (``use_compiled_graph=False``).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import ray
+from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deployments.config import EngineConfig
+from workers.worker import StepResult, Worker, WorkerStep
+
+
+@ray.remote
+class WorkerActor(Worker):
+    """A Worker in its own process (CUDA_VISIBLE_DEVICES set by Ray to its one GPU)."""
+
+    def describe(self) -> dict:
+        return {"model_config": self.model_config, "max_model_len": self.max_model_len, "lookahead": self.lookahead,
+                "kv_pages": self.kv_capacity_pages()}
+
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def worker_bundles(cfg: EngineConfig) -> list[dict]:
+    """Resources of one bundle per TP rank."""
+    if cfg.resolved_device() == "cuda":
+        return [{"GPU": 1, "CPU": 1}] * cfg.tensor_parallel_size
+    return [{"CPU": 0.5}] * cfg.tensor_parallel_size
+
+
+class RayExecutor:
+    def __init__(self, cfg: EngineConfig, pg: PlacementGroup, first_bundle: int, use_compiled_graph: bool = True):
+        self.cfg = cfg
+        tp = cfg.tensor_parallel_size
+        on_gpu = cfg.resolved_device() == "cuda"
+        addr = ("127.0.0.1", _free_port())  # STRICT_PACK: every rank is on this node
+        self.workers = [
+            WorkerActor.options(
+                num_gpus=1 if on_gpu else 0, num_cpus=worker_bundles(cfg)[rank].get("CPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first_bundle + rank),
+            ).remote(cfg, rank, addr)
+            for rank in range(tp)
+        ]
+        infos = ray.get([w.describe.remote() for w in self.workers])
+        self.model_config = infos[0]["model_config"]
+        self.max_model_len = infos[0]["max_model_len"]
+        self.lookahead = infos[0]["lookahead"]
+        self.num_pages = min(i["kv_pages"] for i in infos)
+        ray.get([w.allocate_kv.remote(self.num_pages) for w in self.workers])
+        self._dag = None
+        if use_compiled_graph:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as step:
+                dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+            self._dag = dag.experimental_compile()
+
+    @classmethod
+    def start(cls, cfg: EngineConfig, use_compiled_graph: bool = True) -> "RayExecutor":
+        """Outside Serve (CLI, tests): make a placement group for the ranks, then the workers."""
+        if not ray.is_initialized():
+            ray.init(num_cpus=max(2, cfg.tensor_parallel_size), include_dashboard=False, log_to_driver=False)
+        pg = get_current_placement_group()
+        if pg is None:
+            pg = placement_group(worker_bundles(cfg), strategy="STRICT_PACK")
+            ray.get(pg.ready())
+            return cls(cfg, pg, 0, use_compiled_graph)
+        return cls(cfg, pg, 1, use_compiled_graph)
+
+    def execute(self, step: WorkerStep) -> StepResult:
+        if self._dag is not None:
+            return ray.get(self._dag.execute(step))[0]
+        return ray.get([w.execute.remote(step) for w in self.workers])[0]
+
+    def shutdown(self) -> None:
+        if self._dag is not None:
+            self._dag.teardown()
+            self._dag = None
+        for w in self.workers:
+            try:
+                ray.get(w.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - teardown is best effort
+                pass
+            ray.kill(w)
+        self.workers = []

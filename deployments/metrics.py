@@ -1,0 +1,72 @@
+"""Engine metrics through ``ray.util.metrics`` (exported by Ray's metrics agent with a ``ray_`` prefix).
+
+Names are vLLM's with the ``vllm:`` prefix written ``vllm_`` (Ray no longer accepts ':' in metric names), so a
+vLLM query such as ``rate(vllm:spec_decode_num_accepted_tokens_total[1m])`` becomes
+``rate(ray_vllm_spec_decode_num_accepted_tokens_total[1m])``. Every metric carries the label ``model_name``.
+"""
+
+from __future__ import annotations
+
+from ray.util.metrics import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
+                    40.0, 80.0]
+_TAGS = ("model_name",)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str):
+        self.tags = {"model_name": model_name}
+        c = lambda name, desc, keys=_TAGS: Counter(f"vllm_{name}", desc, tag_keys=keys)  # noqa: E731
+        g = lambda name, desc: Gauge(f"vllm_{name}", desc, tag_keys=_TAGS)  # noqa: E731
+        h = lambda name, desc: Histogram(f"vllm_{name}", desc, boundaries=_LATENCY_BUCKETS, tag_keys=_TAGS)  # noqa: E731
+        self.num_drafts = c("spec_decode_num_drafts", "Speculative rounds (one per request per round)")
+        self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.num_accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per position",
+                                  _TAGS + ("position",))
+        self.mean_accept_length = g("spec_decode_mean_accept_length", "1 + accepted / drafts over the last step")
+        self.prompt_tokens = c("prompt_tokens", "Prefilled prompt tokens")
+        self.generation_tokens = c("generation_tokens", "Generated tokens")
+        self.request_success = c("request_success", "Finished requests", _TAGS + ("finished_reason",))
+        self.num_running = g("num_requests_running", "Requests in the running batch")
+        self.num_waiting = g("num_requests_waiting", "Requests waiting for admission")
+        self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
+        self.ttft = h("time_to_first_token_seconds", "Time to first token")
+        self.itl = h("inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency")
+
+    def record_step(self, stats: dict) -> None:
+        t = self.tags
+        self.num_running.set(stats["running"], tags=t)
+        self.num_waiting.set(stats["waiting"], tags=t)
+        self.kv_usage.set(stats["kv_usage"], tags=t)
+        spec = stats.get("spec")
+        if spec and spec["drafts"]:
+            self.num_drafts.inc(spec["drafts"], tags=t)
+            self.num_draft_tokens.inc(spec["draft_tokens"], tags=t)
+            if spec["accepted"]:
+                self.num_accepted_tokens.inc(spec["accepted"], tags=t)
+            for pos, n in enumerate(spec["per_pos"]):
+                if n:
+                    self.accepted_per_pos.inc(n, tags={**t, "position": str(pos)})
+            self.mean_accept_length.set(1.0 + spec["accepted"] / spec["drafts"], tags=t)
+
+    def record_tokens(self, req, num_new: int, now: float, prev_token_time: float | None) -> None:
+        """TTFT for a request's first tokens, else one ITL sample per token (a speculative round's gap is split
+        evenly over the tokens it produced)."""
+        if num_new <= 0:
+            return
+        t = self.tags
+        self.generation_tokens.inc(num_new, tags=t)
+        if prev_token_time is None:
+            self.prompt_tokens.inc(len(req.prompt_ids), tags=t)
+            self.ttft.observe(now - req.arrival_time, tags=t)
+            return
+        gap = (now - prev_token_time) / num_new
+        for _ in range(num_new):
+            self.itl.observe(gap, tags=t)
+
+    def record_finish(self, reason: str, now: float, arrival: float) -> None:
+        self.request_success.inc(1, tags={**self.tags, "finished_reason": reason})
+        self.e2e.observe(now - arrival, tags=self.tags)

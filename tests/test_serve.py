@@ -1,0 +1,199 @@
+"""End-to-end on loopback: Ray Serve app (ingress → controller → worker actors) with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import time
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from conftest import mixed_prompts
+
+API_KEY = "test-key"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    metrics_port, http_port = _port(), _port()
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    target = str(tiny_models["llama"])
+    args = {
+        "model_loading_config": {"model_id": "tiny", "model_source": target},
+        "api_key": API_KEY,
+        "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2,
+                          "max_queue_len": 2,
+                          # the target as its own draft: every draft token is accepted
+                          "speculative_config": {"method": "draft", "model": target, "num_steps": 2}},
+    }
+    serve.run(build_app(args), name="specserve", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{http_port}"
+    for _ in range(240):
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        pytest.fail("server did not become healthy")
+    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "target": target}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _stats(server) -> dict:
+    return httpx.get(server["base"] + "/v1/stats", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+
+
+def test_models_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def test_completion_matches_offline_engine(server, client):
+    from deployments.config import EngineConfig
+    from deployments.engine import Engine
+    from deployments.request import SamplingParams
+
+    offline = Engine(EngineConfig(model=server["target"], device="cpu", max_model_len=256))
+    ref = offline.generate(["def main():"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    r = client.completions.create(model="tiny", prompt="def main():", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    spec = r.model_extra["spec_decode_stats"]
+    assert spec["num_drafts"] > 0 and spec["accept_length"] > 1.0
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_and_chat_streaming(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_stop_and_max_tokens(client):
+    base = client.completions.create(model="tiny", prompt="x = 1", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base.strip()[1:3] if len(base.strip()) >= 3 else None
+    if stop:
+        r = client.completions.create(model="tiny", prompt="x = 1", max_tokens=16, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
+    r = client.completions.create(model="tiny", prompt="x = 1", max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("kwargs,status,fragment", [
+    (dict(model="nope", prompt="hi"), 404, "does not exist"),
+    (dict(model="tiny", prompt="hi", max_tokens=0), 400, "max_tokens"),
+    (dict(model="tiny", prompt="hi", temperature=-1), 400, "temperature"),
+    (dict(model="tiny", prompt="hi", n=2), 400, "n=1"),
+    (dict(model="tiny", prompt="", max_tokens=4), 400, "empty"),
+    (dict(model="tiny", prompt=list(range(5, 300)), max_tokens=4), 400, "maximum context length"),
+])
+def test_bad_requests(client, kwargs, status, fragment):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**kwargs)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert fragment in err["message"] and "type" in err
+    # the server keeps serving
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_overload_returns_503_and_others_finish(server):
+    async def one(c: httpx.AsyncClient):
+        return await c.post("/v1/completions", json={"model": "tiny", "prompt": mixed_prompts(1)[0], "max_tokens": 60,
+                                                     "ignore_eos": True, "temperature": 0})
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=120,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            return await asyncio.gather(*[one(c) for _ in range(10)])
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 2, codes
+    busy = [r for r in asyncio.run(burst()) if r.status_code == 503]
+    assert all(r.json()["error"]["type"] == "server_overloaded" for r in busy)
+
+
+def test_disconnect_frees_kv(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server["base"], timeout=60, headers=headers) as c:
+        with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "def f():", "max_tokens": 200,
+                                                         "stream": True, "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert _stats(server)["running"] + _stats(server)["waiting"] == 1
+        # leaving the block closes the connection mid-stream
+    for _ in range(100):
+        s = _stats(server)
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_usage"] == 0:
+            break
+        time.sleep(0.1)
+    assert s == {"running": 0, "waiting": 0, "kv_usage": 0.0}
+
+
+def test_prometheus_has_spec_counters(server, client):
+    client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+    wanted = ["ray_vllm_spec_decode_num_drafts_total", "ray_vllm_spec_decode_num_draft_tokens_total",
+              "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total",
+              "ray_vllm_time_to_first_token_seconds_count", "ray_vllm_inter_token_latency_seconds_count",
+              "ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_generation_tokens_total",
+              "ray_vllm_kv_cache_usage_perc", "ray_vllm_spec_decode_mean_accept_length"]
+    values: dict[str, float] = {}
+    for _ in range(60):
+        text = urllib.request.urlopen(server["metrics"]).read().decode()
+        values = {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z0-9_:]+)\{([^}]*)\} ([0-9.e+-]+)$", line)
+            if m and 'model_name="tiny"' in m.group(2):
+                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+        if all(values.get(w, 0) > 0 for w in wanted if w != "ray_vllm_kv_cache_usage_perc"):
+            break
+        time.sleep(1)
+    for w in wanted:
+        assert w in values, f"{w} missing from the metrics agent's text: {sorted(values)}"
+        if w != "ray_vllm_kv_cache_usage_perc":
+            assert values[w] > 0, w
+    assert values["ray_vllm_spec_decode_num_accepted_tokens_total"] <= values["ray_vllm_spec_decode_num_draft_tokens_total"]
