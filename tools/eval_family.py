@@ -71,14 +71,17 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(target)
     prompts = held_out_prompts(tok, args.prompts, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
-    rows, reference = [], None
+    rows, reference, eng = [], None, None
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     for name, spec in [("none", None),
                        ("eagle3", SpeculativeConfig(method="eagle3", model=str(eagle), num_steps=args.num_steps)),
                        ("draft", SpeculativeConfig(method="draft", model=str(draft), num_steps=args.num_steps)),
                        ("ngram", SpeculativeConfig(method="ngram", num_steps=args.num_steps))]:
+        del eng  # free the previous engine's KV cache first
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         eng = Engine(EngineConfig(model=str(target), device=args.device, dtype=dtype, max_model_len=1024,
-                                  speculative_config=spec))
+                                  kv_cache_tokens=32768, speculative_config=spec))
         eng.generate([prompts[0]], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
         t0 = time.perf_counter()
         outs = [eng.generate([p], params)[0] for p in prompts]  # bs=1, one after another

@@ -79,9 +79,11 @@ def train_loop(name: str, params, loss_fn, minutes: float, est_steps: int, peak_
     opt = torch.optim.AdamW(params, lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=torch.cuda.is_available())
     t0, step, losses = time.time(), 0, []
     while time.time() - t0 < minutes * 60 and step < est_steps:
-        if step == 20:  # fit the cosine schedule to the time budget from the measured step time
-            per_step = (time.time() - t0) / 20
-            est_steps = min(est_steps, int(20 + (minutes * 60 - (time.time() - t0)) / per_step))
+        if step == 10:
+            t10 = time.time()
+        if step == 60:  # fit the cosine schedule to the time budget from the measured (warm) step time
+            per_step = (time.time() - t10) / 50
+            est_steps = min(est_steps, int(60 + (minutes * 60 - (time.time() - t0)) / per_step))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, est_steps, peak_lr)
         loss = loss_fn()
@@ -238,7 +240,7 @@ def main() -> None:
         with amp:
             return target(input_ids=b[:, :-1], labels=b[:, :-1].clone(), use_cache=False).loss
 
-    train_loop("target", list(target.parameters()), target_loss, args.minutes_target, 6000, 2e-3, log)
+    train_loop("target", list(target.parameters()), target_loss, args.minutes_target, 20000, 2e-3, log)
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -255,7 +257,7 @@ def main() -> None:
             d_logp = torch.log_softmax(draft(input_ids=b, use_cache=False).logits.float(), -1)
         return F.kl_div(d_logp, t_logp, log_target=True, reduction="batchmean") / b.shape[1]
 
-    train_loop("draft", list(draft.parameters()), draft_loss, args.minutes_draft, 3000, 2e-3, log)
+    train_loop("draft", list(draft.parameters()), draft_loss, args.minutes_draft, 20000, 2e-3, log)
 
     # ---- EAGLE-3 head: draft vocabulary = most frequent tokens; targets from the target's distribution
     counts = torch.bincount(data, minlength=args.vocab)
@@ -288,7 +290,7 @@ def main() -> None:
                 loss = loss + (0.8 ** k) * -(labels[:, k:] * lp[:, k:]).sum(-1).mean()
         return loss
 
-    train_loop("eagle3", list(head.parameters()), eagle_loss, args.minutes_eagle, 3000, 2e-3, log)
+    train_loop("eagle3", list(head.parameters()), eagle_loss, args.minutes_eagle, 20000, 2e-3, log)
 
     # ---- save (bf16, safetensors shards <= 15 MB)
     from safetensors.torch import save_file
