@@ -5,6 +5,8 @@
 3. a standalone 2-layer draft, distilled from the target's next-token distribution;
 4. an EAGLE-3 head on the target's layer (2, L/2, L-3) features, distilled from the target, with training-time test
    (the head's own output features fed back for the later draft steps, attention masked as at inference).
+Draft and head are distilled on a mix of data windows and the target's own greedy continuations of data prompts,
+the sequences they are judged against at inference.
 
     python tools/train_tiny.py --out /tmp/family [--minutes-target 4 --minutes-draft 1.5 --minutes-eagle 2]
 
@@ -212,6 +214,8 @@ def main() -> None:
     ap.add_argument("--minutes-eagle", type=float, default=2.0)
     ap.add_argument("--draft-vocab", type=int, default=2048)
     ap.add_argument("--eagle-ttt-steps", type=int, default=3)
+    ap.add_argument("--target-max-steps", type=int, default=400, help="~6 epochs: more only memorises the stdlib")
+    ap.add_argument("--self-distill-batches", type=int, default=8, help="x256 greedy continuations of the target")
     ap.add_argument("--max-files", type=int, default=0, help="debug: use only the first N files")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -240,17 +244,42 @@ def main() -> None:
         with amp:
             return target(input_ids=b[:, :-1], labels=b[:, :-1].clone(), use_cache=False).loss
 
-    train_loop("target", list(target.parameters()), target_loss, args.minutes_target, 20000, 2e-3, log)
+    train_loop("target", list(target.parameters()), target_loss, args.minutes_target, args.target_max_steps, 2e-3, log)
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
+
+    # ---- the target's own greedy continuations: drafts are judged against exactly these at inference
+    t_gen = time.time()
+    gen_rows = []
+    with torch.no_grad(), amp:
+        for _ in range(args.self_distill_batches):
+            starts = torch.randint(0, data.numel() - 64, (256,), generator=gen)
+            prompts = torch.stack([data[s : s + 64] for s in starts]).to(dev)
+            out_ids = target.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=args.seq - 64,
+                                      do_sample=False, pad_token_id=tok.eos_token_id)
+            gen_rows.append(out_ids[:, : args.seq + 1].cpu())
+    generated = torch.cat(gen_rows) if gen_rows else None
+    log["self_distill"] = {"sequences": 0 if generated is None else generated.shape[0],
+                           "seconds": round(time.time() - t_gen, 1)}
+    print(log["self_distill"], flush=True)
+
+    def distill_batch():
+        """Half data windows, half target greedy continuations (padded to the window by the data stream)."""
+        b = next(stream)
+        if generated is None:
+            return b
+        idx = torch.randint(0, generated.shape[0], (b.shape[0] // 2,), generator=gen)
+        g = generated[idx].to(dev)
+        b[: g.shape[0], : g.shape[1]] = g
+        return b
 
     # ---- standalone draft, distilled
     draft = llama(args.vocab, 256, 2, 4, 2, 768, 2048, tok).to(dev)
     log["draft_params"] = sum(p.numel() for p in draft.parameters())
 
     def draft_loss():
-        b = next(stream)[:, :-1]
+        b = distill_batch()[:, :-1]
         with amp:
             with torch.no_grad():
                 t_logp = torch.log_softmax(target(input_ids=b, use_cache=False).logits.float(), -1)
@@ -272,7 +301,7 @@ def main() -> None:
     keep_dev = keep.to(dev)
 
     def eagle_loss():
-        b = next(stream)  # [B, S+1]
+        b = distill_batch()  # [B, S+1]
         ids = b[:, :-1]
         with torch.no_grad(), amp:
             o = target(input_ids=ids, output_hidden_states=True, use_cache=False)
