@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--num-steps", type=int, default=4)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     ap.add_argument("--out", default="bench/results/family_cpu")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -72,7 +73,7 @@ def main() -> None:
     prompts = held_out_prompts(tok, args.prompts, args.prompt_len)
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     rows, reference, eng = [], None, None
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     for name, spec in [("none", None),
                        ("eagle3", SpeculativeConfig(method="eagle3", model=str(eagle), num_steps=args.num_steps)),
                        ("draft", SpeculativeConfig(method="draft", model=str(draft), num_steps=args.num_steps)),
@@ -95,7 +96,7 @@ def main() -> None:
                      "tokens_per_s": round(len(prompts) * args.new_tokens / dt, 1),
                      "greedy_equal_to_no_spec": toks == reference})
         print(rows[-1], flush=True)
-    torch_dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[dtype]
     hf_t = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype).to(args.device).eval()
     hf_d = AutoModelForCausalLM.from_pretrained(draft, dtype=torch_dtype).to(args.device).eval()
     calls = {"n": 0}
@@ -124,13 +125,13 @@ def main() -> None:
     meta = {"device": device_name(args.device), "commit": commit(), "command": " ".join(sys.argv),
             "held_out": f"first {len(prompts)} {held_out_package()} source files with >= {args.prompt_len + 64} tokens",
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "num_steps": args.num_steps,
-            "batch_size": 1, "rows": rows}
+            "batch_size": 1, "dtype": dtype, "rows": rows}
     out = ROOT / args.out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     md = [f"# Trained tiny family on held-out code ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['held_out']}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens, greedy, bs=1, chain of {args.num_steps} drafts", "",
+          f"{args.new_tokens} new tokens, greedy, bs=1, {dtype}, chain of {args.num_steps} drafts", "",
           "| system | method | accept length | tokens/s | greedy == no-spec |", "|---|---|---|---|---|"]
     md += [f"| {r['system']} | {r['method']} | {r['accept_length'] or '-'} | {r['tokens_per_s']} | "
            f"{r['greedy_equal_to_no_spec']} |" for r in rows]
