@@ -21,7 +21,7 @@ from torch import nn
 from workers.forward_batch import ForwardBatch
 from workers.layers import ParallelLMHead, RMSNorm, TPGroup, VocabParallelEmbedding
 from workers.model_config import CheckpointError, ModelConfig
-from workers.models.llama import MLP, Attention, DecoderLayer
+from workers.models.llama import MLP, Attention, DecoderLayer, load_into_submodule
 
 EAGLE_ARCHS = ("LlamaForCausalLMEagle", "LlamaForCausalLMEagle3")
 
@@ -42,12 +42,7 @@ def load_eagle_config(path: str | Path) -> tuple[ModelConfig, dict]:
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
         super().__init__()
-        wide = replace(cfg, hidden_size=2 * cfg.hidden_size)
-        self.self_attn = Attention(wide, 0, dtype, tp)
-        # o_proj maps back to the model width
-        from workers.layers import RowParallelLinear
-
-        self.self_attn.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp)
+        self.self_attn = Attention(cfg, 0, dtype, tp, in_size=2 * cfg.hidden_size)
         self.mlp = MLP(cfg, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
@@ -155,18 +150,4 @@ class EagleHead(nn.Module):
         if name.startswith("fc."):
             getattr(self.fc, name.split(".")[1]).data.copy_(slice_[:])
             return True
-        module_path, _, pname = name.rpartition(".")
-        parts = module_path.split(".")
-        fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-        shard = None
-        if parts[-1] in fused:
-            parts[-1], shard = fused[parts[-1]]
-        try:
-            module = self.get_submodule(".".join(parts))
-        except AttributeError:
-            return False
-        if not hasattr(module, "load_weight"):
-            return False
-        module.load_weight(pname, slice_, shard)
-        return True
+        return load_into_submodule(self, name, slice_)

@@ -23,10 +23,12 @@ from workers.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, tp: TPGroup):
+    """``in_size``: width of the q/k/v input when it is not the model width (EAGLE-3 attends over 2H)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype, tp: TPGroup, in_size: int | None = None):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, tp
+            in_size or cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.attention_bias, dtype, tp
         )
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, False, dtype, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -82,20 +84,39 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+# HF parameter name fragment → (our fused module, shard id)
+FUSED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_into_submodule(root: nn.Module, name: str, slice_) -> bool:
+    """Route one HF tensor name (q/k/v and gate/up mapped onto the fused modules) to the owning module's
+    ``load_weight``; False when no such module exists."""
+    module_path, _, pname = name.rpartition(".")
+    parts = module_path.split(".")
+    shard_id = None
+    if parts[-1] in FUSED_PROJECTIONS:
+        parts[-1], shard_id = FUSED_PROJECTIONS[parts[-1]]
+    try:
+        module = root.get_submodule(".".join(parts))
+    except AttributeError:
+        return False
+    if not hasattr(module, "load_weight"):
+        return False
+    module.load_weight(pname, slice_, shard_id)
+    return True
+
+
 class LlamaForCausalLM(nn.Module):
     """Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (differences are config flags).
 
     ``aux_hidden_layers``: layer indices whose input hidden states (residual stream) are captured for EAGLE-3.
     """
-
-    # HF parameter name fragment → (our module attribute, shard id)
-    _FUSED = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup, max_positions: int | None = None):
         super().__init__()
@@ -145,16 +166,4 @@ class LlamaForCausalLM(nn.Module):
                 return True  # tied checkpoints may still store it
             self.lm_head.load_weight("weight", slice_)
             return True
-        module_path, _, pname = name.rpartition(".")
-        shard_id = None
-        parts = module_path.split(".")
-        if parts[-1] in self._FUSED:
-            parts[-1], shard_id = self._FUSED[parts[-1]]
-        try:
-            module = self.get_submodule(".".join(parts))
-        except AttributeError:
-            return False
-        if not hasattr(module, "load_weight"):
-            return False
-        module.load_weight(pname, slice_, shard_id)
-        return True
+        return load_into_submodule(self, name, slice_)
