@@ -23,6 +23,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def commit() -> str:
+    """The checkout's commit (SPECSERVE_COMMIT when the tree was shipped without .git, e.g. to the GPU machine)."""
+    import os
+
+    if os.environ.get("SPECSERVE_COMMIT"):
+        return os.environ["SPECSERVE_COMMIT"]
     try:
         sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
         dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], cwd=ROOT) != 0

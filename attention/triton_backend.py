@@ -1,0 +1,179 @@
+"""Triton attention over the paged KV cache: one split-KV kernel family for every forward mode.
+
+A program owns (request, block of query rows, KV head, KV split). Query rows are the request's new tokens times the
+GQA group, packed so each K/V tile is read once per KV head for the whole group. KV is walked through the page
+table; the mask is causal in storage positions, with a per-row bitmask over the speculative block (the last L ≤ 64
+positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
+
+DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
+family) with query tiles and, for short sequences, one split. ``verify_attention_mode = "prefill"`` runs verify
+through the prefill configuration (one split per program), which is what makes prefill kernels slow at long
+context: the parallelism is over query tiles, and a verify has only one.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention.base import AttentionBackend, AttentionLayerSpec
+from workers.forward_batch import ForwardBatch
+
+
+@triton.jit
+def _split_kv_attention(
+    Q, K, V, PageTable, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
+    scale, page_size, tree_len, num_splits,
+    stride_qt, stride_qh, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
+    stride_pl_r, stride_pl_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_TREE: tl.constexpr, KV_CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    qblock = tl.program_id(1)
+    pid2 = tl.program_id(2)
+    kv_head = pid2 // num_splits
+    split = pid2 % num_splits
+    seq_len = tl.load(SeqLens + b)
+    n_new = tl.load(ExtLens + b)
+    tok0 = tl.load(ExtStart + b)
+    prefix = seq_len - n_new
+    rows = qblock * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (query index, group member)
+    q_idx = rows // GROUP
+    g = rows % GROUP
+    row_ok = q_idx < n_new
+    d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + g
+    q = tl.load(Q + (tok0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_pos = prefix + q_idx  # storage position of each query row
+    kv_lo = split * KV_CHUNK
+    kv_hi = tl.minimum(kv_lo + KV_CHUNK, seq_len)
+    # causal: nothing past the last query row's position is ever visible
+    kv_hi = tl.minimum(kv_hi, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_start = seq_len - tree_len
+    if HAS_TREE:
+        bits = tl.load(TreeBits + (tok0 + q_idx), mask=row_ok, other=0)
+    # fixed trip count (KV_CHUNK, a power of two, bounds the compiled variants); tiles past the limit are skipped
+    for off in range(0, KV_CHUNK, BLOCK_N):
+        start = kv_lo + off
+        if start < kv_hi:
+            pos = start + tl.arange(0, BLOCK_N)
+            pos_ok = pos < kv_hi
+            page = tl.load(PageTable + b * stride_pt_r + pos // page_size, mask=pos_ok, other=0)
+            slot = page.to(tl.int64) * page_size + pos % page_size
+            k = tl.load(K + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
+            v = tl.load(V + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            allowed = pos[None, :] <= q_pos[:, None]  # causal in storage positions
+            if HAS_TREE:  # inside the speculative block the row's bitmask decides
+                rel = tl.maximum(pos - block_start, 0).to(tl.int64)
+                tree_ok = ((bits[:, None] >> rel[None, :]) & 1) != 0
+                allowed = tl.where((pos >= block_start)[None, :], tree_ok, allowed)
+            visible = pos_ok[None, :] & row_ok[:, None] & allowed
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+    out_row = tok0 + q_idx
+    lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(PartO + out_row[:, None] * stride_po_r + head[:, None] * stride_po_h + split * stride_po_s + d[None, :],
+             o, mask=row_ok[:, None])
+    tl.store(PartLSE + out_row * stride_pl_r + head * stride_pl_h + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits(PartO, PartLSE, Out, num_splits, stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
+                  stride_or, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    sp_ok = sp < num_splits
+    lse = tl.load(PartLSE + r * stride_pl_r + h * stride_pl_h + sp, mask=sp_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m)
+    w = tl.where(sp_ok, w, 0.0)
+    o = tl.load(PartO + r * stride_po_r + h * stride_po_h + sp[:, None] * stride_po_s + d[None, :],
+                mask=sp_ok[:, None], other=0.0)
+    out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(Out + r * stride_or + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+def tree_bits(tree_mask: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
+    """[B, n, L] bool → one int64 bitmask per query token (bit j: the j-th position of the speculative block)."""
+    b, n, length = tree_mask.shape
+    if length > 63:
+        raise ValueError(f"speculative block of {length} positions exceeds the 63-bit mask")
+    weights = (1 << torch.arange(length, device=tree_mask.device, dtype=torch.int64))
+    bits = (tree_mask.to(torch.int64) * weights).sum(-1)  # [B, n]
+    keep = torch.arange(n, device=tree_mask.device).unsqueeze(0) < torch.tensor(extend_lens, device=tree_mask.device).unsqueeze(1)
+    return bits[keep]
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, verify_attention_mode: str = "decode", max_splits: int = 64):
+        self.verify_attention_mode = verify_attention_mode
+        self.max_splits = max_splits
+        self._meta: dict = {}
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Split configuration and tree bits, once per forward for all layers."""
+        bits = tree_bits(fb.tree_mask, fb.extend_lens_cpu) if fb.tree_mask is not None else None
+        self._meta = {
+            "table": fb.page_table.table[fb.req_slots],
+            "bits": bits,
+            "tree_len": int(fb.tree_mask.shape[2]) if fb.tree_mask is not None else 0,
+            "n_max": max(fb.extend_lens_cpu),
+            "s_max": max(fb.seq_lens_cpu),
+        }
+
+    def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:
+        m = self._meta
+        group = layer.num_heads // layer.num_kv_heads
+        block_m = max(16, triton.next_power_of_2(min(m["n_max"] * group, 64)))
+        block_n = 64
+        num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
+        if decode_style:  # parallelise over the KV length
+            splits = max(1, min(self.max_splits, triton.cdiv(m["s_max"], 256)))
+        else:
+            splits = 1
+        kv_chunk = max(block_n, triton.next_power_of_2(triton.cdiv(m["s_max"], splits)))
+        t = q.shape[0]
+        part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
+        k_cache, v_cache = fb.kv_cache.k[layer.layer_id], fb.kv_cache.v[layer.layer_id]
+        bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
+        _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
+            q, k_cache, v_cache, m["table"], fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o, part_lse,
+            layer.scaling, fb.page_table.page_size, m["tree_len"], splits,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), m["table"].stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_TREE=m["bits"] is not None,
+            KV_CHUNK=kv_chunk,
+        )
+        out = torch.empty_like(q)
+        _merge_splits[(t, layer.num_heads)](
+            part_o, part_lse, out, splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=layer.head_dim,
+            SPLITS_P2=triton.next_power_of_2(splits),
+        )
+        return out
+
+    def forward_extend(self, q, layer, fb):
+        return self._run(q, layer, fb, decode_style=False)
+
+    def forward_decode(self, q, layer, fb):
+        return self._run(q, layer, fb, decode_style=True)

@@ -1,0 +1,127 @@
+"""Verify attention on the GPU: decode-style split-KV kernel vs the prefill-style launch of the same kernel family,
+and vs the KV-read floor (KV bytes ÷ device copy bandwidth measured in the same run). Llama-3.1-8B head shape
+(32 query heads, 8 KV heads, head dim 128), bf16, one layer, paged KV (page 16), chain verify.
+
+    python bench/verify_attention.py --out bench/results/verify_attention_h100
+
+Writes <out>.json, <out>.md, <out>.png with device, commit and command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attention.base import AttentionLayerSpec  # noqa: E402
+from attention.registry import _make  # noqa: E402
+from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from workers.kv_cache import KVCache, PageTable  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    import triton.testing
+
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def main() -> None:
+    import triton.testing
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/verify_attention_h100")
+    ap.add_argument("--contexts", default="1024,8192,50000")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--draft-tokens", default="4,8")
+    args = ap.parse_args()
+    heads, kv_heads, dim, page = 32, 8, 128, 16
+    layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
+    bw = copy_bandwidth()
+    decode, prefill = _make("triton", "decode", "cuda"), _make("triton", "prefill", "cuda")
+    rows = []
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        for bs in [int(x) for x in args.batch_sizes.split(",")]:
+            pages_per = -(-(ctx + 16) // page)
+            kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
+            kv.k[0].normal_()
+            kv.v[0].normal_()
+            table = PageTable(bs, pages_per, page, "cuda")
+            table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
+            for nd in [int(x) for x in args.draft_tokens.split(",")]:
+                fb = ForwardBatch.build(ForwardMode.TARGET_VERIFY, torch.zeros(bs * nd, dtype=torch.int64),
+                                        list(range(bs)), [ctx] * bs, [nd] * bs, kv, table)
+                q = torch.randn(bs * nd, heads, dim, dtype=torch.bfloat16, device="cuda")
+                res = {}
+                for name, be in (("decode_style", decode), ("prefill_style", prefill)):
+                    be.init_forward_metadata(fb)
+                    res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, fb), warmup=10,
+                                                        rep=100)
+                out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
+                out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
+                kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
+                floor_ms = kv_bytes / bw * 1e3
+                rows.append({"context": ctx, "batch_size": bs, "draft_tokens": nd,
+                             "decode_style_ms": round(res["decode_style"], 4),
+                             "prefill_style_ms": round(res["prefill_style"], 4),
+                             "speedup_vs_prefill_style": round(res["prefill_style"] / res["decode_style"], 2),
+                             "kv_read_floor_ms": round(floor_ms, 4),
+                             "decode_style_vs_floor": round(res["decode_style"] / floor_ms, 2),
+                             "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max())})
+                print(rows[-1], flush=True)
+            del kv, table
+            torch.cuda.empty_cache()
+    meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
+            "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
+            "rows": rows}
+    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    md = [f"# Verify attention ({meta['device']})", "",
+          f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
+          f"{meta['copy_bandwidth_GBps']} GB/s (read + write)", "",
+          "| context | bs | draft tokens | decode-style ms | prefill-style ms | speedup | KV floor ms | vs floor |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['decode_style_ms']} | "
+           f"{r['prefill_style_ms']} | {r['speedup_vs_prefill_style']}x | {r['kv_read_floor_ms']} | "
+           f"{r['decode_style_vs_floor']}x |" for r in rows]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, nd in zip(axes, sorted({r["draft_tokens"] for r in rows})):
+            for bs in sorted({r["batch_size"] for r in rows}):
+                sel = [r for r in rows if r["batch_size"] == bs and r["draft_tokens"] == nd]
+                xs = [r["context"] for r in sel]
+                ax.plot(xs, [r["decode_style_ms"] for r in sel], "o-", label=f"decode-style bs={bs}")
+                ax.plot(xs, [r["prefill_style_ms"] for r in sel], "x--", label=f"prefill-style bs={bs}")
+                ax.plot(xs, [r["kv_read_floor_ms"] for r in sel], ":", color="gray")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("context")
+            ax.set_ylabel("ms per layer")
+            ax.set_title(f"verify, {nd} draft tokens (dotted: KV-read floor)", fontsize=9)
+            ax.legend(fontsize=6)
+        fig.suptitle(f"{meta['device']} {meta['commit']}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()
