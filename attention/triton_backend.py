@@ -28,7 +28,7 @@ def _split_kv_attention(
     stride_qt, stride_qh, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
     stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, KV_CHUNK: tl.constexpr,
+    HAS_TREE: tl.constexpr, KV_CHUNK: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -68,7 +68,10 @@ def _split_kv_attention(
             slot = page.to(tl.int64) * page_size + pos % page_size
             k = tl.load(K + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
             v = tl.load(V + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            if IEEE:  # fp32 models: no TF32 rounding
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             allowed = pos[None, :] <= q_pos[:, None]  # causal in storage positions
             if HAS_TREE:  # inside the speculative block the row's bitmask decides
                 rel = tl.maximum(pos - block_start, 0).to(tl.int64)
@@ -81,7 +84,10 @@ def _split_kv_attention(
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
     out_row = tok0 + q_idx
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
@@ -162,7 +168,7 @@ class TritonBackend(AttentionBackend):
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), m["table"].stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_TREE=m["bits"] is not None,
-            KV_CHUNK=kv_chunk,
+            KV_CHUNK=kv_chunk, IEEE=q.dtype == torch.float32,
         )
         out = torch.empty_like(q)
         _merge_splits[(t, layer.num_heads)](
