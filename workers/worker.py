@@ -64,8 +64,8 @@ class Worker:
         self.rank = rank
         device_type = cfg.resolved_device()
         if device_type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", 0)) if dist_addr is None else 0
-            torch.cuda.set_device(local)
+            # Ray actors see one GPU each (CUDA_VISIBLE_DEVICES); process launchers set LOCAL_RANK
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
