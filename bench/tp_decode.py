@@ -60,14 +60,15 @@ def write_checkpoint(path: Path, layers: int) -> None:
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str) -> None:
+def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
+             dtype: str = "bfloat16") -> None:
     from deployments.config import EngineConfig
     from workers.forward_batch import ForwardMode
     from workers.worker import Worker, WorkerStep
 
     os.environ["LOCAL_RANK"] = str(rank)
     torch.cuda.set_device(rank)
-    cfg = EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, page_size=16,
+    cfg = EngineConfig(model=ckpt, device="cuda", dtype=dtype, tensor_parallel_size=tp, page_size=16,
                        max_model_len=2048, kv_cache_tokens=4096, max_num_seqs=4,
                        prefill_attention_backend=backend, decode_attention_backend=backend)
     w = Worker(cfg, rank, ("127.0.0.1", port) if tp > 1 else None)
@@ -104,6 +105,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--backend", default="triton")
+    ap.add_argument("--dtype", default="bfloat16", help="compute dtype (the checkpoint is bf16)")
     ap.add_argument("--out", default="bench/results/tp_decode_h200x2")
     args = ap.parse_args()
     from bench.engine_vs_hf import commit, device_name
@@ -117,9 +119,10 @@ def main() -> None:
         rf = f"/tmp/tp{tp}.json"
         port = 29600 + tp
         if tp == 1:
-            run_rank(0, 1, args.ckpt, args.steps, port, args.backend, rf)
+            run_rank(0, 1, args.ckpt, args.steps, port, args.backend, rf, args.dtype)
         else:
-            mp.spawn(run_rank, args=(tp, args.ckpt, args.steps, port, args.backend, rf), nprocs=tp, join=True)
+            mp.spawn(run_rank, args=(tp, args.ckpt, args.steps, port, args.backend, rf, args.dtype), nprocs=tp,
+                     join=True)
         results[tp] = json.loads(Path(rf).read_text())
         med = sorted(results[tp]["step_ms"][8:])[len(results[tp]["step_ms"][8:]) // 2]
         print(f"TP={tp}: median decode step {med:.2f} ms", flush=True)
@@ -128,7 +131,7 @@ def main() -> None:
     first_diff = next((i for i, (a, b) in enumerate(zip(results[1]["tokens"], results[2]["tokens"])) if a != b), None)
     meta = {"device": f"{torch.cuda.device_count()}x {device_name('cuda')}", "commit": commit(),
             "command": " ".join(sys.argv), "model": f"Llama-3.1-8B shape, {args.layers} layers, random bf16 weights",
-            "attention_backend": args.backend, "batch_size": 1, "prompt_len": 128, "steps": args.steps,
+            "attention_backend": args.backend, "dtype": args.dtype, "batch_size": 1, "prompt_len": 128, "steps": args.steps,
             "tp1_median_step_ms": round(med[1], 3), "tp2_median_step_ms": round(med[2], 3),
             "tp2_over_tp1": round(med[2] / med[1], 3), "greedy_tokens_equal": equal, "first_difference_at": first_diff,
             "note": "eager PyTorch (no CUDA graphs yet): both runs are bound by kernel launches as much as by HBM"}
@@ -137,7 +140,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     out.with_suffix(".md").write_text(
         f"# TP=2 vs TP=1 decode ({meta['device']})\n\ncommit `{meta['commit']}`, command `{meta['command']}`; "
-        f"{meta['model']}, bs=1, {args.steps} greedy steps, {args.backend} attention, eager\n\n"
+        f"{meta['model']}, {args.dtype}, bs=1, {args.steps} greedy steps, {args.backend} attention, eager\n\n"
         "| TP=1 ms/step | TP=2 ms/step | TP=2 / TP=1 | greedy tokens equal | first difference |\n|---|---|---|---|---|\n"
         f"| {meta['tp1_median_step_ms']} | {meta['tp2_median_step_ms']} | {meta['tp2_over_tp1']} | {equal} | "
         f"{first_diff} |\n")
