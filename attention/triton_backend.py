@@ -116,15 +116,18 @@ def _merge_splits(PartO, PartLSE, Out, num_splits, stride_po_r, stride_po_h, str
     tl.store(Out + r * stride_or + h * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-def tree_bits(tree_mask: torch.Tensor, extend_lens: list[int]) -> torch.Tensor:
-    """[B, n, L] bool → one int64 bitmask per query token (bit j: the j-th position of the speculative block)."""
+def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """[B, n, L] bool → one int64 bitmask per query token (bit j: the j-th position of the speculative block),
+    gathered to token order without boolean indexing (no device sync)."""
     b, n, length = tree_mask.shape
     if length > 63:
         raise ValueError(f"speculative block of {length} positions exceeds the 63-bit mask")
-    weights = (1 << torch.arange(length, device=tree_mask.device, dtype=torch.int64))
-    bits = (tree_mask.to(torch.int64) * weights).sum(-1)  # [B, n]
-    keep = torch.arange(n, device=tree_mask.device).unsqueeze(0) < torch.tensor(extend_lens, device=tree_mask.device).unsqueeze(1)
-    return bits[keep]
+    weights = 1 << torch.arange(length, device=tree_mask.device, dtype=torch.int64)
+    bits = (tree_mask.to(torch.int64) * weights).sum(-1).reshape(-1)  # [B * n]
+    t = fb.num_tokens
+    req = torch.repeat_interleave(torch.arange(b, device=bits.device), fb.extend_lens.long(), output_size=t)
+    within = torch.arange(t, device=bits.device) - fb.extend_start.long()[req]
+    return bits[req * n + within]
 
 
 class TritonBackend(AttentionBackend):
@@ -137,7 +140,7 @@ class TritonBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Split configuration and tree bits, once per forward for all layers."""
-        bits = tree_bits(fb.tree_mask, fb.extend_lens_cpu) if fb.tree_mask is not None else None
+        bits = tree_bits(fb.tree_mask, fb) if fb.tree_mask is not None else None
         self._meta = {
             "table": fb.page_table.table[fb.req_slots],
             "bits": bits,

@@ -27,14 +27,14 @@ class DraftTree:
 
 
 def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """[B, N, N] bool: self plus every ancestor, following ``parents`` (−1 = none) up to max_depth hops."""
+    """[B, N, N] bool: self plus every ancestor, following ``parents`` (−1 = none) up to max_depth hops.
+    Scatter-only (no boolean indexing), so it never waits for the device."""
     b, n = parents.shape
     mask = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n).clone()
-    rows = torch.arange(n, device=parents.device).expand(b, n)
     anc = parents
     for _ in range(max_depth):
         valid = anc >= 0
-        mask[torch.arange(b, device=parents.device).unsqueeze(1).expand(b, n)[valid], rows[valid], anc[valid]] = True
+        mask |= torch.zeros_like(mask).scatter_(2, anc.clamp(min=0).unsqueeze(2), valid.unsqueeze(2))
         anc = torch.where(valid, parents.gather(1, anc.clamp(min=0)), anc)
     return mask
 
