@@ -40,8 +40,8 @@ class SpeculativeConfig(_Strict):
             raise ValueError(f"a chain of {self.num_steps} steps verifies at most {self.num_steps + 1} tokens")
         if self.num_draft_tokens > self.num_steps * self.topk + 1:
             raise ValueError("num_draft_tokens exceeds num_steps * topk + 1 tree nodes")
-        if self.simulated_accept_length is not None and self.topk != 1:
-            raise ValueError("simulated_accept_length works on chains (topk 1)")
+        if self.simulated_accept_length is not None and (self.topk != 1 or self.num_draft_tokens != self.num_steps + 1):
+            raise ValueError("simulated_accept_length works on full chains (topk 1, num_draft_tokens = num_steps + 1)")
         if self.method in ("eagle", "eagle3", "draft") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs `model` (the draft/head directory)")
         return self

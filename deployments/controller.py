@@ -34,14 +34,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt, params: SamplingParams, rid: str) -> asyncio.Queue:
-        """Queue a request; raises InvalidRequest / OverflowError synchronously (nothing queued then)."""
+    def submit(self, prompt, params: SamplingParams, rid: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """Queue a request (called off the event loop: it waits for the current step to end); raises
+        InvalidRequest / OverflowError synchronously, and then nothing is queued."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            req = self.engine.add_request(prompt, params, rid)
-            self._queues[rid] = (asyncio.get_running_loop(), queue)
+            self.engine.add_request(prompt, params, rid)
+            self._queues[rid] = (loop, queue)
         self._wake.set()
         return queue
 
@@ -132,7 +133,9 @@ class LLMController:
         either {"accepted": rid} or {"error": ..., "status": ...} so the ingress can answer errors with a status."""
         rid = rid or uuid.uuid4().hex
         try:
-            queue = self.loop.submit(prompt, SamplingParams(**params), rid)
+            event_loop = asyncio.get_running_loop()
+            # the engine lock is held for a whole step: wait for it in a thread, not on the event loop
+            queue = await asyncio.to_thread(self.loop.submit, prompt, SamplingParams(**params), rid, event_loop)
         except InvalidRequest as e:
             yield {"error": str(e), "status": 400, "type": "invalid_request_error",
                    "code": "context_length_exceeded" if "context length" in str(e) else None}
@@ -154,8 +157,8 @@ class LLMController:
                 if finished:
                     return
         finally:
-            if not finished:  # client went away (or cancelled): free the KV now
-                self.loop.abort(rid)
+            if not finished:  # client went away (or cancelled): free the KV after the current step, off the loop
+                asyncio.get_running_loop().run_in_executor(None, self.loop.abort, rid)
 
     def __del__(self):
         try:

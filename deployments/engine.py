@@ -7,6 +7,7 @@ Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this pro
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,8 @@ from deployments.scheduler import Scheduler
 from deployments.tokenizer import Detokenizer, load_tokenizer
 from workers.kv_cache import PageAllocator
 from workers.worker import StepResult, Worker, WorkerStep
+
+logger = logging.getLogger("specserve")
 
 
 class Executor(Protocol):
@@ -137,12 +140,20 @@ class Engine:
         outputs: list[RequestOutput] = []
         plan = self.scheduler.schedule()
         for req in self.scheduler.failed:
-            outputs.append(RequestOutput(req.rid, [], "", True, req.finish_reason, req))
-            self._detok.pop(req.rid, None)
+            outputs.append(self._failed_output(req))
         self.scheduler.failed.clear()
         if plan is None:
             return outputs
-        result = self.executor.execute(plan.to_worker_step())
+        try:
+            result = self.executor.execute(plan.to_worker_step())
+        except Exception as e:  # noqa: BLE001 - the step's requests fail, their KV is freed, the engine goes on
+            logger.exception("step failed")
+            for req in plan.requests:
+                if not req.finished:
+                    req.error = f"the engine step failed: {type(e).__name__}: {e}"
+                    self.scheduler.finish(req, "error")
+                    outputs.append(self._failed_output(req))
+            return outputs
         self.num_steps += 1
         now = time.time()
         for req, new_ids in self.scheduler.update(plan, result):
@@ -166,6 +177,12 @@ class Engine:
                 if out.finished:
                     self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
         return outputs
+
+    def _failed_output(self, req: Request) -> RequestOutput:
+        self._detok.pop(req.rid, None)
+        if self.metrics is not None:
+            self.metrics.record_finish(req.finish_reason, time.time(), req.arrival_time)
+        return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
     def step_stats(self, result: StepResult | None = None) -> dict:
         stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -38,6 +39,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}")
 
 
 class RequestStatus(enum.Enum):
@@ -89,7 +92,9 @@ class Request:
     last_token_time: float | None = None
 
     def __post_init__(self):
-        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(32)
+        # the sampler hashes 32 bits of seed; larger seeds are folded in
+        seed = self.params.seed if self.params.seed is not None else random.getrandbits(32)
+        self.seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
 
     @property
     def all_ids(self) -> list[int]:

@@ -87,6 +87,8 @@ class Scheduler:
         n = len(req.prompt_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty")
+        if req.params.top_k > self.vocab_size:
+            req.params.top_k = 0  # keeping more tokens than the vocabulary has is no filter at all
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
         if n >= self.max_model_len:
@@ -175,8 +177,11 @@ class Scheduler:
     def _schedule_extend(self) -> StepPlan | None:
         budget = self.max_prefill_tokens
         batch: list[tuple[Request, int]] = []
-        # pages kept free for the running requests' next decode steps, so admission does not force preemption
-        reserve = sum(self.allocator.pages_for(r.num_tokens + self.decode_lookahead) - len(r.pages) for r in self.running)
+        # pages kept free for what admitted requests still need (running ones' next steps, partially prefilled ones'
+        # remaining prompt), so a new admission can neither force a preemption nor starve a half-done prefill
+        holders = self.running + [r for r in self.waiting if r.req_slot is not None]
+        reserve = sum(max(0, self.allocator.pages_for(r.num_tokens + self.decode_lookahead) - len(r.pages))
+                      for r in holders)
         for req in self.waiting:
             if budget <= 0:
                 break
@@ -184,10 +189,12 @@ class Scheduler:
                 if len(self.running) + len(batch) >= self.max_num_seqs or not self._free_slots:
                     break
                 need_all = self.allocator.pages_for(req.num_tokens + self.decode_lookahead)
-                if need_all > self.allocator.num_free - max(reserve, 0):
+                if need_all > self.allocator.num_free - reserve:
                     break
                 req.req_slot = self._free_slots.pop()
+                reserve += need_all
             chunk = min(req.num_tokens - req.num_computed, budget)
+            pages_before = len(req.pages)
             try:
                 self._grow(req, req.num_computed + chunk)
             except OutOfPages:
@@ -196,6 +203,7 @@ class Scheduler:
                     req.req_slot = None
                 break
             batch.append((req, chunk))
+            reserve -= len(req.pages) - pages_before  # these reserved pages are now in use
             budget -= chunk
         if not batch:
             return None
@@ -239,7 +247,7 @@ class Scheduler:
         return StepPlan(
             mode=ForwardMode.DECODE,
             requests=reqs,
-            input_ids=[r.all_ids[-1] for r in reqs],
+            input_ids=[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
             seq_lens=[r.num_tokens for r in reqs],
             extend_lens=[1] * len(reqs),
             page_updates=self._take_page_updates(),
@@ -263,12 +271,13 @@ class Scheduler:
             new = self._append_tokens(req, result.tokens[i], result.logprobs[i])
             spec = result.spec[i] if result.spec else None
             if spec is not None:
+                kept = min(len(spec[1]), len(new) - 1)  # drafts cut by a stop condition do not count as accepted
                 req.spec.num_drafts += 1
                 req.spec.num_draft_tokens += spec[0]
-                req.spec.num_accepted_tokens += len(spec[1])
+                req.spec.num_accepted_tokens += kept
                 per = req.spec.accepted_per_position
-                per.extend([0] * (len(spec[1]) - len(per)))
-                for pos_ok in range(len(spec[1])):
+                per.extend([0] * (kept - len(per)))
+                for pos_ok in range(kept):
                     per[pos_ok] += 1
             produced.append((req, new))
             if req.finished:

@@ -17,7 +17,7 @@ import torch
 
 from speculative.tree import DraftTree, TreeCandidates, chain_tree
 from speculative.verify import Verdict
-from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.forward_batch import ForwardBatch, ForwardMode, to_device
 
 
 def _lookahead(num_steps: int, topk: int, num_draft_tokens: int) -> int:
@@ -48,7 +48,7 @@ class Proposer:
         pass
 
     def propose(self, step, root: torch.Tensor, m: torch.Tensor) -> DraftTree:
-        drafts = torch.tensor(step.draft_tokens, dtype=torch.int64, device=root.device)
+        drafts = to_device(step.draft_tokens, torch.int64, root.device)
         return chain_tree(root, drafts)
 
     def after_verify(self, step, m: torch.Tensor, tree: DraftTree, verdict: Verdict, features: torch.Tensor) -> None:
@@ -103,7 +103,7 @@ class _ModelProposer(Proposer):
             if root_visible:
                 mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool, device=device), mask], dim=2)
             fb = self._batch(self.runner, ForwardMode.DECODE, ids.reshape(-1), step, seq_lens, k, positions,
-                             tree_mask=mask, logits_rows=list(range(b * k)))
+                             tree_mask=mask, logits_rows=torch.arange(b * k, device=device))
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
             child_ids, child_logp = self._topk(logp, d2t)
             origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
@@ -127,11 +127,10 @@ class EagleProposer(_ModelProposer):
         tp = worker.draft_tp
         self.runner = ModelRunner(
             spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=tp, config=cfg,
-            max_positions=target.cfg.max_position_embeddings,
+            max_positions=worker.rope_len,
             prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
             verify_attention_mode=worker.cfg.verify_attention_mode,
-            build_model=lambda: EagleHead(cfg, raw, worker.dtype, tp, target.cfg.max_position_embeddings,
-                                          target.cfg.hidden_size),
+            build_model=lambda: EagleHead(cfg, raw, worker.dtype, tp, worker.rope_len, target.cfg.hidden_size),
         )
         self.head: EagleHead = self.runner.model
         self.head.attach_target(target)
@@ -159,7 +158,7 @@ class EagleProposer(_ModelProposer):
 
     def after_extend(self, step, fb, features, sampled):
         # pair (token p+1, feature p): shift the chunk's tokens left, the token after the chunk comes last
-        nxt = torch.tensor(step.next_ids, dtype=torch.int64, device=sampled.device)
+        nxt = to_device(step.next_ids, torch.int64, sampled.device)
         nxt = torch.where(nxt >= 0, nxt, sampled)
         ids = torch.roll(fb.input_ids, -1)
         ids[fb.logits_indices] = nxt
@@ -170,7 +169,7 @@ class EagleProposer(_ModelProposer):
 
     def propose(self, step, root, m):
         b = root.shape[0]
-        slots = torch.tensor(step.req_slots, dtype=torch.int64, device=root.device)
+        slots = to_device(step.req_slots, torch.int64, root.device)
         cand = TreeCandidates(b, self.topk, self.num_steps, root.device)
         cand.add_root_children(self.state_ids[slots], self.state_logp[slots])
         if self.num_steps > 1:
@@ -210,7 +209,7 @@ class DraftModelProposer(_ModelProposer):
                                   "a standalone draft must share the target's tokenizer")
         self.runner = ModelRunner(
             spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=worker.draft_tp, config=cfg,
-            max_positions=cfg.max_position_embeddings,
+            max_positions=max(cfg.max_position_embeddings, worker.rope_len),
             prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
             verify_attention_mode=worker.cfg.verify_attention_mode,
         )

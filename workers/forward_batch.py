@@ -10,6 +10,17 @@ import torch
 from workers.kv_cache import KVCache, PageTable
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """Host list → device tensor without stalling the host: on CUDA the copy goes through pinned memory,
+    asynchronously (a plain ``torch.tensor(list, device="cuda")`` waits for the GPU to drain)."""
+    if isinstance(values, torch.Tensor):
+        return values.to(device=device, dtype=dtype, non_blocking=True)
+    t = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # prefill (possibly a chunk of it) of new tokens after a cached prefix
     DECODE = "decode"  # one new token per request
@@ -79,21 +90,21 @@ class ForwardBatch:
         """The one metadata builder for model inputs: KV write slots and positions are derived on the device from
         the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers."""
         device = page_table.table.device
-        ids = torch.as_tensor(input_ids, dtype=torch.int64, device=device)
+        ids = to_device(input_ids, torch.int64, device)
         t = int(ids.shape[0])
-        slots_t = torch.tensor(req_slots, dtype=torch.int64, device=device)
-        seq_t = torch.tensor(seq_lens, dtype=torch.int32, device=device)
-        ext_t = torch.tensor(extend_lens, dtype=torch.int32, device=device)
+        slots_t = to_device(req_slots, torch.int64, device)
+        seq_t = to_device(seq_lens, torch.int32, device)
+        ext_t = to_device(extend_lens, torch.int32, device)
         start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
         tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
         offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
         storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
         out_loc = page_table.slots(tok_req, storage_pos)
-        pos = storage_pos if positions is None else torch.as_tensor(positions, dtype=torch.int64, device=device)
+        pos = storage_pos if positions is None else to_device(positions, torch.int64, device)
         if logits_indices is None:  # last token of every request
             logits_idx = (start_t + ext_t - 1).long()
         else:
-            logits_idx = torch.as_tensor(logits_indices, dtype=torch.int64, device=device)
+            logits_idx = to_device(logits_indices, torch.int64, device)
         return cls(
             mode=mode,
             input_ids=ids,

@@ -44,13 +44,15 @@ class SamplingTensors:
 
     @classmethod
     def from_lists(cls, temperature, top_k, top_p, min_p, seeds, counters, device) -> "SamplingTensors":
+        from workers.forward_batch import to_device
+
         return cls(
-            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
-            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            counters=torch.tensor(counters, dtype=torch.int64, device=device),
+            temperature=to_device(temperature, torch.float32, device),
+            top_k=to_device(top_k, torch.int64, device),
+            top_p=to_device(top_p, torch.float32, device),
+            min_p=to_device(min_p, torch.float32, device),
+            seeds=to_device(seeds, torch.int64, device),
+            counters=to_device(counters, torch.int64, device),
             all_greedy=all(t <= 0 for t in temperature),
         )
 

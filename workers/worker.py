@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from deployments.config import EngineConfig
-from workers.forward_batch import ForwardMode
+from workers.forward_batch import ForwardMode, to_device
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.model_config import ModelConfig
@@ -77,9 +77,11 @@ class Worker:
         self.dtype = cfg.resolved_dtype(model_cfg.checkpoint_dtype)
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
+        # RoPE tables reach past the context: a speculative round near the end drafts up to 241 positions further
+        self.rope_len = model_cfg.max_position_embeddings + 256
         self.target = ModelRunner(
             cfg.model, device=self.device, dtype=self.dtype, tp=self.tp, config=model_cfg,
-            max_positions=model_cfg.max_position_embeddings,
+            max_positions=self.rope_len,
             prefill_backend=cfg.prefill_attention_backend, decode_backend=cfg.decode_attention_backend,
             verify_attention_mode=cfg.verify_attention_mode,
         )
@@ -129,7 +131,7 @@ class Worker:
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
-        slots, pos, ids = (torch.tensor(x, dtype=torch.int64, device=self.device) for x in step.page_updates)
+        slots, pos, ids = (to_device(x, torch.int64, self.device) for x in step.page_updates)
         self.page_table.apply(slots, pos, ids)
 
     def _sampling(self, step: WorkerStep) -> SamplingTensors:
@@ -143,9 +145,10 @@ class Worker:
             return self._speculative_round(step)
         fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
                                    page_table=self.page_table)
+        sampling = self._sampling(step)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
-        ids, logprobs = sample(logits, self._sampling(step))
+        ids, logprobs = sample(logits, sampling)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
         return StepResult(tokens=[[t] for t in ids.tolist()], logprobs=[[lp] for lp in logprobs.tolist()])
@@ -159,8 +162,9 @@ class Worker:
         from speculative.verify import simulated_acceptance, verify_tree
 
         b = len(step.req_slots)
-        root = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
-        m = torch.tensor(step.seq_lens, dtype=torch.int64, device=self.device) - 1  # root position
+        root = to_device(step.input_ids, torch.int64, self.device)
+        m = to_device(step.seq_lens, torch.int64, self.device) - 1  # root position
+        sampling = self._sampling(step)
         tree = self.proposer.propose(step, root, m)
         d = tree.num_nodes
         fb = self.target.new_batch(
@@ -172,16 +176,16 @@ class Worker:
         logits = self.target.logits(hidden).view(b, d, -1)
         simulated = self.cfg.speculative_config.simulated_accept_length
         if simulated is None:
-            verdict = verify_tree(tree, logits, self._sampling(step), self.proposer.max_depth)
+            verdict = verify_tree(tree, logits, sampling, self.proposer.max_depth)
         else:
-            verdict = simulated_acceptance(tree, logits, self._sampling(step), self.proposer.max_depth, simulated)
-        # accepted nodes move to consecutive positions m, m+1, ... (a no-op along a chain)
-        depth = torch.arange(verdict.path.shape[1], device=self.device)
-        slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
-        src = self.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
-        dst = self.page_table.slots(slots, m.unsqueeze(1) + depth)
-        keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
-        self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
+            verdict = simulated_acceptance(tree, logits, sampling, self.proposer.max_depth, simulated)
+        if self.proposer.topk > 1:  # tree: accepted nodes move to consecutive positions m, m+1, ... (chains are)
+            depth = torch.arange(verdict.path.shape[1], device=self.device)
+            slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
+            src = self.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
+            dst = self.page_table.slots(slots, m.unsqueeze(1) + depth)
+            keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
+            self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
         self.proposer.after_verify(step, m, tree, verdict, self._features(fb, hidden))
         accept = verdict.accept_len.tolist()
         tokens, logprobs = verdict.out_tokens.tolist(), verdict.out_logprobs.tolist()
