@@ -179,3 +179,35 @@ def test_cli_generate_json(tiny_models):
     bad = subprocess.run([sys.executable, "-m", "deployments.cli", "generate", "--model", "/nonexistent", "--prompt",
                           "x"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def test_out_of_range_sampling_params(tiny_models):
+    engine = make_engine(tiny_models["llama"])
+    prompt = mixed_prompts(1)[0]
+    with pytest.raises(InvalidRequest, match="seed must fit in 64 bits"):
+        engine.add_request(prompt, SamplingParams(seed=2**70))
+    with pytest.raises(InvalidRequest, match="temperature must be a finite number"):
+        engine.add_request(prompt, SamplingParams(temperature=float("nan")))
+    big = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0.7, top_k=10**9, seed=2**62))[0]
+    assert len(big.token_ids) >= 1 and big.error is None  # top_k past the vocabulary is no filter
+
+
+def test_a_failing_step_fails_only_its_requests(tiny_models):
+    """Fault injection: the worker raises once; that step's requests end with an error, their KV is freed, and the
+    engine serves the next requests."""
+    engine = make_engine(tiny_models["qwen3"], page_size=4)
+    real = engine.executor.execute
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected worker failure")
+        return real(step)
+
+    engine.executor.execute = flaky
+    first = engine.generate(mixed_prompts(2), GREEDY)
+    assert all(o.finish_reason == "error" and "injected worker failure" in o.error for o in first)
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+    again = engine.generate(mixed_prompts(2), GREEDY)
+    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in again)
