@@ -17,13 +17,19 @@ def load_tokenizer(path: str):
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas. Text that could be the start of a stop string, or an
-    incomplete UTF-8 sequence, is held back until it is decided; a matched stop string ends the text before it."""
+    """Turns a growing list of token ids into text deltas in O(new tokens) per step: only a short window of ids
+    (from ``prefix_offset``) is decoded again, so a byte-level token boundary or an incomplete UTF-8 sequence
+    resolves with context. Text that could be the start of a stop string is held back until decided; a matched
+    stop string ends the text before it."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.max_stop = max((len(s) for s in self.stop), default=0)
         self.ids: list[int] = []
+        self.decoded = ""  # text of ids[:read_offset]
+        self.prefix_offset = 0  # decoding restarts here: the tokens read last step give the new ones context
+        self.read_offset = 0
         self.text = ""  # what has been emitted so far
 
     def _held_back(self, full: str) -> int:
@@ -33,20 +39,27 @@ class Detokenizer:
                 if full.endswith(s[:k]):
                     hold = max(hold, k)
                     break
-        if full.endswith("\ufffd"):
-            hold = max(hold, 1)
         return hold
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; returns (new text, whether a stop string was hit)."""
+        searched_from = max(0, len(self.decoded) - self.max_stop)
         self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self._decode(self.ids[self.prefix_offset :])
+        if len(after) > len(before) and (final or not after.endswith("\ufffd")):
+            self.decoded += after[len(before):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+        full = self.decoded
         hit = False
-        hits = [i for i in (full.find(s) for s in self.stop) if i >= 0]
+        hits = [i for i in (full.find(s, searched_from) for s in self.stop) if i >= 0]
         if hits:
             full, hit, final = full[: min(hits)], True, True
         safe = full if final else full[: len(full) - self._held_back(full)]
-        common = len(self.text) if safe.startswith(self.text) else 0
-        delta = safe[common:]
+        delta = safe[len(self.text):] if safe.startswith(self.text) else safe
         self.text = safe
         return delta, hit

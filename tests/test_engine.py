@@ -211,3 +211,31 @@ def test_a_failing_step_fails_only_its_requests(tiny_models):
     assert engine.allocator.num_free == engine.allocator.capacity_pages
     again = engine.generate(mixed_prompts(2), GREEDY)
     assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in again)
+
+
+def test_incremental_detokenizer_matches_full_decode():
+    """Deltas from any chunking (1-5 tokens, splitting multi-byte characters) add up to the full decode, and a stop
+    string cuts the text right before it."""
+    import random
+
+    from deployments.tokenizer import Detokenizer, load_tokenizer
+
+    tok = load_tokenizer(str(ROOT / "models" / "specserve-tiny"))
+    text = (ROOT / "deployments" / "scheduler.py").read_text()[:2000] + "héllo wörld — ünïcode ✓ 日本語 🙂 end"
+    ids = tok(text).input_ids
+    full = tok.decode(ids, skip_special_tokens=True)
+    rng = random.Random(0)
+    for _ in range(10):
+        d, out, i = Detokenizer(tok, []), "", 0
+        while i < len(ids):
+            n = rng.randint(1, 5)
+            delta, _ = d.push(ids[i:i + n], final=i + n >= len(ids))
+            out, i = out + delta, i + n
+        assert out == full
+    d, out = Detokenizer(tok, ["OutOfPages"]), ""
+    for j in range(0, len(ids), 3):
+        delta, hit = d.push(ids[j:j + 3], final=False)
+        out += delta
+        if hit:
+            break
+    assert hit and out == full[: full.index("OutOfPages")]
