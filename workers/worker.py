@@ -58,6 +58,19 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
 
 
+def to_host(*tensors: torch.Tensor) -> list[list]:
+    """Several [B] or [B, k] device results to Python lists with ONE device→host copy (ids stay exact in float64)."""
+    cols = [t.reshape(t.shape[0], -1).double() for t in tensors]
+    packed = torch.cat(cols, dim=1).cpu().tolist()
+    out, start = [], 0
+    for t, c in zip(tensors, cols):
+        width = c.shape[1]
+        rows = [r[start:start + width] for r in packed]
+        out.append([r[0] for r in rows] if t.dim() == 1 else rows)
+        start += width
+    return out
+
+
 class Worker:
     def __init__(self, cfg: EngineConfig, rank: int = 0, dist_addr: tuple[str, int] | None = None):
         self.cfg = cfg
@@ -151,7 +164,8 @@ class Worker:
         ids, logprobs = sample(logits, sampling)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
-        return StepResult(tokens=[[t] for t in ids.tolist()], logprobs=[[lp] for lp in logprobs.tolist()])
+        ids_h, lps_h = to_host(ids, logprobs)
+        return StepResult(tokens=[[int(t)] for t in ids_h], logprobs=[[lp] for lp in lps_h])
 
     def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
         fn = getattr(self.proposer, "target_features", None)
@@ -179,7 +193,7 @@ class Worker:
             verdict = verify_tree(tree, logits, sampling, self.proposer.max_depth)
         else:
             verdict = simulated_acceptance(tree, logits, sampling, self.proposer.max_depth, simulated)
-        if self.proposer.topk > 1:  # tree: accepted nodes move to consecutive positions m, m+1, ... (chains are)
+        if self.proposer.topk > 1:  # tree: accepted nodes move to positions m, m+1, ... (a chain already is there)
             depth = torch.arange(verdict.path.shape[1], device=self.device)
             slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
             src = self.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
@@ -187,10 +201,10 @@ class Worker:
             keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
             self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
         self.proposer.after_verify(step, m, tree, verdict, self._features(fb, hidden))
-        accept = verdict.accept_len.tolist()
-        tokens, logprobs = verdict.out_tokens.tolist(), verdict.out_logprobs.tolist()
+        accept, tokens, logprobs = to_host(verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
+        accept = [int(a) for a in accept]
         return StepResult(
-            tokens=[t[: a + 1] for t, a in zip(tokens, accept)],
+            tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
             logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
             spec=[(d - 1, list(range(a))) for a in accept],
         )
