@@ -21,7 +21,9 @@ class TorchNativeBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
-        s_max, n_max = max(fb.seq_lens_cpu), max(fb.extend_lens_cpu)
+        n_max = max(fb.extend_lens_cpu)
+        # lengths known only on the device: attend over the page table's whole capacity (masked)
+        s_max = max(fb.seq_lens_cpu) if fb.seq_lens_cpu is not None else fb.page_table.table.shape[1] * fb.page_table.page_size
         seq = fb.seq_lens.long().unsqueeze(1)  # [B, 1]
         ext = fb.extend_lens.long().unsqueeze(1)
         key_pos = torch.arange(s_max, device=device).unsqueeze(0)  # [1, S]

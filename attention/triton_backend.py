@@ -6,7 +6,10 @@ table; the mask is causal in storage positions, with a per-row bitmask over the 
 positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
 
 DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
-family) with query tiles and, for short sequences, one split. ``verify_attention_mode = "prefill"`` runs verify
+family) with query tiles and one split. The number of splits is fixed per backend from the page table's capacity and
+each program derives its own KV range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the
+launch depends on no host-side sequence length and replays inside a CUDA graph; splits past a short sequence exit at
+once and the merge ignores them. ``verify_attention_mode = "prefill"`` runs verify
 through the prefill configuration (one split per program), which is what makes prefill kernels slow at long
 context: the parallelism is over query tiles, and a verify has only one.
 """
@@ -23,12 +26,12 @@ from workers.forward_batch import ForwardBatch
 
 @triton.jit
 def _split_kv_attention(
-    Q, K, V, PageTable, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
-    scale, page_size, tree_len, num_splits,
+    Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
+    scale, page_size, tree_len, num_splits, min_chunk,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
     stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, KV_CHUNK: tl.constexpr, IEEE: tl.constexpr,
+    HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -39,6 +42,7 @@ def _split_kv_attention(
     n_new = tl.load(ExtLens + b)
     tok0 = tl.load(ExtStart + b)
     prefix = seq_len - n_new
+    table_row = PageTable + tl.load(ReqSlots + b).to(tl.int64) * stride_pt_r
     rows = qblock * BLOCK_M + tl.arange(0, BLOCK_M)  # flattened (query index, group member)
     q_idx = rows // GROUP
     g = rows % GROUP
@@ -48,8 +52,10 @@ def _split_kv_attention(
     q = tl.load(Q + (tok0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     q_pos = prefix + q_idx  # storage position of each query row
-    kv_lo = split * KV_CHUNK
-    kv_hi = tl.minimum(kv_lo + KV_CHUNK, seq_len)
+    # this split's KV range, from the device sequence length (whole BLOCK_N tiles)
+    chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
+    kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, seq_len)
     # causal: nothing past the last query row's position is ever visible
     kv_hi = tl.minimum(kv_hi, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -58,37 +64,34 @@ def _split_kv_attention(
     block_start = seq_len - tree_len
     if HAS_TREE:
         bits = tl.load(TreeBits + (tok0 + q_idx), mask=row_ok, other=0)
-    # fixed trip count (KV_CHUNK, a power of two, bounds the compiled variants); tiles past the limit are skipped
-    for off in range(0, KV_CHUNK, BLOCK_N):
-        start = kv_lo + off
-        if start < kv_hi:
-            pos = start + tl.arange(0, BLOCK_N)
-            pos_ok = pos < kv_hi
-            page = tl.load(PageTable + b * stride_pt_r + pos // page_size, mask=pos_ok, other=0)
-            slot = page.to(tl.int64) * page_size + pos % page_size
-            k = tl.load(K + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
-            v = tl.load(V + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
-            if IEEE:  # fp32 models: no TF32 rounding
-                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            allowed = pos[None, :] <= q_pos[:, None]  # causal in storage positions
-            if HAS_TREE:  # inside the speculative block the row's bitmask decides
-                rel = tl.maximum(pos - block_start, 0).to(tl.int64)
-                tree_ok = ((bits[:, None] >> rel[None, :]) & 1) != 0
-                allowed = tl.where((pos >= block_start)[None, :], tree_ok, allowed)
-            visible = pos_ok[None, :] & row_ok[:, None] & allowed
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_hi
+        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
+        slot = page.to(tl.int64) * page_size + pos % page_size
+        k = tl.load(K + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
+        v = tl.load(V + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
+        if IEEE:  # fp32 models: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        allowed = pos[None, :] <= q_pos[:, None]  # causal in storage positions
+        if HAS_TREE:  # inside the speculative block the row's bitmask decides
+            rel = tl.maximum(pos - block_start, 0).to(tl.int64)
+            tree_ok = ((bits[:, None] >> rel[None, :]) & 1) != 0
+            allowed = tl.where((pos >= block_start)[None, :], tree_ok, allowed)
+        visible = pos_ok[None, :] & row_ok[:, None] & allowed
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m_i = m_new
     out_row = tok0 + q_idx
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -132,46 +135,49 @@ def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    min_chunk = 256  # fewest KV positions a decode-style split takes
+    programs_per_sm = 4  # decode family: enough (request, head, split) programs to fill the GPU this many times
 
-    def __init__(self, verify_attention_mode: str = "decode", max_splits: int = 64):
+    def __init__(self, verify_attention_mode: str = "decode", max_splits: int = 128):
         self.verify_attention_mode = verify_attention_mode
         self.max_splits = max_splits
+        self._num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 16
         self._meta: dict = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Split configuration and tree bits, once per forward for all layers."""
-        bits = tree_bits(fb.tree_mask, fb) if fb.tree_mask is not None else None
+        """Tree bits and launch shape, once per forward for all layers. Nothing here reads a sequence length on the
+        host: the launch depends only on the batch's shape (tokens per request) and the page table's capacity."""
         self._meta = {
-            "table": fb.page_table.table[fb.req_slots],
-            "bits": bits,
+            "bits": tree_bits(fb.tree_mask, fb) if fb.tree_mask is not None else None,
             "tree_len": int(fb.tree_mask.shape[2]) if fb.tree_mask is not None else 0,
             "n_max": max(fb.extend_lens_cpu),
-            "s_max": max(fb.seq_lens_cpu),
+            "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
         }
+
+    def _decode_splits(self, batch: int, kv_heads: int, qblocks: int) -> int:
+        """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
+        fill = triton.cdiv(self.programs_per_sm * self._num_sms, batch * kv_heads * qblocks)
+        return max(1, min(self.max_splits, triton.cdiv(self._meta["capacity"], self.min_chunk), fill))
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:
         m = self._meta
         group = layer.num_heads // layer.num_kv_heads
         block_m = max(16, triton.next_power_of_2(min(m["n_max"] * group, 64)))
-        block_n = 64
         num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
-        if decode_style:  # parallelise over the KV length
-            splits = max(1, min(self.max_splits, triton.cdiv(m["s_max"], 256)))
-        else:
-            splits = 1
-        kv_chunk = max(block_n, triton.next_power_of_2(triton.cdiv(m["s_max"], splits)))
+        splits = self._decode_splits(fb.batch_size, layer.num_kv_heads, num_qblocks) if decode_style else 1
         t = q.shape[0]
         part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
         k_cache, v_cache = fb.kv_cache.k[layer.layer_id], fb.kv_cache.v[layer.layer_id]
+        table = fb.page_table.table
         bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
         _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
-            q, k_cache, v_cache, m["table"], fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o, part_lse,
-            layer.scaling, fb.page_table.page_size, m["tree_len"], splits,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), m["table"].stride(0),
+            q, k_cache, v_cache, table, fb.req_slots, fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o,
+            part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_TREE=m["bits"] is not None,
-            KV_CHUNK=kv_chunk, IEEE=q.dtype == torch.float32,
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=64, HAS_TREE=m["bits"] is not None,
+            IEEE=q.dtype == torch.float32,
         )
         out = torch.empty_like(q)
         _merge_splits[(t, layer.num_heads)](

@@ -64,7 +64,9 @@ class EngineConfig(_Strict):
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
     speculative_config: SpeculativeConfig | None = None
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = Field(64, ge=1)
+    cuda_graph_max_bs: int = Field(64, ge=1, description="larger batches run eagerly")
+    fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
+                                         "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
     seed: int = 0
 

@@ -4,6 +4,9 @@
 - ``propose``: the multi-step draft → ``DraftTree`` (root = the last verified token, stored at KV position m);
 - ``after_verify``: the draft consumes the accepted tokens (fixed shape, padded: no host sync).
 
+``propose`` and ``after_verify`` read only a ``RoundInputs`` of device tensors, so a whole round can be captured in
+a CUDA graph (sequence lengths are host lists in eager rounds, device tensors in graphs; ``shift_lens`` serves both).
+
 KV layout of a round for a request whose root sits at position m (pages cover m + ``lookahead``): the target
 verifies D nodes at m .. m+D-1; the draft's step s >= 2 writes its k frontier nodes to a scratch area starting at
 m (EAGLE) or m+1 (standalone draft, whose step 1 consumes the root at m); DRAFT_EXTEND rewrites m .. m+S.
@@ -13,11 +16,34 @@ EAGLE's draft position p holds the pair (token p+1, target feature p); the stand
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from speculative.tree import DraftTree, TreeCandidates, chain_tree
 from speculative.verify import Verdict
 from workers.forward_batch import ForwardBatch, ForwardMode, to_device
+from workers.sampling import SamplingTensors
+
+
+@dataclass
+class RoundInputs:
+    """One speculative round's inputs (views of static buffers when the round replays in a CUDA graph)."""
+
+    root: torch.Tensor  # [B] int64, the last verified token of each request
+    req_slots: torch.Tensor  # [B] int64
+    seq_lens: list[int] | torch.Tensor  # [B] KV length including the root (host list in eager rounds)
+    root_pos: torch.Tensor  # [B] int64 device, = seq_lens - 1
+    sampling: SamplingTensors
+    drafts: torch.Tensor | None = None  # [B, num_steps] host-proposed drafts (n-gram)
+
+    @property
+    def batch_size(self) -> int:
+        return self.root.shape[0]
+
+
+def shift_lens(lens: list[int] | torch.Tensor, delta: int) -> list[int] | torch.Tensor:
+    return lens + delta if isinstance(lens, torch.Tensor) else [x + delta for x in lens]
 
 
 def _lookahead(num_steps: int, topk: int, num_draft_tokens: int) -> int:
@@ -47,21 +73,17 @@ class Proposer:
     def after_extend(self, step, fb: ForwardBatch, features: torch.Tensor, sampled: torch.Tensor) -> None:
         pass
 
-    def propose(self, step, root: torch.Tensor, m: torch.Tensor) -> DraftTree:
-        drafts = to_device(step.draft_tokens, torch.int64, root.device)
-        return chain_tree(root, drafts)
+    def propose(self, inp: RoundInputs) -> DraftTree:
+        return chain_tree(inp.root, inp.drafts)
 
-    def after_verify(self, step, m: torch.Tensor, tree: DraftTree, verdict: Verdict, features: torch.Tensor) -> None:
+    def after_verify(self, inp: RoundInputs, tree: DraftTree, verdict: Verdict, features: torch.Tensor) -> None:
         pass
 
     # ---- shared helpers --------------------------------------------------------------------------------------
-    def _batch(self, runner, mode, ids, step, seq_lens, ext_len, positions, tree_mask=None, logits_rows=None):
-        """A draft-side ForwardBatch over the same request slots as the step, with ``ext_len`` tokens each."""
-        b = len(step.req_slots)
-        return runner.new_batch(
-            mode, ids, step.req_slots, seq_lens, [ext_len] * b, page_table=self.worker.page_table,
-            positions=positions, tree_mask=tree_mask, logits_indices=logits_rows,
-        )
+    def _batch(self, runner, mode, ids, inp: RoundInputs, seq_lens, ext_len, positions):
+        """A draft-side ForwardBatch over the round's request slots, with ``ext_len`` tokens each."""
+        return runner.new_batch(mode, ids, inp.req_slots, seq_lens, [ext_len] * inp.batch_size,
+                                page_table=self.worker.page_table, positions=positions)
 
 
 class _ModelProposer(Proposer):
@@ -86,24 +108,29 @@ class _ModelProposer(Proposer):
             ids = ids + d2t[ids]
         return ids, vals
 
-    def _expand_steps(self, step, cand: TreeCandidates, m: torch.Tensor, frontier_feat: torch.Tensor | None,
-                      first_step: int, seq_base: list[int], root_visible: bool) -> None:
+    def _expand_steps(self, inp: RoundInputs, cand: TreeCandidates, frontier_feat: torch.Tensor | None,
+                      first_step: int, seq_base: list[int] | torch.Tensor, root_visible: bool) -> None:
         """Steps first_step..S: expand the frontier (k nodes per request) one level per step."""
-        k, b = self.topk, m.shape[0]
+        k, b, m = self.topk, inp.batch_size, inp.root_pos
         device = m.device
+        steps = range(first_step, self.num_steps + 1)
+        # the round's metadata, built once: step s feeds the frontier of depth s-1 into k more scratch slots
+        seq_lens = [shift_lens(seq_base, (s - first_step + 1) * k) for s in steps]
+        if isinstance(seq_base, torch.Tensor):
+            seq_lens = torch.stack(seq_lens)
+        depths = torch.arange(first_step - 1, self.num_steps, device=device)
+        positions = (m.unsqueeze(0) + depths.unsqueeze(1) - 1 + self.scratch_offset).repeat_interleave(k, dim=1)
+        batches = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, seq_lens, k, positions,
+                                          page_table=self.worker.page_table)
         scratch_mask = torch.zeros(b, k, 0, dtype=torch.bool, device=device)
         eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
-        for s in range(first_step, self.num_steps + 1):
-            depth = s - 1  # depth of the frontier nodes being fed
-            ids = cand.tokens.gather(1, cand.frontier)  # [B, k]
-            used = scratch_mask.shape[2] + k
-            seq_lens = [base + used for base in seq_base]
-            positions = (m + depth - 1 + self.scratch_offset).unsqueeze(1).expand(b, k).reshape(-1)
-            mask = torch.cat([scratch_mask, eye], dim=2)
-            if root_visible:
-                mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool, device=device), mask], dim=2)
-            fb = self._batch(self.runner, ForwardMode.DECODE, ids.reshape(-1), step, seq_lens, k, positions,
-                             tree_mask=mask, logits_rows=torch.arange(b * k, device=device))
+        for fb in batches:
+            fb.input_ids = cand.tokens.gather(1, cand.frontier).reshape(-1)  # [B * k]
+            if k > 1:  # a chain's scratch block is plain causal
+                mask = torch.cat([scratch_mask, eye], dim=2)
+                if root_visible:
+                    mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool, device=device), mask], dim=2)
+                fb.tree_mask = mask
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
             child_ids, child_logp = self._topk(logp, d2t)
             origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
@@ -136,7 +163,7 @@ class EagleProposer(_ModelProposer):
         self.head.attach_target(target)
         if self.head.eagle3:
             target.aux_hidden_layers = self.head.aux_layer_ids
-        n, k, h = worker.cfg.max_num_seqs, self.topk, cfg.hidden_size
+        n, k, h = worker.cfg.max_num_seqs + 1, self.topk, cfg.hidden_size  # + the CUDA-graph padding slot
         self.state_ids = torch.zeros(n, k, dtype=torch.int64, device=worker.device)
         self.state_logp = torch.zeros(n, k, dtype=torch.float32, device=worker.device)
         self.state_feat = torch.zeros(n, h, dtype=worker.dtype, device=worker.device)
@@ -167,25 +194,25 @@ class EagleProposer(_ModelProposer):
         (logp, d2t), feat = self._draft_forward(dfb, features)
         self._save_state(dfb.req_slots, logp, d2t, feat)
 
-    def propose(self, step, root, m):
-        b = root.shape[0]
-        slots = to_device(step.req_slots, torch.int64, root.device)
-        cand = TreeCandidates(b, self.topk, self.num_steps, root.device)
+    def propose(self, inp):
+        slots = inp.req_slots
+        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, slots.device)
         cand.add_root_children(self.state_ids[slots], self.state_logp[slots])
         if self.num_steps > 1:
             feat = self.state_feat[slots].repeat_interleave(self.topk, dim=0)
-            self._expand_steps(step, cand, m, feat, first_step=2, seq_base=[x - 1 for x in step.seq_lens],
+            self._expand_steps(inp, cand, feat, first_step=2, seq_base=shift_lens(inp.seq_lens, -1),
                                root_visible=False)
-        return cand.build(root, self.num_draft_tokens, self.max_depth)
+        return cand.build(inp.root, self.num_draft_tokens, self.max_depth)
 
-    def after_verify(self, step, m, tree, verdict: Verdict, features):
+    def after_verify(self, inp, tree, verdict: Verdict, features):
+        m = inp.root_pos
         b, s1 = verdict.out_tokens.shape  # S + 1 tokens per request: t_{m+1} .. t_{m+S+1}, valid up to accept
         feats = features.view(b, tree.num_nodes, -1).gather(
             1, verdict.path.unsqueeze(2).expand(b, s1, features.shape[-1])).reshape(b * s1, -1)
         positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
         rows = torch.arange(b, device=m.device) * s1 + verdict.accept_len
-        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), step,
-                         [x - 1 + s1 for x in step.seq_lens], s1, positions)
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), inp,
+                         shift_lens(inp.seq_lens, s1 - 1), s1, positions)
         fb.logits_indices = rows
         (logp, d2t), feat = self._draft_forward(fb, feats)
         self._save_state(fb.req_slots, logp, d2t, feat)
@@ -224,23 +251,23 @@ class DraftModelProposer(_ModelProposer):
                                     step.extend_lens, page_table=self.worker.page_table)
         self.runner.forward(dfb)
 
-    def propose(self, step, root, m):
-        b = root.shape[0]
+    def propose(self, inp):
         # step 1: the root itself at position m
-        fb = self._batch(self.runner, ForwardMode.DECODE, root, step, list(step.seq_lens), 1, m)
+        fb = self._batch(self.runner, ForwardMode.DECODE, inp.root, inp, inp.seq_lens, 1, inp.root_pos)
         (logp, _), _ = self._draft_forward(fb, None)
-        cand = TreeCandidates(b, self.topk, self.num_steps, root.device)
+        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, inp.root.device)
         cand.add_root_children(*self._topk(logp, None))
         if self.num_steps > 1:
-            self._expand_steps(step, cand, m, None, first_step=2, seq_base=list(step.seq_lens), root_visible=True)
-        return cand.build(root, self.num_draft_tokens, self.max_depth)
+            self._expand_steps(inp, cand, None, first_step=2, seq_base=inp.seq_lens, root_visible=True)
+        return cand.build(inp.root, self.num_draft_tokens, self.max_depth)
 
-    def after_verify(self, step, m, tree, verdict, features):
+    def after_verify(self, inp, tree, verdict, features):
+        m = inp.root_pos
         b, s1 = verdict.out_tokens.shape
         # consume root + accepted drafts (t_m .. t_{m+accept}); the new bonus is next round's root
         ids = torch.cat([tree.tokens[:, :1], verdict.out_tokens[:, :-1]], dim=1).reshape(-1)
         positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
-        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, ids, step, [x - 1 + s1 for x in step.seq_lens], s1,
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, ids, inp, shift_lens(inp.seq_lens, s1 - 1), s1,
                          positions)
         self.runner.forward(fb)
 

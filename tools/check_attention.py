@@ -139,7 +139,7 @@ def _to_fp32_cpu(fb: ForwardBatch, q: torch.Tensor):
     kv.v[0].copy_(fb.kv_cache.v[0].float().cpu())
     table = PageTable(fb.page_table.table.shape[0], fb.page_table.table.shape[1], fb.page_table.page_size, cpu)
     table.table.copy_(fb.page_table.table.cpu())
-    fb32 = ForwardBatch.build(fb.mode, fb.input_ids.cpu(), fb.req_slots_cpu, fb.seq_lens_cpu, fb.extend_lens_cpu, kv,
+    fb32 = ForwardBatch.build(fb.mode, fb.input_ids.cpu(), fb.req_slots.cpu(), fb.seq_lens_cpu, fb.extend_lens_cpu, kv,
                               table, tree_mask=None if fb.tree_mask is None else fb.tree_mask.cpu())
     return fb32, q.float().cpu()
 

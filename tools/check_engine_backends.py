@@ -1,6 +1,10 @@
-"""Greedy tokens of the whole engine with each attention backend pair vs torch-native (GPU), speculation off and on.
+"""Greedy tokens of the whole engine with each attention backend pair vs torch-native (GPU), speculation off and on,
+and speculation on vs off on the same backend.
 
-    python tools/check_engine_backends.py --models models --dtype float32 [--json out.json]
+    python tools/check_engine_backends.py --models models --dtype float32 --backends torch_native,triton [--json out]
+
+In fp32 every comparison must be token-exact (the exit status says so); in bf16 they are reported (kernels that
+round differently may break near-ties, after which sequences diverge).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="models")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--backends", default="torch_native,triton")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     m = Path(args.models)
@@ -31,31 +36,40 @@ def main() -> None:
              "eagle3-chain": SpeculativeConfig(method="eagle3", model=str(m / "specserve-tiny-eagle3"), num_steps=4),
              "eagle3-tree": SpeculativeConfig(method="eagle3", model=str(m / "specserve-tiny-eagle3"), num_steps=3,
                                               topk=3, num_draft_tokens=8)}
-    rows, ok = [], True
-    for spec_name, spec in specs.items():
-        ref = None
-        for prefill, decode, verify in [("torch_native", "torch_native", "decode"), ("triton", "triton", "decode"),
-                                        ("triton", "triton", "prefill"), ("torch_native", "triton", "decode"),
-                                        ("triton", "torch_native", "decode")]:
+    names = args.backends.split(",")
+    configs = [(p, d, "decode") for p in names for d in names] + [(n, n, "prefill") for n in names if n != "torch_native"]
+    configs.sort(key=lambda c: c != ("torch_native", "torch_native", "decode"))  # the reference first
+    rows, ok, ref, no_spec = [], True, {}, {}
+    for prefill, decode, verify in configs:
+        for spec_name, spec in specs.items():
             eng = Engine(EngineConfig(model=str(m / "specserve-tiny"), device="cuda", dtype=args.dtype,
                                       max_model_len=1024, kv_cache_tokens=16384, prefill_attention_backend=prefill,
                                       decode_attention_backend=decode, verify_attention_mode=verify,
                                       speculative_config=spec))
             out = eng.generate(prompts, params)
             toks = [o.token_ids for o in out]
-            ref = toks if ref is None else ref
-            same = toks == ref
-            ok &= same or args.dtype != "float32"
+            ref.setdefault(spec_name, toks)
+            no_spec.setdefault((prefill, decode, verify), toks)
+            base = no_spec[(prefill, decode, verify)]
+            same_ref, same_nospec = toks == ref[spec_name], toks == base
+            ok &= (same_ref and same_nospec) or args.dtype != "float32"
             acc = None
             if spec is not None:
                 acc = round(1 + sum(o.spec["num_accepted_tokens"] for o in out) / sum(o.spec["num_drafts"] for o in out), 3)
             rows.append({"spec": spec_name, "prefill": prefill, "decode": decode, "verify_mode": verify,
-                         "tokens_equal_torch_native": same, "accept_length": acc})
+                         "tokens_equal_torch_native": same_ref, "tokens_equal_spec_off": same_nospec,
+                         "token_match_spec_off": round(_match(toks, base), 4), "accept_length": acc})
             print(rows[-1], flush=True)
             del eng
     if args.json:
         Path(args.json).write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2))
     sys.exit(0 if ok else 1)
+
+
+def _match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions equal (a divergence makes the rest of a sequence differ)."""
+    same = sum(x == y for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+    return same / max(1, sum(len(s) for s in b))
 
 
 if __name__ == "__main__":

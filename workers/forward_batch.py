@@ -35,7 +35,10 @@ class ForwardMode(enum.Enum):
 
 @dataclass
 class ForwardBatch:
-    """Device tensors for one forward pass plus the host copies the scheduler already knew (no device sync).
+    """Device tensors for one forward pass plus what the host already knew (no device sync).
+
+    ``extend_lens_cpu`` (the batch's shape) is always known on the host; ``seq_lens_cpu`` is None when the lengths
+    exist only on the device (speculative rounds, CUDA-graph capture and replay), and backends must not need it then.
 
     Layout: requests are concatenated; request ``b`` owns tokens ``extend_start[b] : extend_start[b] + extend_lens[b]``
     which are stored at KV positions ``seq_lens[b] - extend_lens[b] ...  seq_lens[b] - 1``.
@@ -52,9 +55,8 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [N] int64, token rows whose logits are needed
     kv_cache: KVCache
     page_table: PageTable
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int] | None
     extend_lens_cpu: list[int]
-    req_slots_cpu: list[int]
     # Speculative block mask, [B, n, L] bool: the n new tokens against the last L positions of each sequence
     # (verify: L = n draft nodes, row i sees its ancestors and itself; draft steps: the scratch area). Positions
     # before the block are always visible. None = causal.
@@ -65,7 +67,7 @@ class ForwardBatch:
 
     @property
     def batch_size(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.extend_lens_cpu)
 
     @property
     def num_tokens(self) -> int:
@@ -76,8 +78,8 @@ class ForwardBatch:
         cls,
         mode: ForwardMode,
         input_ids: list[int] | torch.Tensor,
-        req_slots: list[int],
-        seq_lens: list[int],
+        req_slots: list[int] | torch.Tensor,
+        seq_lens: list[int] | torch.Tensor,
         extend_lens: list[int],
         kv_cache: KVCache,
         page_table: PageTable,
@@ -117,9 +119,44 @@ class ForwardBatch:
             logits_indices=logits_idx,
             kv_cache=kv_cache,
             page_table=page_table,
-            seq_lens_cpu=list(seq_lens),
+            seq_lens_cpu=None if isinstance(seq_lens, torch.Tensor) else list(seq_lens),
             extend_lens_cpu=list(extend_lens),
-            req_slots_cpu=list(req_slots),
             tree_mask=tree_mask,
             capture_hidden=capture_hidden,
         )
+
+    @classmethod
+    def build_steps(
+        cls,
+        mode: ForwardMode,
+        req_slots: list[int] | torch.Tensor,
+        seq_lens_per_step: list[list[int]] | torch.Tensor,
+        tokens_per_request: int,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        page_table: PageTable,
+    ) -> list["ForwardBatch"]:
+        """The batches of every step of a multi-step draft round, from ONE ``build`` over the steps stacked as
+        consecutive batches; step ``i`` gets views of the stacked tensors. ``seq_lens_per_step``: [steps][B] (host or
+device); ``positions``: [steps, B * tokens].
+        Each step's ``input_ids`` (and ``tree_mask``) are filled in when the previous step has produced them."""
+        steps, b, k = len(seq_lens_per_step), len(req_slots), tokens_per_request
+        on_host = not isinstance(seq_lens_per_step, torch.Tensor)
+        flat_lens = [x for lens in seq_lens_per_step for x in lens] if on_host else seq_lens_per_step.reshape(-1)
+        slots = list(req_slots) * steps if isinstance(req_slots, list) else req_slots.repeat(steps)
+        stacked = cls.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=positions.device),
+                            slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
+                            positions=positions.reshape(-1), logits_indices=torch.arange(b * k, device=positions.device))
+        tok, req = slice(0, b * k), slice(0, b)
+        batches = []
+        for i in range(steps):
+            tok_i, req_i = slice(i * b * k, (i + 1) * b * k), slice(i * b, (i + 1) * b)
+            batches.append(cls(
+                mode=mode, input_ids=stacked.input_ids[tok_i], positions=stacked.positions[tok_i],
+                req_slots=stacked.req_slots[req_i], seq_lens=stacked.seq_lens[req_i],
+                extend_lens=stacked.extend_lens[req], extend_start=stacked.extend_start[req],
+                out_cache_loc=stacked.out_cache_loc[tok_i], logits_indices=stacked.logits_indices[tok],
+                kv_cache=kv_cache, page_table=page_table,
+                seq_lens_cpu=list(seq_lens_per_step[i]) if on_host else None, extend_lens_cpu=[k] * b,
+            ))
+        return batches

@@ -69,3 +69,6 @@ class ModelRunner:
 
     def new_batch(self, *args, page_table: PageTable, **kwargs) -> ForwardBatch:
         return ForwardBatch.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
+
+    def build_steps(self, *args, page_table: PageTable, **kwargs) -> list[ForwardBatch]:
+        return ForwardBatch.build_steps(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)

@@ -6,6 +6,7 @@ function of logits, seeds and counters), and the controller reads rank 0's ``Ste
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -14,11 +15,15 @@ import torch.distributed as dist
 
 from deployments.config import EngineConfig
 from workers.forward_batch import ForwardMode, to_device
+from workers.graph_runner import GraphRunner, StaticInputs, batch_buckets
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
 from workers.sampling import SamplingTensors, sample
+from speculative.proposers import RoundInputs, shift_lens
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -111,6 +116,9 @@ class Worker:
             self.proposer = make_proposer(self, spec)
             self.lookahead = self.proposer.lookahead
         self.page_table: PageTable | None = None
+        self.pad_slot = cfg.max_num_seqs  # the page-table row (all page 0) padded graph rows use
+        self.graphs: GraphRunner | None = None
+        self.static: StaticInputs | None = None
 
     # ---- KV sizing -------------------------------------------------------------------------------------------
     def kv_capacity_pages(self) -> int:
@@ -140,7 +148,49 @@ class Worker:
         if self.proposer is not None:
             self.proposer.allocate_kv(num_pages, page)
         max_pages_per_req = -(-(self.max_model_len + self.lookahead) // page)
-        self.page_table = PageTable(self.cfg.max_num_seqs, max_pages_per_req, page, self.device)
+        self.page_table = PageTable(self.cfg.max_num_seqs + 1, max_pages_per_req, page, self.device)
+        if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
+            if "flashinfer" in (self.cfg.prefill_attention_backend, self.cfg.decode_attention_backend):
+                # FlashInfer plans each batch on the host from its lengths, which a graph replay does not redo
+                logger.warning("CUDA graphs are off: the flashinfer backend plans on the host; use triton for graphs")
+            else:
+                self.capture_graphs()
+
+    # ---- CUDA graphs -----------------------------------------------------------------------------------------
+    def _graph_callables(self, bucket: int, greedy: bool) -> dict[str, object]:
+        """What one bucket captures: name → callable over the static inputs."""
+        if self.proposer is None:
+            return {"decode": lambda: self._decode(self._static_inputs(bucket, greedy))}
+        if self.cfg.fuse_speculative_round:
+            return {"round": lambda: self._round(self._static_inputs(bucket, greedy))}
+        state: dict = {}  # tensors the phases hand to each other (outputs of the previous phase's graph)
+
+        def draft():
+            state["inp"] = inp = self._static_inputs(bucket, greedy)
+            state["tree"] = self.proposer.propose(inp)
+
+        def verify():
+            state["verified"] = self._verify(state["inp"], state["tree"])
+
+        return {"draft": draft, "verify": verify,
+                "draft_extend": lambda: self._finish_round(state["inp"], state["tree"], *state["verified"])}
+
+    def capture_graphs(self) -> None:
+        """Capture every bucket (largest first, so smaller graphs reuse its pool memory) and both variants."""
+        from tqdm import tqdm
+
+        buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
+        draft_cols = self.proposer.num_steps if self.proposer is not None else 0
+        self.static = StaticInputs(buckets[-1], draft_cols, self.pad_slot, self.device)
+        self.graphs = GraphRunner(self.device)
+        self.graph_phases = {}
+        jobs = [(b, g) for b in reversed(buckets) for g in (True, False)]
+        for bucket, greedy in tqdm(jobs, desc="capturing CUDA graphs", disable=self.rank != 0):
+            phases = self._graph_callables(bucket, greedy)
+            for name, fn in phases.items():
+                self.graphs.capture((name, bucket, greedy), fn)
+            self.graph_phases[(bucket, greedy)] = list(phases)
+        self.graph_buckets = buckets
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
@@ -154,8 +204,8 @@ class Worker:
     @torch.inference_mode()
     def execute(self, step: WorkerStep) -> StepResult:
         self._apply_pages(step)
-        if self.proposer is not None and step.mode == ForwardMode.DECODE:
-            return self._speculative_round(step)
+        if step.mode == ForwardMode.DECODE:
+            return self._decode_step(step)
         fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
                                    page_table=self.page_table)
         sampling = self._sampling(step)
@@ -171,18 +221,64 @@ class Worker:
         fn = getattr(self.proposer, "target_features", None)
         return fn(fb, hidden) if fn else hidden
 
-    def _speculative_round(self, step: WorkerStep) -> StepResult:
-        """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; one host sync at the end."""
+    # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
+    def _decode_step(self, step: WorkerStep) -> StepResult:
+        b = len(step.req_slots)
+        greedy = all(t <= 0 for t in step.temperature)
+        bucket = next((x for x in self.graph_buckets if x >= b), None) if self.graphs is not None else None
+        if bucket is None:
+            inp = self._eager_inputs(step)
+            out = self._decode(inp) if self.proposer is None else self._round(inp)
+        else:
+            self.static.fill(step, bucket)
+            for name in self.graph_phases[(bucket, greedy)]:  # the last phase returns the step's outputs
+                out = self.graphs.replay((name, bucket, greedy))
+        if self.proposer is None:
+            ids, lps = to_host(out[0][:b], out[1][:b])
+            return StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in lps])
+        accept, tokens, logprobs = to_host(*(t[:b] for t in out))
+        accept = [int(a) for a in accept]
+        d = self.proposer.num_draft_tokens
+        return StepResult(
+            tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
+            logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
+            spec=[(d - 1, list(range(a))) for a in accept],
+        )
+
+    def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
+        seq = to_device(step.seq_lens, torch.int64, self.device)
+        drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
+        return RoundInputs(root=to_device(step.input_ids, torch.int64, self.device),
+                           req_slots=to_device(step.req_slots, torch.int64, self.device), seq_lens=list(step.seq_lens),
+                           root_pos=seq - 1, sampling=self._sampling(step), drafts=drafts)
+
+    def _static_inputs(self, bucket: int, greedy: bool) -> RoundInputs:
+        st = self.static
+        seq = st.column("seq_lens", bucket)
+        return RoundInputs(root=st.column("root", bucket), req_slots=st.column("req_slots", bucket), seq_lens=seq,
+                           root_pos=seq - 1, sampling=st.sampling(bucket, greedy),
+                           drafts=st.drafts(bucket) if self.proposer is not None else None)
+
+    def _decode(self, inp) -> tuple[torch.Tensor, torch.Tensor]:
+        """One DECODE forward and sampling: (ids [B], logprobs [B])."""
+        fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
+                                   page_table=self.page_table, positions=inp.root_pos)
+        hidden = self.target.forward(fb)
+        return sample(self.target.logits(hidden[fb.logits_indices]), inp.sampling)
+
+    def _round(self, inp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; nothing leaves the device.
+        Returns (accept_len [B], out_tokens [B, S+1], out_logprobs [B, S+1])."""
+        tree = self.proposer.propose(inp)
+        verdict, features = self._verify(inp, tree)
+        return self._finish_round(inp, tree, verdict, features)
+
+    def _verify(self, inp, tree):
         from speculative.verify import simulated_acceptance, verify_tree
 
-        b = len(step.req_slots)
-        root = to_device(step.input_ids, torch.int64, self.device)
-        m = to_device(step.seq_lens, torch.int64, self.device) - 1  # root position
-        sampling = self._sampling(step)
-        tree = self.proposer.propose(step, root, m)
-        d = tree.num_nodes
+        b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
         fb = self.target.new_batch(
-            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), step.req_slots, [x - 1 + d for x in step.seq_lens],
+            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, shift_lens(inp.seq_lens, d - 1),
             [d] * b, page_table=self.page_table, positions=(m.unsqueeze(1) + tree.depths).reshape(-1),
             logits_indices=torch.arange(b * d, device=self.device), tree_mask=tree.mask,
         )
@@ -190,24 +286,21 @@ class Worker:
         logits = self.target.logits(hidden).view(b, d, -1)
         simulated = self.cfg.speculative_config.simulated_accept_length
         if simulated is None:
-            verdict = verify_tree(tree, logits, sampling, self.proposer.max_depth)
+            verdict = verify_tree(tree, logits, inp.sampling, self.proposer.max_depth)
         else:
-            verdict = simulated_acceptance(tree, logits, sampling, self.proposer.max_depth, simulated)
+            verdict = simulated_acceptance(tree, logits, inp.sampling, self.proposer.max_depth, simulated)
         if self.proposer.topk > 1:  # tree: accepted nodes move to positions m, m+1, ... (a chain already is there)
             depth = torch.arange(verdict.path.shape[1], device=self.device)
-            slots = fb.req_slots.unsqueeze(1).expand_as(verdict.path)
+            slots = inp.req_slots.unsqueeze(1).expand_as(verdict.path)
             src = self.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
             dst = self.page_table.slots(slots, m.unsqueeze(1) + depth)
             keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
             self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
-        self.proposer.after_verify(step, m, tree, verdict, self._features(fb, hidden))
-        accept, tokens, logprobs = to_host(verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
-        accept = [int(a) for a in accept]
-        return StepResult(
-            tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
-            logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
-            spec=[(d - 1, list(range(a))) for a in accept],
-        )
+        return verdict, self._features(fb, hidden)
+
+    def _finish_round(self, inp, tree, verdict, features):
+        self.proposer.after_verify(inp, tree, verdict, features)
+        return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
         if self.tp.size > 1 and dist.is_initialized():

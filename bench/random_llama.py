@@ -1,0 +1,78 @@
+"""Random-weight checkpoints of real Llama shapes for GPU benchmarks (HF names, bf16 safetensors, one shard per layer,
+a word-level tokenizer covering the whole vocabulary), written from the GPU's random generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8192}
+SHAPES = {
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
+                         rope_scaling=dict(_ROPE, factor=8.0)),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                         rope_scaling=dict(_ROPE, factor=32.0)),
+}
+
+
+def weight_bytes_per_token(shape: str) -> int:
+    """Bytes of weights one decode step reads (bf16): every matrix once, the embedding table only as the tied head."""
+    c = SHAPES[shape]
+    h, inter, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    per_layer = 2 * h * h + 2 * kv * h + 3 * h * inter + 2 * h
+    return 2 * (layers * per_layer + v * h + h)
+
+
+def save_tokenizer(path: Path, vocab: int) -> None:
+    """A word-level tokenizer with one token per id ("<i>"), so every sampled id decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<1>", eos_token="<2>", unk_token="<0>").save_pretrained(
+        str(path))
+
+
+def write_checkpoint(path: Path, shape: str = "llama-3.1-8b", layers: int | None = None) -> Path:
+    from safetensors.torch import save_file
+
+    cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
+               bos_token_id=1, eos_token_id=2, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0)
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
+    path.mkdir(parents=True, exist_ok=True)
+    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator(device=dev).manual_seed(0)
+    rnd = lambda *s: (torch.randn(*s, generator=g, device=dev) * s[-1] ** -0.5).to(torch.bfloat16).cpu()  # noqa: E731
+    ones = lambda n: torch.ones(n, dtype=torch.bfloat16)  # noqa: E731
+    weight_map = {}
+
+    def save(name: str, tensors: dict) -> None:
+        save_file(tensors, str(path / name))
+        weight_map.update({k: name for k in tensors})
+
+    head = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": ones(h)}
+    if not cfg["tie_word_embeddings"]:
+        head["lm_head.weight"] = rnd(v, h)
+    save("embed.safetensors", head)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        save(f"layer{i:02d}.safetensors", {
+            p + "self_attn.q_proj.weight": rnd(h, h), p + "self_attn.k_proj.weight": rnd(kv, h),
+            p + "self_attn.v_proj.weight": rnd(kv, h), p + "self_attn.o_proj.weight": rnd(h, h),
+            p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
+            p + "mlp.down_proj.weight": rnd(h, inter),
+            p + "input_layernorm.weight": ones(h), p + "post_attention_layernorm.weight": ones(h)})
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    save_tokenizer(path, v)
+    return path

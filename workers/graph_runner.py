@@ -1,0 +1,105 @@
+"""CUDA graphs: one runner for every captured mode.
+
+A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
+filled with two host→device copies per step) and returns device tensors that stay valid until its next replay. The
+worker captures, per batch-size bucket and greedy/sampling variant: the plain DECODE step (forward + sampling), and
+for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY + acceptance + KV compaction
++ DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
+Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from workers.sampling import SamplingTensors
+
+INT_FIELDS = ("root", "req_slots", "seq_lens", "top_k", "seeds", "counters")  # then the n-gram draft columns
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256 (what a padded batch is rounded up to)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+    return [b for b in sizes if b < max_bs] + [max_bs]
+
+
+class StaticInputs:
+    """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``."""
+
+    def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device):
+        self.pad_slot = pad_slot
+        self.ints = torch.zeros(max_bs, len(INT_FIELDS) + num_draft_cols, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(max_bs, len(FLOAT_FIELDS), dtype=torch.float32, device=device)
+        self._fill_rows(self.ints, self.floats, 0, max_bs)
+
+    def _fill_rows(self, ints, floats, lo, hi) -> None:
+        ints[lo:hi] = 0
+        ints[lo:hi, INT_FIELDS.index("req_slots")] = self.pad_slot
+        ints[lo:hi, INT_FIELDS.index("seq_lens")] = 1
+        floats[lo:hi] = torch.tensor([0.0, 1.0, 0.0])  # greedy, top_p off, min_p off
+
+    def fill(self, step, bucket: int) -> None:
+        """Copy the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies."""
+        b = len(step.req_slots)
+        cols = [step.input_ids, step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters]
+        ints = torch.zeros(bucket, self.ints.shape[1], dtype=torch.int64)
+        ints[:b, : len(INT_FIELDS)] = torch.tensor(cols, dtype=torch.int64).T
+        if step.draft_tokens is not None:
+            ints[:b, len(INT_FIELDS):] = torch.tensor(step.draft_tokens, dtype=torch.int64)
+        floats = torch.empty(bucket, len(FLOAT_FIELDS), dtype=torch.float32)
+        floats[:b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32).T
+        self._fill_rows(ints, floats, b, bucket)
+        pinned = self.ints.device.type == "cuda"
+        self.ints[:bucket].copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
+        self.floats[:bucket].copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
+
+    def column(self, name: str, bucket: int) -> torch.Tensor:
+        if name in INT_FIELDS:
+            return self.ints[:bucket, INT_FIELDS.index(name)].contiguous()
+        return self.floats[:bucket, FLOAT_FIELDS.index(name)].contiguous()
+
+    def sampling(self, bucket: int, all_greedy: bool) -> SamplingTensors:
+        c = lambda n: self.column(n, bucket)  # noqa: E731
+        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), c("counters"),
+                               all_greedy=all_greedy)
+
+    def drafts(self, bucket: int) -> torch.Tensor:
+        return self.ints[:bucket, len(INT_FIELDS):].contiguous()
+
+
+class GraphRunner:
+    """Captured graphs keyed by (name, bucket, greedy); one shared memory pool. On a CPU the callables are kept and
+    run as they are (the same static-buffer, padded path without graphs; the tests exercise it that way)."""
+
+    def __init__(self, device: torch.device):
+        self.use_graphs = device.type == "cuda"
+        self.pool = None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, object]] = {}
+        self.num_replays = 0
+
+    def capture(self, key: tuple, fn: Callable[[], object]) -> None:
+        if not self.use_graphs:
+            self.graphs[key] = (None, fn)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks kernels) outside the capture
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+
+    def replay(self, key: tuple):
+        graph, out = self.graphs[key]
+        self.num_replays += 1
+        if graph is None:
+            return out()
+        graph.replay()
+        return out
