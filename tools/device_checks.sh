@@ -6,7 +6,9 @@ set -uo pipefail
 stage=$1
 R=$OUT/r
 mkdir -p "$R"
-run() { echo "=== $*"; timeout "${T:-900}" "$@" 2>&1 | grep -v -E "Warning|warn\(" | tail -n 60; }
+# each command's results are packed as soon as it ends: a stage cut off by the call's limit keeps what it finished
+run() { echo "=== $*"; timeout "${T:-900}" "$@" 2>&1 | grep -v -E "Warning|warn\(" | tail -n 60
+        tar czf "$OUT/results_$stage.tgz" -C "$R" .; }
 case $stage in
   flashinfer)
     run python3 tools/check_attention.py --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
@@ -28,4 +30,4 @@ case $stage in
     run python3 bench/gpu_perf.py --shape llama-3.2-1b --out "$R/gpu_perf_llama1b_h100"
     ;;
 esac
-tar czf "$OUT/results_$stage.tgz" -C "$R" . && rm -rf "$R"
+rm -rf "$R"
