@@ -175,6 +175,7 @@ class Worker:
         return {"draft": draft, "verify": verify,
                 "draft_extend": lambda: self._finish_round(state["inp"], state["tree"], *state["verified"])}
 
+    @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture every bucket (largest first, so smaller graphs reuse its pool memory) and both variants."""
         from tqdm import tqdm
