@@ -136,7 +136,7 @@ def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     name = "triton"
     min_chunk = 256  # fewest KV positions a decode-style split takes
-    programs_per_sm = 4  # decode family: enough (request, head, split) programs to fill the GPU this many times
+    programs_per_sm = 32  # decode family: (request, head, split) programs per SM, to hide memory latency
 
     def __init__(self, verify_attention_mode: str = "decode", max_splits: int = 128):
         self.verify_attention_mode = verify_attention_mode
