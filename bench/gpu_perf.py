@@ -49,7 +49,7 @@ class Suite:
         from deployments.config import EngineConfig
         from deployments.engine import Engine
 
-        kw = {"max_model_len": 4096, "max_num_seqs": 256, "cuda_graph_max_bs": 256, "gpu_memory_utilization": 0.85,
+        kw = {"max_model_len": 4096, "max_num_seqs": 256, "cuda_graph_max_bs": 256, "gpu_memory_utilization": 0.8,
               "prefill_attention_backend": "triton", "decode_attention_backend": "triton", **kw}
         return Engine(EngineConfig(model=str(self.ckpt), device="cuda", dtype="bfloat16", speculative_config=spec,
                                    **kw))

@@ -2,7 +2,7 @@
 
 A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
 filled with two host→device copies per step) and returns device tensors that stay valid until its next replay. The
-worker captures, per batch-size bucket and greedy/sampling variant: the plain DECODE step (forward + sampling), and
+worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step (forward + sampling), and
 for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY + acceptance + KV compaction
 + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
 Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
@@ -33,13 +33,19 @@ class StaticInputs:
         self.pad_slot = pad_slot
         self.ints = torch.zeros(max_bs, len(INT_FIELDS) + num_draft_cols, dtype=torch.int64, device=device)
         self.floats = torch.zeros(max_bs, len(FLOAT_FIELDS), dtype=torch.float32, device=device)
-        self._fill_rows(self.ints, self.floats, 0, max_bs)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every row a padding row (graphs are captured on these)."""
+        self._fill_rows(self.ints, self.floats, 0, self.ints.shape[0])
 
     def _fill_rows(self, ints, floats, lo, hi) -> None:
         ints[lo:hi] = 0
         ints[lo:hi, INT_FIELDS.index("req_slots")] = self.pad_slot
         ints[lo:hi, INT_FIELDS.index("seq_lens")] = 1
-        floats[lo:hi] = torch.tensor([0.0, 1.0, 0.0])  # greedy, top_p off, min_p off
+        floats[lo:hi, FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
+        floats[lo:hi, FLOAT_FIELDS.index("temperature")] = 0.0
+        floats[lo:hi, FLOAT_FIELDS.index("min_p")] = 0.0
 
     def fill(self, step, bucket: int) -> None:
         """Copy the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies."""

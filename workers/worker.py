@@ -177,7 +177,8 @@ class Worker:
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
-        """Capture every bucket (largest first, so smaller graphs reuse its pool memory) and both variants."""
+        """Capture the greedy graphs of every bucket now (largest first, so smaller graphs reuse its pool memory);
+        the sampling variant of a bucket (its top-k/top-p sort needs much more memory) on its first use."""
         from tqdm import tqdm
 
         buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
@@ -185,13 +186,17 @@ class Worker:
         self.static = StaticInputs(buckets[-1], draft_cols, self.pad_slot, self.device)
         self.graphs = GraphRunner(self.device)
         self.graph_phases = {}
-        jobs = [(b, g) for b in reversed(buckets) for g in (True, False)]
-        for bucket, greedy in tqdm(jobs, desc="capturing CUDA graphs", disable=self.rank != 0):
-            phases = self._graph_callables(bucket, greedy)
-            for name, fn in phases.items():
-                self.graphs.capture((name, bucket, greedy), fn)
-            self.graph_phases[(bucket, greedy)] = list(phases)
         self.graph_buckets = buckets
+        for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
+            self._capture(bucket, greedy=True)
+
+    def _capture(self, bucket: int, greedy: bool) -> None:
+        """Capture one bucket's graphs on padding rows (a capture runs its callables three times)."""
+        self.static.reset()
+        phases = self._graph_callables(bucket, greedy)
+        for name, fn in phases.items():
+            self.graphs.capture((name, bucket, greedy), fn)
+        self.graph_phases[(bucket, greedy)] = list(phases)
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
@@ -231,6 +236,8 @@ class Worker:
             inp = self._eager_inputs(step)
             out = self._decode(inp) if self.proposer is None else self._round(inp)
         else:
+            if (bucket, greedy) not in self.graph_phases:
+                self._capture(bucket, greedy)
             self.static.fill(step, bucket)
             for name in self.graph_phases[(bucket, greedy)]:  # the last phase returns the step's outputs
                 out = self.graphs.replay((name, bucket, greedy))
