@@ -17,6 +17,7 @@ timestamps after each request's first token (prefill excluded).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -95,6 +96,7 @@ class Suite:
                 row["graph_replay_ms"] = round(self.replay_ms(eng), 3)
                 row["graph_replay_vs_floor"] = round(row["graph_replay_ms"] / floor_ms, 3)
             del eng
+            gc.collect()  # graphs and their closures form cycles with the worker
             torch.cuda.empty_cache()
             self.results["bs1"] = row
             self.save()
@@ -147,6 +149,7 @@ class Suite:
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
         del m
+        gc.collect()
         torch.cuda.empty_cache()
         return (times[1] - times[0]) / (n - n // 4) * 1e3
 
@@ -181,6 +184,7 @@ class Suite:
                 print(name, sweep[name][-1], flush=True)
                 self.save()
             del eng
+            gc.collect()  # graphs and their closures form cycles with the worker
             torch.cuda.empty_cache()
         by = {name: {r["batch_size"]: r for r in rows} for name, rows in sweep.items()}
         chain = f"eagle3_chain{a.spec_steps}"
