@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from workers.fused_ops import rms_norm
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Plain norm, or fused add-then-norm returning (normed, new_residual)."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        xf = x.float()
-        out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
-        return out if residual is None else (out, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -216,10 +214,3 @@ def rope_cos_sin(head_dim: int, max_pos: int, theta: float, scaling: dict | None
         inv_freq = inv_freq / float(scaling["factor"])
     freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return freqs.cos(), freqs.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [T, heads, head_dim]; cos/sin: [T, head_dim // 2]."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -16,9 +16,9 @@ from workers.layers import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
-    apply_rope,
     rope_cos_sin,
 )
+from workers.fused_ops import apply_rope_qk, silu_and_mul
 from workers.model_config import ModelConfig
 
 
@@ -49,7 +49,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin)
         out = fb.attn_backend.forward(q, k, v, s, fb)
         return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
 
@@ -61,8 +61,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

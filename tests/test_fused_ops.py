@@ -1,0 +1,51 @@
+"""The fused Triton ops (run on the CPU through Triton's interpreter, in a subprocess) against their PyTorch
+references: add + RMSNorm, SiLU-and-multiply, RoPE on strided q/k views of a fused qkv; fp32 and bf16."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def check() -> None:
+    import torch
+
+    from workers.fused_ops import (apply_rope_qk, rms_norm, rms_norm_reference, rope_reference, silu_and_mul)
+
+    g = torch.Generator().manual_seed(0)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x, r = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
+        w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+        out, res = rms_norm(x, w, 1e-6, r)
+        ref_out, ref_res = rms_norm_reference(x, w, 1e-6, r)
+        assert torch.allclose(res.float(), ref_res.float(), atol=tol, rtol=tol)
+        assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol), (out - ref_out).abs().max()
+        assert torch.allclose(rms_norm(x, w, 1e-6).float(), rms_norm_reference(x, w, 1e-6).float(), atol=tol, rtol=tol)
+        gu = torch.randn(5, 2 * 80, generator=g).to(dtype)
+        gate, up = gu.chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        assert torch.allclose(silu_and_mul(gu).float(), ref.float(), atol=tol, rtol=tol)
+        qkv = torch.randn(5, (4 + 2 + 2) * 32, generator=g).to(dtype)  # q, k, v of 4 / 2 / 2 heads, head_dim 32
+        q, k, _ = qkv.split([128, 64, 64], dim=-1)
+        q, k = q.view(5, 4, 32), k.view(5, 2, 32)
+        ang = torch.rand(5, 16, generator=g) * 6
+        qo, ko = apply_rope_qk(q, k, ang.cos(), ang.sin())
+        assert torch.allclose(qo.float(), rope_reference(q, ang.cos(), ang.sin()).float(), atol=tol, rtol=tol)
+        assert torch.allclose(ko.float(), rope_reference(k, ang.cos(), ang.sin()).float(), atol=tol, rtol=tol)
+    print("fused ops ok")
+
+
+def test_fused_ops_match_reference_in_interpreter():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "fused ops ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    check()
