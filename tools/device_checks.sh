@@ -24,10 +24,13 @@ case $stage in
     run python3 bench/verify_attention.py --out "$R/verify_attention_h100"
     ;;
   perf8b)
-    run python3 bench/gpu_perf.py --shape llama-3.1-8b --out "$R/gpu_perf_llama8b_h100"
+    run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"
+    run python3 bench/verify_attention.py --out "$R/verify_attention_h100"
+    run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"
     ;;
   perf1b)
     run python3 bench/gpu_perf.py --shape llama-3.2-1b --out "$R/gpu_perf_llama1b_h100"
+    run python3 bench/gpu_perf.py --shape llama-3.1-8b --parts bs1 --out "$R/gpu_perf_llama8b_hf_h100"
     ;;
 esac
 rm -rf "$R"
