@@ -99,6 +99,7 @@ class GraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             out = fn()
+        graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
         self.pool = graph.pool()
         self.graphs[key] = (graph, out)
 
