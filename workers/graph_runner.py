@@ -97,7 +97,8 @@ class GraphRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the NCCL watchdog thread keeps polling its events while a TP rank captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
         self.pool = graph.pool()
