@@ -153,6 +153,10 @@ class Worker:
             if "flashinfer" in (self.cfg.prefill_attention_backend, self.cfg.decode_attention_backend):
                 # FlashInfer plans each batch on the host from its lengths, which a graph replay does not redo
                 logger.warning("CUDA graphs are off: the flashinfer backend plans on the host; use triton for graphs")
+            elif self.tp.size > 1:
+                # measured on 2xH200: both ranks capture, then the first replays hang in the c10d NCCL all-reduce
+                logger.warning("CUDA graphs are off for tensor_parallel_size > 1 (replays of captured c10d NCCL "
+                               "all-reduces hang); TP runs eagerly")
             else:
                 self.capture_graphs()
 
