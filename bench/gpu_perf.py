@@ -37,7 +37,7 @@ class Suite:
     def __init__(self, args):
         self.args = args
         self.ckpt = Path(args.ckpt)
-        self.results = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
+        self.results = {"device": device_name("cuda") if torch.cuda.is_available() else "cpu", "commit": commit(), "command": "python " + " ".join(sys.argv),
                         "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
         self.out = Path(args.out)
         self.vocab = 0  # set once the checkpoint exists
@@ -139,19 +139,29 @@ class Suite:
             m.generation_config.cache_implementation = "static"
         n = self.args.new_tokens
         with torch.no_grad():
-            for _ in range(2 if compiled else 1):  # compile / warm-up
-                m.generate(ids, max_new_tokens=16, min_new_tokens=16, **kw)
-            times = []
-            for new in (n // 4, n):  # the difference cancels prefill
+            if compiled:  # a static cache is sized by max_new_tokens: warm up (compile) and time the same call;
+                # the time per token then includes one prompt prefill spread over n tokens
+                for _ in range(2):
+                    m.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                m.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+                m.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
                 torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
+                ms = (time.perf_counter() - t0) / n * 1e3
+            else:  # eager: the difference of two lengths cancels the prefill
+                m.generate(ids, max_new_tokens=16, min_new_tokens=16, **kw)
+                times = []
+                for new in (n // 4, n):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    m.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                ms = (times[1] - times[0]) / (n - n // 4) * 1e3
         del m
         gc.collect()
         torch.cuda.empty_cache()
-        return (times[1] - times[0]) / (n - n // 4) * 1e3
+        return ms
 
     # ---- 2-4. speculation ----------------------------------------------------------------------------------------
     def head(self) -> Path:
@@ -186,8 +196,17 @@ class Suite:
             del eng
             gc.collect()  # graphs and their closures form cycles with the worker
             torch.cuda.empty_cache()
+        self.summarize()
+        self.save()
+        print(self.results["summary"], flush=True)
+
+    def summarize(self) -> None:
+        """Ratios from the measured rows (per-round comparisons use ms per step: the simulated accept lengths of two
+        runs differ by chance, tokens per step with them)."""
+        a, sweep = self.args, self.results["throughput"]
         by = {name: {r["batch_size"]: r for r in rows} for name, rows in sweep.items()}
-        chain = f"eagle3_chain{a.spec_steps}"
+        chain = next(name for name in sweep if name.startswith("eagle3_chain"))
+        sizes = sorted(by["no_spec"])
         self.results["summary"] = {
             "accept_length_simulated": a.accept_length,
             f"{chain}_vs_no_spec_bs1": round(by[chain][1]["decode_tok_s"] / by["no_spec"][1]["decode_tok_s"], 3),
@@ -196,10 +215,8 @@ class Suite:
             "naive_fused_vs_no_spec_bs64": round(by["naive_fused"][64]["decode_tok_s"]
                                                  / by["no_spec"][64]["decode_tok_s"], 3),
             "spec_vs_no_spec_by_bs": {bs: round(by[chain][bs]["decode_tok_s"] / by["no_spec"][bs]["decode_tok_s"], 3)
-                                      for bs in sizes if bs in by[chain] and bs in by["no_spec"]},
+                                      for bs in sizes if bs in by[chain]},
         }
-        self.save()
-        print(self.results["summary"], flush=True)
 
     def report(self) -> None:
         r = self.results
@@ -272,9 +289,17 @@ def main() -> None:
     ap.add_argument("--parts", default="bs1,spec")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
     args.ckpt = args.ckpt or f"/tmp/{args.shape}-random"
     suite = Suite(args)
+    if args.report_only:
+        suite.results = json.loads(suite.out.with_suffix(".json").read_text())
+        if "throughput" in suite.results:
+            suite.summarize()
+            suite.save()
+        suite.report()
+        return
     if not (suite.ckpt / "config.json").is_file():
         t0 = time.time()
         write_checkpoint(suite.ckpt, args.shape)
