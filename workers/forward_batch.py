@@ -138,7 +138,7 @@ class ForwardBatch:
     ) -> list["ForwardBatch"]:
         """The batches of every step of a multi-step draft round, from ONE ``build`` over the steps stacked as
         consecutive batches; step ``i`` gets views of the stacked tensors. ``seq_lens_per_step``: [steps][B] (host or
-device); ``positions``: [steps, B * tokens].
+        device); ``positions``: [steps, B * tokens].
         Each step's ``input_ids`` (and ``tree_mask``) are filled in when the previous step has produced them."""
         steps, b, k = len(seq_lens_per_step), len(req_slots), tokens_per_request
         on_host = not isinstance(seq_lens_per_step, torch.Tensor)
