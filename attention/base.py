@@ -30,6 +30,8 @@ class AttentionBackend(ABC):
 
     #: which kernel family runs TARGET_VERIFY: "decode" (split-KV, the default) or "prefill"
     verify_attention_mode: str = "decode"
+    #: whether forwards can be captured in CUDA graphs (launches depend on no host-side sequence length)
+    supports_cuda_graph: bool = False
 
     def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         """Allocate persistent metadata buffers for CUDA graphs (backends without graph support keep none)."""

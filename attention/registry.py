@@ -34,6 +34,7 @@ class HybridBackend(AttentionBackend):
         self.prefill, self.decode = prefill, decode
         self.verify_attention_mode = verify_attention_mode
         self.name = f"hybrid({getattr(prefill, 'name', '?')}+{getattr(decode, 'name', '?')})"
+        self.supports_cuda_graph = prefill.supports_cuda_graph and decode.supports_cuda_graph
 
     def child(self, fb: ForwardBatch) -> AttentionBackend:
         return self.decode if uses_decode_kernel(fb.mode, self.verify_attention_mode) else self.prefill

@@ -135,6 +135,7 @@ def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 
 class TritonBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graph = True
     min_chunk = 256  # fewest KV positions a decode-style split takes
     programs_per_sm = 32  # decode family: (request, head, split) programs per SM, to hide memory latency
 

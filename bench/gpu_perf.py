@@ -76,6 +76,8 @@ class Suite:
             tokens += sum(len(o.new_token_ids) for o in outs)
             steps += 1
         end = time.perf_counter()
+        if not tokens:
+            raise ValueError("no decode steps after the last first token: raise --new-tokens")
         return {"batch_size": bs, "decode_tok_s": round(tokens / (end - start), 1),
                 "ms_per_token_per_request": round((end - start) / (tokens / bs) * 1e3, 3),
                 "ms_per_step": round((end - start) / steps * 1e3, 3), "decode_steps": steps}

@@ -64,6 +64,7 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
+    stamps = stamps or [end]  # no visible text at all: the first token is taken to arrive with the end
     return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens,
             "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
@@ -90,7 +91,7 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     await client.close()
 
     def stats(values: list[float]) -> dict:
-        v = sorted(values)
+        v = sorted(values) or [float("nan")]
         return {"mean_ms": round(statistics.fmean(v) * 1e3, 2), "median_ms": round(statistics.median(v) * 1e3, 2),
                 "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3, 2)}
 

@@ -64,6 +64,11 @@ class Proposer:
     def max_depth(self) -> int:
         return self.num_steps
 
+    @property
+    def tree_size(self) -> int:
+        """Nodes verified per round, the root included (a host-drafted chain: root + num_steps)."""
+        return self.num_steps + 1
+
     def kv_bytes_per_token(self) -> int:
         return 0
 
@@ -91,6 +96,10 @@ class _ModelProposer(Proposer):
 
     runner = None
     scratch_offset = 0  # first scratch position relative to m
+
+    @property
+    def tree_size(self) -> int:
+        return self.num_draft_tokens
 
     def kv_bytes_per_token(self) -> int:
         return self.runner.kv_bytes_per_token

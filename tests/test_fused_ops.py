@@ -15,8 +15,10 @@ pytest.importorskip("triton")
 def check() -> None:
     import torch
 
+    from workers import fused_ops
     from workers.fused_ops import (apply_rope_qk, rms_norm, rms_norm_reference, rope_reference, silu_and_mul)
 
+    assert fused_ops._triton_for(torch.zeros(1))  # the Triton kernels run here, not the references
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         x, r = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
@@ -26,7 +28,7 @@ def check() -> None:
         assert torch.allclose(res.float(), ref_res.float(), atol=tol, rtol=tol)
         assert torch.allclose(out.float(), ref_out.float(), atol=tol, rtol=tol), (out - ref_out).abs().max()
         assert torch.allclose(rms_norm(x, w, 1e-6).float(), rms_norm_reference(x, w, 1e-6).float(), atol=tol, rtol=tol)
-        gu = torch.randn(5, 2 * 80, generator=g).to(dtype)
+        gu = torch.randn(5, 2 * 1536, generator=g).to(dtype)  # two column blocks of 1024
         gate, up = gu.chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
         assert torch.allclose(silu_and_mul(gu).float(), ref.float(), atol=tol, rtol=tol)
@@ -37,6 +39,11 @@ def check() -> None:
         qo, ko = apply_rope_qk(q, k, ang.cos(), ang.sin())
         assert torch.allclose(qo.float(), rope_reference(q, ang.cos(), ang.sin()).float(), atol=tol, rtol=tol)
         assert torch.allclose(ko.float(), rope_reference(k, ang.cos(), ang.sin()).float(), atol=tol, rtol=tol)
+    empty = torch.zeros(0, 96)  # empty batches launch nothing
+    assert rms_norm(empty, torch.ones(96), 1e-6).shape == (0, 96) and silu_and_mul(torch.zeros(0, 8)).shape == (0, 4)
+    strided = torch.randn(4, 192, generator=g)[:, :96]  # rows of a wider tensor
+    assert torch.allclose(rms_norm(strided, torch.ones(96), 1e-6), rms_norm_reference(strided, torch.ones(96), 1e-6),
+                          atol=1e-5)
     print("fused ops ok")
 
 

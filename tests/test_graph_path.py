@@ -30,7 +30,10 @@ def _run(target, spec, params, prompts, graphs: bool, **kw):
     if graphs:  # every bucket and both variants were captured; real rows never got the pad slot's page
         phases = len(next(iter(worker.graph_phases.values())))
         assert len(worker.graphs.graphs) == len(worker.graph_phases) * phases
-        assert len(worker.graph_phases) == len(worker.graph_buckets) + (params.temperature > 0)  # sampled: lazily
+        greedy = {b for b, g in worker.graph_phases if g}
+        sampled = {b for b, g in worker.graph_phases if not g}
+        assert greedy == set(worker.graph_buckets)  # all captured at start
+        assert bool(sampled) == (params.temperature > 0) and sampled <= greedy  # sampling variants: on first use
         assert int(worker.page_table.table[worker.pad_slot].abs().sum()) == 0
         assert worker.graphs.num_replays >= 10
     assert eng.allocator.num_free == eng.allocator.capacity_pages

@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--backends", default="triton")
     ap.add_argument("--small", action="store_true", help="short sequences (interpreter)")
+    ap.add_argument("--min-chunk", type=int, default=None, help="Triton: fewest KV positions per split (small values "
+                    "give short sequences several splits, some of them empty)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
@@ -93,6 +95,8 @@ def main() -> None:
         for verify_mode in ("decode", "prefill"):
             backend = _make(backend_name, verify_mode, device) if device.type == "cuda" else _load_cpu(backend_name,
                                                                                                           verify_mode)
+            if args.min_chunk is not None and hasattr(backend, "min_chunk"):
+                backend.min_chunk = args.min_chunk
             for name, (mode, seqs, news) in CASES.items():
                 if verify_mode == "prefill" and not name.startswith("verify"):
                     continue

@@ -96,7 +96,11 @@ class ForwardBatch:
         t = int(ids.shape[0])
         slots_t = to_device(req_slots, torch.int64, device)
         seq_t = to_device(seq_lens, torch.int32, device)
-        ext_t = to_device(extend_lens, torch.int32, device)
+        if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device, so a captured
+            # graph holds no copy from a temporary host buffer that could be reused before a replay
+            ext_t = torch.full((len(extend_lens),), extend_lens[0], dtype=torch.int32, device=device)
+        else:
+            ext_t = to_device(extend_lens, torch.int32, device)
         start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
         tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
         offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)

@@ -150,9 +150,10 @@ class Worker:
         max_pages_per_req = -(-(self.max_model_len + self.lookahead) // page)
         self.page_table = PageTable(self.cfg.max_num_seqs + 1, max_pages_per_req, page, self.device)
         if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
-            if "flashinfer" in (self.cfg.prefill_attention_backend, self.cfg.decode_attention_backend):
-                # FlashInfer plans each batch on the host from its lengths, which a graph replay does not redo
-                logger.warning("CUDA graphs are off: the flashinfer backend plans on the host; use triton for graphs")
+            runners = [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
+            if not all(r.attn_backend.supports_cuda_graph for r in runners):
+                # torch_native would attend over the whole page-table capacity; FlashInfer plans on the host
+                logger.warning("CUDA graphs are off: they need the triton attention backend for prefill and decode")
             elif self.tp.size > 1:
                 # measured on 2xH200: both ranks capture, then the first replays hang in the c10d NCCL all-reduce
                 logger.warning("CUDA graphs are off for tensor_parallel_size > 1 (replays of captured c10d NCCL "
@@ -250,7 +251,7 @@ class Worker:
             return StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in lps])
         accept, tokens, logprobs = to_host(*(t[:b] for t in out))
         accept = [int(a) for a in accept]
-        d = self.proposer.num_draft_tokens
+        d = self.proposer.tree_size
         return StepResult(
             tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
             logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
