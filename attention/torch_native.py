@@ -23,7 +23,8 @@ class TorchNativeBackend(AttentionBackend):
         device = fb.input_ids.device
         n_max = max(fb.extend_lens_cpu)
         # lengths known only on the device: attend over the page table's whole capacity (masked)
-        s_max = max(fb.seq_lens_cpu) if fb.seq_lens_cpu is not None else fb.page_table.table.shape[1] * fb.page_table.page_size
+        capacity = fb.page_table.table.shape[1] * fb.page_table.page_size
+        s_max = max(fb.seq_lens_cpu) if fb.seq_lens_cpu is not None else capacity
         seq = fb.seq_lens.long().unsqueeze(1)  # [B, 1]
         ext = fb.extend_lens.long().unsqueeze(1)
         key_pos = torch.arange(s_max, device=device).unsqueeze(0)  # [1, S]

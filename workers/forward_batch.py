@@ -150,7 +150,8 @@ class ForwardBatch:
         slots = list(req_slots) * steps if isinstance(req_slots, list) else req_slots.repeat(steps)
         stacked = cls.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=positions.device),
                             slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
-                            positions=positions.reshape(-1), logits_indices=torch.arange(b * k, device=positions.device))
+                            positions=positions.reshape(-1),
+                            logits_indices=torch.arange(b * k, device=positions.device))
         tok, req = slice(0, b * k), slice(0, b)
         batches = []
         for i in range(steps):

@@ -20,8 +20,11 @@ except ImportError:  # CPU-only install without triton: PyTorch paths only
     triton = None
 
 
+_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels on CPU tensors
+
+
 def _triton_for(x: torch.Tensor) -> bool:
-    return triton is not None and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton is not None and (x.is_cuda or _INTERPRETER)
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
 filled with two host→device copies per step) and returns device tensors that stay valid until its next replay. The
-worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step (forward + sampling), and
-for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY + acceptance + KV compaction
-+ DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
+worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step
+(forward + sampling), and for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY +
+acceptance + KV compaction + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
 Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
 """
 

@@ -117,8 +117,10 @@ class Worker:
             self.lookahead = self.proposer.lookahead
         self.page_table: PageTable | None = None
         self.pad_slot = cfg.max_num_seqs  # the page-table row (all page 0) padded graph rows use
-        self.graphs: GraphRunner | None = None
+        self.graphs: GraphRunner | None = None  # set by capture_graphs, with the three below
         self.static: StaticInputs | None = None
+        self.graph_buckets: list[int] = []
+        self.graph_phases: dict[tuple[int, bool], list[str]] = {}  # (bucket, greedy) → graph names in replay order
 
     # ---- KV sizing -------------------------------------------------------------------------------------------
     def kv_capacity_pages(self) -> int:
@@ -190,7 +192,7 @@ class Worker:
         draft_cols = self.proposer.num_steps if self.proposer is not None else 0
         self.static = StaticInputs(buckets[-1], draft_cols, self.pad_slot, self.device)
         self.graphs = GraphRunner(self.device)
-        self.graph_phases = {}
+        self.graph_phases.clear()
         self.graph_buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             self._capture(bucket, greedy=True)
@@ -236,7 +238,7 @@ class Worker:
     def _decode_step(self, step: WorkerStep) -> StepResult:
         b = len(step.req_slots)
         greedy = all(t <= 0 for t in step.temperature)
-        bucket = next((x for x in self.graph_buckets if x >= b), None) if self.graphs is not None else None
+        bucket = next((x for x in self.graph_buckets if x >= b), None)  # None: no graphs, or a larger batch
         if bucket is None:
             inp = self._eager_inputs(step)
             out = self._decode(inp) if self.proposer is None else self._round(inp)
