@@ -1,5 +1,6 @@
 """Where a decode step's GPU time goes: kernel time by name under torch.profiler (eager engine steps), and each of
-the model's linear shapes at M=1 timed alone against its weight-read floor.
+the model's linear shapes at M = 1, 4, 16 rows timed alone (cuBLAS, the small-M Triton kernel's tile configs, and
+what ``workers.gemv.linear`` picks) against its weight-read floor.
 
     python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
 """
@@ -23,25 +24,52 @@ from bench.engine_vs_hf import commit, device_name  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 
-def linear_table(cfg: dict, bw: float) -> list[dict]:
+def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
+    """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
+    ``workers.gemv.linear`` picked, against the weight-read floor."""
+    from triton.testing import do_bench
+
+    from workers import gemv
+
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     rows = []
     for name, (n, k) in {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter),
                          "lm_head": (v, h)}.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        from triton.testing import do_bench
-
-        t_linear = do_bench(lambda: F.linear(x, w), warmup=20, rep=200)
-        t_mv = do_bench(lambda: torch.mv(w, x[0]), warmup=20, rep=200)
         floor = n * k * 2 / bw * 1e3
-        rows.append({"linear": name, "n": n, "k": k, "F.linear_ms": round(t_linear, 4), "torch.mv_ms": round(t_mv, 4),
-                     "floor_ms": round(floor, 4), "F.linear_vs_floor": round(t_linear / floor, 2),
-                     "mv_vs_floor": round(t_mv / floor, 2)})
-        print(rows[-1], flush=True)
+        for m in rows_m:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_cublas = do_bench(lambda: F.linear(x, w), warmup=20, rep=200)
+            cands = (gemv.CANDIDATES_M1 if m == 1 else []) + gemv.CANDIDATES
+            t_cfg = {str(tuple(c)): do_bench(lambda c=c: gemv.small_m_linear(x, w, None, c), warmup=20, rep=200)
+                     for c in cands}
+            err = (gemv.linear(x, w).float() - F.linear(x, w).float()).abs().max().item()
+            chosen = gemv.choices[(gemv._row_bucket(m), n, k, torch.bfloat16)]
+            t_chosen = do_bench(lambda: gemv.linear(x, w), warmup=20, rep=200)
+            best = min(t_cfg, key=t_cfg.get)
+            rows.append({"linear": name, "m": m, "n": n, "k": k, "floor_ms": round(floor, 4),
+                         "cublas_ms": round(t_cublas, 4), "best_triton_ms": round(t_cfg[best], 4),
+                         "best_triton_config": best, "chosen": "cublas" if chosen is None else str(tuple(chosen)),
+                         "chosen_ms": round(t_chosen, 4), "cublas_vs_floor": round(t_cublas / floor, 2),
+                         "chosen_vs_floor": round(t_chosen / floor, 2), "max_abs_diff_vs_cublas": err,
+                         "triton_configs_ms": {c: round(t, 4) for c, t in t_cfg.items()}})
+            print({kk: vv for kk, vv in rows[-1].items() if kk != "triton_configs_ms"}, flush=True)
         del w
     return rows
+
+
+def linear_markdown(res: dict) -> str:
+    lines = [f"# Linear layers at few rows ({res['device']})", "",
+             f"commit `{res['commit']}`, command `{res['command']}`; bf16, floor = weight bytes / "
+             f"{res['copy_bandwidth_gb_s']} GB/s copy bandwidth measured in the run", "",
+             "| linear | M | N | K | floor ms | cuBLAS ms (x floor) | best Triton ms | chosen | chosen ms (x floor) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["linears"]:
+        lines.append(f"| {r['linear']} | {r['m']} | {r['n']} | {r['k']} | {r['floor_ms']} | {r['cublas_ms']} "
+                     f"({r['cublas_vs_floor']}x) | {r['best_triton_ms']} | {r['chosen']} | {r['chosen_ms']} "
+                     f"({r['chosen_vs_floor']}x) |")
+    return "\n".join(lines) + "\n"
 
 
 def kernel_profile(ckpt: str, steps: int) -> list[dict]:
@@ -81,12 +109,15 @@ def main() -> None:
     ap.add_argument("--ckpt", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--linears-only", action="store_true")
     args = ap.parse_args()
     cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     bw = copy_bandwidth()
     res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
-           "copy_bandwidth_gb_s": round(bw / 1e9, 1), "linears_m1": linear_table(cfg, bw),
-           "kernels_bs1_eager": kernel_profile(args.ckpt, args.steps)}
+           "copy_bandwidth_gb_s": round(bw / 1e9, 1), "linears": linear_table(cfg, bw)}
+    Path(args.out + ".md").write_text(linear_markdown(res))
+    if not args.linears_only:
+        res["kernels_bs1_eager"] = kernel_profile(args.ckpt, args.steps)
     Path(args.out + ".json").write_text(json.dumps(res, indent=2))
 
 

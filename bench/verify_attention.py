@@ -36,6 +36,59 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
+LAUNCH_KNOBS = ("block_n", "num_warps", "num_stages", "programs_per_sm")
+
+
+def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int):
+    """A verify batch of ``bs`` requests at context ``ctx`` with ``nd`` draft tokens, KV pages scattered."""
+    pages_per = -(-(ctx + 16) // page)
+    kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
+    kv.k[0].normal_()
+    kv.v[0].normal_()
+    table = PageTable(bs, pages_per, page, "cuda")
+    table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
+    fb = ForwardBatch.build(ForwardMode.TARGET_VERIFY, torch.zeros(bs * nd, dtype=torch.int64),
+                            list(range(bs)), [ctx] * bs, [nd] * bs, kv, table)
+    q = torch.randn(bs * nd, heads, dim, dtype=torch.bfloat16, device="cuda")
+    return fb, q
+
+
+def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000) -> dict:
+    """Time the decode-style launch knobs at ``ctx`` for bs 1/8/32 x 4/8 draft tokens; choose the combination with
+    the smallest mean (time / KV-read floor)."""
+    import itertools
+
+    import triton.testing
+
+    combos = [dict(zip(LAUNCH_KNOBS, c)) for c in itertools.product((64, 128), (4, 8), (2, 3, 4), (8, 16, 32))]
+    results = []
+    for bs in (1, 8, 32):
+        for nd in (4, 8):
+            fb, q = verify_case(ctx, bs, nd, layer.num_heads, layer.num_kv_heads, layer.head_dim, 16)
+            floor_ms = 2 * bs * ctx * layer.num_kv_heads * layer.head_dim * 2 / bw * 1e3
+            backend.init_forward_metadata(fb)
+            for combo in combos:
+                for key, value in combo.items():
+                    setattr(backend, key, value)
+                try:
+                    ms = triton.testing.do_bench(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
+                except Exception as e:  # e.g. a tile needing more shared memory than the SM has
+                    ms, err = float("inf"), f"{type(e).__name__}: {str(e)[:120]}"
+                else:
+                    err = None
+                results.append({**combo, "batch_size": bs, "draft_tokens": nd, "ms": round(ms, 4),
+                                "vs_floor": round(ms / floor_ms, 3), "error": err})
+            print(f"sweep bs={bs} nd={nd}: best", min((r for r in results if r["batch_size"] == bs
+                                                       and r["draft_tokens"] == nd), key=lambda r: r["ms"]), flush=True)
+            del fb, q
+            torch.cuda.empty_cache()
+    score = {i: sum(r["vs_floor"] for r in results[i::len(combos)]) / (len(results) // len(combos))
+             for i in range(len(combos))}
+    best = min(score, key=score.get)
+    print("sweep chose", combos[best], "mean vs floor", round(score[best], 3), flush=True)
+    return {"context": ctx, "chosen": combos[best], "chosen_mean_vs_floor": round(score[best], 3), "results": results}
+
+
 def main() -> None:
     import triton.testing
 
@@ -44,24 +97,22 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,8192,50000")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--draft-tokens", default="4,8")
+    ap.add_argument("--sweep", action="store_true", help="tune the decode-style launch at 50k first (see JSON)")
     args = ap.parse_args()
     heads, kv_heads, dim, page = 32, 8, 128, 16
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
     bw = copy_bandwidth()
     decode, prefill = _make("triton", "decode", "cuda"), _make("triton", "prefill", "cuda")
+    sweep = sweep_decode_launch(decode, layer, bw) if args.sweep else None
+    if sweep:
+        for key, value in sweep["chosen"].items():  # the same tiles for the prefill-style launch (fair comparison)
+            setattr(decode, key, value)
+            setattr(prefill, key, value)
     rows = []
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
-            pages_per = -(-(ctx + 16) // page)
-            kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
-            kv.k[0].normal_()
-            kv.v[0].normal_()
-            table = PageTable(bs, pages_per, page, "cuda")
-            table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
             for nd in [int(x) for x in args.draft_tokens.split(",")]:
-                fb = ForwardBatch.build(ForwardMode.TARGET_VERIFY, torch.zeros(bs * nd, dtype=torch.int64),
-                                        list(range(bs)), [ctx] * bs, [nd] * bs, kv, table)
-                q = torch.randn(bs * nd, heads, dim, dtype=torch.bfloat16, device="cuda")
+                fb, q = verify_case(ctx, bs, nd, heads, kv_heads, dim, page)
                 res = {}
                 for name, be in (("decode_style", decode), ("prefill_style", prefill)):
                     be.init_forward_metadata(fb)
@@ -79,17 +130,19 @@ def main() -> None:
                              "decode_style_vs_floor": round(res["decode_style"] / floor_ms, 2),
                              "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max())})
                 print(rows[-1], flush=True)
-            del kv, table
-            torch.cuda.empty_cache()
+                del fb, q
+                torch.cuda.empty_cache()
+    launch = {k: getattr(decode, k) for k in LAUNCH_KNOBS}
     meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
             "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
-            "rows": rows}
+            "decode_style_launch": launch, "sweep": sweep, "rows": rows}
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     md = [f"# Verify attention ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
-          f"{meta['copy_bandwidth_GBps']} GB/s (read + write)", "",
+          f"{meta['copy_bandwidth_GBps']} GB/s (read + write); decode-style launch {launch}"
+          + (" (chosen by the sweep in the JSON)" if sweep else ""), "",
           "| context | bs | draft tokens | decode-style ms | prefill-style ms | speedup | KV floor ms | vs floor |",
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['decode_style_ms']} | "

@@ -44,7 +44,29 @@ def check() -> None:
     strided = torch.randn(4, 192, generator=g)[:, :96]  # rows of a wider tensor
     assert torch.allclose(rms_norm(strided, torch.ones(96), 1e-6), rms_norm_reference(strided, torch.ones(96), 1e-6),
                           atol=1e-5)
+    check_small_m_linear(g)
     print("fused ops ok")
+
+
+def check_small_m_linear(g) -> None:
+    """The small-M linear kernel: both row paths (broadcast M=1, padded dot), bias, ragged N and K, strided rows."""
+    import torch
+
+    from workers import gemv
+
+    for cfg in (gemv.TileConfig(1, 8, 32, 2, 1), gemv.TileConfig(16, 16, 32, 4, 1)):
+        for m, n, k, bias in ((1, 48, 96, False), (3, 40, 70, True), (16, 64, 64, False)):
+            if cfg.block_m == 1 and m > 1:
+                continue
+            x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows of a wider tensor
+            w = torch.randn(n, k, generator=g)
+            b = torch.randn(n, generator=g) if bias else None
+            got = gemv.small_m_linear(x, w, b, cfg)
+            ref = torch.nn.functional.linear(x, w, b)
+            assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (cfg, m, n, k)
+    x = torch.randn(2, 3, 64, generator=g)  # the dispatcher: leading dims kept, interpreter config
+    w = torch.randn(32, 64, generator=g)
+    assert torch.allclose(gemv.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 def test_fused_ops_match_reference_in_interpreter():

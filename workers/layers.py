@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fused_ops import rms_norm
+from workers.gemv import linear
 
 
 @dataclass(frozen=True)
@@ -24,15 +25,20 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None  # torch.distributed ProcessGroup when size > 1
+    nccl: object | None = None  # workers.nccl.NcclCommunicator on GPUs: collectives that CUDA graphs can capture
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.nccl is not None and x.is_cuda:
+                return self.nccl.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
+        if self.nccl is not None and x.is_cuda:  # [size, ..., d] → [..., size * d]
+            return self.nccl.all_gather(x).movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -94,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[off : off + self.local_sizes[shard_id]].copy_(_read(slice_, 0, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(nn.Module):
@@ -131,7 +137,7 @@ class QKVParallelLinear(nn.Module):
         param.data[off : off + n].copy_(_read(slice_, 0, start, start + n))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = F.linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -154,7 +160,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(_read(slice_, 1, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -191,7 +197,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharded by vocabulary; logits are gathered to full vocab on every rank."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab]
 

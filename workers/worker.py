@@ -60,7 +60,12 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                 world_size=world_size)
-    return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD)
+    nccl = None
+    if device == "cuda":
+        from workers.nccl import NcclCommunicator
+
+        nccl = NcclCommunicator(dist.group.WORLD, rank, world_size, torch.device("cuda", torch.cuda.current_device()))
+    return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD, nccl=nccl)
 
 
 def to_host(*tensors: torch.Tensor) -> list[list]:
@@ -156,10 +161,6 @@ class Worker:
             if not all(r.attn_backend.supports_cuda_graph for r in runners):
                 # torch_native would attend over the whole page-table capacity; FlashInfer plans on the host
                 logger.warning("CUDA graphs are off: they need the triton attention backend for prefill and decode")
-            elif self.tp.size > 1:
-                # measured on 2xH200: both ranks capture, then the first replays hang in the c10d NCCL all-reduce
-                logger.warning("CUDA graphs are off for tensor_parallel_size > 1 (replays of captured c10d NCCL "
-                               "all-reduces hang); TP runs eagerly")
             else:
                 self.capture_graphs()
 
@@ -318,5 +319,7 @@ class Worker:
         return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
+        if self.tp.nccl is not None:
+            self.tp.nccl.close()
         if self.tp.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

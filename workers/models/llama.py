@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.base import AttentionLayerSpec
@@ -19,6 +18,7 @@ from workers.layers import (
     rope_cos_sin,
 )
 from workers.fused_ops import apply_rope_qk, silu_and_mul
+from workers.gemv import linear
 from workers.model_config import ModelConfig
 
 
@@ -151,7 +151,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the (vocab-parallel) head
-            logits = self.tp.all_gather_last_dim(F.linear(hidden, self.embed_tokens.weight))
+            logits = self.tp.all_gather_last_dim(linear(hidden, self.embed_tokens.weight))
             return logits[..., : self.cfg.vocab_size].float()
         return self.lm_head(hidden).float()
 
