@@ -30,6 +30,10 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     from workers.forward_batch import ForwardMode
     from workers.worker import Worker, WorkerStep
 
+    if os.environ.get("SPECSERVE_HANG_DUMP_S"):  # diagnose a hang: every rank prints its Python stack, then exits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["SPECSERVE_HANG_DUMP_S"]), exit=True)
     os.environ["LOCAL_RANK"] = str(rank)
     torch.cuda.set_device(rank)
     cfg = EngineConfig(model=ckpt, device="cuda", dtype=dtype, tensor_parallel_size=tp, page_size=16,
