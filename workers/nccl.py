@@ -52,7 +52,7 @@ class NcclCommunicator:
                                       ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]
-        lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+        lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
         self._lib = lib
         self.world_size = world_size
         self.device = device
@@ -98,6 +98,9 @@ class NcclCommunicator:
         return out
 
     def close(self) -> None:
+        """Free the communicator once the device is idle. ncclCommAbort, not ncclCommDestroy: on 2xH200 the latter
+        never returned once CUDA graphs holding this communicator's kernels had been replayed."""
         if self._comm:
-            self._lib.ncclCommDestroy(self._comm)
+            torch.cuda.synchronize(self.device)
+            self._lib.ncclCommAbort(self._comm)
             self._comm = ctypes.c_void_p()

@@ -319,6 +319,7 @@ class Worker:
         return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
+        self.graphs = None  # captured graphs hold NCCL kernels: release them before the communicator
         if self.tp.nccl is not None:
             self.tp.nccl.close()
         if self.tp.size > 1 and dist.is_initialized():
