@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.base import AttentionBackend, AttentionLayerSpec
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, mask_from_bits
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -20,6 +20,14 @@ class TorchNativeBackend(AttentionBackend):
         self._n_max = 0
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if fb.step_metadata is not None and self in fb.step_metadata:  # a draft-round step: its precomputed slice
+            m = fb.step_metadata[self][fb.step_index]
+            if m["block_cols"] is not None:  # this step's tree rows, written into its block columns of the mask
+                b, n, length = fb.batch_size, m["n_max"], fb.tree_len
+                rows = ((fb.tree_bits.view(b, n, 1) >> m["shifts"][:length]) & 1) != 0  # [B, n, L]
+                m["mask_buf"].scatter_(2, m["block_cols"], rows)
+            self._kv_slots, self._mask, self._q_rows, self._n_max = m["kv_slots"], m["mask"], m["q_rows"], m["n_max"]
+            return
         device = fb.input_ids.device
         n_max = max(fb.extend_lens_cpu)
         # lengths known only on the device: attend over the page table's whole capacity (masked)
@@ -33,11 +41,13 @@ class TorchNativeBackend(AttentionBackend):
         q_pos = (seq - ext) + torch.arange(n_max, device=device).unsqueeze(0)  # [B, n] storage position of query i
         # query i sees key j iff j <= its own position (and j < seq_len); the speculative block follows tree_mask
         mask = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, S]
-        if fb.tree_mask is not None:
-            block = fb.tree_mask.shape[2]
+        if fb.has_tree:
+            tree_mask = fb.tree_mask if fb.tree_mask is not None else \
+                mask_from_bits(fb.tree_bits.view(fb.batch_size, n_max), fb.tree_len)  # uniform lengths only
+            block = tree_mask.shape[2]
             rel = key_pos - (seq - block)  # position inside the block, [B, S]
             in_block = (rel >= 0) & (key_pos < seq)
-            tm = fb.tree_mask.gather(2, rel.clamp(0, block - 1).unsqueeze(1).expand(-1, fb.tree_mask.shape[1], -1))
+            tm = tree_mask.gather(2, rel.clamp(0, block - 1).unsqueeze(1).expand(-1, tree_mask.shape[1], -1))
             mask = torch.where(in_block.unsqueeze(1), tm, mask)
         self._mask = mask.unsqueeze(1)  # [B, 1, n, S]
         tok = torch.arange(fb.num_tokens, device=device)
@@ -45,6 +55,42 @@ class TorchNativeBackend(AttentionBackend):
                                            output_size=fb.num_tokens)
         self._q_rows = b_of_tok * n_max + (tok - fb.extend_start.long()[b_of_tok])
         self._n_max = n_max
+
+    def init_round_metadata(self, steps) -> None:
+        """Every step's metadata of a multi-step draft round (``workers.forward_batch.DraftSteps``), once, over the
+        steps stacked as consecutive batches: KV slots, and the mask with every step's speculative block cleared
+        (a [steps, B, n, S + 1] buffer). A step then only writes its tree rows (from its bits, which
+        ``DraftSteps.advance`` has filled in) into its block's columns. Same semantics as ``init_forward_metadata``
+        on each step's batch."""
+        fb, num, b, n = steps.stacked, steps.num_steps, steps.batch_size, steps.tokens_per_request
+        device = fb.input_ids.device
+        capacity = fb.page_table.table.shape[1] * fb.page_table.page_size
+        # per step, as for a single batch: the longest host length, else the page table's capacity
+        lens = fb.seq_lens_cpu
+        s_step = [max(lens[i * b:(i + 1) * b]) if lens is not None else capacity for i in range(num)]
+        s_max = max(s_step)
+        seq = fb.seq_lens.long().view(num, b, 1)
+        key_pos = torch.arange(s_max + 1, device=device)  # + a dummy column (never visible) for block positions < 0
+        # the same requests in every step: one [B, S] slot map, each step a prefix of it
+        kv_slots = fb.page_table.slots(fb.req_slots[:b].unsqueeze(1).expand(-1, s_max), key_pos[:s_max].expand(b, -1))
+        q_pos = (seq - n) + torch.arange(n, device=device)  # [steps, B, n] (uniform: n new tokens per request)
+        mask = key_pos <= q_pos.unsqueeze(3)  # [steps, B, n, S + 1]
+        block_cols = shifts = None
+        if steps.tree_bits is not None:
+            # step i's block: the last prefix + (i + 1) * n positions, which all start at the same position
+            length = steps.tree_len(num - 1)
+            block = steps.tree_prefix + n * torch.arange(1, num + 1, device=device).view(num, 1, 1)
+            rel = key_pos - (seq - block)  # [steps, B, S + 1]
+            mask &= ~((rel >= 0) & (key_pos < seq)).unsqueeze(2)  # inside the block the tree rows decide
+            shifts = torch.arange(length, device=device)
+            cols = seq[0] - steps.tree_len(0) + shifts  # [B, L] the block's key positions
+            block_cols = torch.where(cols >= 0, cols, s_max).unsqueeze(1).expand(b, n, length)
+        q_rows = torch.arange(b * n, device=device)  # uniform lengths: query rows are the tokens in order
+        steps.metadata[self] = [
+            {"kv_slots": kv_slots[:, :s_step[i]], "mask": mask[i, :, None, :, :s_step[i]], "mask_buf": mask[i],
+             "n_max": n, "q_rows": q_rows, "shifts": shifts,
+             "block_cols": None if block_cols is None else block_cols[:, :, :steps.tree_len(i)]}
+            for i in range(num)]
 
     def _attend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         b, n = fb.batch_size, self._n_max

@@ -151,10 +151,30 @@ class TritonBackend(AttentionBackend):
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Tree bits and launch shape, once per forward for all layers. Nothing here reads a sequence length on the
-        host: the launch depends only on the batch's shape (tokens per request) and the page table's capacity."""
-        self._meta = {
-            "bits": tree_bits(fb.tree_mask, fb) if fb.tree_mask is not None else None,
-            "tree_len": int(fb.tree_mask.shape[2]) if fb.tree_mask is not None else 0,
+        host: the launch depends only on the batch's shape (tokens per request) and the page table's capacity.
+        A draft-round step picks the metadata ``init_round_metadata`` made for it."""
+        if fb.step_metadata is not None and self in fb.step_metadata:
+            self._meta = fb.step_metadata[self][fb.step_index]
+            return
+        self._meta = self._metadata(fb)
+
+    def init_round_metadata(self, steps) -> None:
+        """Every step's metadata of a multi-step draft round (``workers.forward_batch.DraftSteps``), once: the
+        kernels read the steps' tree bits straight from the round's bitmask buffer (row i: step i's tokens in order),
+        which ``DraftSteps.advance`` fills in before each step, so a step's forward computes nothing."""
+        steps.metadata[self] = [self._metadata(fb) for fb in steps.batches]
+
+    @staticmethod
+    def _metadata(fb: ForwardBatch) -> dict:
+        if fb.tree_bits is not None:  # already per token, in token order
+            bits, tree_len = fb.tree_bits, fb.tree_len
+        elif fb.tree_mask is not None:
+            bits, tree_len = tree_bits(fb.tree_mask, fb), int(fb.tree_mask.shape[2])
+        else:
+            bits, tree_len = None, 0
+        return {
+            "bits": bits,
+            "tree_len": tree_len,
             "n_max": max(fb.extend_lens_cpu),
             "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
         }

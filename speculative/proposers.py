@@ -123,28 +123,24 @@ class _ModelProposer(Proposer):
         k, b, m = self.topk, inp.batch_size, inp.root_pos
         device = m.device
         steps = range(first_step, self.num_steps + 1)
-        # the round's metadata, built once: step s feeds the frontier of depth s-1 into k more scratch slots
         seq_lens = [shift_lens(seq_base, (s - first_step + 1) * k) for s in steps]
         if isinstance(seq_base, torch.Tensor):
             seq_lens = torch.stack(seq_lens)
         depths = torch.arange(first_step - 1, self.num_steps, device=device)
         positions = (m.unsqueeze(0) + depths.unsqueeze(1) - 1 + self.scratch_offset).repeat_interleave(k, dim=1)
-        batches = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, seq_lens, k, positions,
-                                          page_table=self.worker.page_table)
-        scratch_mask = torch.zeros(b, k, 0, dtype=torch.bool, device=device)
-        eye = torch.eye(k, dtype=torch.bool, device=device).expand(b, k, k)
-        for fb in batches:
+        # the round's metadata, built once: step s feeds the frontier of depth s-1 into k more scratch slots; the
+        # tree masks (k > 1; a chain's scratch block is plain causal) start with every node seeing itself (and the
+        # root when it opens the block), and each step adds only its parents' rows (``advance``)
+        rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, seq_lens, k, positions,
+                                      page_table=self.worker.page_table, tree_prefix=int(root_visible))
+        for i, fb in enumerate(rnd):
             fb.input_ids = cand.tokens.gather(1, cand.frontier).reshape(-1)  # [B * k]
-            if k > 1:  # a chain's scratch block is plain causal
-                mask = torch.cat([scratch_mask, eye], dim=2)
-                if root_visible:
-                    mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool, device=device), mask], dim=2)
-                fb.tree_mask = mask
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
             child_ids, child_logp = self._topk(logp, d2t)
             origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
-            scratch_mask = torch.cat([scratch_mask, eye], dim=2).gather(
-                1, origin.unsqueeze(2).expand(b, k, scratch_mask.shape[2] + k))
+            if i + 1 == len(rnd):
+                break
+            rnd.advance(i + 1, origin)
             if feat is not None:
                 frontier_feat = feat.view(b, k, -1).gather(1, origin.unsqueeze(2).expand(b, k, feat.shape[-1])) \
                     .reshape(b * k, -1)

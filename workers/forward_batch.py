@@ -61,6 +61,14 @@ class ForwardBatch:
     # (verify: L = n draft nodes, row i sees its ancestors and itself; draft steps: the scratch area). Positions
     # before the block are always visible. None = causal.
     tree_mask: torch.Tensor | None = None
+    # The same block mask as one int64 bitmask per token ([T], bit j: the j-th position of a block of ``tree_len``
+    # positions), which is what the steps of a draft round carry (``DraftSteps``); backends read whichever is set.
+    tree_bits: torch.Tensor | None = None
+    tree_len: int = 0
+    # A draft-round step: the round's attention metadata (backend → per-step list, made once by the backend's
+    # ``init_round_metadata``) and this batch's index into it.
+    step_metadata: dict | None = None
+    step_index: int = 0
     attn_backend: object | None = None
     capture_hidden: bool = False
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
@@ -72,6 +80,10 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def has_tree(self) -> bool:
+        return self.tree_mask is not None or self.tree_bits is not None
 
     @classmethod
     def build(
@@ -97,14 +109,19 @@ class ForwardBatch:
         slots_t = to_device(req_slots, torch.int64, device)
         seq_t = to_device(seq_lens, torch.int32, device)
         if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device, so a captured
-            # graph holds no copy from a temporary host buffer that could be reused before a replay
-            ext_t = torch.full((len(extend_lens),), extend_lens[0], dtype=torch.int32, device=device)
+            # graph holds no copy from a temporary host buffer that could be reused before a replay; and no
+            # repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
+            b, n = len(extend_lens), extend_lens[0]
+            ext_t = torch.full((b,), n, dtype=torch.int32, device=device)
+            start_t = torch.arange(0, b * n, n, dtype=torch.int32, device=device)
+            tok_req = slots_t.unsqueeze(1).expand(b, n).reshape(-1)
+            storage_pos = ((seq_t - n).unsqueeze(1) + torch.arange(n, device=device)).reshape(-1)
         else:
             ext_t = to_device(extend_lens, torch.int32, device)
-        start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
-        tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
-        offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
-        storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
+            start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
+            tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
+            offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
+            storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
         out_loc = page_table.slots(tok_req, storage_pos)
         pos = storage_pos if positions is None else to_device(positions, torch.int64, device)
         if logits_indices is None:  # last token of every request
@@ -129,8 +146,81 @@ class ForwardBatch:
             capture_hidden=capture_hidden,
         )
 
+
+MAX_TREE_BLOCK = 63  # positions a per-token int64 bitmask can cover
+
+
+def mask_from_bits(bits: torch.Tensor, length: int) -> torch.Tensor:
+    """[..., n] int64 bitmasks → [..., n, length] bool (bit j → column j)."""
+    return ((bits.unsqueeze(-1) >> torch.arange(length, device=bits.device)) & 1) != 0
+
+
+class DraftSteps:
+    """The batches of a multi-step draft round and the round's tree masks, built once at round start.
+
+    Every step feeds ``k`` tokens per request and stores them at the next ``k`` positions of the request's scratch
+    area, so step ``i``'s KV length is step 0's plus ``i * k``. The steps are stacked as consecutive batches and
+    built by ONE ``ForwardBatch.build``; step ``i``'s batch holds views of the stacked tensors.
+
+    Trees (k > 1): step ``i``'s block is the last ``prefix + (i + 1) * k`` positions (``prefix`` = 1 when the
+    block opens with a node every row sees: the standalone draft's root), so every step's block starts at the same
+    KV position and block bit j means the same position in every step. The masks are one [steps, B, k] int64 buffer
+    of per-token bitmasks, initialised at round start with what is known then (each node sees itself, and the
+    prefix); ``advance`` ORs in a step's ancestors once the previous step has chosen its frontier: two small device
+    ops, nothing else per step. Step ``i``'s batch carries ``tree_bits`` = a view of row ``i``.
+
+    ``init_backend``: an attention backend with ``init_round_metadata`` computes every step's metadata once for the
+    stacked round; each step's ``init_forward_metadata`` then only picks its slice (the torch-native reference
+    also writes the step's tree rows into its block's columns of the precomputed mask). A backend without it
+    (FlashInfer, which plans from host lengths per forward) gets a boolean ``tree_mask`` per step instead.
+    """
+
+    def __init__(self, stacked: ForwardBatch, batches: list[ForwardBatch], tokens_per_request: int,
+                 tree_bits: torch.Tensor | None, tree_prefix: int, metadata: dict):
+        self.stacked = stacked
+        self.batches = batches
+        self.num_steps = len(batches)
+        self.batch_size = batches[0].batch_size
+        self.tokens_per_request = tokens_per_request
+        self.tree_bits = tree_bits  # [steps, B, k] int64, or None (a chain: plain causal)
+        self.tree_prefix = tree_prefix
+        self.metadata = metadata  # attention backend → per-step metadata (the batches' ``step_metadata``)
+        self._bool_masks = False
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def tree_len(self, step: int) -> int:
+        return self.tree_prefix + (step + 1) * self.tokens_per_request
+
+    def init_backend(self, backend) -> None:
+        """Let ``backend`` (or its child for this mode) build the round's attention metadata once."""
+        leaf = backend.child(self.stacked) if hasattr(backend, "child") else backend
+        init = getattr(leaf, "init_round_metadata", None)
+        if init is not None:
+            init(self)
+        elif self.tree_bits is not None:
+            self._bool_masks = True
+            self._fill_bool_mask(0)
+
+    def advance(self, step: int, origin: torch.Tensor) -> None:
+        """Step ``step``'s tree rows, once step ``step - 1`` has chosen its frontier: new frontier slot j of request b
+        descends from the previous step's slot ``origin[b, j]`` ([B, k] int64), so it sees what that parent saw
+        (the prefix, its ancestors, the parent itself) besides itself (set at round start). A chain: nothing."""
+        if self.tree_bits is None:
+            return
+        self.tree_bits[step].bitwise_or_(self.tree_bits[step - 1].gather(1, origin))
+        if self._bool_masks:
+            self._fill_bool_mask(step)
+
+    def _fill_bool_mask(self, step: int) -> None:
+        self.batches[step].tree_mask = mask_from_bits(self.tree_bits[step], self.tree_len(step))
+
     @classmethod
-    def build_steps(
+    def build(
         cls,
         mode: ForwardMode,
         req_slots: list[int] | torch.Tensor,
@@ -139,29 +229,45 @@ class ForwardBatch:
         positions: torch.Tensor,
         kv_cache: KVCache,
         page_table: PageTable,
-    ) -> list["ForwardBatch"]:
-        """The batches of every step of a multi-step draft round, from ONE ``build`` over the steps stacked as
-        consecutive batches; step ``i`` gets views of the stacked tensors. ``seq_lens_per_step``: [steps][B] (host or
-        device); ``positions``: [steps, B * tokens].
-        Each step's ``input_ids`` (and ``tree_mask``) are filled in when the previous step has produced them."""
+        *,
+        tree_prefix: int = 0,
+    ) -> "DraftSteps":
+        """``seq_lens_per_step``: [steps][B] (host or device), step i's = step 0's + i * k; ``positions``:
+        [steps, B * k]. A tree when ``tokens_per_request`` > 1 (see the class), ``tree_prefix`` positions before
+        the first step's nodes visible to all. Each step's ``input_ids`` are filled in when the previous step has
+        produced them (and its tree rows by ``advance``)."""
         steps, b, k = len(seq_lens_per_step), len(req_slots), tokens_per_request
         on_host = not isinstance(seq_lens_per_step, torch.Tensor)
         flat_lens = [x for lens in seq_lens_per_step for x in lens] if on_host else seq_lens_per_step.reshape(-1)
         slots = list(req_slots) * steps if isinstance(req_slots, list) else req_slots.repeat(steps)
-        stacked = cls.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=positions.device),
-                            slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
-                            positions=positions.reshape(-1),
-                            logits_indices=torch.arange(b * k, device=positions.device))
-        tok, req = slice(0, b * k), slice(0, b)
-        batches = []
-        for i in range(steps):
-            tok_i, req_i = slice(i * b * k, (i + 1) * b * k), slice(i * b, (i + 1) * b)
-            batches.append(cls(
-                mode=mode, input_ids=stacked.input_ids[tok_i], positions=stacked.positions[tok_i],
-                req_slots=stacked.req_slots[req_i], seq_lens=stacked.seq_lens[req_i],
-                extend_lens=stacked.extend_lens[req], extend_start=stacked.extend_start[req],
-                out_cache_loc=stacked.out_cache_loc[tok_i], logits_indices=stacked.logits_indices[tok],
-                kv_cache=kv_cache, page_table=page_table,
-                seq_lens_cpu=list(seq_lens_per_step[i]) if on_host else None, extend_lens_cpu=[k] * b,
-            ))
-        return batches
+        device = positions.device
+        stacked = ForwardBatch.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=device),
+                                     slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
+                                     positions=positions.reshape(-1),
+                                     logits_indices=torch.arange(b * k, device=device))
+        tree_bits = None
+        if k > 1:
+            if tree_prefix + steps * k > MAX_TREE_BLOCK:
+                raise ValueError(f"a draft round's block of {tree_prefix + steps * k} positions exceeds the "
+                                 f"{MAX_TREE_BLOCK}-bit mask")
+            # every node sees itself (block position prefix + i*k + j) and the prefix: made on the device, so a
+            # captured round holds no copy from a temporary host buffer
+            own = torch.arange(tree_prefix, tree_prefix + steps * k, device=device)
+            own = torch.bitwise_left_shift(torch.ones_like(own), own) + ((1 << tree_prefix) - 1)
+            tree_bits = own.view(steps, 1, k).expand(steps, b, k).contiguous()
+        # step i's views: one unbind per per-step field; the per-request shape is the same in every step
+        per_tok = [x.view(steps, b * k).unbind(0) for x in (stacked.input_ids, stacked.positions,
+                                                             stacked.out_cache_loc)]
+        per_req = [x.view(steps, b).unbind(0) for x in (stacked.req_slots, stacked.seq_lens)]
+        bits = [None] * steps if tree_bits is None else tree_bits.view(steps, b * k).unbind(0)
+        ext, start, logits_idx = stacked.extend_lens[:b], stacked.extend_start[:b], stacked.logits_indices[:b * k]
+        metadata: dict = {}
+        batches = [ForwardBatch(
+            mode=mode, input_ids=per_tok[0][i], positions=per_tok[1][i], req_slots=per_req[0][i],
+            seq_lens=per_req[1][i], extend_lens=ext, extend_start=start, out_cache_loc=per_tok[2][i],
+            logits_indices=logits_idx, kv_cache=kv_cache, page_table=page_table,
+            seq_lens_cpu=list(seq_lens_per_step[i]) if on_host else None, extend_lens_cpu=[k] * b,
+            tree_bits=bits[i], tree_len=0 if tree_bits is None else tree_prefix + (i + 1) * k,
+            step_metadata=metadata, step_index=i,
+        ) for i in range(steps)]
+        return cls(stacked, batches, k, tree_bits, tree_prefix, metadata)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from attention.registry import create_attention_backend
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import DraftSteps, ForwardBatch
 from workers.kv_cache import KVCache, PageTable
 from workers.layers import TPGroup
 from workers.loader import load_weights
@@ -70,5 +70,9 @@ class ModelRunner:
     def new_batch(self, *args, page_table: PageTable, **kwargs) -> ForwardBatch:
         return ForwardBatch.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
 
-    def build_steps(self, *args, page_table: PageTable, **kwargs) -> list[ForwardBatch]:
-        return ForwardBatch.build_steps(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
+    def build_steps(self, *args, page_table: PageTable, **kwargs) -> DraftSteps:
+        """A multi-step draft round's batches, tree masks and attention metadata, all built once (``DraftSteps``);
+        each step's ``forward`` then only picks its slice of the metadata."""
+        steps = DraftSteps.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
+        steps.init_backend(self.attn_backend)
+        return steps
