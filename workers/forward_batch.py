@@ -239,7 +239,8 @@ class DraftSteps:
         steps, b, k = len(seq_lens_per_step), len(req_slots), tokens_per_request
         on_host = not isinstance(seq_lens_per_step, torch.Tensor)
         flat_lens = [x for lens in seq_lens_per_step for x in lens] if on_host else seq_lens_per_step.reshape(-1)
-        slots = list(req_slots) * steps if isinstance(req_slots, list) else req_slots.repeat(steps)
+        slots = list(req_slots) * steps if isinstance(req_slots, list) else \
+            req_slots.unsqueeze(0).expand(steps, -1).reshape(-1)
         device = positions.device
         stacked = ForwardBatch.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=device),
                                      slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
