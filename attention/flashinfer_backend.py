@@ -1,20 +1,40 @@
 """FlashInfer (flashinfer-python 0.7.2.post1) attention over the paged KV cache (NHD, separate K and V pages).
 
-Which kernel runs which forward (one wrapper object per kind, so one plan never clobbers another's):
+Which kernel runs which forward:
 
-* ``decode``: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, backend="fa2")`` for the decode family
-  (DECODE, and TARGET_VERIFY when ``verify_attention_mode == "decode"``) without a tree mask and with the same number
-  of new tokens per request: ``q_len_per_req = n`` (> 1 is supported by the fa2 tensor-core path only, bottom-right
-  causal inside the request, which is our causal rule).
-* ``causal``: ``BatchPrefillWithPagedKVCacheWrapper(backend="auto", causal=True)`` (fa3 on Hopper) for EXTEND,
-  DRAFT_EXTEND and prefill-mode TARGET_VERIFY without a tree mask.
-* ``masked``: ``BatchPrefillWithPagedKVCacheWrapper(backend="fa2")`` with a packed custom mask for every forward with
-  a tree mask (verify trees, draft steps against the scratch block), in either verify mode: the decode wrapper
-  has no custom mask, and telling a chain mask from a tree one would need a device sync. fa3 has no custom mask.
+* ``xqa``: FlashInfer's XQA decode kernel (``flashinfer.decode.xqa_batch_decode_with_kv_cache``, the generic
+  ``mha.cu`` kernel for 16-bit KV) for every DECODE (draft steps included), DRAFT_EXTEND and decode-mode
+  TARGET_VERIFY forward with the same number ``n`` of new tokens per request, on compute capability 9.x/10.x/12.x,
+  with a float16/bfloat16 KV cache, page size 16/32/64/128, head_dim a multiple of 16 up to 256, and at most
+  ``XQA_MAX_Q_LEN`` query rows per request. It reads sequence lengths and page-table rows on the device and has no
+  plan, so these forwards replay inside CUDA graphs (``supports_cuda_graph``). Its mask, for ``q`` query rows per
+  request (``mha.cu`` ``applyMaskFromInput``): keys before the last ``q`` positions of the sequence are visible to
+  every row; key ``seq_len - q + j`` is visible to row ``r`` iff bit ``j`` of row ``r`` is set (bit ``j % 16`` of
+  uint16 word ``j // 16``, rows padded to whole 32-bit words); keys from ``seq_len`` on never are; ``q == 1`` takes
+  no mask. So a causal forward has ``q = n`` and lower-triangular bits; a forward with a block mask
+  ``[B, n, L]`` has ``q = max(n, L)``: the queries are padded to ``q`` rows per request with the ``n`` real rows
+  last (padding row ``r`` stands at storage position ``seq_len - q + r`` and sees causally; its output is
+  dropped), so the mask window of the last ``q`` keys holds the whole block, and real row ``i`` takes the block
+  rows inside the block and causal bits before it (when ``L < n``): TorchNativeBackend's rule exactly.
+* plan-based wrappers for the rest (ragged prefill, prefill-mode verify, GPUs or caches XQA does not take). They
+  plan from host lengths (``seq_lens_cpu``, ``extend_lens_cpu``), on a batch's first attention layer (the head
+  count and scale come from the layer), reused by the others; one wrapper object per kind, so one plan never
+  clobbers another's:
 
-Plans are built from host lengths (``seq_lens_cpu``, ``extend_lens_cpu``), so nothing here syncs with the device;
-they are made on a batch's first attention layer (the head count and scale come from the layer) and reused by the
-others. No CUDA-graph support: ``init_graph_state`` keeps no buffers (graphs run on the Triton backend).
+  - ``decode``: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, backend="fa2")`` for the decode
+    family without a block mask and with the same number of new tokens per request: ``q_len_per_req = n``
+    (bottom-right causal inside the request, which is our causal rule).
+  - ``causal``: ``BatchPrefillWithPagedKVCacheWrapper(backend="auto", causal=True)`` (fa3 on Hopper) for EXTEND,
+    DRAFT_EXTEND and prefill-mode TARGET_VERIFY without a block mask.
+  - ``masked``: ``BatchPrefillWithPagedKVCacheWrapper(backend="fa2")`` with a packed custom mask for every forward
+    with a block mask (fa3 has no custom mask; the decode wrapper has none either).
+
+``init_forward_metadata`` is the one metadata builder. For XQA it writes the uint32 sequence lengths, the batch's
+page-table rows and the packed mask with device ops only (no host sync, no host length), into the persistent
+buffers of ``init_graph_state`` when they exist (fresh tensors otherwise), so eager runs, capture and replay share
+it. A forward without host lengths that XQA cannot take raises a ValueError saying why (never a silent fallback).
+XQA has its own zero-initialised workspace: its first 8 MiB are semaphores the kernel leaves at zero after each
+launch, which the wrappers' workspace (overwritten by every plan) could not guarantee.
 """
 
 from __future__ import annotations
@@ -22,9 +42,147 @@ from __future__ import annotations
 import torch
 
 from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
-from workers.forward_batch import ForwardBatch, to_device
+from workers.forward_batch import ForwardBatch, ForwardMode, to_device
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
+XQA_ARCHS = (9, 10, 12)  # compute capability majors XQA runs on (flashinfer/xqa.py)
+XQA_PAGE_SIZES = (16, 32, 64, 128)  # TOKENS_PER_PAGE values flashinfer/jit/xqa.py builds
+# Query rows per request we send to XQA: the kernel tiles (query row, head) pairs by 32 and packs mask rows in
+# 32-bit words with no bound of its own; 64 covers the 63-position block of a per-token int64 tree bitmask.
+XQA_MAX_Q_LEN = 64
+# xqa_batch_decode_with_kv_cache takes the first 8 MiB as semaphores (zero before first use) and the rest as
+# scratch for the partial results of sequences split over several CTAs (a few MiB at our shapes; see xqa_scratch_bytes).
+XQA_WORKSPACE_BYTES = 128 * 1024 * 1024
+XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
+KERNEL_NAMES = {"xqa": "xqa", "decode": "fa2-decode-wrapper", "causal": "prefill-wrapper",
+                "masked": "fa2-masked-prefill-wrapper"}
+
+
+def xqa_kernel_for_device():
+    """``(xqa_batch_decode_with_kv_cache, None)`` when FlashInfer's XQA kernel runs on the current CUDA device,
+    else ``(None, why not)``."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    major, minor = torch.cuda.get_device_capability()
+    if major not in XQA_ARCHS:
+        return None, f"XQA runs on compute capability 9.x, 10.x and 12.x; this GPU is {major}.{minor}"
+    try:
+        from flashinfer.decode import xqa_batch_decode_with_kv_cache
+    except ImportError as e:
+        return None, f"this flashinfer has no XQA decode kernel ({e})"
+    return xqa_batch_decode_with_kv_cache, None
+
+
+def block_len(fb: ForwardBatch) -> int:
+    """L, the length of the batch's speculative block (0: causal), from host-side shapes only."""
+    if fb.tree_mask is not None:
+        return int(fb.tree_mask.shape[2])
+    return int(getattr(fb, "tree_len", 0)) if getattr(fb, "tree_bits", None) is not None else 0
+
+
+def block_mask(fb: ForwardBatch, n: int) -> torch.Tensor | None:
+    """The batch's block mask as [B, n, L] bool (``tree_mask``, or the per-token ``tree_bits`` of a draft-round
+    step unpacked: bit j → block position j); None when the forward is causal. Uniform ``n`` only."""
+    if fb.tree_mask is not None:
+        return fb.tree_mask
+    bits = getattr(fb, "tree_bits", None)
+    if bits is None:
+        return None
+    shifts = torch.arange(block_len(fb), device=bits.device)
+    return ((bits.view(fb.batch_size, n, 1) >> shifts) & 1) != 0
+
+
+def xqa_mask_bits(mask: torch.Tensor | None, batch: int, n: int, device=None) -> torch.Tensor:
+    """The XQA mask as [B, q, q] bool, ``q = max(n, L)``: entry [b, r, j] says whether query row r of request b
+    sees key ``seq_len - q + j`` (every earlier key is visible to every row). Real row i is row ``q - n + i``;
+    rows before are padding (at positions ``seq_len - q + r``). Causal everywhere (j <= r) except inside the
+    block (the last L keys), where the real rows take ``mask[b, i, j - (q - L)]``."""
+    length = 0 if mask is None else int(mask.shape[2])
+    q = max(n, length)
+    device = mask.device if mask is not None else device
+    r = torch.arange(q, device=device)
+    bits = (r.unsqueeze(0) <= r.unsqueeze(1)).expand(batch, q, q).clone()
+    if mask is not None:
+        bits[:, q - n:, q - length:] = mask
+    return bits
+
+
+def pack_xqa_mask(bits: torch.Tensor) -> torch.Tensor:
+    """[B, q, q] bool → XQA's packed mask as uint8 bytes [B, q, 4 * ceil(q / 32)]: bit j of a row is bit j % 8 of
+    byte j // 8 (little-endian), rows padded with zeros to whole 32-bit words. ``.view(torch.uint16)`` gives the
+    [B, q, 2 * ceil(q / 32)] uint16 tensor the kernel reads (bit j % 16 of word j // 16)."""
+    b, q, _ = bits.shape
+    width = -(-q // 32) * 32
+    padded = bits.new_zeros(b, q, width)
+    padded[..., :q] = bits
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    return (padded.view(b, q, width // 8, 8).to(torch.uint8) << shifts).sum(-1, dtype=torch.uint8)
+
+
+def xqa_forward_metadata(fb: ForwardBatch, buffers: dict | None = None) -> dict:
+    """Everything the XQA kernel reads for this batch, from device tensors only (``seq_lens_cpu`` is not read):
+    sequence lengths as uint32 (a view of int32; raised to at least q, which only touches the padded rows of a
+    CUDA-graph bucket: a real row's sequence holds its q window), the page-table rows of the batch's requests
+    ([B, table width] int32: XQA indexes the page list by request), and the packed mask (q > 1). Written into
+    ``buffers`` (``FlashInferBackend.init_graph_state``) when given and the batch fits, else fresh tensors."""
+    b, n = fb.batch_size, fb.extend_lens_cpu[0]
+    mask = block_mask(fb, n)
+    q = max(n, block_len(fb))
+    table = fb.page_table.table
+    fits = buffers is not None and b <= buffers["max_bs"]
+    if fits:
+        if buffers["block_tables"] is None or buffers["block_tables"].shape[1] != table.shape[1]:
+            # the page table's width is fixed for the backend's life: made once, on the first (eager) forward
+            buffers["block_tables"] = torch.zeros(buffers["max_bs"], table.shape[1], dtype=torch.int32,
+                                                  device=table.device)
+        seq = torch.clamp(fb.seq_lens, min=q, out=buffers["seq_lens"][:b])
+        tables = torch.index_select(table, 0, fb.req_slots, out=buffers["block_tables"][:b])
+    else:
+        seq = fb.seq_lens.clamp(min=q).to(torch.int32)
+        tables = table.index_select(0, fb.req_slots)
+    packed = None
+    if q > 1:
+        packed = pack_xqa_mask(xqa_mask_bits(mask, b, n, table.device))
+        if fits:
+            packed = buffers["mask"][:packed.numel()].view(packed.shape).copy_(packed)
+        packed = packed.view(torch.uint16)
+    return {"kind": "xqa", "n": n, "q_len": q, "seq_lens": seq.view(torch.uint32), "block_tables": tables,
+            "mask": packed, "max_seq_len": table.shape[1] * fb.page_table.page_size}
+
+
+def xqa_scratch_bytes(num_sms: int, q_len: int, group: int, head_dim: int) -> int:
+    """An upper bound of the scratch XQA's multi-CTA mode uses (mha.cu): a sequence is split over
+    ``max(1, SMs // (B * kv_heads))`` CTAs per (request, KV head, block of 32 query-row x head pairs), so at most
+    ``SMs * ceil(q_len * group / 32)`` partial results (split or not at all when B * kv_heads >= SMs), each 32 rows
+    of 16-bit head_dim values plus row max/sum."""
+    return num_sms * -(-(q_len * group) // 32) * (64 * head_dim + 1024)
+
+
+def xqa_attend(kernel, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, meta: dict,
+               workspace: torch.Tensor, num_sms: int = 0) -> torch.Tensor:
+    """One layer through XQA: queries in the KV dtype, padded to q rows per request (real rows last) when the
+    block is longer than the new tokens; softmax(q·k * scaling)·v needs bmm1_scale = scaling and bmm2_scale = 1
+    (for 16-bit KV the kernel's Q·K scale is bmm1_scale / bmm2_scale and the output is not rescaled)."""
+    k_pages, v_pages = fb.kv_cache.paged(layer.layer_id)
+    b, n, rows = fb.batch_size, meta["n"], meta["q_len"]
+    heads, dim = q.shape[1], q.shape[2]
+    need = xqa_scratch_bytes(num_sms, rows, heads // k_pages.shape[2], dim)
+    if need > workspace.numel() - XQA_SEMAPHORE_BYTES:
+        raise ValueError(f"XQA scratch for {rows} query rows x {heads // k_pages.shape[2]} heads per KV head, "
+                         f"head_dim {dim} may reach {need} bytes, more than the workspace holds "
+                         f"({workspace.numel() - XQA_SEMAPHORE_BYTES}); raise XQA_WORKSPACE_BYTES")
+    x = q.to(k_pages.dtype)
+    if rows > n:
+        padded = x.new_zeros(b, rows, heads, dim)
+        padded[:, rows - n:] = x.reshape(b, n, heads, dim)
+        x = padded.view(b * rows, heads, dim)
+    else:
+        x = x.contiguous()
+    out = kernel(x, (k_pages, v_pages), workspace, meta["block_tables"], meta["seq_lens"], meta["max_seq_len"],
+                 bmm1_scale=layer.scaling, bmm2_scale=1.0, kv_layout="NHD", q_len_per_req=rows, mask=meta["mask"])
+    if rows > n:
+        out = out.view(b, rows, heads, dim)[:, rows - n:].reshape(b * n, heads, dim)
+    return out.to(q.dtype)
 
 
 def paged_kv_metadata(seq_lens: list[int], page_size: int, req_slots: torch.Tensor, table: torch.Tensor):
@@ -88,9 +246,73 @@ class FlashInferBackend(AttentionBackend):
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict = {}
         self._meta: dict = {}
+        cuda = torch.cuda.is_available()
+        self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._num_sms = torch.cuda.get_device_properties(self._device).multi_processor_count if cuda else 0
+        self._xqa, self.xqa_unavailable = xqa_kernel_for_device()  # decided once, from the device
+        self._xqa_workspace: torch.Tensor | None = None
+        self._buffers: dict | None = None
+        # every forward a graph captures (DECODE, draft steps, DRAFT_EXTEND, TARGET_VERIFY) must take XQA;
+        # prefill-mode verify runs on a wrapper
+        self.supports_cuda_graph = self._xqa is not None and verify_attention_mode == "decode"
+
+    @property
+    def xqa_available(self) -> bool:
+        return self._xqa is not None
+
+    @property
+    def last_kernel(self) -> str:
+        """The kernel the current metadata runs: ``xqa`` or one of the wrappers (see the module docstring)."""
+        return KERNEL_NAMES.get(self._meta.get("kind"), "none")
 
     def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """No CUDA-graph support: graphs run on the Triton backend, so no persistent buffers are kept."""
+        """Persistent XQA metadata buffers (sequence lengths, mask; the page-table rows on the first forward, when
+        the table's width is known) and the XQA workspace; nothing without XQA (no graphs then)."""
+        if self._xqa is None:
+            return
+        dev = self._device
+        mask_row_bytes = -(-XQA_MAX_Q_LEN // 32) * 4
+        self._buffers = {
+            "max_bs": max_batch_size,
+            "seq_lens": torch.zeros(max_batch_size, dtype=torch.int32, device=dev),
+            "mask": torch.zeros(max_batch_size * XQA_MAX_Q_LEN * mask_row_bytes, dtype=torch.uint8, device=dev),
+            "block_tables": None,
+        }
+        self._xqa_ws(dev)
+
+    def _xqa_ws(self, device) -> torch.Tensor:
+        if self._xqa_workspace is None:  # zeroed once: the kernel returns its semaphores to zero
+            self._xqa_workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._xqa_workspace
+
+    def xqa_refusal(self, fb: ForwardBatch) -> str | None:
+        """Why the XQA kernel cannot run this forward (None: it can). Host-side shapes only."""
+        if self._xqa is None:
+            return self.xqa_unavailable
+        if fb.mode == ForwardMode.EXTEND:
+            return "EXTEND (prefill) runs on the prefill wrappers"
+        if fb.mode == ForwardMode.TARGET_VERIFY and self.verify_attention_mode != "decode":
+            return "verify_attention_mode 'prefill' runs TARGET_VERIFY on the prefill wrappers"
+        if fb.mode not in (ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY):
+            return f"mode {fb.mode.name}"
+        ext = fb.extend_lens_cpu
+        if not ext:
+            return "an empty batch"
+        if len(set(ext)) != 1:
+            return f"new tokens per request differ ({min(ext)} to {max(ext)}); XQA takes one count per batch"
+        dtype = fb.kv_cache.k[0].dtype
+        if dtype not in (torch.float16, torch.bfloat16):
+            return f"KV cache dtype {dtype} (XQA here: float16 or bfloat16)"
+        page = fb.page_table.page_size
+        if page not in XQA_PAGE_SIZES:
+            return f"page size {page} (XQA: one of {XQA_PAGE_SIZES})"
+        head_dim = int(fb.kv_cache.k[0].shape[2])
+        if head_dim % 16 or not 16 <= head_dim <= 256:
+            return f"head_dim {head_dim} (XQA: a multiple of 16 up to 256)"
+        q = max(ext[0], block_len(fb))
+        if q > XQA_MAX_Q_LEN:
+            return f"{q} query rows per request (XQA here: at most {XQA_MAX_Q_LEN})"
+        return None
 
     def _wrapper(self, kind: str, device: torch.device):
         """The wrapper of one kind, made on first use; all share one workspace (one forward runs at a time)."""
@@ -108,14 +330,24 @@ class FlashInferBackend(AttentionBackend):
         return self._wrappers[kind]
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Page lists and (for tree masks) the packed mask, once for all layers; the plan waits for layer 0."""
+        """XQA: lengths, page-table rows and mask, with device ops only (see ``xqa_forward_metadata``). Wrappers:
+        page lists and (for block masks) the packed mask, once for all layers; the plan waits for layer 0."""
         if fb.kv_cache.k[0].dtype == torch.float32:
             raise ValueError("the flashinfer backend needs a float16/bfloat16 KV cache; use triton or torch_native")
+        refusal = self.xqa_refusal(fb)
+        if refusal is None:
+            self._meta = xqa_forward_metadata(fb, self._buffers)
+            self._xqa_ws(fb.kv_cache.k[0].device)
+            return
         if fb.seq_lens_cpu is None:
-            raise ValueError("the flashinfer backend plans from host sequence lengths (seq_lens_cpu), "
-                             "which this batch does not carry")
+            raise ValueError(f"the flashinfer backend cannot run this {fb.mode.name} forward: it carries no host "
+                             "sequence lengths (seq_lens_cpu), which the plan-based wrappers need, and the XQA "
+                             f"kernel (device lengths, CUDA-graph safe) cannot take it: {refusal}")
         ext = fb.extend_lens_cpu
-        if fb.tree_mask is not None:
+        tree_mask = fb.tree_mask
+        if tree_mask is None and getattr(fb, "tree_bits", None) is not None:
+            tree_mask = block_mask(fb, ext[0])  # a draft-round step's per-token bits (uniform lengths)
+        if tree_mask is not None:
             kind = "masked"
         elif uses_decode_kernel(fb.mode, self.verify_attention_mode) and len(set(ext)) == 1:
             kind = "decode"
@@ -127,7 +359,7 @@ class FlashInferBackend(AttentionBackend):
                       "qo_indptr": torch.tensor([0] + ext, dtype=torch.int32).cumsum(0, dtype=torch.int32),
                       "q_len_per_req": ext[0], "planned": None}
         if kind == "masked":
-            self._meta["mask"], self._meta["mask_byte_indptr"] = packed_tree_mask(fb.tree_mask, fb.seq_lens_cpu, ext)
+            self._meta["mask"], self._meta["mask_byte_indptr"] = packed_tree_mask(tree_mask, fb.seq_lens_cpu, ext)
 
     def _plan(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch):
         m = self._meta
@@ -150,6 +382,8 @@ class FlashInferBackend(AttentionBackend):
         return wrapper
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        if self._meta["kind"] == "xqa":
+            return xqa_attend(self._xqa, q, layer, fb, self._meta, self._xqa_workspace, self._num_sms)
         key = (layer.num_heads, layer.scaling, q.dtype)
         if self._meta["planned"] != key:  # layer 0 of the batch (or a layer shaped unlike the one planned)
             self._meta["wrapper"], self._meta["planned"] = self._plan(q, layer, fb), key

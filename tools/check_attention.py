@@ -1,10 +1,21 @@
 """Attention backends against the torch-native fp32 reference, on random paged KV, for every forward mode.
 
-    python tools/check_attention.py --device cuda --backends triton [--dtype bfloat16] [--json out.json]
+    python tools/check_attention.py --device cuda --backends triton,flashinfer [--dtype bfloat16] [--json out.json]
     TRITON_INTERPRET=1 python tools/check_attention.py --device cpu --backends triton --small   # CPU, interpreter
 
 Cases: EXTEND (with a cached prefix, chunked), DRAFT_EXTEND, DECODE, TARGET_VERIFY (chain and tree, decode- and
 prefill-style kernels), and a multi-step draft step (queries against a scratch block). Page sizes 1 and 16, GQA.
+Every line names the kernel that ran (for flashinfer: ``xqa`` or one of its plan-based wrappers).
+
+flashinfer runs every case twice: with host lengths, and with the lengths on the device only (``seq_lens_cpu``
+None, as in CUDA-graph capture/replay and speculative rounds). Where its XQA kernel runs (sm90/100/120), XQA must
+take every forward it serves (DECODE, DRAFT_EXTEND, draft steps, decode-mode verify; page size 16) in both; the
+forwards it does not serve must refuse device-only lengths with a ValueError (printed ``n/a``).
+
+On CUDA a graph check follows for every graph-capable backend (``supports_cuda_graph``): one DECODE and one
+TARGET_VERIFY (tree) forward captured in a ``torch.cuda.CUDAGraph`` over static device lengths, replayed after the
+lengths (and the tree) changed, against an eager run at the new lengths and the reference. Exit status 0 iff every
+line passed.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -20,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attention.base import AttentionLayerSpec  # noqa: E402
+from attention.flashinfer_backend import XQA_PAGE_SIZES  # noqa: E402
 from attention.registry import _make  # noqa: E402
 from speculative.tree import ancestor_mask  # noqa: E402
 from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
@@ -74,6 +87,25 @@ CASES = {  # name: (mode, seq_lens, new tokens per request)
 }
 
 
+def expects_xqa(backend, mode: str, verify_mode: str, page_size: int, dtype) -> bool:
+    """Whether the flashinfer backend must run this case on XQA (see the module docstring of its backend)."""
+    return (getattr(backend, "xqa_available", False) and page_size in XQA_PAGE_SIZES
+            and dtype in (torch.float16, torch.bfloat16) and mode != "extend"
+            and not (verify_mode == "prefill" and mode.startswith("verify")))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float().cpu() - ref).norm() / ref.norm()).item()
+
+
+def reference(fb: ForwardBatch, q: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """torch-native on fp32 CPU copies of the same data (needs host lengths)."""
+    ref_backend = _make("torch_native", "decode", "cpu")
+    fb32, q32 = _to_fp32_cpu(fb, q)
+    ref_backend.init_forward_metadata(fb32)
+    return ref_backend.forward(q32, None, None, layer, fb32)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -82,47 +114,188 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="short sequences (interpreter)")
     ap.add_argument("--min-chunk", type=int, default=None, help="Triton: fewest KV positions per split (small values "
                     "give short sequences several splits, some of them empty)")
+    ap.add_argument("--cases", default=None, help=f"comma-separated subset of {','.join(CASES)}")
+    ap.add_argument("--page-sizes", default="1,16", help="comma-separated page sizes (XQA: 16, 32, 64, 128)")
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph capture/replay check")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     device = torch.device(args.device)
+    cases = CASES if args.cases is None else {c: CASES[c] for c in args.cases.split(",")}
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
     g = torch.Generator().manual_seed(0)
     heads, kv_heads, dim = 8, 2, 64
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
-    ref_backend = _make("torch_native", "decode", "cpu")
-    results, ok = [], True
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    results, graph_rows, xqa_info = [], [], {}
     for backend_name in args.backends.split(","):
         for verify_mode in ("decode", "prefill"):
             backend = _make(backend_name, verify_mode, device) if device.type == "cuda" else _load_cpu(backend_name,
                                                                                                           verify_mode)
             if args.min_chunk is not None and hasattr(backend, "min_chunk"):
                 backend.min_chunk = args.min_chunk
-            for name, (mode, seqs, news) in CASES.items():
+            if hasattr(backend, "xqa_available") and verify_mode == "decode":
+                xqa_info = {"available": backend.xqa_available, "unavailable_because": backend.xqa_unavailable}
+                print(f"# {backend_name}: XQA " + ("available" if backend.xqa_available else
+                                                   f"unavailable ({backend.xqa_unavailable})")
+                      + f", supports_cuda_graph={backend.supports_cuda_graph}", flush=True)
+            lens_variants = ("host", "device") if backend_name == "flashinfer" else ("host",)
+            for name, (mode, seqs, news) in cases.items():
                 if verify_mode == "prefill" and not name.startswith("verify"):
                     continue
                 if args.small:
                     seqs = [min(s, 150) for s in seqs]
                     news = [min(n, s) for n, s in zip(news, seqs)]
-                for page_size in (1, 16):
+                for page_size in page_sizes:
                     fb, q = make_case(mode, page_size, seqs, news, heads, kv_heads, dim, device, dtype, g)
-                    backend.init_forward_metadata(fb)
-                    out = backend.forward(q, None, None, layer, fb).float()
-                    # reference: fp32 copies of the same data on the CPU
-                    fb32, q32 = _to_fp32_cpu(fb, q)
-                    ref_backend.init_forward_metadata(fb32)
-                    ref = ref_backend.forward(q32, None, None, layer, fb32)
-                    err = ((out.cpu() - ref).norm() / ref.norm()).item()
-                    tol = 2e-2 if dtype != torch.float32 else 1e-4
-                    passed = err < tol and torch.isfinite(out).all().item()
-                    ok &= passed
-                    results.append({"backend": backend_name, "verify_mode": verify_mode, "case": name,
-                                    "page_size": page_size, "rel_err": err, "pass": passed})
-                    print(f"{backend_name:8s} verify={verify_mode:7s} {name:13s} page={page_size:2d} "
-                          f"rel_err={err:.2e} {'ok' if passed else 'FAIL'}", flush=True)
+                    ref = reference(fb, q, layer)
+                    want_xqa = backend_name == "flashinfer" and expects_xqa(backend, mode, verify_mode, page_size,
+                                                                            dtype)
+                    for lens in lens_variants:
+                        if lens == "device":
+                            fb.seq_lens_cpu = None  # as in CUDA-graph replay: lengths on the device only
+                        tag = (f"{backend_name:8s} verify={verify_mode:7s} {name:13s} page={page_size:2d} "
+                               f"lens={lens:6s}")
+                        row = {"backend": backend_name, "verify_mode": verify_mode, "case": name,
+                               "page_size": page_size, "lens": lens, "expected_kernel": "xqa" if want_xqa else None}
+                        kernel = None
+                        try:
+                            backend.init_forward_metadata(fb)
+                            kernel = getattr(backend, "last_kernel", backend_name)
+                            out = backend.forward(q, None, None, layer, fb)
+                            if device.type == "cuda":
+                                torch.cuda.synchronize()
+                        except Exception as e:  # noqa: BLE001 - report and go on with the other cases
+                            if isinstance(e, ValueError) and kernel is None and lens == "device" and not want_xqa:
+                                # refused by the metadata builder, as it must be: no host lengths
+                                results.append({**row, "pass": None, "refused": str(e)})
+                                print(f"{tag} kernel=-{'':25s} n/a (refused: {e})", flush=True)
+                                continue
+                            results.append({**row, "kernel": kernel, "pass": False, "error": repr(e)})
+                            print(f"{tag} kernel={kernel} ERROR {e!r} FAIL", flush=True)
+                            traceback.print_exc()
+                            continue
+                        err = rel_err(out, ref)
+                        right_kernel = not want_xqa or kernel == "xqa"
+                        passed = bool(err < tol and torch.isfinite(out).all().item() and right_kernel)
+                        results.append({**row, "kernel": kernel, "rel_err": err, "pass": passed})
+                        print(f"{tag} kernel={kernel:26s} rel_err={err:.2e}"
+                              f"{'' if right_kernel else ' (expected xqa)'} {'ok' if passed else 'FAIL'}", flush=True)
+    if device.type == "cuda" and not args.no_graph:
+        for backend_name in args.backends.split(","):
+            graph_rows += graph_check(backend_name, device, dtype, layer, heads, kv_heads, dim, g, tol)
+    checked = [r for r in results + graph_rows if r.get("pass") is not None]
+    failed = [r for r in checked if not r["pass"]]
+    ok = not failed and bool(checked)
+    print(f"SUMMARY: {len(checked) - len(failed)} ok, {len(failed)} FAIL, "
+          f"{sum(r.get('pass') is None for r in results + graph_rows)} n/a -> {'PASS' if ok else 'FAIL'}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": str(device), "dtype": args.dtype, "results": results},
+        meta = {"command": " ".join(["python3", "tools/check_attention.py"] + sys.argv[1:]), "device": str(device),
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "dtype": args.dtype,
+                "torch": torch.__version__, "flashinfer": _flashinfer_version(), "xqa": xqa_info}
+        Path(args.json).write_text(json.dumps({**meta, "pass": ok, "results": results, "graph": graph_rows},
                                               indent=2))
     sys.exit(0 if ok else 1)
+
+
+# ---- CUDA graphs -----------------------------------------------------------------------------------------------------
+GRAPH_CASES = {"decode": ("decode", 1), "verify_tree": ("verify_tree", 8)}  # name: (make_case mode, new tokens)
+GRAPH_PAGE_SIZE = 16
+GRAPH_LENS = {  # per request: the page table is sized for "capacity"; captured at "capture", replayed at each of
+    "capacity": [700, 2100, 64],  # "replays" (every request's length changes, some across pages)
+    "capture": [300, 2000, 40],
+    "replays": [[700, 45, 64], [17, 2100, 9]],
+}
+
+
+def graph_check(backend_name: str, device, dtype, layer, heads, kv_heads, dim, g, tol) -> list[dict]:
+    """One DECODE and one TARGET_VERIFY forward of the backend captured in a CUDA graph over static device lengths
+    (and tree mask), replayed at other lengths (and another tree): each replay against an eager run of the same
+    backend at those lengths, and against the reference."""
+    backend = _make(backend_name, "decode", device)
+    if not backend.supports_cuda_graph:
+        why = getattr(backend, "xqa_unavailable", None) or "supports_cuda_graph is False"
+        print(f"graph    {backend_name:8s} n/a (not graph-capable: {why})", flush=True)
+        return [{"backend": backend_name, "graph": True, "pass": None, "refused": why}]
+    backend.init_graph_state(8, 64)  # persistent metadata buffers, as the engine's graph runner would
+    rows = []
+    for name, (mode, n) in GRAPH_CASES.items():
+        try:
+            rows += _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, heads, kv_heads, dim, g,
+                                tol)
+        except Exception as e:  # noqa: BLE001 - report and go on
+            traceback.print_exc()
+            rows.append({"backend": backend_name, "graph": True, "case": name, "pass": False, "error": repr(e)})
+            print(f"graph    {backend_name:8s} {name:13s} ERROR {e!r} FAIL", flush=True)
+    return rows
+
+
+def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, heads, kv_heads, dim, g, tol):
+    b = len(GRAPH_LENS["capture"])
+    alloc, q = make_case(mode, GRAPH_PAGE_SIZE, GRAPH_LENS["capacity"], [n] * b, heads, kv_heads, dim, device,
+                         dtype, g)
+    kv, table, fmode = alloc.kv_cache, alloc.page_table, alloc.mode
+    lens = torch.tensor(GRAPH_LENS["capture"], dtype=torch.int32, device=device)  # the graph's static inputs
+    tree = None if alloc.tree_mask is None else alloc.tree_mask.clone()
+    ids = torch.zeros(b * n, dtype=torch.int64, device=device)
+    fb = ForwardBatch.build(fmode, ids, list(range(b)), lens, [n] * b, kv, table, tree_mask=tree)
+    assert fb.seq_lens_cpu is None and fb.seq_lens.data_ptr() == lens.data_ptr()
+
+    def step():
+        backend.init_forward_metadata(fb)
+        return backend.forward(q, None, None, layer, fb)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (JIT builds, workspace) outside the capture
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    kernel = getattr(backend, "last_kernel", backend_name)
+    graph.replay()
+    torch.cuda.synchronize()
+    at_capture = out.float().clone()
+    rows = []
+    for i, new_lens in enumerate(GRAPH_LENS["replays"]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        if tree is not None:
+            tree.copy_(ancestor_mask(random_tree_parents(b, n, g), n).to(device))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = out.float().clone()
+        eager_fb = ForwardBatch.build(fmode, ids, list(range(b)), new_lens, [n] * b, kv, table,
+                                      tree_mask=None if tree is None else tree.clone())
+        backend.init_forward_metadata(eager_fb)
+        eager_kernel = getattr(backend, "last_kernel", backend_name)
+        eager = backend.forward(q, None, None, layer, eager_fb).float()
+        torch.cuda.synchronize()
+        err = rel_err(replayed, reference(eager_fb, q, layer))
+        vs_eager = ((replayed - eager).norm() / eager.norm()).item()
+        moved = ((replayed - at_capture).norm() / at_capture.norm()).item()  # the replay read the new lengths
+        right_kernel = backend_name != "flashinfer" or kernel == eager_kernel == "xqa"
+        passed = bool(torch.isfinite(replayed).all().item() and err < tol and vs_eager < 1e-3 and moved > 1e-2
+                      and right_kernel)
+        rows.append({"backend": backend_name, "graph": True, "case": name, "page_size": GRAPH_PAGE_SIZE,
+                     "capture_lens": GRAPH_LENS["capture"], "replay_lens": new_lens, "kernel": kernel,
+                     "eager_kernel": eager_kernel, "rel_err": err, "rel_diff_vs_eager": vs_eager,
+                     "bitwise_equal_eager": bool(torch.equal(replayed, eager)), "rel_change_vs_capture": moved,
+                     "pass": passed})
+        print(f"graph    {backend_name:8s} {name:13s} page={GRAPH_PAGE_SIZE:2d} replay={i} lens={new_lens} "
+              f"kernel={kernel} rel_err={err:.2e} vs_eager={vs_eager:.1e} moved={moved:.1e} "
+              f"{'ok' if passed else 'FAIL'}", flush=True)
+    return rows
+
+
+def _flashinfer_version():
+    try:
+        import flashinfer
+
+        return flashinfer.__version__
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _load_cpu(name: str, verify_mode: str):
