@@ -159,8 +159,10 @@ class Worker:
         if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
             runners = [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
             if not all(r.attn_backend.supports_cuda_graph for r in runners):
-                # torch_native would attend over the whole page-table capacity; FlashInfer plans on the host
-                logger.warning("CUDA graphs are off: they need the triton attention backend for prefill and decode")
+                # torch_native would attend over the whole page-table capacity; FlashInfer's plans need host lengths
+                # where its XQA kernel is unavailable (before sm90) or verify runs prefill-style
+                logger.warning("CUDA graphs are off: an attention backend in use cannot be captured (use triton, or "
+                               "flashinfer with XQA on sm90+ and verify_attention_mode=decode)")
             else:
                 self.capture_graphs()
 
