@@ -1,17 +1,25 @@
 """GPU performance suite on random-weight Llama shapes (same process, same weights):
 
 1. bs=1 decode ms/token: specserve (CUDA graphs, and eager) vs the bandwidth floor (weight bytes ÷ device-to-device
-   copy bandwidth measured in this run), and HF transformers ``generate`` eager and with static cache +
-   ``torch.compile``;
+   copy bandwidth measured in this run);
 2. speculation at a simulated accept length (an EAGLE-3-shaped head, chain) vs our own no-spec, bs=1;
 3. the 1-step (naive) mode: the round fused in one CUDA graph vs draft / verify / draft-extend graphs, bs=1 and 64;
-4. decode throughput, speculation vs no-spec, over batch sizes.
+4. decode throughput, speculation vs no-spec, over batch sizes;
+5. (part ``hf``) HF transformers baselines at bs=1 on the same checkpoint: eager ``generate``, static cache +
+   ``torch.compile`` (transformers' own compile of the decoding forward), and assisted generation with a standalone
+   random draft (``bench.random_llama.DRAFT_SHAPES``: same vocabulary and tokenizer);
+6. (part ``draft``) our engine with that same standalone draft (real acceptance and simulated), bs=1, beside no-spec.
 
 Random weights accept nothing, so speculative runs use ``simulated_accept_length`` (benchmark-only: the verify
 forward, acceptance and KV work are all real, the emitted tokens are the drafts). Decode time comes from token
-timestamps after each request's first token (prefill excluded).
+timestamps after each request's first token (prefill excluded). HF assisted generation cannot simulate acceptance:
+it and ``specserve_draft`` run at the real acceptance of two random models (about none), so their accept lengths say
+nothing about a trained pair; what they compare is the cost of a round.
 
     python bench/gpu_perf.py --shape llama-3.1-8b --out bench/results/gpu_perf_8b_h100
+    python bench/gpu_perf.py --shape llama-3.2-1b --parts hf,draft --out bench/results/gpu_perf_llama1b_hf_h100
+    python bench/gpu_perf.py --device cpu --shape llama-smoke --parts hf,draft --new-tokens 16 --out /tmp/smoke
+    (the last one: a CPU smoke test of the HF and draft code paths, no result)
 """
 
 from __future__ import annotations
@@ -29,16 +37,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine_vs_hf import commit, device_name  # noqa: E402
-from bench.random_llama import weight_bytes_per_token, write_checkpoint  # noqa: E402
+from bench.random_llama import DRAFT_SHAPES, weight_bytes_per_token, write_checkpoint  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 
 class Suite:
     def __init__(self, args):
         self.args = args
+        self.dev = args.device
         self.ckpt = Path(args.ckpt)
-        self.results = {"device": device_name("cuda") if torch.cuda.is_available() else "cpu", "commit": commit(), "command": "python " + " ".join(sys.argv),
+        on_gpu = self.dev == "cuda" and torch.cuda.is_available()  # (--report-only works without a GPU)
+        self.results = {"device": device_name("cuda" if on_gpu else "cpu"), "commit": commit(),
+                        "command": "python " + " ".join(sys.argv),
                         "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+        if self.dev != "cuda":
+            self.results["note"] = "CPU smoke test of the code paths: no result"
         self.out = Path(args.out)
         self.vocab = 0  # set once the checkpoint exists
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -46,28 +59,53 @@ class Suite:
     def save(self) -> None:  # after every measurement: a run cut short keeps what it measured
         self.out.with_suffix(".json").write_text(json.dumps(self.results, indent=2))
 
+    def sync(self) -> None:
+        if self.dev == "cuda":
+            torch.cuda.synchronize()
+
+    def free(self) -> None:
+        gc.collect()  # graphs and their closures form cycles with the worker
+        if self.dev == "cuda":
+            torch.cuda.empty_cache()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.dev == "cuda" else torch.float32
+
+    def prompt(self, seed: int, n: int | None = None) -> list[int]:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(10, min(100000, self.vocab - 10), (n or self.args.prompt_len,), generator=g).tolist()
+
     def engine(self, spec=None, **kw):
         from deployments.config import EngineConfig
         from deployments.engine import Engine
 
-        kw = {"max_model_len": 4096, "max_num_seqs": 256, "cuda_graph_max_bs": 256, "gpu_memory_utilization": 0.8,
-              "prefill_attention_backend": "triton", "decode_attention_backend": "triton", **kw}
-        return Engine(EngineConfig(model=str(self.ckpt), device="cuda", dtype="bfloat16", speculative_config=spec,
-                                   **kw))
+        if self.dev == "cuda":
+            kw = {"max_model_len": 4096, "max_num_seqs": 256, "cuda_graph_max_bs": 256, "gpu_memory_utilization": 0.8,
+                  "prefill_attention_backend": "triton", "decode_attention_backend": "triton", **kw}
+            dtype = "bfloat16"
+        else:  # smoke test: the reference backends, no graphs
+            kw = {"max_model_len": 1024, "kv_cache_tokens": 16384, **kw, "disable_cuda_graph": True}
+            kw.pop("cuda_graph_max_bs", None)
+            dtype = "float32"
+        return Engine(EngineConfig(model=str(self.ckpt), device=self.dev, dtype=dtype, speculative_config=spec, **kw))
 
     def decode_rate(self, eng, bs: int) -> dict:
         """Decode tokens/s and ms per token per request for ``bs`` concurrent requests: the steps after the last
         request got its first token (prefill excluded)."""
         from deployments.request import SamplingParams
 
-        g = torch.Generator().manual_seed(bs)
         params = SamplingParams(max_tokens=self.args.new_tokens, temperature=0.0, ignore_eos=True)
-        for _ in range(bs):
-            eng.add_request(torch.randint(10, 100000, (self.args.prompt_len,), generator=g).tolist(), params)
-        started, start, tokens, steps = set(), None, 0, 0
+        for i in range(bs):
+            eng.add_request(self.prompt(bs * 1000 + i), params)
+        started, start, tokens, steps, drafts, accepted = set(), None, 0, 0, 0, 0
         while eng.has_work():
             outs = eng.step()
             now = time.perf_counter()
+            for o in outs:
+                if o.finished and o.request.spec is not None:
+                    drafts += o.request.spec.num_drafts
+                    accepted += o.request.spec.num_accepted_tokens
             if start is None:
                 started.update(o.rid for o in outs if o.new_token_ids)
                 if len(started) == bs:
@@ -78,16 +116,28 @@ class Suite:
         end = time.perf_counter()
         if not tokens:
             raise ValueError("no decode steps after the last first token: raise --new-tokens")
-        return {"batch_size": bs, "decode_tok_s": round(tokens / (end - start), 1),
-                "ms_per_token_per_request": round((end - start) / (tokens / bs) * 1e3, 3),
-                "ms_per_step": round((end - start) / steps * 1e3, 3), "decode_steps": steps}
+        row = {"batch_size": bs, "decode_tok_s": round(tokens / (end - start), 1),
+               "ms_per_token_per_request": round((end - start) / (tokens / bs) * 1e3, 3),
+               "ms_per_step": round((end - start) / steps * 1e3, 3), "decode_steps": steps}
+        if drafts:
+            row["accept_length"] = round(1 + accepted / drafts, 3)
+        return row
 
-    # ---- 1. bs=1 vs floor and HF ---------------------------------------------------------------------------------
+    def floor(self) -> dict:
+        """The bs=1 bandwidth floor: weight bytes ÷ measured device-to-device copy bandwidth (CUDA only)."""
+        if self.dev != "cuda":
+            return {}
+        if "floor_ms" not in self.results.get("bs1", {}):
+            bw = copy_bandwidth()
+            self.results.setdefault("bs1", {}).update(
+                {"copy_bandwidth_gb_s": round(bw / 1e9, 1), "weight_bytes": weight_bytes_per_token(self.args.shape),
+                 "floor_ms": round(weight_bytes_per_token(self.args.shape) / bw * 1e3, 3)})
+        return self.results["bs1"]
+
+    # ---- 1. bs=1 vs floor ----------------------------------------------------------------------------------------
     def bs1_floor(self) -> None:
-        bw = copy_bandwidth()
-        floor_ms = weight_bytes_per_token(self.args.shape) / bw * 1e3
-        row = {"copy_bandwidth_gb_s": round(bw / 1e9, 1), "weight_bytes": weight_bytes_per_token(self.args.shape),
-               "floor_ms": round(floor_ms, 3)}
+        row = self.floor()
+        floor_ms = row["floor_ms"]
         for name, kw in (("specserve_graphs", {}), ("specserve_eager", {"disable_cuda_graph": True})):
             eng = self.engine(**kw, max_num_seqs=8, cuda_graph_max_bs=8)
             self.decode_rate(eng, 1)  # warm-up
@@ -98,22 +148,9 @@ class Suite:
                 row["graph_replay_ms"] = round(self.replay_ms(eng), 3)
                 row["graph_replay_vs_floor"] = round(row["graph_replay_ms"] / floor_ms, 3)
             del eng
-            gc.collect()  # graphs and their closures form cycles with the worker
-            torch.cuda.empty_cache()
-            self.results["bs1"] = row
+            self.free()
             self.save()
             print(row, flush=True)
-        if not self.args.skip_hf:
-            for name, compiled in (("hf_eager", False), ("hf_static_compile", True)):
-                try:
-                    ms = self.hf_bs1(compiled)
-                except Exception as e:  # noqa: BLE001 - report, keep the rest of the suite
-                    row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:300]
-                else:
-                    row[f"{name}_ms"] = round(ms, 3)
-                    row[f"{name}_vs_floor"] = round(ms / floor_ms, 3)
-                self.save()
-                print(row, flush=True)
 
     @staticmethod
     def replay_ms(eng, iters: int = 50) -> float:
@@ -131,39 +168,191 @@ class Suite:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / iters
 
-    def hf_bs1(self, compiled: bool) -> float:
+    # ---- 5. HF transformers baselines (bs=1, same checkpoint) ----------------------------------------------------
+    def draft_ckpt(self) -> Path:
+        """The standalone draft (random, same vocabulary and tokenizer as the target), written if missing."""
+        a = self.args
+        shape = a.draft_shape or DRAFT_SHAPES[a.shape]
+        path = Path(a.draft_ckpt or f"/tmp/{shape}-random")
+        if not (path / "config.json").is_file():
+            t0 = time.time()
+            write_checkpoint(path, shape)
+            print(f"draft checkpoint {shape} written in {time.time() - t0:.0f}s", flush=True)
+        self.results["draft_model"] = {"shape": shape, "path": str(path)}
+        return path
+
+    def hf_generate(self, m, ids: torch.Tensor, n: int, **kw) -> tuple[float, int]:
+        """One timed greedy ``generate`` of exactly ``n`` new tokens (EOS suppressed); returns (seconds, new tokens
+        actually generated)."""
+        self.sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=0, **kw)
+        self.sync()
+        dt = time.perf_counter() - t0
+        return dt, out.shape[1] - ids.shape[1]
+
+    @staticmethod
+    def check_len(got: int, want: int, what: str) -> None:
+        if got != want:
+            raise RuntimeError(f"{what}: generate returned {got} new tokens, asked for {want}")
+
+    def hf_part(self) -> None:
         from transformers import AutoModelForCausalLM
 
-        m = AutoModelForCausalLM.from_pretrained(str(self.ckpt), dtype=torch.bfloat16).cuda().eval()
-        ids = torch.randint(10, 100000, (1, self.args.prompt_len), device="cuda")
-        kw = dict(do_sample=False, pad_token_id=0)
-        if compiled:  # transformers compiles the decoding forward itself when the cache is static
-            m.generation_config.cache_implementation = "static"
-        n = self.args.new_tokens
-        with torch.no_grad():
-            if compiled:  # a static cache is sized by max_new_tokens: warm up (compile) and time the same call;
-                # the time per token then includes one prompt prefill spread over n tokens
-                for _ in range(2):
-                    m.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                m.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
-                torch.cuda.synchronize()
-                ms = (time.perf_counter() - t0) / n * 1e3
-            else:  # eager: the difference of two lengths cancels the prefill
-                m.generate(ids, max_new_tokens=16, min_new_tokens=16, **kw)
-                times = []
-                for new in (n // 4, n):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    m.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-                    torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                ms = (times[1] - times[0]) / (n - n // 4) * 1e3
+        floor_ms = self.floor().get("floor_ms")
+        hf = self.results.setdefault("hf", {})
+        m = AutoModelForCausalLM.from_pretrained(str(self.ckpt), dtype=self.torch_dtype).to(self.dev).eval()
+        ids = torch.tensor([self.prompt(1000)], device=self.dev)  # the prompt decode_rate gives its bs=1 request
+        # static + compile last: a compile failure (or what it leaves behind) cannot spoil the eager rows
+        for name, fn in (("hf_eager", self.hf_eager), ("hf_assisted_draft", self.hf_assisted),
+                         ("hf_static_compile", self.hf_static_compile)):
+            try:
+                row = fn(m, ids)
+            except Exception as e:  # noqa: BLE001 - the exception text is the result; keep the rest of the suite
+                import traceback
+
+                row = {"error": f"{type(e).__name__}: {e}"[:1500],
+                       "where": "".join(traceback.format_tb(e.__traceback__)[-3:])[-1500:]}
+                self.free()
+            if floor_ms and "decode_ms_per_token" in row:
+                row["vs_floor"] = round(row["decode_ms_per_token"] / floor_ms, 3)
+            hf[name] = row
+            self.save()
+            print(name, row, flush=True)
         del m
-        gc.collect()
-        torch.cuda.empty_cache()
-        return ms
+        self.free()
+
+    def hf_eager(self, m, ids) -> dict:
+        """Eager ``generate`` (dynamic cache): the difference of an n-token and an n/4-token call cancels prefill."""
+        n, short = self.args.new_tokens, self.args.new_tokens // 4
+        self.hf_generate(m, ids, 16)  # warm-up
+        t_short, got_short = self.hf_generate(m, ids, short)
+        t_n, got_n = self.hf_generate(m, ids, n)
+        self.check_len(got_short, short, "hf_eager")
+        self.check_len(got_n, n, "hf_eager")
+        ms = (t_n - t_short) / (got_n - got_short) * 1e3
+        return {"decode_ms_per_token": round(ms, 3), "ms_per_token_incl_prefill": round(t_n / got_n * 1e3, 3),
+                "decode_tok_s": round(1e3 / ms, 1), "new_tokens": got_n,
+                "method": f"(T({n}) - T({short})) / {n - short}"}
+
+    def hf_assisted(self, m, ids) -> dict:
+        """Assisted generation (``assistant_model=``) with the standalone draft: a constant chain of
+        --spec-steps draft tokens per round (no confidence early exit), greedy. HF keeps no acceptance counter: the
+        target's forward passes are counted with a hook; accept length = tokens per verify forward after prefill."""
+        from transformers import AutoModelForCausalLM
+
+        n, short = self.args.new_tokens, self.args.new_tokens // 4
+        d = AutoModelForCausalLM.from_pretrained(str(self.draft_ckpt()), dtype=self.torch_dtype).to(self.dev).eval()
+        d.generation_config.num_assistant_tokens = self.args.spec_steps
+        d.generation_config.num_assistant_tokens_schedule = "constant"
+        d.generation_config.assistant_confidence_threshold = 0.0
+        calls = [0]
+        hook = m.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        try:
+            self.hf_generate(m, ids, 16, assistant_model=d)  # warm-up
+            t_short, got_short = self.hf_generate(m, ids, short, assistant_model=d)
+            calls[0] = 0
+            t_n, got = self.hf_generate(m, ids, n, assistant_model=d)
+        finally:
+            hook.remove()
+            del d
+            self.free()
+        self.check_len(got_short, short, "hf_assisted_draft")
+        self.check_len(got, n, "hf_assisted_draft")
+        ms = (t_n - t_short) / (got - got_short) * 1e3
+        return {"decode_ms_per_token": round(ms, 3), "ms_per_token_incl_prefill": round(t_n / got * 1e3, 3),
+                "decode_tok_s": round(1e3 / ms, 1), "new_tokens": got, "target_forwards": calls[0],
+                "accept_length": round((got - 1) / max(calls[0] - 1, 1), 3),
+                "num_assistant_tokens": self.args.spec_steps, "method": f"(T({n}) - T({short})) / {n - short}",
+                "note": "random target and draft: acceptance is about none, not comparable with a trained pair"}
+
+    def hf_static_compile(self, m, ids) -> dict:
+        """Static cache + ``torch.compile``, the way transformers documents it: with a compileable (static) cache,
+        ``generate`` compiles the decoding forward itself (``generation_config.compile_config``; the default is
+        inductor, mode="reduce-overhead", i.e. CUDA graphs). One StaticCache object serves every call (reset in
+        between): its tensors keep their addresses and its shape, so nothing is re-compiled or re-recorded across
+        calls. Warm-up calls generate the same n new tokens as the timed ones (compile and graph recording happen
+        there); the timed calls must add no dynamo graph. decode ms/token = (T(n) - T(1)) / (n - 1): T(1) is the
+        prefill (the first token comes from the prompt's logits); T(n) / n is reported too."""
+        import statistics
+
+        from transformers import StaticCache
+        from transformers.generation import CompileConfig
+
+        n, reps = self.args.new_tokens, self.args.hf_repeats
+        if self.dev != "cuda":  # transformers compiles on CUDA only unless told to (CPU: smoke test of this path)
+            cc = CompileConfig()
+            cc._compile_all_devices = True
+            m.generation_config.compile_config = cc
+        cache = StaticCache(config=m.config, max_cache_len=ids.shape[1] + n + 16)
+
+        def gen(k: int) -> tuple[float, int]:
+            cache.reset()
+            return self.hf_generate(m, ids, k, past_key_values=cache)
+
+        from torch._dynamo.utils import counters
+
+        graphs_start = counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        gen(n)  # compiles
+        compile_s = time.perf_counter() - t0
+        for _ in range(2):
+            gen(n)
+            gen(1)
+        graphs_before = counters["stats"]["unique_graphs"]
+        if graphs_before == graphs_start:
+            raise RuntimeError("generate compiled nothing (transformers' auto-compile criteria not met): "
+                               "the numbers would be an eager static cache")
+        t_n, t_1 = [], []
+        for _ in range(reps):
+            dt, got = gen(n)
+            self.check_len(got, n, "hf_static_compile")
+            t_n.append(dt)
+            dt, got = gen(1)
+            self.check_len(got, 1, "hf_static_compile prefill")
+            t_1.append(dt)
+        new_graphs = counters["stats"]["unique_graphs"] - graphs_before
+        if new_graphs:
+            raise RuntimeError(f"invalid timing: {new_graphs} dynamo graph(s) compiled during the timed calls")
+        tn, t1 = statistics.median(t_n), statistics.median(t_1)
+        ms = (tn - t1) / (n - 1) * 1e3
+        return {"decode_ms_per_token": round(ms, 3), "ms_per_token_incl_prefill": round(tn / n * 1e3, 3),
+                "decode_tok_s": round(1e3 / ms, 1), "prefill_ms": round(t1 * 1e3, 3), "new_tokens": n,
+                "timed_calls": reps, "first_call_s_incl_compile": round(compile_s, 1),
+                "dynamo_graphs_compiled": graphs_before - graphs_start,
+                "compile_config": {k: v for k, v in (m.generation_config.compile_config or CompileConfig()).to_dict()
+                                   .items() if isinstance(v, (str, int, float, bool, type(None)))},
+                "method": f"warm-up = timed = generate(n={n}); (T({n}) - T(1)) / {n - 1}, median of {reps}"}
+
+    # ---- 6. our engine with the same standalone draft ------------------------------------------------------------
+    def draft_part(self) -> None:
+        from deployments.config import SpeculativeConfig
+
+        a = self.args
+        draft = str(self.draft_ckpt())
+        runs = {"specserve_no_spec": None,
+                "specserve_draft": SpeculativeConfig(method="draft", model=draft, num_steps=a.spec_steps, topk=1),
+                f"specserve_draft_sim{a.accept_length:g}": SpeculativeConfig(
+                    method="draft", model=draft, num_steps=a.spec_steps, topk=1,
+                    simulated_accept_length=a.accept_length)}
+        rows = self.results.setdefault("draft", {})
+        for name, spec in runs.items():
+            eng = self.engine(spec, max_num_seqs=8, cuda_graph_max_bs=8)
+            self.decode_rate(eng, 1)  # warm-up
+            r = self.decode_rate(eng, 1)
+            rows[name] = {"decode_ms_per_token": r["ms_per_token_per_request"], "decode_tok_s": r["decode_tok_s"],
+                          "ms_per_step": r["ms_per_step"], **({"accept_length": r["accept_length"]}
+                                                              if "accept_length" in r else {})}
+            if spec is not None:
+                rows[name]["num_steps"] = a.spec_steps
+                rows[name]["acceptance"] = ("simulated" if spec.simulated_accept_length else
+                                            "real (random target and draft: about none)")
+            del eng
+            self.free()
+            self.save()
+            print(name, rows[name], flush=True)
 
     # ---- 2-4. speculation ----------------------------------------------------------------------------------------
     def head(self) -> Path:
@@ -196,8 +385,7 @@ class Suite:
                 print(name, sweep[name][-1], flush=True)
                 self.save()
             del eng
-            gc.collect()  # graphs and their closures form cycles with the worker
-            torch.cuda.empty_cache()
+            self.free()
         self.summarize()
         self.save()
         print(self.results["summary"], flush=True)
@@ -220,21 +408,51 @@ class Suite:
                                       for bs in sizes if bs in by[chain]},
         }
 
+    # ---- report --------------------------------------------------------------------------------------------------
+    def bs1_rows(self) -> list[tuple[str, dict]]:
+        """Every bs=1 measurement as (name, row): row has decode_ms_per_token or ms_per_token_incl_prefill, or
+        error. Older JSONs kept HF numbers inside ``bs1`` (hf_*_ms / hf_*_error): read those too."""
+        r, rows = self.results, []
+        b = r.get("bs1", {})
+        for k in ("graph_replay", "specserve_graphs", "specserve_eager", "hf_eager", "hf_static_compile"):
+            if f"{k}_ms" in b:
+                rows.append((k, {"decode_ms_per_token": b[f"{k}_ms"]}))
+            elif f"{k}_error" in b and k not in r.get("hf", {}):
+                rows.append((k, {"error": b[f"{k}_error"]}))
+        rows += list(r.get("draft", {}).items()) + list(r.get("hf", {}).items())
+        return rows
+
     def report(self) -> None:
         r = self.results
-        lines = [f"# GPU performance, {r['shape']} shape, random bf16 weights", "",
-                 f"device: {r['device']} · commit: {r['commit']} · command: `{r['command']}`", "",
-                 f"prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens, greedy, Triton attention."]
-        if "bs1" in r:
-            b = r["bs1"]
-            lines += ["", "## bs=1 decode vs the bandwidth floor", "",
-                      f"floor = {b['weight_bytes'] / 1e9:.2f} GB of weights ÷ {b['copy_bandwidth_gb_s']} GB/s copy "
-                      f"bandwidth = {b['floor_ms']} ms", "", "| engine | ms/token | × floor |", "|---|---|---|"]
-            for k in ("graph_replay", "specserve_graphs", "specserve_eager", "hf_eager", "hf_static_compile"):
-                if f"{k}_ms" in b:
-                    lines.append(f"| {k} | {b[f'{k}_ms']} | {b[f'{k}_vs_floor']} |")
-                elif f"{k}_error" in b:
-                    lines.append(f"| {k} | failed: {b[f'{k}_error'][:120]} | |")
+        lines = [f"# GPU performance, {r['shape']} shape, random {'bf16' if self.dev == 'cuda' else 'fp32'} weights",
+                 "", f"device: {r['device']} · commit: {r['commit']} · command: `{r['command']}`", "",
+                 f"prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens, greedy, "
+                 + ("Triton attention." if self.dev == "cuda" else "torch-native attention.")]
+        if r.get("note"):
+            lines += ["", f"**{r['note']}**"]
+        b = r.get("bs1", {})
+        rows = self.bs1_rows()
+        if rows:
+            lines += ["", "## bs=1 decode", ""]
+            if "floor_ms" in b:
+                lines += [f"floor = {b['weight_bytes'] / 1e9:.2f} GB of weights ÷ {b['copy_bandwidth_gb_s']} GB/s "
+                          f"copy bandwidth = {b['floor_ms']} ms", ""]
+            if "draft_model" in r:
+                lines += [f"standalone draft (specserve_draft*, hf_assisted_draft): random {r['draft_model']['shape']}"
+                          f" shape, same vocabulary; decode ms/token excludes prefill, 'incl. prefill' spreads one "
+                          f"prompt prefill over the new tokens", ""]
+            lines += ["| system | decode ms/token | ms/token incl. prefill | × floor | accept length | note |",
+                      "|---|---|---|---|---|---|"]
+            for name, x in rows:
+                if "error" in x:
+                    err = x["error"][:160].replace("|", "/").replace("\n", " ")
+                    lines.append(f"| {name} | failed: {err} | | | | |")
+                    continue
+                ms = x.get("decode_ms_per_token")
+                vs = round(ms / b["floor_ms"], 3) if ms and "floor_ms" in b else ""
+                note = x.get("acceptance") or x.get("note") or x.get("method") or ""
+                lines.append(f"| {name} | {ms if ms is not None else ''} | {x.get('ms_per_token_incl_prefill', '')} "
+                             f"| {vs} | {x.get('accept_length', '')} | {note} |")
         if "summary" in r:
             s = r["summary"]
             lines += ["", "## Speculation (simulated acceptance)", "", "| measure | value |", "|---|---|"]
@@ -243,8 +461,8 @@ class Suite:
             sizes = sorted({x["batch_size"] for rows in r["throughput"].values() for x in rows})
             for bs in sizes:
                 cells = []
-                for rows in r["throughput"].values():
-                    hit = [x for x in rows if x["batch_size"] == bs]
+                for rows_ in r["throughput"].values():
+                    hit = [x for x in rows_ if x["batch_size"] == bs]
                     cells.append(f"{hit[0]['decode_tok_s']} tok/s" if hit else "")
                 lines.append(f"| {bs} | " + " | ".join(cells) + " |")
         self.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -257,22 +475,27 @@ class Suite:
         import matplotlib.pyplot as plt
 
         r = self.results
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-        if "bs1" in r:
-            b = r["bs1"]
-            names = [k for k in ("specserve_graphs", "specserve_eager", "hf_eager", "hf_static_compile")
-                     if f"{k}_ms" in b]
-            axes[0].bar(names, [b[f"{k}_ms"] for k in names])
-            axes[0].axhline(b["floor_ms"], color="k", ls="--", label="bandwidth floor")
-            axes[0].set_ylabel("ms / token, bs=1")
-            axes[0].tick_params(axis="x", labelrotation=20, labelsize=7)
-            axes[0].legend()
+        two = bool(r.get("throughput"))
+        fig, axes = plt.subplots(1, 2 if two else 1, figsize=(11, 4) if two else (6.5, 4), squeeze=False)
+        axes = axes[0]
+        bars = [(name, x["decode_ms_per_token"]) for name, x in self.bs1_rows()
+                if name != "graph_replay" and "decode_ms_per_token" in x]
+        if bars:
+            axes[0].bar([n for n, _ in bars], [v for _, v in bars],
+                        color=["C1" if n.startswith("hf_") else "C0" for n, _ in bars])
+            if "floor_ms" in r.get("bs1", {}):
+                axes[0].axhline(r["bs1"]["floor_ms"], color="k", ls="--", label="bandwidth floor")
+                axes[0].legend(fontsize=7)
+            axes[0].set_ylabel("decode ms / token, bs=1 (orange: HF)")
+            axes[0].set_yscale("log")
+            axes[0].tick_params(axis="x", labelrotation=30, labelsize=6)
         for name, rows in r.get("throughput", {}).items():
             axes[1].plot([x["batch_size"] for x in rows], [x["decode_tok_s"] for x in rows], "o-", label=name)
-        axes[1].set_xscale("log", base=2)
-        axes[1].set_xlabel("batch size")
-        axes[1].set_ylabel("decode tokens/s")
-        axes[1].legend(fontsize=7)
+        if two:
+            axes[1].set_xscale("log", base=2)
+            axes[1].set_xlabel("batch size")
+            axes[1].set_ylabel("decode tokens/s")
+            axes[1].legend(fontsize=7)
         fig.suptitle(f"{r['shape']} · {r['device']} · {r['commit']}", fontsize=8)
         fig.tight_layout()
         fig.savefig(self.out.with_suffix(".png"), dpi=100)
@@ -282,14 +505,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--ckpt", default=None, help="default: /tmp/<shape>-random (written if missing)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke test of the parts hf and draft (tiny shape), no result")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", default="1,4,16,64,128,256")
     ap.add_argument("--spec-steps", type=int, default=3)
     ap.add_argument("--accept-length", type=float, default=3.0)
     ap.add_argument("--naive-accept-length", type=float, default=1.7)
-    ap.add_argument("--parts", default="bs1,spec")
+    ap.add_argument("--parts", default="bs1,spec", help="comma list of bs1, spec, hf, draft (bs1 brings hf unless "
+                    "--skip-hf)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--draft-shape", default=None, help="standalone draft shape (default: DRAFT_SHAPES[shape])")
+    ap.add_argument("--draft-ckpt", default=None, help="default: /tmp/<draft shape>-random (written if missing)")
+    ap.add_argument("--hf-repeats", type=int, default=3, help="timed calls per length, static+compile (median)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
@@ -297,23 +526,38 @@ def main() -> None:
     suite = Suite(args)
     if args.report_only:
         suite.results = json.loads(suite.out.with_suffix(".json").read_text())
+        suite.dev = "cpu" if suite.results["device"].startswith("CPU") else "cuda"
         if "throughput" in suite.results:
             suite.summarize()
             suite.save()
         suite.report()
         return
+    parts = args.parts.split(",")
+    if "bs1" in parts and not args.skip_hf and "hf" not in parts:
+        parts.append("hf")
+    if args.skip_hf:
+        parts = [p for p in parts if p != "hf"]
+    unknown = set(parts) - {"bs1", "spec", "hf", "draft"}
+    if unknown:
+        ap.error(f"unknown parts {sorted(unknown)}")
+    if args.device != "cuda" and {"bs1", "spec"} & set(parts):
+        ap.error("parts bs1 and spec need CUDA (graphs, Triton, copy bandwidth); on cpu run --parts hf,draft")
     if not (suite.ckpt / "config.json").is_file():
         t0 = time.time()
         write_checkpoint(suite.ckpt, args.shape)
         print(f"checkpoint written in {time.time() - t0:.0f}s", flush=True)
     suite.vocab = json.loads((suite.ckpt / "config.json").read_text())["vocab_size"]
-    parts = args.parts.split(",")
     try:
         if "bs1" in parts:
             suite.bs1_floor()
+        if "draft" in parts:
+            suite.draft_part()
+        if "hf" in parts:
+            suite.hf_part()
         if "spec" in parts:
             suite.speculation()
     finally:
+        suite.save()
         suite.report()
 
 

@@ -17,7 +17,20 @@ SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
                          rope_scaling=dict(_ROPE, factor=32.0)),
+    # a small standalone draft with the Llama-3 vocabulary (drafts the 1B shape; the 8B shape is drafted by the 1B)
+    "llama-draft-small": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=4, num_attention_heads=8,
+                              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
+                              rope_scaling=dict(_ROPE, factor=32.0)),
+    # CPU smoke tests of the benchmark code paths (not results): a tiny target and its tiny standalone draft
+    "llama-smoke": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=False,
+                        rope_scaling=dict(_ROPE, factor=8.0)),
+    "llama-smoke-draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=1, vocab_size=1024, tie_word_embeddings=True,
+                              rope_scaling=dict(_ROPE, factor=8.0)),
 }
+# the standalone draft each target shape is benchmarked with (same vocabulary and tokenizer)
+DRAFT_SHAPES = {"llama-3.1-8b": "llama-3.2-1b", "llama-3.2-1b": "llama-draft-small", "llama-smoke": "llama-smoke-draft"}
 
 
 def weight_bytes_per_token(shape: str) -> int:
@@ -76,3 +89,33 @@ def write_checkpoint(path: Path, shape: str = "llama-3.1-8b", layers: int | None
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     save_tokenizer(path, v)
     return path
+
+
+def main() -> None:
+    """Write a checkpoint (and optionally a random EAGLE-3 head for it) from the command line, e.g. for a server:
+    ``python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random --eagle3-head DIR``."""
+    import argparse
+    import sys
+    import time
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--eagle3-head", default=None, help="also write a random EAGLE-3 head for it here")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    args = ap.parse_args()
+    out = Path(args.out)
+    t0 = time.time()
+    if not (out / "config.json").is_file():  # an existing checkpoint is kept
+        write_checkpoint(out, args.shape)
+    if args.eagle3_head and not (Path(args.eagle3_head) / "config.json").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tools.make_heads import make_head
+
+        make_head("eagle3", out, Path(args.eagle3_head), seed=0,
+                  draft_vocab=min(args.draft_vocab, SHAPES[args.shape]["vocab_size"]))
+    print(f"{out} ready in {time.time() - t0:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,10 @@ ITL (gaps between streamed chunks; with speculation a chunk may carry several to
 
     python bench/serving.py --config configs/local.yaml --request-rates 2,8,inf --out bench/results/cpu_serving
     python bench/serving.py --url http://HOST:8000/v1 --model-id M --vocab-size 128256 ...   # a running server
+    python bench/serving.py --server-config configs/gpu-bench-llama1b-random.yaml --wait-s 600 ...  # `serve run` of it
+
+With --server-config (a config already running under `serve run`), URL, model id and vocabulary come from the config
+and the config is recorded with the results. Results are rewritten after every rate; a failed request fails the run.
 """
 
 from __future__ import annotations
@@ -30,31 +34,22 @@ from bench.engine_vs_hf import commit  # noqa: E402
 
 def start_app(config: Path) -> tuple[str, str, int, str]:
     """Run the config's first application in this process (Ray Serve); returns (base url, model id, vocab, device)."""
-    import httpx
     from ray import serve
 
     from deployments.app import build_app
 
-    spec = yaml.safe_load(config.read_text())
-    app = spec["applications"][0]
-    http = spec.get("http_options", {})
-    host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
-    serve.start(http_options={"host": host, "port": port})
+    base, model, args = server_config(config)
+    app = yaml.safe_load(config.read_text())["applications"][0]
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    serve.start(http_options={"host": host, "port": int(port)})
     serve.run(build_app(app["args"]), name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"))
-    base = f"http://{host}:{port}"
-    while httpx.get(base + "/health", timeout=5).status_code != 200:
-        time.sleep(0.5)
-    args = app["args"]
-    source = Path(args["model_loading_config"]["model_source"])
-    source = source if source.is_absolute() else ROOT / source
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    return base + "/v1", args["model_loading_config"]["model_id"], vocab, args.get("engine_kwargs", {}).get("device",
-                                                                                                        "auto")
+    wait_healthy(base, 600)
+    return base + "/v1", model, vocab_size(args), args.get("engine_kwargs", {}).get("device", "auto")
 
 
 async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
     t0 = time.perf_counter()
-    stamps, tokens = [], 0
+    stamps, tokens, spec = [], 0, None
     stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
                                              stream=True, stream_options={"include_usage": True},
                                              extra_body={"ignore_eos": True})
@@ -63,9 +58,10 @@ async def one_request(client, model: str, prompt: list[int], max_tokens: int) ->
             stamps.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+            spec = (chunk.model_extra or {}).get("spec_decode_stats")
     end = time.perf_counter()
     stamps = stamps or [end]  # no visible text at all: the first token is taken to arrive with the end
-    return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens,
+    return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens, "asked": max_tokens, "spec": spec,
             "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
@@ -96,57 +92,90 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
                 "p99_ms": round(v[min(len(v) - 1, int(0.99 * len(v)))] * 1e3, 2)}
 
     out_tokens = sum(r["tokens"] for r in results)
-    return {"request_rate": rate if rate != float("inf") else "inf", "num_requests": len(results),
-            "duration_s": round(wall, 2), "request_throughput": round(len(results) / wall, 3),
-            "output_tok_s": round(out_tokens / wall, 1), "ttft": stats([r["ttft"] for r in results]),
-            "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]])}
+    short = sum(r["tokens"] != r["asked"] for r in results)
+    if short:
+        raise RuntimeError(f"{short} of {len(results)} requests came back with fewer or more tokens than asked "
+                           "(ignore_eos is set)")
+    row = {"request_rate": rate if rate != float("inf") else "inf", "num_requests": len(results),
+           "duration_s": round(wall, 2), "request_throughput": round(len(results) / wall, 3),
+           "output_tok_s": round(out_tokens / wall, 1), "ttft": stats([r["ttft"] for r in results]),
+           "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]])}
+    specs = [r["spec"] for r in results if r["spec"]]
+    drafts = sum(x.get("num_drafts", 0) for x in specs)
+    if drafts:  # the server's own per-request counters, summed over the requests
+        row["accept_length"] = round(1 + sum(x.get("num_accepted_tokens", 0) for x in specs) / drafts, 3)
+    return row
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
-    ap.add_argument("--url", default=None, help="or an OpenAI base URL of a running server")
-    ap.add_argument("--model-id", default=None)
-    ap.add_argument("--vocab-size", type=int, default=None)
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--range-ratio", type=float, default=0.5)
-    ap.add_argument("--request-rates", default="2,8,inf")
-    ap.add_argument("--max-concurrency", type=int, default=64)
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    if args.config:
-        base, model, vocab, device = start_app(Path(args.config))
-    else:
-        base, model, vocab, device = args.url, args.model_id, args.vocab_size, "remote"
-    rng = random.Random(1)
-    lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
-                      for _ in range(args.num_prompts)]
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
-    out_lens = lens(args.output_len)
-    rows = []
-    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4))  # warm-up
-    for rate in [float(r) for r in args.request_rates.split(",")]:
-        rows.append(asyncio.run(run_rate(base, model, prompts, out_lens, rate, args.max_concurrency)))
-        print(rows[-1], flush=True)
-    import platform
+def server_config(path: Path) -> tuple[str, str, dict]:
+    """(base URL, model id, application args) of a serve config (its first application)."""
+    spec = yaml.safe_load(path.read_text())
+    http = spec.get("http_options", {})
+    args = spec["applications"][0]["args"]
+    return (f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}",
+            args["model_loading_config"]["model_id"], args)
 
-    meta = {"device": device if device != "cpu" else f"CPU {platform.machine()}", "commit": commit(),
-            "command": "python " + " ".join(sys.argv), "config": args.config, "model_id": model,
-            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "rows": rows}
-    out = Path(args.out)
+
+def vocab_size(app_args: dict) -> int:
+    """The served checkpoint's vocabulary (read once the server is up: it may build its default model first)."""
+    source = Path(app_args["model_loading_config"]["model_source"])
+    source = source if source.is_absolute() else ROOT / source
+    return json.loads((source / "config.json").read_text())["vocab_size"]
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child its parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+DEPLOY_FAILED = ("Failed to update the deployments", "DEPLOY_FAILED")  # Ray Serve's words for a failed deploy
+
+
+def wait_healthy(base: str, timeout_s: float, server_pid: int | None = None, server_log: str | None = None) -> None:
+    """Poll <base>/health until 200; fail after timeout_s, or at once when the server process has exited or its log
+    says the deploy failed (`serve run` keeps running, retrying, after a replica's constructor raised)."""
+    import httpx
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server_pid is not None and not alive(server_pid):
+            raise SystemExit(f"server process {server_pid} exited before {base}/health answered")
+        if server_log and Path(server_log).is_file():
+            bad = [line for line in Path(server_log).read_text(errors="replace").splitlines()
+                   if any(w in line for w in DEPLOY_FAILED)]
+            if bad:
+                raise SystemExit(f"the deploy failed ({server_log}):\n" + "\n".join(bad[:5]))
+        if time.time() > deadline:
+            raise SystemExit(f"{base}/health did not answer 200 within {timeout_s:.0f}s")
+        time.sleep(1.0)
+
+
+def write(meta: dict, rows: list[dict], out: Path) -> None:
+    """<out>.json, .md and .png from the rows measured so far."""
+    meta = {**meta, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-    md = [f"# Serving benchmark ({meta['device']})", "", f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"{args.num_prompts} requests per rate, input {args.input_len} / output {args.output_len} tokens "
-          f"(±{args.range_ratio:.0%}), at most {args.max_concurrency} in flight, greedy, streamed", "",
-          "| rate (req/s) | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | ITL median / p99 ms |",
-          "|---|---|---|---|---|---|"]
+    spec = any("accept_length" in r for r in rows)
+    md = [f"# Serving benchmark ({meta['device']})", "",
+          f"commit `{meta['commit']}` · command `{meta['command']}`", "",
+          f"{meta['num_prompts']} requests per rate, input {meta['input_len']} / output {meta['output_len']} tokens "
+          f"(±{meta['range_ratio']:.0%}), at most {meta['max_concurrency']} in flight, greedy, streamed"]
+    if meta.get("engine_kwargs"):
+        md += ["", f"server engine_kwargs: `{json.dumps(meta['engine_kwargs'])}`"]
+    md += ["", "| rate (req/s) | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
+           "ITL median / p99 ms |" + (" accept length |" if spec else ""),
+           "|---|---|---|---|---|---|" + ("---|" if spec else "")]
     md += [f"| {r['request_rate']} | {r['request_throughput']} | {r['output_tok_s']} | {r['ttft']['median_ms']} / "
            f"{r['ttft']['p99_ms']} | {r['tpot']['median_ms']} / {r['tpot']['p99_ms']} | {r['itl']['median_ms']} / "
-           f"{r['itl']['p99_ms']} |" for r in rows]
+           f"{r['itl']['p99_ms']} |" + (f" {r.get('accept_length', '')} |" if spec else "") for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     import matplotlib
 
@@ -163,10 +192,74 @@ def main() -> None:
         axes[1].plot(labels, [r[key]["p99_ms"] for r in rows], "x--", label=f"{key} p99")
     axes[1].set_xlabel("request rate (req/s)")
     axes[1].set_ylabel("ms")
+    axes[1].set_yscale("log")
     axes[1].legend(fontsize=7)
-    fig.suptitle(f"{meta['device']} · {meta['commit']}", fontsize=8)
+    fig.suptitle(f"{meta['device']} · {meta['commit']}" + (f" · {meta['model_id']}" if meta.get("model_id") else ""),
+                 fontsize=8)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
+    ap.add_argument("--server-config", default=None, help="or the serve config of a server already running "
+                    "(`serve run` of it): URL, model id and vocabulary are read from it")
+    ap.add_argument("--url", default=None, help="or an OpenAI base URL of a running server")
+    ap.add_argument("--model-id", default=None)
+    ap.add_argument("--vocab-size", type=int, default=None)
+    ap.add_argument("--wait-s", type=float, default=0, help="wait this long for the server's /health first")
+    ap.add_argument("--server-pid", type=int, default=None, help="stop waiting when this process has exited")
+    ap.add_argument("--server-log", default=None, help="stop waiting when this log says the deploy failed")
+    ap.add_argument("--device-label", default=None, help="the server's device, for the report (e.g. the GPU name)")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--request-rates", default="2,8,inf")
+    ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    engine_kwargs = None
+    if args.config:
+        base, model, vocab, device = start_app(Path(args.config))
+        engine_kwargs = server_config(Path(args.config))[2].get("engine_kwargs")
+    elif args.server_config:
+        base, model, app_args = server_config(Path(args.server_config))
+        engine_kwargs = app_args.get("engine_kwargs")
+        device = (engine_kwargs or {}).get("device", "remote")
+        if args.wait_s:
+            wait_healthy(base, args.wait_s, args.server_pid, args.server_log)
+        base, vocab = base + "/v1", args.vocab_size or vocab_size(app_args)
+    elif args.url:
+        if not (args.model_id and args.vocab_size):
+            ap.error("--url needs --model-id and --vocab-size")
+        base, model, vocab, device = args.url, args.model_id, args.vocab_size, "remote"
+        if args.wait_s:
+            wait_healthy(base.removesuffix("/v1"), args.wait_s, args.server_pid,
+                         args.server_log)
+    else:
+        ap.error("one of --config, --server-config, --url")
+    model = args.model_id or model
+    rng = random.Random(1)
+    lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
+                      for _ in range(args.num_prompts)]
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
+    out_lens = lens(args.output_len)
+    import platform
+
+    label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
+    meta = {"device": label, "commit": commit(), "command": "python " + " ".join(sys.argv),
+            "config": args.config or args.server_config, "model_id": model, "engine_kwargs": engine_kwargs,
+            "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
+            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency}
+    rows = []
+    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4))  # warm-up
+    for rate in [float(r) for r in args.request_rates.split(",")]:
+        rows.append(asyncio.run(run_rate(base, model, prompts, out_lens, rate, args.max_concurrency)))
+        print(rows[-1], flush=True)
+        write(meta, rows, Path(args.out))
 
 
 if __name__ == "__main__":

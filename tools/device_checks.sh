@@ -1,14 +1,55 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
-# (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage).
-#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b
+# (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
+# ray[serve] and openai for the serving stage).
+#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving
+# The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
 R=$OUT/r
 mkdir -p "$R"
+fail=0
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+tag=$(grep -o -E "H100|H200|A100|L40S|B200" <<<"$gpu" | head -n 1 | tr A-Z a-z)
+tag=${tag:-gpu}
 # each command's results are packed as soon as it ends: a stage cut off by the call's limit keeps what it finished
 run() { echo "=== $*"; timeout "${T:-900}" "$@" 2>&1 | grep -v -E "Warning|warn\(" | tail -n 60
+        local rc=${PIPESTATUS[0]}
+        if ((rc)); then echo "!!! FAILED (exit $rc): $*"; fail=1; fi
         tar czf "$OUT/results_$stage.tgz" -C "$R" .; }
+# serving: `serve run` as its own process group, stopped on every exit path (SIGINT lets Serve shut down and Ray stop;
+# then SIGKILL to whatever is left of the group; on the bare GPU machine also `ray stop --force`)
+SERVER=
+stop_server() {
+  [[ -n $SERVER ]] || return 0
+  kill -INT "$SERVER" 2>/dev/null
+  for _ in $(seq 60); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- "-$SERVER" 2>/dev/null
+  wait "$SERVER" 2>/dev/null
+  SERVER=
+  if [[ ${SERVING_RAY_STOP:-1} == 1 ]]; then ray stop --force >/dev/null 2>&1; fi
+  echo "=== server stopped"
+}
+trap stop_server EXIT
+trap 'stop_server; exit 130' INT TERM
+serve_bench() {  # NAME CONFIG: serve the config, run bench/serving.py against it, stop the server
+  local name=$1 cfg=$2 log=$R/serve_$1.log
+  echo "=== serve run $cfg (log: serve_$name.log)"
+  set -m  # a process group of its own: the server and its children are killed together
+  RAY_AUTH_MODE=disabled PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" serve run "$cfg" >"$log" 2>&1 &
+  SERVER=$!
+  set +m
+  # random prompt / output lengths (±50%), three Poisson rates and an unbounded one (every request at once)
+  run python3 bench/serving.py --server-config "$cfg" --wait-s 600 --server-pid "$SERVER" --server-log "$log" \
+      --device-label "${gpu:-cpu}" --num-prompts "${SERVING_PROMPTS:-128}" --input-len "${SERVING_INPUT:-256}" --output-len "${SERVING_OUTPUT:-128}" \
+      --request-rates "${SERVING_RATES:-4,16,64,inf}" --max-concurrency "${SERVING_PROMPTS:-128}" \
+      --out "$R/serving_${name}_$tag"
+  local state; state=$(ps -o stat= -p "$SERVER" 2>/dev/null)
+  if [[ -z $state || $state == Z* ]]; then echo "!!! the server exited early"; fail=1; fi
+  if ((fail)); then echo "--- tail of serve_$name.log"; tail -n 40 "$log"; fi
+  stop_server
+  tar czf "$OUT/results_$stage.tgz" -C "$R" .
+}
 case $stage in
   flashinfer)
     run python3 tools/check_attention.py --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
@@ -29,8 +70,30 @@ case $stage in
     run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"
     ;;
   perf1b)
-    run python3 bench/gpu_perf.py --shape llama-3.2-1b --out "$R/gpu_perf_llama1b_h100"
-    run python3 bench/gpu_perf.py --shape llama-3.1-8b --parts bs1 --out "$R/gpu_perf_llama8b_hf_h100"
+    run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --out "$R/gpu_perf_llama1b_h100"
     ;;
+  hfbase)  # HF baselines (eager, static cache + compile, assisted with the standalone draft) and our engine with the
+    # same draft, bs=1, same process and weights; one shape per call fits the 10-minute limit: `hfbase 1b`, `hfbase 8b`
+    for s in ${2:-1b 8b}; do
+      case $s in 1b) shape=llama-3.2-1b ;; 8b) shape=llama-3.1-8b ;; *) echo "hfbase: shape 1b or 8b, not $s"; exit 2 ;; esac
+      run python3 bench/gpu_perf.py --shape "$shape" --parts draft,hf --out "$R/gpu_perf_llama${s}_hf_$tag"
+    done
+    ;;
+  serving)  # Ray Serve (`serve run`) on a random-weight 1B, EAGLE-3 at simulated acceptance, then without speculation
+    cfg=${SERVING_CONFIG:-configs/gpu-bench-llama1b-random.yaml}
+    if [[ ${SERVING_CKPT:-1} == 1 ]]; then
+      run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random \
+          --eagle3-head /tmp/llama-3.2-1b-random-eagle3
+    fi
+    nospec=$R/$(basename "${cfg%.yaml}")-nospec.yaml
+    python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
+c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
+      "$cfg" "$nospec" || { echo "!!! cannot write $nospec"; exit 1; }
+    ((fail)) || serve_bench spec "$cfg"
+    ((fail)) || serve_bench nospec "$nospec"
+    ;;
+  *) echo "unknown stage $stage"; exit 2 ;;
 esac
 rm -rf "$R"
+((fail)) && echo "!!! stage $stage: some commands failed (see above)"
+exit $fail
