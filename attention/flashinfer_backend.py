@@ -180,6 +180,7 @@ def xqa_attend(kernel, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBa
         x = x.contiguous()
     out = kernel(x, (k_pages, v_pages), workspace, meta["block_tables"], meta["seq_lens"], meta["max_seq_len"],
                  bmm1_scale=layer.scaling, bmm2_scale=1.0, kv_layout="NHD", q_len_per_req=rows, mask=meta["mask"])
+    out = out.reshape(b * rows, heads, dim)  # with q_len_per_req > 1 the kernel returns [b, rows, heads, dim]
     if rows > n:
         out = out.view(b, rows, heads, dim)[:, rows - n:].reshape(b * n, heads, dim)
     return out.to(q.dtype)

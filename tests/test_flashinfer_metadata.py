@@ -89,7 +89,8 @@ def _xqa_emulator(query, kv_cache, workspace, block_tables, seq_lens, max_seq_le
     """xqa_batch_decode_with_kv_cache for a 16-bit KV cache, from the kernel sources: row r of request b (query row
     b * q + r) sees every key before ``seq_len - q``, key ``seq_len - q + j`` iff bit j % 16 of uint16 word j // 16
     of mask row [b, r] is set, and no key from ``seq_len`` on; no mask when q == 1; scores scaled by
-    bmm1_scale / bmm2_scale; pages through ``block_tables[b]`` (int32), lengths uint32."""
+    bmm1_scale / bmm2_scale; pages through ``block_tables[b]`` (int32), lengths uint32. Returns [b, q, H, D] when
+    q > 1 (the function views the query that way and returns its ``empty_like``), else [b, H, D]."""
     k_pages, v_pages = kv_cache
     q = q_len_per_req
     assert kv_layout == "NHD" and workspace.dtype == torch.uint8
@@ -122,7 +123,7 @@ def _xqa_emulator(query, kv_cache, workspace, block_tables, seq_lens, max_seq_le
         scores = torch.einsum("rhd,shd->hrs", qs[i], k) * (bmm1_scale / bmm2_scale)
         scores = scores.masked_fill(~visible, float("-inf"))
         out[i] = torch.einsum("hrs,shd->rhd", scores.softmax(-1), v).to(out.dtype)
-    return out.view(b * q, heads, dim)
+    return out if q > 1 else out.view(b, heads, dim)  # as the real function: [b, q, H, D] when q > 1
 
 
 @pytest.fixture
