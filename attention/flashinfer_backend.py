@@ -39,6 +39,8 @@ launch, which the wrappers' workspace (overwritten by every plan) could not guar
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
@@ -56,6 +58,18 @@ XQA_WORKSPACE_BYTES = 128 * 1024 * 1024
 XQA_SEMAPHORE_BYTES = 8 * 1024 * 1024
 KERNEL_NAMES = {"xqa": "xqa", "decode": "fa2-decode-wrapper", "causal": "prefill-wrapper",
                 "masked": "fa2-masked-prefill-wrapper"}
+
+
+MIN_FLASHINFER = (0, 7, 2)
+
+
+def check_flashinfer_version(version: str) -> None:
+    """Refuse releases before 0.7.2: older decode wrappers are wrong for q_len_per_req > 1 (chain verify), and the
+    packed-mask offset correction in ``_plan`` is written against 0.7.2's wrapper."""
+    parts = tuple(int(p) for p in re.findall(r"\d+", version)[:3])
+    if parts < MIN_FLASHINFER:
+        raise ValueError(f"flashinfer-python {version} is too old for the flashinfer attention backend: need >= "
+                         f"{'.'.join(map(str, MIN_FLASHINFER))} (pip install 'specserve[gpu]')")
 
 
 def xqa_kernel_for_device():
@@ -242,6 +256,7 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, verify_attention_mode: str = "decode"):
         import flashinfer  # lazily: this module imports on machines without flashinfer
 
+        check_flashinfer_version(flashinfer.__version__)
         self._flashinfer = flashinfer
         self.verify_attention_mode = verify_attention_mode
         self._workspace: torch.Tensor | None = None

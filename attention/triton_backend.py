@@ -136,10 +136,12 @@ def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
-    # Launch tuning (bench/verify_attention.py --sweep measures these; an instance may override them)
+    # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
+    # floor over bs 1/8/32 x 4/8 draft tokens at 50k context); an instance may override them.
     min_chunk = 256  # fewest KV positions a decode-style split takes
-    programs_per_sm = 32  # decode family: (request, head, split) programs per SM, to hide memory latency
-    block_n = 64  # KV positions per tile
+    programs_per_sm = 16  # decode family: (request, head, split) programs per SM, to hide memory latency
+    block_n = 128  # KV positions per tile (16-bit KV)
+    block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4
     num_stages = 3
 
@@ -201,7 +203,8 @@ class TritonBackend(AttentionBackend):
             part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self.block_n,
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
+            BLOCK_N=self.block_n_fp32 if q.dtype == torch.float32 else self.block_n,
             HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )

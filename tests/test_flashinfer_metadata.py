@@ -129,7 +129,9 @@ def _xqa_emulator(query, kv_cache, workspace, block_tables, seq_lens, max_seq_le
 @pytest.fixture
 def xqa_backend(monkeypatch):
     """FlashInferBackend on the CPU with the emulator as its XQA kernel (no flashinfer needed)."""
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "0.7.2.post1"
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(fbmod, "xqa_kernel_for_device", lambda: (_xqa_emulator, None))
     monkeypatch.setattr(fbmod, "XQA_WORKSPACE_BYTES", fbmod.XQA_SEMAPHORE_BYTES + 4096)
     return lambda verify_mode="decode": fbmod.FlashInferBackend(verify_attention_mode=verify_mode)
@@ -322,7 +324,9 @@ def test_forwards_xqa_cannot_take_raise_without_host_lengths(xqa_backend):
 
 
 def test_xqa_off_without_a_capable_gpu(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", types.ModuleType("flashinfer"))
+    fake = types.ModuleType("flashinfer")
+    fake.__version__ = "0.7.2.post1"
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     backend = fbmod.FlashInferBackend()  # the real device check, on a machine without a CUDA device
     assert not backend.xqa_available and not backend.supports_cuda_graph
@@ -345,3 +349,13 @@ def test_xqa_scratch_bound_guards_the_workspace(xqa_backend):
     backend.init_forward_metadata(fb)
     with pytest.raises(ValueError, match="scratch"):
         backend.forward(q, None, None, LAYER, fb)
+
+
+def test_flashinfer_version_floor():
+    from attention.flashinfer_backend import check_flashinfer_version
+
+    check_flashinfer_version("0.7.2.post1")
+    check_flashinfer_version("0.8.0")
+    for old in ("0.6.18.post1", "0.7.1", "0.2.5"):
+        with pytest.raises(ValueError, match="too old"):
+            check_flashinfer_version(old)
