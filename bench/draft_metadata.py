@@ -120,8 +120,13 @@ def run_per_step(s: Setup, t: Timer) -> None:
             s.backend.init_forward_metadata(fb)
         if k > 1:
             with t("tree"):
-                scratch = torch.cat([scratch, s.eye], dim=2).gather(
-                    1, s.origins[i].unsqueeze(2).expand(b, k, scratch.shape[2] + k))
+                scratch = legacy_next_scratch(s, scratch, i)
+
+
+def legacy_next_scratch(s: Setup, scratch: torch.Tensor, i: int) -> torch.Tensor:
+    """The old per-step tree upkeep: the step's rows appended, then each next node takes its parent's row."""
+    return torch.cat([scratch, s.eye], dim=2).gather(1, s.origins[i].unsqueeze(2).expand(s.b, s.k,
+                                                                                       scratch.shape[2] + s.k))
 
 
 def round_positions(s: Setup) -> torch.Tensor:
@@ -165,8 +170,7 @@ def run_batches_once(s: Setup, t: Timer) -> None:
             s.backend.init_forward_metadata(fb)
         if k > 1:
             with t("tree"):
-                scratch = torch.cat([scratch, s.eye], dim=2).gather(
-                    1, s.origins[i].unsqueeze(2).expand(b, k, scratch.shape[2] + k))
+                scratch = legacy_next_scratch(s, scratch, i)
 
 
 def run_once_per_round(s: Setup, t: Timer) -> None:
