@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--backends", default="torch_native,triton")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--pairs", default=None,
+                    help="prefill:decode pairs to run, comma-separated (default: every pair of --backends)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -102,7 +104,9 @@ def main() -> None:
     ref = run_config(model, "torch_native", "torch_native", "decode", torch.float32, device, tokens)
     names = args.backends.split(",")
     rows, ok = [], True
-    for prefill, decode in itertools.product(names, names):
+    pairs = ([tuple(p.split(":")) for p in args.pairs.split(",")] if args.pairs
+             else list(itertools.product(names, names)))
+    for prefill, decode in pairs:
         for verify in ("decode", "prefill"):
             got = run_config(model, prefill, decode, verify, dtype, device, tokens)
             for case, logits in got.items():
