@@ -1,8 +1,9 @@
 """The attention-backend interface.
 
 A backend is bound to one model's KV cache. Per forward it builds its metadata once (``init_forward_metadata``: the
-single builder, used by eager runs and by CUDA-graph capture and replay, which only differ in whether the metadata
-lands in fresh tensors or in the persistent buffers made by ``init_graph_state``), then each attention layer calls
+single builder, used by eager runs and by CUDA-graph capture and replay; under a capture its fresh tensors come
+from the graph's private memory pool and keep their addresses across replays, and a backend may instead keep
+persistent buffers made by ``init_graph_state``), then each attention layer calls
 ``forward``, which stores the new K/V and runs the extend-style or the decode-style kernel for the batch's mode.
 """
 
@@ -32,6 +33,12 @@ class AttentionBackend(ABC):
     verify_attention_mode: str = "decode"
     #: whether forwards can be captured in CUDA graphs (launches depend on no host-side sequence length)
     supports_cuda_graph: bool = False
+
+    def graph_refusal(self, page_size: int, kv_dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why this backend's forwards cannot be captured in CUDA graphs over this KV layout (None: they can)."""
+        if self.supports_cuda_graph:
+            return None
+        return f"the {getattr(self, 'name', type(self).__name__)} backend's launches depend on host-side lengths"
 
     def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         """Allocate persistent metadata buffers for CUDA graphs (backends without graph support keep none)."""

@@ -4,7 +4,10 @@ Which kernel runs which forward:
 
 * ``xqa``: FlashInfer's XQA decode kernel (``flashinfer.decode.xqa_batch_decode_with_kv_cache``, the generic
   ``mha.cu`` kernel for 16-bit KV) for every DECODE (draft steps included), DRAFT_EXTEND and decode-mode
-  TARGET_VERIFY forward with the same number ``n`` of new tokens per request, on compute capability 9.x/10.x/12.x,
+  TARGET_VERIFY forward whose lengths are only on the device (``seq_lens_cpu`` None: speculative rounds and CUDA
+  graphs; each query length is its own JIT module, so a round's few lengths are compiled once, and the draft's
+  catch-up after prompts of every length stays on the wrappers), with the same number ``n`` of new tokens per
+  request, on compute capability 9.x/10.x/12.x,
   with a float16/bfloat16 KV cache, page size 16/32/64/128, head_dim a multiple of 16 up to 256, and at most
   ``XQA_MAX_Q_LEN`` query rows per request. It reads sequence lengths and page-table rows on the device and has no
   plan, so these forwards replay inside CUDA graphs (``supports_cuda_graph``). Its mask, for ``q`` query rows per
@@ -16,7 +19,8 @@ Which kernel runs which forward:
   last (padding row ``r`` stands at storage position ``seq_len - q + r`` and sees causally; its output is
   dropped), so the mask window of the last ``q`` keys holds the whole block, and real row ``i`` takes the block
   rows inside the block and causal bits before it (when ``L < n``): TorchNativeBackend's rule exactly.
-* plan-based wrappers for the rest (ragged prefill, prefill-mode verify, GPUs or caches XQA does not take). They
+* plan-based wrappers for the rest (forwards with host lengths, ragged prefill, prefill-mode verify, GPUs or
+  caches XQA does not take). They
   plan from host lengths (``seq_lens_cpu``, ``extend_lens_cpu``), on a batch's first attention layer (the head
   count and scale come from the layer), reused by the others; one wrapper object per kind, so one plan never
   clobbers another's:
@@ -31,8 +35,8 @@ Which kernel runs which forward:
 
 ``init_forward_metadata`` is the one metadata builder. For XQA it writes the uint32 sequence lengths, the batch's
 page-table rows and the packed mask with device ops only (no host sync, no host length), into the persistent
-buffers of ``init_graph_state`` when they exist (fresh tensors otherwise), so eager runs, capture and replay share
-it. A forward without host lengths that XQA cannot take raises a ValueError saying why (never a silent fallback).
+buffers of ``init_graph_state`` when they exist (otherwise fresh tensors, which under a capture come from the
+graph's private pool and stay put across replays), so eager runs, capture and replay share it. A forward without host lengths that XQA cannot take raises a ValueError saying why (never a silent fallback).
 XQA has its own zero-initialised workspace: its first 8 MiB are semaphores the kernel leaves at zero after each
 launch, which the wrappers' workspace (overwritten by every plan) could not guarantee.
 """
@@ -301,6 +305,23 @@ class FlashInferBackend(AttentionBackend):
             self._xqa_workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         return self._xqa_workspace
 
+    def xqa_layout_refusal(self, page_size: int, kv_dtype: torch.dtype, head_dim: int) -> str | None:
+        """Why the XQA kernel cannot run over this KV layout at all (None: it can)."""
+        if self._xqa is None:
+            return self.xqa_unavailable
+        if kv_dtype not in (torch.float16, torch.bfloat16):
+            return f"KV cache dtype {kv_dtype} (XQA here: float16 or bfloat16)"
+        if page_size not in XQA_PAGE_SIZES:
+            return f"page size {page_size} (XQA: one of {XQA_PAGE_SIZES})"
+        if head_dim % 16 or not 16 <= head_dim <= 256:
+            return f"head_dim {head_dim} (XQA: a multiple of 16 up to 256)"
+        return None
+
+    def graph_refusal(self, page_size: int, kv_dtype: torch.dtype, head_dim: int) -> str | None:
+        if self.verify_attention_mode != "decode":
+            return "flashinfer runs prefill-mode verify on its host-planned wrappers"
+        return self.xqa_layout_refusal(page_size, kv_dtype, head_dim)
+
     def xqa_refusal(self, fb: ForwardBatch) -> str | None:
         """Why the XQA kernel cannot run this forward (None: it can). Host-side shapes only."""
         if self._xqa is None:
@@ -316,15 +337,10 @@ class FlashInferBackend(AttentionBackend):
             return "an empty batch"
         if len(set(ext)) != 1:
             return f"new tokens per request differ ({min(ext)} to {max(ext)}); XQA takes one count per batch"
-        dtype = fb.kv_cache.k[0].dtype
-        if dtype not in (torch.float16, torch.bfloat16):
-            return f"KV cache dtype {dtype} (XQA here: float16 or bfloat16)"
-        page = fb.page_table.page_size
-        if page not in XQA_PAGE_SIZES:
-            return f"page size {page} (XQA: one of {XQA_PAGE_SIZES})"
-        head_dim = int(fb.kv_cache.k[0].shape[2])
-        if head_dim % 16 or not 16 <= head_dim <= 256:
-            return f"head_dim {head_dim} (XQA: a multiple of 16 up to 256)"
+        k_pages = fb.kv_cache.k[0]
+        layout = self.xqa_layout_refusal(fb.page_table.page_size, k_pages.dtype, int(k_pages.shape[2]))
+        if layout is not None:
+            return layout
         q = max(ext[0], block_len(fb))
         if q > XQA_MAX_Q_LEN:
             return f"{q} query rows per request (XQA here: at most {XQA_MAX_Q_LEN})"
@@ -350,7 +366,10 @@ class FlashInferBackend(AttentionBackend):
         page lists and (for block masks) the packed mask, once for all layers; the plan waits for layer 0."""
         if fb.kv_cache.k[0].dtype == torch.float32:
             raise ValueError("the flashinfer backend needs a float16/bfloat16 KV cache; use triton or torch_native")
-        refusal = self.xqa_refusal(fb)
+        # XQA serves the forwards whose lengths live only on the device (speculative rounds, CUDA graphs): their
+        # query lengths are the few a round uses, each one JIT module of about a minute of nvcc. Forwards with host
+        # lengths (e.g. the draft catching up after a prompt of any length) stay on the planned wrappers.
+        refusal = self.xqa_refusal(fb) if fb.seq_lens_cpu is None else "host lengths: the planned wrappers run it"
         if refusal is None:
             self._meta = xqa_forward_metadata(fb, self._buffers)
             self._xqa_ws(fb.kv_cache.k[0].device)

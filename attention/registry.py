@@ -39,6 +39,10 @@ class HybridBackend(AttentionBackend):
     def child(self, fb: ForwardBatch) -> AttentionBackend:
         return self.decode if uses_decode_kernel(fb.mode, self.verify_attention_mode) else self.prefill
 
+    def graph_refusal(self, page_size: int, kv_dtype: torch.dtype, head_dim: int) -> str | None:
+        return (self.prefill.graph_refusal(page_size, kv_dtype, head_dim)
+                or self.decode.graph_refusal(page_size, kv_dtype, head_dim))
+
     def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
         self.prefill.init_graph_state(max_batch_size, max_num_tokens)
         self.decode.init_graph_state(max_batch_size, max_num_tokens)

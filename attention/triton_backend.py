@@ -148,7 +148,10 @@ class TritonBackend(AttentionBackend):
     def __init__(self, verify_attention_mode: str = "decode", max_splits: int = 128):
         self.verify_attention_mode = verify_attention_mode
         self.max_splits = max_splits
-        self._num_sms = torch.cuda.get_device_properties().multi_processor_count if torch.cuda.is_available() else 16
+        props = torch.cuda.get_device_properties() if torch.cuda.is_available() else None
+        self._num_sms = props.multi_processor_count if props else 16
+        # shared memory a program may use (H100: 227 KB; A100: 163 KB; L40S / RTX 4090: 99 KB)
+        self._smem = (getattr(props, "shared_memory_per_block_optin", 0) if props else 0) or 227 * 1024
         self._meta: dict = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -181,6 +184,13 @@ class TritonBackend(AttentionBackend):
             "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
         }
 
+    def _block_n(self, head_dim: int, k_cache: torch.Tensor) -> int:
+        """KV positions per tile: the tuned size, halved until the pipelined K and V tiles fit in shared memory."""
+        block_n = self.block_n_fp32 if k_cache.dtype == torch.float32 else self.block_n
+        while block_n > 16 and self.num_stages * block_n * head_dim * 2 * k_cache.element_size() > self._smem - 16384:
+            block_n //= 2
+        return block_n
+
     def _decode_splits(self, batch: int, kv_heads: int, qblocks: int) -> int:
         """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
         fill = triton.cdiv(self.programs_per_sm * self._num_sms, batch * kv_heads * qblocks)
@@ -203,8 +213,7 @@ class TritonBackend(AttentionBackend):
             part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
-            BLOCK_N=self.block_n_fp32 if q.dtype == torch.float32 else self.block_n,
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self._block_n(layer.head_dim, k_cache),
             HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )

@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: kernel time by name under torch.profiler (eager engine steps), and each of
 the model's linear shapes at M = 1, 4, 16 rows timed alone (cuBLAS, the small-M Triton kernel's tile configs, and
-what ``workers.gemv.linear`` picks) against its weight-read floor.
+what ``workers.small_m_linear.tune`` picks) against its weight-read floor.
 
     python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
 """
@@ -26,10 +26,10 @@ from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
     """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
-    ``workers.gemv.linear`` picked, against the weight-read floor."""
+    ``workers.small_m_linear.tune`` picks, against the weight-read floor."""
     from triton.testing import do_bench
 
-    from workers import gemv
+    from workers import small_m_linear as sml
 
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
@@ -41,12 +41,13 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> 
         for m in rows_m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_cublas = do_bench(lambda: F.linear(x, w), warmup=20, rep=200)
-            cands = (gemv.CANDIDATES_M1 if m == 1 else []) + gemv.CANDIDATES
-            t_cfg = {str(tuple(c)): do_bench(lambda c=c: gemv.small_m_linear(x, w, None, c), warmup=20, rep=200)
+            cands = (sml.CANDIDATES_M1 if m == 1 else []) + sml.CANDIDATES
+            t_cfg = {str(tuple(c)): do_bench(lambda c=c: sml.small_m_linear(x, w, None, c), warmup=20, rep=200)
                      for c in cands}
-            err = (gemv.linear(x, w).float() - F.linear(x, w).float()).abs().max().item()
-            chosen = gemv.choices[(gemv._row_bucket(m), n, k, torch.bfloat16)]
-            t_chosen = do_bench(lambda: gemv.linear(x, w), warmup=20, rep=200)
+            table = {sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m))}
+            chosen = table[sml.row_bucket(m)]
+            err = (sml.linear(x, w, None, table).float() - F.linear(x, w).float()).abs().max().item()
+            t_chosen = do_bench(lambda: sml.linear(x, w, None, table), warmup=20, rep=200)
             best = min(t_cfg, key=t_cfg.get)
             rows.append({"linear": name, "m": m, "n": n, "k": k, "floor_ms": round(floor, 4),
                          "cublas_ms": round(t_cublas, 4), "best_triton_ms": round(t_cfg[best], 4),

@@ -8,6 +8,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from workers.forward_batch import MAX_TREE_BLOCK
+
 AttentionBackendName = Literal["torch_native", "triton", "flashinfer"]
 SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive"]
 
@@ -42,6 +44,13 @@ class SpeculativeConfig(_Strict):
             raise ValueError("num_draft_tokens exceeds num_steps * topk + 1 tree nodes")
         if self.simulated_accept_length is not None and (self.topk != 1 or self.num_draft_tokens != self.num_steps + 1):
             raise ValueError("simulated_accept_length works on full chains (topk 1, num_draft_tokens = num_steps + 1)")
+        # tree masks are one int64 bitmask per token: a round's draft block (its steps' nodes plus the root) and
+        # the verified tokens must fit MAX_TREE_BLOCK positions
+        if self.topk > 1 and self.num_steps * self.topk + 1 > MAX_TREE_BLOCK:
+            raise ValueError(f"a tree round of num_steps * topk + 1 = {self.num_steps * self.topk + 1} draft "
+                             f"positions exceeds {MAX_TREE_BLOCK}; lower num_steps or topk")
+        if self.num_draft_tokens > MAX_TREE_BLOCK:
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} exceeds {MAX_TREE_BLOCK}")
         if self.method in ("eagle", "eagle3", "draft") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs `model` (the draft/head directory)")
         return self

@@ -49,24 +49,38 @@ def check() -> None:
 
 
 def check_small_m_linear(g) -> None:
-    """The small-M linear kernel: both row paths (broadcast M=1, padded dot), bias, ragged N and K, strided rows."""
+    """The small-M linear kernel: both row paths (broadcast M=1, padded dot), bias, ragged N and K, strided rows; and
+    ``linear`` runs it only for the row buckets the layer's table holds a config for."""
     import torch
 
-    from workers import gemv
+    from workers import small_m_linear as sml
 
-    for cfg in (gemv.TileConfig(1, 8, 32, 2, 1), gemv.TileConfig(16, 16, 32, 4, 1)):
+    for cfg in (sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1)):
         for m, n, k, bias in ((1, 48, 96, False), (3, 40, 70, True), (16, 64, 64, False)):
             if cfg.block_m == 1 and m > 1:
                 continue
             x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows of a wider tensor
             w = torch.randn(n, k, generator=g)
             b = torch.randn(n, generator=g) if bias else None
-            got = gemv.small_m_linear(x, w, b, cfg)
+            got = sml.small_m_linear(x, w, b, cfg)
             ref = torch.nn.functional.linear(x, w, b)
             assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (cfg, m, n, k)
-    x = torch.randn(2, 3, 64, generator=g)  # the dispatcher: leading dims kept, interpreter config
     w = torch.randn(32, 64, generator=g)
-    assert torch.allclose(gemv.linear(x, w), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+    # which kernel ran: count the calls of the Triton path (the table must be what decides)
+    calls = []
+    real = sml.small_m_linear
+    sml.small_m_linear = lambda *a: calls.append(a[3]) or real(*a)
+    try:
+        table = {8: sml.TileConfig(16, 16, 32, 4, 1)}
+        x = torch.randn(2, 3, 64, generator=g)  # 6 rows: bucket 8, in the table
+        assert torch.allclose(sml.linear(x, w, None, table), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
+        assert calls == [table[8]]
+        sml.linear(torch.randn(2, 64, generator=g), w, None, table)  # bucket 2: not tuned, cuBLAS / F.linear
+        sml.linear(torch.randn(40, 64, generator=g), w, None, table)  # more rows than any bucket
+        assert len(calls) == 1
+    finally:
+        sml.small_m_linear = real
+    assert sml.row_bucket(1) == 1 and sml.row_bucket(3) == 4 and sml.row_bucket(9) == 16
 
 
 def test_fused_ops_match_reference_in_interpreter():

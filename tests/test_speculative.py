@@ -185,3 +185,12 @@ def test_simulated_acceptance_is_benchmark_only(spec_models):
     accepted = sum(o.spec["num_accepted_tokens"] for o in out)
     assert 2.7 < 1 + accepted / drafts < 3.3
     assert all(o.spec["simulated"] for o in out)
+
+
+def test_tree_sizes_past_the_bitmask_are_refused_by_the_config():
+    from deployments.config import SpeculativeConfig
+    from workers.forward_batch import MAX_TREE_BLOCK
+
+    SpeculativeConfig(method="eagle3", model="head", num_steps=6, topk=10, num_draft_tokens=20)  # 61 positions
+    with pytest.raises(ValueError, match=f"exceeds {MAX_TREE_BLOCK}"):
+        SpeculativeConfig(method="eagle3", model="head", num_steps=8, topk=8, num_draft_tokens=20)  # 65

@@ -9,8 +9,9 @@ Every line names the kernel that ran (for flashinfer: ``xqa`` or one of its plan
 
 flashinfer runs every case twice: with host lengths, and with the lengths on the device only (``seq_lens_cpu``
 None, as in CUDA-graph capture/replay and speculative rounds). Where its XQA kernel runs (sm90/100/120), XQA must
-take every forward it serves (DECODE, DRAFT_EXTEND, draft steps, decode-mode verify; page size 16) in both; the
-forwards it does not serve must refuse device-only lengths with a ValueError (printed ``n/a``).
+take every forward it serves (DECODE, DRAFT_EXTEND, draft steps, decode-mode verify; page size 16) with device-only
+lengths, and the planned wrappers those with host lengths; the forwards XQA does not serve must refuse device-only
+lengths with a ValueError (printed ``n/a``).
 
 On CUDA a graph check follows for every graph-capable backend (``supports_cuda_graph``): one DECODE and one
 TARGET_VERIFY (tree) forward captured in a ``torch.cuda.CUDAGraph`` over static device lengths, replayed after the
@@ -149,9 +150,10 @@ def main() -> None:
                 for page_size in page_sizes:
                     fb, q = make_case(mode, page_size, seqs, news, heads, kv_heads, dim, device, dtype, g)
                     ref = reference(fb, q, layer)
-                    want_xqa = backend_name == "flashinfer" and expects_xqa(backend, mode, verify_mode, page_size,
-                                                                            dtype)
+                    xqa_can = backend_name == "flashinfer" and expects_xqa(backend, mode, verify_mode, page_size,
+                                                                           dtype)
                     for lens in lens_variants:
+                        want_xqa = xqa_can and lens == "device"  # host lengths run on the planned wrappers
                         if lens == "device":
                             fb.seq_lens_cpu = None  # as in CUDA-graph replay: lengths on the device only
                         tag = (f"{backend_name:8s} verify={verify_mode:7s} {name:13s} page={page_size:2d} "

@@ -51,6 +51,7 @@ def rank_main(rank: int, world: int, port: int) -> None:
     assert torch.all(out == expect * 5), ("graph all-reduce", out[0, 0].item(), expect * 5)
     assert gathered.shape == (world, 4, 2) and torch.all(gathered == expect * 5)
     print(f"rank {rank}: graph ok", flush=True)
+    del graph  # captured graphs hold the communicator's kernels: release them first, as Worker.shutdown does
     comm.close()
     dist.destroy_process_group()
 

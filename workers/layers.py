@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fused_ops import rms_norm
-from workers.gemv import linear
+from workers.small_m_linear import linear
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,7 @@ class ColumnParallelLinear(nn.Module):
         local = sum(self.local_sizes)
         self.weight = _param((local, in_size), dtype)
         self.bias = _param((local,), dtype) if bias else None
+        self.small_m: dict = {}  # row bucket → tuned kernel (workers.small_m_linear)
 
     def load_weight(self, name: str, slice_, shard_id: int = 0) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -100,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         param.data[off : off + self.local_sizes[shard_id]].copy_(_read(slice_, 0, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_m)
 
 
 class QKVParallelLinear(nn.Module):
@@ -125,6 +126,7 @@ class QKVParallelLinear(nn.Module):
         local = self.q_size + 2 * self.kv_size
         self.weight = _param((local, hidden), dtype)
         self.bias = _param((local,), dtype) if bias else None
+        self.small_m: dict = {}
 
     def load_weight(self, name: str, slice_, shard_id: str) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -137,7 +139,7 @@ class QKVParallelLinear(nn.Module):
         param.data[off : off + n].copy_(_read(slice_, 0, start, start + n))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias)
+        qkv = linear(x, self.weight, self.bias, self.small_m)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -151,6 +153,7 @@ class RowParallelLinear(nn.Module):
         start, end = _shard_range(in_size, tp)
         self.weight = _param((out_size, end - start), dtype)
         self.bias = _param((out_size,), dtype) if bias else None
+        self.small_m: dict = {}
 
     def load_weight(self, name: str, slice_, shard_id=None) -> None:
         if name == "bias":
@@ -160,7 +163,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(_read(slice_, 1, start, end))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight)
+        y = linear(x, self.weight, None, self.small_m)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
@@ -196,8 +199,12 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """LM head sharded by vocabulary; logits are gathered to full vocab on every rank."""
 
+    def __init__(self, vocab: int, dim: int, dtype, tp: TPGroup = SINGLE):
+        super().__init__(vocab, dim, dtype, tp)
+        self.small_m: dict = {}
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = linear(hidden, self.weight)
+        logits = linear(hidden, self.weight, None, self.small_m)
         logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab]
 

@@ -81,12 +81,23 @@ class NcclCommunicator:
     def _stream() -> ctypes.c_void_p:
         return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
+    @staticmethod
+    def _dtype(x: torch.Tensor) -> int:
+        if x.dtype not in _NCCL_DTYPES:
+            raise ValueError(f"NCCL collectives here take {sorted(map(str, _NCCL_DTYPES))}, not {x.dtype}")
+        return _NCCL_DTYPES[x.dtype]
+
+    def _live(self) -> ctypes.c_void_p:
+        if not self._comm:
+            raise RuntimeError("the NCCL communicator is closed")
+        return self._comm
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (``x`` contiguous)."""
         if not x.is_contiguous():
             raise ValueError("NCCL all-reduce needs a contiguous tensor")
         self._check(self._lib.ncclAllReduce(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(x.data_ptr()), x.numel(),
-                                            _NCCL_DTYPES[x.dtype], _NCCL_SUM, self._comm, self._stream()))
+                                            self._dtype(x), _NCCL_SUM, self._live(), self._stream()))
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,7 +105,7 @@ class NcclCommunicator:
         x = x.contiguous()
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
         self._check(self._lib.ncclAllGather(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(out.data_ptr()), x.numel(),
-                                            _NCCL_DTYPES[x.dtype], self._comm, self._stream()))
+                                            self._dtype(x), self._live(), self._stream()))
         return out
 
     def close(self) -> None:

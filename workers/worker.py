@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,9 @@ class Worker:
             self.draft_tp = self.tp if draft_tp == self.tp.size else TPGroup()
             self.proposer = make_proposer(self, spec)
             self.lookahead = self.proposer.lookahead
+        self.graph_refusal = self._graph_refusal()
+        if self.graph_refusal is None:
+            self._tune_small_m_linears()
         self.page_table: PageTable | None = None
         self.pad_slot = cfg.max_num_seqs  # the page-table row (all page 0) padded graph rows use
         self.graphs: GraphRunner | None = None  # set by capture_graphs, with the three below
@@ -156,15 +160,42 @@ class Worker:
             self.proposer.allocate_kv(num_pages, page)
         max_pages_per_req = -(-(self.max_model_len + self.lookahead) // page)
         self.page_table = PageTable(self.cfg.max_num_seqs + 1, max_pages_per_req, page, self.device)
-        if self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
-            runners = [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
-            if not all(r.attn_backend.supports_cuda_graph for r in runners):
-                # torch_native would attend over the whole page-table capacity; FlashInfer's plans need host lengths
-                # where its XQA kernel is unavailable (before sm90) or verify runs prefill-style
-                logger.warning("CUDA graphs are off: an attention backend in use cannot be captured (use triton, or "
-                               "flashinfer with XQA on sm90+ and verify_attention_mode=decode)")
-            else:
-                self.capture_graphs()
+        if self.graph_refusal is None:
+            self.capture_graphs()
+        elif self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
+            logger.warning("CUDA graphs are off: %s", self.graph_refusal)
+
+    def _runners(self) -> list:
+        return [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
+
+    def _graph_refusal(self) -> str | None:
+        """Why decode steps and speculative rounds will run eagerly (None: they are captured in CUDA graphs)."""
+        if self.device.type != "cuda":
+            return "not on a CUDA device"
+        if self.cfg.disable_cuda_graph:
+            return "disable_cuda_graph is set"
+        for runner in self._runners():
+            spec = runner.attention_specs()[0]
+            refusal = runner.attn_backend.graph_refusal(self.cfg.page_size, self.dtype, spec.head_dim)
+            if refusal is not None:
+                return f"{refusal} (use triton, or flashinfer with XQA on sm90+ and verify_attention_mode=decode)"
+        return None
+
+    def _tune_small_m_linears(self) -> None:
+        """Time the small-M linear kernel against cuBLAS for every layer and row bucket, once, before the KV cache
+        takes the memory. Only for graph runs: eagerly, Triton's Python launch cost outweighs what it saves. A draft
+        replicated on every TP rank keeps cuBLAS, so that all ranks run the very same kernels and draft the same
+        tokens (each rank's own timing could pick a different kernel, whose rounding differs)."""
+        from workers.small_m_linear import tune_small_m_linears
+
+        models = [self.target.model]
+        runner = getattr(self.proposer, "runner", None)
+        if runner is not None and not (self.tp.size > 1 and self.draft_tp.size == 1):
+            models.append(runner.model)
+        t0 = time.perf_counter()
+        timed = sum(tune_small_m_linears(m) for m in models)
+        logger.info("small-M linear kernels tuned for %d (layer, rows) pairs in %.1fs", timed,
+                    time.perf_counter() - t0)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
     def _graph_callables(self, bucket: int, greedy: bool) -> dict[str, object]:

@@ -18,7 +18,7 @@ from workers.layers import (
     rope_cos_sin,
 )
 from workers.fused_ops import apply_rope_qk, silu_and_mul
-from workers.gemv import linear
+from workers.small_m_linear import linear
 from workers.model_config import ModelConfig
 
 
@@ -125,6 +125,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
+        if self.lm_head is None:  # the embedding doubles as the head: tune its matrix as a linear layer
+            self.embed_tokens.small_m = {}
         cos, sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -151,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: the embedding matrix is the (vocab-parallel) head
-            logits = self.tp.all_gather_last_dim(linear(hidden, self.embed_tokens.weight))
+            logits = self.tp.all_gather_last_dim(linear(hidden, self.embed_tokens.weight, None, self.embed_tokens.small_m))
             return logits[..., : self.cfg.vocab_size].float()
         return self.lm_head(hidden).float()
 

@@ -1,19 +1,19 @@
 """Linear layers for few rows (decode and verify of small batches): ``y = x W^T (+ b)`` with x [M <= 16, K].
 
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
-the weight-read time on an H100 (bench/results/profile_decode_8b_h100.json). This module's Triton kernel streams W
-once in [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores
-(rows padded to 16) or, for M = 1, as a broadcast multiply-sum.
+the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
+[BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
+padded to 16) or, for M = 1, as a broadcast multiply-sum.
 
-Which kernel runs is measured, not guessed: the first time a (row bucket, N, K, dtype) is seen outside a CUDA-graph
-capture, every candidate tile config and cuBLAS (``F.linear``) are timed on the real operands and the fastest is kept
-for that key (``choices``). Under a capture an unseen key runs cuBLAS. Larger M, 32-bit dtypes and CPUs run
-``F.linear``; Triton's CPU interpreter runs the kernel (the tests check it that way).
+Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
+times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket and stores
+the winner in that layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the
+table: a bucket that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
+kernel) runs ``F.linear``.
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -25,7 +25,6 @@ try:
 except ImportError:  # CPU-only install without triton
     triton = None
 
-_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 MAX_ROWS = 16
 
 
@@ -41,10 +40,8 @@ class TileConfig(NamedTuple):
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
 CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 2, 3))]
-INTERPRETER_CONFIG = TileConfig(16, 16, 32, 4, 1)
 
-#: (row bucket, N, K, dtype) → the chosen TileConfig, or None for cuBLAS
-choices: dict[tuple, TileConfig | None] = {}
+ROW_BUCKETS = (1, 2, 4, 8, 16)
 
 
 if triton is not None:
@@ -94,42 +91,54 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return y
 
 
-def _row_bucket(m: int) -> int:
-    return 1 if m == 1 else 2 if m == 2 else 4 if m <= 4 else 8 if m <= 8 else 16
+def row_bucket(m: int) -> int:
+    """The tuned row count M rows run under (the smallest bucket >= m)."""
+    return next(b for b in ROW_BUCKETS if b >= m)
 
 
-def _choose(key: tuple, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TileConfig | None:
-    """Time cuBLAS and every candidate on these operands (outside any capture); keep the fastest."""
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> TileConfig | None:
+    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight; the fastest (None: cuBLAS).
+    A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is skipped."""
     from triton.testing import do_bench
 
-    cands: list[TileConfig | None] = [None] + (CANDIDATES_M1 if x2d.shape[0] == 1 else []) + CANDIDATES
-    times = []
-    for cfg in cands:
-        fn = (lambda: F.linear(x2d, weight, bias)) if cfg is None else (lambda c=cfg: small_m_linear(x2d, weight,
-                                                                                                      bias, c))
-        times.append(do_bench(fn, warmup=5, rep=20))
-    return cands[min(range(len(cands)), key=times.__getitem__)]
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    best, best_ms = None, do_bench(lambda: F.linear(x, weight, bias), warmup=5, rep=20)
+    for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
+        try:
+            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c), warmup=5, rep=20)
+        except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` with the small-M Triton kernel where it was measured faster (see the module docstring)."""
+def tune_small_m_linears(model: torch.nn.Module) -> int:
+    """Fill the ``small_m`` table of every layer of ``model`` that has one, for every row bucket (CUDA, 16-bit
+    weights only); layers of the same shape share one timing. Returns how many (shape, bucket) pairs were timed."""
+    by_shape: dict[tuple, dict] = {}
+    for module in model.modules():
+        table = getattr(module, "small_m", None)
+        weight = getattr(module, "weight", None)
+        if table is None or weight is None or not weight.is_cuda or weight.dtype not in (torch.bfloat16,
+                                                                                          torch.float16):
+            continue
+        bias = getattr(module, "bias", None)
+        key = (tuple(weight.shape), weight.dtype, bias is not None)
+        if key not in by_shape:
+            by_shape[key] = {rows: tune(weight, bias, rows) for rows in ROW_BUCKETS}
+        table.update(by_shape[key])
+    return len(by_shape) * len(ROW_BUCKETS)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small_m: dict[int, TileConfig | None] | None = None) -> torch.Tensor:
+    """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if triton is None or not 0 < m <= MAX_ROWS or not weight.is_contiguous():
+    cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
+    if cfg is None:
         return F.linear(x, weight, bias)
-    if _INTERPRETER and not x.is_cuda:
-        cfg = INTERPRETER_CONFIG
-    elif not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
-        return F.linear(x, weight, bias)
-    else:
-        key = (_row_bucket(m), weight.shape[0], k, x.dtype)
-        if key not in choices:
-            if torch.cuda.is_current_stream_capturing():
-                return F.linear(x, weight, bias)
-            choices[key] = _choose(key, x.reshape(m, k), weight, bias)
-        cfg = choices[key]
-        if cfg is None:
-            return F.linear(x, weight, bias)
     x2d = x.reshape(m, k)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
