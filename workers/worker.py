@@ -175,7 +175,7 @@ class Worker:
         if self.cfg.disable_cuda_graph:
             return "disable_cuda_graph is set"
         for runner in self._runners():
-            spec = runner.attention_specs()[0]
+            spec = runner.attention_specs[0]
             refusal = runner.attn_backend.graph_refusal(self.cfg.page_size, self.dtype, spec.head_dim)
             if refusal is not None:
                 return f"{refusal} (use triton, or flashinfer with XQA on sm90+ and verify_attention_mode=decode)"
