@@ -170,15 +170,15 @@ class Worker:
 
     def _graph_refusal(self) -> str | None:
         """Why decode steps and speculative rounds will run eagerly (None: they are captured in CUDA graphs)."""
-        if self.device.type != "cuda":
-            return "not on a CUDA device"
-        if self.cfg.disable_cuda_graph:
-            return "disable_cuda_graph is set"
-        for runner in self._runners():
+        for runner in self._runners():  # first, so that CPU runs exercise it too
             spec = runner.attention_specs[0]
             refusal = runner.attn_backend.graph_refusal(self.cfg.page_size, self.dtype, spec.head_dim)
             if refusal is not None:
                 return f"{refusal} (use triton, or flashinfer with XQA on sm90+ and verify_attention_mode=decode)"
+        if self.device.type != "cuda":
+            return "not on a CUDA device"
+        if self.cfg.disable_cuda_graph:
+            return "disable_cuda_graph is set"
         return None
 
     def _tune_small_m_linears(self) -> None:
