@@ -95,7 +95,7 @@ def block_len(fb: ForwardBatch) -> int:
     """L, the length of the batch's speculative block (0: causal), from host-side shapes only."""
     if fb.tree_mask is not None:
         return int(fb.tree_mask.shape[2])
-    return int(getattr(fb, "tree_len", 0)) if getattr(fb, "tree_bits", None) is not None else 0
+    return int(fb.tree_len) if fb.tree_bits is not None else 0
 
 
 def block_mask(fb: ForwardBatch, n: int) -> torch.Tensor | None:
@@ -103,7 +103,7 @@ def block_mask(fb: ForwardBatch, n: int) -> torch.Tensor | None:
     step unpacked: bit j → block position j); None when the forward is causal. Uniform ``n`` only."""
     if fb.tree_mask is not None:
         return fb.tree_mask
-    bits = getattr(fb, "tree_bits", None)
+    bits = fb.tree_bits
     if bits is None:
         return None
     shifts = torch.arange(block_len(fb), device=bits.device)
@@ -380,7 +380,7 @@ class FlashInferBackend(AttentionBackend):
                              f"kernel (device lengths, CUDA-graph safe) cannot take it: {refusal}")
         ext = fb.extend_lens_cpu
         tree_mask = fb.tree_mask
-        if tree_mask is None and getattr(fb, "tree_bits", None) is not None:
+        if tree_mask is None and fb.tree_bits is not None:
             tree_mask = block_mask(fb, ext[0])  # a draft-round step's per-token bits (uniform lengths)
         if tree_mask is not None:
             kind = "masked"

@@ -172,7 +172,7 @@ class DraftSteps:
     ``init_backend``: an attention backend with ``init_round_metadata`` computes every step's metadata once for the
     stacked round; each step's ``init_forward_metadata`` then only picks its slice (the torch-native reference
     also writes the step's tree rows into its block's columns of the precomputed mask). A backend without it
-    (FlashInfer, which plans from host lengths per forward) gets a boolean ``tree_mask`` per step instead.
+    (FlashInfer) builds each step's metadata in its ``init_forward_metadata`` from the step's ``tree_bits``.
     """
 
     def __init__(self, stacked: ForwardBatch, batches: list[ForwardBatch], tokens_per_request: int,
