@@ -192,7 +192,10 @@ def main() -> None:
     print(f"SUMMARY: {len(checked) - len(failed)} ok, {len(failed)} FAIL, "
           f"{sum(r.get('pass') is None for r in results + graph_rows)} n/a -> {'PASS' if ok else 'FAIL'}", flush=True)
     if args.json:
-        meta = {"command": " ".join(["python3", "tools/check_attention.py"] + sys.argv[1:]), "device": str(device),
+        from bench.engine_vs_hf import commit
+
+        meta = {"commit": commit(), "command": " ".join(["python3", "tools/check_attention.py"] + sys.argv[1:]),
+                "device": str(device),
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "dtype": args.dtype,
                 "torch": torch.__version__, "flashinfer": _flashinfer_version(), "xqa": xqa_info}
         Path(args.json).write_text(json.dumps({**meta, "pass": ok, "results": results, "graph": graph_rows},

@@ -62,7 +62,11 @@ def main() -> None:
             print(rows[-1], flush=True)
             del eng
     if args.json:
-        Path(args.json).write_text(json.dumps({"dtype": args.dtype, "rows": rows}, indent=2))
+        from bench.engine_vs_hf import commit, device_name
+
+        Path(args.json).write_text(json.dumps({"device": device_name("cuda"), "commit": commit(),
+                                               "command": " ".join(["python3"] + sys.argv), "dtype": args.dtype,
+                                               "rows": rows}, indent=2))
     sys.exit(0 if ok else 1)
 
 
