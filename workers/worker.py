@@ -195,7 +195,7 @@ class Worker:
         t0 = time.perf_counter()
         timed = sum(tune_small_m_linears(m) for m in models)
         torch.cuda.empty_cache()  # the timing buffers must not count as used when the KV cache is sized
-        logger.info("small-M linear kernels tuned for %d (layer, rows) pairs in %.1fs", timed,
+        logger.info("small-M linear kernels tuned for %d (shape, rows) pairs in %.1fs", timed,
                     time.perf_counter() - t0)
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
