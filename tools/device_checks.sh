@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving
+#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving|tp
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
@@ -52,6 +52,8 @@ serve_bench() {  # NAME CONFIG: serve the config, run bench/serving.py against i
 }
 case $stage in
   flashinfer)
+    # XQA modules (one per query length, about a minute of nvcc each) for the check shapes, built in parallel first
+    run python3 tools/prebuild_flashinfer.py --groups 4,3 --head-dim 64 --q 1,3,4,5,7,8,9,10,12
     run python3 tools/check_attention.py --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
     run python3 tools/check_logits.py --backends torch_native,triton,flashinfer --dtype bfloat16 --json "$R/logits_check_bf16.json"
     run python3 tools/check_engine_backends.py --dtype bfloat16 --backends torch_native,triton,flashinfer --json "$R/engine_backends_bf16.json"
@@ -62,12 +64,12 @@ case $stage in
     run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
     run python3 tools/check_engine_backends.py --dtype float32 --backends torch_native,triton --json "$R/engine_backends_fp32.json"
     run python3 bench/draft_metadata.py --device cuda --backend triton --out "$R/draft_metadata_h100"
-    run python3 bench/verify_attention.py --out "$R/verify_attention_h100"
+    run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_h100"
     ;;
   perf8b)
     run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"
-    run python3 bench/verify_attention.py --out "$R/verify_attention_h100"
-    run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"
+    run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"  # writes the ckpt
+    run python3 bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --linears-only --out "$R/linears_8b_h100"
     ;;
   perf1b)
     run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --out "$R/gpu_perf_llama1b_h100"
@@ -91,6 +93,11 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       "$cfg" "$nospec" || { echo "!!! cannot write $nospec"; exit 1; }
     ((fail)) || serve_bench spec "$cfg"
     ((fail)) || serve_bench nospec "$nospec"
+    ;;
+  tp)  # nvidia-h200-x2: the NCCL communicator in CUDA graphs, then TP=2 vs TP=1 (bf16 speed, fp32 token equality)
+    run python3 tools/check_nccl_graph.py
+    run python3 bench/tp_decode.py --out "$R/tp_decode_${tag}x2_graphs"
+    run python3 bench/tp_decode.py --dtype float32 --out "$R/tp_decode_${tag}x2_graphs_fp32"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
