@@ -1,5 +1,5 @@
-"""Greedy tokens of the whole engine with each attention backend pair vs torch-native (GPU), speculation off and on,
-and speculation on vs off on the same backend.
+"""Greedy tokens of the whole engine with each attention backend pair vs a reference pair (torch-native when it is in
+--backends, else the first pair), speculation off and on, and speculation on vs off on the same backend.
 
     python tools/check_engine_backends.py --models models --dtype float32 --backends torch_native,triton [--json out]
 
@@ -57,7 +57,7 @@ def main() -> None:
             if spec is not None:
                 acc = round(1 + sum(o.spec["num_accepted_tokens"] for o in out) / sum(o.spec["num_drafts"] for o in out), 3)
             rows.append({"spec": spec_name, "prefill": prefill, "decode": decode, "verify_mode": verify,
-                         "tokens_equal_torch_native": same_ref, "tokens_equal_spec_off": same_nospec,
+                         "tokens_equal_reference": same_ref, "tokens_equal_spec_off": same_nospec,
                          "token_match_spec_off": round(_match(toks, base), 4), "accept_length": acc})
             print(rows[-1], flush=True)
             del eng
@@ -66,6 +66,7 @@ def main() -> None:
 
         Path(args.json).write_text(json.dumps({"device": device_name("cuda"), "commit": commit(),
                                                "command": " ".join(["python3"] + sys.argv), "dtype": args.dtype,
+                                               "reference": "/".join(configs[0]) + " with the same speculation",
                                                "rows": rows}, indent=2))
     sys.exit(0 if ok else 1)
 
