@@ -48,7 +48,7 @@ import re
 import torch
 
 from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
-from workers.forward_batch import ForwardBatch, ForwardMode, to_device
+from workers.forward_batch import ForwardBatch, ForwardMode, mask_from_bits, to_device
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 XQA_ARCHS = (9, 10, 12)  # compute capability majors XQA runs on (flashinfer/xqa.py)
@@ -106,8 +106,7 @@ def block_mask(fb: ForwardBatch, n: int) -> torch.Tensor | None:
     bits = fb.tree_bits
     if bits is None:
         return None
-    shifts = torch.arange(block_len(fb), device=bits.device)
-    return ((bits.view(fb.batch_size, n, 1) >> shifts) & 1) != 0
+    return mask_from_bits(bits.view(fb.batch_size, n), block_len(fb))
 
 
 def xqa_mask_bits(mask: torch.Tensor | None, batch: int, n: int, device=None) -> torch.Tensor:

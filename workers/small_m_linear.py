@@ -137,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
-    if cfg is None:
+    if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here
         return F.linear(x, weight, bias)
     x2d = x.reshape(m, k)
     if x2d.stride(1) != 1:
