@@ -378,9 +378,7 @@ class FlashInferBackend(AttentionBackend):
                              "sequence lengths (seq_lens_cpu), which the plan-based wrappers need, and the XQA "
                              f"kernel (device lengths, CUDA-graph safe) cannot take it: {refusal}")
         ext = fb.extend_lens_cpu
-        tree_mask = fb.tree_mask
-        if tree_mask is None and fb.tree_bits is not None:
-            tree_mask = block_mask(fb, ext[0])  # a draft-round step's per-token bits (uniform lengths)
+        tree_mask = block_mask(fb, ext[0])  # a draft-round step carries per-token bits (uniform lengths)
         if tree_mask is not None:
             kind = "masked"
         elif uses_decode_kernel(fb.mode, self.verify_attention_mode) and len(set(ext)) == 1:

@@ -185,7 +185,6 @@ class DraftSteps:
         self.tree_bits = tree_bits  # [steps, B, k] int64, or None (a chain: plain causal)
         self.tree_prefix = tree_prefix
         self.metadata = metadata  # attention backend → per-step metadata (the batches' ``step_metadata``)
-        self._bool_masks = False
 
     def __iter__(self):
         return iter(self.batches)
@@ -202,9 +201,6 @@ class DraftSteps:
         init = getattr(leaf, "init_round_metadata", None)
         if init is not None:
             init(self)
-        elif self.tree_bits is not None:
-            self._bool_masks = True
-            self._fill_bool_mask(0)
 
     def advance(self, step: int, origin: torch.Tensor) -> None:
         """Step ``step``'s tree rows, once step ``step - 1`` has chosen its frontier: new frontier slot j of request b
@@ -213,11 +209,6 @@ class DraftSteps:
         if self.tree_bits is None:
             return
         self.tree_bits[step].bitwise_or_(self.tree_bits[step - 1].gather(1, origin))
-        if self._bool_masks:
-            self._fill_bool_mask(step)
-
-    def _fill_bool_mask(self, step: int) -> None:
-        self.batches[step].tree_mask = mask_from_bits(self.tree_bits[step], self.tree_len(step))
 
     @classmethod
     def build(
