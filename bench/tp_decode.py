@@ -25,7 +25,8 @@ from bench.random_llama import write_checkpoint  # noqa: E402
 
 
 def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
-             dtype: str = "bfloat16", cuda_graph: bool = True) -> None:
+             dtype: str = "bfloat16", cuda_graph: bool = True, custom_all_reduce: bool = True,
+             profile_file: str | None = None) -> None:
     from deployments.config import EngineConfig
     from workers.forward_batch import ForwardMode
     from workers.worker import Worker, WorkerStep
@@ -39,7 +40,7 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     cfg = EngineConfig(model=ckpt, device="cuda", dtype=dtype, tensor_parallel_size=tp, page_size=16,
                        max_model_len=2048, kv_cache_tokens=4096, max_num_seqs=4,
                        prefill_attention_backend=backend, decode_attention_backend=backend,
-                       disable_cuda_graph=not cuda_graph)
+                       disable_cuda_graph=not cuda_graph, disable_custom_all_reduce=not custom_all_reduce)
     w = Worker(cfg, rank, ("127.0.0.1", port) if tp > 1 else None)
     w.allocate_kv(w.kv_capacity_pages())
     prompt = list(range(1000, 1128))
@@ -62,7 +63,17 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
         times.append((time.perf_counter() - t0) * 1000)
         tokens.append(res.tokens[0][0])
     if rank == 0:
-        Path(result_file).write_text(json.dumps({"tokens": tokens, "step_ms": times}))
+        Path(result_file).write_text(json.dumps({"tokens": tokens, "step_ms": times,
+                                                 "custom_all_reduce": w.tp.custom_all_reduce is not None}))
+    if profile_file:  # GPU time per kernel over 8 more steps (kernels replayed from graphs included), rank 0's table
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(steps, steps + 8):
+                w.execute(step(ForwardMode.DECODE, [tokens[-1]], len(prompt) + i + 1, 1, ([], [], [])))
+            torch.cuda.synchronize()
+        if rank == 0:
+            Path(profile_file).write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=30))
     w.shutdown()
 
 
@@ -76,6 +87,9 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype (the checkpoint is bf16)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--variants", default="tp1,tp2_nccl,tp2",
+                    help="tp1: one GPU; tp2: two, one-shot custom all-reduce for small tensors; tp2_nccl: NCCL only")
+    ap.add_argument("--profile", action="store_true", help="also write each variant's kernel table (.prof_*.txt)")
     ap.add_argument("--out", default="bench/results/tp_decode_h200x2")
     args = ap.parse_args()
     from bench.engine_vs_hf import commit, device_name
@@ -84,37 +98,53 @@ def main() -> None:
         t0 = time.time()
         write_checkpoint(Path(args.ckpt), "llama-3.1-8b", args.layers)
         print(f"checkpoint written in {time.time() - t0:.0f}s", flush=True)
+    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # TP=1; TP=2 with every all-reduce on NCCL; TP=2 with the one-shot custom all-reduce for small tensors
+    variants = {"tp1": (1, True), "tp2_nccl": (2, False), "tp2": (2, True)}
+    variants = {name: variants[name] for name in args.variants.split(",")}
+    if not {"tp1", "tp2"} <= variants.keys():
+        raise SystemExit("--variants must include tp1 and tp2")
     results = {}
-    for tp in (1, 2):
-        rf = f"/tmp/tp{tp}.json"
-        port = 29600 + tp
+    for port, (name, (tp, custom)) in enumerate(variants.items(), start=29601):
+        rf = f"/tmp/{name}.json"
+        prof = str(out.with_suffix(f".prof_{name}.txt")) if args.profile else None
+        run_args = (tp, args.ckpt, args.steps, port, args.backend, rf, args.dtype, not args.eager, custom, prof)
         if tp == 1:
-            run_rank(0, 1, args.ckpt, args.steps, port, args.backend, rf, args.dtype, not args.eager)
+            run_rank(0, *run_args)
         else:
-            mp.spawn(run_rank, args=(tp, args.ckpt, args.steps, port, args.backend, rf, args.dtype, not args.eager),
-                     nprocs=tp, join=True)
-        results[tp] = json.loads(Path(rf).read_text())
-        med = sorted(results[tp]["step_ms"][8:])[len(results[tp]["step_ms"][8:]) // 2]
-        print(f"TP={tp}: median decode step {med:.2f} ms", flush=True)
-    med = {tp: sorted(r["step_ms"][8:])[len(r["step_ms"][8:]) // 2] for tp, r in results.items()}
-    equal = results[1]["tokens"] == results[2]["tokens"]
-    first_diff = next((i for i, (a, b) in enumerate(zip(results[1]["tokens"], results[2]["tokens"])) if a != b), None)
+            mp.spawn(run_rank, args=run_args, nprocs=tp, join=True)
+        results[name] = json.loads(Path(rf).read_text())
+        times = results[name]["step_ms"][8:]
+        print(f"{name}: median decode step {sorted(times)[len(times) // 2]:.2f} ms", flush=True)
+        out.with_suffix(".partial.json").write_text(json.dumps(results))  # kept if a later variant is cut off
+    med = {name: sorted(r["step_ms"][8:])[len(r["step_ms"][8:]) // 2] for name, r in results.items()}
+    equal = results["tp1"]["tokens"] == results["tp2"]["tokens"]
+    first_diff = next((i for i, (a, b) in enumerate(zip(results["tp1"]["tokens"], results["tp2"]["tokens"]))
+                       if a != b), None)
     meta = {"device": f"{torch.cuda.device_count()}x {device_name('cuda')}", "commit": commit(),
             "command": " ".join(sys.argv), "model": f"Llama-3.1-8B shape, {args.layers} layers, random bf16 weights",
             "attention_backend": args.backend, "dtype": args.dtype, "batch_size": 1, "prompt_len": 128, "steps": args.steps,
-            "tp1_median_step_ms": round(med[1], 3), "tp2_median_step_ms": round(med[2], 3),
-            "tp2_over_tp1": round(med[2] / med[1], 3), "greedy_tokens_equal": equal, "first_difference_at": first_diff,
-            "cuda_graphs": not args.eager}
-    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+            "tp1_median_step_ms": round(med["tp1"], 3), "tp2_median_step_ms": round(med["tp2"], 3),
+            "tp2_over_tp1": round(med["tp2"] / med["tp1"], 3),
+            "tp2_custom_all_reduce": results["tp2"]["custom_all_reduce"],
+            "greedy_tokens_equal": equal, "first_difference_at": first_diff, "cuda_graphs": not args.eager}
+    if "tp2_nccl" in results:
+        meta.update(tp2_nccl_only_median_step_ms=round(med["tp2_nccl"], 3),
+                    tp2_nccl_only_over_tp1=round(med["tp2_nccl"] / med["tp1"], 3),
+                    tp2_nccl_only_tokens_equal_tp2=results["tp2_nccl"]["tokens"] == results["tp2"]["tokens"])
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    out.with_suffix(".partial.json").unlink()
     out.with_suffix(".md").write_text(
         f"# TP=2 vs TP=1 decode ({meta['device']})\n\ncommit `{meta['commit']}`, command `{meta['command']}`; "
         f"{meta['model']}, {args.dtype}, bs=1, {args.steps} greedy steps, {args.backend} attention, "
         f"{'eager' if args.eager else 'CUDA graphs'}\n\n"
-        "| TP=1 ms/step | TP=2 ms/step | TP=2 / TP=1 | greedy tokens equal | first difference |\n|---|---|---|---|---|\n"
-        f"| {meta['tp1_median_step_ms']} | {meta['tp2_median_step_ms']} | {meta['tp2_over_tp1']} | {equal} | "
-        f"{first_diff} |\n")
+        "| TP=1 ms/step | TP=2 ms/step | TP=2 / TP=1 | TP=2, NCCL only | NCCL only / TP=1 | greedy tokens equal | "
+        "first difference |\n|---|---|---|---|---|---|---|\n"
+        f"| {meta['tp1_median_step_ms']} | {meta['tp2_median_step_ms']} | {meta['tp2_over_tp1']} | "
+        f"{meta.get('tp2_nccl_only_median_step_ms', '-')} | {meta.get('tp2_nccl_only_over_tp1', '-')} | {equal} | "
+        f"{first_diff} |\n\n"
+        f"TP=2 used the one-shot custom all-reduce: {meta['tp2_custom_all_reduce']}.\n")
     print(json.dumps(meta, indent=2))
 
 

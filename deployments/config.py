@@ -73,6 +73,8 @@ class EngineConfig(_Strict):
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
     speculative_config: SpeculativeConfig | None = None
     disable_cuda_graph: bool = False
+    disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
+                                            "small ones go one-shot over NVLink through symmetric memory)")
     cuda_graph_max_bs: int = Field(64, ge=1, description="larger batches run eagerly")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")

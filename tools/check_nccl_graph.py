@@ -1,13 +1,18 @@
-"""GPU check (2+ GPUs): the ctypes NCCL communicator, eager and captured in a CUDA graph, gives the right sums and
-gathers on every rank.
+"""GPU check (2+ GPUs): the tensor-parallel collectives, eager and captured in a CUDA graph, give the right sums and
+gathers on every rank — the ctypes NCCL communicator and the one-shot custom all-reduce (symmetric memory) — and
+their latency per all-reduce, replayed from a graph, for decode-sized to prefill-sized tensors.
 
-    python tools/check_nccl_graph.py [--ranks 2]
+    python tools/check_nccl_graph.py [--ranks 2] [--isolated] [--json out.json]
+
+``--isolated`` gives each rank only its own GPU (CUDA_VISIBLE_DEVICES, as Ray does for a one-GPU actor), to see
+whether the custom all-reduce still finds its peers.
 """
 
 from __future__ import annotations
 
 import argparse
 import faulthandler
+import json
 import os
 import sys
 from pathlib import Path
@@ -16,23 +21,53 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+SIZES_KIB = [8, 32, 128, 512, 1024]  # bf16: 8 KiB is one token of an 8B model's hidden state
 
-def rank_main(rank: int, world: int, port: int) -> None:
+
+def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
+    """Microseconds per call of ``fn``, captured ``reps`` times in one graph and replayed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / (reps * replays)
+
+
+def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str) -> None:
+    if isolated:  # before CUDA initialises in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
 
+    from workers.custom_all_reduce import create_custom_all_reduce
     from workers.nccl import NcclCommunicator
 
-    faulthandler.dump_traceback_later(60, exit=True)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    comm = NcclCommunicator(dist.group.WORLD, rank, world, torch.device("cuda", rank))
+    faulthandler.dump_traceback_later(240, exit=True)
+    dev = torch.device("cuda", 0 if isolated else rank)
+    torch.cuda.set_device(dev)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            device_id=dev)
+    result = {"rank": rank, "visible_gpus": torch.cuda.device_count(), "checks": {}, "latency_us": {}}
+    comm = NcclCommunicator(dist.group.WORLD, rank, world, dev)
     w = torch.full((64, 64), 1.0, device="cuda")
     x = torch.full((4, 64), float(rank + 1), device="cuda")
     expect = 64.0 * sum(range(1, world + 1))
     y = comm.all_reduce(x @ w)
     torch.cuda.synchronize()
     assert torch.all(y == expect), ("eager all-reduce", y[0, 0].item(), expect)
-    print(f"rank {rank}: eager ok", flush=True)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -43,15 +78,63 @@ def rank_main(rank: int, world: int, port: int) -> None:
     with torch.cuda.graph(graph):
         out = comm.all_reduce(x @ w)
         gathered = comm.all_gather(out[:, :2])
-    print(f"rank {rank}: captured", flush=True)
     for step in range(1, 6):
         x.fill_(float((rank + 1) * step))
         graph.replay()
     torch.cuda.synchronize()
     assert torch.all(out == expect * 5), ("graph all-reduce", out[0, 0].item(), expect * 5)
     assert gathered.shape == (world, 4, 2) and torch.all(gathered == expect * 5)
-    print(f"rank {rank}: graph ok", flush=True)
+    result["checks"]["nccl"] = "ok"
+    print(f"rank {rank}: NCCL eager and graph ok", flush=True)
     del graph  # captured graphs hold the communicator's kernels: release them first, as Worker.shutdown does
+
+    custom = create_custom_all_reduce(dist.group.WORLD, rank, world, torch.bfloat16, dev)
+    result["custom_all_reduce"] = custom is not None
+    if custom is not None:
+        # random bf16 data: the one-shot sum must equal NCCL's bit for bit and be the same on every rank
+        gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+        for rows in (1, 4, 64):
+            a = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ours = custom.all_reduce(a)
+            ref = comm.all_reduce(a.clone())
+            every = comm.all_gather(ours)
+            torch.cuda.synchronize()
+            assert torch.equal(ours, ref), ("one-shot vs NCCL", rows, (ours.float() - ref.float()).abs().max().item())
+            assert all(torch.equal(every[0], every[r]) for r in range(world)), ("ranks differ", rows)
+        inp = torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                custom.all_reduce(inp.fill_(1.0))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            h = inp
+            for _ in range(16):  # a chain, like layers: each sum feeds the next
+                h = custom.all_reduce(h * 0.5)
+        for step in range(1, 4):
+            inp.fill_(float(step * (rank + 1)))
+            graph.replay()
+            torch.cuda.synchronize()
+            # each link: h -> sum over ranks of h/2 = h * world/2; start: sum over ranks of step*(r+1)/2 ...
+            want = float(step * sum(range(1, world + 1))) * 0.5 * (world * 0.5) ** 15
+            assert torch.allclose(h.float(), torch.full_like(h.float(), want), rtol=2e-2), ("graph chain", h[0, 0].item(), want)
+        result["checks"]["custom_eager_equals_nccl"] = "ok"
+        result["checks"]["custom_graph_chain"] = "ok"
+        print(f"rank {rank}: custom all-reduce eager == NCCL, graph chain ok", flush=True)
+        del graph
+
+    for kib in SIZES_KIB:
+        t = torch.ones(kib * 512, device="cuda", dtype=torch.bfloat16)
+        row = {"nccl": round(_graph_time_us(lambda: comm.all_reduce(t)), 2)}
+        if custom is not None and custom.takes(t):
+            row["custom"] = round(_graph_time_us(lambda: custom.all_reduce(t)), 2)
+        result["latency_us"][f"{kib} KiB"] = row
+    if rank == 0:
+        Path(result_file).write_text(json.dumps(result))
+    torch.cuda.synchronize()
+    if custom is not None:
+        custom.close()
     comm.close()
     dist.destroy_process_group()
 
@@ -59,8 +142,19 @@ def rank_main(rank: int, world: int, port: int) -> None:
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
+    from bench.engine_vs_hf import commit
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--isolated", action="store_true", help="each rank sees only its own GPU (as under Ray)")
+    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    mp.spawn(rank_main, args=(args.ranks, 29700), nprocs=args.ranks, join=True)
-    print("NCCL graph check: PASS")
+    rf = f"/tmp/check_nccl_graph_{os.getpid()}.json"
+    mp.spawn(rank_main, args=(args.ranks, 29700 + args.isolated, args.isolated, rf), nprocs=args.ranks, join=True)
+    res = json.loads(Path(rf).read_text())
+    res.update(device=f"{args.ranks}x {torch.cuda.get_device_name(0)}", commit=commit(), command=" ".join(sys.argv),
+               isolated=args.isolated)
+    print(json.dumps(res, indent=2))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    print("collectives check: PASS")

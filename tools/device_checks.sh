@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving|tp
+#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
@@ -94,10 +94,14 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     ((fail)) || serve_bench spec "$cfg"
     ((fail)) || serve_bench nospec "$nospec"
     ;;
-  tp)  # nvidia-h200-x2: the NCCL communicator in CUDA graphs, then TP=2 vs TP=1 (bf16 speed, fp32 token equality)
-    run python3 tools/check_nccl_graph.py
-    run python3 bench/tp_decode.py --out "$R/tp_decode_${tag}x2_graphs"
-    run python3 bench/tp_decode.py --dtype float32 --out "$R/tp_decode_${tag}x2_graphs_fp32"
+  tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and
+    # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)
+    run python3 tools/check_nccl_graph.py --json "$R/collectives_${tag}x2.json"
+    run python3 tools/check_nccl_graph.py --isolated --json "$R/collectives_${tag}x2_isolated.json"
+    run python3 bench/tp_decode.py --profile --out "$R/tp_decode_${tag}x2_graphs"
+    ;;
+  tpfp32)  # nvidia-h200-x2, right after `tp` (the checkpoint is still in /tmp): greedy token equality in fp32
+    run python3 bench/tp_decode.py --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac

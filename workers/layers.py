@@ -26,9 +26,12 @@ class TPGroup:
     size: int = 1
     group: object | None = None  # torch.distributed ProcessGroup when size > 1
     nccl: object | None = None  # workers.nccl.NcclCommunicator on GPUs: collectives that CUDA graphs can capture
+    custom_all_reduce: object | None = None  # workers.custom_all_reduce.SymmMemAllReduce: small tensors over NVLink
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
+            if self.custom_all_reduce is not None and self.custom_all_reduce.takes(x):
+                return self.custom_all_reduce.all_reduce(x)
             if self.nccl is not None and x.is_cuda:
                 return self.nccl.all_reduce(x)
             dist.all_reduce(x, group=self.group)

@@ -54,19 +54,24 @@ class StepResult:
     timings: dict = field(default_factory=dict)
 
 
-def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str) -> TPGroup:
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
+                     dtype: torch.dtype = torch.float32, custom_all_reduce: bool = True) -> TPGroup:
     if world_size == 1:
         return TPGroup()
     backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                                 world_size=world_size)
-    nccl = None
+    nccl = custom = None
     if device == "cuda":
+        from workers.custom_all_reduce import create_custom_all_reduce
         from workers.nccl import NcclCommunicator
 
-        nccl = NcclCommunicator(dist.group.WORLD, rank, world_size, torch.device("cuda", torch.cuda.current_device()))
-    return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD, nccl=nccl)
+        here = torch.device("cuda", torch.cuda.current_device())
+        nccl = NcclCommunicator(dist.group.WORLD, rank, world_size, here)
+        if custom_all_reduce:
+            custom = create_custom_all_reduce(dist.group.WORLD, rank, world_size, dtype, here)
+    return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD, nccl=nccl, custom_all_reduce=custom)
 
 
 def to_host(*tensors: torch.Tensor) -> list[list]:
@@ -94,11 +99,12 @@ class Worker:
         else:
             self.device = torch.device("cpu")
         torch.manual_seed(cfg.seed)
-        addr = dist_addr or ("127.0.0.1", 29500)
-        self.tp = init_distributed(rank, cfg.tensor_parallel_size, addr[0], addr[1], device_type)
         model_cfg = ModelConfig.from_pretrained(cfg.model)
         self.model_config = model_cfg
         self.dtype = cfg.resolved_dtype(model_cfg.checkpoint_dtype)
+        addr = dist_addr or ("127.0.0.1", 29500)
+        self.tp = init_distributed(rank, cfg.tensor_parallel_size, addr[0], addr[1], device_type, self.dtype,
+                                   not cfg.disable_custom_all_reduce)
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         # RoPE tables reach past the context: a speculative round near the end drafts up to 241 positions further
@@ -354,6 +360,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self.graphs = None  # captured graphs hold NCCL kernels: release them before the communicator
+        if self.tp.custom_all_reduce is not None:
+            self.tp.custom_all_reduce.close()
         if self.tp.nccl is not None:
             self.tp.nccl.close()
         if self.tp.size > 1 and dist.is_initialized():
