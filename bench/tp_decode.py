@@ -26,7 +26,7 @@ from bench.random_llama import write_checkpoint  # noqa: E402
 
 def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
              dtype: str = "bfloat16", cuda_graph: bool = True, custom_all_reduce: bool = True,
-             profile_file: str | None = None) -> None:
+             profile_file: str | None = None, isolated: bool = False) -> None:
     from deployments.config import EngineConfig
     from workers.forward_batch import ForwardMode
     from workers.worker import Worker, WorkerStep
@@ -35,8 +35,11 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["SPECSERVE_HANG_DUMP_S"]), exit=True)
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.cuda.set_device(rank)
+    if isolated:  # as under Ray: this rank sees only its own GPU; the Worker widens the visibility itself
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+    else:
+        os.environ["LOCAL_RANK"] = str(rank)
+        torch.cuda.set_device(rank)
     cfg = EngineConfig(model=ckpt, device="cuda", dtype=dtype, tensor_parallel_size=tp, page_size=16,
                        max_model_len=2048, kv_cache_tokens=4096, max_num_seqs=4,
                        prefill_attention_backend=backend, decode_attention_backend=backend,
@@ -88,7 +91,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype (the checkpoint is bf16)")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--variants", default="tp1,tp2_nccl,tp2",
-                    help="tp1: one GPU; tp2: two, one-shot custom all-reduce for small tensors; tp2_nccl: NCCL only")
+                    help="tp1: one GPU; tp2: two, one-shot custom all-reduce for small tensors; tp2_nccl: NCCL only; "
+                    "tp2_isolated: as tp2, each rank started seeing only its own GPU (as under Ray)")
     ap.add_argument("--profile", action="store_true", help="also write each variant's kernel table (.prof_*.txt)")
     ap.add_argument("--out", default="bench/results/tp_decode_h200x2")
     args = ap.parse_args()
@@ -101,15 +105,17 @@ def main() -> None:
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # TP=1; TP=2 with every all-reduce on NCCL; TP=2 with the one-shot custom all-reduce for small tensors
-    variants = {"tp1": (1, True), "tp2_nccl": (2, False), "tp2": (2, True)}
+    variants = {"tp1": (1, True, False), "tp2_nccl": (2, False, False), "tp2": (2, True, False),
+                "tp2_isolated": (2, True, True)}
     variants = {name: variants[name] for name in args.variants.split(",")}
     if not {"tp1", "tp2"} <= variants.keys():
         raise SystemExit("--variants must include tp1 and tp2")
     results = {}
-    for port, (name, (tp, custom)) in enumerate(variants.items(), start=29601):
+    for port, (name, (tp, custom, isolated)) in enumerate(variants.items(), start=29601):
         rf = f"/tmp/{name}.json"
         prof = str(out.with_suffix(f".prof_{name}.txt")) if args.profile else None
-        run_args = (tp, args.ckpt, args.steps, port, args.backend, rf, args.dtype, not args.eager, custom, prof)
+        run_args = (tp, args.ckpt, args.steps, port, args.backend, rf, args.dtype, not args.eager, custom, prof,
+                    isolated)
         if tp == 1:
             run_rank(0, *run_args)
         else:
@@ -129,6 +135,11 @@ def main() -> None:
             "tp2_over_tp1": round(med["tp2"] / med["tp1"], 3),
             "tp2_custom_all_reduce": results["tp2"]["custom_all_reduce"],
             "greedy_tokens_equal": equal, "first_difference_at": first_diff, "cuda_graphs": not args.eager}
+    if "tp2_isolated" in results:
+        r = results["tp2_isolated"]
+        meta.update(tp2_isolated_median_step_ms=round(med["tp2_isolated"], 3),
+                    tp2_isolated_custom_all_reduce=r["custom_all_reduce"],
+                    tp2_isolated_tokens_equal_tp2=r["tokens"] == results["tp2"]["tokens"])
     if "tp2_nccl" in results:
         meta.update(tp2_nccl_only_median_step_ms=round(med["tp2_nccl"], 3),
                     tp2_nccl_only_over_tp1=round(med["tp2_nccl"] / med["tp1"], 3),

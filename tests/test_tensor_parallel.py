@@ -70,3 +70,28 @@ def test_bad_tp_size_is_refused(tp_models):
 
     with pytest.raises(ValueError, match="not divisible by tensor_parallel_size 3"):
         QKVParallelLinear(64, 16, 4, 1, False, None, TPGroup(rank=0, size=3))
+
+
+def test_gpu_visibility_is_widened_only_for_one_distinct_gpu_per_rank():
+    """Ray gives each one-GPU actor CUDA_VISIBLE_DEVICES=<its id>; the custom all-reduce needs every rank's GPU
+    visible, so the ranks join their ids (rank r then uses device r). Anything else stays as the launcher set it."""
+    from workers.custom_all_reduce import widened_visibility
+
+    assert widened_visibility(["3", "5"]) == "3,5"
+    assert widened_visibility(["GPU-aa", "GPU-bb", "GPU-cc"]) == "GPU-aa,GPU-bb,GPU-cc"
+    assert widened_visibility(["", ""]) is None  # a launcher that shows every GPU and sets LOCAL_RANK
+    assert widened_visibility(["0,1", "0,1"]) is None
+    assert widened_visibility(["2", "2"]) is None  # two ranks on one GPU: never widen into a clash
+    assert widened_visibility(["1", ""]) is None
+
+
+def test_custom_all_reduce_switch_reaches_the_config():
+    from deployments.cli import _engine_args, engine_config_from_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    _engine_args(p)
+    cfg = engine_config_from_args(p.parse_args(["--model", "m", "--tp", "2", "--disable-custom-all-reduce"]))
+    assert cfg.disable_custom_all_reduce and cfg.tensor_parallel_size == 2
+    assert not engine_config_from_args(p.parse_args(["--model", "m"])).disable_custom_all_reduce
+    assert EngineConfig(model="m").resolved_device() == "cpu"  # auto on a machine without GPUs

@@ -4,8 +4,9 @@ their latency per all-reduce, replayed from a graph, for decode-sized to prefill
 
     python tools/check_nccl_graph.py [--ranks 2] [--isolated] [--json out.json]
 
-``--isolated`` gives each rank only its own GPU (CUDA_VISIBLE_DEVICES, as Ray does for a one-GPU actor), to see
-whether the custom all-reduce still finds its peers.
+``--isolated`` starts each rank seeing only its own GPU (CUDA_VISIBLE_DEVICES, as Ray does for a one-GPU actor);
+the ranks then widen their visibility as the Worker does (workers.worker.share_node_gpus), so that the custom
+all-reduce finds its peers.
 """
 
 from __future__ import annotations
@@ -55,12 +56,16 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
     from workers.custom_all_reduce import create_custom_all_reduce
     from workers.nccl import NcclCommunicator
 
+    from workers.worker import share_node_gpus
+
     faulthandler.dump_traceback_later(240, exit=True)
-    dev = torch.device("cuda", 0 if isolated else rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # isolated: the Worker's own remedy, every rank's GPU made visible to every rank before CUDA starts
+    widened = share_node_gpus(rank, world) if isolated else None
+    dev = torch.device("cuda", widened if widened is not None else (0 if isolated else rank))
     torch.cuda.set_device(dev)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            device_id=dev)
-    result = {"rank": rank, "visible_gpus": torch.cuda.device_count(), "checks": {}, "latency_us": {}}
+    result = {"rank": rank, "visible_gpus": torch.cuda.device_count(), "widened": widened is not None, "checks": {},
+              "latency_us": {}}
     comm = NcclCommunicator(dist.group.WORLD, rank, world, dev)
     w = torch.full((64, 64), 1.0, device="cuda")
     x = torch.full((4, 64), float(rank + 1), device="cuda")

@@ -98,7 +98,7 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)
     run python3 tools/check_nccl_graph.py --json "$R/collectives_${tag}x2.json"
     run python3 tools/check_nccl_graph.py --isolated --json "$R/collectives_${tag}x2_isolated.json"
-    run python3 bench/tp_decode.py --profile --out "$R/tp_decode_${tag}x2_graphs"
+    run python3 bench/tp_decode.py --profile --variants tp1,tp2_nccl,tp2,tp2_isolated --out "$R/tp_decode_${tag}x2_graphs"
     ;;
   tpfp32)  # nvidia-h200-x2, right after `tp` (the checkpoint is still in /tmp): greedy token equality in fp32
     run python3 bench/tp_decode.py --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"

@@ -53,6 +53,14 @@ class SymmMemAllReduce:
         self.max_numel = 0
 
 
+def widened_visibility(visible_per_rank: list[str]) -> str | None:
+    """CUDA_VISIBLE_DEVICES for every rank when each rank sees exactly one GPU of its own (e.g. ["3", "5"] → "3,5";
+    rank r then uses device r), else None."""
+    if any(not v or "," in v for v in visible_per_rank) or len(set(visible_per_rank)) != len(visible_per_rank):
+        return None
+    return ",".join(visible_per_rank)
+
+
 def _agree(ok: bool, group, device: torch.device) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)

@@ -56,6 +56,7 @@ class StepResult:
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
                      dtype: torch.dtype = torch.float32, custom_all_reduce: bool = True) -> TPGroup:
+    """The TP group. On GPUs this also picks the rank's device (before anything starts CUDA in this process)."""
     if world_size == 1:
         return TPGroup()
     backend = "nccl" if device == "cuda" else "gloo"
@@ -67,11 +68,34 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         from workers.custom_all_reduce import create_custom_all_reduce
         from workers.nccl import NcclCommunicator
 
+        index = share_node_gpus(rank, world_size) if custom_all_reduce else None
+        torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         here = torch.device("cuda", torch.cuda.current_device())
         nccl = NcclCommunicator(dist.group.WORLD, rank, world_size, here)
         if custom_all_reduce:
             custom = create_custom_all_reduce(dist.group.WORLD, rank, world_size, dtype, here)
     return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD, nccl=nccl, custom_all_reduce=custom)
+
+
+def share_node_gpus(rank: int, world_size: int) -> int | None:
+    """Make every rank's GPU visible to every rank, so that the custom all-reduce can map its peers' memory.
+
+    A launcher that isolates each rank on its own GPU (Ray sets CUDA_VISIBLE_DEVICES=<id> for a one-GPU actor) hides
+    the peers. Before CUDA starts here, the ranks swap their GPU ids over the process group's store; each then sees
+    all of them in rank order and uses device ``rank``, which is returned. None leaves the visibility as it is: some
+    rank sees more or less than one GPU (e.g. a launcher that sets LOCAL_RANK), two ranks share one, or CUDA already
+    started in this process."""
+    from workers.custom_all_reduce import widened_visibility
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"specserve/gpu/{rank}", visible)
+    everyone = [store.get(f"specserve/gpu/{r}").decode() for r in range(world_size)]
+    joined = widened_visibility(everyone)
+    if joined is None or torch.cuda.is_initialized():
+        return None
+    os.environ["CUDA_VISIBLE_DEVICES"] = joined
+    return rank
 
 
 def to_host(*tensors: torch.Tensor) -> list[list]:
@@ -92,19 +116,20 @@ class Worker:
         self.cfg = cfg
         self.rank = rank
         device_type = cfg.resolved_device()
-        if device_type == "cuda":
-            # Ray actors see one GPU each (CUDA_VISIBLE_DEVICES); process launchers set LOCAL_RANK
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        else:
-            self.device = torch.device("cpu")
-        torch.manual_seed(cfg.seed)
         model_cfg = ModelConfig.from_pretrained(cfg.model)
         self.model_config = model_cfg
         self.dtype = cfg.resolved_dtype(model_cfg.checkpoint_dtype)
         addr = dist_addr or ("127.0.0.1", 29500)
+        # first: under TP this chooses the GPU, which must happen before CUDA starts
         self.tp = init_distributed(rank, cfg.tensor_parallel_size, addr[0], addr[1], device_type, self.dtype,
                                    not cfg.disable_custom_all_reduce)
+        if device_type == "cuda":
+            if self.tp.size == 1:  # Ray actors see one GPU each (CUDA_VISIBLE_DEVICES); process launchers set LOCAL_RANK
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
+        torch.manual_seed(cfg.seed)
         self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
                                  model_cfg.max_position_embeddings)
         # RoPE tables reach past the context: a speculative round near the end drafts up to 241 positions further
