@@ -59,9 +59,10 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
     from workers.worker import share_node_gpus
 
     faulthandler.dump_traceback_later(240, exit=True)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)
     # isolated: the Worker's own remedy, every rank's GPU made visible to every rank before CUDA starts
-    widened = share_node_gpus(rank, world) if isolated else None
+    widened = share_node_gpus(store, rank, world) if isolated else None
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world)
     dev = torch.device("cuda", widened if widened is not None else (0 if isolated else rank))
     torch.cuda.set_device(dev)
     result = {"rank": rank, "visible_gpus": torch.cuda.device_count(), "widened": widened is not None, "checks": {},

@@ -59,16 +59,23 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     """The TP group. On GPUs this also picks the rank's device (before anything starts CUDA in this process)."""
     if world_size == 1:
         return TPGroup()
-    backend = "nccl" if device == "cuda" else "gloo"
+    index = None
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+        # our own store first: the ranks can swap GPU ids over it before the NCCL group (which starts CUDA) exists
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0)
+        if device == "cuda" and custom_all_reduce:
+            index = share_node_gpus(store, rank, world_size)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
                                 world_size=world_size)
     nccl = custom = None
     if device == "cuda":
         from workers.custom_all_reduce import create_custom_all_reduce
         from workers.nccl import NcclCommunicator
 
-        index = share_node_gpus(rank, world_size) if custom_all_reduce else None
+        if index is not None and torch._C._cuda_getDeviceCount() != world_size:
+            # the driver had started before the visibility was widened: this rank still sees only its own GPU
+            logger.warning("rank %d: the GPU visibility could not be widened; the custom all-reduce may be off", rank)
+            index = 0
         torch.cuda.set_device(index if index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         here = torch.device("cuda", torch.cuda.current_device())
         nccl = NcclCommunicator(dist.group.WORLD, rank, world_size, here)
@@ -77,18 +84,17 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     return TPGroup(rank=rank, size=world_size, group=dist.group.WORLD, nccl=nccl, custom_all_reduce=custom)
 
 
-def share_node_gpus(rank: int, world_size: int) -> int | None:
+def share_node_gpus(store, rank: int, world_size: int) -> int | None:
     """Make every rank's GPU visible to every rank, so that the custom all-reduce can map its peers' memory.
 
     A launcher that isolates each rank on its own GPU (Ray sets CUDA_VISIBLE_DEVICES=<id> for a one-GPU actor) hides
-    the peers. Before CUDA starts here, the ranks swap their GPU ids over the process group's store; each then sees
+    the peers. Before CUDA starts here, the ranks swap their GPU ids over ``store``; each then sees
     all of them in rank order and uses device ``rank``, which is returned. None leaves the visibility as it is: some
     rank sees more or less than one GPU (e.g. a launcher that sets LOCAL_RANK), two ranks share one, or CUDA already
     started in this process."""
     from workers.custom_all_reduce import widened_visibility
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    store = dist.distributed_c10d._get_default_store()
     store.set(f"specserve/gpu/{rank}", visible)
     everyone = [store.get(f"specserve/gpu/{r}").decode() for r in range(world_size)]
     joined = widened_visibility(everyone)
