@@ -80,6 +80,24 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     w.shutdown()
 
 
+def markdown(meta: dict) -> str:
+    """The result table (``python bench/tp_decode.py --markdown RESULT.json`` rewrites it from a JSON)."""
+    text = (f"# TP=2 vs TP=1 decode ({meta['device']})\n\ncommit `{meta['commit']}`, command `{meta['command']}`; "
+            f"{meta['model']}, {meta['dtype']}, bs=1, {meta['steps']} greedy steps, {meta['attention_backend']} "
+            f"attention, {'CUDA graphs' if meta['cuda_graphs'] else 'eager'}\n\n"
+            "| TP=1 ms/step | TP=2 ms/step | TP=2 / TP=1 | TP=2, NCCL only | NCCL only / TP=1 | greedy tokens equal | "
+            "first difference |\n|---|---|---|---|---|---|---|\n"
+            f"| {meta['tp1_median_step_ms']} | {meta['tp2_median_step_ms']} | {meta['tp2_over_tp1']} | "
+            f"{meta.get('tp2_nccl_only_median_step_ms', '-')} | {meta.get('tp2_nccl_only_over_tp1', '-')} | "
+            f"{meta['greedy_tokens_equal']} | {meta['first_difference_at']} |\n\n"
+            f"TP=2 used the one-shot custom all-reduce: {meta['tp2_custom_all_reduce']}.\n")
+    if "tp2_isolated_median_step_ms" in meta:
+        text += (f"\nTP=2 with each rank started seeing only its own GPU (as under Ray): "
+                 f"{meta['tp2_isolated_median_step_ms']} ms/step, custom all-reduce: "
+                 f"{meta['tp2_isolated_custom_all_reduce']}.\n")
+    return text
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
@@ -95,7 +113,11 @@ def main() -> None:
                     "tp2_isolated: as tp2, each rank started seeing only its own GPU (as under Ray)")
     ap.add_argument("--profile", action="store_true", help="also write each variant's kernel table (.prof_*.txt)")
     ap.add_argument("--out", default="bench/results/tp_decode_h200x2")
+    ap.add_argument("--markdown", default=None, help="only rewrite the table of this result JSON next to it")
     args = ap.parse_args()
+    if args.markdown:
+        Path(args.markdown).with_suffix(".md").write_text(markdown(json.loads(Path(args.markdown).read_text())))
+        return
     from bench.engine_vs_hf import commit, device_name
 
     if not (Path(args.ckpt) / "config.json").is_file():
@@ -146,16 +168,7 @@ def main() -> None:
                     tp2_nccl_only_tokens_equal_tp2=results["tp2_nccl"]["tokens"] == results["tp2"]["tokens"])
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     out.with_suffix(".partial.json").unlink()
-    out.with_suffix(".md").write_text(
-        f"# TP=2 vs TP=1 decode ({meta['device']})\n\ncommit `{meta['commit']}`, command `{meta['command']}`; "
-        f"{meta['model']}, {args.dtype}, bs=1, {args.steps} greedy steps, {args.backend} attention, "
-        f"{'eager' if args.eager else 'CUDA graphs'}\n\n"
-        "| TP=1 ms/step | TP=2 ms/step | TP=2 / TP=1 | TP=2, NCCL only | NCCL only / TP=1 | greedy tokens equal | "
-        "first difference |\n|---|---|---|---|---|---|---|\n"
-        f"| {meta['tp1_median_step_ms']} | {meta['tp2_median_step_ms']} | {meta['tp2_over_tp1']} | "
-        f"{meta.get('tp2_nccl_only_median_step_ms', '-')} | {meta.get('tp2_nccl_only_over_tp1', '-')} | {equal} | "
-        f"{first_diff} |\n\n"
-        f"TP=2 used the one-shot custom all-reduce: {meta['tp2_custom_all_reduce']}.\n")
+    out.with_suffix(".md").write_text(markdown(meta))
     print(json.dumps(meta, indent=2))
 
 

@@ -60,7 +60,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000) -> dict:
 
     import triton.testing
 
-    combos = [dict(zip(LAUNCH_KNOBS, c)) for c in itertools.product((64, 128), (4, 8), (2, 3, 4), (8, 16, 32))]
+    combos = [dict(zip(LAUNCH_KNOBS, c)) for c in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16, 32))]
     results = []
     for bs in (1, 8, 32):
         for nd in (4, 8):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.tree import DraftTree
+from workers.fused_ops import argmax_logsumexp
 from workers.sampling import SamplingTensors, processed_probs, sample_from_probs
 
 
@@ -27,12 +28,15 @@ class Verdict:
     out_logprobs: torch.Tensor  # [B, max_depth + 1] target log-prob of each emitted token
 
 
-def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors) -> torch.Tensor:
-    """The token the target emits after each node ([B, D]): argmax, or a sample with counter = output position."""
+def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """The token the target emits after each node ([B, D]): argmax, or a sample with counter = output position;
+    and the log-normaliser (logsumexp) of each node's logits ([B, D], fp32)."""
     b, d, v = logits.shape
-    greedy = logits.argmax(-1)
+    greedy, lse = argmax_logsumexp(logits.reshape(b * d, v))
+    greedy, lse = greedy.view(b, d), lse.view(b, d)
     if sampling.all_greedy:
-        return greedy
+        return greedy, lse
     per_node = SamplingTensors(
         temperature=sampling.temperature.repeat_interleave(d), top_k=sampling.top_k.repeat_interleave(d),
         top_p=sampling.top_p.repeat_interleave(d), min_p=sampling.min_p.repeat_interleave(d),
@@ -41,7 +45,12 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
     )
     flat = logits.reshape(b * d, v)
     drawn = sample_from_probs(processed_probs(flat, per_node), per_node).view(b, d)
-    return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn)
+    return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn), lse
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """log p(token) under each node's raw logits: [B, D]."""
+    return logits.gather(2, tokens.unsqueeze(2)).squeeze(2).float() - lse
 
 
 def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int,
@@ -53,19 +62,18 @@ def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
     b = logits.shape[0]
     u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
     accept = (mean_accept_length - 1.0 + u).floor().long().clamp(0, max_depth)
-    choice = target_choices(tree, logits, sampling)
+    choice, lse = target_choices(tree, logits, sampling)
     path = torch.arange(max_depth + 1, device=logits.device).expand(b, -1)
     nxt = torch.cat([tree.tokens[:, 1:max_depth + 1], choice[:, -1:]], dim=1)
     out = torch.where(path < accept.unsqueeze(1), nxt, choice.gather(1, path))
-    logprobs = torch.log_softmax(logits.float(), -1).gather(2, out.unsqueeze(2)).squeeze(2)
-    return Verdict(accept, path.clone(), out, logprobs)
+    return Verdict(accept, path.clone(), out, _token_logprobs(logits, out, lse))
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
     """Walk each tree from the root along children equal to the target's choice. Fixed trip count, no sync."""
     b, d, _ = logits.shape
-    choice = target_choices(tree, logits, sampling)
-    logprobs = torch.log_softmax(logits.float(), -1).gather(2, choice.unsqueeze(2)).squeeze(2)  # [B, D]
+    choice, lse = target_choices(tree, logits, sampling)
+    logprobs = _token_logprobs(logits, choice, lse)  # [B, D]
     rows = torch.arange(b, device=logits.device)
     cur = torch.zeros(b, dtype=torch.int64, device=logits.device)
     alive = torch.ones(b, dtype=torch.bool, device=logits.device)

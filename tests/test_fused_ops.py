@@ -45,7 +45,37 @@ def check() -> None:
     assert torch.allclose(rms_norm(strided, torch.ones(96), 1e-6), rms_norm_reference(strided, torch.ones(96), 1e-6),
                           atol=1e-5)
     check_small_m_linear(g)
+    check_store_kv_and_argmax(g)
     print("fused ops ok")
+
+
+def check_store_kv_and_argmax(g) -> None:
+    """K/V into the paged cache in one kernel (strided views of a fused qkv, a non-power-of-two head count), and the
+    split-row argmax + logsumexp (first index on ties, -inf columns, rows longer and shorter than one program)."""
+    import torch
+
+    from workers.fused_ops import argmax_logsumexp, store_kv
+
+    for dtype in (torch.float32, torch.bfloat16):
+        qkv = torch.randn(5, (3 + 3 + 3) * 16, generator=g).to(dtype)
+        _, k, v = qkv.split([48, 48, 48], dim=-1)
+        k, v = k.view(5, 3, 16), v.view(5, 3, 16)
+        slots = torch.tensor([7, 0, 12, 3, 9])
+        kc, vc = torch.zeros(16, 3, 16, dtype=dtype), torch.zeros(16, 3, 16, dtype=dtype)
+        store_kv(kc, vc, slots, k, v)
+        ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+        ref_k[slots], ref_v[slots] = k, v
+        assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+    for b, n in ((3, 50), (2, 5000), (4, 70001)):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = (torch.randn(b, n, generator=g) * 4).to(dtype)
+            logits[0, n // 3] = logits[0, n - 1] = logits[0].max() + 1  # a tie: the first index wins
+            if b > 2:
+                logits[2, : n // 2] = float("-inf")
+            ids, lse = argmax_logsumexp(logits)
+            assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(-1)), (b, n, dtype)
+            assert ids[0].item() == n // 3
+            assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-4, rtol=1e-5), (b, n, dtype)
 
 
 def check_small_m_linear(g) -> None:
@@ -65,6 +95,18 @@ def check_small_m_linear(g) -> None:
             got = sml.small_m_linear(x, w, b, cfg)
             ref = torch.nn.functional.linear(x, w, b)
             assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (cfg, m, n, k)
+    from workers.fused_ops import silu_and_mul
+
+    for cfg in (sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1)):  # silu(gate) * up fused in
+        for m, k in ((1, 64), (5, 70)):
+            if cfg.block_m == 1 and m > 1:
+                continue
+            gu, w = torch.randn(m, 2 * k, generator=g), torch.randn(24, k, generator=g)
+            ref = torch.nn.functional.linear(silu_and_mul(gu), w)
+            assert torch.allclose(sml.small_m_linear(gu, w, None, cfg, gated=True), ref, atol=1e-4, rtol=1e-4)
+            assert torch.allclose(sml.linear(gu, w, None, {sml.row_bucket(m): cfg}, gated=True), ref, atol=1e-4,
+                                  rtol=1e-4)
+            assert torch.allclose(sml.linear(gu, w, None, {}, gated=True), ref, atol=1e-5, rtol=1e-5)  # unfused
     w = torch.randn(32, 64, generator=g)
     # which kernel ran: count the calls of the Triton path (the table must be what decides)
     calls = []

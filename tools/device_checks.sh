@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32
+#   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
@@ -65,6 +65,11 @@ case $stage in
     run python3 tools/check_engine_backends.py --dtype float32 --backends torch_native,triton --json "$R/engine_backends_fp32.json"
     run python3 bench/draft_metadata.py --device cuda --backend triton --out "$R/draft_metadata_h100"
     run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_h100"
+    ;;
+  kernels)  # after kernel changes: Triton attention and the fused ops in bf16, graphs vs eager, the verify sweep
+    run python3 tools/check_attention.py --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
+    run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
+    run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_$tag"
     ;;
   perf8b)
     run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"

@@ -137,3 +137,106 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
                                k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
                                cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2))
     return q_out, k_out
+
+
+# ---- K and V of new tokens into the paged cache, one kernel ------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _store_kv(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                  num_heads, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS_P2)
+        d = tl.arange(0, HEAD_DIM)
+        ok = (h < num_heads)[:, None]
+        slot = tl.load(Slots + t).to(tl.int64)
+        dst = slot * stride_cs + h[:, None] * stride_ch + d[None, :]
+        k = tl.load(K + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=ok)
+        v = tl.load(V + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=ok)
+        tl.store(KCache + dst, k, mask=ok)
+        tl.store(VCache + dst, v, mask=ok)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """``k_cache[slots] = k; v_cache[slots] = v`` for k, v [T, H, D] (token rows may be strided views of a fused qkv)
+    into caches [S, H, D]: one kernel instead of two indexing kernels, where the dtypes already match."""
+    t, heads, dim = k.shape
+    fits = (_triton_for(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.stride(2) == 1
+            and v.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
+            and dim == triton.next_power_of_2(dim))
+    if not fits:
+        k_cache[slots] = k.to(k_cache.dtype)
+        v_cache[slots] = v.to(v_cache.dtype)
+        return
+    if t:
+        _store_kv[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                        k_cache.stride(0), k_cache.stride(1), heads, HEAD_DIM=dim,
+                        HEADS_P2=triton.next_power_of_2(heads))
+
+
+# ---- greedy token and log-normaliser of each row of logits -------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
+                            BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        lo = part * chunk
+        m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, its first index, sum of exp
+        arg = tl.zeros([BLOCK], tl.int32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for start in range(lo, lo + chunk, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(Logits + row * stride_l + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            new_m = tl.maximum(m, x)
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            s = s * tl.exp(m - safe) + tl.exp(x - safe)
+            arg = tl.where(x > m, cols, arg)  # strictly greater: a lane keeps its first maximum
+            m = new_m
+        best = tl.max(m, 0)
+        first = tl.min(tl.where(m == best, arg, 2147483647), 0)  # the first column holding the maximum
+        safe_best = tl.where(best == float("-inf"), 0.0, best)
+        total = tl.sum(s * tl.exp(m - safe_best), 0)
+        tl.store(PartMax + row * num_parts + part, best)
+        tl.store(PartArg + row * num_parts + part, first)
+        tl.store(PartSum + row * num_parts + part, total)
+
+    @triton.jit
+    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, num_parts, PARTS_P2: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.arange(0, PARTS_P2)
+        ok = p < num_parts
+        m = tl.load(PartMax + row * num_parts + p, mask=ok, other=float("-inf"))
+        arg = tl.load(PartArg + row * num_parts + p, mask=ok, other=2147483647)
+        s = tl.load(PartSum + row * num_parts + p, mask=ok, other=0.0)
+        best = tl.max(m, 0)
+        first = tl.min(tl.where(m == best, arg, 2147483647), 0)
+        safe = tl.where(best == float("-inf"), 0.0, best)
+        tl.store(Ids + row, first.to(tl.int64))
+        tl.store(Lse + row, safe + tl.log(tl.sum(s * tl.exp(m - safe), 0)))
+
+
+def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
+    kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us)."""
+    if not _triton_for(logits) or logits.stride(-1) != 1:
+        return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
+    b, n = logits.shape
+    block = 1024
+    parts = max(1, min(64, triton.cdiv(n, 4 * block)))
+    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
+    parts = triton.cdiv(n, chunk)
+    dev = logits.device
+    part_max = torch.empty(b, parts, dtype=torch.float32, device=dev)
+    part_arg = torch.empty(b, parts, dtype=torch.int32, device=dev)
+    part_sum = torch.empty(b, parts, dtype=torch.float32, device=dev)
+    ids = torch.empty(b, dtype=torch.int64, device=dev)
+    lse = torch.empty(b, dtype=torch.float32, device=dev)
+    if b:
+        _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
+                                        BLOCK=block)
+        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, parts,
+                                PARTS_P2=triton.next_power_of_2(parts))
+    return ids, lse

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.fused_ops import store_kv
+
 
 class OutOfPages(RuntimeError):
     """Raised when the KV cache has no free page left for an allocation."""
@@ -89,8 +91,7 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer_id][slots] = k.to(self.k[layer_id].dtype)
-        self.v[layer_id][slots] = v.to(self.v[layer_id].dtype)
+        store_kv(self.k[layer_id], self.v[layer_id], slots, k, v)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (compacting accepted tree nodes)."""

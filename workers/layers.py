@@ -157,6 +157,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_size, end - start), dtype)
         self.bias = _param((out_size,), dtype) if bias else None
         self.small_m: dict = {}
+        self.gated_input = False  # True: forward(x, gated=True) is how the model calls it (the start-up tuning times that)
 
     def load_weight(self, name: str, slice_, shard_id=None) -> None:
         if name == "bias":
@@ -165,8 +166,9 @@ class RowParallelLinear(nn.Module):
         start, end = _shard_range(self.in_size, self.tp)
         self.weight.data.copy_(_read(slice_, 1, start, end))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, None, self.small_m)
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """``gated``: x is [..., 2 * in] (gate | up) and the input is silu(gate) * up (small_m_linear.linear)."""
+        y = linear(x, self.weight, None, self.small_m, gated)
         y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 

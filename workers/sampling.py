@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from workers.fused_ops import argmax_logsumexp
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -95,10 +97,9 @@ def sample_from_probs(probs: torch.Tensor, p: SamplingTensors, stream: int = 0) 
 
 def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (token ids [B], logprob of each sampled token under the model's raw distribution [B])."""
-    greedy_ids = logits.argmax(-1)
+    greedy_ids, lse = argmax_logsumexp(logits)
     if p.all_greedy:
         ids = greedy_ids
     else:
         ids = torch.where(p.temperature <= 0, greedy_ids, sample_from_probs(processed_probs(logits, p), p))
-    logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
-    return ids, logprobs
+    return ids, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse

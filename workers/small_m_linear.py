@@ -42,13 +42,17 @@ CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
 CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 2, 3))]
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
+# A later candidate (cuBLAS first, then the list's order) must be this much faster to be chosen: kernels of nearly
+# the same speed then resolve the same way on every start, so replicas and restarts mostly run the same kernels and
+# round alike (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
+SWITCH_MARGIN = 0.03
 
 
 if triton is not None:
 
     @triton.jit
     def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -61,11 +65,17 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
-                x = tl.load(x_ptrs, mask=row_ok, other=0.0)
+                x_ok = row_ok
             else:
                 k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
-                x = tl.load(x_ptrs, mask=row_ok & k_ok[None, :], other=0.0)
+                x_ok = row_ok & k_ok[None, :]
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if GATED:  # X rows are [gate | up]: silu(gate) * up, rounded as fused_ops.silu_and_mul rounds
+                up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
+                g = x.to(tl.float32)
+                act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
+                x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
             if BLOCK_M == 1:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
             else:
@@ -78,15 +88,19 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
 
 
-def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig) -> torch.Tensor:
-    """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous."""
+def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
+                   gated: bool = False) -> torch.Tensor:
+    """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous.
+    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
     m, k = x2d.shape
+    if gated:
+        k //= 2
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
         x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
@@ -96,19 +110,23 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> TileConfig | None:
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False) -> TileConfig | None:
     """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight; the fastest (None: cuBLAS).
+    ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton with it fused.
     A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is skipped."""
     from triton.testing import do_bench
 
-    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    best, best_ms = None, do_bench(lambda: F.linear(x, weight, bias), warmup=5, rep=20)
+    from workers.fused_ops import silu_and_mul
+
+    x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
+    cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
+    best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
-            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c), warmup=5, rep=20)
+            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated), warmup=5, rep=20)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
             continue
-        if ms < best_ms:
+        if ms < best_ms * (1 - SWITCH_MARGIN):
             best, best_ms = cfg, ms
     return best
 
@@ -124,22 +142,29 @@ def tune_small_m_linears(model: torch.nn.Module) -> int:
                                                                                           torch.float16):
             continue
         bias = getattr(module, "bias", None)
-        key = (tuple(weight.shape), weight.dtype, bias is not None)
+        gated = getattr(module, "gated_input", False)
+        key = (tuple(weight.shape), weight.dtype, bias is not None, gated)
         if key not in by_shape:
-            by_shape[key] = {rows: tune(weight, bias, rows) for rows in ROW_BUCKETS}
+            by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
         table.update(by_shape[key])
     return len(by_shape) * len(ROW_BUCKETS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_m: dict[int, TileConfig | None] | None = None) -> torch.Tensor:
-    """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster."""
-    k = x.shape[-1]
-    m = x.numel() // k if k else 0
+           small_m: dict[int, TileConfig | None] | None = None, gated: bool = False) -> torch.Tensor:
+    """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster.
+    ``gated``: x is [..., 2K] (gate | up) and the layer's input is silu(gate) * up — inside the Triton kernel's
+    loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first."""
+    width = x.shape[-1]
+    m = x.numel() // width if width else 0
     cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
     if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here
+        if gated:
+            from workers.fused_ops import silu_and_mul
+
+            x = silu_and_mul(x.reshape(m, width)).view(*x.shape[:-1], width // 2)
         return F.linear(x, weight, bias)
-    x2d = x.reshape(m, k)
+    x2d = x.reshape(m, width)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    return small_m_linear(x2d, weight, bias, cfg).view(*x.shape[:-1], weight.shape[0])
+    return small_m_linear(x2d, weight, bias, cfg, gated).view(*x.shape[:-1], weight.shape[0])

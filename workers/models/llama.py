@@ -17,7 +17,7 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.fused_ops import apply_rope_qk, silu_and_mul
+from workers.fused_ops import apply_rope_qk
 from workers.small_m_linear import linear
 from workers.model_config import ModelConfig
 
@@ -59,9 +59,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp)
+        self.down_proj.gated_input = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu(gate) * up inside the projection
 
 
 class DecoderLayer(nn.Module):
