@@ -271,13 +271,18 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
         graph.replay()
         torch.cuda.synchronize()
         replayed = out.float().clone()
-        eager_fb = ForwardBatch.build(fmode, ids, list(range(b)), new_lens, [n] * b, kv, table,
+        # eager with the lengths on the device only, as in the graph (flashinfer: the same XQA kernel; host lengths
+        # would take its planned wrappers); the fp32 reference takes them from the host
+        eager_fb = ForwardBatch.build(fmode, ids, list(range(b)), torch.tensor(new_lens, dtype=torch.int32,
+                                                                               device=device), [n] * b, kv, table,
                                       tree_mask=None if tree is None else tree.clone())
         backend.init_forward_metadata(eager_fb)
         eager_kernel = getattr(backend, "last_kernel", backend_name)
         eager = backend.forward(q, None, None, layer, eager_fb).float()
         torch.cuda.synchronize()
-        err = rel_err(replayed, reference(eager_fb, q, layer))
+        ref_fb = ForwardBatch.build(fmode, ids, list(range(b)), new_lens, [n] * b, kv, table,
+                                    tree_mask=None if tree is None else tree.clone())
+        err = rel_err(replayed, reference(ref_fb, q, layer))
         vs_eager = ((replayed - eager).norm() / eager.norm()).item()
         moved = ((replayed - at_capture).norm() / at_capture.norm()).item()  # the replay read the new lengths
         right_kernel = backend_name != "flashinfer" or kernel == eager_kernel == "xqa"
