@@ -95,6 +95,16 @@ def _output_dict(out: RequestOutput) -> dict:
     return d
 
 
+def _merged(items: list[dict]) -> dict:
+    """Consecutive stream items of one request as one: tokens and text joined, the rest from the last."""
+    if len(items) == 1:
+        return items[0]
+    d = dict(items[-1])
+    d["token_ids"] = [t for item in items for t in item["token_ids"]]
+    d["text"] = "".join(item["text"] for item in items)
+    return d
+
+
 @serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 class LLMController:
     def __init__(self, llm_config: dict):
@@ -147,13 +157,19 @@ class LLMController:
         try:
             yield {"accepted": rid}
             while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    yield {"error": f"engine failure: {out}", "status": 500, "type": "internal_error", "code": None}
+                outs = [await queue.get()]
+                # the steps that ended while the last item was on its way go out as ONE item: under load the
+                # stream costs one message per request per send, not per step (no waiting: a lone step goes at once)
+                while not queue.empty() and not isinstance(outs[-1], BaseException) and not outs[-1].finished:
+                    outs.append(queue.get_nowait())
+                if isinstance(outs[-1], BaseException):
+                    if len(outs) > 1:
+                        yield _merged([_output_dict(o) for o in outs[:-1]])
+                    yield {"error": f"engine failure: {outs[-1]}", "status": 500, "type": "internal_error",
+                           "code": None}
                     return
-                d = _output_dict(out)
-                finished = out.finished
-                yield d
+                finished = outs[-1].finished
+                yield _merged([_output_dict(o) for o in outs])
                 if finished:
                     return
         finally:

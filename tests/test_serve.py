@@ -197,3 +197,15 @@ def test_prometheus_has_spec_counters(server, client):
         if w != "ray_vllm_kv_cache_usage_perc":
             assert values[w] > 0, w
     assert values["ray_vllm_spec_decode_num_accepted_tokens_total"] <= values["ray_vllm_spec_decode_num_draft_tokens_total"]
+
+
+def test_stream_items_of_several_steps_merge_into_one():
+    """Under load the controller sends the steps that piled up for a request as one stream item."""
+    from deployments.controller import _merged
+
+    a = {"rid": "r", "token_ids": [1, 2], "text": "ab", "finished": False, "finish_reason": None}
+    b = {"rid": "r", "token_ids": [3], "text": "c", "finished": True, "finish_reason": "length",
+         "prompt_tokens": 4, "completion_tokens": 3, "spec": None, "error": None}
+    m = _merged([a, b])
+    assert m["token_ids"] == [1, 2, 3] and m["text"] == "abc" and m["finished"] and m["finish_reason"] == "length"
+    assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]

@@ -96,8 +96,9 @@ case $stage in
     python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
 c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
       "$cfg" "$nospec" || { echo "!!! cannot write $nospec"; exit 1; }
-    ((fail)) || serve_bench spec "$cfg"
-    ((fail)) || serve_bench nospec "$nospec"
+    for variant in ${SERVING_VARIANTS:-spec nospec}; do
+      case $variant in spec) ((fail)) || serve_bench spec "$cfg" ;; nospec) ((fail)) || serve_bench nospec "$nospec" ;; esac
+    done
     ;;
   tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and
     # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)
