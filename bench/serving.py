@@ -107,6 +107,32 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     return row
 
 
+def server_stats(base: str) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def per_step(before: dict, after: dict) -> dict:
+    """The server's own host time per engine step over one rate: schedule / execute (workers, round trip) /
+    outputs (detokenise, metrics) inside the step, and the engine loop's wall time per step (lock waits and
+    handing outputs to the event loop included)."""
+    a, b = after.get("step_time"), before.get("step_time")
+    if not a or not b:
+        return {}
+    steps = a["steps"] - b["steps"]
+    if steps <= 0:
+        return {"steps": 0}
+    ms = lambda key, x=a, y=b: round((x[key] - y[key]) / steps * 1e3, 3)  # noqa: E731
+    row = {"steps": steps, "schedule_ms": ms("schedule_s"), "execute_ms": ms("execute_s"),
+           "outputs_ms": ms("outputs_s")}
+    if "loop" in after and "loop" in before:
+        row["loop_wall_ms"] = ms("busy_s", after["loop"], before["loop"])
+        row["lock_wait_ms"] = ms("lock_wait_s", after["loop"], before["loop"])
+    return row
+
+
 def server_config(path: Path) -> tuple[str, str, dict]:
     """(base URL, model id, application args) of a serve config (its first application)."""
     spec = yaml.safe_load(path.read_text())
@@ -176,6 +202,16 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     md += [f"| {r['request_rate']} | {r['request_throughput']} | {r['output_tok_s']} | {r['ttft']['median_ms']} / "
            f"{r['ttft']['p99_ms']} | {r['tpot']['median_ms']} / {r['tpot']['p99_ms']} | {r['itl']['median_ms']} / "
            f"{r['itl']['p99_ms']} |" + (f" {r.get('accept_length', '')} |" if spec else "") for r in rows]
+    steps = [r for r in rows if r.get("server_per_step", {}).get("steps")]
+    if steps:
+        md += ["", "Server host time per engine step (from /v1/stats): schedule, execute (the workers' step, round "
+               "trip), outputs (detokenise, metrics), and the engine loop's wall time per step (with lock waits and "
+               "the hand-off to the streams).", "",
+               "| rate (req/s) | steps | schedule ms | execute ms | outputs ms | loop wall ms | lock wait ms |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {r['request_rate']} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | {p['outputs_ms']} | "
+               f"{p.get('loop_wall_ms', '')} | {p.get('lock_wait_ms', '')} |"
+               for r in steps for p in [r["server_per_step"]]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     import matplotlib
 
@@ -257,7 +293,9 @@ def main() -> None:
     rows = []
     asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4))  # warm-up
     for rate in [float(r) for r in args.request_rates.split(",")]:
+        before = server_stats(base)
         rows.append(asyncio.run(run_rate(base, model, prompts, out_lens, rate, args.max_concurrency)))
+        rows[-1]["server_per_step"] = per_step(before, server_stats(base))
         print(rows[-1], flush=True)
         write(meta, rows, Path(args.out))
 

@@ -108,6 +108,8 @@ class Engine:
         )
         self._detok: dict[str, Detokenizer] = {}
         self.num_steps = 0
+        # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)
+        self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "outputs_s": 0.0}
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None) -> Request:
@@ -138,12 +140,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; returns an output for every request that got tokens or finished."""
         outputs: list[RequestOutput] = []
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         for req in self.scheduler.failed:
             outputs.append(self._failed_output(req))
         self.scheduler.failed.clear()
         if plan is None:
             return outputs
+        t1 = time.perf_counter()
         try:
             result = self.executor.execute(plan.to_worker_step())
         except Exception as e:  # noqa: BLE001 - the step's requests fail, their KV is freed, the engine goes on
@@ -155,6 +159,7 @@ class Engine:
                     outputs.append(self._failed_output(req))
             return outputs
         self.num_steps += 1
+        t2 = time.perf_counter()
         now = time.time()
         for req, new_ids in self.scheduler.update(plan, result):
             prev_token_time = req.last_token_time
@@ -176,6 +181,11 @@ class Engine:
             for out in outputs:
                 if out.finished:
                     self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
+        st = self.step_time
+        st["steps"] += 1
+        st["schedule_s"] += t1 - t0
+        st["execute_s"] += t2 - t1
+        st["outputs_s"] += time.perf_counter() - t2
         return outputs
 
     def _failed_output(self, req: Request) -> RequestOutput:
@@ -186,7 +196,7 @@ class Engine:
 
     def step_stats(self, result: StepResult | None = None) -> dict:
         stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
-                 "kv_usage": self.scheduler.kv_usage}
+                 "kv_usage": self.scheduler.kv_usage, "step_time": dict(self.step_time)}
         if result is not None and result.spec:
             per_pos = [0] * (max((len(acc) for _, acc in result.spec), default=0))
             for _, acc in result.spec:
