@@ -36,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
 from bench.random_llama import DRAFT_SHAPES, weight_bytes_per_token, write_checkpoint  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
 
@@ -160,13 +160,7 @@ class Suite:
         graph = graphs.graphs[("decode", 1, True)][0]
         for _ in range(5):
             graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+        return graph_replay_ms(graph, iters)
 
     # ---- 5. HF transformers baselines (bs=1, same checkpoint) ----------------------------------------------------
     def draft_ckpt(self) -> Path:

@@ -27,6 +27,8 @@ SIZES_KIB = [8, 32, 128, 512, 1024]  # bf16: 8 KiB is one token of an 8B model's
 
 def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
     """Microseconds per call of ``fn``, captured ``reps`` times in one graph and replayed."""
+    from bench.engine_vs_hf import graph_replay_ms
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -39,13 +41,7 @@ def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / (reps * replays)
+    return graph_replay_ms(graph, replays) * 1000 / reps
 
 
 def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str) -> None:
