@@ -120,7 +120,8 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
             torch.cuda.synchronize()
             # each link: h -> sum over ranks of h/2 = h * world/2; start: sum over ranks of step*(r+1)/2 ...
             want = float(step * sum(range(1, world + 1))) * 0.5 * (world * 0.5) ** 15
-            assert torch.allclose(h.float(), torch.full_like(h.float(), want), rtol=2e-2), ("graph chain", h[0, 0].item(), want)
+            assert torch.allclose(h.float(), torch.full_like(h.float(), want), rtol=2e-2), \
+                ("graph chain", h[0, 0].item(), want)
         result["checks"]["custom_eager_equals_nccl"] = "ok"
         result["checks"]["custom_graph_chain"] = "ok"
         print(f"rank {rank}: custom all-reduce eager == NCCL, graph chain ok", flush=True)

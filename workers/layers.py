@@ -157,7 +157,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((out_size, end - start), dtype)
         self.bias = _param((out_size,), dtype) if bias else None
         self.small_m: dict = {}
-        self.gated_input = False  # True: forward(x, gated=True) is how the model calls it (the start-up tuning times that)
+        self.gated_input = False  # True: the model calls forward(x, gated=True); the start-up tuning times that
 
     def load_weight(self, name: str, slice_, shard_id=None) -> None:
         if name == "bias":

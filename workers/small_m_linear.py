@@ -100,8 +100,8 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
         x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 

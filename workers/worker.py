@@ -130,7 +130,7 @@ class Worker:
         self.tp = init_distributed(rank, cfg.tensor_parallel_size, addr[0], addr[1], device_type, self.dtype,
                                    not cfg.disable_custom_all_reduce)
         if device_type == "cuda":
-            if self.tp.size == 1:  # Ray actors see one GPU each (CUDA_VISIBLE_DEVICES); process launchers set LOCAL_RANK
+            if self.tp.size == 1:  # Ray: the actor's one GPU (CUDA_VISIBLE_DEVICES); process launchers: LOCAL_RANK
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
