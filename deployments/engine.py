@@ -109,7 +109,7 @@ class Engine:
         self._detok: dict[str, Detokenizer] = {}
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)
-        self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "outputs_s": 0.0}
+        self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None) -> Request:
@@ -185,6 +185,7 @@ class Engine:
         st["steps"] += 1
         st["schedule_s"] += t1 - t0
         st["execute_s"] += t2 - t1
+        st["worker_s"] += result.timings.get("worker_s", 0.0)  # rank 0's own time: execute minus this is transport
         st["outputs_s"] += time.perf_counter() - t2
         return outputs
 

@@ -288,6 +288,13 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: WorkerStep) -> StepResult:
+        """One step; ``timings["worker_s"]``: its wall time here (the engine tells it apart from the transport)."""
+        t0 = time.perf_counter()
+        result = self._execute(step)
+        result.timings["worker_s"] = time.perf_counter() - t0
+        return result
+
+    def _execute(self, step: WorkerStep) -> StepResult:
         self._apply_pages(step)
         if step.mode == ForwardMode.DECODE:
             return self._decode_step(step)
