@@ -108,10 +108,15 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
 
 
 def server_stats(base: str) -> dict:
+    """The server's /v1/stats ({} from a server without it, e.g. another OpenAI-compatible one)."""
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
-        return json.loads(resp.read())
+    try:
+        with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, ValueError):
+        return {}
 
 
 def per_step(before: dict, after: dict) -> dict:
@@ -210,7 +215,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                "| rate (req/s) | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms | "
                "lock wait ms |", "|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['request_rate']} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | "
-               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | {p.get('lock_wait_ms', '')} |"
+               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | "
+               f"{p.get('lock_wait_ms', '')} |"
                for r in steps for p in [r["server_per_step"]]]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     import matplotlib

@@ -68,9 +68,10 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             t0 = time.perf_counter()
+            steps_before = self.engine.step_time["steps"]
             try:
                 with self._lock:
-                    self.lock_wait_s += time.perf_counter() - t0
+                    lock_wait = time.perf_counter() - t0
                     outputs = self.engine.step()
                     targets = [(self._queues.get(o.rid), o) for o in outputs]
                     for o in outputs:
@@ -87,7 +88,9 @@ class EngineLoop:
                 if target is not None:
                     loop, q = target
                     loop.call_soon_threadsafe(q.put_nowait, out)
-            self.busy_s += time.perf_counter() - t0
+            if self.engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
+                self.busy_s += time.perf_counter() - t0
+                self.lock_wait_s += lock_wait
 
     def shutdown(self) -> None:
         self._stop = True

@@ -107,6 +107,11 @@ def check_small_m_linear(g) -> None:
             assert torch.allclose(sml.linear(gu, w, None, {sml.row_bucket(m): cfg}, gated=True), ref, atol=1e-4,
                                   rtol=1e-4)
             assert torch.allclose(sml.linear(gu, w, None, {}, gated=True), ref, atol=1e-5, rtol=1e-5)  # unfused
+    try:
+        sml.linear(torch.randn(2, 64, generator=g), torch.randn(8, 64, generator=g), None, {}, gated=True)
+        raise AssertionError("a gated input must be twice the weight's input width")
+    except ValueError:
+        pass
     w = torch.randn(32, 64, generator=g)
     # which kernel ran: count the calls of the Triton path (the table must be what decides)
     calls = []

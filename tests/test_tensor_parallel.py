@@ -83,6 +83,7 @@ def test_gpu_visibility_is_widened_only_for_one_distinct_gpu_per_rank():
     assert widened_visibility(["0,1", "0,1"]) is None
     assert widened_visibility(["2", "2"]) is None  # two ranks on one GPU: never widen into a clash
     assert widened_visibility(["1", ""]) is None
+    assert widened_visibility(["MIG-aa", "MIG-bb"]) is None  # CUDA shows one MIG instance per process
 
 
 def test_custom_all_reduce_switch_reaches_the_config():

@@ -101,7 +101,10 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
             ref = comm.all_reduce(a.clone())
             every = comm.all_gather(ours)
             torch.cuda.synchronize()
-            assert torch.equal(ours, ref), ("one-shot vs NCCL", rows, (ours.float() - ref.float()).abs().max().item())
+            if world == 2:  # a + b: one rounding either way; more ranks sum in another order than NCCL's ring
+                assert torch.equal(ours, ref), ("one-shot vs NCCL", rows, (ours.float() - ref.float()).abs().max())
+            else:
+                assert torch.allclose(ours.float(), ref.float(), rtol=2e-2, atol=2e-2), ("one-shot vs NCCL", rows)
             assert all(torch.equal(every[0], every[r]) for r in range(world)), ("ranks differ", rows)
         inp = torch.empty(8, 4096, device="cuda", dtype=torch.bfloat16)
         stream.wait_stream(torch.cuda.current_stream())

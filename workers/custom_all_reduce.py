@@ -8,8 +8,8 @@ order, so they hold bit-identical results (they must: every rank samples the sam
 the signal pads and is reset by each call, so the op can be captured in a CUDA graph and replayed.
 
 Larger tensors (prefill) go to NCCL: past a few hundred KiB the ring's bandwidth wins over one-shot reads.
-Creation is collective; any rank that cannot take part (no symmetric memory in this PyTorch build, no peer access,
-another dtype, a failing check) makes every rank fall back to NCCL, with the reason logged.
+Creation is collective; any rank that cannot take part (no symmetric memory in this PyTorch build, peers it cannot
+see or reach, fp16, a failing check) makes every rank fall back to NCCL, with the reason logged.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ class SymmMemAllReduce:
         self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
 
     def takes(self, x: torch.Tensor) -> bool:
+        """Whether the one-shot op runs ``x`` (the op needs the input 16-byte aligned, start and size)."""
         return x.numel() <= self.max_numel and x.dtype == self.dtype and x.is_cuda and x.is_contiguous() \
-            and (x.numel() * x.element_size()) % 16 == 0
+            and (x.numel() * x.element_size()) % 16 == 0 and (x.storage_offset() * x.element_size()) % 16 == 0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A new tensor: the sum of every rank's ``x``."""
@@ -56,7 +57,8 @@ class SymmMemAllReduce:
 def widened_visibility(visible_per_rank: list[str]) -> str | None:
     """CUDA_VISIBLE_DEVICES for every rank when each rank sees exactly one GPU of its own (e.g. ["3", "5"] → "3,5";
     rank r then uses device r), else None."""
-    if any(not v or "," in v for v in visible_per_rank) or len(set(visible_per_rank)) != len(visible_per_rank):
+    if any(not v or "," in v or v.startswith("MIG-") for v in visible_per_rank) \
+            or len(set(visible_per_rank)) != len(visible_per_rank):  # MIG: one instance per process, never widen
         return None
     return ",".join(visible_per_rank)
 
@@ -67,11 +69,22 @@ def _agree(ok: bool, group, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _local_refusal(world_size: int, device: torch.device) -> str | None:
+def _local_refusal(world_size: int, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why this rank cannot take part, found before the collective set-up: a rank that failed inside the
+    rendezvous alone would leave its peers waiting there."""
     if not 2 <= world_size <= 8:
         return f"{world_size} ranks (one-shot takes 2 to 8)"
+    if dtype not in (torch.bfloat16, torch.float32):
+        return f"{dtype} (the one-shot kernel sums bf16 and fp32)"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "a GPU older than sm80"
+    count = torch.cuda.device_count()
+    if count < world_size:
+        return f"this rank sees {count} GPU(s), not its {world_size - 1} peers' (CUDA_VISIBLE_DEVICES)"
+    here = device.index if device.index is not None else torch.cuda.current_device()
+    blocked = [j for j in range(count) if j != here and not torch.cuda.can_device_access_peer(here, j)]
+    if blocked:
+        return f"no peer access from GPU {here} to {blocked}"
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
 
@@ -84,7 +97,7 @@ def _local_refusal(world_size: int, device: torch.device) -> str | None:
 def create_custom_all_reduce(group, rank: int, world_size: int, dtype: torch.dtype,
                              device: torch.device) -> SymmMemAllReduce | None:
     """Collective: the one-shot all-reduce when every rank can run it and a check sum is right, else None."""
-    reason = _local_refusal(world_size, device)
+    reason = _local_refusal(world_size, dtype, device)
     if not _agree(reason is None, group, device):
         logger.warning("custom all-reduce off, NCCL for every all-reduce: %s", reason or "another rank refused")
         return None

@@ -162,9 +162,10 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     """``k_cache[slots] = k; v_cache[slots] = v`` for k, v [T, H, D] (token rows may be strided views of a fused qkv)
     into caches [S, H, D]: one kernel instead of two indexing kernels, where the dtypes already match."""
     t, heads, dim = k.shape
-    fits = (_triton_for(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.stride(2) == 1
-            and v.stride(2) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(2) == 1
-            and dim == triton.next_power_of_2(dim))
+    fits = (_triton_for(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.shape == v.shape
+            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:] and slots.shape == (t,) and slots.stride(0) == 1
+            and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(2) == 1 and dim == triton.next_power_of_2(dim))
     if not fits:
         k_cache[slots] = k.to(k_cache.dtype)
         v_cache[slots] = v.to(v_cache.dtype)

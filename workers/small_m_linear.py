@@ -156,6 +156,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``gated``: x is [..., 2K] (gate | up) and the layer's input is silu(gate) * up — inside the Triton kernel's
     loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first."""
     width = x.shape[-1]
+    if gated and width != 2 * weight.shape[1]:
+        raise ValueError(f"a gated input is [..., 2 x {weight.shape[1]}] (gate | up), not [..., {width}]")
     m = x.numel() // width if width else 0
     cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
     if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,8 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
     index = None
     if not dist.is_initialized():
         # our own store first: the ranks can swap GPU ids over it before the NCCL group (which starts CUDA) exists
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0)
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                              timeout=timedelta(minutes=30))  # ranks may start minutes apart (model downloads)
         if device == "cuda" and custom_all_reduce:
             index = share_node_gpus(store, rank, world_size)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", store=store, rank=rank,
@@ -73,6 +75,10 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
         from workers.nccl import NcclCommunicator
 
         if index is not None and torch._C._cuda_getDeviceCount() != world_size:
+            if torch._C._cuda_getDeviceCount() != 1:
+                raise RuntimeError(f"rank {rank}: CUDA_VISIBLE_DEVICES was widened to "
+                                   f"{os.environ['CUDA_VISIBLE_DEVICES']} but CUDA sees "
+                                   f"{torch._C._cuda_getDeviceCount()} GPUs")
             # the driver had started before the visibility was widened: this rank still sees only its own GPU
             logger.warning("rank %d: the GPU visibility could not be widened; the custom all-reduce may be off", rank)
             index = 0
@@ -101,6 +107,7 @@ def share_node_gpus(store, rank: int, world_size: int) -> int | None:
     if joined is None or torch.cuda.is_initialized():
         return None
     os.environ["CUDA_VISIBLE_DEVICES"] = joined
+    os.environ["LOCAL_RANK"] = str(rank)  # a later Worker in this process finds its GPU again
     return rank
 
 
