@@ -125,6 +125,7 @@ class LLMController:
         from deployments.metrics import EngineMetrics
 
         self.config = LLMConfig(**llm_config)
+        self.stream_interval = self.config.stream_interval
         cfg = self.config.engine_config()
         t0 = time.time()
         executor = RayExecutor.start(cfg)
@@ -166,10 +167,12 @@ class LLMController:
             yield {"error": str(e), "status": 503, "type": "server_overloaded", "code": None}
             return
         finished = False
+        sent_tokens = 0
         try:
             yield {"accepted": rid}
+            outs: list = []
             while True:
-                outs = [await queue.get()]
+                outs.append(await queue.get())
                 # the steps that ended while the last item was on its way go out as ONE item: under load the
                 # stream costs one message per request per send, not per step (no waiting: a lone step goes at once)
                 while not queue.empty() and not isinstance(outs[-1], BaseException) and not outs[-1].finished:
@@ -180,8 +183,13 @@ class LLMController:
                     yield {"error": f"engine failure: {outs[-1]}", "status": 500, "type": "internal_error",
                            "code": None}
                     return
+                new_tokens = sum(len(o.new_token_ids) for o in outs)
                 finished = outs[-1].finished
+                if not finished and sent_tokens and new_tokens < self.stream_interval:
+                    continue  # gather up to stream_interval tokens (the first tokens go at once)
                 yield _merged([_output_dict(o) for o in outs])
+                sent_tokens += new_tokens
+                outs = []
                 if finished:
                     return
         finally:

@@ -210,3 +210,36 @@ def test_stream_items_of_several_steps_merge_into_one():
     m = _merged([a, b])
     assert m["token_ids"] == [1, 2, 3] and m["text"] == "abc" and m["finished"] and m["finish_reason"] == "length"
     assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]
+
+
+def test_stream_interval_gathers_tokens(server):
+    """stream_interval (as SGLang's): the first tokens go at once, then a send carries at least that many new
+    tokens, the last one whatever is left; the streamed text still equals the non-streamed one."""
+    from ray import serve
+    from openai import OpenAI
+
+    from deployments.app import build_app
+
+    args = {"model_loading_config": {"model_id": "tiny-si", "model_source": server["target"]},
+            "stream_interval": 4,
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
+    serve.run(build_app(args), name="specserve-si", route_prefix="/si", blocking=False)
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"{server['base']}/si/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        else:
+            pytest.fail("the second application did not become healthy")
+        client = OpenAI(base_url=server["base"] + "/si/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny-si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
+        # one token first, then sends of >= 4 tokens: 1 + 4 + 4 + 1 (the last one goes when the request finishes)
+        assert 2 <= len(chunks) <= 4, [c.choices[0].text for c in chunks]
+    finally:
+        serve.delete("specserve-si")
