@@ -32,14 +32,17 @@ sys.path.insert(0, str(ROOT))
 from bench.engine_vs_hf import commit  # noqa: E402
 
 
-def start_app(config: Path) -> tuple[str, str, int, str]:
-    """Run the config's first application in this process (Ray Serve); returns (base url, model id, vocab, device)."""
+def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, str, int, str]:
+    """Run the config's first application in this process (Ray Serve); returns (base url, model id, vocab, device).
+    ``stream_interval`` overrides the application's."""
     from ray import serve
 
     from deployments.app import build_app
 
     base, model, args = server_config(config)
     app = yaml.safe_load(config.read_text())["applications"][0]
+    if stream_interval is not None:
+        app["args"]["stream_interval"] = stream_interval
     host, port = base.removeprefix("http://").rsplit(":", 1)
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run(build_app(app["args"]), name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"))
@@ -201,6 +204,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
           f"(±{meta['range_ratio']:.0%}), at most {meta['max_concurrency']} in flight, greedy, streamed"]
     if meta.get("engine_kwargs"):
         md += ["", f"server engine_kwargs: `{json.dumps(meta['engine_kwargs'])}`"]
+    if meta.get("stream_interval") is not None:
+        md += ["", f"stream_interval: {meta['stream_interval']}"]
     md += ["", "| rate (req/s) | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
            "ITL median / p99 ms |" + (" accept length |" if spec else ""),
            "|---|---|---|---|---|---|" + ("---|" if spec else "")]
@@ -246,6 +251,7 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
+    ap.add_argument("--stream-interval", type=int, default=None, help="with --config: override its stream_interval")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running "
                     "(`serve run` of it): URL, model id and vocabulary are read from it")
     ap.add_argument("--url", default=None, help="or an OpenAI base URL of a running server")
@@ -265,7 +271,7 @@ def main() -> None:
     args = ap.parse_args()
     engine_kwargs = None
     if args.config:
-        base, model, vocab, device = start_app(Path(args.config))
+        base, model, vocab, device = start_app(Path(args.config), args.stream_interval)
         engine_kwargs = server_config(Path(args.config))[2].get("engine_kwargs")
     elif args.server_config:
         base, model, app_args = server_config(Path(args.server_config))
@@ -293,7 +299,8 @@ def main() -> None:
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
     meta = {"device": label, "commit": commit(), "command": "python " + " ".join(sys.argv),
-            "config": args.config or args.server_config, "model_id": model, "engine_kwargs": engine_kwargs,
+            "config": args.config or args.server_config, "stream_interval": args.stream_interval,
+            "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency}
     rows = []
