@@ -269,13 +269,16 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    engine_kwargs = None
+    engine_kwargs = stream_interval = None
     if args.config:
         base, model, vocab, device = start_app(Path(args.config), args.stream_interval)
-        engine_kwargs = server_config(Path(args.config))[2].get("engine_kwargs")
+        app_args = server_config(Path(args.config))[2]
+        engine_kwargs = app_args.get("engine_kwargs")
+        stream_interval = args.stream_interval or app_args.get("stream_interval", 1)
     elif args.server_config:
         base, model, app_args = server_config(Path(args.server_config))
         engine_kwargs = app_args.get("engine_kwargs")
+        stream_interval = app_args.get("stream_interval", 1)
         device = (engine_kwargs or {}).get("device", "remote")
         if args.wait_s:
             wait_healthy(base, args.wait_s, args.server_pid, args.server_log)
@@ -299,7 +302,7 @@ def main() -> None:
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
     meta = {"device": label, "commit": commit(), "command": "python " + " ".join(sys.argv),
-            "config": args.config or args.server_config, "stream_interval": args.stream_interval,
+            "config": args.config or args.server_config, "stream_interval": stream_interval,
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency}

@@ -92,6 +92,13 @@ case $stage in
       run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random \
           --eagle3-head /tmp/llama-3.2-1b-random-eagle3
     fi
+    if [[ -n ${SERVING_STREAM_INTERVAL:-} ]]; then  # a copy of the config with another stream_interval
+      si=$R/$(basename "${cfg%.yaml}")-si$SERVING_STREAM_INTERVAL.yaml
+      python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
+c['applications'][0]['args']['stream_interval'] = int(sys.argv[3]); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
+        "$cfg" "$si" "$SERVING_STREAM_INTERVAL" || { echo "!!! cannot write $si"; exit 1; }
+      cfg=$si
+    fi
     nospec=$R/$(basename "${cfg%.yaml}")-nospec.yaml
     python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
 c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
