@@ -23,6 +23,17 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_healthy(base: str) -> None:
+    for _ in range(240):
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{base} did not become healthy")
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models):
     import ray
@@ -45,15 +56,7 @@ def server(tiny_models):
     }
     serve.run(build_app(args), name="specserve", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{http_port}"
-    for _ in range(240):
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        pytest.fail("server did not become healthy")
+    _wait_healthy(base)
     yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "target": target}
     serve.shutdown()
     ray.shutdown()
@@ -225,15 +228,7 @@ def test_stream_interval_gathers_tokens(server):
             "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
     serve.run(build_app(args), name="specserve-si", route_prefix="/si", blocking=False)
     try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"{server['base']}/si/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            pytest.fail("the second application did not become healthy")
+        _wait_healthy(server["base"] + "/si")
         client = OpenAI(base_url=server["base"] + "/si/v1", api_key="none", max_retries=0)
         kw = dict(model="tiny-si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0]
