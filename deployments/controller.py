@@ -125,7 +125,6 @@ class LLMController:
         from deployments.metrics import EngineMetrics
 
         self.config = LLMConfig(**llm_config)
-        self.stream_interval = self.config.stream_interval
         cfg = self.config.engine_config()
         t0 = time.time()
         executor = RayExecutor.start(cfg)
@@ -185,7 +184,7 @@ class LLMController:
                     return
                 new_tokens = sum(len(o.new_token_ids) for o in outs)
                 finished = outs[-1].finished
-                if not finished and sent_tokens and new_tokens < self.stream_interval:
+                if not finished and sent_tokens and new_tokens < self.config.stream_interval:
                     continue  # gather up to stream_interval tokens (the first tokens go at once)
                 yield _merged([_output_dict(o) for o in outs])
                 sent_tokens += new_tokens

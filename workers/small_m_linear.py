@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from workers.fused_ops import silu_and_mul
+
 try:
     import triton
     import triton.language as tl
@@ -116,8 +118,6 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
     A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is skipped."""
     from triton.testing import do_bench
 
-    from workers.fused_ops import silu_and_mul
-
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
     cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
     best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
@@ -162,8 +162,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
     if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here
         if gated:
-            from workers.fused_ops import silu_and_mul
-
             x = silu_and_mul(x.reshape(m, width)).view(*x.shape[:-1], width // 2)
         return F.linear(x, weight, bias)
     x2d = x.reshape(m, width)
