@@ -22,6 +22,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-attention-mode", default="decode", choices=["decode", "prefill"])
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="TP: NCCL for every all-reduce")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="launch a step only after the previous one's tokens were read")
     p.add_argument("--spec", choices=["eagle", "eagle3", "draft", "ngram", "naive"], default=None,
                    help="speculative decoding method")
     p.add_argument("--draft", default=None, help="draft model / EAGLE head directory")
@@ -45,6 +47,7 @@ def engine_config_from_args(args: argparse.Namespace):
         prefill_attention_backend=args.prefill_attention_backend,
         decode_attention_backend=args.decode_attention_backend, verify_attention_mode=args.verify_attention_mode,
         disable_cuda_graph=args.disable_cuda_graph, disable_custom_all_reduce=args.disable_custom_all_reduce,
+        disable_overlap_schedule=args.disable_overlap_schedule,
         speculative_config=spec,
     )
 

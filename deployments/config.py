@@ -73,6 +73,9 @@ class EngineConfig(_Strict):
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
     speculative_config: SpeculativeConfig | None = None
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = Field(False, description="launch each step only after the previous one's tokens "
+                                           "were read (default: a DECODE step is launched first, so the host's "
+                                           "work hides behind the device's; speculative rounds never overlap)")
     disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
                                             "small ones go one-shot over NVLink through symmetric memory)")
     cuda_graph_max_bs: int = Field(64, ge=1, description="larger batches run eagerly")

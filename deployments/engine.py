@@ -10,14 +10,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from deployments.config import EngineConfig
 from deployments.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from deployments.scheduler import Scheduler
+from deployments.scheduler import Scheduler, StepPlan
 from deployments.tokenizer import Detokenizer, load_tokenizer
 from workers.kv_cache import PageAllocator
+from workers.forward_batch import ForwardMode
 from workers.worker import StepResult, Worker, WorkerStep
 
 logger = logging.getLogger("specserve")
@@ -28,7 +30,8 @@ class Executor(Protocol):
     max_model_len: int
     lookahead: int
 
-    def execute(self, step: WorkerStep) -> StepResult: ...
+    def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
+        """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
 
     def shutdown(self) -> None: ...
 
@@ -46,8 +49,8 @@ class LocalExecutor:
         self.num_pages = self.worker.kv_capacity_pages()
         self.worker.allocate_kv(self.num_pages)
 
-    def execute(self, step: WorkerStep) -> StepResult:
-        return self.worker.execute(step)
+    def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
+        return self.worker.step(step, keep)
 
     def shutdown(self) -> None:
         self.worker.shutdown()
@@ -107,6 +110,11 @@ class Engine:
             host_drafter=host_drafter,
         )
         self._detok: dict[str, Detokenizer] = {}
+        # overlap (SGLang's overlap scheduler): the next DECODE step is launched before the previous one's tokens are
+        # read, so the host's work (reading tokens, detokenizing, planning) hides behind the device's. Speculative
+        # rounds advance by a variable number of tokens, which the next round's plan needs: they run one at a time.
+        self.overlap = not cfg.disable_overlap_schedule and spec is None
+        self.in_flight: deque[StepPlan] = deque()  # launched plans whose results are not read yet, oldest first
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
@@ -134,32 +142,57 @@ class Engine:
         return req is not None
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self.in_flight)
 
     # ---- stepping --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; returns an output for every request that got tokens or finished."""
+        """Plan and launch one step, and return an output for every request that got tokens or finished. With
+        overlap, a DECODE step's tokens come back from the next call (each call still reads one step's results)."""
         outputs: list[RequestOutput] = []
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         for req in self.scheduler.failed:
             outputs.append(self._failed_output(req))
         self.scheduler.failed.clear()
-        if plan is None:
+        if plan is None and not self.in_flight:
             return outputs
+        # a prefill's results are read at once: the next plan needs to know which prompts are done
+        keep = 1 if self.overlap and plan is not None and plan.mode == ForwardMode.DECODE else 0
+        if plan is not None:
+            self.in_flight.append(plan)
         t1 = time.perf_counter()
         try:
-            result = self.executor.execute(plan.to_worker_step())
-        except Exception as e:  # noqa: BLE001 - the step's requests fail, their KV is freed, the engine goes on
+            results = self.executor.step(plan.to_worker_step() if plan is not None else None, keep)
+        except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
             logger.exception("step failed")
-            for req in plan.requests:
-                if not req.finished:
-                    req.error = f"the engine step failed: {type(e).__name__}: {e}"
-                    self.scheduler.finish(req, "error")
-                    outputs.append(self._failed_output(req))
+            while self.in_flight:
+                outputs += self._fail_plan(self.in_flight.popleft(), f"{type(e).__name__}: {e}")
+            try:  # results the workers may still hold would be taken for a later step's
+                self.executor.step(None, 0)
+            except Exception:  # noqa: BLE001 - still unreachable: nothing is held there either
+                logger.exception("could not drain the workers after a failed step")
             return outputs
-        self.num_steps += 1
         t2 = time.perf_counter()
+        worker_s = 0.0
+        for result in results:
+            done = self.in_flight.popleft()
+            worker_s += result.timings.get("worker_s", 0.0)
+            if result.error is not None:
+                outputs += self._fail_plan(done, result.error)
+            else:
+                self.num_steps += 1
+                outputs += self._apply(done, result)
+        st = self.step_time
+        st["steps"] += 1
+        st["schedule_s"] += t1 - t0
+        st["execute_s"] += t2 - t1
+        st["worker_s"] += worker_s  # rank 0's own time: execute minus this is transport (and, overlapped, waiting)
+        st["outputs_s"] += time.perf_counter() - t2
+        return outputs
+
+    def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """A finished step's tokens: requests, detokenizers, metrics."""
+        outputs = []
         now = time.time()
         for req, new_ids in self.scheduler.update(plan, result):
             prev_token_time = req.last_token_time
@@ -181,12 +214,17 @@ class Engine:
             for out in outputs:
                 if out.finished:
                     self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
-        st = self.step_time
-        st["steps"] += 1
-        st["schedule_s"] += t1 - t0
-        st["execute_s"] += t2 - t1
-        st["worker_s"] += result.timings.get("worker_s", 0.0)  # rank 0's own time: execute minus this is transport
-        st["outputs_s"] += time.perf_counter() - t2
+        return outputs
+
+    def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:
+        """The step failed: its requests fail, their KV is freed, the engine goes on."""
+        self.scheduler.landed(plan)
+        outputs = []
+        for req in plan.requests:
+            if not req.finished:
+                req.error = f"the engine step failed: {error}"
+                self.scheduler.finish(req, "error")
+                outputs.append(self._failed_output(req))
         return outputs
 
     def _failed_output(self, req: Request) -> RequestOutput:

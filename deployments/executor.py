@@ -1,6 +1,6 @@
 """Worker actors: one per TP rank, placed in a placement group (one bundle per rank), driven every step.
 
-Per-step orchestration goes through a Ray Compiled Graph (``execute`` bound to every worker, inputs and outputs
+Per-step orchestration goes through a Ray Compiled Graph (``step`` bound to every worker, inputs and outputs
 over shared-memory channels), which costs tens of microseconds instead of a regular actor call's ~1 ms; plain
 actor calls remain as a fallback (``use_compiled_graph=False``).
 """
@@ -65,8 +65,8 @@ class RayExecutor:
         if use_compiled_graph:
             from ray.dag import InputNode, MultiOutputNode
 
-            with InputNode() as step:
-                dag = MultiOutputNode([w.execute.bind(step) for w in self.workers])
+            with InputNode() as call:  # (step or None, keep)
+                dag = MultiOutputNode([w.step.bind(call[0], call[1]) for w in self.workers])
             self._dag = dag.experimental_compile()
 
     @classmethod
@@ -81,10 +81,11 @@ class RayExecutor:
             return cls(cfg, pg, 0, use_compiled_graph)
         return cls(cfg, pg, 1, use_compiled_graph)
 
-    def execute(self, step: WorkerStep) -> StepResult:
+    def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
+        """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens)."""
         if self._dag is not None:
-            return ray.get(self._dag.execute(step))[0]
-        return ray.get([w.execute.remote(step) for w in self.workers])[0]
+            return ray.get(self._dag.execute(step, keep))[0]
+        return ray.get([w.step.remote(step, keep) for w in self.workers])[0]
 
     def shutdown(self) -> None:
         if self._dag is not None:

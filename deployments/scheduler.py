@@ -3,6 +3,11 @@
 Each ``schedule()`` returns one ``StepPlan`` (an EXTEND step when prompts are waiting and fit, otherwise a DECODE
 step over every running request). ``update()`` applies the worker's sampled tokens, detects token-level stops and
 frees the KV of finished requests. The scheduler owns the page allocator; workers only see page grants.
+
+Overlap: a DECODE step may be planned while the previous DECODE step still runs (its tokens unread). A request then
+counts its in-flight token (``num_inflight``) in its length, KV pages and sampling counter, and sits out a step
+that its in-flight token may already finish by length. Whether that token ended it (EOS, a stop) is known only when
+it is read: the next step has by then computed one token for it, which is dropped.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class StepPlan:
     seq_lens: list[int]  # KV length after the step
     extend_lens: list[int]
     page_updates: tuple[list[int], list[int], list[int]]
+    counters: list[int]  # per request: tokens sampled before this step (its sampling counter)
     next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
 
@@ -44,7 +50,7 @@ class StepPlan:
             top_p=[r.params.top_p for r in reqs],
             min_p=[r.params.min_p for r in reqs],
             seeds=[r.seed for r in reqs],
-            counters=[len(r.output_ids) for r in reqs],
+            counters=self.counters,
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
         )
@@ -180,8 +186,8 @@ class Scheduler:
         # pages kept free for what admitted requests still need (running ones' next steps, partially prefilled ones'
         # remaining prompt), so a new admission can neither force a preemption nor starve a half-done prefill
         holders = self.running + [r for r in self.waiting if r.req_slot is not None]
-        reserve = sum(max(0, self.allocator.pages_for(r.num_tokens + self.decode_lookahead) - len(r.pages))
-                      for r in holders)
+        reserve = sum(max(0, self.allocator.pages_for(r.num_tokens + r.num_inflight + self.decode_lookahead)
+                             - len(r.pages)) for r in holders)
         for req in self.waiting:
             if budget <= 0:
                 break
@@ -221,17 +227,19 @@ class Scheduler:
             seq_lens=[r.num_computed + c for r, c in batch],
             extend_lens=[c for _, c in batch],
             page_updates=self._take_page_updates(),
+            counters=[len(r.output_ids) for r, _ in batch],
             next_ids=next_ids,
         )
 
     def _schedule_decode(self) -> StepPlan | None:
-        if not self.running:
-            return None
         i = 0
         while i < len(self.running):
             req = self.running[i]
+            if self._ends_in_flight(req):
+                i += 1
+                continue
             try:
-                self._grow(req, req.num_tokens - 1 + self.decode_lookahead)
+                self._grow(req, req.num_tokens + req.num_inflight - 1 + self.decode_lookahead)
                 i += 1
             except OutOfPages:
                 victim = self.running[-1]
@@ -241,25 +249,35 @@ class Scheduler:
                     self.failed.append(req)
                     continue
                 self._preempt(victim)
-        if not self.running:
+        reqs = [r for r in self.running if not self._ends_in_flight(r)]
+        if not reqs:
             return None
-        reqs = list(self.running)
-        return StepPlan(
+        plan = StepPlan(
             mode=ForwardMode.DECODE,
             requests=reqs,
-            input_ids=[r.output_ids[-1] if r.output_ids else r.prompt_ids[-1] for r in reqs],
-            seq_lens=[r.num_tokens for r in reqs],
+            input_ids=[],  # each request's last token is on the device already (it may not have reached the host)
+            seq_lens=[r.num_tokens + r.num_inflight for r in reqs],
             extend_lens=[1] * len(reqs),
             page_updates=self._take_page_updates(),
+            counters=[len(r.output_ids) + r.num_inflight for r in reqs],
             draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
         )
+        for r in reqs:
+            r.num_inflight += 1
+        return plan
+
+    def _ends_in_flight(self, req: Request) -> bool:
+        """Its in-flight token already reaches max_tokens or the context length: no further step for it."""
+        return req.num_inflight > 0 and (len(req.output_ids) + req.num_inflight >= req.params.max_tokens
+                                         or req.num_tokens + req.num_inflight >= self.max_model_len)
 
     # ---- results ---------------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
         """Apply sampled tokens; returns (request, new tokens) for every request that produced tokens."""
         produced = []
+        self.landed(plan)
         for i, req in enumerate(plan.requests):
-            if req.finished:  # aborted while the step ran
+            if req.finished:  # aborted, or ended by a token read after this step was launched
                 continue
             if plan.mode == ForwardMode.EXTEND:
                 req.num_computed = plan.seq_lens[i]
@@ -284,6 +302,12 @@ class Scheduler:
                 self.finish(req, req.finish_reason)
         return produced
 
+    def landed(self, plan: StepPlan) -> None:
+        """The plan's step has finished (or failed): its tokens are no longer in flight."""
+        if plan.mode == ForwardMode.DECODE:
+            for req in plan.requests:
+                req.num_inflight -= 1
+
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float]) -> list[int]:
         """Append tokens up to the first stop condition; sets req.finish_reason when one is hit."""
         new = []
@@ -299,8 +323,9 @@ class Scheduler:
             if req.finished:
                 break
         # every token but the newest has its K/V cached now. A speculative round wrote K/V for all draft nodes;
-        # only the accepted ones are kept, and whole pages past them go back to the pool.
-        if not req.finished:
+        # only the accepted ones are kept, and whole pages past them go back to the pool (not those a step still in
+        # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.
+        if req.status == RequestStatus.RUNNING:
             req.num_computed = req.num_tokens - 1
-            self.allocator.shrink(req.pages, req.num_computed)
+            self.allocator.shrink(req.pages, req.num_computed + req.num_inflight)
         return new

@@ -51,6 +51,34 @@ def test_preemption_and_chunked_prefill_keep_outputs(tiny_models, hf_reference, 
     assert engine.allocator.num_free == engine.allocator.capacity_pages
 
 
+def test_overlap_launches_ahead_and_changes_no_output(tiny_models):
+    """Overlap: after the call that launched a DECODE step, that step is still unread on the worker; outputs
+    (greedy and seeded sampling, max_tokens, EOS, stop ids, preemption, chunked prefill) equal the one-at-a-time
+    schedule's, and every page comes back."""
+    prompts = mixed_prompts(6)
+    params = [SamplingParams(max_tokens=12 + 6 * i, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=i < 4)
+              for i in range(6)]
+    runs = {}
+    for overlap in (True, False):
+        engine = make_engine(tiny_models["qwen2"], page_size=4, kv_cache_tokens=112, max_prefill_tokens=16,
+                             disable_overlap_schedule=not overlap)
+        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        most_unread = 0
+        while engine.has_work():
+            engine.step()
+            most_unread = max(most_unread, len(engine.executor.worker._launched))
+        assert most_unread == (1 if overlap else 0)
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.allocator.num_free == engine.allocator.capacity_pages
+        assert all(r.num_inflight == 0 for r in reqs)
+        runs[overlap] = reqs
+    # preemptions fall on other steps (a request sits out a step its in-flight token may end): batches differ,
+    # and with them the float rounding of logprobs, not the tokens
+    for a, b in zip(runs[True], runs[False]):
+        assert (a.output_ids, a.finish_reason) == (b.output_ids, b.finish_reason)
+        assert a.output_logprobs == pytest.approx(b.output_logprobs, abs=1e-5)
+
+
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
     engine = make_engine(tiny_models["qwen2"])
     prompts = mixed_prompts(4)
@@ -193,24 +221,46 @@ def test_out_of_range_sampling_params(tiny_models):
 
 
 def test_a_failing_step_fails_only_its_requests(tiny_models):
-    """Fault injection: the worker raises once; that step's requests end with an error, their KV is freed, and the
-    engine serves the next requests."""
-    engine = make_engine(tiny_models["qwen3"], page_size=4)
-    real = engine.executor.execute
-    calls = {"n": 0}
+    """Fault injection: the worker raises in one step, while the step before it is still in flight (overlap) or
+    not; that step's requests end with an error, their KV is freed, the earlier step's tokens still arrive, and the
+    engine serves the next requests. A failure to reach the workers at all fails every launched step."""
+    for overlap in (True, False):
+        engine = make_engine(tiny_models["qwen3"], page_size=4, disable_overlap_schedule=not overlap)
+        assert engine.overlap is overlap
+        worker = engine.executor.worker
+        real_launch = worker._launch
+        launches = {"n": 0}
 
-    def flaky(step):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("injected worker failure")
-        return real(step)
+        def flaky(step):
+            launches["n"] += 1
+            if launches["n"] == 4:  # the third DECODE step (after the prefill)
+                raise RuntimeError("injected worker failure")
+            return real_launch(step)
 
-    engine.executor.execute = flaky
-    first = engine.generate(mixed_prompts(2), GREEDY)
-    assert all(o.finish_reason == "error" and "injected worker failure" in o.error for o in first)
-    assert engine.allocator.num_free == engine.allocator.capacity_pages
-    again = engine.generate(mixed_prompts(2), GREEDY)
-    assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in again)
+        worker._launch = flaky
+        first = engine.generate(mixed_prompts(2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert all(o.finish_reason == "error" and "injected worker failure" in o.error for o in first)
+        assert all(len(o.token_ids) == 3 for o in first)  # prefill + 2 DECODE steps landed before the failure
+        assert engine.allocator.num_free == engine.allocator.capacity_pages
+        assert not engine.in_flight and not worker._launched
+        again = engine.generate(mixed_prompts(2), GREEDY)
+        assert all(o.finish_reason in ("stop", "length") and o.token_ids for o in again)
+
+        real_step = engine.executor.step
+        calls = {"n": 0}
+
+        def unreachable(step, keep):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise ConnectionError("injected transport failure")
+            return real_step(step, keep)
+
+        engine.executor.step = unreachable
+        lost = engine.generate(mixed_prompts(2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert all(o.finish_reason == "error" and "injected transport failure" in o.error for o in lost)
+        assert engine.allocator.num_free == engine.allocator.capacity_pages and not engine.in_flight
+        assert not worker._launched  # drained: a result held there would be taken for a later step's
+        assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
 
 
 def test_incremental_detokenizer_matches_full_decode():

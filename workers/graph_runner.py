@@ -1,7 +1,8 @@
 """CUDA graphs: one runner for every captured mode.
 
 A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
-filled with two host→device copies per step) and returns device tensors that stay valid until its next replay. The
+filled with two host→device copies per step) and the worker's device state (each request's last token, the page
+table, the KV cache), and returns device tensors that stay valid until its next replay. The
 worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step
 (forward + sampling), and for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY +
 acceptance + KV compaction + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
@@ -16,7 +17,7 @@ import torch
 
 from workers.sampling import SamplingTensors
 
-INT_FIELDS = ("root", "req_slots", "seq_lens", "top_k", "seeds", "counters")  # then the n-gram draft columns
+INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters")  # then the n-gram draft columns
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -50,7 +51,7 @@ class StaticInputs:
     def fill(self, step, bucket: int) -> None:
         """Copy the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies."""
         b = len(step.req_slots)
-        cols = [step.input_ids, step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters]
+        cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters]
         ints = torch.zeros(bucket, self.ints.shape[1], dtype=torch.int64)
         ints[:b, : len(INT_FIELDS)] = torch.tensor(cols, dtype=torch.int64).T
         if step.draft_tokens is not None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -32,7 +34,7 @@ logger = logging.getLogger(__name__)
 class WorkerStep:
     mode: ForwardMode
     req_slots: list[int]
-    input_ids: list[int]
+    input_ids: list[int]  # EXTEND: the chunks' tokens. DECODE reads each request's last token on the device
     seq_lens: list[int]
     extend_lens: list[int]
     page_updates: tuple[list[int], list[int], list[int]]
@@ -53,6 +55,7 @@ class StepResult:
     logprobs: list[list[float]]
     spec: list[tuple[int, list[int]]] | None = None  # per request: (draft tokens proposed, accepted positions)
     timings: dict = field(default_factory=dict)
+    error: str | None = None  # the step failed (its requests fail; the worker goes on)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
@@ -111,17 +114,58 @@ def share_node_gpus(store, rank: int, world_size: int) -> int | None:
     return rank
 
 
-def to_host(*tensors: torch.Tensor) -> list[list]:
-    """Several [B] or [B, k] device results to Python lists with ONE device→host copy (ids stay exact in float64)."""
-    cols = [t.reshape(t.shape[0], -1).double() for t in tensors]
-    packed = torch.cat(cols, dim=1).cpu().tolist()
-    out, start = [], 0
-    for t, c in zip(tensors, cols):
-        width = c.shape[1]
-        rows = [r[start:start + width] for r in packed]
-        out.append([r[0] for r in rows] if t.dim() == 1 else rows)
-        start += width
-    return out
+class HostCopy:
+    """[B] or [B, k] device results on their way to the host: ONE packed device→host copy, started now (into pinned
+    memory, asynchronously) and waited for in ``lists()``. Ids stay exact in float64."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        cols = [t.reshape(t.shape[0], -1).double() for t in tensors]
+        self.widths = [c.shape[1] for c in cols]
+        self.flat = [t.dim() == 1 for t in tensors]
+        packed = torch.cat(cols, dim=1)
+        self.event = None
+        if packed.is_cuda:
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed
+
+    def lists(self) -> list[list]:
+        if self.event is not None:
+            self.event.synchronize()
+        packed = self.host.tolist()
+        out, start = [], 0
+        for width, flat in zip(self.widths, self.flat):
+            rows = [r[start:start + width] for r in packed]
+            out.append([r[0] for r in rows] if flat else rows)
+            start += width
+        return out
+
+
+@dataclass
+class _Launched:
+    """A step whose work is queued on the device; ``finish`` turns its copied outputs into the StepResult."""
+
+    copy: HostCopy | None
+    finish: Callable[[list[list]], StepResult] | None
+    launch_s: float
+    error: str | None = None
+
+    def result(self) -> StepResult:
+        t0 = time.perf_counter()
+        if self.error is not None:
+            res = StepResult(tokens=[], logprobs=[], error=self.error)
+        else:
+            res = self.finish(self.copy.lists())
+        res.timings["worker_s"] = self.launch_s + time.perf_counter() - t0
+        return res
+
+
+def _token_result(lists: list[list]) -> StepResult:
+    ids, logprobs = lists
+    return StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in logprobs])
 
 
 class Worker:
@@ -174,6 +218,10 @@ class Worker:
         self.static: StaticInputs | None = None
         self.graph_buckets: list[int] = []
         self.graph_phases: dict[tuple[int, bool], list[str]] = {}  # (bucket, greedy) → graph names in replay order
+        # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
+        # so a step can be launched before the host has read the previous step's tokens)
+        self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        self._launched: deque[_Launched] = deque()  # steps queued on the device whose results are not yet read
 
     # ---- KV sizing -------------------------------------------------------------------------------------------
     def kv_capacity_pages(self) -> int:
@@ -293,35 +341,55 @@ class Worker:
         return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
                                           step.counters, self.device)
 
-    @torch.inference_mode()
+    # ---- stepping: launch now, results later ----------------------------------------------------------------------
+    def step(self, step: WorkerStep | None, keep: int = 0) -> list[StepResult]:
+        """Queue ``step``'s device work (if any), then return the results of the oldest queued steps, in order,
+        until at most ``keep`` are still in flight. ``keep=1`` overlaps: the device runs this step while the caller
+        handles the previous step's result and plans the next one. A step that raises comes back with ``error``."""
+        if step is not None:
+            t0 = time.perf_counter()
+            try:
+                with torch.inference_mode():
+                    copy, finish = self._launch(step)
+                self._launched.append(_Launched(copy, finish, time.perf_counter() - t0))
+            except Exception as e:  # noqa: BLE001 - this step's requests fail; those before and after it go on
+                logger.exception("worker step failed")
+                self._launched.append(_Launched(None, None, time.perf_counter() - t0,
+                                                error=f"{type(e).__name__}: {e}"))
+        results = []
+        while len(self._launched) > keep:
+            results.append(self._launched.popleft().result())
+        return results
+
     def execute(self, step: WorkerStep) -> StepResult:
-        """One step; ``timings["worker_s"]``: its wall time here (the engine tells it apart from the transport)."""
-        t0 = time.perf_counter()
-        result = self._execute(step)
-        result.timings["worker_s"] = time.perf_counter() - t0
+        """One step, waited for (tools and benchmarks); raises RuntimeError if it failed."""
+        (result,) = self.step(step, keep=0) if not self._launched else (None,)
+        if result is None:
+            raise RuntimeError("execute() with overlapped steps still in flight")
+        if result.error is not None:
+            raise RuntimeError(result.error)
         return result
 
-    def _execute(self, step: WorkerStep) -> StepResult:
+    def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         self._apply_pages(step)
         if step.mode == ForwardMode.DECODE:
-            return self._decode_step(step)
+            return self._launch_decode(step)
         fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
                                    page_table=self.page_table)
         sampling = self._sampling(step)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
         ids, logprobs = sample(logits, sampling)
+        self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
-        ids_h, lps_h = to_host(ids, logprobs)
-        return StepResult(tokens=[[int(t)] for t in ids_h], logprobs=[[lp] for lp in lps_h])
-
+        return HostCopy(ids, logprobs), _token_result
     def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
         fn = getattr(self.proposer, "target_features", None)
         return fn(fb, hidden) if fn else hidden
 
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
-    def _decode_step(self, step: WorkerStep) -> StepResult:
+    def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         b = len(step.req_slots)
         greedy = all(t <= 0 for t in step.temperature)
         bucket = next((x for x in self.graph_buckets if x >= b), None)  # None: no graphs, or a larger batch
@@ -334,10 +402,12 @@ class Worker:
             self.static.fill(step, bucket)
             for name in self.graph_phases[(bucket, greedy)]:  # the last phase returns the step's outputs
                 out = self.graphs.replay((name, bucket, greedy))
-        if self.proposer is None:
-            ids, lps = to_host(out[0][:b], out[1][:b])
-            return StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in lps])
-        accept, tokens, logprobs = to_host(*(t[:b] for t in out))
+        # copied now: the next replay overwrites a graph's outputs
+        copy = HostCopy(*(t[:b] for t in out))
+        return copy, (_token_result if self.proposer is None else self._round_result)
+
+    def _round_result(self, lists: list[list]) -> StepResult:
+        accept, tokens, logprobs = lists
         accept = [int(a) for a in accept]
         d = self.proposer.tree_size
         return StepResult(
@@ -348,15 +418,15 @@ class Worker:
 
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
         seq = to_device(step.seq_lens, torch.int64, self.device)
+        slots = to_device(step.req_slots, torch.int64, self.device)
         drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
-        return RoundInputs(root=to_device(step.input_ids, torch.int64, self.device),
-                           req_slots=to_device(step.req_slots, torch.int64, self.device), seq_lens=list(step.seq_lens),
+        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=list(step.seq_lens),
                            root_pos=seq - 1, sampling=self._sampling(step), drafts=drafts)
 
     def _static_inputs(self, bucket: int, greedy: bool) -> RoundInputs:
         st = self.static
-        seq = st.column("seq_lens", bucket)
-        return RoundInputs(root=st.column("root", bucket), req_slots=st.column("req_slots", bucket), seq_lens=seq,
+        seq, slots = st.column("seq_lens", bucket), st.column("req_slots", bucket)
+        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq,
                            root_pos=seq - 1, sampling=st.sampling(bucket, greedy),
                            drafts=st.drafts(bucket) if self.proposer is not None else None)
 
@@ -365,7 +435,9 @@ class Worker:
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
         hidden = self.target.forward(fb)
-        return sample(self.target.logits(hidden[fb.logits_indices]), inp.sampling)
+        ids, logprobs = sample(self.target.logits(hidden[fb.logits_indices]), inp.sampling)
+        self.last_token[inp.req_slots] = ids
+        return ids, logprobs
 
     def _round(self, inp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; nothing leaves the device.
@@ -401,6 +473,8 @@ class Worker:
 
     def _finish_round(self, inp, tree, verdict, features):
         self.proposer.after_verify(inp, tree, verdict, features)
+        # the next round's root: the last token this one emits (the bonus token after the accepted drafts)
+        self.last_token[inp.req_slots] = verdict.out_tokens.gather(1, verdict.accept_len.long().unsqueeze(1)).squeeze(1)
         return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
