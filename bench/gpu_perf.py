@@ -138,7 +138,8 @@ class Suite:
     def bs1_floor(self) -> None:
         row = self.floor()
         floor_ms = row["floor_ms"]
-        for name, kw in (("specserve_graphs", {}), ("specserve_eager", {"disable_cuda_graph": True})):
+        for name, kw in (("specserve_graphs", {}), ("specserve_graphs_no_overlap", {"disable_overlap_schedule": True}),
+                         ("specserve_eager", {"disable_cuda_graph": True})):
             eng = self.engine(**kw, max_num_seqs=8, cuda_graph_max_bs=8)
             self.decode_rate(eng, 1)  # warm-up
             r = self.decode_rate(eng, 1)
@@ -408,7 +409,8 @@ class Suite:
         error. Older JSONs kept HF numbers inside ``bs1`` (hf_*_ms / hf_*_error): read those too."""
         r, rows = self.results, []
         b = r.get("bs1", {})
-        for k in ("graph_replay", "specserve_graphs", "specserve_eager", "hf_eager", "hf_static_compile"):
+        for k in ("graph_replay", "specserve_graphs", "specserve_graphs_no_overlap", "specserve_eager", "hf_eager",
+                  "hf_static_compile"):
             if f"{k}_ms" in b:
                 rows.append((k, {"decode_ms_per_token": b[f"{k}_ms"]}))
             elif f"{k}_error" in b and k not in r.get("hf", {}):
