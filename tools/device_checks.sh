@@ -99,6 +99,13 @@ c['applications'][0]['args']['stream_interval'] = int(sys.argv[3]); yaml.safe_du
         "$cfg" "$si" "$SERVING_STREAM_INTERVAL" || { echo "!!! cannot write $si"; exit 1; }
       cfg=$si
     fi
+    if [[ -n ${SERVING_ENGINE_KWARGS:-} ]]; then  # a copy of the config with these engine_kwargs (JSON) merged in
+      ek=$R/$(basename "${cfg%.yaml}")-kw.yaml
+      python3 -c "import json, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
+c['applications'][0]['args']['engine_kwargs'].update(json.loads(sys.argv[3])); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
+        "$cfg" "$ek" "$SERVING_ENGINE_KWARGS" || { echo "!!! cannot write $ek"; exit 1; }
+      cfg=$ek
+    fi
     nospec=$R/$(basename "${cfg%.yaml}")-nospec.yaml
     python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
 c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
