@@ -78,7 +78,8 @@ class EngineConfig(_Strict):
                                            "work hides behind the device's; speculative rounds never overlap)")
     disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
                                             "small ones go one-shot over NVLink through symmetric memory)")
-    cuda_graph_max_bs: int = Field(64, ge=1, description="larger batches run eagerly")
+    cuda_graph_max_bs: int = Field(256, ge=1, description="larger batches run eagerly (graphs are captured up to "
+                                   "min(this, max_num_seqs))")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
@@ -124,6 +125,11 @@ class LLMConfig(_Strict):
     stream_interval: int = Field(1, ge=1, description="as SGLang's: new tokens a request gathers before its stream "
                                  "sends them (the first and the last go at once); each send through Serve costs "
                                  "0.1-0.5 ms of controller time, so many requests in flight want a larger value")
+    stream_batching_interval_ms: float = Field(0.0, ge=0, description="as Ray Serve LLM's experimental "
+                                               "stream_batching_interval_ms: after a send, a request's stream waits "
+                                               "this long, gathering tokens, before its next send (the first and the "
+                                               "last go at once); 0: off. Caps sends per stream at 1000/value per "
+                                               "second, whatever the step rate")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     def engine_config(self) -> EngineConfig:

@@ -167,11 +167,21 @@ class LLMController:
             return
         finished = False
         sent_tokens = 0
+        interval_s = self.config.stream_batching_interval_ms / 1000
+        last_sent = float("-inf")
+        clock = asyncio.get_running_loop().time
         try:
             yield {"accepted": rid}
             outs: list = []
+            due = None  # held tokens go out at this time even if no step adds to them
             while True:
-                outs.append(await queue.get())
+                if due is None:
+                    outs.append(await queue.get())
+                elif due > clock():
+                    try:
+                        outs.append(await asyncio.wait_for(queue.get(), due - clock()))
+                    except TimeoutError:
+                        pass
                 # the steps that ended while the last item was on its way go out as ONE item: under load the
                 # stream costs one message per request per send, not per step (no waiting: a lone step goes at once)
                 while not queue.empty() and not isinstance(outs[-1], BaseException) and not outs[-1].finished:
@@ -184,9 +194,15 @@ class LLMController:
                     return
                 new_tokens = sum(len(o.new_token_ids) for o in outs)
                 finished = outs[-1].finished
-                if not finished and sent_tokens and new_tokens < self.config.stream_interval:
-                    continue  # gather up to stream_interval tokens (the first tokens go at once)
+                due = None
+                if not finished and sent_tokens:  # the first tokens and the last go at once
+                    if new_tokens < self.config.stream_interval:
+                        continue  # gather up to stream_interval tokens
+                    if clock() < last_sent + interval_s:
+                        due = last_sent + interval_s  # and send at most once per stream_batching_interval_ms
+                        continue
                 yield _merged([_output_dict(o) for o in outs])
+                last_sent = clock()
                 sent_tokens += new_tokens
                 outs = []
                 if finished:

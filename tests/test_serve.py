@@ -238,3 +238,31 @@ def test_stream_interval_gathers_tokens(server):
         assert 2 <= len(chunks) <= 4, [c.choices[0].text for c in chunks]
     finally:
         serve.delete("specserve-si")
+
+
+def test_stream_batching_interval_caps_sends(server):
+    """stream_batching_interval_ms (as Ray Serve LLM's): after a send, a stream waits that long before the next one,
+    so a stream of T seconds sends at most 2 + T / interval items (first and last at once); text unchanged."""
+    from ray import serve
+    from openai import OpenAI
+
+    from deployments.app import build_app
+
+    interval_s = 0.1
+    args = {"model_loading_config": {"model_id": "tiny-sb", "model_source": server["target"]},
+            "stream_batching_interval_ms": interval_s * 1000,
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
+    serve.run(build_app(args), name="specserve-sb", route_prefix="/sb", blocking=False)
+    try:
+        _wait_healthy(server["base"] + "/sb")
+        client = OpenAI(base_url=server["base"] + "/sb/v1", api_key="none", max_retries=0)
+        kw = dict(model="tiny-sb", prompt="import os\n", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        t0 = time.perf_counter()
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        took = time.perf_counter() - t0
+        assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
+        assert 2 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took)
+        assert len(chunks) < 60  # tokens were gathered
+    finally:
+        serve.delete("specserve-sb")

@@ -99,11 +99,12 @@ c['applications'][0]['args']['stream_interval'] = int(sys.argv[3]); yaml.safe_du
         "$cfg" "$si" "$SERVING_STREAM_INTERVAL" || { echo "!!! cannot write $si"; exit 1; }
       cfg=$si
     fi
-    if [[ -n ${SERVING_ENGINE_KWARGS:-} ]]; then  # a copy of the config with these engine_kwargs (JSON) merged in
-      ek=$R/$(basename "${cfg%.yaml}")-kw.yaml
-      python3 -c "import json, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
-c['applications'][0]['args']['engine_kwargs'].update(json.loads(sys.argv[3])); yaml.safe_dump(c, open(sys.argv[2], 'w'))" \
-        "$cfg" "$ek" "$SERVING_ENGINE_KWARGS" || { echo "!!! cannot write $ek"; exit 1; }
+    if [[ -n ${SERVING_ENGINE_KWARGS:-}${SERVING_APP_ARGS:-} ]]; then  # a copy with these (JSON) merged into
+      ek=$R/$(basename "${cfg%.yaml}")-kw.yaml                        # engine_kwargs / the application args
+      python3 -c "import json, sys, yaml; c = yaml.safe_load(open(sys.argv[1])); a = c['applications'][0]['args']; \
+a['engine_kwargs'].update(json.loads(sys.argv[3] or '{}')); a.update(json.loads(sys.argv[4] or '{}')); \
+yaml.safe_dump(c, open(sys.argv[2], 'w'))" "$cfg" "$ek" "${SERVING_ENGINE_KWARGS:-}" "${SERVING_APP_ARGS:-}" \
+        || { echo "!!! cannot write $ek"; exit 1; }
       cfg=$ek
     fi
     nospec=$R/$(basename "${cfg%.yaml}")-nospec.yaml
