@@ -224,8 +224,16 @@ class Worker:
         self._launched: deque[_Launched] = deque()  # steps queued on the device whose results are not yet read
 
     # ---- KV sizing -------------------------------------------------------------------------------------------
+    def _on_device(self) -> None:
+        """Make this rank's GPU current in the calling thread. The current device is per thread, and Ray runs a
+        compiled graph's calls on a thread of its own: after the TP ranks widened their visibility, that thread's
+        default (device 0) is rank 0's GPU, and rank 1's kernels and collectives would go there."""
+        if self.device.type == "cuda" and torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def kv_capacity_pages(self) -> int:
         """How many KV pages this rank can hold (the controller uses the minimum over ranks)."""
+        self._on_device()
         page = self.cfg.page_size
         if self.cfg.kv_cache_tokens is not None:
             tokens = self.cfg.kv_cache_tokens
@@ -246,6 +254,7 @@ class Worker:
         return self.target.kv_bytes_per_token + (self.proposer.kv_bytes_per_token() if self.proposer else 0)
 
     def allocate_kv(self, num_pages: int) -> None:
+        self._on_device()
         page = self.cfg.page_size
         self.target.allocate_kv_cache(num_pages, page)
         if self.proposer is not None:
@@ -346,6 +355,7 @@ class Worker:
         """Queue ``step``'s device work (if any), then return the results of the oldest queued steps, in order,
         until at most ``keep`` are still in flight. ``keep=1`` overlaps: the device runs this step while the caller
         handles the previous step's result and plans the next one. A step that raises comes back with ``error``."""
+        self._on_device()
         if step is not None:
             t0 = time.perf_counter()
             try:
@@ -478,6 +488,7 @@ class Worker:
         return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
+        self._on_device()
         self.graphs = None  # captured graphs hold NCCL kernels: release them before the communicator
         if self.tp.custom_all_reduce is not None:
             self.tp.custom_all_reduce.close()
