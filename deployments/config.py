@@ -125,11 +125,13 @@ class LLMConfig(_Strict):
     stream_interval: int = Field(1, ge=1, description="as SGLang's: new tokens a request gathers before its stream "
                                  "sends them (the first and the last go at once); each send through Serve costs "
                                  "0.1-0.5 ms of controller time, so many requests in flight want a larger value")
-    stream_batching_interval_ms: float = Field(0.0, ge=0, description="as Ray Serve LLM's experimental "
-                                               "stream_batching_interval_ms: after a send, a request's stream waits "
-                                               "this long, gathering tokens, before its next send (the first and the "
-                                               "last go at once); 0: off. Caps sends per stream at 1000/value per "
-                                               "second, whatever the step rate")
+    stream_batching_interval_ms: float = Field(50.0, ge=0, description="as Ray Serve LLM's experimental "
+                                               "stream_batching_interval_ms, and its default: after a send, a "
+                                               "request's stream waits this long, gathering tokens, before its next "
+                                               "send (the first and the last go at once); 0: every step's tokens at "
+                                               "once (SGLang's and vLLM's way). Caps the sends per stream, whatever "
+                                               "the step rate: per-token sends through Serve cost 3x the throughput "
+                                               "at 96 requests in flight (bench/results/serving_nospec_h100_*)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     def engine_config(self) -> EngineConfig:

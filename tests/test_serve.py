@@ -224,7 +224,7 @@ def test_stream_interval_gathers_tokens(server):
     from deployments.app import build_app
 
     args = {"model_loading_config": {"model_id": "tiny-si", "model_source": server["target"]},
-            "stream_interval": 4,
+            "stream_interval": 4, "stream_batching_interval_ms": 0,
             "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
     serve.run(build_app(args), name="specserve-si", route_prefix="/si", blocking=False)
     try:
