@@ -29,6 +29,7 @@ class Executor(Protocol):
     model_config: object
     max_model_len: int
     lookahead: int
+    max_advance: int
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
@@ -46,6 +47,7 @@ class LocalExecutor:
         self.model_config = self.worker.model_config
         self.max_model_len = self.worker.max_model_len
         self.lookahead = self.worker.lookahead
+        self.max_advance = self.worker.max_advance
         self.num_pages = self.worker.kv_capacity_pages()
         self.worker.allocate_kv(self.num_pages)
 
@@ -106,14 +108,15 @@ class Engine:
             eos_token_ids=tuple(sorted(eos)),
             vocab_size=mc.vocab_size,
             decode_lookahead=self.executor.lookahead,
+            decode_max_advance=self.executor.max_advance,
             max_queue_len=cfg.max_queue_len,
             host_drafter=host_drafter,
         )
         self._detok: dict[str, Detokenizer] = {}
-        # overlap (SGLang's overlap scheduler): the next DECODE step is launched before the previous one's tokens are
-        # read, so the host's work (reading tokens, detokenizing, planning) hides behind the device's. Speculative
-        # rounds advance by a variable number of tokens, which the next round's plan needs: they run one at a time.
-        self.overlap = not cfg.disable_overlap_schedule and spec is None
+        # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
+        # previous one's tokens are read, so the host's work (reading tokens, detokenizing, planning) hides behind
+        # the device's. Host-drafted n-grams need the tokens first: those rounds run one at a time.
+        self.overlap = not cfg.disable_overlap_schedule and host_drafter is None
         self.in_flight: deque[StepPlan] = deque()  # launched plans whose results are not read yet, oldest first
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)

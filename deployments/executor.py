@@ -23,6 +23,7 @@ class WorkerActor(Worker):
 
     def describe(self) -> dict:
         return {"model_config": self.model_config, "max_model_len": self.max_model_len, "lookahead": self.lookahead,
+                "max_advance": self.max_advance,
                 "kv_pages": self.kv_capacity_pages()}
 
     def node_ip(self) -> str:
@@ -59,6 +60,7 @@ class RayExecutor:
         self.model_config = infos[0]["model_config"]
         self.max_model_len = infos[0]["max_model_len"]
         self.lookahead = infos[0]["lookahead"]
+        self.max_advance = infos[0]["max_advance"]
         self.num_pages = min(i["kv_pages"] for i in infos)
         ray.get([w.allocate_kv.remote(self.num_pages) for w in self.workers])
         self._dag = None

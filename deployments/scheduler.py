@@ -4,10 +4,12 @@ Each ``schedule()`` returns one ``StepPlan`` (an EXTEND step when prompts are wa
 step over every running request). ``update()`` applies the worker's sampled tokens, detects token-level stops and
 frees the KV of finished requests. The scheduler owns the page allocator; workers only see page grants.
 
-Overlap: a DECODE step may be planned while the previous DECODE step still runs (its tokens unread). A request then
-counts its in-flight token (``num_inflight``) in its length, KV pages and sampling counter, and sits out a step
-that its in-flight token may already finish by length. Whether that token ended it (EOS, a stop) is known only when
-it is read: the next step has by then computed one token for it, which is dropped.
+Overlap: a DECODE step may be planned while the previous DECODE step still runs (its tokens unread). That step
+appends 1 token to a request, or up to ``decode_max_advance`` with speculation, and only the device knows how many:
+the plan marks the request ``pending`` and the worker adds them to the host's length and sampling counter. KV pages
+are granted for the most it can be; a request sits out a step that its in-flight tokens may already finish by
+length. Whether they ended it (EOS, a stop) is known only when they are read: the next step has by then computed
+for it, and that is dropped.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class StepPlan:
     extend_lens: list[int]
     page_updates: tuple[list[int], list[int], list[int]]
     counters: list[int]  # per request: tokens sampled before this step (its sampling counter)
+    pending: list[int] | None = None  # DECODE: 1 where the request's previous step is in flight (not in the above)
     next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
 
@@ -51,6 +54,7 @@ class StepPlan:
             min_p=[r.params.min_p for r in reqs],
             seeds=[r.seed for r in reqs],
             counters=self.counters,
+            pending=self.pending,
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
         )
@@ -67,6 +71,7 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
         decode_lookahead: int = 1,
+        decode_max_advance: int = 1,
         max_queue_len: int = 1 << 30,
         host_drafter=None,
     ):
@@ -77,6 +82,7 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
         self.decode_lookahead = decode_lookahead  # KV slots a decode step writes per request (1, or draft tokens)
+        self.decode_max_advance = decode_max_advance  # tokens a decode step appends per request at most
         self.max_queue_len = max_queue_len
         self.host_drafter = host_drafter  # tokens -> draft tokens (n-gram speculation), or None
         self.waiting: deque[Request] = deque()
@@ -186,7 +192,7 @@ class Scheduler:
         # pages kept free for what admitted requests still need (running ones' next steps, partially prefilled ones'
         # remaining prompt), so a new admission can neither force a preemption nor starve a half-done prefill
         holders = self.running + [r for r in self.waiting if r.req_slot is not None]
-        reserve = sum(max(0, self.allocator.pages_for(r.num_tokens + r.num_inflight + self.decode_lookahead)
+        reserve = sum(max(0, self.allocator.pages_for(self._most_tokens(r) + self.decode_lookahead)
                              - len(r.pages)) for r in holders)
         for req in self.waiting:
             if budget <= 0:
@@ -239,7 +245,7 @@ class Scheduler:
                 i += 1
                 continue
             try:
-                self._grow(req, req.num_tokens + req.num_inflight - 1 + self.decode_lookahead)
+                self._grow(req, self._most_tokens(req) - 1 + self.decode_lookahead)
                 i += 1
             except OutOfPages:
                 victim = self.running[-1]
@@ -256,20 +262,27 @@ class Scheduler:
             mode=ForwardMode.DECODE,
             requests=reqs,
             input_ids=[],  # each request's last token is on the device already (it may not have reached the host)
-            seq_lens=[r.num_tokens + r.num_inflight for r in reqs],
+            seq_lens=[r.num_tokens for r in reqs],
             extend_lens=[1] * len(reqs),
             page_updates=self._take_page_updates(),
-            counters=[len(r.output_ids) + r.num_inflight for r in reqs],
+            counters=[len(r.output_ids) for r in reqs],
+            pending=[r.num_inflight for r in reqs],
             draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
         )
         for r in reqs:
+            assert r.num_inflight <= 1, "one step in flight at most"
             r.num_inflight += 1
         return plan
 
+    def _most_tokens(self, req: Request) -> int:
+        """The request's length once its in-flight steps land, at most."""
+        return req.num_tokens + req.num_inflight * self.decode_max_advance
+
     def _ends_in_flight(self, req: Request) -> bool:
-        """Its in-flight token already reaches max_tokens or the context length: no further step for it."""
-        return req.num_inflight > 0 and (len(req.output_ids) + req.num_inflight >= req.params.max_tokens
-                                         or req.num_tokens + req.num_inflight >= self.max_model_len)
+        """Its in-flight tokens may already reach max_tokens or the context length: no further step for it now."""
+        ahead = req.num_inflight * self.decode_max_advance
+        return req.num_inflight > 0 and (len(req.output_ids) + ahead >= req.params.max_tokens
+                                         or req.num_tokens + ahead >= self.max_model_len)
 
     # ---- results ---------------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
@@ -327,5 +340,6 @@ class Scheduler:
         # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.
         if req.status == RequestStatus.RUNNING:
             req.num_computed = req.num_tokens - 1
-            self.allocator.shrink(req.pages, req.num_computed + req.num_inflight)
+            in_flight = req.num_inflight * (self.decode_max_advance - 1 + self.decode_lookahead)
+            self.allocator.shrink(req.pages, req.num_computed + in_flight)
         return new

@@ -79,6 +79,33 @@ def test_identical_draft_accepts_everything(spec_models):
         assert o.spec["accepted_per_position"] == [o.spec["num_drafts"]] * 3
 
 
+@pytest.mark.parametrize("method,steps,topk,ndt", [("eagle3", 3, 1, None), ("eagle", 3, 3, 6), ("draft", 3, 2, 5)])
+def test_overlapped_rounds_equal_rounds_one_at_a_time(spec_models, method, steps, topk, ndt):
+    """Overlap schedule with speculation: a round is launched before the previous round's accept lengths reach the
+    host (the worker adds them on the device); greedy and seeded sampled tokens, max_tokens cut-offs, preemption
+    and the freed pages are as when each round is read before the next."""
+    spec = SpeculativeConfig(method=method, model=str(spec_models[method]), num_steps=steps, topk=topk,
+                             num_draft_tokens=ndt)
+    prompts = mixed_prompts(6)
+    params = [SamplingParams(max_tokens=9 + 7 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(6)]
+    runs = {}
+    for overlap in (True, False):
+        eng = engine(spec_models["target"], spec, page_size=4, kv_cache_tokens=200, max_prefill_tokens=16,
+                     disable_overlap_schedule=not overlap)
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+        most_unread = 0
+        while eng.has_work():
+            eng.step()
+            most_unread = max(most_unread, len(eng.executor.worker._launched))
+        assert most_unread == (1 if overlap else 0)
+        assert eng.scheduler.num_preemptions > 0
+        assert eng.allocator.num_free == eng.allocator.capacity_pages
+        assert [len(r.output_ids) for r in reqs] == [sp.max_tokens for sp in params]
+        runs[overlap] = [r.output_ids for r in reqs]
+    assert runs[True] == runs[False]
+
+
 def test_ngram_on_repetitive_prompt(spec_models):
     spec = SpeculativeConfig(method="ngram", num_steps=4)
     pattern = [11, 12, 13, 14, 15, 16, 17, 18]
@@ -94,7 +121,8 @@ def test_eagle_state_matches_one_shot_recompute(spec_models):
     spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, topk=2,
                              num_draft_tokens=5)
     prompt = mixed_prompts(4)[3]
-    eng = engine(spec_models["target"], spec, page_size=4, max_prefill_tokens=16)
+    # one step at a time: with the overlap schedule the head's state would already be a round past the host's tokens
+    eng = engine(spec_models["target"], spec, page_size=4, max_prefill_tokens=16, disable_overlap_schedule=True)
     req = eng.add_request(prompt, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     while len(req.output_ids) < 12:
         eng.step()

@@ -17,7 +17,7 @@ import torch
 
 from workers.sampling import SamplingTensors
 
-INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters")  # then the n-gram draft columns
+INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 
 
@@ -51,7 +51,7 @@ class StaticInputs:
     def fill(self, step, bucket: int) -> None:
         """Copy the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies."""
         b = len(step.req_slots)
-        cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters]
+        cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters, step.pending or [0] * b]
         ints = torch.zeros(bucket, self.ints.shape[1], dtype=torch.int64)
         ints[:b, : len(INT_FIELDS)] = torch.tensor(cols, dtype=torch.int64).T
         if step.draft_tokens is not None:
@@ -68,10 +68,10 @@ class StaticInputs:
             return self.ints[:bucket, INT_FIELDS.index(name)].contiguous()
         return self.floats[:bucket, FLOAT_FIELDS.index(name)].contiguous()
 
-    def sampling(self, bucket: int, all_greedy: bool) -> SamplingTensors:
+    def sampling(self, bucket: int, all_greedy: bool, counters_ahead: torch.Tensor) -> SamplingTensors:
         c = lambda n: self.column(n, bucket)  # noqa: E731
-        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), c("counters"),
-                               all_greedy=all_greedy)
+        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"),
+                               c("counters") + counters_ahead, all_greedy=all_greedy)
 
     def drafts(self, bucket: int) -> torch.Tensor:
         return self.ints[:bucket, len(INT_FIELDS):].contiguous()

@@ -44,6 +44,9 @@ class WorkerStep:
     min_p: list[float]
     seeds: list[int]
     counters: list[int]
+    # DECODE under the overlap schedule: 1 where the request's previous step is still in flight. seq_lens and
+    # counters then leave out the tokens that step emits, which only the device knows (``Worker.advance``)
+    pending: list[int] | None = None
     # speculative decoding
     next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
@@ -200,6 +203,7 @@ class Worker:
         spec = cfg.speculative_config
         self.proposer = None
         self.lookahead = 1
+        self.max_advance = 1  # most tokens one DECODE step appends to a request
         if spec is not None:
             from speculative.proposers import make_proposer
 
@@ -209,6 +213,7 @@ class Worker:
             self.draft_tp = self.tp if draft_tp == self.tp.size else TPGroup()
             self.proposer = make_proposer(self, spec)
             self.lookahead = self.proposer.lookahead
+            self.max_advance = self.proposer.max_depth + 1
         self.graph_refusal = self._graph_refusal()
         if self.graph_refusal is None:
             self._tune_small_m_linears()
@@ -221,6 +226,9 @@ class Worker:
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        # per request slot: how many tokens its last DECODE step appended (1, or accepted drafts + 1), which the next
+        # step adds to the host's lengths and counters where the host has not read them yet (``WorkerStep.pending``)
+        self.advance = torch.ones(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
         self._launched: deque[_Launched] = deque()  # steps queued on the device whose results are not yet read
 
     # ---- KV sizing -------------------------------------------------------------------------------------------
@@ -346,9 +354,9 @@ class Worker:
         slots, pos, ids = (to_device(x, torch.int64, self.device) for x in step.page_updates)
         self.page_table.apply(slots, pos, ids)
 
-    def _sampling(self, step: WorkerStep) -> SamplingTensors:
+    def _sampling(self, step: WorkerStep, counters: list[int] | None = None) -> SamplingTensors:
         return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
-                                          step.counters, self.device)
+                                          step.counters if counters is None else counters, self.device)
 
     # ---- stepping: launch now, results later ----------------------------------------------------------------------
     def step(self, step: WorkerStep | None, keep: int = 0) -> list[StepResult]:
@@ -427,17 +435,24 @@ class Worker:
         )
 
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
-        seq = to_device(step.seq_lens, torch.int64, self.device)
         slots = to_device(step.req_slots, torch.int64, self.device)
+        seq_lens, counters = list(step.seq_lens), list(step.counters)
+        if step.pending and any(step.pending):  # eager rounds need host lengths: wait for the step in flight
+            ahead = [1] * len(seq_lens) if self.proposer is None else self.advance[slots].tolist()
+            seq_lens = [s + p * a for s, p, a in zip(seq_lens, step.pending, ahead)]
+            counters = [c + p * a for c, p, a in zip(counters, step.pending, ahead)]
+        seq = to_device(seq_lens, torch.int64, self.device)
         drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
-        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=list(step.seq_lens),
-                           root_pos=seq - 1, sampling=self._sampling(step), drafts=drafts)
+        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens,
+                           root_pos=seq - 1, sampling=self._sampling(step, counters), drafts=drafts)
 
     def _static_inputs(self, bucket: int, greedy: bool) -> RoundInputs:
         st = self.static
-        seq, slots = st.column("seq_lens", bucket), st.column("req_slots", bucket)
+        slots = st.column("req_slots", bucket)
+        ahead = st.column("pending", bucket) * self.advance[slots]  # what the step in flight appends (overlap)
+        seq = st.column("seq_lens", bucket) + ahead
         return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq,
-                           root_pos=seq - 1, sampling=st.sampling(bucket, greedy),
+                           root_pos=seq - 1, sampling=st.sampling(bucket, greedy, counters_ahead=ahead),
                            drafts=st.drafts(bucket) if self.proposer is not None else None)
 
     def _decode(self, inp) -> tuple[torch.Tensor, torch.Tensor]:
@@ -484,7 +499,9 @@ class Worker:
     def _finish_round(self, inp, tree, verdict, features):
         self.proposer.after_verify(inp, tree, verdict, features)
         # the next round's root: the last token this one emits (the bonus token after the accepted drafts)
-        self.last_token[inp.req_slots] = verdict.out_tokens.gather(1, verdict.accept_len.long().unsqueeze(1)).squeeze(1)
+        accept = verdict.accept_len.long()
+        self.last_token[inp.req_slots] = verdict.out_tokens.gather(1, accept.unsqueeze(1)).squeeze(1)
+        self.advance[inp.req_slots] = accept + 1
         return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
 
     def shutdown(self) -> None:
