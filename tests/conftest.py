@@ -54,3 +54,18 @@ def mixed_prompts(n: int = 8, vocab: int = 500, seed: int = 0) -> list[list[int]
     g = torch.Generator().manual_seed(seed)
     lengths = [3, 17, 1, 40, 9, 64, 25, 5, 33, 12][:n]
     return [torch.randint(4, vocab, (L,), generator=g).tolist() for L in lengths]
+
+
+def run_all(engine, prompts, params, overlap: bool) -> list:
+    """Queue the requests and step the engine until idle; checks that steps were left unread on the worker exactly
+    when ``overlap`` (one at most), that pages were preempted, and that every page came back. Returns the requests."""
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    most_unread = 0
+    while engine.has_work():
+        engine.step()
+        most_unread = max(most_unread, len(engine.executor.worker._launched))
+    assert most_unread == (1 if overlap else 0)
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.allocator.num_free == engine.allocator.capacity_pages
+    assert all(r.num_inflight == 0 for r in reqs)
+    return reqs

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, hf_greedy, mixed_prompts
+from conftest import ROOT, hf_greedy, mixed_prompts, run_all
 from deployments.config import EngineConfig
 from deployments.engine import Engine
 from deployments.request import InvalidRequest, SamplingParams
@@ -62,16 +62,7 @@ def test_overlap_launches_ahead_and_changes_no_output(tiny_models):
     for overlap in (True, False):
         engine = make_engine(tiny_models["qwen2"], page_size=4, kv_cache_tokens=112, max_prefill_tokens=16,
                              disable_overlap_schedule=not overlap)
-        reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-        most_unread = 0
-        while engine.has_work():
-            engine.step()
-            most_unread = max(most_unread, len(engine.executor.worker._launched))
-        assert most_unread == (1 if overlap else 0)
-        assert engine.scheduler.num_preemptions > 0
-        assert engine.allocator.num_free == engine.allocator.capacity_pages
-        assert all(r.num_inflight == 0 for r in reqs)
-        runs[overlap] = reqs
+        runs[overlap] = run_all(engine, prompts, params, overlap)
     # preemptions fall on other steps (a request sits out a step its in-flight token may end): batches differ,
     # and with them the float rounding of logprobs, not the tokens
     for a, b in zip(runs[True], runs[False]):

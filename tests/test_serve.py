@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import socket
 import time
@@ -215,48 +216,43 @@ def test_stream_items_of_several_steps_merge_into_one():
     assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]
 
 
-def test_stream_interval_gathers_tokens(server):
-    """stream_interval (as SGLang's): the first tokens go at once, then a send carries at least that many new
-    tokens, the last one whatever is left; the streamed text still equals the non-streamed one."""
-    from ray import serve
+@contextlib.contextmanager
+def _second_app(server, name: str, app_args: dict):
+    """Another application on the same Serve instance, at /<name>, serving the tiny target with ``app_args``; yields
+    an openai client for it and deletes the application afterwards."""
     from openai import OpenAI
+    from ray import serve
 
     from deployments.app import build_app
 
-    args = {"model_loading_config": {"model_id": "tiny-si", "model_source": server["target"]},
-            "stream_interval": 4, "stream_batching_interval_ms": 0,
-            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
-    serve.run(build_app(args), name="specserve-si", route_prefix="/si", blocking=False)
+    args = {"model_loading_config": {"model_id": name, "model_source": server["target"]},
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}, **app_args}
+    serve.run(build_app(args), name=f"specserve-{name}", route_prefix=f"/{name}", blocking=False)
     try:
-        _wait_healthy(server["base"] + "/si")
-        client = OpenAI(base_url=server["base"] + "/si/v1", api_key="none", max_retries=0)
-        kw = dict(model="tiny-si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        _wait_healthy(f"{server['base']}/{name}")
+        yield OpenAI(base_url=f"{server['base']}/{name}/v1", api_key="none", max_retries=0)
+    finally:
+        serve.delete(f"specserve-{name}")
+
+
+def test_stream_interval_gathers_tokens(server):
+    """stream_interval (as SGLang's): the first tokens go at once, then a send carries at least that many new
+    tokens, the last one whatever is left; the streamed text still equals the non-streamed one."""
+    with _second_app(server, "si", {"stream_interval": 4, "stream_batching_interval_ms": 0}) as client:
+        kw = dict(model="si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0]
         chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
         assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
         # one token first, then sends of >= 4 tokens: 1 + 4 + 4 + 1 (the last one goes when the request finishes)
         assert 2 <= len(chunks) <= 4, [c.choices[0].text for c in chunks]
-    finally:
-        serve.delete("specserve-si")
 
 
 def test_stream_batching_interval_caps_sends(server):
     """stream_batching_interval_ms (as Ray Serve LLM's): after a send, a stream waits that long before the next one,
     so a stream of T seconds sends at most 2 + T / interval items (first and last at once); text unchanged."""
-    from ray import serve
-    from openai import OpenAI
-
-    from deployments.app import build_app
-
     interval_s = 0.1
-    args = {"model_loading_config": {"model_id": "tiny-sb", "model_source": server["target"]},
-            "stream_batching_interval_ms": interval_s * 1000,
-            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}}
-    serve.run(build_app(args), name="specserve-sb", route_prefix="/sb", blocking=False)
-    try:
-        _wait_healthy(server["base"] + "/sb")
-        client = OpenAI(base_url=server["base"] + "/sb/v1", api_key="none", max_retries=0)
-        kw = dict(model="tiny-sb", prompt="import os\n", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+    with _second_app(server, "sb", {"stream_batching_interval_ms": interval_s * 1000}) as client:
+        kw = dict(model="sb", prompt="import os\n", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0]
         t0 = time.perf_counter()
         chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
@@ -264,5 +260,3 @@ def test_stream_batching_interval_caps_sends(server):
         assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
         assert 2 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took)
         assert len(chunks) < 60  # tokens were gathered
-    finally:
-        serve.delete("specserve-sb")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, mixed_prompts
+from conftest import ROOT, mixed_prompts, run_all
 from deployments.config import EngineConfig, SpeculativeConfig
 from deployments.engine import Engine
 from deployments.request import SamplingParams
@@ -93,14 +93,7 @@ def test_overlapped_rounds_equal_rounds_one_at_a_time(spec_models, method, steps
     for overlap in (True, False):
         eng = engine(spec_models["target"], spec, page_size=4, kv_cache_tokens=200, max_prefill_tokens=16,
                      disable_overlap_schedule=not overlap)
-        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        most_unread = 0
-        while eng.has_work():
-            eng.step()
-            most_unread = max(most_unread, len(eng.executor.worker._launched))
-        assert most_unread == (1 if overlap else 0)
-        assert eng.scheduler.num_preemptions > 0
-        assert eng.allocator.num_free == eng.allocator.capacity_pages
+        reqs = run_all(eng, prompts, params, overlap)
         assert [len(r.output_ids) for r in reqs] == [sp.max_tokens for sp in params]
         runs[overlap] = [r.output_ids for r in reqs]
     assert runs[True] == runs[False]
