@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32
+#   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
@@ -123,6 +123,10 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     ;;
   tpfp32)  # nvidia-h200-x2, right after `tp` (the checkpoint is still in /tmp): greedy token equality in fp32
     run python3 bench/tp_decode.py --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"
+    ;;
+  raytp)  # nvidia-h200-x2 with Ray installed: the served TP path (worker actors, compiled graph) vs in-process TP=1
+    run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
+    run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
