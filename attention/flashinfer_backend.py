@@ -264,6 +264,9 @@ class FlashInferBackend(AttentionBackend):
         self.verify_attention_mode = verify_attention_mode
         self._workspace: torch.Tensor | None = None
         self._wrappers: dict = {}
+        # a wrapper's plan() stages its plan in pinned host memory and copies it to the device asynchronously: a
+        # step launched ahead (overlap schedule) must not re-plan before the device has taken the last plan's copy
+        self._plan_copied: torch.cuda.Event | None = None
         self._meta: dict = {}
         cuda = torch.cuda.is_available()
         self._device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -396,6 +399,8 @@ class FlashInferBackend(AttentionBackend):
     def _plan(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch):
         m = self._meta
         wrapper = self._wrapper(m["kind"], q.device)
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
         _, page_size, kv_heads, head_dim = fb.kv_cache.paged(layer.layer_id)[0].shape
         common = dict(num_qo_heads=layer.num_heads, num_kv_heads=kv_heads, page_size=page_size,
                       sm_scale=layer.scaling, q_data_type=q.dtype, kv_data_type=fb.kv_cache.k[0].dtype)
@@ -411,6 +416,8 @@ class FlashInferBackend(AttentionBackend):
             # 0.7.2 keeps the mask offsets in bits when given a packed mask, but its kernel reads them as byte
             # offsets into the packed buffer (flashinfer PR #2201): install the byte offsets ourselves
             wrapper._mask_indptr_buf = to_device(m["mask_byte_indptr"], torch.int32, q.device)
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
         return wrapper
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:

@@ -74,8 +74,9 @@ class EngineConfig(_Strict):
     speculative_config: SpeculativeConfig | None = None
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = Field(False, description="launch each step only after the previous one's tokens "
-                                           "were read (default: a DECODE step is launched first, so the host's "
-                                           "work hides behind the device's; speculative rounds never overlap)")
+                                           "were read (default: a DECODE step or speculative round is launched "
+                                           "first, so the host's work hides behind the device's; n-gram rounds, "
+                                           "drafted on the host from the tokens, never overlap)")
     disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
                                             "small ones go one-shot over NVLink through symmetric memory)")
     cuda_graph_max_bs: int = Field(256, ge=1, description="larger batches run eagerly (graphs are captured up to "
@@ -130,8 +131,9 @@ class LLMConfig(_Strict):
                                                "request's stream waits this long, gathering tokens, before its next "
                                                "send (the first and the last go at once); 0: every step's tokens at "
                                                "once (SGLang's and vLLM's way). Caps the sends per stream, whatever "
-                                               "the step rate: per-token sends through Serve cost 3x the throughput "
-                                               "at 96 requests in flight (bench/results/serving_nospec_h100_*)")
+                                               "the step rate: with 96 requests in flight, per-token sends through "
+                                               "Serve gave a third of the throughput (bench/results/"
+                                               "serving_nospec_h100_graphs128_*)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     def engine_config(self) -> EngineConfig:

@@ -180,7 +180,7 @@ class LLMController:
                 elif due > clock():
                     try:
                         outs.append(await asyncio.wait_for(queue.get(), due - clock()))
-                    except TimeoutError:
+                    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
                         pass
                 # the steps that ended while the last item was on its way go out as ONE item: under load the
                 # stream costs one message per request per send, not per step (no waiting: a lone step goes at once)

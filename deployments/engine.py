@@ -7,6 +7,7 @@ Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this pro
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 import uuid
@@ -18,8 +19,8 @@ from deployments.config import EngineConfig
 from deployments.request import InvalidRequest, Request, RequestOutput, SamplingParams
 from deployments.scheduler import Scheduler, StepPlan
 from deployments.tokenizer import Detokenizer, load_tokenizer
-from workers.kv_cache import PageAllocator
 from workers.forward_batch import ForwardMode
+from workers.kv_cache import PageAllocator
 from workers.worker import StepResult, Worker, WorkerStep
 
 logger = logging.getLogger("specserve")
@@ -117,7 +118,8 @@ class Engine:
         # previous one's tokens are read, so the host's work (reading tokens, detokenizing, planning) hides behind
         # the device's. Host-drafted n-grams need the tokens first: those rounds run one at a time.
         self.overlap = not cfg.disable_overlap_schedule and host_drafter is None
-        self.in_flight: deque[StepPlan] = deque()  # launched plans whose results are not read yet, oldest first
+        self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan) launched, results unread, oldest first
+        self._step_ids = itertools.count(1)
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
@@ -161,25 +163,27 @@ class Engine:
             return outputs
         # a prefill's results are read at once: the next plan needs to know which prompts are done
         keep = 1 if self.overlap and plan is not None and plan.mode == ForwardMode.DECODE else 0
+        step = None
         if plan is not None:
-            self.in_flight.append(plan)
+            step = plan.to_worker_step()
+            step.step_id = next(self._step_ids)
+            self.in_flight.append((step.step_id, plan))
         t1 = time.perf_counter()
         try:
-            results = self.executor.step(plan.to_worker_step() if plan is not None else None, keep)
+            results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
             logger.exception("step failed")
-            while self.in_flight:
-                outputs += self._fail_plan(self.in_flight.popleft(), f"{type(e).__name__}: {e}")
-            try:  # results the workers may still hold would be taken for a later step's
-                self.executor.step(None, 0)
-            except Exception:  # noqa: BLE001 - still unreachable: nothing is held there either
-                logger.exception("could not drain the workers after a failed step")
-            return outputs
+            return outputs + self._fail_in_flight(f"{type(e).__name__}: {e}")
         t2 = time.perf_counter()
         worker_s = 0.0
         for result in results:
-            done = self.in_flight.popleft()
+            step_id, done = self.in_flight.popleft()
             worker_s += result.timings.get("worker_s", 0.0)
+            if result.step_id != step_id:  # the workers' queue and ours disagree: no result can be placed
+                logger.error("the workers returned step %d's result for step %d", result.step_id, step_id)
+                self.in_flight.appendleft((step_id, done))
+                outputs += self._fail_in_flight(f"the workers answered step {step_id} with step {result.step_id}")
+                break
             if result.error is not None:
                 outputs += self._fail_plan(done, result.error)
             else:
@@ -217,6 +221,18 @@ class Engine:
             for out in outputs:
                 if out.finished:
                     self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
+        return outputs
+
+    def _fail_in_flight(self, error: str) -> list[RequestOutput]:
+        """Every launched step fails; results the workers may still hold are dropped (they would be taken for a
+        later step's)."""
+        outputs = []
+        while self.in_flight:
+            outputs += self._fail_plan(self.in_flight.popleft()[1], error)
+        try:
+            self.executor.step(None, 0)
+        except Exception:  # noqa: BLE001 - still unreachable: nothing is held there either
+            logger.exception("could not drain the workers after a failed step")
         return outputs
 
     def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:

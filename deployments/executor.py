@@ -84,10 +84,18 @@ class RayExecutor:
         return cls(cfg, pg, 1, use_compiled_graph)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
-        """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens)."""
+        """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens), failed where
+        any rank's failed."""
         if self._dag is not None:
-            return ray.get(self._dag.execute(step, keep))[0]
-        return ray.get([w.step.remote(step, keep) for w in self.workers])[0]
+            per_rank = ray.get(self._dag.execute(step, keep))
+        else:
+            per_rank = ray.get([w.step.remote(step, keep) for w in self.workers])
+        results = per_rank[0]
+        for rank, other in enumerate(per_rank[1:], start=1):
+            for res, theirs in zip(results, other):
+                if res.error is None and theirs.error is not None:
+                    res.error = f"rank {rank}: {theirs.error}"
+        return results
 
     def shutdown(self) -> None:
         if self._dag is not None:

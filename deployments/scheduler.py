@@ -34,7 +34,8 @@ class StepPlan:
     extend_lens: list[int]
     page_updates: tuple[list[int], list[int], list[int]]
     counters: list[int]  # per request: tokens sampled before this step (its sampling counter)
-    pending: list[int] | None = None  # DECODE: 1 where the request's previous step is in flight (not in the above)
+    pending: list[int] | None = None  # DECODE: 1 where the request's previous step is in flight, whose tokens
+    # seq_lens and counters leave out (the worker adds them)
     next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
 

@@ -253,6 +253,24 @@ def test_a_failing_step_fails_only_its_requests(tiny_models):
         assert not worker._launched  # drained: a result held there would be taken for a later step's
         assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
 
+        calls["n"] = 0
+
+        def out_of_step(step, keep):  # a result that is not the one the engine expects next
+            calls["n"] += 1
+            results = real_step(step, keep)
+            if calls["n"] == 3:
+                for r in results:
+                    r.step_id += 1000
+            return results
+
+        engine.executor.step = out_of_step
+        lost = engine.generate(mixed_prompts(2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+        assert all(o.finish_reason == "error" and "answered step" in o.error for o in lost)
+        assert engine.allocator.num_free == engine.allocator.capacity_pages and not engine.in_flight
+        assert not worker._launched
+        engine.executor.step = real_step
+        assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
+
 
 def test_incremental_detokenizer_matches_full_decode():
     """Deltas from any chunking (1-5 tokens, splitting multi-byte characters) add up to the full decode, and a stop

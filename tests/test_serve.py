@@ -257,6 +257,7 @@ def test_stream_batching_interval_caps_sends(server):
         t0 = time.perf_counter()
         chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
         took = time.perf_counter() - t0
-        assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
-        assert 2 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took)
-        assert len(chunks) < 60  # tokens were gathered
+        texts = [c.choices[0].text for c in chunks]
+        assert "".join(texts) == full.text and full.finish_reason == "length", (texts, full)
+        assert 2 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
+        assert len(chunks) < 60, texts  # tokens were gathered

@@ -50,6 +50,7 @@ class WorkerStep:
     # speculative decoding
     next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
+    step_id: int = 0  # the engine's number for this step, echoed in its StepResult
 
 
 @dataclass
@@ -59,6 +60,7 @@ class StepResult:
     spec: list[tuple[int, list[int]]] | None = None  # per request: (draft tokens proposed, accepted positions)
     timings: dict = field(default_factory=dict)
     error: str | None = None  # the step failed (its requests fail; the worker goes on)
+    step_id: int = 0  # WorkerStep.step_id of the step this is the result of
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
@@ -151,6 +153,7 @@ class HostCopy:
 class _Launched:
     """A step whose work is queued on the device; ``finish`` turns its copied outputs into the StepResult."""
 
+    step_id: int
     copy: HostCopy | None
     finish: Callable[[list[list]], StepResult] | None
     launch_s: float
@@ -158,10 +161,16 @@ class _Launched:
 
     def result(self) -> StepResult:
         t0 = time.perf_counter()
-        if self.error is not None:
+        res = None
+        if self.error is None:
+            try:
+                res = self.finish(self.copy.lists())
+            except Exception as e:  # noqa: BLE001 - e.g. a device fault surfacing at the copy: this step fails
+                logger.exception("reading a step's results failed")
+                self.error = f"{type(e).__name__}: {e}"
+        if res is None:
             res = StepResult(tokens=[], logprobs=[], error=self.error)
-        else:
-            res = self.finish(self.copy.lists())
+        res.step_id = self.step_id
         res.timings["worker_s"] = self.launch_s + time.perf_counter() - t0
         return res
 
@@ -368,11 +377,13 @@ class Worker:
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
+                    # the page grants first: a step planned after this one counts on them even if this one fails
+                    self._apply_pages(step)
                     copy, finish = self._launch(step)
-                self._launched.append(_Launched(copy, finish, time.perf_counter() - t0))
+                self._launched.append(_Launched(step.step_id, copy, finish, time.perf_counter() - t0))
             except Exception as e:  # noqa: BLE001 - this step's requests fail; those before and after it go on
                 logger.exception("worker step failed")
-                self._launched.append(_Launched(None, None, time.perf_counter() - t0,
+                self._launched.append(_Launched(step.step_id, None, None, time.perf_counter() - t0,
                                                 error=f"{type(e).__name__}: {e}"))
         results = []
         while len(self._launched) > keep:
@@ -381,15 +392,14 @@ class Worker:
 
     def execute(self, step: WorkerStep) -> StepResult:
         """One step, waited for (tools and benchmarks); raises RuntimeError if it failed."""
-        (result,) = self.step(step, keep=0) if not self._launched else (None,)
-        if result is None:
+        if self._launched:
             raise RuntimeError("execute() with overlapped steps still in flight")
+        (result,) = self.step(step, keep=0)
         if result.error is not None:
             raise RuntimeError(result.error)
         return result
 
     def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
-        self._apply_pages(step)
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
         fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
@@ -402,6 +412,7 @@ class Worker:
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
         return HostCopy(ids, logprobs), _token_result
+
     def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
         fn = getattr(self.proposer, "target_features", None)
         return fn(fb, hidden) if fn else hidden
