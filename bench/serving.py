@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine_vs_hf import commit  # noqa: E402
+from deployments.config import LLMConfig  # noqa: E402
 
 
 def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, str, int, str]:
@@ -205,7 +206,9 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     if meta.get("engine_kwargs"):
         md += ["", f"server engine_kwargs: `{json.dumps(meta['engine_kwargs'])}`"]
     if meta.get("stream_interval") is not None:
-        md += ["", f"stream_interval: {meta['stream_interval']}"]
+        md += ["", f"stream_interval: {meta['stream_interval']}"
+               + (f" · stream_batching_interval_ms: {meta['stream_batching_interval_ms']}"
+                  if meta.get("stream_batching_interval_ms") is not None else "")]
     md += ["", "| rate (req/s) | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
            "ITL median / p99 ms |" + (" accept length |" if spec else ""),
            "|---|---|---|---|---|---|" + ("---|" if spec else "")]
@@ -269,7 +272,7 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    engine_kwargs = stream_interval = None
+    engine_kwargs = stream_interval = app_args = None
     if args.config:
         base, model, vocab, device = start_app(Path(args.config), args.stream_interval)
         app_args = server_config(Path(args.config))[2]
@@ -303,6 +306,8 @@ def main() -> None:
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
     meta = {"device": label, "commit": commit(), "command": "python " + " ".join(sys.argv),
             "config": args.config or args.server_config, "stream_interval": stream_interval,
+            "stream_batching_interval_ms": None if app_args is None else app_args.get(
+                "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency}
