@@ -217,6 +217,7 @@ class Engine:
                 self._detok.pop(req.rid, None)
             outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req))
         if self.metrics is not None:
+            self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
             self.metrics.record_step(self.step_stats(result))
             for out in outputs:
                 if out.finished:

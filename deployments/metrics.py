@@ -58,7 +58,6 @@ class EngineMetrics:
         if num_new <= 0:
             return
         t = self.tags
-        self.generation_tokens.inc(num_new, tags=t)
         if prev_token_time is None:
             self.prompt_tokens.inc(len(req.prompt_ids), tags=t)
             self.ttft.observe(now - req.arrival_time, tags=t)
@@ -66,6 +65,11 @@ class EngineMetrics:
         gap = (now - prev_token_time) / num_new
         for _ in range(num_new):
             self.itl.observe(gap, tags=t)
+
+    def record_generated(self, num_tokens: int) -> None:
+        """A step's new tokens, all requests together (one counter update per step)."""
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens, tags=self.tags)
 
     def record_finish(self, reason: str, now: float, arrival: float) -> None:
         self.request_success.inc(1, tags={**self.tags, "finished_reason": reason})

@@ -283,6 +283,7 @@ def test_incremental_detokenizer_matches_full_decode():
     text = (ROOT / "deployments" / "scheduler.py").read_text()[:2000] + "héllo wörld — ünïcode ✓ 日本語 🙂 end"
     ids = tok(text).input_ids
     full = tok.decode(ids, skip_special_tokens=True)
+    assert Detokenizer(tok, [])._decode.func == tok.backend_tokenizer.decode  # the fast path, checked against decode
     rng = random.Random(0)
     for _ in range(10):
         d, out, i = Detokenizer(tok, []), "", 0
