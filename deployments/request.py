@@ -84,7 +84,7 @@ class Request:
     req_slot: int | None = None
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
-    num_inflight: int = 0  # DECODE steps launched for it whose token the host has not read yet (overlap: 0 or 1)
+    num_inflight: int = 0  # DECODE steps launched for it whose tokens the host has not read yet (overlap: 0 or 1)
     num_preemptions: int = 0
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)

@@ -38,8 +38,10 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str) -> dict:
             if first is None and req.output_ids:
                 first = (time.perf_counter(), len(req.output_ids))
         end = time.perf_counter()
-        return {"tokens": req.output_ids, "error": req.error, "start_s": round(start_s, 1),
-                "decode_ms_per_token": round((end - first[0]) / (len(req.output_ids) - first[1]) * 1e3, 3)}
+        result = {"tokens": req.output_ids, "error": req.error, "start_s": round(start_s, 1)}
+        if first is not None and len(req.output_ids) > first[1]:
+            result["decode_ms_per_token"] = round((end - first[0]) / (len(req.output_ids) - first[1]) * 1e3, 3)
+        return result
     finally:
         eng.shutdown()
 
@@ -66,7 +68,8 @@ def main() -> None:
     result.update({f"ray_tp{args.tp}": {k: v for k, v in ray_tp.items() if k != "tokens"},
                    "local_tp1": {k: v for k, v in local.items() if k != "tokens"}, "num_tokens": len(b),
                    "first_difference": next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None),
-                   "tp_over_tp1": round(ray_tp["decode_ms_per_token"] / local["decode_ms_per_token"], 3)})
+                   "tp_over_tp1": round(ray_tp["decode_ms_per_token"] / local["decode_ms_per_token"], 3)
+                   if "decode_ms_per_token" in ray_tp and "decode_ms_per_token" in local else None})
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     if ray_tp["error"] or local["error"] or len(b) != args.new_tokens:

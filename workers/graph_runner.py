@@ -1,8 +1,8 @@
 """CUDA graphs: one runner for every captured mode.
 
 A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
-filled with two host→device copies per step) and the worker's device state (each request's last token, the page
-table, the KV cache), and returns device tensors that stay valid until its next replay. The
+filled with two host→device copies per step) and the worker's device state (each request's last token and last
+advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay. The
 worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step
 (forward + sampling), and for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY +
 acceptance + KV compaction + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
