@@ -167,6 +167,7 @@ class LLMController:
             return
         finished = False
         sent_tokens = 0
+        getter = None
         interval_s = self.config.stream_batching_interval_ms / 1000
         last_sent = float("-inf")
         clock = asyncio.get_running_loop().time
@@ -175,13 +176,14 @@ class LLMController:
             outs: list = []
             due = None  # held tokens go out at this time even if no step adds to them
             while True:
-                if due is None:
-                    outs.append(await queue.get())
-                elif due > clock():
-                    try:
-                        outs.append(await asyncio.wait_for(queue.get(), due - clock()))
-                    except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11
-                        pass
+                if due is None or due > clock():
+                    # a get that outlives a timeout is kept for the next wait, never cancelled: cancelling one that
+                    # has just taken an item loses the item (asyncio.wait_for before Python 3.12)
+                    getter = getter or asyncio.ensure_future(queue.get())
+                    done, _ = await asyncio.wait({getter}, timeout=None if due is None else due - clock())
+                    if done:
+                        outs.append(getter.result())
+                        getter = None
                 # the steps that ended while the last item was on its way go out as ONE item: under load the
                 # stream costs one message per request per send, not per step (no waiting: a lone step goes at once)
                 while not queue.empty() and not isinstance(outs[-1], BaseException) and not outs[-1].finished:
@@ -208,6 +210,8 @@ class LLMController:
                 if finished:
                     return
         finally:
+            if getter is not None:
+                getter.cancel()
             if not finished:  # client went away (or cancelled): free the KV after the current step, off the loop
                 asyncio.get_running_loop().run_in_executor(None, self.loop.abort, rid)
 
