@@ -101,7 +101,8 @@ def markdown(meta: dict) -> str:
             "Step time above: each step launched, then its token read. Overlapped (launched before the previous "
             "step's token is read, as the engine runs), ms per step: "
             + ", ".join(f"{k} {v}" for k, v in meta.get("overlapped_step_ms", {}).items())
-            + (f"; TP=2 / TP=1 {meta['overlapped_tp2_over_tp1']}.\n\n" if "overlapped_tp2_over_tp1" in meta else ".\n\n")
+            + (f"; TP=2 / TP=1 {meta['overlapped_tp2_over_tp1']}.\n\n" if "overlapped_tp2_over_tp1" in meta
+               else ".\n\n")
             +
             f"TP=2 used the one-shot custom all-reduce: {meta['tp2_custom_all_reduce']}.\n")
     if "tp2_isolated_median_step_ms" in meta:
@@ -169,7 +170,8 @@ def main() -> None:
             "tp1_median_step_ms": round(med["tp1"], 3), "tp2_median_step_ms": round(med["tp2"], 3),
             "tp2_over_tp1": round(med["tp2"] / med["tp1"], 3),
             "overlapped_step_ms": {name: round(r["overlapped_step_ms"], 3) for name, r in results.items()},
-            "overlapped_tp2_over_tp1": round(results["tp2"]["overlapped_step_ms"] / results["tp1"]["overlapped_step_ms"], 3),
+            "overlapped_tp2_over_tp1": round(results["tp2"]["overlapped_step_ms"]
+                                             / results["tp1"]["overlapped_step_ms"], 3),
             "tp2_custom_all_reduce": results["tp2"]["custom_all_reduce"],
             "greedy_tokens_equal": equal, "first_difference_at": first_diff, "cuda_graphs": not args.eager}
     if "tp2_isolated" in results:

@@ -58,7 +58,8 @@ def mixed_prompts(n: int = 8, vocab: int = 500, seed: int = 0) -> list[list[int]
 
 def run_all(engine, prompts, params, overlap: bool) -> list:
     """Queue the requests and step the engine until idle; checks that steps were left unread on the worker exactly
-    when ``overlap`` (one at most), that requests were preempted, and that every page came back. Returns the requests."""
+    when ``overlap`` (one at most), that requests were preempted, and that every page came back. Returns the
+    requests."""
     reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     most_unread = 0
     while engine.has_work():
