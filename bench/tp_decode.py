@@ -61,7 +61,7 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     for i in range(steps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = w.execute(step(ForwardMode.DECODE, [tokens[-1]], len(prompt) + i + 1, 1, ([], [], [])))
+        res = w.execute(step(ForwardMode.DECODE, [], len(prompt) + i + 1, 1, ([], [], [])))
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
         tokens.append(res.tokens[0][0])
@@ -81,7 +81,7 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
 
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(2 * steps, 2 * steps + 8):
-                w.execute(step(ForwardMode.DECODE, [tokens[-1]], len(prompt) + i + 1, 1, ([], [], [])))
+                w.execute(step(ForwardMode.DECODE, [], len(prompt) + i + 1, 1, ([], [], [])))
             torch.cuda.synchronize()
         if rank == 0:
             Path(profile_file).write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=30))
