@@ -2,6 +2,9 @@
 and vs the KV-read floor (KV bytes ÷ device copy bandwidth measured in the same run). Llama-3.1-8B head shape
 (32 query heads, 8 KV heads, head dim 128), bf16, one layer, paged KV (page 16), chain verify.
 
+Each launch is timed two ways: called eagerly (Python launches of the split and merge kernels, as without CUDA
+graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
+
     python bench/verify_attention.py --out bench/results/verify_attention_h100
 
 Writes <out>.json, <out>.md, <out>.png with device, commit and command.
@@ -40,6 +43,23 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
 LAUNCH_KNOBS = ("block_n", "num_warps", "num_stages", "programs_per_sm")
 
 
+def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
+    """``fn`` captured in a CUDA graph, one replay timed (triton's do_bench: L2 flushed before every replay)."""
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep)
+    del graph
+    return ms
+
+
 def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int):
     """A verify batch of ``bs`` requests at context ``ctx`` with ``nd`` draft tokens, KV pages scattered."""
     pages_per = -(-(ctx + 16) // page)
@@ -55,11 +75,9 @@ def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int,
 
 
 def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000) -> dict:
-    """Time the decode-style launch knobs at ``ctx`` for bs 1/8/32 x 4/8 draft tokens; choose the combination with
-    the smallest mean (time / KV-read floor)."""
+    """Time the decode-style launch knobs at ``ctx`` for bs 1/8/32 x 4/8 draft tokens, replayed from CUDA graphs;
+    choose the combination with the smallest mean (time / KV-read floor)."""
     import itertools
-
-    import triton.testing
 
     combos = [dict(zip(LAUNCH_KNOBS, c)) for c in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16, 32))]
     results = []
@@ -72,7 +90,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000) -> dict:
                 for key, value in combo.items():
                     setattr(backend, key, value)
                 try:
-                    ms = triton.testing.do_bench(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
+                    ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
                 except Exception as e:  # e.g. a tile needing more shared memory than the SM has
                     ms, err = float("inf"), f"{type(e).__name__}: {str(e)[:120]}"
                 else:
@@ -119,6 +137,7 @@ def main() -> None:
                     be.init_forward_metadata(fb)
                     res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, fb), warmup=10,
                                                         rep=100)
+                    res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, fb))
                 out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
                 out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
                 kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
@@ -129,6 +148,11 @@ def main() -> None:
                              "speedup_vs_prefill_style": round(res["prefill_style"] / res["decode_style"], 2),
                              "kv_read_floor_ms": round(floor_ms, 4),
                              "decode_style_vs_floor": round(res["decode_style"] / floor_ms, 2),
+                             "decode_style_graph_ms": round(res["decode_style_graph"], 4),
+                             "prefill_style_graph_ms": round(res["prefill_style_graph"], 4),
+                             "graph_speedup_vs_prefill_style": round(res["prefill_style_graph"]
+                                                                     / res["decode_style_graph"], 2),
+                             "decode_style_graph_vs_floor": round(res["decode_style_graph"] / floor_ms, 2),
                              "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max())})
                 print(rows[-1], flush=True)
                 del fb, q
@@ -144,11 +168,15 @@ def main() -> None:
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
           f"{meta['copy_bandwidth_GBps']} GB/s (read + write); decode-style launch {launch}"
           + (" (chosen by the sweep in the JSON)" if sweep else ""), "",
-          "| context | bs | draft tokens | decode-style ms | prefill-style ms | speedup | KV floor ms | vs floor |",
-          "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['decode_style_ms']} | "
-           f"{r['prefill_style_ms']} | {r['speedup_vs_prefill_style']}x | {r['kv_read_floor_ms']} | "
-           f"{r['decode_style_vs_floor']}x |" for r in rows]
+          "Times per layer in ms; *graph*: replayed from a CUDA graph (as the engine runs verify), *eager*: launched "
+          "from Python.", "",
+          "| context | bs | draft tokens | KV floor | decode-style graph | prefill-style graph | speedup | vs floor | "
+          "decode-style eager | prefill-style eager | speedup | vs floor |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['kv_read_floor_ms']} | "
+           f"{r['decode_style_graph_ms']} | {r['prefill_style_graph_ms']} | {r['graph_speedup_vs_prefill_style']}x | "
+           f"**{r['decode_style_graph_vs_floor']}x** | {r['decode_style_ms']} | {r['prefill_style_ms']} | "
+           f"{r['speedup_vs_prefill_style']}x | {r['decode_style_vs_floor']}x |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         import matplotlib
@@ -161,14 +189,14 @@ def main() -> None:
             for bs in sorted({r["batch_size"] for r in rows}):
                 sel = [r for r in rows if r["batch_size"] == bs and r["draft_tokens"] == nd]
                 xs = [r["context"] for r in sel]
-                ax.plot(xs, [r["decode_style_ms"] for r in sel], "o-", label=f"decode-style bs={bs}")
-                ax.plot(xs, [r["prefill_style_ms"] for r in sel], "x--", label=f"prefill-style bs={bs}")
+                ax.plot(xs, [r["decode_style_graph_ms"] for r in sel], "o-", label=f"decode-style bs={bs}")
+                ax.plot(xs, [r["prefill_style_graph_ms"] for r in sel], "x--", label=f"prefill-style bs={bs}")
                 ax.plot(xs, [r["kv_read_floor_ms"] for r in sel], ":", color="gray")
             ax.set_xscale("log")
             ax.set_yscale("log")
             ax.set_xlabel("context")
             ax.set_ylabel("ms per layer")
-            ax.set_title(f"verify, {nd} draft tokens (dotted: KV-read floor)", fontsize=9)
+            ax.set_title(f"verify, {nd} draft tokens, CUDA graph replays (dotted: KV-read floor)", fontsize=9)
             ax.legend(fontsize=6)
         fig.suptitle(f"{meta['device']} {meta['commit']}", fontsize=8)
         fig.tight_layout()
