@@ -137,9 +137,12 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
-    # floor over bs 1/8/32 x 4/8 draft tokens at 50k context); an instance may override them.
+    # floor over bs 1/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays); an instance may override them.
     min_chunk = 256  # fewest KV positions a decode-style split takes
-    programs_per_sm = 16  # decode family: (request, head, split) programs per SM, to hide memory latency
+    # decode family: (request, head, split) programs per SM, by batch size: (largest batch, programs per SM), the
+    # first entry whose batch bound covers the batch (the last one beyond). A lone request wants few long splits
+    # (each program's pipeline start is paid once per split); many requests fill the GPU by themselves.
+    programs_per_sm: tuple[tuple[int, int], ...] = ((1, 2), (8, 1), (32, 1))
     block_n = 128  # KV positions per tile (16-bit KV)
     block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4
@@ -193,7 +196,8 @@ class TritonBackend(AttentionBackend):
 
     def _decode_splits(self, batch: int, kv_heads: int, qblocks: int) -> int:
         """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
-        fill = triton.cdiv(self.programs_per_sm * self._num_sms, batch * kv_heads * qblocks)
+        per_sm = next((pps for bound, pps in self.programs_per_sm if batch <= bound), self.programs_per_sm[-1][1])
+        fill = triton.cdiv(per_sm * self._num_sms, batch * kv_heads * qblocks)
         return max(1, min(self.max_splits, triton.cdiv(self._meta["capacity"], self.min_chunk), fill))
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:

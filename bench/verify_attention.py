@@ -74,38 +74,51 @@ def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int,
     return fb, q
 
 
-def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000) -> dict:
-    """Time the decode-style launch knobs at ``ctx`` for bs 1/8/32 x 4/8 draft tokens, replayed from CUDA graphs;
-    choose the combination with the smallest mean (time / KV-read floor)."""
+def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes=(1, 4, 8, 32)) -> dict:
+    """Time the decode-style launch knobs at ``ctx`` for each batch size x 4/8 draft tokens, replayed from CUDA
+    graphs. The tiles (block_n, warps, stages) are one choice for all batches: the lowest mean (time / KV-read floor)
+    when every batch size runs its own best programs per SM; then each batch size gets that best."""
     import itertools
 
-    combos = [dict(zip(LAUNCH_KNOBS, c)) for c in itertools.product((64, 128), (4, 8), (2, 3, 4), (1, 2, 4, 8, 16, 32))]
+    tiles = list(itertools.product((64, 128), (4, 8), (2, 3, 4)))
+    per_sm = (1, 2, 4, 8, 16, 32)
     results = []
-    for bs in (1, 8, 32):
+    for bs in batch_sizes:
         for nd in (4, 8):
             fb, q = verify_case(ctx, bs, nd, layer.num_heads, layer.num_kv_heads, layer.head_dim, 16)
             floor_ms = 2 * bs * ctx * layer.num_kv_heads * layer.head_dim * 2 / bw * 1e3
             backend.init_forward_metadata(fb)
-            for combo in combos:
-                for key, value in combo.items():
-                    setattr(backend, key, value)
+            for (block_n, warps, stages), pps in itertools.product(tiles, per_sm):
+                backend.block_n, backend.num_warps, backend.num_stages = block_n, warps, stages
+                backend.programs_per_sm = ((bs, pps),)
                 try:
                     ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
                 except Exception as e:  # e.g. a tile needing more shared memory than the SM has
                     ms, err = float("inf"), f"{type(e).__name__}: {str(e)[:120]}"
                 else:
                     err = None
-                results.append({**combo, "batch_size": bs, "draft_tokens": nd, "ms": round(ms, 4),
+                results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages,
+                                "programs_per_sm": pps, "batch_size": bs, "draft_tokens": nd, "ms": round(ms, 4),
                                 "vs_floor": round(ms / floor_ms, 3), "error": err})
             print(f"sweep bs={bs} nd={nd}: best", min((r for r in results if r["batch_size"] == bs
                                                        and r["draft_tokens"] == nd), key=lambda r: r["ms"]), flush=True)
             del fb, q
             torch.cuda.empty_cache()
-    score = {i: sum(r["vs_floor"] for r in results[i::len(combos)]) / (len(results) // len(combos))
-             for i in range(len(combos))}
-    best = min(score, key=score.get)
-    print("sweep chose", combos[best], "mean vs floor", round(score[best], 3), flush=True)
-    return {"context": ctx, "chosen": combos[best], "chosen_mean_vs_floor": round(score[best], 3), "results": results}
+
+    def mean(tile, bs, pps):
+        v = [r["vs_floor"] for r in results if (r["block_n"], r["num_warps"], r["num_stages"]) == tile
+             and r["batch_size"] == bs and r["programs_per_sm"] == pps]
+        return sum(v) / len(v)
+
+    def best_per_sm(tile, bs):
+        return min(per_sm, key=lambda pps: mean(tile, bs, pps))
+
+    score = {t: sum(mean(t, bs, best_per_sm(t, bs)) for bs in batch_sizes) / len(batch_sizes) for t in tiles}
+    tile = min(score, key=score.get)
+    chosen = dict(zip(("block_n", "num_warps", "num_stages"), tile),
+                  programs_per_sm=tuple((bs, best_per_sm(tile, bs)) for bs in batch_sizes))
+    print("sweep chose", chosen, "mean vs floor", round(score[tile], 3), flush=True)
+    return {"context": ctx, "chosen": chosen, "chosen_mean_vs_floor": round(score[tile], 3), "results": results}
 
 
 def main() -> None:
