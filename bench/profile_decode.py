@@ -42,15 +42,13 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> 
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_cublas = do_bench(lambda: F.linear(x, w), warmup=20, rep=200)
             cands = (sml.CANDIDATES_M1 if m == 1 else []) + sml.CANDIDATES
-            arrived = torch.zeros(-(-n // 8), dtype=torch.int32, device="cuda")  # split-K counters, any config
-            t_cfg = {str(tuple(c)): do_bench(lambda c=c: sml.small_m_linear(x, w, None, c, arrived=arrived),
-                                             warmup=20, rep=200) for c in cands}
-            # every config's output against cuBLAS, after its timed launches (the split-K counters were reused
-            # hundreds of times by then): the worst relative error over the configs
+            t_cfg = {str(tuple(c)): do_bench(lambda c=c: sml.small_m_linear(x, w, None, c), warmup=20, rep=200)
+                     for c in cands}
+            # every config's output against cuBLAS: the worst relative error over the configs
             ref = F.linear(x, w).float()
-            worst = max(((sml.small_m_linear(x, w, None, c, arrived=arrived).float() - ref).abs().max()
+            worst = max(((sml.small_m_linear(x, w, None, c).float() - ref).abs().max()
                          / ref.abs().max()).item() for c in cands)
-            table = sml.SmallMTable({sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m))})
+            table = {sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m))}
             chosen = table[sml.row_bucket(m)]
             err = (sml.linear(x, w, None, table).float() - F.linear(x, w).float()).abs().max().item()
             t_chosen = do_bench(lambda: sml.linear(x, w, None, table), warmup=20, rep=200)
@@ -71,7 +69,7 @@ def linear_markdown(res: dict) -> str:
     lines = [f"# Linear layers at few rows ({res['device']})", "",
              f"commit `{res['commit']}`, command `{res['command']}`; bf16, floor = weight bytes / "
              f"{res['copy_bandwidth_gb_s']} GB/s copy bandwidth measured in the run", "",
-             "Triton configs: (block_m, block_n, block_k, warps, stages[, split_k]); worst rel. error: the largest "
+             "Triton configs: (block_m, block_n, block_k, warps, stages); worst rel. error: the largest "
              "over all configs, vs cuBLAS.", "",
              "| linear | M | N | K | floor ms | cuBLAS ms (x floor) | best Triton ms (config) | chosen | "
              "chosen ms (x floor) | worst rel. error |",

@@ -107,7 +107,6 @@ def check_small_m_linear(g) -> None:
             assert torch.allclose(sml.linear(gu, w, None, {sml.row_bucket(m): cfg}, gated=True), ref, atol=1e-4,
                                   rtol=1e-4)
             assert torch.allclose(sml.linear(gu, w, None, {}, gated=True), ref, atol=1e-5, rtol=1e-5)  # unfused
-    check_split_k_linear(g)
     try:
         sml.linear(torch.randn(2, 64, generator=g), torch.randn(8, 64, generator=g), None, {}, gated=True)
         raise AssertionError("a gated input must be twice the weight's input width")
@@ -129,41 +128,6 @@ def check_small_m_linear(g) -> None:
     finally:
         sml.small_m_linear = real
     assert sml.row_bucket(1) == 1 and sml.row_bucket(3) == 4 and sml.row_bucket(9) == 16
-
-
-def check_split_k_linear(g) -> None:
-    """Split-K launches: ragged and empty K slices, bias, gated input, both row paths; the last program of each
-    column block leaves its counter at zero, so one table's counters serve launch after launch."""
-    import torch
-
-    from workers import small_m_linear as sml
-    from workers.fused_ops import silu_and_mul
-
-    table = sml.SmallMTable({1: sml.TileConfig(1, 8, 32, 2, 1, 3), 4: sml.TileConfig(16, 16, 32, 4, 1, 2),
-                             8: sml.TileConfig(16, 16, 32, 4, 1, 3), 16: None})
-    # k=64 in 3 slices of 32: the third is empty; k=70: the last slice holds 6 columns
-    for m, n, k, bias, gated in ((1, 48, 96, False, False), (1, 40, 70, True, False), (1, 24, 64, False, True),
-                                 (3, 40, 70, True, False), (6, 64, 64, False, False), (5, 24, 70, False, True)):
-        w = torch.randn(n, k, generator=g)
-        b = torch.randn(n, generator=g) if bias else None
-        x = torch.randn(m, 2 * k, generator=g)
-        if not gated:
-            x = x[:, :k]  # rows of a wider tensor
-        ref = torch.nn.functional.linear(silu_and_mul(x) if gated else x, w, b)
-        for _ in range(2):  # the counters return to zero: a second launch with the same table is as correct
-            got = sml.linear(x, w, b, table, gated=gated)
-            assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (m, n, k, gated)
-            assert table.arrived is not None and int(table.arrived.abs().sum()) == 0
-    assert table.arrived.numel() == 48 // 8  # sized on first use: the first weight's widest split-K launch
-    cfg = sml.TileConfig(16, 16, 32, 4, 1, 2)
-    try:
-        sml.small_m_linear(torch.randn(2, 64, generator=g), torch.randn(48, 64, generator=g), None, cfg,
-                           arrived=torch.zeros(2, dtype=torch.int32))
-        raise AssertionError("too few split-K counters must be refused")
-    except ValueError:
-        pass
-    x, w = torch.randn(2, 64, generator=g), torch.randn(48, 64, generator=g)  # no counters given: made per call
-    assert torch.allclose(sml.small_m_linear(x, w, None, cfg), torch.nn.functional.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
 def test_fused_ops_match_reference_in_interpreter():

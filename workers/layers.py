@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fused_ops import rms_norm
-from workers.small_m_linear import SmallMTable, linear
+from workers.small_m_linear import linear
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ class ColumnParallelLinear(nn.Module):
         local = sum(self.local_sizes)
         self.weight = _param((local, in_size), dtype)
         self.bias = _param((local,), dtype) if bias else None
-        self.small_m = SmallMTable()  # row bucket → tuned kernel (workers.small_m_linear)
+        self.small_m: dict = {}  # row bucket → tuned kernel (workers.small_m_linear)
 
     def load_weight(self, name: str, slice_, shard_id: int = 0) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -129,7 +129,7 @@ class QKVParallelLinear(nn.Module):
         local = self.q_size + 2 * self.kv_size
         self.weight = _param((local, hidden), dtype)
         self.bias = _param((local,), dtype) if bias else None
-        self.small_m = SmallMTable()
+        self.small_m: dict = {}
 
     def load_weight(self, name: str, slice_, shard_id: str) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -156,7 +156,7 @@ class RowParallelLinear(nn.Module):
         start, end = _shard_range(in_size, tp)
         self.weight = _param((out_size, end - start), dtype)
         self.bias = _param((out_size,), dtype) if bias else None
-        self.small_m = SmallMTable()
+        self.small_m: dict = {}
         self.gated_input = False  # True: the model calls forward(x, gated=True); the start-up tuning times that
 
     def load_weight(self, name: str, slice_, shard_id=None) -> None:
@@ -206,7 +206,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab: int, dim: int, dtype, tp: TPGroup = SINGLE):
         super().__init__(vocab, dim, dtype, tp)
-        self.small_m = SmallMTable()
+        self.small_m: dict = {}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         logits = linear(hidden, self.weight, None, self.small_m)

@@ -2,12 +2,8 @@
 
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
 the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
-[BLOCK_N, BLOCK_K] tiles, the M rows multiplied on the tensor cores (rows padded to 16) or, for M = 1, as a broadcast
-multiply-sum. A program owns BLOCK_N output columns and, with split-K, one of SPLIT_K slices of the input width: a
-4096 x 4096 weight then streams through 4x more programs, enough to keep every SM's loads in flight. Split-K programs
-write fp32 partial sums and count their arrival per column block; the last to arrive adds the partials in split order
-(the same order on every run, so the result does not depend on which program came last), writes the output and
-resets its counter to zero: one kernel, no zero-filled buffer, safe to replay in a CUDA graph.
+[BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
+padded to 16) or, for M = 1, as a broadcast multiply-sum.
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket and stores
@@ -40,17 +36,12 @@ class TileConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    split_k: int = 1  # programs per column block, each over 1 / split_k of the input width
 
 
 # Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds.
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
-CANDIDATES += [TileConfig(16, bn, bk, 4, s, split) for bn, bk, s, split in
-               ((32, 256, 3, 2), (32, 256, 3, 4), (32, 128, 4, 8), (64, 128, 4, 4), (16, 256, 4, 8))]
 CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 2, 3))]
-CANDIDATES_M1 += [TileConfig(1, bn, bk, 4, 3, split) for bn, bk, split in
-                  ((32, 256, 2), (32, 256, 4), (32, 256, 8), (16, 512, 4), (16, 512, 8), (64, 128, 4))]
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 # A later candidate (cuBLAS first, then the list's order) must be this much faster to be chosen: kernels of nearly
@@ -62,26 +53,23 @@ SWITCH_MARGIN = 0.03
 if triton is not None:
 
     @triton.jit
-    def _small_m_linear(X, W, Bias, Y, Partial, Arrived, M, N, K, k_per_split, stride_xm, stride_wn, stride_ym,
-                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        split = tl.program_id(1)
-        k_lo = split * k_per_split  # a whole number of BLOCK_K tiles
-        k_hi = tl.minimum(k_lo + k_per_split, K)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (k_lo + offs_k)[None, :]
-        x_ptrs = X + offs_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
                 x_ok = row_ok
             else:
-                k_ok = (k0 + offs_k) < k_hi
+                k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
                 x_ok = row_ok & k_ok[None, :]
             x = tl.load(x_ptrs, mask=x_ok, other=0.0)
@@ -96,70 +84,26 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        out_ok = row_ok & (offs_n[None, :] < N)
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=out_ok)
-        else:
-            part = Partial + offs_m[:, None] * N + offs_n[None, :]  # [SPLIT_K, M, N] fp32
-            tl.store(part + split * M * N, acc, mask=out_ok)
-            tl.debug_barrier()  # every thread's partial is written before the arrival is counted
-            arrived = tl.atomic_add(Arrived + pid, 1)  # acq_rel, GPU scope: orders the stores above
-            if arrived == SPLIT_K - 1:  # the last of this column block: add the partials in split order
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for s in tl.static_range(SPLIT_K):
-                    total += tl.load(part + s * M * N, mask=out_ok, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptrs, total.to(Y.dtype.element_ty), mask=out_ok)
-                tl.atomic_xchg(Arrived + pid, 0)  # ready for the next launch (and the next graph replay)
-
-
-class SmallMTable(dict):
-    """A layer's tuned kernels: row bucket → TileConfig (None: cuBLAS), plus the split-K arrival counters of the
-    layer's launches (zeros between launches; its own, so layers on different streams never share them)."""
-
-    arrived: torch.Tensor | None = None
-
-    def arrival_counters(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """One counter per column block of the widest split-K launch; made on first use (tuning makes it, before
-        any CUDA graph is captured)."""
-        if self.arrived is None:
-            blocks = [-(-weight.shape[0] // c.block_n) for c in self.values() if c is not None and c.split_k > 1]
-            if blocks:
-                self.arrived = torch.zeros(max(blocks), dtype=torch.int32, device=weight.device)
-        return self.arrived
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
 
 
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-                   gated: bool = False, arrived: torch.Tensor | None = None) -> torch.Tensor:
+                   gated: bool = False) -> torch.Tensor:
     """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous.
-    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded.
-    ``arrived``: int32 zeros, at least one per column block, for split-K configs (the layer's
-    ``SmallMTable.arrival_counters``); without it a zeroed one is made for this call."""
+    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
     m, k = x2d.shape
     if gated:
         k //= 2
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    column_blocks = triton.cdiv(n, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    if cfg.split_k > 1:
-        partial = torch.empty(cfg.split_k, m, n, dtype=torch.float32, device=x2d.device)
-        if arrived is None:
-            arrived = torch.zeros(column_blocks, dtype=torch.int32, device=x2d.device)
-        elif arrived.numel() < column_blocks:
-            raise ValueError(f"{arrived.numel()} split-K counters for {column_blocks} column blocks")
-    else:
-        partial = arrived = y  # unused
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    _small_m_linear[(column_blocks, cfg.split_k)](
-        x2d, weight, bias if bias is not None else weight, y, partial, arrived, m, n, k, k_per_split, x2d.stride(0),
-        weight.stride(0), y.stride(0), HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
+        x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -176,11 +120,10 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
 
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
     cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
-    arrived = torch.zeros(-(-weight.shape[0] // 8), dtype=torch.int32, device=weight.device)  # any candidate's
     best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
-            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated, arrived), warmup=5, rep=20)
+            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated), warmup=5, rep=20)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
             continue
         if ms < best_ms * (1 - SWITCH_MARGIN):
@@ -195,8 +138,8 @@ def tune_small_m_linears(model: torch.nn.Module) -> int:
     for module in model.modules():
         table = getattr(module, "small_m", None)
         weight = getattr(module, "weight", None)
-        if not isinstance(table, SmallMTable) or weight is None or not weight.is_cuda \
-                or weight.dtype not in (torch.bfloat16, torch.float16):
+        if table is None or weight is None or not weight.is_cuda or weight.dtype not in (torch.bfloat16,
+                                                                                          torch.float16):
             continue
         bias = getattr(module, "bias", None)
         gated = getattr(module, "gated_input", False)
@@ -204,12 +147,11 @@ def tune_small_m_linears(model: torch.nn.Module) -> int:
         if key not in by_shape:
             by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
         table.update(by_shape[key])
-        table.arrival_counters(weight)  # before any CUDA graph is captured
     return len(by_shape) * len(ROW_BUCKETS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_m: SmallMTable | dict[int, TileConfig | None] | None = None, gated: bool = False) -> torch.Tensor:
+           small_m: dict[int, TileConfig | None] | None = None, gated: bool = False) -> torch.Tensor:
     """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster.
     ``gated``: x is [..., 2K] (gate | up) and the layer's input is silu(gate) * up — inside the Triton kernel's
     loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first."""
@@ -225,5 +167,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2d = x.reshape(m, width)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    arrived = small_m.arrival_counters(weight) if isinstance(small_m, SmallMTable) else None
-    return small_m_linear(x2d, weight, bias, cfg, gated, arrived).view(*x.shape[:-1], weight.shape[0])
+    return small_m_linear(x2d, weight, bias, cfg, gated).view(*x.shape[:-1], weight.shape[0])

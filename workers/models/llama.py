@@ -18,7 +18,7 @@ from workers.layers import (
     rope_cos_sin,
 )
 from workers.fused_ops import apply_rope_qk
-from workers.small_m_linear import SmallMTable, linear
+from workers.small_m_linear import linear
 from workers.model_config import ModelConfig
 
 
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         if self.lm_head is None:  # the embedding doubles as the head: tune its matrix as a linear layer
-            self.embed_tokens.small_m = SmallMTable()
+            self.embed_tokens.small_m = {}
         cos, sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
