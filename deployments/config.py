@@ -85,6 +85,21 @@ class EngineConfig(_Strict):
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
     seed: int = 0
+    tuning_cache_dir: str | None = Field(None, description="where the GPU kernel choices timed at start-up are kept "
+                                         "for later starts (default: $SPECSERVE_CACHE_DIR, else "
+                                         "$XDG_CACHE_HOME/specserve or ~/.cache/specserve); '' times them at every "
+                                         "start")
+
+    def resolved_tuning_cache_dir(self) -> str | None:
+        """The directory of the tuning cache, or None when it is off."""
+        import os
+
+        if self.tuning_cache_dir is not None:
+            return self.tuning_cache_dir or None
+        if os.environ.get("SPECSERVE_CACHE_DIR"):
+            return os.environ["SPECSERVE_CACHE_DIR"]
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        return os.path.join(base, "specserve")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

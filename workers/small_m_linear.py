@@ -10,10 +10,19 @@ times cuBLAS (``F.linear``) and every candidate tile config on each layer's real
 the winner in that layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the
 table: a bucket that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
 kernel) runs ``F.linear``.
+
+Timings are noisy, and kernels round differently, so two starts that chose differently would give different bf16
+tokens for the same greedy request. A ``TuningCache`` file keeps each choice per GPU model and software versions:
+later starts (restarts, other replicas sharing the file) read it and time nothing, so they run the same kernels.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -26,6 +35,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install without triton
     triton = None
+
+logger = logging.getLogger(__name__)
 
 MAX_ROWS = 16
 
@@ -131,10 +142,78 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
     return best
 
 
-def tune_small_m_linears(model: torch.nn.Module) -> int:
+class TuningCache:
+    """The tuned choices, in a JSON file shared by every start on this machine (or volume):
+    ``{environment: {shape key: {row bucket: [tile config] | null (cuBLAS)}}}``. The environment names the GPU model
+    and the torch and triton versions, whose kernels were timed. Saving merges with what the file holds by then and
+    replaces it atomically, so concurrent starts (TP ranks, replicas) never leave it half written; an unreadable
+    file is set aside (logged) and tuning starts afresh."""
+
+    def __init__(self, path: str | os.PathLike, environment: str):
+        self.path = Path(path)
+        self.environment = environment
+        self._entries: dict[str, dict[str, list[int] | None]] = self._read().get(environment, {})
+        self._new: dict[str, dict[str, list[int] | None]] = {}
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not a JSON object")
+            return data
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as e:
+            logger.warning("small-M tuning cache %s is unreadable (%s): tuning afresh", self.path, e)
+            return {}
+
+    def get(self, key: str) -> dict[int, TileConfig | None] | None:
+        """The row bucket → kernel table stored for this shape key, or None when any bucket is missing."""
+        entry = self._entries.get(key)
+        if entry is None or any(str(rows) not in entry for rows in ROW_BUCKETS):
+            return None
+        try:
+            return {rows: None if entry[str(rows)] is None else TileConfig(*entry[str(rows)]) for rows in ROW_BUCKETS}
+        except TypeError:  # a config of another shape (an older file): time it again
+            return None
+
+    def put(self, key: str, table: dict[int, TileConfig | None]) -> None:
+        entry = {str(rows): None if cfg is None else list(cfg) for rows, cfg in table.items()}
+        self._entries[key] = self._new[key] = entry
+
+    def save(self) -> None:
+        """Write the entries tuned since loading (nothing when none was); errors are logged, not raised."""
+        if not self._new:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            data = self._read()
+            data.setdefault(self.environment, {}).update(self._new)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=self.path.name + ".")
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.path)
+            self._new = {}
+        except OSError as e:
+            logger.warning("small-M tuning cache %s not written: %s", self.path, e)
+
+
+def tuning_environment(device: torch.device) -> str:
+    """What a timing depends on besides the shape: the GPU model and the torch / triton builds."""
+    return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__}"
+
+
+def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
+    n, k = weight.shape
+    return f"{n}x{k} {str(weight.dtype).removeprefix('torch.')}{' bias' if has_bias else ''}{' gated' if gated else ''}"
+
+
+def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = None) -> int:
     """Fill the ``small_m`` table of every layer of ``model`` that has one, for every row bucket (CUDA, 16-bit
-    weights only); layers of the same shape share one timing. Returns how many (shape, bucket) pairs were timed."""
+    weights only); layers of the same shape share one timing, and a shape the cache holds is not timed. Returns how
+    many (shape, bucket) pairs were timed."""
     by_shape: dict[tuple, dict] = {}
+    timed = 0
     for module in model.modules():
         table = getattr(module, "small_m", None)
         weight = getattr(module, "weight", None)
@@ -143,11 +222,16 @@ def tune_small_m_linears(model: torch.nn.Module) -> int:
             continue
         bias = getattr(module, "bias", None)
         gated = getattr(module, "gated_input", False)
-        key = (tuple(weight.shape), weight.dtype, bias is not None, gated)
+        key = shape_key(weight, bias is not None, gated)
         if key not in by_shape:
-            by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
+            by_shape[key] = cache.get(key) if cache is not None else None
+            if by_shape[key] is None:
+                by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
+                timed += len(ROW_BUCKETS)
+                if cache is not None:
+                    cache.put(key, by_shape[key])
         table.update(by_shape[key])
-    return len(by_shape) * len(ROW_BUCKETS)
+    return timed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

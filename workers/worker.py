@@ -303,18 +303,25 @@ class Worker:
         """Time the small-M linear kernel against cuBLAS for every layer and row bucket, once, before the KV cache
         takes the memory. Only for graph runs: eagerly, Triton's Python launch cost outweighs what it saves. A draft
         replicated on every TP rank keeps cuBLAS, so that all ranks run the very same kernels and draft the same
-        tokens (each rank's own timing could pick a different kernel, whose rounding differs)."""
-        from workers.small_m_linear import tune_small_m_linears
+        tokens (each rank's own timing could pick a different kernel, whose rounding differs). Choices are kept in
+        the tuning cache (``EngineConfig.tuning_cache_dir``): later starts read them, run the same kernels, and so
+        give the same tokens."""
+        from workers.small_m_linear import TuningCache, tune_small_m_linears, tuning_environment
 
         models = [self.target.model]
         runner = getattr(self.proposer, "runner", None)
         if runner is not None and not (self.tp.size > 1 and self.draft_tp.size == 1):
             models.append(runner.model)
+        cache_dir = self.cfg.resolved_tuning_cache_dir()
+        cache = (TuningCache(os.path.join(cache_dir, "small_m_linear.json"), tuning_environment(self.device))
+                 if cache_dir else None)
         t0 = time.perf_counter()
-        timed = sum(tune_small_m_linears(m) for m in models)
+        timed = sum(tune_small_m_linears(m, cache) for m in models)
         torch.cuda.empty_cache()  # the timing buffers must not count as used when the KV cache is sized
-        logger.info("small-M linear kernels tuned for %d (shape, rows) pairs in %.1fs", timed,
-                    time.perf_counter() - t0)
+        if cache is not None:
+            cache.save()
+        logger.info("small-M linear kernels: %d (shape, rows) pairs timed in %.1fs%s", timed,
+                    time.perf_counter() - t0, f" (the others from {cache.path})" if cache is not None else "")
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
     def _graph_callables(self, bucket: int, greedy: bool) -> dict[str, object]:
