@@ -64,6 +64,7 @@ def build_engine(cfg):
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from deployments.request import SamplingParams
+    from deployments.tokenizer import chat_prompt_ids
 
     cfg = engine_config_from_args(args)
     engine = build_engine(cfg)
@@ -72,8 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             ignore_eos=args.ignore_eos)
     prompts = args.prompt
     if args.chat:
-        prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                        add_generation_prompt=True) for p in prompts]
+        prompts = [chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     results = engine.generate(prompts, params)
     engine.shutdown()
     status = 0

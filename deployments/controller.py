@@ -17,6 +17,7 @@ from ray import serve
 
 from deployments.config import LLMConfig
 from deployments.request import InvalidRequest, RequestOutput, SamplingParams
+from deployments.tokenizer import ChatTemplateError, chat_prompt_ids
 
 logger = logging.getLogger("specserve")
 
@@ -97,10 +98,12 @@ class EngineLoop:
         self._thread.join(timeout=10)
 
 
-def _output_dict(out: RequestOutput) -> dict:
+def _output_dict(out: RequestOutput, tokenizer) -> dict:
     req = out.request
     d = {"rid": out.rid, "token_ids": out.new_token_ids, "text": out.new_text, "finished": out.finished,
          "finish_reason": out.finish_reason}
+    if out.new_logprobs:  # (the token's own text, its logprob) for each new token
+        d["logprobs"] = [(tokenizer.decode([t]), lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)]
     if out.finished:
         d.update(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                  spec=req.spec.as_dict() if req.spec.num_drafts else None, error=req.error)
@@ -114,6 +117,8 @@ def _merged(items: list[dict]) -> dict:
     d = dict(items[-1])
     d["token_ids"] = [t for item in items for t in item["token_ids"]]
     d["text"] = "".join(item["text"] for item in items)
+    if any("logprobs" in item for item in items):
+        d["logprobs"] = [pair for item in items for pair in item.get("logprobs", [])]
     return d
 
 
@@ -137,7 +142,8 @@ class LLMController:
         tok = self.engine.tokenizer
         return {"model_id": self.config.model_loading_config.model_id, "max_model_len": self.engine.max_model_len,
                 "cold_start_s": self.cold_start_s, "eos_token_id": tok.eos_token_id,
-                "speculative": self.engine.cfg.speculative_config is not None}
+                "speculative": self.engine.cfg.speculative_config is not None,
+                "sampling_defaults": self.engine.sampling_defaults}
 
     def check_health(self) -> None:  # Serve calls this periodically
         if self.loop.error is not None:
@@ -146,9 +152,12 @@ class LLMController:
     def stats(self) -> dict:
         return self.loop.stats()
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=add_generation_prompt)
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int] | dict:
+        """The chat prompt's token ids, or {"error": message} when the chat template rejects the messages."""
+        try:
+            return chat_prompt_ids(self.engine.tokenizer, messages, add_generation_prompt)
+        except ChatTemplateError as e:
+            return {"error": str(e)}
 
     async def generate(self, prompt, params: dict, rid: str | None = None):
         """Stream dicts: one per step that produced tokens; the last has ``finished`` and usage. The first item is
@@ -168,6 +177,7 @@ class LLMController:
         finished = False
         sent_tokens = 0
         getter = None
+        tok = self.engine.tokenizer
         interval_s = self.config.stream_batching_interval_ms / 1000
         last_sent = float("-inf")
         clock = asyncio.get_running_loop().time
@@ -190,7 +200,7 @@ class LLMController:
                     outs.append(queue.get_nowait())
                 if isinstance(outs[-1], BaseException):
                     if len(outs) > 1:
-                        yield _merged([_output_dict(o) for o in outs[:-1]])
+                        yield _merged([_output_dict(o, tok) for o in outs[:-1]])
                     yield {"error": f"engine failure: {outs[-1]}", "status": 500, "type": "internal_error",
                            "code": None}
                     return
@@ -203,7 +213,7 @@ class LLMController:
                     if clock() < last_sent + interval_s:
                         due = last_sent + interval_s  # and send at most once per stream_batching_interval_ms
                         continue
-                yield _merged([_output_dict(o) for o in outs])
+                yield _merged([_output_dict(o, tok) for o in outs])
                 last_sent = clock()
                 sent_tokens += new_tokens
                 outs = []

@@ -89,6 +89,7 @@ class Engine:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         mc = self.executor.model_config
         self.max_model_len = self.executor.max_model_len
+        self.sampling_defaults = dict(mc.sampling_defaults)  # the HTTP API's defaults for unset sampling fields
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -134,8 +135,9 @@ class Engine:
             prompt_ids = list(prompt)
         else:
             raise InvalidRequest("prompt must be a string or a list of token ids")
-        if params.max_tokens is None:
-            params = replace(params, max_tokens=max(1, self.max_model_len - len(prompt_ids)))
+        if params.max_tokens is None:  # up to the end of the context, or of what the KV cache can ever hold
+            cache_tokens = self.allocator.capacity_pages * self.cfg.page_size - self.executor.lookahead
+            params = replace(params, max_tokens=max(1, min(self.max_model_len, cache_tokens) - len(prompt_ids)))
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
         self.scheduler.add(req)
         self._detok[req.rid] = Detokenizer(self.tokenizer, params.stop)
@@ -212,10 +214,15 @@ class Engine:
             new_text, hit_stop = detok.push(new_ids, final=req.finished)
             if hit_stop and not req.finished:
                 self.scheduler.finish(req, "stop")
+            elif hit_stop and req.finish_reason == "length":  # the stop string came with the last allowed token
+                req.finish_reason = "stop"
             req.text = detok.text
             if req.finished:
                 self._detok.pop(req.rid, None)
-            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req))
+            new_logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_ids):] if req.params.logprobs \
+                and new_ids else []
+            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
+                                         new_logprobs))
         if self.metrics is not None:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
             self.metrics.record_step(self.step_stats(result))

@@ -26,34 +26,72 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
+    """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
+    model's generation_config.json defaults where it has them, else OpenAI's."""
+
     model_config = ConfigDict(extra="ignore")
-    model: str
+    model: str | None = None  # as vLLM: omitted means the served model
     max_tokens: int | None = Field(None)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     seed: int | None = None
     user: str | None = None
+    # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # extensions (vLLM / SGLang names)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    ignore_eos: bool = False
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
 
-    def sampling_params(self, default_max: int | None) -> dict:
+    def refuse_unsupported(self) -> None:
+        """A request for something this server does not do gets 400 naming the parameter, not a silent no-op."""
+        unsupported = {
+            "frequency_penalty": self.frequency_penalty not in (None, 0),
+            "presence_penalty": self.presence_penalty not in (None, 0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": (self.response_format or {}).get("type", "text") != "text",
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+        }
+        for name, refused in unsupported.items():
+            if refused:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if self.n not in (None, 1):
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+    def sampling_params(self, default_max: int | None, defaults: dict, logprobs: bool) -> dict:
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "seed": self.seed, "stop": stop, "stop_token_ids": list(self.stop_token_ids or []),
-                "ignore_eos": self.ignore_eos}
+                "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", 0),
+                "min_p": pick("min_p", 0.0), "seed": self.seed, "stop": stop,
+                "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": bool(self.ignore_eos),
+                "logprobs": logprobs}
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives besides the sampled token (0: none)
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class ChatMessage(BaseModel):
@@ -65,6 +103,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class APIError(Exception):
@@ -81,6 +121,22 @@ def error_response(status: int, message: str, type_: str, param=None, code=None)
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError):
     return error_response(e.status, e.message, e.type, e.param, e.code)
+
+
+@app.exception_handler(Exception)
+async def _unexpected_error(_: Request, e: Exception):  # a bug of ours: still an OpenAI-shaped answer
+    return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+
+
+@app.middleware("http")
+async def _authenticate(request: Request, call_next):
+    """The API key is checked before the body is read: an unauthenticated client learns nothing about the API.
+    Every route needs it but /health (probes)."""
+    key = getattr(request.app.state, "api_key", None)  # (Serve runs a copy of ``app``: ask the running one)
+    if key is not None and not request.url.path.rstrip("/").endswith("/health") \
+            and request.headers.get("authorization", "") != f"Bearer {key}":
+        return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+    return await call_next(request)
 
 
 @app.exception_handler(RequestValidationError)
@@ -104,13 +160,27 @@ def _message_text(content) -> str:
     return "".join(parts)
 
 
+def _logprobs(pairs: list, chat: bool, text_offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object for [(token text, logprob), ...]: chat's ``content`` list, or the completions API's
+    parallel lists (``text_offset``: where the first token starts in the choice's text)."""
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                            for t, lp in pairs]}
+    offsets = []
+    for t, _ in pairs:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
+            "top_logprobs": None, "text_offset": offsets}
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key: str | None = None):
         self.controller = controller
         self.model_id = model_id
-        self.api_key = api_key
+        app.state.api_key = api_key  # one ingress per replica process: the middleware reads it
         self.created = int(time.time())
         self._info = None
 
@@ -119,11 +189,7 @@ class OpenAIIngress:
             self._info = await self.controller.info.remote()
         return self._info
 
-    def _check(self, request: Request, model: str | None) -> None:
-        if self.api_key is not None:
-            auth = request.headers.get("authorization", "")
-            if auth != f"Bearer {self.api_key}":
-                raise APIError(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
+    def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
             raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_id}",
                            "invalid_request_error", "model", "model_not_found")
@@ -134,20 +200,19 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @app.get("/v1/models")
-    async def models(self, request: Request):
-        self._check(request, None)
+    async def models(self):
         info = await self._model_info()
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                              "owned_by": "specserve", "max_model_len": info["max_model_len"]}]}
 
     @app.get("/v1/stats")
-    async def stats(self, request: Request):
-        self._check(request, None)
+    async def stats(self):
         return await self.controller.stats.remote()
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, request: Request):
-        self._check(request, body.model)
+    async def completions(self, body: CompletionRequest):
+        self._check_model(body.model)
+        body.refuse_unsupported()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -155,22 +220,34 @@ class OpenAIIngress:
             prompt = prompt[0]
         if body.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        return await self._serve(body, prompt, chat=False, request=request)
+        if body.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported", param="best_of")
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.logprobs:
+            raise APIError(400, "only the sampled token's logprob is returned: logprobs must be 0",
+                           param="logprobs")
+        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None)
 
     @app.post("/v1/chat/completions")
-    async def chat(self, body: ChatCompletionRequest, request: Request):
-        self._check(request, body.model)
+    async def chat(self, body: ChatCompletionRequest):
+        self._check_model(body.model)
+        body.refuse_unsupported()
+        if body.top_logprobs:
+            raise APIError(400, "only the sampled token's logprob is returned: top_logprobs must be 0",
+                           param="top_logprobs")
         messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
         prompt = await self.controller.render_chat.remote(messages)
+        if isinstance(prompt, dict):
+            raise APIError(400, prompt["error"], param="messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(body, prompt, chat=True, request=request)
+        return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs))
 
-    async def _serve(self, body: _SamplingFields, prompt, chat: bool, request: Request):
-        if body.n != 1:
-            raise APIError(400, "only n=1 is supported", param="n")
+    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool):
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
-        params = body.sampling_params(default_max=None if chat else 16)
+        info = await self._model_info()
+        params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         gen = self.controller.options(stream=True).generate.remote(prompt, params, rid)
         first = await gen.__anext__()
@@ -179,20 +256,21 @@ class OpenAIIngress:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, rid, created, chat, include_usage),
+            return StreamingResponse(self._sse(gen, rid, created, chat, include_usage, logprobs),
                                      media_type="text/event-stream")
-        text, finish, usage, spec, error = [], None, None, None, None
+        text, pairs, finish, usage, spec, error = [], [], None, None, None, None
         async for item in gen:
             if "error" in item and item.get("status"):
                 raise APIError(item["status"], item["error"], item["type"])
             text.append(item["text"])
+            pairs += item.get("logprobs") or []
             if item["finished"]:
                 finish, spec, error = item["finish_reason"], item.get("spec"), item.get("error")
                 usage = {"prompt_tokens": item["prompt_tokens"], "completion_tokens": item["completion_tokens"],
                          "total_tokens": item["prompt_tokens"] + item["completion_tokens"]}
         if finish == "error":
             raise APIError(500, error or "generation failed", "internal_error")
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "finish_reason": finish, "logprobs": _logprobs(pairs, chat) if logprobs else None}
         if chat:
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
@@ -203,16 +281,18 @@ class OpenAIIngress:
             resp["spec_decode_stats"] = spec
         return resp
 
-    async def _sse(self, gen, rid: str, created: int, chat: bool, include_usage: bool):
+    async def _sse(self, gen, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
+        sent = 0  # characters streamed so far: where the next chunk's tokens start (completions' text_offset)
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(delta_text: str | None, finish: str | None, first: bool = False, pairs=None) -> str:
+            lp = _logprobs(pairs or [], chat, sent) if logprobs and not first else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": lp}
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
@@ -227,8 +307,9 @@ class OpenAIIngress:
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 finish = item["finish_reason"] if item["finished"] else None
-                if item["text"] or finish:
-                    yield chunk(item["text"], finish)
+                if item["text"] or finish or (logprobs and item.get("logprobs")):
+                    yield chunk(item["text"], finish, pairs=item.get("logprobs"))
+                    sent += len(item["text"])
                 if item["finished"] and include_usage:
                     usage = {"prompt_tokens": item["prompt_tokens"], "completion_tokens": item["completion_tokens"],
                              "total_tokens": item["prompt_tokens"] + item["completion_tokens"]}

@@ -120,3 +120,4 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     request: Request
+    new_logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them

@@ -17,6 +17,22 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refused the messages (e.g. a role it does not support)."""
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of a chat prompt: the template rendered to text, then encoded WITHOUT the tokenizer's own
+    special tokens. Templates add what they need (Llama 3's starts with ``{{ bos_token }}`` while its tokenizer also
+    prepends BOS, so encoding with special tokens would start the prompt with two), as vLLM does by default.
+    Raises ChatTemplateError when the template rejects the messages."""
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # noqa: BLE001 - jinja's TemplateError (raise_exception) or a template's own bug
+        raise ChatTemplateError(f"the chat template rejected the messages: {e}") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 class Detokenizer:
     """Turns a growing list of token ids into text deltas in O(new tokens) per step: only a short window of ids
     (from ``prefix_offset``) is decoded again, so a byte-level token boundary or an incomplete UTF-8 sequence

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -70,3 +72,29 @@ def run_all(engine, prompts, params, overlap: bool) -> list:
     assert engine.allocator.num_free == engine.allocator.capacity_pages
     assert all(r.num_inflight == 0 for r in reqs)
     return reqs
+
+
+LLAMA3_STYLE_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('tool messages are not supported') }}"
+    "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def llama3_style(src, dst):
+    """A copy of a tiny checkpoint whose tokenizer prepends BOS (as Llama 3's tokenizer.json does) and whose chat
+    template starts with ``{{ bos_token }}`` (as Llama 3's does) and refuses tool messages; generation_config.json
+    asks for greedy decoding and names one more end-of-sequence id."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(dst)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", pair=f"{tok.bos_token} $A {tok.bos_token} $B",
+        special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    tok.chat_template = "{{ bos_token }}" + LLAMA3_STYLE_TEMPLATE
+    tok.save_pretrained(dst)
+    gen = json.loads((dst / "generation_config.json").read_text())
+    gen.update(temperature=0.0, top_p=0.9, eos_token_id=[gen["eos_token_id"], 7])
+    (dst / "generation_config.json").write_text(json.dumps(gen))
+    return dst

@@ -7,6 +7,7 @@ import contextlib
 import re
 import socket
 import time
+from pathlib import Path
 import urllib.request
 
 import httpx
@@ -204,6 +205,97 @@ def test_prometheus_has_spec_counters(server, client):
     assert values["ray_vllm_spec_decode_num_accepted_tokens_total"] <= values["ray_vllm_spec_decode_num_draft_tokens_total"]
 
 
+def test_null_fields_omitted_model_and_auth_before_the_body(server):
+    """OpenAI's optional fields accept null, ``model`` may be left out (the served one), and a bad key is refused
+    before the body is looked at."""
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "min_p", "ignore_eos",
+                                 "stop_token_ids", "stream_options", "frequency_penalty", "logit_bias")}
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **nulls}, headers=h,
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    r = httpx.post(server["base"] + "/v1/chat/completions", headers=h, timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **nulls})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": 5, "temperature": "hot"},
+                   headers={"Authorization": "Bearer wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server["base"] + "/v1/stats", timeout=60).status_code == 401
+    assert httpx.get(server["base"] + "/health", timeout=60).status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("endpoint,extra,param", [
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),
+])
+def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra, param):
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(f"{server['base']}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", json=body,
+                   headers=h, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # their no-op values are fine
+    ok = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0,
+          "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(server["base"] + "/v1/chat/completions", json=ok, headers=h, timeout=120).status_code == 200
+
+
+def test_logprobs_of_the_sampled_tokens(client):
+    """The sampled token's logprob (from the verify step: this app speculates), streamed or not, in both APIs'
+    shapes; none when not asked for."""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    lp = client.completions.create(logprobs=0, **kw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, logprobs=0, **kw) if c.choices]
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert client.completions.create(**kw).choices[0].logprobs is None
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(c.logprob <= 0 and c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+    chunks = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                            stream=True, extra_body={"ignore_eos": True})
+    streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+def test_a_llama3_style_model(server, tmp_path):
+    """A tokenizer that prepends BOS with a template that starts with it: one BOS; a template's refusal is a 400
+    naming messages; generation_config.json's temperature 0 makes unset temperatures greedy; a KV cache of exactly
+    the context serves a chat without max_tokens."""
+    from conftest import llama3_style
+    from deployments.tokenizer import chat_prompt_ids, load_tokenizer
+
+    path = llama3_style(Path(server["target"]), tmp_path / "llama3-style")
+    ek = {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2, "kv_cache_tokens": 256}
+    with _second_app(server, "l3", {"engine_kwargs": ek}, model_source=str(path)) as client:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+        r = client.chat.completions.create(model="l3", messages=msgs)  # to the end of the context (or EOS)
+        assert r.usage.prompt_tokens == len(chat_prompt_ids(load_tokenizer(str(path)), msgs))
+        assert r.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="l3", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+        assert "tool messages are not supported" in e.value.body["message"] and e.value.body["param"] == "messages"
+        kw = dict(model="l3", prompt="def f(", max_tokens=8, extra_body={"ignore_eos": True})
+        texts = {client.completions.create(seed=seed, **kw).choices[0].text for seed in (1, 2)}
+        assert texts == {client.completions.create(temperature=0, **kw).choices[0].text}
+
+
 def test_stream_items_of_several_steps_merge_into_one():
     """Under load the controller sends the steps that piled up for a request as one stream item."""
     from deployments.controller import _merged
@@ -217,15 +309,15 @@ def test_stream_items_of_several_steps_merge_into_one():
 
 
 @contextlib.contextmanager
-def _second_app(server, name: str, app_args: dict):
-    """Another application on the same Serve instance, at /<name>, serving the tiny target with ``app_args``; yields
-    an openai client for it and deletes the application afterwards."""
+def _second_app(server, name: str, app_args: dict, model_source: str | None = None):
+    """Another application on the same Serve instance, at /<name>, serving the tiny target (or ``model_source``)
+    with ``app_args``; yields an openai client for it and deletes the application afterwards."""
     from openai import OpenAI
     from ray import serve
 
     from deployments.app import build_app
 
-    args = {"model_loading_config": {"model_id": name, "model_source": server["target"]},
+    args = {"model_loading_config": {"model_id": name, "model_source": model_source or server["target"]},
             "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}, **app_args}
     serve.run(build_app(args), name=f"specserve-{name}", route_prefix=f"/{name}", blocking=False)
     try:

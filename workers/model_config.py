@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,9 @@ class ModelConfig:
     checkpoint_dtype: torch.dtype
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # generation_config.json's sampling settings (temperature, top_p, top_k, min_p): defaults for requests that
+    # leave them unset, as vLLM's --generation-config auto
+    sampling_defaults: dict = field(default_factory=dict, compare=False)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -66,7 +70,20 @@ class ModelConfig:
         if not cfg_file.is_file():
             raise CheckpointError(f"{str(path)!r} has no config.json")
         raw = json.loads(cfg_file.read_text())
-        return cls.from_dict(raw, str(path))
+        cfg = cls.from_dict(raw, str(path))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():  # its end-of-sequence ids stop generation too (Llama 3.1: <|eot_id|>, <|eom_id|>)
+            try:
+                gen = json.loads(gen_file.read_text())
+            except ValueError as e:
+                raise CheckpointError(f"{str(gen_file)!r} is not valid JSON: {e}") from e
+            eos = gen.get("eos_token_id")
+            extra_eos = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            cfg = dataclasses.replace(
+                cfg, eos_token_ids=tuple(dict.fromkeys([*cfg.eos_token_ids, *extra_eos])),
+                sampling_defaults={k: gen[k] for k in ("temperature", "top_p", "top_k", "min_p")
+                                   if gen.get(k) is not None})
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict, path: str = "") -> "ModelConfig":

@@ -258,13 +258,15 @@ class Worker:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - (1 - self.cfg.gpu_memory_utilization) * total
             tokens = int(budget // self.kv_bytes_per_token())
-            if tokens < self.max_model_len:
+            # one request at full context, with the positions a speculative round writes past it
+            if tokens < self.max_model_len + self.lookahead:
                 raise RuntimeError(
                     f"not enough GPU memory for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB "
-                    f"leaves room for {max(tokens, 0)} tokens (< max_model_len {self.max_model_len}); raise "
-                    "gpu_memory_utilization, lower max_model_len, or set kv_cache_tokens")
-        else:  # CPU: enough for every sequence at full length, capped at 64k tokens
-            tokens = min(self.cfg.max_num_seqs * self.max_model_len, 65536)
+                    f"leaves room for {max(tokens, 0)} tokens (< max_model_len {self.max_model_len} + "
+                    f"{self.lookahead} speculative); raise gpu_memory_utilization, lower max_model_len, or set "
+                    "kv_cache_tokens")
+        else:  # CPU: enough for every sequence at full length, capped at 64k tokens (but one full request fits)
+            tokens = max(min(self.cfg.max_num_seqs * self.max_model_len, 65536), self.max_model_len + self.lookahead)
         return tokens // page + 1  # + the reserved padding page
 
     def kv_bytes_per_token(self) -> int:
