@@ -81,6 +81,29 @@ def linear_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def linear_plot(res: dict, path: Path) -> None:
+    """Time over the weight-read floor per linear shape and row count: cuBLAS, the best Triton config, the chosen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["linears"]
+    labels = [f"{r['linear']}\nM={r['m']}" for r in rows]
+    xs = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.6), 4))
+    for i, (key, name) in enumerate((("cublas_ms", "cuBLAS"), ("best_triton_ms", "best Triton"),
+                                      ("chosen_ms", "chosen (tuned)"))):
+        ax.bar([x + (i - 1) * 0.27 for x in xs], [r[key] / r["floor_ms"] for r in rows], width=0.27, label=name)
+    ax.axhline(1.0, color="gray", linestyle=":")
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("time / weight-read floor")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{res['device']} · {res['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def kernel_profile(ckpt: str, steps: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,16 +138,25 @@ def kernel_profile(ckpt: str, steps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--ckpt", required=True)
+    ap.add_argument("--ckpt")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True)
     ap.add_argument("--linears-only", action="store_true")
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
+    if args.report_only:
+        res = json.loads(Path(args.out + ".json").read_text())
+        Path(args.out + ".md").write_text(linear_markdown(res))
+        linear_plot(res, Path(args.out + ".png"))
+        return
+    if not args.ckpt:
+        ap.error("--ckpt is required (except with --report-only)")
     cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     bw = copy_bandwidth()
     res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
            "copy_bandwidth_gb_s": round(bw / 1e9, 1), "linears": linear_table(cfg, bw)}
     Path(args.out + ".md").write_text(linear_markdown(res))
+    linear_plot(res, Path(args.out + ".png"))
     if not args.linears_only:
         res["kernels_bs1_eager"] = kernel_profile(args.ckpt, args.steps)
     Path(args.out + ".json").write_text(json.dumps(res, indent=2))
