@@ -137,12 +137,12 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
-    # floor over bs 1/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays); an instance may override them.
+    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays); an instance may override them.
     min_chunk = 256  # fewest KV positions a decode-style split takes
     # decode family: (request, head, split) programs per SM, by batch size: (largest batch, programs per SM), the
     # first entry whose batch bound covers the batch (the last one beyond). A lone request wants few long splits
     # (each program's pipeline start is paid once per split); many requests fill the GPU by themselves.
-    programs_per_sm: tuple[tuple[int, int], ...] = ((1, 2), (8, 1), (32, 1))
+    programs_per_sm: tuple[tuple[int, int], ...] = ((1, 2), (4, 8), (8, 1), (32, 1))
     block_n = 128  # KV positions per tile (16-bit KV)
     block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4

@@ -147,7 +147,7 @@ class TuningCache:
     ``{environment: {shape key: {row bucket: [tile config] | null (cuBLAS)}}}``. The environment names the GPU model
     and the torch and triton versions, whose kernels were timed. Saving merges with what the file holds by then and
     replaces it atomically, so concurrent starts (TP ranks, replicas) never leave it half written; an unreadable
-    file is set aside (logged) and tuning starts afresh."""
+    file is logged, timed afresh and replaced by the next save."""
 
     def __init__(self, path: str | os.PathLike, environment: str):
         self.path = Path(path)
@@ -212,7 +212,7 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
     """Fill the ``small_m`` table of every layer of ``model`` that has one, for every row bucket (CUDA, 16-bit
     weights only); layers of the same shape share one timing, and a shape the cache holds is not timed. Returns how
     many (shape, bucket) pairs were timed."""
-    by_shape: dict[tuple, dict] = {}
+    by_shape: dict[str, dict] = {}
     timed = 0
     for module in model.modules():
         table = getattr(module, "small_m", None)
