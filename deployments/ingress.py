@@ -5,6 +5,7 @@ No ``from __future__ import annotations`` here: FastAPI must see real annotation
 """
 
 
+import asyncio
 import json
 import time
 import uuid
@@ -34,7 +35,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(None)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1)
+    n: int | None = Field(None, ge=1, le=128)
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -68,8 +69,6 @@ class _SamplingFields(BaseModel):
         for name, refused in unsupported.items():
             if refused:
                 raise APIError(400, f"{name} is not supported by this server", param=name)
-        if self.n not in (None, 1):
-            raise APIError(400, "only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
 
@@ -174,6 +173,18 @@ def _logprobs(pairs: list, chat: bool, text_offset: int = 0) -> dict | None:
             "top_logprobs": None, "text_offset": offsets}
 
 
+async def _collect(gen) -> tuple[str, list, dict]:
+    """One choice's whole stream: (text, logprob pairs, its last item)."""
+    text, pairs, last = [], [], None
+    async for item in gen:
+        if "error" in item and item.get("status"):
+            raise APIError(item["status"], item["error"], item["type"])
+        text.append(item["text"])
+        pairs += item.get("logprobs") or []
+        last = item
+    return "".join(text), pairs, last
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
@@ -245,79 +256,121 @@ class OpenAIIngress:
         return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs))
 
     async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool):
+        """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
+        with one response or one SSE stream."""
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
         info = await self._model_info()
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        gen = self.controller.options(stream=True).generate.remote(prompt, params, rid)
-        first = await gen.__anext__()
-        if "error" in first:
-            raise APIError(first["status"], first["error"], first["type"], None, first.get("code"))
+        n = body.n or 1
+        gens = [self.controller.options(stream=True).generate.remote(
+            prompt, dict(params, seed=None if params["seed"] is None else params["seed"] ^ i),
+            rid if n == 1 else f"{rid}-{i}") for i in range(n)]
+        try:
+            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        refused = next((f for f in firsts if "error" in f), None)
+        if refused is not None:
+            for g in gens:
+                g.cancel()
+            raise APIError(refused["status"], refused["error"], refused["type"], None, refused.get("code"))
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gen, rid, created, chat, include_usage, logprobs),
+            return StreamingResponse(self._sse(gens, rid, created, chat, include_usage, logprobs),
                                      media_type="text/event-stream")
-        text, pairs, finish, usage, spec, error = [], [], None, None, None, None
-        async for item in gen:
-            if "error" in item and item.get("status"):
-                raise APIError(item["status"], item["error"], item["type"])
-            text.append(item["text"])
-            pairs += item.get("logprobs") or []
-            if item["finished"]:
-                finish, spec, error = item["finish_reason"], item.get("spec"), item.get("error")
-                usage = {"prompt_tokens": item["prompt_tokens"], "completion_tokens": item["completion_tokens"],
-                         "total_tokens": item["prompt_tokens"] + item["completion_tokens"]}
-        if finish == "error":
-            raise APIError(500, error or "generation failed", "internal_error")
-        choice = {"index": 0, "finish_reason": finish, "logprobs": _logprobs(pairs, chat) if logprobs else None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
+        try:
+            results = await asyncio.gather(*(_collect(g) for g in gens))
+        finally:
+            for g in gens:
+                g.cancel()  # no-op when finished
+        choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
+        for i, (text, pairs, last) in enumerate(results):
+            if last["finish_reason"] == "error":
+                raise APIError(500, last.get("error") or "generation failed", "internal_error")
+            choice = {"index": i, "finish_reason": last["finish_reason"],
+                      "logprobs": _logprobs(pairs, chat) if logprobs else None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
+            prompt_tokens, completion_tokens = last["prompt_tokens"], completion_tokens + last["completion_tokens"]
+            spec = spec or last.get("spec")
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_id, "choices": [choice], "usage": usage}
+                "model": self.model_id, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
         if spec is not None:
             resp["spec_decode_stats"] = spec
         return resp
 
-    async def _sse(self, gen, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool):
+    async def _sse(self, gens: list, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool):
+        """The choices' items as SSE chunks in the order they come (each chunk names its choice's index); the usage
+        chunk (asked for) and [DONE] once every choice has finished."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = 0  # characters streamed so far: where the next chunk's tokens start (completions' text_offset)
+        sent = [0] * len(gens)  # characters streamed per choice: where its next tokens start (text_offset)
 
-        def chunk(delta_text: str | None, finish: str | None, first: bool = False, pairs=None) -> str:
-            lp = _logprobs(pairs or [], chat, sent) if logprobs and not first else None
+        def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None) -> str:
+            lp = _logprobs(pairs or [], chat, sent[i]) if logprobs and not first else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": delta_text or "", "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "text": delta_text or "", "finish_reason": finish, "logprobs": lp}
             payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
+        items: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, gen) -> None:
+            try:
+                async for item in gen:
+                    await items.put((i, item))
+            except Exception as e:  # noqa: BLE001 - the controller went away: the stream ends with an error
+                await items.put((i, {"error": f"{type(e).__name__}: {e}", "status": 500, "type": "internal_error"}))
+            await items.put((i, None))
+
+        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         try:
             if chat:
-                yield chunk(None, None, first=True)
-            async for item in gen:
+                for i in range(len(gens)):
+                    yield chunk(i, None, None, first=True)
+            running, prompt_tokens, completion_tokens, spec = len(gens), 0, 0, None
+            while running:
+                i, item = await items.get()
+                if item is None:
+                    running -= 1
+                    continue
                 if "error" in item and item.get("status"):
                     err = {"error": {"message": item["error"], "type": item["type"], "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n"
                     break
                 finish = item["finish_reason"] if item["finished"] else None
                 if item["text"] or finish or (logprobs and item.get("logprobs")):
-                    yield chunk(item["text"], finish, pairs=item.get("logprobs"))
-                    sent += len(item["text"])
-                if item["finished"] and include_usage:
-                    usage = {"prompt_tokens": item["prompt_tokens"], "completion_tokens": item["completion_tokens"],
-                             "total_tokens": item["prompt_tokens"] + item["completion_tokens"]}
+                    yield chunk(i, item["text"], finish, pairs=item.get("logprobs"))
+                    sent[i] += len(item["text"])
+                if item["finished"]:
+                    prompt_tokens, completion_tokens = item["prompt_tokens"], completion_tokens + item[
+                        "completion_tokens"]
+                    spec = spec or item.get("spec")
+            else:
+                if include_usage:
                     payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [],
-                               "usage": usage}
-                    if item.get("spec"):
-                        payload["spec_decode_stats"] = item["spec"]
+                               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                         "total_tokens": prompt_tokens + completion_tokens}}
+                    if spec:
+                        payload["spec_decode_stats"] = spec
                     yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            gen.cancel()  # no-op when finished; on client disconnect this aborts the request in the controller
+            for task in pumps:
+                task.cancel()
+            for g in gens:
+                g.cancel()  # no-op when finished; on client disconnect this aborts the request in the controller

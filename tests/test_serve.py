@@ -131,7 +131,7 @@ def test_stop_and_max_tokens(client):
     (dict(model="nope", prompt="hi"), 404, "does not exist"),
     (dict(model="tiny", prompt="hi", max_tokens=0), 400, "max_tokens"),
     (dict(model="tiny", prompt="hi", temperature=-1), 400, "temperature"),
-    (dict(model="tiny", prompt="hi", n=2), 400, "n=1"),
+    (dict(model="tiny", prompt="hi", n=0), 400, "n"),
     (dict(model="tiny", prompt="", max_tokens=4), 400, "empty"),
     (dict(model="tiny", prompt=list(range(5, 300)), max_tokens=4), 400, "maximum context length"),
 ])
@@ -272,6 +272,31 @@ def test_logprobs_of_the_sampled_tokens(client):
                                             stream=True, extra_body={"ignore_eos": True})
     streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+def test_n_choices(client):
+    """n choices, choice i sampled with seed ^ i (so choice 0 is the n=1 answer with the same seed), streamed
+    interleaved with their indices; usage counts every choice's tokens once and the prompt once."""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(n=3, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2] and r.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens == client.completions.create(**kw).usage.prompt_tokens
+    assert r.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert r.choices[1].text == client.completions.create(**dict(kw, seed=7 ^ 1)).choices[0].text
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert texts == {i: r.choices[i].text for i in range(3)}
+    assert chunks[-1].usage.completion_tokens == 18 and chunks[-1].choices == []
+    msgs = [{"role": "user", "content": "hello"}]
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in stream if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+    done = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert done.choices[0].message.content == done.choices[1].message.content  # greedy: the same twice
 
 
 def test_a_llama3_style_model(server, tmp_path):
