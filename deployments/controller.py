@@ -152,6 +152,9 @@ class LLMController:
     def stats(self) -> dict:
         return self.loop.stats()
 
+    def decode(self, token_ids: list[int]) -> str:
+        return self.engine.tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int] | dict:
         """The chat prompt's token ids, or {"error": message} when the chat template rejects the messages."""
         try:

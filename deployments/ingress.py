@@ -229,8 +229,11 @@ class OpenAIIngress:
             if len(prompt) != 1:
                 raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
             prompt = prompt[0]
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
+        echo = ""
+        if body.echo:  # the prompt's text before each choice's (its logprobs would need the prompt's: not computed)
+            if body.logprobs is not None:
+                raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+            echo = prompt if isinstance(prompt, str) else await self.controller.decode.remote(prompt)
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
         if body.suffix:
@@ -238,7 +241,7 @@ class OpenAIIngress:
         if body.logprobs:
             raise APIError(400, "only the sampled token's logprob is returned: logprobs must be 0",
                            param="logprobs")
-        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None)
+        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
@@ -255,9 +258,9 @@ class OpenAIIngress:
             body.max_tokens = body.max_completion_tokens
         return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs))
 
-    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool):
+    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = ""):
         """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
-        with one response or one SSE stream."""
+        with one response or one SSE stream; ``echo`` (completions) comes first in every choice's text."""
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
         info = await self._model_info()
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs)
@@ -280,7 +283,7 @@ class OpenAIIngress:
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gens, rid, created, chat, include_usage, logprobs),
+            return StreamingResponse(self._sse(gens, rid, created, chat, include_usage, logprobs, echo),
                                      media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(_collect(g) for g in gens))
@@ -296,7 +299,7 @@ class OpenAIIngress:
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
+                choice["text"] = echo + text
             choices.append(choice)
             prompt_tokens, completion_tokens = last["prompt_tokens"], completion_tokens + last["completion_tokens"]
             spec = spec or last.get("spec")
@@ -308,7 +311,8 @@ class OpenAIIngress:
             resp["spec_decode_stats"] = spec
         return resp
 
-    async def _sse(self, gens: list, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool):
+    async def _sse(self, gens: list, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool,
+                   echo: str = ""):
         """The choices' items as SSE chunks in the order they come (each chunk names its choice's index); the usage
         chunk (asked for) and [DONE] once every choice has finished."""
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -339,9 +343,8 @@ class OpenAIIngress:
 
         pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
         try:
-            if chat:
-                for i in range(len(gens)):
-                    yield chunk(i, None, None, first=True)
+            for i in range(len(gens)) if chat or echo else ():
+                yield chunk(i, echo, None, first=True)
             running, prompt_tokens, completion_tokens, spec = len(gens), 0, 0, None
             while running:
                 i, item = await items.get()

@@ -299,6 +299,24 @@ def test_n_choices(client):
     assert done.choices[0].message.content == done.choices[1].message.content  # greedy: the same twice
 
 
+def test_echo(server, client):
+    """echo puts the prompt's text before the completion, streamed or not; with logprobs it is refused (the prompt's
+    logprobs are not computed)."""
+    from deployments.tokenizer import load_tokenizer
+
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="import os\n", **kw).choices[0].text
+    assert client.completions.create(prompt="import os\n", echo=True, **kw).choices[0].text == "import os\n" + plain
+    chunks = client.completions.create(prompt="import os\n", echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "import os\n" + plain
+    ids = [5, 6, 7]
+    text = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    assert text.startswith(load_tokenizer(server["target"]).decode(ids, skip_special_tokens=True))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="hi", echo=True, logprobs=0, **kw)
+    assert e.value.body["param"] == "echo"
+
+
 def test_a_llama3_style_model(server, tmp_path):
     """A tokenizer that prepends BOS with a template that starts with it: one BOS; a template's refusal is a 400
     naming messages; generation_config.json's temperature 0 makes unset temperatures greedy; a KV cache of exactly
