@@ -25,6 +25,8 @@ logger = logging.getLogger("specserve")
 class EngineLoop:
     """Runs ``engine.step()`` continuously in a thread and fans outputs out to per-request asyncio queues."""
 
+    IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
+
     def __init__(self, engine):
         self.engine = engine
         self._lock = threading.Lock()
@@ -63,11 +65,17 @@ class EngineLoop:
         return stats
 
     def _run(self) -> None:
+        load_set = time.monotonic()
         while not self._stop:
             if not self.engine.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
+                if self.engine.metrics is not None and time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
+                    with self._lock:
+                        self.engine.metrics.record_load(self.engine.step_stats())
+                    load_set = time.monotonic()
                 continue
+            load_set = time.monotonic()  # every step sets them
             t0 = time.perf_counter()
             steps_before = self.engine.step_time["steps"]
             try:

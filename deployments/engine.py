@@ -146,6 +146,9 @@ class Engine:
     def abort(self, rid: str) -> bool:
         req = self.scheduler.abort(rid)
         self._detok.pop(rid, None)
+        if req is not None and self.metrics is not None:
+            self.metrics.record_finish(req, time.time())
+            self.metrics.record_load(self.step_stats())
         return req is not None
 
     def has_work(self) -> bool:
@@ -228,7 +231,7 @@ class Engine:
             self.metrics.record_step(self.step_stats(result))
             for out in outputs:
                 if out.finished:
-                    self.metrics.record_finish(out.finish_reason, now, out.request.arrival_time)
+                    self.metrics.record_finish(out.request, now)
         return outputs
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
@@ -257,7 +260,8 @@ class Engine:
     def _failed_output(self, req: Request) -> RequestOutput:
         self._detok.pop(req.rid, None)
         if self.metrics is not None:
-            self.metrics.record_finish(req.finish_reason, time.time(), req.arrival_time)
+            self.metrics.record_finish(req, time.time())
+            self.metrics.record_load(self.step_stats())
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
     def step_stats(self, result: StepResult | None = None) -> dict:

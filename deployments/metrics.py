@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
-                    40.0, 80.0]
+# vLLM's bucket boundaries (seconds) for each histogram, so quantiles interpolate alike; the inter-token ones add
+# 1 and 5 ms below vLLM's first bucket (per-step gaps of a few milliseconds are ordinary on a GPU)
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
 _TAGS = ("model_name",)
 
 
@@ -19,7 +25,7 @@ class EngineMetrics:
         self.tags = {"model_name": model_name}
         c = lambda name, desc, keys=_TAGS: Counter(f"vllm_{name}", desc, tag_keys=keys)  # noqa: E731
         g = lambda name, desc: Gauge(f"vllm_{name}", desc, tag_keys=_TAGS)  # noqa: E731
-        h = lambda name, desc: Histogram(f"vllm_{name}", desc, boundaries=_LATENCY_BUCKETS, tag_keys=_TAGS)  # noqa: E731
+        h = lambda name, desc, b: Histogram(f"vllm_{name}", desc, boundaries=b, tag_keys=_TAGS)  # noqa: E731
         self.num_drafts = c("spec_decode_num_drafts", "Speculative rounds (one per request per round)")
         self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.num_accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
@@ -32,15 +38,25 @@ class EngineMetrics:
         self.num_running = g("num_requests_running", "Requests in the running batch")
         self.num_waiting = g("num_requests_waiting", "Requests waiting for admission")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
-        self.ttft = h("time_to_first_token_seconds", "Time to first token")
-        self.itl = h("inter_token_latency_seconds", "Time between output tokens")
-        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency")
+        self.ttft = h("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between a request's steps that produced tokens",
+                     _ITL_BUCKETS)
+        self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
+                      "after the first", _ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self.record_load({"running": 0, "waiting": 0, "kv_usage": 0.0})  # exported (as 0) before any request
 
-    def record_step(self, stats: dict) -> None:
+    def record_load(self, stats: dict) -> None:
+        """The gauges: running and waiting requests, KV use. Set after every step and, while idle, periodically
+        (Ray drops a gauge from the export when it is not set for a while)."""
         t = self.tags
         self.num_running.set(stats["running"], tags=t)
         self.num_waiting.set(stats["waiting"], tags=t)
         self.kv_usage.set(stats["kv_usage"], tags=t)
+
+    def record_step(self, stats: dict) -> None:
+        t = self.tags
+        self.record_load(stats)
         spec = stats.get("spec")
         if spec and spec["drafts"]:
             self.num_drafts.inc(spec["drafts"], tags=t)
@@ -53,8 +69,8 @@ class EngineMetrics:
             self.mean_accept_length.set(1.0 + spec["accepted"] / spec["drafts"], tags=t)
 
     def record_tokens(self, req, num_new: int, now: float, prev_token_time: float | None) -> None:
-        """TTFT for a request's first tokens, else one ITL sample per token (a speculative round's gap is split
-        evenly over the tokens it produced)."""
+        """TTFT for a request's first tokens, else one inter-token sample: the time since its previous step that
+        produced tokens, however many this one produced (vLLM's definition: a speculative round is one sample)."""
         if num_new <= 0:
             return
         t = self.tags
@@ -62,15 +78,17 @@ class EngineMetrics:
             self.prompt_tokens.inc(len(req.prompt_ids), tags=t)
             self.ttft.observe(now - req.arrival_time, tags=t)
             return
-        gap = (now - prev_token_time) / num_new
-        for _ in range(num_new):
-            self.itl.observe(gap, tags=t)
+        self.itl.observe(now - prev_token_time, tags=t)
 
     def record_generated(self, num_tokens: int) -> None:
         """A step's new tokens, all requests together (one counter update per step)."""
         if num_tokens:
             self.generation_tokens.inc(num_tokens, tags=self.tags)
 
-    def record_finish(self, reason: str, now: float, arrival: float) -> None:
-        self.request_success.inc(1, tags={**self.tags, "finished_reason": reason})
-        self.e2e.observe(now - arrival, tags=self.tags)
+    def record_finish(self, req, now: float) -> None:
+        """A request that ended, for whatever reason (stop, length, abort, error)."""
+        self.request_success.inc(1, tags={**self.tags, "finished_reason": req.finish_reason})
+        self.e2e.observe(now - req.arrival_time, tags=self.tags)
+        if req.first_token_time is not None and len(req.output_ids) > 1:
+            self.tpot.observe((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1),
+                              tags=self.tags)

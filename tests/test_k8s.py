@@ -22,7 +22,8 @@ K8S = ROOT / "k8s"
 COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success"}
 GAUGES = {"spec_decode_mean_accept_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
-HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"}
+HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+              "e2e_request_latency_seconds"}
 FAMILIES = ({f"ray_vllm_{n}_total" for n in COUNTERS} | {f"ray_vllm_{n}" for n in GAUGES}
             | {f"ray_vllm_{n}" for n in HISTOGRAMS})
 
@@ -239,6 +240,7 @@ def test_dashboard_queries(dashboard):
                for e in exprs["Per-position acceptance rate"])
     for title, quantiles in [("Time to first token", {"0.5", "0.9", "0.99"}),
                              ("Inter-token latency", {"0.5", "0.9", "0.99"}),
+                             ("Time per output token (per request)", {"0.5", "0.9", "0.99"}),
                              ("End-to-end request latency", {"0.5", "0.99"})]:
         got = set()
         for e in exprs[title]:

@@ -187,15 +187,20 @@ def test_prometheus_has_spec_counters(server, client):
               "ray_vllm_time_to_first_token_seconds_count", "ray_vllm_inter_token_latency_seconds_count",
               "ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_generation_tokens_total",
               "ray_vllm_kv_cache_usage_perc", "ray_vllm_spec_decode_mean_accept_length"]
+    wanted.append("ray_vllm_request_time_per_output_token_seconds_count")
     values: dict[str, float] = {}
+    reasons: dict[str, float] = {}
     for _ in range(60):
         text = urllib.request.urlopen(server["metrics"]).read().decode()
-        values = {}
+        values, reasons = {}, {}
         for line in text.splitlines():
             m = re.match(r"^([a-zA-Z0-9_:]+)\{([^}]*)\} ([0-9.e+-]+)$", line)
             if m and 'model_name="tiny"' in m.group(2):
                 values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
-        if all(values.get(w, 0) > 0 for w in wanted if w != "ray_vllm_kv_cache_usage_perc"):
+                reason = re.search(r'finished_reason="(\w+)"', m.group(2))
+                if m.group(1) == "ray_vllm_request_success_total" and reason:
+                    reasons[reason.group(1)] = float(m.group(3))
+        if all(values.get(w, 0) > 0 for w in wanted if w != "ray_vllm_kv_cache_usage_perc") and "abort" in reasons:
             break
         time.sleep(1)
     for w in wanted:
@@ -203,6 +208,13 @@ def test_prometheus_has_spec_counters(server, client):
         if w != "ray_vllm_kv_cache_usage_perc":
             assert values[w] > 0, w
     assert values["ray_vllm_spec_decode_num_accepted_tokens_total"] <= values["ray_vllm_spec_decode_num_draft_tokens_total"]
+    # test_disconnect_frees_kv's request ended by the client: counted, and the load gauges came back to zero
+    assert reasons.get("abort", 0) >= 1 and reasons.get("length", 0) >= 1, reasons
+    assert values["ray_vllm_num_requests_running"] == 0 and values["ray_vllm_num_requests_waiting"] == 0
+    # inter-token latency: one sample per step that gave a request tokens (a speculative round is one), as vLLM's;
+    # per-token samples would number every generated token but each request's first
+    later_tokens = values["ray_vllm_generation_tokens_total"] - values["ray_vllm_time_to_first_token_seconds_count"]
+    assert 0 < values["ray_vllm_inter_token_latency_seconds_count"] < later_tokens
 
 
 def test_null_fields_omitted_model_and_auth_before_the_body(server):
