@@ -41,14 +41,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt, params: SamplingParams, rid: str, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+    def submit(self, prompt, params: SamplingParams, rid: str, loop: asyncio.AbstractEventLoop,
+               arrival_time: float | None = None) -> asyncio.Queue:
         """Queue a request (called off the event loop: it waits for the current step to end); raises
         InvalidRequest / OverflowError synchronously, and then nothing is queued."""
         if self.error is not None:
             raise RuntimeError(f"the engine stopped: {self.error}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            self.engine.add_request(prompt, params, rid)
+            self.engine.add_request(prompt, params, rid, arrival_time)
             self._queues[rid] = (loop, queue)
         self._wake.set()
         return queue
@@ -177,7 +178,9 @@ class LLMController:
         try:
             event_loop = asyncio.get_running_loop()
             # the engine lock is held for a whole step: wait for it in a thread, not on the event loop
-            queue = await asyncio.to_thread(self.loop.submit, prompt, SamplingParams(**params), rid, event_loop)
+            arrival = time.time()  # before the wait for the engine lock (up to a step): TTFT counts it, as vLLM's
+            queue = await asyncio.to_thread(self.loop.submit, prompt, SamplingParams(**params), rid, event_loop,
+                                            arrival)
         except InvalidRequest as e:
             yield {"error": str(e), "status": 400, "type": "invalid_request_error",
                    "code": "context_length_exceeded" if "context length" in str(e) else None}

@@ -126,7 +126,8 @@ class Engine:
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
 
     # ---- requests --------------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None) -> Request:
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
+                    arrival_time: float | None = None) -> Request:
         """Validate and queue. Raises InvalidRequest (bad input) or OverflowError (queue full); nothing else changes."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
@@ -139,6 +140,8 @@ class Engine:
             cache_tokens = self.allocator.capacity_pages * self.cfg.page_size - self.executor.lookahead
             params = replace(params, max_tokens=max(1, min(self.max_model_len, cache_tokens) - len(prompt_ids)))
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
+        if arrival_time is not None:  # when the server received it (TTFT and end-to-end latency start there)
+            req.arrival_time = arrival_time
         self.scheduler.add(req)
         self._detok[req.rid] = Detokenizer(self.tokenizer, params.stop)
         return req

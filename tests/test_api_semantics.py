@@ -95,3 +95,14 @@ def test_logprobs_travel_with_the_tokens(tiny_models):
                 assert len(out.new_logprobs) == len(out.new_token_ids)
     assert got == req.output_logprobs and len(got) == 6 and all(lp <= 0 for lp in got)
     assert none == []  # not asked for: nothing extra per step
+
+
+def test_arrival_time_is_when_the_server_received_the_request(tiny_models):
+    """The controller stamps a request before it waits for the engine lock; TTFT and latency start there."""
+    import time
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_model_len=256))
+    received = time.time() - 5.0
+    req = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), arrival_time=received)
+    assert req.arrival_time == received
+    assert engine.add_request([5, 6], SamplingParams(max_tokens=2)).arrival_time > received + 4.0
