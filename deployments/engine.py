@@ -268,7 +268,10 @@ class Engine:
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
     def step_stats(self, result: StepResult | None = None) -> dict:
-        stats = {"running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+        # a request whose prompt is part prefilled (chunked prefill) counts as running, as in vLLM
+        prefilling = sum(1 for r in self.scheduler.waiting if r.num_computed > 0)
+        stats = {"running": len(self.scheduler.running) + prefilling,
+                 "waiting": len(self.scheduler.waiting) - prefilling,
                  "kv_usage": self.scheduler.kv_usage, "step_time": dict(self.step_time)}
         if result is not None and result.spec:
             per_pos = [0] * (max((len(acc) for _, acc in result.spec), default=0))

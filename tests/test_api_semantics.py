@@ -106,3 +106,14 @@ def test_arrival_time_is_when_the_server_received_the_request(tiny_models):
     req = engine.add_request([5, 6, 7], SamplingParams(max_tokens=2), arrival_time=received)
     assert req.arrival_time == received
     assert engine.add_request([5, 6], SamplingParams(max_tokens=2)).arrival_time > received + 4.0
+
+
+def test_a_request_in_chunked_prefill_counts_as_running(tiny_models):
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_model_len=256,
+                                 max_prefill_tokens=16))
+    engine.add_request(list(range(5, 45)), SamplingParams(max_tokens=2))  # 40 prompt tokens: three chunks
+    stats = engine.step_stats()
+    assert (stats["running"], stats["waiting"]) == (0, 1)
+    engine.step()  # the first chunk
+    stats = engine.step_stats()
+    assert (stats["running"], stats["waiting"]) == (1, 0)
