@@ -130,11 +130,16 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--draft-tokens", default="4,8")
     ap.add_argument("--sweep", action="store_true", help="tune the decode-style launch at 50k first (see JSON)")
+    ap.add_argument("--min-chunk", type=int, default=None,
+                    help="fewest KV positions per decode-style split (default: the backend's); short contexts get "
+                         "more splits with a smaller value (--draft-tokens 1 times plain decode)")
     args = ap.parse_args()
     heads, kv_heads, dim, page = 32, 8, 128, 16
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
     bw = copy_bandwidth()
     decode, prefill = _make("triton", "decode", "cuda"), _make("triton", "prefill", "cuda")
+    if args.min_chunk is not None:
+        decode.min_chunk = prefill.min_chunk = args.min_chunk
     sweep = sweep_decode_launch(decode, layer, bw) if args.sweep else None
     if sweep:
         for key, value in sweep["chosen"].items():  # the same tiles for the prefill-style launch (fair comparison)
@@ -170,7 +175,7 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 del fb, q
                 torch.cuda.empty_cache()
-    launch = {k: getattr(decode, k) for k in LAUNCH_KNOBS}
+    launch = {k: getattr(decode, k) for k in LAUNCH_KNOBS + ("min_chunk",)}
     meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
             "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
             "decode_style_launch": launch, "sweep": sweep, "rows": rows}
