@@ -127,15 +127,25 @@ async def _unexpected_error(_: Request, e: Exception):  # a bug of ours: still a
     return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
 
 
-@app.middleware("http")
-async def _authenticate(request: Request, call_next):
+class _Authenticate:
     """The API key is checked before the body is read: an unauthenticated client learns nothing about the API.
-    Every route needs it but /health (probes)."""
-    key = getattr(request.app.state, "api_key", None)  # (Serve runs a copy of ``app``: ask the running one)
-    if key is not None and not request.url.path.rstrip("/").endswith("/health") \
-            and request.headers.get("authorization", "") != f"Bearer {key}":
-        return error_response(401, "invalid or missing API key", "authentication_error", code="invalid_api_key")
-    return await call_next(request)
+    Every route needs it but /health (probes). A plain ASGI middleware: it adds nothing to a streamed response."""
+
+    def __init__(self, asgi_app):
+        self.asgi_app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            key = getattr(scope["app"].state, "api_key", None)  # (Serve runs a copy of ``app``: ask the running one)
+            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if key is not None and not scope["path"].rstrip("/").endswith("/health") and given != f"Bearer {key}":
+                response = error_response(401, "invalid or missing API key", "authentication_error",
+                                          code="invalid_api_key")
+                return await response(scope, receive, send)
+        await self.asgi_app(scope, receive, send)
+
+
+app.add_middleware(_Authenticate)
 
 
 @app.exception_handler(RequestValidationError)
