@@ -158,7 +158,7 @@ class Suite:
         """The bs=1 greedy decode graph replayed on its static inputs (the engine is idle: the writes land in
         freed pages), timed with CUDA events."""
         graphs = eng.executor.worker.graphs
-        graph = graphs.graphs[("decode", 1, True)][0]
+        graph = graphs.graphs[("decode", 1, True, False)][0]  # (name, bucket, greedy, top logprobs)
         for _ in range(5):
             graph.replay()
         return graph_replay_ms(graph, iters)

@@ -113,6 +113,8 @@ def _output_dict(out: RequestOutput, tokenizer) -> dict:
          "finish_reason": out.finish_reason}
     if out.new_logprobs:  # (the token's own text, its logprob) for each new token
         d["logprobs"] = [(tokenizer.decode([t]), lp) for t, lp in zip(out.new_token_ids, out.new_logprobs)]
+    if out.new_top_logprobs:  # and its most likely alternatives, the same way
+        d["top_logprobs"] = [[(tokenizer.decode([t]), lp) for t, lp in top] for top in out.new_top_logprobs]
     if out.finished:
         d.update(prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                  spec=req.spec.as_dict() if req.spec.num_drafts else None, error=req.error)
@@ -126,8 +128,9 @@ def _merged(items: list[dict]) -> dict:
     d = dict(items[-1])
     d["token_ids"] = [t for item in items for t in item["token_ids"]]
     d["text"] = "".join(item["text"] for item in items)
-    if any("logprobs" in item for item in items):
-        d["logprobs"] = [pair for item in items for pair in item.get("logprobs", [])]
+    for key in ("logprobs", "top_logprobs"):
+        if any(key in item for item in items):
+            d[key] = [entry for item in items for entry in item.get(key, [])]
     return d
 
 

@@ -225,10 +225,12 @@ class Engine:
             req.text = detok.text
             if req.finished:
                 self._detok.pop(req.rid, None)
-            new_logprobs = req.output_logprobs[len(req.output_logprobs) - len(new_ids):] if req.params.logprobs \
-                and new_ids else []
+            n = len(new_ids)
+            new_logprobs = req.output_logprobs[len(req.output_logprobs) - n:] if req.params.logprobs and n else []
+            new_top = req.output_top_logprobs[len(req.output_top_logprobs) - n:] if req.params.top_logprobs and n \
+                else []
             outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
-                                         new_logprobs))
+                                         new_logprobs, new_top))
         if self.metrics is not None:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
             self.metrics.record_step(self.step_stats(result))

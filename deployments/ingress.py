@@ -72,7 +72,7 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
 
-    def sampling_params(self, default_max: int | None, defaults: dict, logprobs: bool) -> dict:
+    def sampling_params(self, default_max: int | None, defaults: dict, logprobs: bool, top: int = 0) -> dict:
         def pick(name: str, fallback):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
@@ -82,13 +82,13 @@ class _SamplingFields(BaseModel):
                 "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", 0),
                 "min_p": pick("min_p", 0.0), "seed": self.seed, "stop": stop,
                 "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": bool(self.ignore_eos),
-                "logprobs": logprobs}
+                "logprobs": logprobs, "top_logprobs": top}
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=5)  # top alternatives besides the sampled token (0: none)
+    logprobs: int | None = Field(None, ge=0, le=20)  # most likely alternatives per token besides the sampled one
     best_of: int | None = None
     suffix: str | None = None
 
@@ -169,30 +169,41 @@ def _message_text(content) -> str:
     return "".join(parts)
 
 
-def _logprobs(pairs: list, chat: bool, text_offset: int = 0) -> dict | None:
-    """OpenAI's logprobs object for [(token text, logprob), ...]: chat's ``content`` list, or the completions API's
-    parallel lists (``text_offset``: where the first token starts in the choice's text)."""
+def _logprobs(pairs: list, chat: bool, text_offset: int = 0, tops: list | None = None) -> dict | None:
+    """OpenAI's logprobs object for [(token text, logprob), ...] and, when asked for, each token's alternatives
+    [[(token text, logprob), ...], ...]: chat's ``content`` list, or the completions API's parallel lists
+    (``text_offset``: where the first token starts in the choice's text)."""
+    tops = tops or [[] for _ in pairs]
     if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                            for t, lp in pairs]}
+        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}  # noqa: E731
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                            for (t, lp), top in zip(pairs, tops)]}
     offsets = []
     for t, _ in pairs:
         offsets.append(text_offset)
         text_offset += len(t)
+    top_dicts = None
+    if any(tops):  # a dict per token, text → logprob, likeliest first; tokens of the same text keep the likelier
+        top_dicts = []
+        for top in tops:
+            top_dicts.append({})
+            for t, lp in top:
+                top_dicts[-1].setdefault(t, lp)
     return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
-            "top_logprobs": None, "text_offset": offsets}
+            "top_logprobs": top_dicts, "text_offset": offsets}
 
 
-async def _collect(gen) -> tuple[str, list, dict]:
-    """One choice's whole stream: (text, logprob pairs, its last item)."""
-    text, pairs, last = [], [], None
+async def _collect(gen) -> tuple[str, list, list, dict]:
+    """One choice's whole stream: (text, logprob pairs, their alternatives, its last item)."""
+    text, pairs, tops, last = [], [], [], None
     async for item in gen:
         if "error" in item and item.get("status"):
             raise APIError(item["status"], item["error"], item["type"])
         text.append(item["text"])
         pairs += item.get("logprobs") or []
+        tops += item.get("top_logprobs") or []
         last = item
-    return "".join(text), pairs, last
+    return "".join(text), pairs, tops, last
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -248,32 +259,30 @@ class OpenAIIngress:
             raise APIError(400, "best_of is not supported", param="best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        if body.logprobs:
-            raise APIError(400, "only the sampled token's logprob is returned: logprobs must be 0",
-                           param="logprobs")
-        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None, echo=echo)
+        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None, echo=echo,
+                                 top=body.logprobs or 0)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
         self._check_model(body.model)
         body.refuse_unsupported()
-        if body.top_logprobs:
-            raise APIError(400, "only the sampled token's logprob is returned: top_logprobs must be 0",
-                           param="top_logprobs")
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
         prompt = await self.controller.render_chat.remote(messages)
         if isinstance(prompt, dict):
             raise APIError(400, prompt["error"], param="messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs))
+        return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs), top=body.top_logprobs or 0)
 
-    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = ""):
+    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = "",
+                     top: int = 0):
         """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
         with one response or one SSE stream; ``echo`` (completions) comes first in every choice's text."""
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
         info = await self._model_info()
-        params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs)
+        params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs, top)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
         gens = [self.controller.options(stream=True).generate.remote(
@@ -301,11 +310,11 @@ class OpenAIIngress:
             for g in gens:
                 g.cancel()  # no-op when finished
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
-        for i, (text, pairs, last) in enumerate(results):
+        for i, (text, pairs, tops, last) in enumerate(results):
             if last["finish_reason"] == "error":
                 raise APIError(500, last.get("error") or "generation failed", "internal_error")
             choice = {"index": i, "finish_reason": last["finish_reason"],
-                      "logprobs": _logprobs(pairs, chat) if logprobs else None}
+                      "logprobs": _logprobs(pairs, chat, 0, tops) if logprobs else None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -328,8 +337,9 @@ class OpenAIIngress:
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(gens)  # characters streamed per choice: where its next tokens start (text_offset)
 
-        def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None) -> str:
-            lp = _logprobs(pairs or [], chat, sent[i]) if logprobs and not first else None
+        def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None,
+                  tops=None) -> str:
+            lp = _logprobs(pairs or [], chat, sent[i], tops) if logprobs and not first else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text else {})
@@ -367,7 +377,7 @@ class OpenAIIngress:
                     break
                 finish = item["finish_reason"] if item["finished"] else None
                 if item["text"] or finish or (logprobs and item.get("logprobs")):
-                    yield chunk(i, item["text"], finish, pairs=item.get("logprobs"))
+                    yield chunk(i, item["text"], finish, pairs=item.get("logprobs"), tops=item.get("top_logprobs"))
                     sent[i] += len(item["text"])
                 if item["finished"]:
                     prompt_tokens, completion_tokens = item["prompt_tokens"], completion_tokens + item[

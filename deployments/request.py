@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # most likely alternatives returned per token (0..TOP_LOGPROBS), with their logprobs
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -39,6 +40,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise InvalidRequest("stop strings must be non-empty")
+        if not 0 <= self.top_logprobs <= 20:
+            raise InvalidRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}")
 
@@ -78,6 +81,7 @@ class Request:
     arrival_time: float = field(default_factory=time.time)
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.top_logprobs
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -121,3 +125,4 @@ class RequestOutput:
     finish_reason: str | None
     request: Request
     new_logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them
+    new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # their alternatives (asked for)

@@ -58,6 +58,7 @@ class StepPlan:
             pending=self.pending,
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
+            top_logprobs=any(r.params.top_logprobs for r in reqs),
         )
 
 
@@ -300,7 +301,8 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
-            new = self._append_tokens(req, result.tokens[i], result.logprobs[i])
+            new = self._append_tokens(req, result.tokens[i], result.logprobs[i],
+                                      result.top_logprobs[i] if result.top_logprobs else None)
             spec = result.spec[i] if result.spec else None
             if spec is not None:
                 kept = min(len(spec[1]), len(new) - 1)  # drafts cut by a stop condition do not count as accepted
@@ -322,13 +324,17 @@ class Scheduler:
             for req in plan.requests:
                 req.num_inflight -= 1
 
-    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Append tokens up to the first stop condition; sets req.finish_reason when one is hit."""
+    def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float],
+                       top: list[list[tuple[int, float]]] | None = None) -> list[int]:
+        """Append tokens up to the first stop condition; sets req.finish_reason when one is hit. ``top``: each
+        token's most likely alternatives (kept, cut to its request's ``top_logprobs``, when it asked for them)."""
         new = []
         p = req.params
-        for tok, lp in zip(tokens, logprobs):
+        for j, (tok, lp) in enumerate(zip(tokens, logprobs)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            if p.top_logprobs and top is not None:
+                req.output_top_logprobs.append(top[j][: p.top_logprobs])
             new.append(tok)
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 req.status, req.finish_reason = RequestStatus.FINISHED, "stop"

@@ -30,8 +30,8 @@ def _run(target, spec, params, prompts, graphs: bool, **kw):
     if graphs:  # every bucket and both variants were captured; real rows never got the pad slot's page
         phases = len(next(iter(worker.graph_phases.values())))
         assert len(worker.graphs.graphs) == len(worker.graph_phases) * phases
-        greedy = {b for b, g in worker.graph_phases if g}
-        sampled = {b for b, g in worker.graph_phases if not g}
+        greedy = {b for b, g, _ in worker.graph_phases if g}
+        sampled = {b for b, g, _ in worker.graph_phases if not g}
         assert greedy == set(worker.graph_buckets)  # all captured at start
         assert bool(sampled) == (params.temperature > 0) and sampled <= greedy  # sampling variants: on first use
         assert int(worker.page_table.table[worker.pad_slot].abs().sum()) == 0
@@ -61,3 +61,48 @@ def test_graph_path_matches_eager(spec_models, method, steps, topk, ndt, fused):
         eager = _run(spec_models["target"], spec, params, prompts, graphs=False)
         static = _run(spec_models["target"], spec, params, prompts, graphs=True, fuse_speculative_round=fused)
         assert static == eager
+
+
+TOP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+
+
+def _top_logprobs(eng, prompts, params):
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    return [r.output_ids for r in reqs], [r.output_top_logprobs for r in reqs], [r.output_logprobs for r in reqs]
+
+
+@pytest.mark.parametrize("method,steps,topk,ndt,fused", CASES[:4], ids=[f"{c[0]}-fused{c[4]}" for c in CASES[:4]])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_top_logprobs_match_plain_decode(spec_models, method, steps, topk, ndt, fused, graphs):  # noqa: F811
+    """Each token's 5 most likely alternatives: from the prefill, from plain decode steps, and (speculating) from
+    the verify logits at each emitted position, eager or through the graph path's variant with alternatives; all
+    equal to plain eager decoding's, the greedy token first with its own logprob."""
+    target = spec_models["target"]
+    prompts = mixed_prompts(3)
+    ref_ids, ref_top, ref_lp = _top_logprobs(engine(target), prompts, TOP)
+    for ids, tops, lps in zip(ref_ids, ref_top, ref_lp):
+        assert len(tops) == len(ids) == 10
+        for tok, top, lp in zip(ids, tops, lps):
+            assert len(top) == 5 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-5
+            assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+    spec = None if method is None else SpeculativeConfig(
+        method=method, model=str(spec_models[method]), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    eng = engine(target, spec, cuda_graph_max_bs=8, fuse_speculative_round=fused)
+    if graphs:
+        eng.executor.worker.capture_graphs()
+    ids, top, _ = _top_logprobs(eng, prompts, TOP)
+    assert ids == ref_ids
+    for got, ref in zip(top, ref_top):
+        for g, r in zip(got, ref):
+            assert [t for t, _ in g] == [t for t, _ in r], (g, r)
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, r))
+    if graphs:  # the variant with alternatives was captured and replayed
+        assert any(top_variant for _, _, top_variant in eng.executor.worker.graph_phases)
+    # in a batch where one request asks for alternatives, one that does not keeps none
+    asks = eng.add_request(prompts[0], TOP)
+    plain = eng.add_request(prompts[1], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert len(asks.output_top_logprobs) == 10 and plain.output_top_logprobs == [] and plain.output_ids == ref_ids[1]

@@ -239,13 +239,13 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
 @pytest.mark.parametrize("endpoint,extra,param", [
     ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
-    ("completions", {"logprobs": 2}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ("chat", {"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
     ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),
 ])
@@ -264,7 +264,7 @@ def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra,
 
 def test_logprobs_of_the_sampled_tokens(client):
     """The sampled token's logprob (from the verify step: this app speculates), streamed or not, in both APIs'
-    shapes; none when not asked for."""
+    shapes, with the most likely alternatives when asked for; none when not asked for."""
     kw = dict(model="tiny", prompt="import os\n", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     lp = client.completions.create(logprobs=0, **kw).choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
@@ -284,6 +284,16 @@ def test_logprobs_of_the_sampled_tokens(client):
                                             stream=True, extra_body={"ignore_eos": True})
     streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
+    # alternatives: completions' logprobs=N (a dict per token), chat's top_logprobs=N (a list per token)
+    lp3 = client.completions.create(logprobs=3, **kw).choices[0].logprobs
+    assert lp3.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    for token, tlp, top in zip(lp3.tokens, lp3.token_logprobs, lp3.top_logprobs):
+        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(tlp, abs=1e-5)  # greedy: the best one
+    chat3 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                           top_logprobs=3, extra_body={"ignore_eos": True})
+    for c in chat3.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
 
 
 def test_n_choices(client):

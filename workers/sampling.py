@@ -95,6 +95,15 @@ def sample_from_probs(probs: torch.Tensor, p: SamplingTensors, stream: int = 0) 
     return race.argmax(-1)
 
 
+TOP_LOGPROBS = 20  # alternatives computed when a request asks for any (OpenAI's most); each request keeps its own
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` most likely tokens of each row under the model's raw distribution: (ids [..., k], logprobs)."""
+    vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids, vals
+
+
 def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (token ids [B], logprob of each sampled token under the model's raw distribution [B])."""
     greedy_ids, lse = argmax_logsumexp(logits)

@@ -24,7 +24,7 @@ from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
-from workers.sampling import SamplingTensors, sample
+from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, top_logprobs
 from speculative.proposers import RoundInputs, shift_lens
 
 logger = logging.getLogger(__name__)
@@ -51,6 +51,7 @@ class WorkerStep:
     next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
     step_id: int = 0  # the engine's number for this step, echoed in its StepResult
+    top_logprobs: bool = False  # some request wants the most likely alternatives of each token (TOP_LOGPROBS)
 
 
 @dataclass
@@ -61,6 +62,8 @@ class StepResult:
     timings: dict = field(default_factory=dict)
     error: str | None = None  # the step failed (its requests fail; the worker goes on)
     step_id: int = 0  # WorkerStep.step_id of the step this is the result of
+    # per request, per token: the TOP_LOGPROBS most likely (token, logprob) at its position (WorkerStep.top_logprobs)
+    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
@@ -176,8 +179,11 @@ class _Launched:
 
 
 def _token_result(lists: list[list]) -> StepResult:
-    ids, logprobs = lists
-    return StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in logprobs])
+    ids, logprobs, *top = lists
+    res = StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in logprobs])
+    if top:  # [B, K] ids and logprobs
+        res.top_logprobs = [[list(zip(map(int, i), v))] for i, v in zip(*top)]
+    return res
 
 
 class Worker:
@@ -231,7 +237,8 @@ class Worker:
         self.graphs: GraphRunner | None = None  # set by capture_graphs, with the three below
         self.static: StaticInputs | None = None
         self.graph_buckets: list[int] = []
-        self.graph_phases: dict[tuple[int, bool], list[str]] = {}  # (bucket, greedy) → graph names in replay order
+        # (bucket, greedy, top logprobs) → graph names in replay order
+        self.graph_phases: dict[tuple[int, bool, bool], list[str]] = {}
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -326,12 +333,13 @@ class Worker:
                     time.perf_counter() - t0, f" (the others from {cache.path})" if cache is not None else "")
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
-    def _graph_callables(self, bucket: int, greedy: bool) -> dict[str, object]:
-        """What one bucket captures: name → callable over the static inputs."""
+    def _graph_callables(self, bucket: int, greedy: bool, top: bool) -> dict[str, object]:
+        """What one bucket captures: name → callable over the static inputs (``top``: with each token's top
+        logprobs as extra outputs)."""
         if self.proposer is None:
-            return {"decode": lambda: self._decode(self._static_inputs(bucket, greedy))}
+            return {"decode": lambda: self._decode(self._static_inputs(bucket, greedy), top)}
         if self.cfg.fuse_speculative_round:
-            return {"round": lambda: self._round(self._static_inputs(bucket, greedy))}
+            return {"round": lambda: self._round(self._static_inputs(bucket, greedy), top)}
         state: dict = {}  # tensors the phases hand to each other (outputs of the previous phase's graph)
 
         def draft():
@@ -339,7 +347,7 @@ class Worker:
             state["tree"] = self.proposer.propose(inp)
 
         def verify():
-            state["verified"] = self._verify(state["inp"], state["tree"])
+            state["verified"] = self._verify(state["inp"], state["tree"], top)
 
         return {"draft": draft, "verify": verify,
                 "draft_extend": lambda: self._finish_round(state["inp"], state["tree"], *state["verified"])}
@@ -347,7 +355,8 @@ class Worker:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture the greedy graphs of every bucket now (largest first, so smaller graphs reuse its pool memory);
-        the sampling variant of a bucket (its top-k/top-p sort needs much more memory) on its first use."""
+        the sampling variant of a bucket (its top-k/top-p sort needs much more memory) and the variants with top
+        logprobs on their first use."""
         from tqdm import tqdm
 
         buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
@@ -357,15 +366,15 @@ class Worker:
         self.graph_phases.clear()
         self.graph_buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
-            self._capture(bucket, greedy=True)
+            self._capture(bucket, greedy=True, top=False)
 
-    def _capture(self, bucket: int, greedy: bool) -> None:
+    def _capture(self, bucket: int, greedy: bool, top: bool) -> None:
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times)."""
         self.static.reset()
-        phases = self._graph_callables(bucket, greedy)
+        phases = self._graph_callables(bucket, greedy, top)
         for name, fn in phases.items():
-            self.graphs.capture((name, bucket, greedy), fn)
-        self.graph_phases[(bucket, greedy)] = list(phases)
+            self.graphs.capture((name, bucket, greedy, top), fn)
+        self.graph_phases[(bucket, greedy, top)] = list(phases)
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
@@ -420,7 +429,8 @@ class Worker:
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
-        return HostCopy(ids, logprobs), _token_result
+        top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
+        return HostCopy(ids, logprobs, *top), _token_result
 
     def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
         fn = getattr(self.proposer, "target_features", None)
@@ -429,30 +439,37 @@ class Worker:
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         b = len(step.req_slots)
-        greedy = all(t <= 0 for t in step.temperature)
+        greedy, top = all(t <= 0 for t in step.temperature), step.top_logprobs
         bucket = next((x for x in self.graph_buckets if x >= b), None)  # None: no graphs, or a larger batch
         if bucket is None:
             inp = self._eager_inputs(step)
-            out = self._decode(inp) if self.proposer is None else self._round(inp)
+            out = self._decode(inp, top) if self.proposer is None else self._round(inp, top)
         else:
-            if (bucket, greedy) not in self.graph_phases:
-                self._capture(bucket, greedy)
+            if (bucket, greedy, top) not in self.graph_phases:
+                self._capture(bucket, greedy, top)
             self.static.fill(step, bucket)
-            for name in self.graph_phases[(bucket, greedy)]:  # the last phase returns the step's outputs
-                out = self.graphs.replay((name, bucket, greedy))
+            for name in self.graph_phases[(bucket, greedy, top)]:  # the last phase returns the step's outputs
+                out = self.graphs.replay((name, bucket, greedy, top))
         # copied now: the next replay overwrites a graph's outputs
         copy = HostCopy(*(t[:b] for t in out))
         return copy, (_token_result if self.proposer is None else self._round_result)
 
     def _round_result(self, lists: list[list]) -> StepResult:
-        accept, tokens, logprobs = lists
+        accept, tokens, logprobs, *top = lists
         accept = [int(a) for a in accept]
         d = self.proposer.tree_size
-        return StepResult(
+        res = StepResult(
             tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
             logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
             spec=[(d - 1, list(range(a))) for a in accept],
         )
+        if top:  # [B, S+1, K] ids and logprobs, each request's row flattened by the copy
+            res.top_logprobs = []
+            for t, ti, tv, a in zip(tokens, *top, accept):
+                k = len(ti) // len(t)
+                res.top_logprobs.append([list(zip(map(int, ti[j * k:(j + 1) * k]), tv[j * k:(j + 1) * k]))
+                                         for j in range(a + 1)])
+        return res
 
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
         slots = to_device(step.req_slots, torch.int64, self.device)
@@ -475,23 +492,25 @@ class Worker:
                            root_pos=seq - 1, sampling=st.sampling(bucket, greedy, counters_ahead=ahead),
                            drafts=st.drafts(bucket) if self.proposer is not None else None)
 
-    def _decode(self, inp) -> tuple[torch.Tensor, torch.Tensor]:
-        """One DECODE forward and sampling: (ids [B], logprobs [B])."""
+    def _decode(self, inp, top: bool = False) -> tuple[torch.Tensor, ...]:
+        """One DECODE forward and sampling: (ids [B], logprobs [B]), and with ``top`` the TOP_LOGPROBS most likely
+        tokens' (ids [B, K], logprobs [B, K])."""
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
         hidden = self.target.forward(fb)
-        ids, logprobs = sample(self.target.logits(hidden[fb.logits_indices]), inp.sampling)
+        logits = self.target.logits(hidden[fb.logits_indices])
+        ids, logprobs = sample(logits, inp.sampling)
         self.last_token[inp.req_slots] = ids
-        return ids, logprobs
+        return (ids, logprobs, *top_logprobs(logits, TOP_LOGPROBS)) if top else (ids, logprobs)
 
-    def _round(self, inp) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _round(self, inp, top: bool = False) -> tuple[torch.Tensor, ...]:
         """draft → TARGET_VERIFY → accept → compact accepted KV → draft catch-up; nothing leaves the device.
-        Returns (accept_len [B], out_tokens [B, S+1], out_logprobs [B, S+1])."""
+        Returns (accept_len [B], out_tokens [B, S+1], out_logprobs [B, S+1]), and with ``top`` the TOP_LOGPROBS
+        most likely tokens at each emitted position (ids [B, S+1, K], logprobs [B, S+1, K])."""
         tree = self.proposer.propose(inp)
-        verdict, features = self._verify(inp, tree)
-        return self._finish_round(inp, tree, verdict, features)
+        return self._finish_round(inp, tree, *self._verify(inp, tree, top))
 
-    def _verify(self, inp, tree):
+    def _verify(self, inp, tree, top: bool = False):
         from speculative.verify import simulated_acceptance, verify_tree
 
         b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
@@ -514,15 +533,21 @@ class Worker:
             dst = self.page_table.slots(slots, m.unsqueeze(1) + depth)
             keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
             self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
-        return verdict, self._features(fb, hidden)
+        alternatives = None
+        if top:  # at each emitted token's position: the node whose logits chose it (verdict.path)
+            ids, lps = top_logprobs(logits, TOP_LOGPROBS)  # [B, D, K]
+            at = verdict.path.unsqueeze(2).expand(-1, -1, ids.shape[2])
+            alternatives = (ids.gather(1, at), lps.gather(1, at))
+        return verdict, self._features(fb, hidden), alternatives
 
-    def _finish_round(self, inp, tree, verdict, features):
+    def _finish_round(self, inp, tree, verdict, features, alternatives=None):
         self.proposer.after_verify(inp, tree, verdict, features)
         # the next round's root: the last token this one emits (the bonus token after the accepted drafts)
         accept = verdict.accept_len.long()
         self.last_token[inp.req_slots] = verdict.out_tokens.gather(1, accept.unsqueeze(1)).squeeze(1)
         self.advance[inp.req_slots] = accept + 1
-        return verdict.accept_len, verdict.out_tokens, verdict.out_logprobs
+        outputs = (verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
+        return outputs + alternatives if alternatives is not None else outputs
 
     def shutdown(self) -> None:
         self._on_device()
