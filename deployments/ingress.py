@@ -182,13 +182,13 @@ def _logprobs(pairs: list, chat: bool, text_offset: int = 0, tops: list | None =
     for t, _ in pairs:
         offsets.append(text_offset)
         text_offset += len(t)
-    top_dicts = None
-    if any(tops):  # a dict per token, text → logprob, likeliest first; tokens of the same text keep the likelier
-        top_dicts = []
-        for top in tops:
-            top_dicts.append({})
-            for t, lp in top:
-                top_dicts[-1].setdefault(t, lp)
+    # a dict per token, text → logprob: its alternatives, likeliest first, then the sampled token itself (OpenAI's
+    # up to logprobs + 1 entries); tokens that decode to the same text keep the likelier one's logprob
+    top_dicts = []
+    for (token, token_lp), top in zip(pairs, tops):
+        top_dicts.append({})
+        for t, lp in (*top, (token, token_lp)):
+            top_dicts[-1].setdefault(t, lp)
     return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
             "top_logprobs": top_dicts, "text_offset": offsets}
 

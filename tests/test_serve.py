@@ -285,10 +285,14 @@ def test_logprobs_of_the_sampled_tokens(client):
     streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
     assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
     # alternatives: completions' logprobs=N (a dict per token), chat's top_logprobs=N (a list per token)
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]  # logprobs=0: the token only
     lp3 = client.completions.create(logprobs=3, **kw).choices[0].logprobs
     assert lp3.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
     for token, tlp, top in zip(lp3.tokens, lp3.token_logprobs, lp3.top_logprobs):
-        assert 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(tlp, abs=1e-5)  # greedy: the best one
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(tlp, abs=1e-5)  # greedy: the best one
+    sampled = client.completions.create(**dict(kw, temperature=2.0, seed=3, logprobs=2)).choices[0].logprobs
+    for token, top in zip(sampled.tokens, sampled.top_logprobs):  # the sampled token is always among them
+        assert token in top and len(top) <= 3
     chat3 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
                                            top_logprobs=3, extra_body={"ignore_eos": True})
     for c in chat3.choices[0].logprobs.content:
