@@ -270,8 +270,8 @@ class Engine:
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
     def step_stats(self, result: StepResult | None = None) -> dict:
-        # a request whose prompt is part prefilled (chunked prefill) counts as running, as in vLLM
-        prefilling = sum(1 for r in self.scheduler.waiting if r.num_computed > 0)
+        # a request whose prompt is being prefilled in chunks counts as running, as in vLLM
+        prefilling = self.scheduler.num_admitted_waiting
         stats = {"running": len(self.scheduler.running) + prefilling,
                  "waiting": len(self.scheduler.waiting) - prefilling,
                  "kv_usage": self.scheduler.kv_usage, "step_time": dict(self.step_time)}

@@ -149,6 +149,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     @property
+    def num_admitted_waiting(self) -> int:
+        """Waiting requests that hold a slot: their prompt is being prefilled in chunks (no scan of the queue)."""
+        return self.max_num_seqs - len(self._free_slots) - len(self.running)
+
+    @property
     def kv_usage(self) -> float:
         a = self.allocator
         return 1.0 - a.num_free / a.capacity_pages
