@@ -39,17 +39,6 @@ sys.path.insert(0, str(ROOT))
 from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
 from bench.random_llama import DRAFT_SHAPES, weight_bytes_per_token, write_checkpoint  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
-from workers import fused_ops, small_m_linear  # noqa: E402
-
-
-# --launch-variants: bs=1 decode with other kernel launch settings (module attribute → value)
-LAUNCH_VARIANTS = {
-    "no_pdl": {(fused_ops, "_PDL_ALLOWED"): False},  # every kernel waits for the previous one to end
-    "release_after_wait": {(fused_ops, "PDL_RELEASE"): 1},
-    "release_late": {(fused_ops, "PDL_RELEASE"): 2},
-    "prefetch_4mb": {(small_m_linear, "L2_PREFETCH_BYTES"): 4 << 20},
-    "prefetch_16mb": {(small_m_linear, "L2_PREFETCH_BYTES"): 16 << 20},
-}
 
 
 class Suite:
@@ -149,32 +138,17 @@ class Suite:
     def bs1_floor(self) -> None:
         row = self.floor()
         floor_ms = row["floor_ms"]
-        variants = [("specserve_graphs", {}, {}),
-                    ("specserve_graphs_no_overlap", {"disable_overlap_schedule": True}, {}),
-                    ("specserve_eager", {"disable_cuda_graph": True}, {})]
-        if self.dev == "cuda" and fused_ops.use_pdl(torch.empty(0, device="cuda")):
-            # the same engine with other kernel launch settings: module settings swapped for one engine (its graphs
-            # are captured with them), restored after
-            variants += [(f"specserve_graphs_{v}", {}, LAUNCH_VARIANTS[v]) for v in self.args.launch_variants.split(",")
-                         if v]
-        for name, kw, patches in variants:
-            saved = {(mod, attr): getattr(mod, attr) for mod, attr in patches}
-            for (mod, attr), value in patches.items():
-                setattr(mod, attr, value)
-            try:
-                eng = self.engine(**kw, max_num_seqs=8, cuda_graph_max_bs=8)
-                self.decode_rate(eng, 1)  # warm-up
-                r = self.decode_rate(eng, 1)
-                row[f"{name}_ms"] = r["ms_per_token_per_request"]
-                row[f"{name}_vs_floor"] = round(r["ms_per_token_per_request"] / floor_ms, 3)
-                if not kw.get("disable_cuda_graph"):  # GPU time alone: the bs=1 decode graph replayed back to back
-                    key = "graph_replay" + name.removeprefix("specserve_graphs")
-                    row[f"{key}_ms"] = round(self.replay_ms(eng), 3)
-                    row[f"{key}_vs_floor"] = round(row[f"{key}_ms"] / floor_ms, 3)
-                del eng
-            finally:
-                for (mod, attr), value in saved.items():
-                    setattr(mod, attr, value)
+        for name, kw in (("specserve_graphs", {}), ("specserve_graphs_no_overlap", {"disable_overlap_schedule": True}),
+                         ("specserve_eager", {"disable_cuda_graph": True})):
+            eng = self.engine(**kw, max_num_seqs=8, cuda_graph_max_bs=8)
+            self.decode_rate(eng, 1)  # warm-up
+            r = self.decode_rate(eng, 1)
+            row[f"{name}_ms"] = r["ms_per_token_per_request"]
+            row[f"{name}_vs_floor"] = round(r["ms_per_token_per_request"] / floor_ms, 3)
+            if name == "specserve_graphs":  # GPU time alone: the bs=1 decode graph replayed back to back
+                row["graph_replay_ms"] = round(self.replay_ms(eng), 3)
+                row["graph_replay_vs_floor"] = round(row["graph_replay_ms"] / floor_ms, 3)
+            del eng
             self.free()
             self.save()
             print(row, flush=True)
@@ -435,10 +409,8 @@ class Suite:
         error. Older JSONs kept HF numbers inside ``bs1`` (hf_*_ms / hf_*_error): read those too."""
         r, rows = self.results, []
         b = r.get("bs1", {})
-        variants = [k.removeprefix("specserve_graphs_").removesuffix("_ms") for k in b
-                    if k.startswith("specserve_graphs_") and k.endswith("_ms") and "vs_floor" not in k]
-        for k in (["graph_replay"] + [f"graph_replay_{v}" for v in variants] + ["specserve_graphs"]
-                  + [f"specserve_graphs_{v}" for v in variants] + ["specserve_eager", "hf_eager", "hf_static_compile"]):
+        for k in ("graph_replay", "specserve_graphs", "specserve_graphs_no_overlap", "specserve_eager", "hf_eager",
+                  "hf_static_compile"):
             if f"{k}_ms" in b:
                 rows.append((k, {"decode_ms_per_token": b[f"{k}_ms"]}))
             elif f"{k}_error" in b and k not in r.get("hf", {}):
@@ -503,7 +475,7 @@ class Suite:
         fig, axes = plt.subplots(1, 2 if two else 1, figsize=(11, 4) if two else (6.5, 4), squeeze=False)
         axes = axes[0]
         bars = [(name, x["decode_ms_per_token"]) for name, x in self.bs1_rows()
-                if not name.startswith("graph_replay") and "decode_ms_per_token" in x]
+                if name != "graph_replay" and "decode_ms_per_token" in x]
         if bars:
             axes[0].bar([n for n, _ in bars], [v for _, v in bars],
                         color=["C1" if n.startswith("hf_") else "C0" for n, _ in bars])
@@ -540,8 +512,6 @@ def main() -> None:
     ap.add_argument("--parts", default="bs1,spec", help="comma list of bs1, spec, hf, draft (bs1 brings hf unless "
                     "--skip-hf)")
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--launch-variants", default="no_pdl", help="bs1: comma list of " + ", ".join(LAUNCH_VARIANTS)
-                    + " (GPUs with programmatic dependent launch)")
     ap.add_argument("--draft-shape", default=None, help="standalone draft shape (default: DRAFT_SHAPES[shape])")
     ap.add_argument("--draft-ckpt", default=None, help="default: /tmp/<draft shape>-random (written if missing)")
     ap.add_argument("--hf-repeats", type=int, default=3, help="timed calls per length, static+compile (median)")

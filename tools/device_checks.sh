@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|kernels|pdl|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
+#   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 set -uo pipefail
 stage=$1
@@ -70,11 +70,6 @@ case $stage in
     run python3 tools/check_attention.py --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
     run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
     run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_$tag"
-    ;;
-  pdl)  # programmatic dependent launch: the kernel chain bit for bit with and without, 8B bs=1, graphs vs eager
-    run python3 tools/check_pdl.py --json "$R/pdl_check_$tag.json"
-    run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --parts bs1 --out "$R/gpu_perf_llama8b_bs1_$tag"
-    run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
     ;;
   perf8b)
     run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"

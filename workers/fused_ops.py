@@ -8,7 +8,6 @@ widened to fp32, and results are rounded back where PyTorch would round them.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -19,75 +18,13 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install without triton: PyTorch paths only
     triton = None
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without grid dependency control: kernels launch one after another
-    gdc_launch_dependents = gdc_wait = None
 
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels on CPU tensors
-# SPECSERVE_PDL=0 launches every kernel only once the previous one has finished (for comparison and debugging)
-_PDL_ALLOWED = os.environ.get("SPECSERVE_PDL", "1") != "0"
-PDL_RELEASE = 0
 
 
 def _triton_for(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRETER)
-
-
-# ---- programmatic dependent launch -------------------------------------------------------------------------------
-# On Hopper and later a kernel launched with PDL may start while the kernel before it is still running: its programs
-# become resident, run what does not depend on the previous kernel's results (the linear kernels prefetch their
-# weights into L2) and then wait (``griddepcontrol.wait``) until that kernel has finished and its writes are
-# visible. A decode step of a small batch is a chain of ~10 kernels per layer, most of them far too short to keep
-# the memory busy; with PDL the weight stream of the next linear layer overlaps them. Every PDL kernel waits before
-# it reads an activation or writes anything, so the order of results is the stream's order, as without PDL.
-@functools.lru_cache(maxsize=None)
-def _pdl_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def use_pdl(x: torch.Tensor) -> bool:
-    """Whether kernels on ``x``'s device launch with programmatic dependent launch (CUDA, sm90+)."""
-    if not (_PDL_ALLOWED and x.is_cuda and triton is not None and gdc_wait is not None):
-        return False
-    return _pdl_device(x.device.index if x.device.index is not None else torch.cuda.current_device())
-
-
-if triton is not None:
-
-    @triton.jit
-    def pdl_enter(PDL: tl.constexpr, RELEASE: tl.constexpr):
-        """A PDL kernel's first statement: let the next kernel's programs start (RELEASE 0: now; 1: once this
-        kernel's inputs are ready; 2: at ``pdl_release_late``), and wait until the previous kernel has finished
-        and its writes are visible."""
-        if PDL:
-            if RELEASE == 0:
-                gdc_launch_dependents()
-            gdc_wait()
-            if RELEASE == 1:
-                gdc_launch_dependents()
-
-    @triton.jit
-    def pdl_release_late(PDL: tl.constexpr, RELEASE: tl.constexpr):
-        """Before a PDL kernel's final stores: the release point of RELEASE 2."""
-        if PDL:
-            if RELEASE == 2:
-                gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_to_l2(ptrs, nbytes):
-        """Ask the memory system to bring ``nbytes`` bytes from each pointer into L2 (sm90 bulk prefetch: the
-        thread does not wait; a pointer with nbytes <= 0 is skipped). Pointers 16-byte aligned, nbytes a multiple
-        of 16."""
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def pdl_launch(x: torch.Tensor) -> dict:
-    """Launch options of a kernel whose code starts with ``pdl_enter(PDL, PDL_RELEASE)``."""
-    return {"PDL": True, "PDL_RELEASE": PDL_RELEASE, "launch_pdl": True} if use_pdl(x) else {}
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------------------------
@@ -104,8 +41,7 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -122,8 +58,7 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
-    def _silu_and_mul(GateUp, Out, stride_g, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+    def _silu_and_mul(GateUp, Out, stride_g, stride_o, n, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n
@@ -135,8 +70,7 @@ if triton is not None:
     @triton.jit
     def _rope_qk(Q, K, QOut, KOut, Cos, Sin, num_q_heads, half,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct,
-                 BLOCK: tl.constexpr, PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+                 BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
@@ -167,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x2.shape[0]:
         _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0),
                                       r_out.stride(0), n, eps, HAS_RES=residual is not None,
-                                      BLOCK=triton.next_power_of_2(n), **pdl_launch(x2))
+                                      BLOCK=triton.next_power_of_2(n))
     return out.view(shape) if residual is None else (out.view(shape), r_out.view(shape))
 
 
@@ -179,8 +113,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        _silu_and_mul[(t, triton.cdiv(n, 1024))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=1024,
-                                                 **pdl_launch(gate_up))
+        _silu_and_mul[(t, triton.cdiv(n, 1024))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=1024)
     return out
 
 
@@ -202,7 +135,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     if t:
         _rope_qk[(t, hq + hk)](q, k, q_out, k_out, cos, sin, hq, dim // 2, q.stride(0), q.stride(1), k.stride(0),
                                k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                               cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2), **pdl_launch(q))
+                               cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2))
     return q_out, k_out
 
 
@@ -211,8 +144,7 @@ if triton is not None:
 
     @triton.jit
     def _store_kv(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-                  num_heads, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr, PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+                  num_heads, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HEADS_P2)
         d = tl.arange(0, HEAD_DIM)
@@ -241,7 +173,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     if t:
         _store_kv[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                         k_cache.stride(0), k_cache.stride(1), heads, HEAD_DIM=dim,
-                        HEADS_P2=triton.next_power_of_2(heads), **pdl_launch(k))
+                        HEADS_P2=triton.next_power_of_2(heads))
 
 
 # ---- greedy token and log-normaliser of each row of logits -------------------------------------------------------
@@ -249,8 +181,7 @@ if triton is not None:
 
     @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+                            BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * chunk
@@ -274,9 +205,7 @@ if triton is not None:
         tl.store(PartSum + row * num_parts + part, total)
 
     @triton.jit
-    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, num_parts, PARTS_P2: tl.constexpr,
-                          PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0):
-        pdl_enter(PDL, PDL_RELEASE)
+    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, num_parts, PARTS_P2: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, PARTS_P2)
         ok = p < num_parts
@@ -308,7 +237,7 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(b, dtype=torch.float32, device=dev)
     if b:
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
-                                        BLOCK=block, **pdl_launch(logits))
+                                        BLOCK=block)
         _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, parts,
-                                PARTS_P2=triton.next_power_of_2(parts), **pdl_launch(logits))
+                                PARTS_P2=triton.next_power_of_2(parts))
     return ids, lse

@@ -28,13 +28,11 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.fused_ops import pdl_launch, silu_and_mul, use_pdl
+from workers.fused_ops import silu_and_mul
 
 try:
     import triton
     import triton.language as tl
-
-    from workers.fused_ops import pdl_enter, pdl_release_late, prefetch_to_l2
 except ImportError:  # CPU-only install without triton
     triton = None
 
@@ -61,26 +59,15 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 # the same speed then resolve the same way on every start, so replicas and restarts mostly run the same kernels and
 # round alike (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
 SWITCH_MARGIN = 0.03
-# With programmatic dependent launch (sm90+) cuBLAS's kernels are the ones that do not take part: each starts only
-# once the kernel before it has ended, and the kernel after it cannot start early. Timed alone, that cost does not
-# show, so cuBLAS counts as this much slower than it times when the Triton kernels launch with PDL.
-PDL_CUBLAS_PENALTY = 0.10
 
 
 if triton is not None:
 
     @triton.jit
-    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes, prefetch_elems,
+    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False, PDL_RELEASE: tl.constexpr = 0, PREFETCH_SEGMENTS: tl.constexpr = 0):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
-        if PREFETCH_SEGMENTS > 0:  # while the previous kernel runs: the start of this program's weight rows → L2
-            seg = tl.arange(0, BLOCK_N * PREFETCH_SEGMENTS)
-            row = pid * BLOCK_N + seg // PREFETCH_SEGMENTS
-            start = row.to(tl.int64) * stride_wn + (seg % PREFETCH_SEGMENTS) * prefetch_elems
-            prefetch_to_l2(W + start, tl.where(row < N, prefetch_bytes, 0))
-        pdl_enter(PDL, PDL_RELEASE)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
@@ -108,31 +95,10 @@ if triton is not None:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        pdl_release_late(PDL, PDL_RELEASE)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
-
-
-def l2_prefetch_plan(weight: torch.Tensor, cfg: TileConfig, budget: int) -> tuple[int, int]:
-    """How a program prefetches the start of its weight rows before it waits for the previous kernel (PDL):
-    (segments per row, bytes per segment), at most ``budget`` bytes over the whole matrix; (0, 0): none. Segments
-    spread a program's prefetches over its threads (one bulk prefetch instruction each)."""
-    n, k = weight.shape
-    row_bytes = k * weight.element_size()
-    per_row = min(row_bytes, budget // n) // 16 * 16
-    if per_row < 128 or weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
-        return 0, 0
-    segments = max(1, min(32 * cfg.num_warps // cfg.block_n, per_row // 512))
-    segments = 1 << (segments.bit_length() - 1)  # a power of two: the program's prefetch lanes are one arange
-    seg_bytes = per_row // segments // 16 * 16
-    return segments, seg_bytes
-
-
-# Bytes of weight the linear kernels prefetch into L2 while they wait for the previous kernel (PDL only): the
-# H100's L2 holds 50 MB, and a decode step's KV reads and activations share it.
-L2_PREFETCH_BYTES = 0
 
 
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
@@ -145,14 +111,10 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    pdl = use_pdl(x2d)
-    segments, seg_bytes = l2_prefetch_plan(weight, cfg, L2_PREFETCH_BYTES) if pdl else (0, 0)
     _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
         x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
-        seg_bytes, seg_bytes // weight.element_size(),
         HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({**pdl_launch(x2d), "PREFETCH_SEGMENTS": segments} if pdl else {}))
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -169,7 +131,7 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
 
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
     cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
-    best, best_ms = None, do_bench(cublas, warmup=5, rep=20) * (1 + (PDL_CUBLAS_PENALTY if use_pdl(weight) else 0))
+    best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
             ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated), warmup=5, rep=20)
@@ -237,10 +199,8 @@ class TuningCache:
 
 
 def tuning_environment(device: torch.device) -> str:
-    """What a choice depends on besides the shape: the GPU model, the torch / triton builds and whether the kernels
-    launch with PDL."""
-    pdl = " | pdl" if use_pdl(torch.empty(0, device=device)) else ""
-    return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__}{pdl}"
+    """What a timing depends on besides the shape: the GPU model and the torch / triton builds."""
+    return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__}"
 
 
 def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
