@@ -130,10 +130,15 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--draft-tokens", default="4,8")
     ap.add_argument("--sweep", action="store_true", help="tune the decode-style launch at 50k first (see JSON)")
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     ap.add_argument("--min-chunk", type=int, default=None,
                     help="fewest KV positions per decode-style split (default: the backend's); short contexts get "
                          "more splits with a smaller value (--draft-tokens 1 times plain decode)")
     args = ap.parse_args()
+    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
+    if args.report_only:
+        report(json.loads(out.with_suffix(".json").read_text()), out)
+        return
     heads, kv_heads, dim, page = 32, 8, 128, 16
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
     bw = copy_bandwidth()
@@ -179,9 +184,14 @@ def main() -> None:
     meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
             "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
             "decode_style_launch": launch, "sweep": sweep, "rows": rows}
-    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    report(meta, out)
+
+
+def report(meta: dict, out: Path) -> None:
+    """<out>.md and <out>.png from the run's record (``meta``, as written to <out>.json)."""
+    rows, launch, sweep = meta["rows"], meta["decode_style_launch"], meta["sweep"]
     md = [f"# Verify attention ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
           f"{meta['copy_bandwidth_GBps']} GB/s (read + write); decode-style launch {launch}"
