@@ -3,8 +3,7 @@
 A program owns (request, block of query rows, KV head, KV split). Query rows are the request's new tokens times the
 GQA group, packed so each K/V tile is read once per KV head for the whole group. KV is walked through the page
 table; the mask is causal in storage positions, with a per-row bitmask over the speculative block (the last L ≤ 64
-positions: verify tree / draft scratch area). Split launches write partial (output, log-sum-exp) that a second kernel
-merges; a launch of one split (the prefill family) writes the output itself.
+positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
 
 DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
 family) with query tiles and one split. The number of splits is fixed per backend from the page table's capacity and
@@ -27,12 +26,12 @@ from workers.forward_batch import ForwardBatch
 
 @triton.jit
 def _split_kv_attention(
-    Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE, Out,
+    Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
     scale, page_size, tree_len, num_splits, min_chunk,
     stride_qt, stride_qh, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
-    stride_pl_r, stride_pl_h, stride_or, stride_oh,
+    stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -94,15 +93,11 @@ def _split_kv_attention(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
         m_i = m_new
     out_row = tok0 + q_idx
+    lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if SPLIT:  # partial (output, log-sum-exp) for the merge kernel
-        lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
-        tl.store(PartO + out_row[:, None] * stride_po_r + head[:, None] * stride_po_h + split * stride_po_s
-                 + d[None, :], o, mask=row_ok[:, None])
-        tl.store(PartLSE + out_row * stride_pl_r + head * stride_pl_h + split, lse, mask=row_ok)
-    else:  # one program per (rows, KV head): its result is the output
-        tl.store(Out + out_row[:, None] * stride_or + head[:, None] * stride_oh + d[None, :],
-                 o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(PartO + out_row[:, None] * stride_po_r + head[:, None] * stride_po_h + split * stride_po_s + d[None, :],
+             o, mask=row_ok[:, None])
+    tl.store(PartLSE + out_row * stride_pl_r + head * stride_pl_h + split, lse, mask=row_ok)
 
 
 @triton.jit
@@ -212,31 +207,26 @@ class TritonBackend(AttentionBackend):
         num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
         splits = self._decode_splits(fb.batch_size, layer.num_kv_heads, num_qblocks) if decode_style else 1
         t = q.shape[0]
-        out = torch.empty_like(q)
-        if splits > 1:
-            part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
-        else:
-            part_o = part_lse = out  # unused: a single split writes the output itself
+        part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
         k_cache, v_cache = fb.kv_cache.k[layer.layer_id], fb.kv_cache.v[layer.layer_id]
         table = fb.page_table.table
-        bits = m["bits"] if m["bits"] is not None else out  # unused when HAS_TREE is False
+        bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
         _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
             q, k_cache, v_cache, table, fb.req_slots, fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o,
-            part_lse, out, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
+            part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self._block_n(layer.head_dim, k_cache),
-            HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, SPLIT=splits > 1,
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
+            num_stages=self.num_stages,
         )
-        if splits > 1:
-            _merge_splits[(t, layer.num_heads)](
-                part_o, part_lse, out, splits, part_o.stride(0), part_o.stride(1), part_o.stride(2),
-                part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=layer.head_dim,
-                SPLITS_P2=triton.next_power_of_2(splits),
-            )
+        out = torch.empty_like(q)
+        _merge_splits[(t, layer.num_heads)](
+            part_o, part_lse, out, splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=layer.head_dim,
+            SPLITS_P2=triton.next_power_of_2(splits),
+        )
         return out
 
     def forward_extend(self, q, layer, fb):

@@ -2,7 +2,7 @@
 and vs the KV-read floor (KV bytes ÷ device copy bandwidth measured in the same run). Llama-3.1-8B head shape
 (32 query heads, 8 KV heads, head dim 128), bf16, one layer, paged KV (page 16), chain verify.
 
-Each launch is timed two ways: called eagerly (Python launches of the attention kernel, as without CUDA
+Each launch is timed two ways: called eagerly (Python launches of the split and merge kernels, as without CUDA
 graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
 
     python bench/verify_attention.py --out bench/results/verify_attention_h100
