@@ -50,11 +50,12 @@ def check() -> None:
 
 
 def check_store_kv_and_argmax(g) -> None:
-    """K/V into the paged cache in one kernel (strided views of a fused qkv, a non-power-of-two head count), and the
+    """K/V into the paged cache in one kernel (strided views of a fused qkv, a non-power-of-two head count), RoPE
+    fused with that store, and the
     split-row argmax + logsumexp (first index on ties, -inf columns, rows longer and shorter than one program)."""
     import torch
 
-    from workers.fused_ops import argmax_logsumexp, store_kv
+    from workers.fused_ops import apply_rope_store_kv, argmax_logsumexp, rope_reference, store_kv
 
     for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(5, (3 + 3 + 3) * 16, generator=g).to(dtype)
@@ -66,6 +67,19 @@ def check_store_kv_and_argmax(g) -> None:
         ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
         ref_k[slots], ref_v[slots] = k, v
         assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+        # RoPE on q and k with the rotated k and v written straight into the cache (one kernel), against RoPE then
+        # the indexed stores; also with a cache of another dtype (the two-step fallback)
+        q = torch.randn(5, 6, 16, generator=g).to(dtype)[:, ::2]  # strided heads
+        ang = torch.rand(5, 8, generator=g) * 6
+        for cache_dtype in (dtype, torch.float64):
+            kc, vc = torch.zeros(16, 3, 16, dtype=cache_dtype), torch.zeros(16, 3, 16, dtype=cache_dtype)
+            q_rot = apply_rope_store_kv(q, k, v, ang.cos(), ang.sin(), kc, vc, slots)
+            ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+            ref_k[slots], ref_v[slots] = rope_reference(k, ang.cos(), ang.sin()).to(cache_dtype), v.to(cache_dtype)
+            assert torch.equal(vc, ref_v) and torch.allclose(kc, ref_k, atol=1e-5, rtol=1e-2), cache_dtype
+            assert torch.allclose(q_rot.float(), rope_reference(q, ang.cos(), ang.sin()).float(), atol=1e-5,
+                                  rtol=1e-2)
+            assert kc[[i for i in range(16) if i not in slots.tolist()]].abs().sum() == 0  # other slots untouched
     for b, n in ((3, 50), (2, 5000), (4, 70001)):
         for dtype in (torch.float32, torch.bfloat16):
             logits = (torch.randn(b, n, generator=g) * 4).to(dtype)

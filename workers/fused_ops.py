@@ -68,9 +68,10 @@ if triton is not None:
         tl.store(Out + row * stride_o + cols, (s.to(tl.float32) * u).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_qk(Q, K, QOut, KOut, Cos, Sin, num_q_heads, half,
-                 stride_qt, stride_qh, stride_kt, stride_kh, stride_qot, stride_qoh, stride_kot, stride_koh, stride_ct,
-                 BLOCK: tl.constexpr):
+    def _rope_qk(Q, K, V, QOut, KOut, VOut, Slots, Cos, Sin, num_q_heads, half,
+                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
+                 stride_kot, stride_koh, stride_vot, stride_voh, stride_ct,
+                 BLOCK: tl.constexpr, TO_CACHE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
@@ -81,8 +82,17 @@ if triton is not None:
             src = Q + t * stride_qt + h * stride_qh
             dst = QOut + t * stride_qot + h * stride_qoh
         else:
-            src = K + t * stride_kt + (h - num_q_heads) * stride_kh
-            dst = KOut + t * stride_kot + (h - num_q_heads) * stride_koh
+            kh = h - num_q_heads
+            row = t  # the token's output row, or (TO_CACHE) its KV slot
+            if TO_CACHE:
+                row = tl.load(Slots + t).to(tl.int64)
+            src = K + t * stride_kt + kh * stride_kh
+            dst = KOut + row * stride_kot + kh * stride_koh
+            if TO_CACHE:  # V goes to the cache as it is
+                for half_start in tl.static_range(0, 2):
+                    vd = half_start * half + d
+                    tl.store(VOut + row * stride_vot + kh * stride_voh + vd,
+                             tl.load(V + t * stride_vt + kh * stride_vh + vd, mask=ok), mask=ok)
         x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(src + half + d, mask=ok, other=0.0).to(tl.float32)
         tl.store(dst + d, (x1 * c - x2 * s).to(QOut.dtype.element_ty), mask=ok)
@@ -128,15 +138,36 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     [T, D/2] fp32. Returns new contiguous (q, k)."""
     if not _triton_for(q):
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
-    t, hq, dim = q.shape
-    hk = k.shape[1]
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                    device=k.device)
-    if t:
-        _rope_qk[(t, hq + hk)](q, k, q_out, k_out, cos, sin, hq, dim // 2, q.stride(0), q.stride(1), k.stride(0),
-                               k.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1),
-                               cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2))
+    _launch_rope(q, k, k, q_out, k_out, k_out, cos, sin, slots=None)
     return q_out, k_out
+
+
+def apply_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """RoPE on q and k, and the rotated k and v written to ``k_cache[slots]`` / ``v_cache[slots]`` ([S, Hk, D]):
+    one kernel for what ``apply_rope_qk`` + ``store_kv`` do in two (the rotated k is never materialised).
+    Returns the rotated q [T, Hq, D]."""
+    if not (_triton_for(q) and _fits_cache(k_cache, v_cache, slots, k, v) and q.dtype == k.dtype):
+        q, k = apply_rope_qk(q, k, cos, sin)
+        store_kv(k_cache, v_cache, slots, k, v)
+        return q
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch_rope(q, k, v, q_out, k_cache, v_cache, cos, sin, slots=slots)
+    return q_out
+
+
+def _launch_rope(q, k, v, q_out, k_out, v_out, cos, sin, slots) -> None:
+    """``slots`` None: k_out / v_out are [T, Hk, D] rows (v untouched); else the caches, row = slot."""
+    t, hq, dim = q.shape
+    hk = k.shape[1]
+    if t:
+        _rope_qk[(t, hq + hk)](q, k, v, q_out, k_out, v_out, slots if slots is not None else cos, cos, sin, hq,
+                               dim // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                               q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0),
+                               v_out.stride(1), cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2),
+                               TO_CACHE=slots is not None)
 
 
 # ---- K and V of new tokens into the paged cache, one kernel ------------------------------------------------------
@@ -157,16 +188,22 @@ if triton is not None:
         tl.store(VCache + dst, v, mask=ok)
 
 
+def _fits_cache(k_cache, v_cache, slots, k, v) -> bool:
+    """Whether the Triton kernels can write k, v [T, H, D] straight into caches [S, H, D] (same dtypes and head
+    layout, unit-stride head dims, one contiguous slot per token)."""
+    t, _, dim = k.shape
+    return (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.shape == v.shape
+            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:] and slots.shape == (t,) and slots.stride(0) == 1
+            and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(2) == 1 and dim == triton.next_power_of_2(dim))
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> None:
     """``k_cache[slots] = k; v_cache[slots] = v`` for k, v [T, H, D] (token rows may be strided views of a fused qkv)
     into caches [S, H, D]: one kernel instead of two indexing kernels, where the dtypes already match."""
     t, heads, dim = k.shape
-    fits = (_triton_for(k) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.shape == v.shape
-            and k.shape[1:] == k_cache.shape[1:] == v_cache.shape[1:] and slots.shape == (t,) and slots.stride(0) == 1
-            and k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride() == v_cache.stride()
-            and k_cache.stride(2) == 1 and dim == triton.next_power_of_2(dim))
-    if not fits:
+    if not (_triton_for(k) and _fits_cache(k_cache, v_cache, slots, k, v)):
         k_cache[slots] = k.to(k_cache.dtype)
         v_cache[slots] = v.to(v_cache.dtype)
         return

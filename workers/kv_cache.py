@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.fused_ops import store_kv
+from workers.fused_ops import apply_rope_store_kv, store_kv
 
 
 class OutOfPages(RuntimeError):
@@ -92,6 +92,12 @@ class KVCache:
 
     def store(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         store_kv(self.k[layer_id], self.v[layer_id], slots, k, v)
+
+    def rope_and_store(self, layer_id: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on q [T, Hq, D] and k [T, Hk, D], rotated k and v stored at ``slots``; returns the rotated q (one
+        kernel on the GPU: ``fused_ops.apply_rope_store_kv``)."""
+        return apply_rope_store_kv(q, k, v, cos, sin, self.k[layer_id], self.v[layer_id], slots)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (compacting accepted tree nodes)."""

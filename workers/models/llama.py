@@ -17,7 +17,6 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.fused_ops import apply_rope_qk
 from workers.small_m_linear import linear
 from workers.model_config import ModelConfig
 
@@ -49,8 +48,8 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope_qk(q, k, cos, sin)
-        out = fb.attn_backend.forward(q, k, v, s, fb)
+        q = fb.kv_cache.rope_and_store(s.layer_id, fb.out_cache_loc, q, k, v, cos, sin)
+        out = fb.attn_backend.forward(q, None, None, s, fb)  # K/V already in the cache
         return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
 
 
