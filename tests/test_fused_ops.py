@@ -51,8 +51,8 @@ def check() -> None:
 
 def check_store_kv_and_argmax(g) -> None:
     """K/V into the paged cache in one kernel (strided views of a fused qkv, a non-power-of-two head count), RoPE
-    fused with that store, and the
-    split-row argmax + logsumexp (first index on ties, -inf columns, rows longer and shorter than one program)."""
+    fused with that store, and the split-row argmax + logsumexp (first index on ties, -inf columns, rows longer and
+    shorter than one program)."""
     import torch
 
     from workers.fused_ops import apply_rope_store_kv, argmax_logsumexp, rope_reference, store_kv
