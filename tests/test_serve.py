@@ -423,5 +423,6 @@ def test_stream_batching_interval_caps_sends(server):
         took = time.perf_counter() - t0
         texts = [c.choices[0].text for c in chunks]
         assert "".join(texts) == full.text and full.finish_reason == "length", (texts, full)
-        assert 2 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
+        # (one send is possible: a fast machine can finish all 60 tokens before the stream's first send)
+        assert 1 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
         assert len(chunks) < 60, texts  # tokens were gathered
