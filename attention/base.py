@@ -4,7 +4,8 @@ A backend is bound to one model's KV cache. Per forward it builds its metadata o
 single builder, used by eager runs and by CUDA-graph capture and replay; under a capture its fresh tensors come
 from the graph's private memory pool and keep their addresses across replays, and a backend may instead keep
 persistent buffers made by ``init_graph_state``), then each attention layer calls
-``forward``, which stores the new K/V and runs the extend-style or the decode-style kernel for the batch's mode.
+``forward``, which stores new K/V when it is given them (the models store theirs with RoPE in one kernel,
+``KVCache.rope_and_store``, and pass none) and runs the extend-style or the decode-style kernel for the batch's mode.
 """
 
 from __future__ import annotations

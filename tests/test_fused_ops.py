@@ -55,7 +55,7 @@ def check_store_kv_and_argmax(g) -> None:
     shorter than one program)."""
     import torch
 
-    from workers.fused_ops import apply_rope_store_kv, argmax_logsumexp, rope_reference, store_kv
+    from workers.fused_ops import apply_rope_qk, apply_rope_store_kv, argmax_logsumexp, rope_reference, store_kv
 
     for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(5, (3 + 3 + 3) * 16, generator=g).to(dtype)
@@ -67,16 +67,21 @@ def check_store_kv_and_argmax(g) -> None:
         ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
         ref_k[slots], ref_v[slots] = k, v
         assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
-        # RoPE on q and k with the rotated k and v written straight into the cache (one kernel), against RoPE then
-        # the indexed stores; also with a cache of another dtype (the two-step fallback)
+        # RoPE on q and k with the rotated k and v written straight into the cache (one kernel): bit for bit what
+        # RoPE then the indexed stores give, and close to the PyTorch reference; also with a cache of another dtype
+        # (the two-step fallback)
         q = torch.randn(5, 6, 16, generator=g).to(dtype)[:, ::2]  # strided heads
         ang = torch.rand(5, 8, generator=g) * 6
         for cache_dtype in (dtype, torch.float64):
             kc, vc = torch.zeros(16, 3, 16, dtype=cache_dtype), torch.zeros(16, 3, 16, dtype=cache_dtype)
             q_rot = apply_rope_store_kv(q, k, v, ang.cos(), ang.sin(), kc, vc, slots)
-            ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
-            ref_k[slots], ref_v[slots] = rope_reference(k, ang.cos(), ang.sin()).to(cache_dtype), v.to(cache_dtype)
-            assert torch.equal(vc, ref_v) and torch.allclose(kc, ref_k, atol=1e-5, rtol=1e-2), cache_dtype
+            two_q, two_k = apply_rope_qk(q, k, ang.cos(), ang.sin())
+            two_kc, two_vc = torch.zeros_like(kc), torch.zeros_like(vc)
+            store_kv(two_kc, two_vc, slots, two_k, v)
+            assert torch.equal(q_rot, two_q) and torch.equal(kc, two_kc) and torch.equal(vc, two_vc), cache_dtype
+            ref_k = torch.zeros_like(kc)
+            ref_k[slots] = rope_reference(k, ang.cos(), ang.sin()).to(cache_dtype)
+            assert torch.allclose(kc, ref_k, atol=1e-5, rtol=1e-2), cache_dtype
             assert torch.allclose(q_rot.float(), rope_reference(q, ang.cos(), ang.sin()).float(), atol=1e-5,
                                   rtol=1e-2)
             assert kc[[i for i in range(16) if i not in slots.tolist()]].abs().sum() == 0  # other slots untouched
