@@ -3,6 +3,11 @@ the model's linear shapes at M = 1, 4, 16 rows timed alone (cuBLAS, the small-M 
 what ``workers.small_m_linear.tune`` picks) against its weight-read floor.
 
     python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
+
+``--graphs``: instead, the kernels of the bs=1 CUDA graphs as the engine runs them: the decode graph replayed back to
+back, and (with ``--head``, an EAGLE-3 head) whole speculative rounds at a simulated accept length. Per kernel name:
+launches, mean duration and the idle time before it (the gap since the previous kernel ended); per step: wall time,
+time with a kernel running, and the sum of gaps.
 """
 
 from __future__ import annotations
@@ -136,6 +141,95 @@ def kernel_profile(ckpt: str, steps: int) -> list[dict]:
     return [{"total_ms_per_step": round(total, 3)}] + rows
 
 
+def kernel_timeline(prof) -> list[tuple[str, float, float]]:
+    """(name, start µs, end µs) of every GPU kernel in a torch.profiler run, in start order."""
+    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+          if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    return sorted(ks, key=lambda k: k[1])
+
+
+def short_name(name: str) -> str:
+    return name if len(name) <= 60 else name[:57] + "..."
+
+
+def timeline_summary(ks: list[tuple[str, float, float]], steps: int) -> dict:
+    """Per step: wall, busy, gaps; per kernel name: launches/step, mean µs, mean gap before it (µs)."""
+    wall = (ks[-1][2] - ks[0][1]) / steps
+    by: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    prev_end = ks[0][1]
+    for name, start, end in ks:
+        row = by[short_name(name)]
+        row[0] += 1
+        row[1] += end - start
+        row[2] += max(0.0, start - prev_end)
+        prev_end = max(prev_end, end)
+    busy = sum(r[1] for r in by.values()) / steps
+    kernels = [{"kernel": k, "per_step": round(n / steps, 2), "mean_us": round(t / n, 2),
+                "us_per_step": round(t / steps, 1), "gap_before_us": round(g / n, 2)}
+               for k, (n, t, g) in sorted(by.items(), key=lambda kv: -kv[1][1])]
+    return {"wall_us_per_step": round(wall, 1), "busy_us_per_step": round(busy, 1),
+            "gap_us_per_step": round(sum(r[2] for r in by.values()) / steps, 1),
+            "kernels_per_step": round(len(ks) / steps, 1), "kernels": kernels}
+
+
+def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
+    """The bs=1 decode graph replayed back to back, and (``head``) bs=1 speculative engine steps, under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deployments.config import EngineConfig, SpeculativeConfig
+    from deployments.engine import Engine
+    from deployments.request import SamplingParams
+
+    def engine(spec=None):
+        return Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+                                   cuda_graph_max_bs=8, prefill_attention_backend="triton",
+                                   decode_attention_backend="triton", gpu_memory_utilization=0.5,
+                                   speculative_config=spec))
+
+    out = {}
+    params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
+    eng = engine()
+    eng.add_request(list(range(1000, 1128)), params)
+    for _ in range(8):
+        eng.step()
+    graph = eng.executor.worker.graphs.graphs[("decode", 1, True, False)][0]
+    for _ in range(5):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    ks = kernel_timeline(prof)
+    out["decode_graph_replay"] = timeline_summary(ks, steps)
+    per = len(ks) // steps
+    first = ks[:min(per, 40)]
+    out["decode_graph_first_kernels"] = [{"kernel": short_name(n), "us": round(e - s, 2),
+                                          "gap_before_us": round(s - (first[i - 1][2] if i else s), 2)}
+                                         for i, (n, s, e) in enumerate(first)]
+    print(json.dumps(out, indent=1), flush=True)
+    del eng, graph
+    gc.collect()
+    torch.cuda.empty_cache()
+    if head:
+        eng = engine(SpeculativeConfig(method="eagle3", model=head, num_steps=3, topk=1,
+                                       simulated_accept_length=3.0))
+        eng.add_request(list(range(1000, 1128)), params)
+        for _ in range(8):
+            eng.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        out["eagle3_chain3_engine_steps"] = timeline_summary(kernel_timeline(prof), steps)
+        print(json.dumps(out["eagle3_chain3_engine_steps"], indent=1), flush=True)
+        del eng
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ckpt")
@@ -143,6 +237,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--linears-only", action="store_true")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
+    ap.add_argument("--graphs", action="store_true", help="profile the bs=1 CUDA graphs instead (see the docstring)")
+    ap.add_argument("--head", help="with --graphs: an EAGLE-3 head for the speculative rounds")
     args = ap.parse_args()
     if args.report_only:
         res = json.loads(Path(args.out + ".json").read_text())
@@ -151,6 +247,11 @@ def main() -> None:
         return
     if not args.ckpt:
         ap.error("--ckpt is required (except with --report-only)")
+    if args.graphs:
+        res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
+               **graph_profile(args.ckpt, args.head, args.steps)}
+        Path(args.out + ".json").write_text(json.dumps(res, indent=2))
+        return
     cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     bw = copy_bandwidth()
     res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
