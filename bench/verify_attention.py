@@ -121,6 +121,36 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
     return {"context": ctx, "chosen": chosen, "chosen_mean_vs_floor": round(score[tile], 3), "results": results}
 
 
+def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 50000), draft_tokens=(1, 4)) -> dict:
+    """bs=1 decode (1 token) and verify (4) at short contexts, where a layer's attention is launch and latency bound
+    (the KV is a few MB): KV tile, pipeline stages, programs per SM and the fewest positions per split
+    (``min_chunk``: how many splits a short sequence really uses), replayed from CUDA graphs."""
+    import itertools
+
+    grid = list(itertools.product((32, 64, 128), (1, 2, 3), (1, 2, 4), (32, 64, 128, 256)))
+    results = []
+    for ctx in contexts:
+        for nd in draft_tokens:
+            fb, q = verify_case(ctx, 1, nd, layer.num_heads, layer.num_kv_heads, layer.head_dim, 16)
+            floor_ms = 2 * ctx * layer.num_kv_heads * layer.head_dim * 2 / bw * 1e3
+            for block_n, stages, pps, min_chunk in grid:
+                backend.block_n, backend.num_stages, backend.min_chunk = block_n, stages, min_chunk
+                backend.programs_per_sm = ((1, pps),)
+                backend.init_forward_metadata(fb)
+                try:
+                    ms, err = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40), None
+                except Exception as e:  # noqa: BLE001
+                    ms, err = float("inf"), f"{type(e).__name__}: {str(e)[:120]}"
+                results.append({"context": ctx, "draft_tokens": nd, "block_n": block_n, "num_stages": stages,
+                                "programs_per_sm": pps, "min_chunk": min_chunk, "ms": round(ms, 4),
+                                "vs_floor": round(ms / floor_ms, 3), "error": err})
+            case = sorted((r for r in results if r["context"] == ctx and r["draft_tokens"] == nd), key=lambda r: r["ms"])
+            print(f"short sweep ctx={ctx} nd={nd}: best", case[:3], flush=True)
+            del fb, q
+            torch.cuda.empty_cache()
+    return {"results": results}
+
+
 def main() -> None:
     import triton.testing
 
@@ -134,6 +164,8 @@ def main() -> None:
     ap.add_argument("--min-chunk", type=int, default=None,
                     help="fewest KV positions per decode-style split (default: the backend's); short contexts get "
                          "more splits with a smaller value (--draft-tokens 1 times plain decode)")
+    ap.add_argument("--sweep-short", action="store_true",
+                    help="only: sweep the bs=1 launch at short contexts (sweep_short_contexts) into <out>.json")
     args = ap.parse_args()
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     if args.report_only:
@@ -145,6 +177,12 @@ def main() -> None:
     decode, prefill = _make("triton", "decode", "cuda"), _make("triton", "prefill", "cuda")
     if args.min_chunk is not None:
         decode.min_chunk = prefill.min_chunk = args.min_chunk
+    if args.sweep_short:
+        res = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
+               "copy_bandwidth_GBps": round(bw / 1e9, 1), **sweep_short_contexts(decode, layer, bw)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+        return
     sweep = sweep_decode_launch(decode, layer, bw) if args.sweep else None
     if sweep:
         for key, value in sweep["chosen"].items():  # the same tiles for the prefill-style launch (fair comparison)
