@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fused_ops import rms_norm
-from workers.small_m_linear import InputNorm, linear, norm_linear
+from workers.small_m_linear import linear
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,6 @@ class RMSNorm(nn.Module):
         """Plain norm, or fused add-then-norm returning (normed, new_residual)."""
         return rms_norm(x, self.weight, self.eps, residual)
 
-    def input_of(self, residual: torch.Tensor | None) -> InputNorm:
-        """This norm as the input stage of the next linear layer (``forward_normed``)."""
-        return InputNorm(self.weight, self.eps, residual)
-
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split along the output dim. ``out_sizes`` lists the logical outputs fused into one matmul
@@ -100,7 +96,6 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((local, in_size), dtype)
         self.bias = _param((local,), dtype) if bias else None
         self.small_m: dict = {}  # row bucket → tuned kernel (workers.small_m_linear)
-        self.normed_input = False  # True: the model calls forward_normed; the start-up tuning times that
 
     def load_weight(self, name: str, slice_, shard_id: int = 0) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -110,10 +105,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.small_m)
-
-    def forward_normed(self, x: torch.Tensor, norm: InputNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual) W^T, the new residual): the norm runs inside the small-M kernel where it is tuned in."""
-        return norm_linear(x, norm, self.weight, self.bias, self.small_m)
 
 
 class QKVParallelLinear(nn.Module):
@@ -139,7 +130,6 @@ class QKVParallelLinear(nn.Module):
         self.weight = _param((local, hidden), dtype)
         self.bias = _param((local,), dtype) if bias else None
         self.small_m: dict = {}
-        self.normed_input = False  # True: the model calls forward_normed; the start-up tuning times that
 
     def load_weight(self, name: str, slice_, shard_id: str) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -154,11 +144,6 @@ class QKVParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = linear(x, self.weight, self.bias, self.small_m)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-
-    def forward_normed(self, x: torch.Tensor, norm: InputNorm):
-        """((q, k, v) of norm(x + residual), the new residual), as ``ColumnParallelLinear.forward_normed``."""
-        qkv, residual = norm_linear(x, norm, self.weight, self.bias, self.small_m)
-        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1), residual
 
 
 class RowParallelLinear(nn.Module):

@@ -11,10 +11,6 @@ the winner in that layer's ``small_m`` table (row bucket → TileConfig, or None
 table: a bucket that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
 kernel) runs ``F.linear``.
 
-The kernel can compute its input as it loads it: silu(gate) * up for the MLP's down projection (``gated``), and the
-residual add + RMSNorm before the qkv and gate/up projections (``norm_linear``), so a decoder layer of a small batch
-runs three elementwise kernels fewer where the tuning chose this kernel (each costs a launch and a dependent wait).
-
 Timings are noisy, and kernels round differently, so two starts that chose differently would give different bf16
 tokens for the same greedy request. A ``TuningCache`` file keeps each choice per GPU model and software versions:
 later starts (restarts, other replicas sharing the file) read it and time nothing, so they run the same kernels.
@@ -32,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.fused_ops import rms_norm, silu_and_mul
+from workers.fused_ops import silu_and_mul
 
 try:
     import triton
@@ -68,10 +64,9 @@ SWITCH_MARGIN = 0.03
 if triton is not None:
 
     @triton.jit
-    def _small_m_linear(X, W, Bias, Y, R, NormW, ROut, M, N, K, stride_xm, stride_wn, stride_ym, stride_rm,
-                        stride_rom, eps,
-                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-                        HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                        HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -80,7 +75,6 @@ if triton is not None:
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
@@ -95,70 +89,33 @@ if triton is not None:
                 g = x.to(tl.float32)
                 act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
                 x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
-            if NORM:  # x rows are the residual stream: (x + residual) * norm weight here, * 1/rms at the end
-                if HAS_RES:
-                    r = tl.load(R + offs_m[:, None] * stride_rm + k0 + offs_k[None, :], mask=x_ok, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                    # the first column block writes the new residual stream (a buffer no program reads)
-                    first = (tl.zeros((BLOCK_M, BLOCK_K), tl.int32) + pid) == 0
-                    tl.store(ROut + offs_m[:, None] * stride_rom + k0 + offs_k[None, :], x, mask=x_ok & first)
-                xf = x.to(tl.float32)
-                sum_sq += tl.sum(xf * xf, axis=1)
-                if EVEN:
-                    nw = tl.load(NormW + k0 + offs_k)
-                else:
-                    nw = tl.load(NormW + k0 + offs_k, mask=(k0 + offs_k) < K, other=0.0)
-                x = (xf * nw.to(tl.float32)[None, :]).to(X.dtype.element_ty)
             if BLOCK_M == 1:
                 acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if NORM:
-            acc = acc * (1.0 / tl.sqrt(sum_sq / K + eps))[:, None]
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
 
 
-class InputNorm(NamedTuple):
-    """An RMSNorm applied to a linear layer's input inside the kernel: y = norm(x + residual) W^T, and the new
-    residual stream x + residual (the input itself when ``residual`` is None)."""
-
-    weight: torch.Tensor
-    eps: float
-    residual: torch.Tensor | None = None
-
-
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-                   gated: bool = False, norm: InputNorm | None = None):
+                   gated: bool = False) -> torch.Tensor:
     """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous.
-    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded.
-    ``norm``: the input is RMSNorm(x2d + norm.residual) (residual rows unit stride in K); returns (y, new residual).
-    The norm's 1/rms scales the accumulator at the end (the sum of squares comes with the loads), so the rounding
-    is (x * norm weight) in the input dtype, not the separate norm kernel's: close, not bit-equal."""
+    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
     m, k = x2d.shape
     if gated:
         k //= 2
-    if gated and norm is not None:
-        raise ValueError("a linear input is gated or normed, not both")
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    res = norm.residual if norm is not None else None
-    r_out = torch.empty_like(x2d) if res is not None else y
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
-        x2d, weight, bias if bias is not None else weight, y, res if res is not None else x2d,
-        norm.weight if norm is not None else weight, r_out, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
-        res.stride(0) if res is not None else 0, r_out.stride(0), norm.eps if norm is not None else 0.0,
-        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, NORM=norm is not None, HAS_RES=res is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
-    if norm is None:
-        return y
-    return y, (r_out if res is not None else x2d)
+        x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
 
 
 def row_bucket(m: int) -> int:
@@ -166,27 +123,18 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False,
-         normed: bool = False) -> TileConfig | None:
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False) -> TileConfig | None:
     """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight; the fastest (None: cuBLAS).
-    ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton with it fused;
-    ``normed`` ones likewise with the residual add + RMSNorm.
+    ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton with it fused.
     A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is skipped."""
     from triton.testing import do_bench
 
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
-    norm = InputNorm(torch.rand(weight.shape[1], dtype=weight.dtype, device=weight.device) + 0.5, 1e-5,
-                     torch.randn_like(x)) if normed else None
-    if gated:
-        cublas = lambda: F.linear(silu_and_mul(x), weight, bias)  # noqa: E731
-    elif normed:
-        cublas = lambda: F.linear(rms_norm(x, norm.weight, norm.eps, norm.residual)[0], weight, bias)  # noqa: E731
-    else:
-        cublas = lambda: F.linear(x, weight, bias)  # noqa: E731
+    cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
     best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
-            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated, norm), warmup=5, rep=20)
+            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated), warmup=5, rep=20)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
             continue
         if ms < best_ms * (1 - SWITCH_MARGIN):
@@ -255,10 +203,9 @@ def tuning_environment(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__}"
 
 
-def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool, normed: bool = False) -> str:
+def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
     n, k = weight.shape
-    return (f"{n}x{k} {str(weight.dtype).removeprefix('torch.')}{' bias' if has_bias else ''}"
-            f"{' gated' if gated else ''}{' normed' if normed else ''}")
+    return f"{n}x{k} {str(weight.dtype).removeprefix('torch.')}{' bias' if has_bias else ''}{' gated' if gated else ''}"
 
 
 def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = None) -> int:
@@ -275,29 +222,16 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
             continue
         bias = getattr(module, "bias", None)
         gated = getattr(module, "gated_input", False)
-        normed = getattr(module, "normed_input", False)
-        key = shape_key(weight, bias is not None, gated, normed)
+        key = shape_key(weight, bias is not None, gated)
         if key not in by_shape:
             by_shape[key] = cache.get(key) if cache is not None else None
             if by_shape[key] is None:
-                by_shape[key] = {rows: tune(weight, bias, rows, gated, normed) for rows in ROW_BUCKETS}
+                by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
                 timed += len(ROW_BUCKETS)
                 if cache is not None:
                     cache.put(key, by_shape[key])
         table.update(by_shape[key])
     return timed
-
-
-def _tuned_config(x: torch.Tensor, weight: torch.Tensor, small_m) -> TileConfig | None:
-    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not small_m or not 0 < m <= MAX_ROWS or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
-        return None  # (no backward through the Triton kernel)
-    return small_m.get(row_bucket(m))
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2d = x.reshape(-1, x.shape[-1])
-    return x2d if x2d.stride(1) == 1 else x2d.contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -308,25 +242,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     width = x.shape[-1]
     if gated and width != 2 * weight.shape[1]:
         raise ValueError(f"a gated input is [..., 2 x {weight.shape[1]}] (gate | up), not [..., {width}]")
-    cfg = _tuned_config(x, weight, small_m)
-    if cfg is None:
+    m = x.numel() // width if width else 0
+    cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
+    if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here
         if gated:
-            x = silu_and_mul(x.reshape(-1, width)).view(*x.shape[:-1], width // 2)
+            x = silu_and_mul(x.reshape(m, width)).view(*x.shape[:-1], width // 2)
         return F.linear(x, weight, bias)
-    return small_m_linear(_rows(x), weight, bias, cfg, gated).view(*x.shape[:-1], weight.shape[0])
-
-
-def norm_linear(x: torch.Tensor, norm: InputNorm, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                small_m: dict[int, TileConfig | None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Residual add + RMSNorm, then the linear layer: (norm(x + residual) W^T (+ b), x + residual), with
-    ``residual = None`` meaning (norm(x) W^T, x). One Triton kernel where ``small_m`` chose the small-M kernel for
-    this row count (two kernels less per decoder layer), else ``fused_ops.rms_norm`` then ``F.linear``."""
-    cfg = _tuned_config(x, weight, small_m)
-    if cfg is None:
-        if norm.residual is None:
-            return F.linear(rms_norm(x, norm.weight, norm.eps), weight, bias), x
-        h, residual = rms_norm(x, norm.weight, norm.eps, norm.residual)
-        return F.linear(h, weight, bias), residual
-    res = _rows(norm.residual) if norm.residual is not None else None
-    y, residual = small_m_linear(_rows(x), weight, bias, cfg, norm=norm._replace(residual=res))
-    return y.view(*x.shape[:-1], weight.shape[0]), (residual.view(x.shape) if res is not None else x)
+    x2d = x.reshape(m, width)
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    return small_m_linear(x2d, weight, bias, cfg, gated).view(*x.shape[:-1], weight.shape[0])

@@ -52,7 +52,8 @@ class Eagle3Layer(nn.Module):
         residual = hidden
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
         x = self.self_attn(x, cos, sin, fb)
-        return self.mlp.forward_normed(x, self.post_attention_layernorm.input_of(residual))
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class EagleHead(nn.Module):
@@ -83,7 +84,6 @@ class EagleHead(nn.Module):
             self.fc = nn.Linear(2 * h, h, bias=bool(raw.get("bias", True)), dtype=dtype)
             self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
             self.layers[0].input_layernorm = None  # EAGLE-1 skips the first input norm
-            self.layers[0].self_attn.qkv_proj.normed_input = False
             self.draft_vocab = cfg.vocab_size
         cos, sin = rope_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -108,7 +108,8 @@ class EagleHead(nn.Module):
             if i == 0:  # no input norm on the first layer
                 residual = x
                 hh = layer.self_attn(x, cos, sin, fb)
-                x, residual = layer.mlp.forward_normed(hh, layer.post_attention_layernorm.input_of(residual))
+                hh, residual = layer.post_attention_layernorm(hh, residual)
+                x = layer.mlp(hh)
             else:
                 x, residual = layer(x, residual, cos, sin, fb)
         out = x + residual

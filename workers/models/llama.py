@@ -17,7 +17,7 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.small_m_linear import InputNorm, linear
+from workers.small_m_linear import linear
 from workers.model_config import ModelConfig
 
 
@@ -41,15 +41,8 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return self._attend(*self.qkv_proj(x), cos, sin, fb)
-
-    def forward_normed(self, x: torch.Tensor, norm: InputNorm, cos, sin, fb) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over norm(x + residual) (the norm inside the qkv projection); returns (out, new residual)."""
-        qkv, residual = self.qkv_proj.forward_normed(x, norm)
-        return self._attend(*qkv, cos, sin, fb), residual
-
-    def _attend(self, q, k, v, cos, sin, fb: ForwardBatch) -> torch.Tensor:
         s = self.spec
+        q, k, v = self.qkv_proj(x)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -66,30 +59,28 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp)
         self.down_proj.gated_input = True
-        self.gate_up_proj.normed_input = True  # every caller norms the MLP input (forward_normed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x), gated=True)  # silu(gate) * up inside the projection
-
-    def forward_normed(self, x: torch.Tensor, norm: InputNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MLP of norm(x + residual) (the norm inside gate_up); returns (out, new residual)."""
-        gate_up, residual = self.gate_up_proj.forward_normed(x, norm)
-        return self.down_proj(gate_up, gated=True), residual
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype, tp: TPGroup):
         super().__init__()
         self.self_attn = Attention(cfg, layer_id, dtype, tp)
-        self.self_attn.qkv_proj.normed_input = True
         self.mlp = MLP(cfg, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x, residual, cos, sin, fb):
-        """(x, residual) → (mlp output, residual stream); both norms run inside the projection after them."""
-        h, residual = self.self_attn.forward_normed(x, self.input_layernorm.input_of(residual), cos, sin, fb)
-        return self.mlp.forward_normed(h, self.post_attention_layernorm.input_of(residual))
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, fb)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 # HF parameter name fragment → (our fused module, shard id)
