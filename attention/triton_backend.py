@@ -137,13 +137,17 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
-    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays); an instance may override them.
-    min_chunk = 256  # fewest KV positions a decode-style split takes
-    # decode family: (request, head, split) programs per SM, by batch size: (largest batch, programs per SM), the
-    # first entry whose batch bound covers the batch (the last one beyond). A lone request wants few long splits
-    # (each program's pipeline start is paid once per split); many requests fill the GPU by themselves.
-    programs_per_sm: tuple[tuple[int, int], ...] = ((1, 2), (4, 8), (8, 1), (32, 1))
-    block_n = 128  # KV positions per tile (16-bit KV)
+    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays), and for one request
+    # `--sweep-short` (bs 1, 1 and 4 query tokens, contexts 256 to 50k: bench/results/
+    # decode_attention_short_sweep_h100.json); an instance may override them.
+    min_chunk = 32  # fewest KV positions a decode-style split takes (a short sequence still spreads over splits)
+    # decode family, by batch size: (largest batch, (request, head, split) programs per SM, KV positions per tile),
+    # the first entry whose batch bound covers the batch (the last one beyond). A lone request wants many short
+    # splits of small tiles (its few KV heads must fill the GPU, and a short context is latency-bound: 10.5 us a
+    # layer at 256 positions vs 14.1 with the 128-position tiles, 89.6 vs 91.5 us at 50k); many requests fill
+    # the GPU by themselves and stream long tiles.
+    decode_launch: tuple[tuple[int, int, int], ...] = ((1, 4, 32), (4, 8, 128), (8, 1, 128), (32, 1, 128))
+    block_n = 128  # KV positions per tile of the prefill family (16-bit KV)
     block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4
     num_stages = 3
@@ -187,16 +191,21 @@ class TritonBackend(AttentionBackend):
             "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
         }
 
-    def _block_n(self, head_dim: int, k_cache: torch.Tensor) -> int:
-        """KV positions per tile: the tuned size, halved until the pipelined K and V tiles fit in shared memory."""
-        block_n = self.block_n_fp32 if k_cache.dtype == torch.float32 else self.block_n
+    def _block_n(self, block_n: int, head_dim: int, k_cache: torch.Tensor) -> int:
+        """KV positions per tile: the tuned size (fp32: at most ``block_n_fp32``), halved until the pipelined K and
+        V tiles fit in shared memory."""
+        if k_cache.dtype == torch.float32:
+            block_n = min(block_n, self.block_n_fp32)
         while block_n > 16 and self.num_stages * block_n * head_dim * 2 * k_cache.element_size() > self._smem - 16384:
             block_n //= 2
         return block_n
 
-    def _decode_splits(self, batch: int, kv_heads: int, qblocks: int) -> int:
+    def _decode_launch(self, batch: int) -> tuple[int, int]:
+        """(programs per SM, KV tile) of the decode family for this batch size."""
+        return next(((pps, bn) for bound, pps, bn in self.decode_launch if batch <= bound), self.decode_launch[-1][1:])
+
+    def _decode_splits(self, per_sm: int, batch: int, kv_heads: int, qblocks: int) -> int:
         """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
-        per_sm = next((pps for bound, pps in self.programs_per_sm if batch <= bound), self.programs_per_sm[-1][1])
         fill = triton.cdiv(per_sm * self._num_sms, batch * kv_heads * qblocks)
         return max(1, min(self.max_splits, triton.cdiv(self._meta["capacity"], self.min_chunk), fill))
 
@@ -205,7 +214,11 @@ class TritonBackend(AttentionBackend):
         group = layer.num_heads // layer.num_kv_heads
         block_m = max(16, triton.next_power_of_2(min(m["n_max"] * group, 64)))
         num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
-        splits = self._decode_splits(fb.batch_size, layer.num_kv_heads, num_qblocks) if decode_style else 1
+        if decode_style:
+            per_sm, block_n = self._decode_launch(fb.batch_size)
+            splits = self._decode_splits(per_sm, fb.batch_size, layer.num_kv_heads, num_qblocks)
+        else:
+            block_n, splits = self.block_n, 1
         t = q.shape[0]
         part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
@@ -217,7 +230,7 @@ class TritonBackend(AttentionBackend):
             part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self._block_n(layer.head_dim, k_cache),
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
             HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )

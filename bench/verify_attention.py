@@ -40,7 +40,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     return 2 * a.numel() / (ms * 1e-3)
 
 
-LAUNCH_KNOBS = ("block_n", "num_warps", "num_stages", "programs_per_sm")
+LAUNCH_KNOBS = ("block_n", "num_warps", "num_stages", "decode_launch")
 
 
 def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
@@ -90,7 +90,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
             backend.init_forward_metadata(fb)
             for (block_n, warps, stages), pps in itertools.product(tiles, per_sm):
                 backend.block_n, backend.num_warps, backend.num_stages = block_n, warps, stages
-                backend.programs_per_sm = ((bs, pps),)
+                backend.decode_launch = ((bs, pps, block_n),)
                 try:
                     ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
                 except Exception as e:  # e.g. a tile needing more shared memory than the SM has
@@ -116,7 +116,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
     score = {t: sum(mean(t, bs, best_per_sm(t, bs)) for bs in batch_sizes) / len(batch_sizes) for t in tiles}
     tile = min(score, key=score.get)
     chosen = dict(zip(("block_n", "num_warps", "num_stages"), tile),
-                  programs_per_sm=tuple((bs, best_per_sm(tile, bs)) for bs in batch_sizes))
+                  decode_launch=tuple((bs, best_per_sm(tile, bs), tile[0]) for bs in batch_sizes))
     print("sweep chose", chosen, "mean vs floor", round(score[tile], 3), flush=True)
     return {"context": ctx, "chosen": chosen, "chosen_mean_vs_floor": round(score[tile], 3), "results": results}
 
@@ -134,8 +134,8 @@ def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 5
             fb, q = verify_case(ctx, 1, nd, layer.num_heads, layer.num_kv_heads, layer.head_dim, 16)
             floor_ms = 2 * ctx * layer.num_kv_heads * layer.head_dim * 2 / bw * 1e3
             for block_n, stages, pps, min_chunk in grid:
-                backend.block_n, backend.num_stages, backend.min_chunk = block_n, stages, min_chunk
-                backend.programs_per_sm = ((1, pps),)
+                backend.num_stages, backend.min_chunk = stages, min_chunk
+                backend.decode_launch = ((1, pps, block_n),)
                 backend.init_forward_metadata(fb)
                 try:
                     ms, err = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40), None

@@ -82,7 +82,9 @@ CASES = {  # name: (mode, seq_lens, new tokens per request)
     "extend": ("extend", [40, 300, 17], [40, 120, 5]),
     "draft_extend": ("draft_extend", [64, 129], [4, 4]),
     "decode": ("decode", [1, 77, 1000, 4097], [1, 1, 1, 1]),
+    "decode_one": ("decode", [3000], [1]),  # a lone request: the Triton backend's own launch (small KV tiles)
     "verify_chain": ("verify_chain", [5, 300, 2000], [5, 5, 5]),
+    "verify_one": ("verify_chain", [2500], [4]),
     "verify_tree": ("verify_tree", [8, 520, 3000], [8, 8, 8]),
     "draft_step": ("draft_step", [40, 700], [4, 4]),
 }
