@@ -141,12 +141,14 @@ class TritonBackend(AttentionBackend):
     # `--sweep-short` (bs 1, 1 and 4 query tokens, contexts 256 to 50k: bench/results/
     # decode_attention_short_sweep_h100.json); an instance may override them.
     min_chunk = 32  # fewest KV positions a decode-style split takes (a short sequence still spreads over splits)
-    # decode family, by batch size: (largest batch, (request, head, split) programs per SM, KV positions per tile),
-    # the first entry whose batch bound covers the batch (the last one beyond). A lone request wants many short
-    # splits of small tiles (its few KV heads must fill the GPU, and a short context is latency-bound: 10.5 us a
-    # layer at 256 positions vs 14.1 with the 128-position tiles, 89.6 vs 91.5 us at 50k); many requests fill
-    # the GPU by themselves and stream long tiles.
-    decode_launch: tuple[tuple[int, int, int], ...] = ((1, 4, 32), (4, 8, 128), (8, 1, 128), (32, 1, 128))
+    # decode family: (largest batch, most query rows per program, (request, head, split) programs per SM, KV
+    # positions per tile), the first entry whose bounds cover the launch (the last one beyond). A lone request
+    # with one query tile (decode, or verify of up to 16 / GQA group tokens) wants many short splits of small KV
+    # tiles (its few KV heads must fill the GPU, and a short context is latency-bound: 10.5 us a layer at 256
+    # positions vs 14.1 with 128-position tiles, 89.6 vs 91.5 us at 50k); with 32 rows the small tiles are slower
+    # (0.135 vs 0.095 ms at 50k, 8 draft tokens); many requests fill the GPU by themselves and stream long tiles.
+    decode_launch: tuple[tuple[int, int, int, int], ...] = (
+        (1, 16, 4, 32), (1, 64, 2, 128), (4, 64, 8, 128), (8, 64, 1, 128), (32, 64, 1, 128))
     block_n = 128  # KV positions per tile of the prefill family (16-bit KV)
     block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4
@@ -200,9 +202,10 @@ class TritonBackend(AttentionBackend):
             block_n //= 2
         return block_n
 
-    def _decode_launch(self, batch: int) -> tuple[int, int]:
-        """(programs per SM, KV tile) of the decode family for this batch size."""
-        return next(((pps, bn) for bound, pps, bn in self.decode_launch if batch <= bound), self.decode_launch[-1][1:])
+    def _decode_launch(self, batch: int, rows: int) -> tuple[int, int]:
+        """(programs per SM, KV tile) of the decode family for this batch size and query rows per program."""
+        return next(((pps, bn) for max_batch, max_rows, pps, bn in self.decode_launch
+                     if batch <= max_batch and rows <= max_rows), self.decode_launch[-1][2:])
 
     def _decode_splits(self, per_sm: int, batch: int, kv_heads: int, qblocks: int) -> int:
         """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
@@ -215,7 +218,7 @@ class TritonBackend(AttentionBackend):
         block_m = max(16, triton.next_power_of_2(min(m["n_max"] * group, 64)))
         num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
         if decode_style:
-            per_sm, block_n = self._decode_launch(fb.batch_size)
+            per_sm, block_n = self._decode_launch(fb.batch_size, block_m)
             splits = self._decode_splits(per_sm, fb.batch_size, layer.num_kv_heads, num_qblocks)
         else:
             block_n, splits = self.block_n, 1

@@ -90,7 +90,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
             backend.init_forward_metadata(fb)
             for (block_n, warps, stages), pps in itertools.product(tiles, per_sm):
                 backend.block_n, backend.num_warps, backend.num_stages = block_n, warps, stages
-                backend.decode_launch = ((bs, pps, block_n),)
+                backend.decode_launch = ((bs, 64, pps, block_n),)
                 try:
                     ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40)
                 except Exception as e:  # e.g. a tile needing more shared memory than the SM has
@@ -116,7 +116,7 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
     score = {t: sum(mean(t, bs, best_per_sm(t, bs)) for bs in batch_sizes) / len(batch_sizes) for t in tiles}
     tile = min(score, key=score.get)
     chosen = dict(zip(("block_n", "num_warps", "num_stages"), tile),
-                  decode_launch=tuple((bs, best_per_sm(tile, bs), tile[0]) for bs in batch_sizes))
+                  decode_launch=tuple((bs, 64, best_per_sm(tile, bs), tile[0]) for bs in batch_sizes))
     print("sweep chose", chosen, "mean vs floor", round(score[tile], 3), flush=True)
     return {"context": ctx, "chosen": chosen, "chosen_mean_vs_floor": round(score[tile], 3), "results": results}
 
@@ -135,7 +135,7 @@ def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 5
             floor_ms = 2 * ctx * layer.num_kv_heads * layer.head_dim * 2 / bw * 1e3
             for block_n, stages, pps, min_chunk in grid:
                 backend.num_stages, backend.min_chunk = stages, min_chunk
-                backend.decode_launch = ((1, pps, block_n),)
+                backend.decode_launch = ((1, 64, pps, block_n),)
                 backend.init_forward_metadata(fb)
                 try:
                     ms, err = graph_ms(lambda: backend.forward(q, None, None, layer, fb), warmup=5, rep=40), None
