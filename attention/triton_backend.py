@@ -137,9 +137,9 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
-    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays), and for one request
-    # `--sweep-short` (bs 1, 1 and 4 query tokens, contexts 256 to 50k: bench/results/
-    # decode_attention_short_sweep_h100.json); an instance may override them.
+    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays: bench/results/
+    # verify_attention_h100_sweep_def6f87.json), and for one request `--sweep-short` (bs 1, 1 and 4 query tokens,
+    # contexts 256 to 50k: bench/results/decode_attention_short_sweep_h100.json); an instance may override them.
     min_chunk = 32  # fewest KV positions a decode-style split takes (a short sequence still spreads over splits)
     # decode family: (largest batch, most query rows per program, (request, head, split) programs per SM, KV
     # positions per tile), the first entry whose bounds cover the launch (the last one beyond). A lone request
