@@ -6,9 +6,10 @@ the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module'
 padded to 16) or, for M = 1, as a broadcast multiply-sum.
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
-times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket and stores
-the winner in that layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the
-table: a bucket that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
+times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
+graph replays of back-to-back calls (``replayed_ms``: how a decode step runs them), and stores the winner in that
+layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the table: a bucket
+that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
 kernel) runs ``F.linear``.
 
 Timings are noisy, and kernels round differently, so two starts that chose differently would give different bf16
@@ -123,19 +124,59 @@ def row_bucket(m: int) -> int:
     return next(b for b in ROW_BUCKETS if b >= m)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False) -> TileConfig | None:
-    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight; the fastest (None: cuBLAS).
-    ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton with it fused.
-    A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is skipped."""
-    from triton.testing import do_bench
+def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    """The weight and as many copies as it takes for all of them to be twice the GPU's L2 cache (at most 8), so
+    that timed calls cycling over them stream their weight from memory, as every layer of a decode step does."""
+    l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 0) or 50 << 20
+    n = min(8, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))
+    return [weight] + [weight.clone() for _ in range(n - 1)]
 
+
+def replayed_ms(call, weights: list[torch.Tensor], min_calls: int = 8, replays: int = 5) -> float:
+    """Milliseconds per ``call(weight)`` as a decode step runs it: captured in a CUDA graph as back-to-back calls
+    cycling over ``weights`` (no launch gaps, a cold weight each time, the next kernel queued behind), the median
+    over replays. Isolated timings (``do_bench``: one call after an L2 flush) add several microseconds of dirty
+    L2 write-back and launch latency to each call, enough to rank kernels of a few tens of microseconds wrongly."""
+    import statistics
+
+    calls = max(min_calls, len(weights))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        for w in weights:
+            call(w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(weights[i % len(weights)])
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False) -> TileConfig | None:
+    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``); the fastest
+    (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton
+    with it fused. A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is
+    skipped."""
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
-    cublas = (lambda: F.linear(silu_and_mul(x), weight, bias)) if gated else (lambda: F.linear(x, weight, bias))
-    best, best_ms = None, do_bench(cublas, warmup=5, rep=20)
+    weights = weight_copies(weight)
+    cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
+    best, best_ms = None, replayed_ms(cublas, weights)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
-            ms = do_bench(lambda c=cfg: small_m_linear(x, weight, bias, c, gated), warmup=5, rep=20)
+            ms = replayed_ms(lambda w, c=cfg: small_m_linear(x, w, bias, c, gated), weights)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
+            torch.cuda.synchronize()
             continue
         if ms < best_ms * (1 - SWITCH_MARGIN):
             best, best_ms = cfg, ms
@@ -198,9 +239,13 @@ class TuningCache:
             logger.warning("small-M tuning cache %s not written: %s", self.path, e)
 
 
+TIMING_METHOD = "graph replays"  # part of the cache's environment: choices timed another way are timed again
+
+
 def tuning_environment(device: torch.device) -> str:
-    """What a timing depends on besides the shape: the GPU model and the torch / triton builds."""
-    return f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__}"
+    """What a timing depends on besides the shape: the GPU model, the torch / triton builds, how it was timed."""
+    return (f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__} | "
+            f"{TIMING_METHOD}")
 
 
 def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
