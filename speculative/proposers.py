@@ -111,8 +111,19 @@ class _ModelProposer(Proposer):
         """Returns (draft log-probs over target ids as (logp [N, V'], d2t or None), next-step features)."""
         raise NotImplementedError
 
+    @property
+    def chain(self) -> bool:
+        """Top-1 drafting: the tree is the chain of each step's argmax. Its drafts need no scores, so the draft
+        heads skip the log-softmax (``_draft_scores``) and each step takes one max (``torch.topk`` would run a
+        radix select of several kernels)."""
+        return self.topk == 1
+
+    def _draft_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """What drafts are chosen and ranked by: log-probs for a tree; for a chain the logits (the same argmax)."""
+        return logits if self.chain else torch.log_softmax(logits.float(), -1)
+
     def _topk(self, logp: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        vals, ids = logp.topk(self.topk, dim=-1)
+        vals, ids = logp.max(-1, keepdim=True) if self.chain else logp.topk(self.topk, dim=-1)
         if d2t is not None:
             ids = ids + d2t[ids]
         return ids, vals
@@ -133,15 +144,17 @@ class _ModelProposer(Proposer):
         # root when it opens the block), and each step adds only its parents' rows (``advance``)
         rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, seq_lens, k, positions,
                                       page_table=self.worker.page_table, tree_prefix=int(root_visible))
+        frontier_ids = cand.tokens.gather(1, cand.frontier)  # [B, k]
         for i, fb in enumerate(rnd):
-            fb.input_ids = cand.tokens.gather(1, cand.frontier).reshape(-1)  # [B * k]
+            fb.input_ids = frontier_ids.reshape(-1)  # [B * k]
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
             child_ids, child_logp = self._topk(logp, d2t)
             origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
             if i + 1 == len(rnd):
                 break
+            frontier_ids = child_ids.view(b, k) if self.chain else cand.tokens.gather(1, cand.frontier)
             rnd.advance(i + 1, origin)
-            if feat is not None:
+            if feat is not None and not self.chain:  # (a chain's frontier is its only node)
                 frontier_feat = feat.view(b, k, -1).gather(1, origin.unsqueeze(2).expand(b, k, feat.shape[-1])) \
                     .reshape(b * k, -1)
 
@@ -179,8 +192,8 @@ class EagleProposer(_ModelProposer):
     def _draft_forward(self, fb, features):
         hidden, feat = self.runner.forward(fb, features=features)
         with torch.inference_mode():
-            logp, d2t = self.head.compute_logprobs(hidden[fb.logits_indices])
-        return (logp, d2t), feat[fb.logits_indices]
+            logits, d2t = self.head.compute_logits(hidden[fb.logits_indices])
+        return (self._draft_scores(logits), d2t), feat[fb.logits_indices]
 
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
         ids, vals = self._topk(logp, d2t)
@@ -249,7 +262,7 @@ class DraftModelProposer(_ModelProposer):
     def _draft_forward(self, fb, features):
         hidden = self.runner.forward(fb)
         logits = self.runner.logits(hidden[fb.logits_indices])
-        return (torch.log_softmax(logits, -1), None), None
+        return (self._draft_scores(logits), None), None
 
     def after_extend(self, step, fb, features, sampled):
         dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens,

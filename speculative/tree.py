@@ -60,26 +60,32 @@ class TreeCandidates:
         self.k = topk
         cap = topk + (num_steps - 1) * topk * topk
         self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
-        self.scores = torch.full((batch, cap), float("-inf"), device=device)
-        self.parents = torch.full((batch, cap), -1, dtype=torch.int64, device=device)  # candidate index, -1 = root
-        self.depths = torch.zeros(batch, cap, dtype=torch.int64, device=device)
+        if topk > 1:  # a chain (top-1) is its tokens in order: no scores, parents or depths to keep
+            self.scores = torch.full((batch, cap), float("-inf"), device=device)
+            self.parents = torch.full((batch, cap), -1, dtype=torch.int64, device=device)  # candidate, -1 = root
+            self.depths = torch.zeros(batch, cap, dtype=torch.int64, device=device)
         self.used = 0
-        self.frontier = None  # [B, k] candidate indices
+        self.frontier = None  # [B, k] candidate indices (a chain keeps its first: ``expand`` needs no indices)
         self.frontier_scores = None
 
     def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor) -> None:
         k = self.k
         self.tokens[:, :k] = tokens
-        self.scores[:, :k] = logp
-        self.depths[:, :k] = 1
         self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
-        self.frontier_scores = logp
         self.used = k
+        if k > 1:
+            self.scores[:, :k] = logp
+            self.depths[:, :k] = 1
+            self.frontier_scores = logp
 
     def expand(self, child_tokens: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
         """child_tokens/logp: [B, k(frontier), k(children)]. Returns, per new frontier slot, which old frontier
         slot it descends from ([B, k]) — the caller carries that parent's hidden state forward."""
         b, k = self.frontier.shape
+        if k == 1:  # a chain: the one child is the next frontier (its ids are the caller's child_tokens)
+            self.tokens[:, self.used] = child_tokens.reshape(b)
+            self.used += 1
+            return self.frontier  # [B, 1] zeros: descends from the only slot
         cum = (self.frontier_scores.unsqueeze(2) + child_logp).reshape(b, k * k)
         start, end = self.used, self.used + k * k
         self.tokens[:, start:end] = child_tokens.reshape(b, k * k)
@@ -98,6 +104,8 @@ class TreeCandidates:
         b = root.shape[0]
         n = num_nodes - 1
         used = self.used
+        if self.k == 1:  # a chain: scores fall along it, so the best n are its first n
+            return chain_tree(root, self.tokens[:, :n])
         # shallower first on ties: subtract a tiny depth penalty
         key = self.scores[:, :used] - self.depths[:, :used].float() * 1e-6
         chosen = key.topk(n, dim=1).indices.sort(dim=1).values  # candidate order = parents before children

@@ -115,12 +115,11 @@ class EagleHead(nn.Module):
         out = x + residual
         return out, out
 
-    def compute_logprobs(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft log-probs over the draft vocabulary, and the draft→target id map (None: identity)."""
+    def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft logits over the draft vocabulary, and the draft→target id map (None: identity)."""
         if self.eagle3:
-            logits = self.lm_head(hidden)
-            return torch.log_softmax(logits.float(), -1), self.d2t
-        return torch.log_softmax(self.target_logits(hidden), -1), None
+            return self.lm_head(hidden), self.d2t
+        return self.target_logits(hidden), None
 
     def attach_target(self, target: nn.Module) -> None:
         """Share the target's embedding (and LM head for EAGLE-1). Works for draft TP 1 under target TP > 1 too:
