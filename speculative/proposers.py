@@ -198,7 +198,7 @@ class EagleProposer(_ModelProposer):
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
         ids, vals = self._topk(logp, d2t)
         self.state_ids[slots] = ids
-        self.state_logp[slots] = vals
+        self.state_logp[slots] = vals.to(self.state_logp.dtype)  # (a chain's scores are the logits, 16-bit)
         self.state_feat[slots] = feat.to(self.state_feat.dtype)
 
     def after_extend(self, step, fb, features, sampled):

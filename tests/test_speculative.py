@@ -70,6 +70,18 @@ def test_greedy_equals_no_speculation_with_preemption(spec_models, baseline, met
         assert 1.0 <= s["accept_length"] <= spec.num_steps + 1
 
 
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "draft"])
+def test_bf16_chains_run(spec_models, method):
+    """16-bit models: a top-1 chain drafts from the raw logits (no log-softmax) and keeps them as its state; every
+    round completes (a dtype slip there failed on the GPU), with plausible acceptance counts."""
+    spec = SpeculativeConfig(method=method, model=str(spec_models[method]), num_steps=3)
+    eng = engine(spec_models["target"], spec, dtype="bfloat16")
+    out = eng.generate(mixed_prompts(3), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    for o in out:
+        assert len(o.token_ids) == 12 and o.spec["num_drafts"] > 0
+        assert 1.0 <= o.spec["accept_length"] <= spec.num_draft_tokens
+
+
 def test_identical_draft_accepts_everything(spec_models):
     spec = SpeculativeConfig(method="draft", model=str(spec_models["target"]), num_steps=3)
     out = engine(spec_models["target"], spec).generate(mixed_prompts(4), SamplingParams(
