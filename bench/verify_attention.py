@@ -185,8 +185,11 @@ def main() -> None:
         return
     sweep = sweep_decode_launch(decode, layer, bw) if args.sweep else None
     if sweep:
-        for key, value in sweep["chosen"].items():  # the same tiles for the prefill-style launch (fair comparison)
-            setattr(decode, key, value)
+        # the same tiles for the prefill-style launch (fair comparison); the sweep covers query tiles of up to 64
+        # rows, so the backend's one-tile entries (from --sweep-short, max rows < 64) stay in front
+        one_tile = tuple(e for e in decode.decode_launch if e[1] < 64)
+        for key, value in sweep["chosen"].items():
+            setattr(decode, key, one_tile + value if key == "decode_launch" else value)
             setattr(prefill, key, value)
     rows = []
     for ctx in [int(x) for x in args.contexts.split(",")]:
