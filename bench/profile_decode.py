@@ -180,53 +180,48 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
     from deployments.engine import Engine
     from deployments.request import SamplingParams
 
-    def engine(spec=None):
-        return Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
-                                   cuda_graph_max_bs=8, prefill_attention_backend="triton",
-                                   decode_attention_backend="triton", gpu_memory_utilization=0.5,
-                                   speculative_config=spec))
+    def decoding_engine(spec=None):  # one request past its prefill and a few steps (graphs captured, warm)
+        eng = Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
+                                  cuda_graph_max_bs=8, prefill_attention_backend="triton",
+                                  decode_attention_backend="triton", gpu_memory_utilization=0.5,
+                                  speculative_config=spec))
+        eng.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=4 * steps + 64, temperature=0.0,
+                                                                ignore_eos=True))
+        for _ in range(8):
+            eng.step()
+        return eng
+
+    def timeline(run_once) -> list[tuple[str, float, float]]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                run_once()
+            torch.cuda.synchronize()
+        return kernel_timeline(prof)
+
+    def release() -> None:  # after the caller dropped its engine (graphs and their closures form cycles)
+        gc.collect()
+        torch.cuda.empty_cache()
 
     out = {}
-    params = SamplingParams(max_tokens=4 * steps + 64, temperature=0.0, ignore_eos=True)
-    eng = engine()
-    eng.add_request(list(range(1000, 1128)), params)
-    for _ in range(8):
-        eng.step()
+    eng = decoding_engine()
     graph = eng.executor.worker.graphs.graphs[("decode", 1, True, False)][0]
-    for _ in range(5):
-        graph.replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            graph.replay()
-        torch.cuda.synchronize()
-    ks = kernel_timeline(prof)
+    ks = timeline(graph.replay)
     out["decode_graph_replay"] = timeline_summary(ks, steps)
-    per = len(ks) // steps
-    first = ks[:min(per, 40)]
+    first = ks[:min(len(ks) // steps, 40)]
     out["decode_graph_first_kernels"] = [{"kernel": short_name(n), "us": round(e - s, 2),
                                           "gap_before_us": round(s - (first[i - 1][2] if i else s), 2)}
                                          for i, (n, s, e) in enumerate(first)]
     print(json.dumps(out, indent=1), flush=True)
-    del eng, graph
-    gc.collect()
-    torch.cuda.empty_cache()
+    del graph, eng
+    release()
     if head:
-        eng = engine(SpeculativeConfig(method="eagle3", model=head, num_steps=3, topk=1,
-                                       simulated_accept_length=3.0))
-        eng.add_request(list(range(1000, 1128)), params)
-        for _ in range(8):
-            eng.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                eng.step()
-            torch.cuda.synchronize()
-        out["eagle3_chain3_engine_steps"] = timeline_summary(kernel_timeline(prof), steps)
+        eng = decoding_engine(SpeculativeConfig(method="eagle3", model=head, num_steps=3, topk=1,
+                                                simulated_accept_length=3.0))
+        out["eagle3_chain3_engine_steps"] = timeline_summary(timeline(eng.step), steps)
         print(json.dumps(out["eagle3_chain3_engine_steps"], indent=1), flush=True)
         del eng
-        gc.collect()
-        torch.cuda.empty_cache()
+        release()
     return out
 
 
