@@ -233,7 +233,8 @@ class TritonBackend(AttentionBackend):
             part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m, BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
+            GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
+            BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
             HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
             num_stages=self.num_stages,
         )

@@ -144,7 +144,8 @@ def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 5
                 results.append({"context": ctx, "draft_tokens": nd, "block_n": block_n, "num_stages": stages,
                                 "programs_per_sm": pps, "min_chunk": min_chunk, "ms": round(ms, 4),
                                 "vs_floor": round(ms / floor_ms, 3), "error": err})
-            case = sorted((r for r in results if r["context"] == ctx and r["draft_tokens"] == nd), key=lambda r: r["ms"])
+            case = sorted((r for r in results if r["context"] == ctx and r["draft_tokens"] == nd),
+                          key=lambda r: r["ms"])
             print(f"short sweep ctx={ctx} nd={nd}: best", case[:3], flush=True)
             del fb, q
             torch.cuda.empty_cache()
