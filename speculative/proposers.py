@@ -108,7 +108,8 @@ class _ModelProposer(Proposer):
         self.runner.allocate_kv_cache(num_pages, page_size)
 
     def _draft_forward(self, fb: ForwardBatch, features: torch.Tensor | None):
-        """Returns (draft log-probs over target ids as (logp [N, V'], d2t or None), next-step features)."""
+        """Returns ((draft scores [N, V'] (``_draft_scores``), d2t or None: draft id → target id), next-step
+        features)."""
         raise NotImplementedError
 
     @property
