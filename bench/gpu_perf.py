@@ -8,7 +8,8 @@
 5. (part ``hf``) HF transformers baselines at bs=1 on the same checkpoint: eager ``generate``, static cache +
    ``torch.compile`` (transformers' own compile of the decoding forward), and assisted generation with a standalone
    random draft (``bench.random_llama.DRAFT_SHAPES``: same vocabulary and tokenizer);
-6. (part ``draft``) our engine with that same standalone draft (real acceptance and simulated), bs=1, beside no-spec.
+6. (part ``draft``) our engine with that same standalone draft (real acceptance and simulated), bs=1, beside no-spec;
+7. (part ``sampling``) decode throughput greedy, at a temperature only, and with top-k + top-p, per batch size.
 
 Random weights accept nothing, so speculative runs use ``simulated_accept_length`` (benchmark-only: the verify
 forward, acceptance and KV work are all real, the emitted tokens are the drafts). Decode time comes from token
@@ -90,13 +91,14 @@ class Suite:
             dtype = "float32"
         return Engine(EngineConfig(model=str(self.ckpt), device=self.dev, dtype=dtype, speculative_config=spec, **kw))
 
-    def decode_rate(self, eng, bs: int) -> dict:
+    def decode_rate(self, eng, bs: int, **sampling) -> dict:
         """Decode tokens/s and ms per token per request for ``bs`` concurrent requests: the steps after the last
-        request got its first token (prefill excluded)."""
+        request got its first token (prefill excluded). Greedy unless ``sampling`` (SamplingParams fields) says."""
         from deployments.request import SamplingParams
 
-        params = SamplingParams(max_tokens=self.args.new_tokens, temperature=0.0, ignore_eos=True)
         for i in range(bs):
+            params = SamplingParams(**{"max_tokens": self.args.new_tokens, "temperature": 0.0, "ignore_eos": True,
+                                       **sampling, **({"seed": i} if sampling else {})})
             eng.add_request(self.prompt(bs * 1000 + i), params)
         started, start, tokens, steps, drafts, accepted = set(), None, 0, 0, 0, 0
         while eng.has_work():
@@ -158,7 +160,7 @@ class Suite:
         """The bs=1 greedy decode graph replayed on its static inputs (the engine is idle: the writes land in
         freed pages), timed with CUDA events."""
         graphs = eng.executor.worker.graphs
-        graph = graphs.graphs[("decode", 1, True, False)][0]  # (name, bucket, greedy, top logprobs)
+        graph = graphs.graphs[("decode", 1, "greedy", False)][0]  # (name, bucket, sampling kind, top logprobs)
         for _ in range(5):
             graph.replay()
         return graph_replay_ms(graph, iters)
@@ -349,6 +351,25 @@ class Suite:
             self.save()
             print(name, rows[name], flush=True)
 
+    # ---- sampled decoding ----------------------------------------------------------------------------------------
+    SAMPLING_KINDS = {"greedy": {}, "temperature": {"temperature": 0.8},
+                      "top_k_top_p": {"temperature": 0.8, "top_k": 50, "top_p": 0.9}}
+
+    def sampling_part(self) -> None:
+        """Decode throughput of one engine (no speculation) greedy, at a temperature only (one fused Gumbel race),
+        and with top-k + top-p (softmax, sort, race), at each --batch-sizes size: what sampling costs."""
+        eng = self.engine()
+        self.decode_rate(eng, 1)  # warm-up
+        table = self.results.setdefault("sampling", {})
+        for bs in [int(x) for x in self.args.batch_sizes.split(",")]:
+            for name, kw in self.SAMPLING_KINDS.items():
+                self.decode_rate(eng, bs, **kw)  # warm-up: the kind's graphs are captured on first use
+                table.setdefault(name, []).append(self.decode_rate(eng, bs, **kw))
+                print("sampling", name, table[name][-1], flush=True)
+                self.save()
+        del eng
+        self.free()
+
     # ---- 2-4. speculation ----------------------------------------------------------------------------------------
     def head(self) -> Path:
         from tools.make_heads import make_head
@@ -461,6 +482,14 @@ class Suite:
                     hit = [x for x in rows_ if x["batch_size"] == bs]
                     cells.append(f"{hit[0]['decode_tok_s']} tok/s" if hit else "")
                 lines.append(f"| {bs} | " + " | ".join(cells) + " |")
+        if "sampling" in r:
+            kinds = list(r["sampling"])
+            lines += ["", "## Sampled decoding (no speculation; temperature 0.8, top-k 50, top-p 0.9)", "",
+                      "| batch | " + " | ".join(f"{k} tok/s" for k in kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
+            for bs in sorted({x["batch_size"] for rows_ in r["sampling"].values() for x in rows_}):
+                cells = [next((str(x["decode_tok_s"]) for x in r["sampling"][k] if x["batch_size"] == bs), "")
+                         for k in kinds]
+                lines.append(f"| {bs} | " + " | ".join(cells) + " |")
         self.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
         self.plot()
 
@@ -509,8 +538,8 @@ def main() -> None:
     ap.add_argument("--spec-steps", type=int, default=3)
     ap.add_argument("--accept-length", type=float, default=3.0)
     ap.add_argument("--naive-accept-length", type=float, default=1.7)
-    ap.add_argument("--parts", default="bs1,spec", help="comma list of bs1, spec, hf, draft (bs1 brings hf unless "
-                    "--skip-hf)")
+    ap.add_argument("--parts", default="bs1,spec", help="comma list of bs1, spec, hf, draft, sampling (bs1 brings hf "
+                    "unless --skip-hf)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--draft-shape", default=None, help="standalone draft shape (default: DRAFT_SHAPES[shape])")
     ap.add_argument("--draft-ckpt", default=None, help="default: /tmp/<draft shape>-random (written if missing)")
@@ -533,11 +562,11 @@ def main() -> None:
         parts.append("hf")
     if args.skip_hf:
         parts = [p for p in parts if p != "hf"]
-    unknown = set(parts) - {"bs1", "spec", "hf", "draft"}
+    unknown = set(parts) - {"bs1", "spec", "hf", "draft", "sampling"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     if args.device != "cuda" and {"bs1", "spec"} & set(parts):
-        ap.error("parts bs1 and spec need CUDA (graphs, Triton, copy bandwidth); on cpu run --parts hf,draft")
+        ap.error("parts bs1 and spec need CUDA (graphs, Triton, copy bandwidth); on cpu run --parts hf,draft,sampling")
     if not (suite.ckpt / "config.json").is_file():
         t0 = time.time()
         write_checkpoint(suite.ckpt, args.shape)
@@ -552,6 +581,8 @@ def main() -> None:
             suite.hf_part()
         if "spec" in parts:
             suite.speculation()
+        if "sampling" in parts:
+            suite.sampling_part()
     finally:
         suite.save()
         suite.report()

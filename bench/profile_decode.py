@@ -205,7 +205,7 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
 
     out = {}
     eng = decoding_engine()
-    graph = eng.executor.worker.graphs.graphs[("decode", 1, True, False)][0]
+    graph = eng.executor.worker.graphs.graphs[("decode", 1, "greedy", False)][0]
     ks = timeline(graph.replay)
     out["decode_graph_replay"] = timeline_summary(ks, steps)
     first = ks[:min(len(ks) // steps, 40)]

@@ -17,7 +17,7 @@ import torch
 
 from speculative.tree import DraftTree
 from workers.fused_ops import argmax_logsumexp
-from workers.sampling import SamplingTensors, processed_probs, sample_from_probs
+from workers.sampling import SamplingTensors, draw
 
 
 @dataclass
@@ -41,10 +41,9 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
         temperature=sampling.temperature.repeat_interleave(d), top_k=sampling.top_k.repeat_interleave(d),
         top_p=sampling.top_p.repeat_interleave(d), min_p=sampling.min_p.repeat_interleave(d),
         seeds=sampling.seeds.repeat_interleave(d),
-        counters=(sampling.counters.unsqueeze(1) + tree.depths).reshape(-1),
+        counters=(sampling.counters.unsqueeze(1) + tree.depths).reshape(-1), kind=sampling.kind,
     )
-    flat = logits.reshape(b * d, v)
-    drawn = sample_from_probs(processed_probs(flat, per_node), per_node).view(b, d)
+    drawn = draw(logits.reshape(b * d, v), per_node).view(b, d)
     return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn), lse
 
 

@@ -168,19 +168,29 @@ def test_checkpoint_errors(tiny_models, tmp_path):
 
 
 def test_sampler_draws_from_the_processed_distribution():
+    """Both race paths: a batch with a top-k row (kind "filter") and one with temperatures only ("sample"); the draws
+    follow softmax(logits / T) restricted and renormalised as ``processed_probs`` says (chi-square, false alarm rate
+    1e-4 each); a row that does not filter draws the same tokens in either batch."""
     from scipy.stats import chisquare
 
-    from workers.sampling import SamplingTensors, processed_probs, sample_from_probs
+    from workers.sampling import SamplingTensors, draw, processed_probs
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     n = 20000
-    p = SamplingTensors.from_lists([0.7] * n, [4] * n, [1.0] * n, [0.0] * n, [11] * n, list(range(n)), "cpu")
-    probs = processed_probs(logits.expand(n, -1), p)
-    assert probs[0, 4:].sum() == 0  # top-k 4 removed the tail
-    draws = sample_from_probs(probs, p)
-    counts = torch.bincount(draws, minlength=6)[:4].double()
-    expected = probs[0, :4].double() / probs[0, :4].double().sum() * n
-    assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-4  # false alarm rate 1e-4
+    for top_k, kept in ((4, 4), (0, 6)):
+        p = SamplingTensors.from_lists([0.7] * n, [top_k] * n, [1.0] * n, [0.0] * n, [11] * n, list(range(n)), "cpu")
+        assert p.kind == ("filter" if top_k else "sample")
+        probs = processed_probs(logits.expand(n, -1), p)
+        assert probs[0, kept:].sum() == 0  # top-k 4 removed the tail
+        draws = draw(logits.expand(n, -1), p)
+        counts = torch.bincount(draws, minlength=6)[:kept].double()
+        expected = probs[0, :kept].double() / probs[0, :kept].double().sum() * n
+        assert counts.sum() == n and chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-4
+    # the unfiltered rows of a mixed batch race exactly what a batch of only them races
+    mixed = SamplingTensors.from_lists([0.7] * 8, [0, 3] * 4, [1.0] * 8, [0.0] * 8, list(range(8)), [5] * 8, "cpu")
+    alone = SamplingTensors.from_lists([0.7] * 4, [0] * 4, [1.0] * 4, [0.0] * 4, [0, 2, 4, 6], [5] * 4, "cpu")
+    wide = torch.randn(8, 300)
+    assert torch.equal(draw(wide, mixed)[0::2], draw(wide[0::2], alone))
 
 
 def test_cli_generate_json(tiny_models):

@@ -95,6 +95,33 @@ def check_store_kv_and_argmax(g) -> None:
             assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(-1)), (b, n, dtype)
             assert ids[0].item() == n // 3
             assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-4, rtol=1e-5), (b, n, dtype)
+    check_gumbel_argmax(g)
+
+
+def check_gumbel_argmax(g) -> None:
+    """The Gumbel race inside the split-row argmax kernel: the same uniforms as ``uniform_noise`` (hash on uint32
+    lanes), so the same winners as the PyTorch reference, for several temperatures, seeds (one past 2^32), counters
+    and streams, rows longer than one program, -inf entries that never win."""
+    import torch
+
+    from workers.sampling import uniform_noise
+    from workers.fused_ops import argmax_logsumexp
+
+    for b, n in ((3, 50), (4, 9000)):
+        logits = torch.randn(b, n, generator=g) * 3
+        logits[0, : n // 2] = float("-inf")
+        temp = torch.tensor([0.5, 1.0, 2.0, 0.8][:b])
+        seeds = torch.tensor([7, 2**33 + 5, 123456789, 42][:b])
+        counters = torch.tensor([0, 17, 10**6, 3][:b])
+        for stream in (0, 7):
+            ids = argmax_logsumexp(logits, gumbel=(temp, seeds, counters, stream))[0]
+            u = uniform_noise(seeds, counters, n, stream)
+            ref = (logits / temp.unsqueeze(1) + (-torch.log(-torch.log(u))).float()).argmax(-1)
+            assert torch.equal(ids, ref), (b, n, stream, ids, ref)
+            assert ids[0] >= n // 2
+    flat = torch.zeros(64, 1000)  # a uniform distribution: each counter draws its own token
+    ids = argmax_logsumexp(flat, gumbel=(torch.ones(64), torch.full((64,), 3), torch.arange(64), 0))[0]
+    assert len(set(ids.tolist())) > 50
 
 
 def check_small_m_linear(g) -> None:

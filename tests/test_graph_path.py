@@ -13,6 +13,8 @@ from test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture
 from workers.graph_runner import batch_buckets
 
 SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+TEMPERATURE_ONLY = SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)
+KIND = {id(GREEDY): "greedy", id(SAMPLED): "filter", id(TEMPERATURE_ONLY): "sample"}
 
 
 def test_buckets():
@@ -27,13 +29,14 @@ def _run(target, spec, params, prompts, graphs: bool, **kw):
     if graphs:
         worker.capture_graphs()
     out = [o.token_ids for o in eng.generate(prompts, params)]
-    if graphs:  # every bucket and both variants were captured; real rows never got the pad slot's page
+    if graphs:  # every bucket greedy, the batch's sampling kind when used; the pad slot's page stays unused
         phases = len(next(iter(worker.graph_phases.values())))
         assert len(worker.graphs.graphs) == len(worker.graph_phases) * phases
-        greedy = {b for b, g, _ in worker.graph_phases if g}
-        sampled = {b for b, g, _ in worker.graph_phases if not g}
+        greedy = {b for b, kind, _ in worker.graph_phases if kind == "greedy"}
+        sampled = {(b, kind) for b, kind, _ in worker.graph_phases if kind != "greedy"}
         assert greedy == set(worker.graph_buckets)  # all captured at start
-        assert bool(sampled) == (params.temperature > 0) and sampled <= greedy  # sampling variants: on first use
+        assert {kind for _, kind in sampled} == ({KIND[id(params)]} if params.temperature > 0 else set())
+        assert {b for b, _ in sampled} <= greedy  # sampling variants: on first use
         assert int(worker.page_table.table[worker.pad_slot].abs().sum()) == 0
         assert worker.graphs.num_replays >= 10
     assert eng.allocator.num_free == eng.allocator.capacity_pages
@@ -57,7 +60,7 @@ def test_graph_path_matches_eager(spec_models, method, steps, topk, ndt, fused):
         spec = SpeculativeConfig(method=method, model=None if method == "ngram" else str(spec_models[
             "eagle" if method == "naive" else method]), num_steps=steps, topk=topk, num_draft_tokens=ndt)
     prompts = mixed_prompts(6)  # 6 running requests, padded to the bucket of 8
-    for params in (GREEDY, SAMPLED):
+    for params in (GREEDY, SAMPLED, TEMPERATURE_ONLY):
         eager = _run(spec_models["target"], spec, params, prompts, graphs=False)
         static = _run(spec_models["target"], spec, params, prompts, graphs=True, fuse_speculative_round=fused)
         assert static == eager

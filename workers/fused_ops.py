@@ -217,17 +217,34 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
 if triton is not None:
 
     @triton.jit
+    def _mix32(x):
+        """``workers.sampling._mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products)."""
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        return (x >> 16) ^ x
+
+    @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
-                            BLOCK: tl.constexpr):
+                            Temperature, Seeds, Counters, stream,
+                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * chunk
         m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, its first index, sum of exp
         arg = tl.zeros([BLOCK], tl.int32)
         s = tl.zeros([BLOCK], tl.float32)
+        if GUMBEL:  # the row's hash base, as workers.sampling.uniform_noise computes it
+            temp = tl.load(Temperature + row)
+            ctr = (tl.load(Counters + row) * 0x9E37 + stream * 0x85EB + 0x27D4) & 0xFFFFFFFF
+            seed = tl.load(Seeds + row) & 0xFFFFFFFF
+            base = _mix32(seed.to(tl.uint32) ^ _mix32(ctr.to(tl.uint32)))
         for start in range(lo, lo + chunk, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(Logits + row * stride_l + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            if GUMBEL:  # x / T + Gumbel(u), u = (hash + 0.5) / 2^32 in float64 (fp32 would round u near 1 to 1)
+                h = _mix32(base + _mix32(cols.to(tl.uint32)) * 0x2C1B)
+                u = (h.to(tl.float64) + 0.5) / 4294967296.0
+                x = x / temp + (-tl.log(-tl.log(u))).to(tl.float32)
             new_m = tl.maximum(m, x)
             safe = tl.where(new_m == float("-inf"), 0.0, new_m)
             s = s * tl.exp(m - safe) + tl.exp(x - safe)
@@ -256,9 +273,17 @@ if triton is not None:
         tl.store(Lse + row, safe + tl.log(tl.sum(s * tl.exp(m - safe), 0)))
 
 
-def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
-    kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us)."""
+    kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us).
+    ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
+    counter-based uniforms instead (``workers.sampling.gumbel_argmax``; the reference here is only for CPUs)."""
+    if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
+        from workers.sampling import uniform_noise
+
+        temp, seeds, counters, stream = gumbel
+        noise = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[1], stream)))
+        logits, gumbel = logits.float() / temp.unsqueeze(1) + noise.float(), None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
     b, n = logits.shape
@@ -273,8 +298,9 @@ def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.empty(b, dtype=torch.int64, device=dev)
     lse = torch.empty(b, dtype=torch.float32, device=dev)
     if b:
+        temp, seeds, counters, stream = gumbel if gumbel is not None else (lse, ids, ids, 0)  # (unused then)
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
-                                        BLOCK=block)
+                                        temp, seeds, counters, stream, BLOCK=block, GUMBEL=gumbel is not None)
         _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, parts,
                                 PARTS_P2=triton.next_power_of_2(parts))
     return ids, lse

@@ -3,7 +3,8 @@
 A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
 filled with two host→device copies per step) and the worker's device state (each request's last token and last
 advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay. The
-worker captures, per batch-size bucket and greedy/sampling variant (the latter on first use): the plain DECODE step
+worker captures, per batch-size bucket and sampling kind (greedy at start, "sample" / "filter" on first use: see
+``workers.sampling``), and with or without top logprobs: the plain DECODE step
 (forward + sampling), and for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY +
 acceptance + KV compaction + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
 Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
@@ -68,17 +69,17 @@ class StaticInputs:
             return self.ints[:bucket, INT_FIELDS.index(name)].contiguous()
         return self.floats[:bucket, FLOAT_FIELDS.index(name)].contiguous()
 
-    def sampling(self, bucket: int, all_greedy: bool, counters_ahead: torch.Tensor) -> SamplingTensors:
+    def sampling(self, bucket: int, kind: str, counters_ahead: torch.Tensor) -> SamplingTensors:
         c = lambda n: self.column(n, bucket)  # noqa: E731
         return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"),
-                               c("counters") + counters_ahead, all_greedy=all_greedy)
+                               c("counters") + counters_ahead, kind=kind)
 
     def drafts(self, bucket: int) -> torch.Tensor:
         return self.ints[:bucket, len(INT_FIELDS):].contiguous()
 
 
 class GraphRunner:
-    """Captured graphs keyed by (name, bucket, greedy); one shared memory pool. On a CPU the callables are kept and
+    """Captured graphs keyed by (name, bucket, sampling kind, top logprobs); one shared memory pool. On a CPU the callables are kept and
     run as they are (the same static-buffer, padded path without graphs; the tests exercise it that way)."""
 
     def __init__(self, device: torch.device):

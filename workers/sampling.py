@@ -2,8 +2,10 @@
 
 Randomness is counter-based: the uniform for (seed, step, token) is a hash, so a request's samples depend only on
 its own seed and output position — reproducible across batch compositions, preemption and TP ranks, with no
-generator state and no host sync. Sampling uses the exponential race (argmax p_i / E_i, E_i ~ Exp(1)), which draws
-exactly from p.
+generator state and no host sync. A draw is the Gumbel-max race: argmax_i x_i + G_i with G_i = -log(-log u_i)
+draws exactly from softmax(x). For a row with only a temperature x = logits / T, raced in the same pass that
+reads the logits (one kernel on the GPU, no softmax, no sort); a row with top-k / top-p / min-p races the log of
+its filtered distribution, which needs the sort, so a batch says on the host whether any row filters (``kind``).
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ class SamplingTensors:
     min_p: torch.Tensor  # [B] float32, 0 = off
     seeds: torch.Tensor  # [B] int64
     counters: torch.Tensor  # [B] int64 (output position of the token being sampled)
-    all_greedy: bool = False  # known on the host when the batch is built: skips the sampling kernels
+    # known on the host when the batch is built (and a CUDA graph variant each): "greedy" (every row: no sampling
+    # kernels), "sample" (temperatures only: no filtering), "filter" (some row has top-k / top-p / min-p)
+    kind: str = "filter"
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.kind == "greedy"
 
     @classmethod
     def from_lists(cls, temperature, top_k, top_p, min_p, seeds, counters, device) -> "SamplingTensors":
@@ -55,7 +63,7 @@ class SamplingTensors:
             min_p=to_device(min_p, torch.float32, device),
             seeds=to_device(seeds, torch.int64, device),
             counters=to_device(counters, torch.int64, device),
-            all_greedy=all(t <= 0 for t in temperature),
+            kind=sampling_kind(temperature, top_k, top_p, min_p),
         )
 
     def repeat_interleave(self, n: int) -> "SamplingTensors":
@@ -63,7 +71,21 @@ class SamplingTensors:
         rep = lambda t: t.repeat_interleave(n)  # noqa: E731
         steps = torch.arange(n, device=self.counters.device).repeat(self.counters.shape[0])
         return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
-                               rep(self.seeds), rep(self.counters) + steps, self.all_greedy)
+                               rep(self.seeds), rep(self.counters) + steps, self.kind)
+
+
+SAMPLING_KINDS = ("greedy", "sample", "filter")
+
+
+def sampling_kind(temperature, top_k, top_p, min_p) -> str:
+    """The batch's ``SamplingTensors.kind`` from its host lists (only sampled rows count: a greedy row's filters
+    are never applied)."""
+    sampled = [i for i, t in enumerate(temperature) if t > 0]
+    if not sampled:
+        return "greedy"
+    if any(top_k[i] > 0 or top_p[i] < 1 or min_p[i] > 0 for i in sampled):
+        return "filter"
+    return "sample"
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
@@ -88,11 +110,24 @@ def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     return torch.where(greedy.unsqueeze(1), onehot, filtered)
 
 
-def sample_from_probs(probs: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Tensor:
-    """Exponential race with counter-based noise; exact draw from ``probs`` (argmax for one-hot rows)."""
-    u = uniform_noise(p.seeds, p.counters, probs.shape[1], stream)
-    race = probs.double() / (-torch.log(u))
-    return race.argmax(-1)
+def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
+                  stream: int = 0) -> torch.Tensor:
+    """argmax_i x_i / T + G_i ([B] int64) with G_i = -log(-log u_i) from ``uniform_noise``: an exact draw from
+    softmax(x / T) (-inf entries never win). One pass of the split-row argmax kernel on the GPU."""
+    return argmax_logsumexp(x, gumbel=(temperature, seeds, counters, stream))[0]
+
+
+def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Tensor:
+    """A token per row ([B]) drawn from the processed distribution (``processed_probs``), by the Gumbel race on
+    logits / T, or for rows that filter on the log of their filtered probabilities. Rows that do not filter race
+    the very same values whatever the batch's kind, so their draws do not depend on the rest of the batch.
+    Greedy rows (temperature 0) get a draw at T = 1 here; callers take the argmax for them."""
+    temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
+    if p.kind != "filter":
+        return gumbel_argmax(logits, temp, p.seeds, p.counters, stream)
+    filters = (p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)
+    x = torch.where(filters.unsqueeze(1), torch.log(processed_probs(logits, p)), logits.float() / temp.unsqueeze(1))
+    return gumbel_argmax(x, torch.ones_like(temp), p.seeds, p.counters, stream)
 
 
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for any (OpenAI's most); each request keeps its own
@@ -110,5 +145,5 @@ def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torc
     if p.all_greedy:
         ids = greedy_ids
     else:
-        ids = torch.where(p.temperature <= 0, greedy_ids, sample_from_probs(processed_probs(logits, p), p))
+        ids = torch.where(p.temperature <= 0, greedy_ids, draw(logits, p))
     return ids, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse

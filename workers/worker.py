@@ -24,7 +24,7 @@ from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
-from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, top_logprobs
+from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, sampling_kind, top_logprobs
 from speculative.proposers import RoundInputs, shift_lens
 
 logger = logging.getLogger(__name__)
@@ -237,7 +237,7 @@ class Worker:
         self.graphs: GraphRunner | None = None  # set by capture_graphs, with the three below
         self.static: StaticInputs | None = None
         self.graph_buckets: list[int] = []
-        # (bucket, greedy, top logprobs) → graph names in replay order
+        # (bucket, sampling kind, top logprobs) → graph names in replay order
         self.graph_phases: dict[tuple[int, bool, bool], list[str]] = {}
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
@@ -333,17 +333,17 @@ class Worker:
                     time.perf_counter() - t0, f" (the others from {cache.path})" if cache is not None else "")
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
-    def _graph_callables(self, bucket: int, greedy: bool, top: bool) -> dict[str, object]:
+    def _graph_callables(self, bucket: int, kind: str, top: bool) -> dict[str, object]:
         """What one bucket captures: name → callable over the static inputs (``top``: with each token's top
         logprobs as extra outputs)."""
         if self.proposer is None:
-            return {"decode": lambda: self._decode(self._static_inputs(bucket, greedy), top)}
+            return {"decode": lambda: self._decode(self._static_inputs(bucket, kind), top)}
         if self.cfg.fuse_speculative_round:
-            return {"round": lambda: self._round(self._static_inputs(bucket, greedy), top)}
+            return {"round": lambda: self._round(self._static_inputs(bucket, kind), top)}
         state: dict = {}  # tensors the phases hand to each other (outputs of the previous phase's graph)
 
         def draft():
-            state["inp"] = inp = self._static_inputs(bucket, greedy)
+            state["inp"] = inp = self._static_inputs(bucket, kind)
             state["tree"] = self.proposer.propose(inp)
 
         def verify():
@@ -355,8 +355,8 @@ class Worker:
     @torch.inference_mode()
     def capture_graphs(self) -> None:
         """Capture the greedy graphs of every bucket now (largest first, so smaller graphs reuse its pool memory);
-        the sampling variant of a bucket (its top-k/top-p sort needs much more memory) and the variants with top
-        logprobs on their first use."""
+        the sampling variants of a bucket ("sample": temperatures only; "filter": with the top-k/top-p sort, which
+        needs much more memory) and the variants with top logprobs on their first use."""
         from tqdm import tqdm
 
         buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
@@ -366,15 +366,15 @@ class Worker:
         self.graph_phases.clear()
         self.graph_buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
-            self._capture(bucket, greedy=True, top=False)
+            self._capture(bucket, "greedy", top=False)
 
-    def _capture(self, bucket: int, greedy: bool, top: bool) -> None:
+    def _capture(self, bucket: int, kind: str, top: bool) -> None:
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times)."""
         self.static.reset()
-        phases = self._graph_callables(bucket, greedy, top)
+        phases = self._graph_callables(bucket, kind, top)
         for name, fn in phases.items():
-            self.graphs.capture((name, bucket, greedy, top), fn)
-        self.graph_phases[(bucket, greedy, top)] = list(phases)
+            self.graphs.capture((name, bucket, kind, top), fn)
+        self.graph_phases[(bucket, kind, top)] = list(phases)
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
@@ -439,17 +439,17 @@ class Worker:
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         b = len(step.req_slots)
-        greedy, top = all(t <= 0 for t in step.temperature), step.top_logprobs
+        kind, top = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p), step.top_logprobs
         bucket = next((x for x in self.graph_buckets if x >= b), None)  # None: no graphs, or a larger batch
         if bucket is None:
             inp = self._eager_inputs(step)
             out = self._decode(inp, top) if self.proposer is None else self._round(inp, top)
         else:
-            if (bucket, greedy, top) not in self.graph_phases:
-                self._capture(bucket, greedy, top)
+            if (bucket, kind, top) not in self.graph_phases:
+                self._capture(bucket, kind, top)
             self.static.fill(step, bucket)
-            for name in self.graph_phases[(bucket, greedy, top)]:  # the last phase returns the step's outputs
-                out = self.graphs.replay((name, bucket, greedy, top))
+            for name in self.graph_phases[(bucket, kind, top)]:  # the last phase returns the step's outputs
+                out = self.graphs.replay((name, bucket, kind, top))
         # copied now: the next replay overwrites a graph's outputs
         copy = HostCopy(*(t[:b] for t in out))
         return copy, (_token_result if self.proposer is None else self._round_result)
@@ -483,13 +483,13 @@ class Worker:
         return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens,
                            root_pos=seq - 1, sampling=self._sampling(step, counters), drafts=drafts)
 
-    def _static_inputs(self, bucket: int, greedy: bool) -> RoundInputs:
+    def _static_inputs(self, bucket: int, kind: str) -> RoundInputs:
         st = self.static
         slots = st.column("req_slots", bucket)
         ahead = st.column("pending", bucket) * self.advance[slots]  # what the step in flight appends (overlap)
         seq = st.column("seq_lens", bucket) + ahead
         return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq,
-                           root_pos=seq - 1, sampling=st.sampling(bucket, greedy, counters_ahead=ahead),
+                           root_pos=seq - 1, sampling=st.sampling(bucket, kind, counters_ahead=ahead),
                            drafts=st.drafts(bucket) if self.proposer is not None else None)
 
     def _decode(self, inp, top: bool = False) -> tuple[torch.Tensor, ...]:
