@@ -224,6 +224,15 @@ if triton is not None:
         return (x >> 16) ^ x
 
     @triton.jit
+    def _gumbel(h):
+        """``workers.sampling.gumbel_from_hash`` on uint32 hashes, fp32."""
+        upper = h >= 0x80000000
+        q = (tl.where(upper, 0xFFFFFFFF - h, h).to(tl.float32) + 0.5) * 2.3283064365386963e-10
+        series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q / 8)))))))
+        e = tl.where(upper, tl.where(q < 1 / 16, series, -tl.log(1 - q)), -tl.log(q))
+        return -tl.log(e)
+
+    @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
                             Temperature, Seeds, Counters, stream,
                             BLOCK: tl.constexpr, GUMBEL: tl.constexpr):
@@ -241,10 +250,8 @@ if triton is not None:
         for start in range(lo, lo + chunk, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(Logits + row * stride_l + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-            if GUMBEL:  # x / T + Gumbel(u), u = (hash + 0.5) / 2^32 in float64 (fp32 would round u near 1 to 1)
-                h = _mix32(base + _mix32(cols.to(tl.uint32)) * 0x2C1B)
-                u = (h.to(tl.float64) + 0.5) / 4294967296.0
-                x = x / temp + (-tl.log(-tl.log(u))).to(tl.float32)
+            if GUMBEL:  # x / T + Gumbel noise of the column's hash
+                x = x / temp + _gumbel(_mix32(base + _mix32(cols.to(tl.uint32)) * 0x2C1B))
             new_m = tl.maximum(m, x)
             safe = tl.where(new_m == float("-inf"), 0.0, new_m)
             s = s * tl.exp(m - safe) + tl.exp(x - safe)
@@ -279,11 +286,11 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None) -> tuple
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
     counter-based uniforms instead (``workers.sampling.gumbel_argmax``; the reference here is only for CPUs)."""
     if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
-        from workers.sampling import uniform_noise
+        from workers.sampling import _hash32, gumbel_from_hash
 
         temp, seeds, counters, stream = gumbel
-        noise = -torch.log(-torch.log(uniform_noise(seeds, counters, logits.shape[1], stream)))
-        logits, gumbel = logits.float() / temp.unsqueeze(1) + noise.float(), None
+        noise = gumbel_from_hash(_hash32(seeds, counters, logits.shape[1], stream))
+        logits, gumbel = logits.float() / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
     b, n = logits.shape
