@@ -66,8 +66,9 @@ case $stage in
     run python3 bench/draft_metadata.py --device cuda --backend triton --out "$R/draft_metadata_h100"
     run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_h100"
     ;;
-  kernels)  # after kernel changes: Triton attention and the fused ops in bf16, graphs vs eager, the verify sweep
+  kernels)  # after kernel changes: Triton attention and the fused ops in bf16, the sampler, graphs vs eager, the verify sweep
     run python3 tools/check_attention.py --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
+    run python3 tools/check_sampling.py --device cuda --json "$R/sampling_check_$tag.json"
     run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
     run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_$tag"
     ;;
@@ -78,6 +79,8 @@ case $stage in
     ;;
   perf1b)
     run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --out "$R/gpu_perf_llama1b_h100"
+    run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --parts sampling --batch-sizes 1,16,64 \
+        --out "$R/gpu_perf_llama1b_sampling_h100"
     ;;
   hfbase)  # HF baselines (eager, static cache + compile, assisted with the standalone draft) and our engine with the
     # same draft, bs=1, same process and weights; one shape per call fits the 10-minute limit: `hfbase 1b`, `hfbase 8b`

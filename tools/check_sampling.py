@@ -1,0 +1,69 @@
+"""The sampler on a device: draws against the distribution they must follow, and the device's draws against the
+PyTorch reference's on the CPU (the same counter-based noise, so the same tokens up to float rounding of near ties).
+
+    python tools/check_sampling.py --device cuda --json out.json
+
+Per kind ("sample": temperature only, the Gumbel race inside the argmax kernel; "filter": top-k / top-p, the race
+over the log of the filtered distribution): a chi-square test of 50,000 draws from a 6-token distribution (pass:
+p-value > 1e-4), and 64 rows of 128k-token random logits drawn on the device and on the CPU (pass: at most one
+row differs). The exit status says whether every check passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.sampling import SamplingTensors, draw, processed_probs  # noqa: E402
+
+
+def main() -> None:
+    from scipy.stats import chisquare
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    rows, ok = [], True
+    for kind, top_k, top_p in (("sample", 0, 1.0), ("filter", 4, 1.0), ("filter", 0, 0.9)):
+        n = 50000
+        logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=args.device).expand(n, -1)
+        p = SamplingTensors.from_lists([0.7] * n, [top_k] * n, [top_p] * n, [0.0] * n, [11] * n, list(range(n)),
+                                       args.device)
+        assert p.kind == kind
+        probs = processed_probs(logits[:1], SamplingTensors.from_lists([0.7], [top_k], [top_p], [0.0], [11], [0],
+                                                                       args.device))[0].double().cpu()
+        counts = torch.bincount(draw(logits, p).cpu(), minlength=6).double()
+        kept = probs > 0
+        pvalue = float(chisquare(counts[kept].numpy(), (probs[kept] / probs[kept].sum() * n).numpy()).pvalue)
+        outside = int(counts[~kept].sum())
+        # device vs CPU reference on a large vocabulary
+        g = torch.Generator().manual_seed(0)
+        wide = torch.randn(64, 128256, generator=g) * 2
+        pw = lambda dev: SamplingTensors.from_lists([0.8] * 64, [top_k and 50] * 64, [top_p] * 64, [0.0] * 64,  # noqa: E731
+                                                    list(range(64)), [3] * 64, dev)
+        on_device = draw(wide.to(args.device), pw(args.device)).cpu()
+        on_cpu = draw(wide, pw("cpu"))
+        differ = int((on_device != on_cpu).sum())
+        passed = pvalue > 1e-4 and outside == 0 and differ <= 1
+        ok &= passed
+        rows.append({"kind": kind, "top_k": top_k, "top_p": top_p, "chi2_pvalue": round(pvalue, 5),
+                     "draws_outside_support": outside, "rows_differing_from_cpu_of_64": differ, "ok": passed})
+        print(rows[-1], flush=True)
+    if args.json:
+        from bench.engine_vs_hf import commit, device_name
+
+        Path(args.json).write_text(json.dumps({"device": device_name(args.device), "commit": commit(),
+                                               "command": "python " + " ".join(sys.argv), "rows": rows}, indent=2))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
