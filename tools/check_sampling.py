@@ -47,10 +47,12 @@ def main() -> None:
         # device vs CPU reference on a large vocabulary
         g = torch.Generator().manual_seed(0)
         wide = torch.randn(64, 128256, generator=g) * 2
-        pw = lambda dev: SamplingTensors.from_lists([0.8] * 64, [top_k and 50] * 64, [top_p] * 64, [0.0] * 64,  # noqa: E731
-                                                    list(range(64)), [3] * 64, dev)
-        on_device = draw(wide.to(args.device), pw(args.device)).cpu()
-        on_cpu = draw(wide, pw("cpu"))
+        def params(dev):
+            return SamplingTensors.from_lists([0.8] * 64, [top_k and 50] * 64, [top_p] * 64, [0.0] * 64,
+                                              list(range(64)), [3] * 64, dev)
+
+        on_device = draw(wide.to(args.device), params(args.device)).cpu()
+        on_cpu = draw(wide, params("cpu"))
         differ = int((on_device != on_cpu).sum())
         passed = pvalue > 1e-4 and outside == 0 and differ <= 1
         ok &= passed

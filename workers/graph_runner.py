@@ -4,9 +4,9 @@ A captured callable reads only the static input buffers (``StaticInputs``: one p
 filled with two host→device copies per step) and the worker's device state (each request's last token and last
 advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay. The
 worker captures, per batch-size bucket and sampling kind (greedy at start, "sample" / "filter" on first use: see
-``workers.sampling``), and with or without top logprobs: the plain DECODE step
-(forward + sampling), and for speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY +
-acceptance + KV compaction + DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
+``workers.sampling``), and with or without top logprobs: the plain DECODE step (forward + sampling), and for
+speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY + acceptance + KV compaction +
+DRAFT_EXTEND) or the three phases as separate graphs replayed back to back. All graphs share one memory pool.
 Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
 """
 
@@ -79,8 +79,9 @@ class StaticInputs:
 
 
 class GraphRunner:
-    """Captured graphs keyed by (name, bucket, sampling kind, top logprobs); one shared memory pool. On a CPU the callables are kept and
-    run as they are (the same static-buffer, padded path without graphs; the tests exercise it that way)."""
+    """Captured graphs keyed by (name, bucket, sampling kind, top logprobs); one shared memory pool. On a CPU the
+    callables are kept and run as they are (the same static-buffer, padded path without graphs; the tests exercise
+    it that way)."""
 
     def __init__(self, device: torch.device):
         self.use_graphs = device.type == "cuda"

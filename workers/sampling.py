@@ -89,9 +89,6 @@ class SamplingTensors:
                                rep(self.seeds), rep(self.counters) + steps, self.kind)
 
 
-SAMPLING_KINDS = ("greedy", "sample", "filter")
-
-
 def sampling_kind(temperature, top_k, top_p, min_p) -> str:
     """The batch's ``SamplingTensors.kind`` from its host lists (only sampled rows count: a greedy row's filters
     are never applied)."""
@@ -127,8 +124,8 @@ def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
 
 def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                   stream: int = 0) -> torch.Tensor:
-    """argmax_i x_i / T + G_i ([B] int64) with G_i = -log(-log u_i) from ``uniform_noise``: an exact draw from
-    softmax(x / T) (-inf entries never win). One pass of the split-row argmax kernel on the GPU."""
+    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms (``gumbel_from_hash``):
+    an exact draw from softmax(x / T) (-inf entries never win). One pass of the split-row argmax kernel on the GPU."""
     return argmax_logsumexp(x, gumbel=(temperature, seeds, counters, stream))[0]
 
 

@@ -238,7 +238,7 @@ class Worker:
         self.static: StaticInputs | None = None
         self.graph_buckets: list[int] = []
         # (bucket, sampling kind, top logprobs) → graph names in replay order
-        self.graph_phases: dict[tuple[int, bool, bool], list[str]] = {}
+        self.graph_phases: dict[tuple[int, str, bool], list[str]] = {}
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
