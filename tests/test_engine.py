@@ -181,7 +181,7 @@ def test_sampler_draws_from_the_processed_distribution():
         p = SamplingTensors.from_lists([0.7] * n, [top_k] * n, [1.0] * n, [0.0] * n, [11] * n, list(range(n)), "cpu")
         assert p.kind == ("filter" if top_k else "sample")
         probs = processed_probs(logits.expand(n, -1), p)
-        assert probs[0, kept:].sum() == 0  # top-k 4 removed the tail
+        assert probs[0, kept:].sum() == 0  # top-k 4 removed the tail (kept = 6: nothing to remove)
         draws = draw(logits.expand(n, -1), p)
         counts = torch.bincount(draws, minlength=6)[:kept].double()
         expected = probs[0, :kept].double() / probs[0, :kept].double().sum() * n
