@@ -155,9 +155,9 @@ class _ModelProposer(Proposer):
                 break
             frontier_ids = child_ids.view(b, k) if self.chain else cand.tokens.gather(1, cand.frontier)
             rnd.advance(i + 1, origin)
-            if feat is not None and not self.chain:  # (a chain's frontier is its only node)
-                frontier_feat = feat.view(b, k, -1).gather(1, origin.unsqueeze(2).expand(b, k, feat.shape[-1])) \
-                    .reshape(b * k, -1)
+            if feat is not None:  # each new frontier node carries its parent's output feature
+                frontier_feat = feat if self.chain else feat.view(b, k, -1).gather(
+                    1, origin.unsqueeze(2).expand(b, k, feat.shape[-1])).reshape(b * k, -1)
 
 
 class EagleProposer(_ModelProposer):

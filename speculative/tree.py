@@ -60,18 +60,21 @@ class TreeCandidates:
         self.k = topk
         cap = topk + (num_steps - 1) * topk * topk
         self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
-        if topk > 1:  # a chain (top-1) is its tokens in order: no scores, parents or depths to keep
+        if topk == 1:  # a chain (top-1) is its tokens in order: no scores, parents or depths to keep; its frontier
+            self._positions = torch.arange(cap, device=device).expand(batch, cap)  # is a view of this
+        else:
             self.scores = torch.full((batch, cap), float("-inf"), device=device)
             self.parents = torch.full((batch, cap), -1, dtype=torch.int64, device=device)  # candidate, -1 = root
             self.depths = torch.zeros(batch, cap, dtype=torch.int64, device=device)
         self.used = 0
-        self.frontier = None  # [B, k] candidate indices (a chain keeps its first: ``expand`` needs no indices)
+        self.frontier = None  # [B, k] candidate indices
         self.frontier_scores = None
 
     def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor) -> None:
         k = self.k
         self.tokens[:, :k] = tokens
-        self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
+        self.frontier = self._positions[:, :1] if k == 1 else torch.arange(k, device=tokens.device).expand(
+            tokens.shape[0], k)
         self.used = k
         if k > 1:
             self.scores[:, :k] = logp
@@ -82,10 +85,11 @@ class TreeCandidates:
         """child_tokens/logp: [B, k(frontier), k(children)]. Returns, per new frontier slot, which old frontier
         slot it descends from ([B, k]) — the caller carries that parent's hidden state forward."""
         b, k = self.frontier.shape
-        if k == 1:  # a chain: the one child is the next frontier (its ids are the caller's child_tokens)
+        if k == 1:  # a chain: the one child is the next frontier
             self.tokens[:, self.used] = child_tokens.reshape(b)
+            self.frontier = self._positions[:, self.used:self.used + 1]
             self.used += 1
-            return self.frontier  # [B, 1] zeros: descends from the only slot
+            return self._positions[:, :1]  # [B, 1] zeros: it descends from the only slot
         cum = (self.frontier_scores.unsqueeze(2) + child_logp).reshape(b, k * k)
         start, end = self.used, self.used + k * k
         self.tokens[:, start:end] = child_tokens.reshape(b, k * k)

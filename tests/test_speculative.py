@@ -82,6 +82,26 @@ def test_bf16_chains_run(spec_models, method):
         assert 1.0 <= o.spec["accept_length"] <= spec.num_draft_tokens
 
 
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "draft"])
+def test_chain_fast_path_drafts_what_the_tree_path_drafts(spec_models, method, monkeypatch):
+    """Top-1 chains skip the log-softmax, the top-k and the tree bookkeeping; with 5 steps (features carried
+    through 4 of them) every proposed chain equals what the general tree path proposes for top-1."""
+    from speculative.proposers import _ModelProposer
+
+    def trees(chain: bool) -> list:
+        monkeypatch.setattr(_ModelProposer, "chain", property(lambda self: chain))
+        eng = engine(spec_models["target"], SpeculativeConfig(method=method, model=str(spec_models[method]),
+                                                             num_steps=5))
+        proposer, seen = eng.executor.worker.proposer, []
+        propose = proposer.propose
+        monkeypatch.setattr(proposer, "propose", lambda inp: seen.append(propose(inp)) or seen[-1])
+        eng.generate(mixed_prompts(3), SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+        return [t.tokens.tolist() for t in seen]
+
+    fast, general = trees(True), trees(False)
+    assert len(fast) > 5 and fast == general
+
+
 def test_identical_draft_accepts_everything(spec_models):
     spec = SpeculativeConfig(method="draft", model=str(spec_models["target"]), num_steps=3)
     out = engine(spec_models["target"], spec).generate(mixed_prompts(4), SamplingParams(
