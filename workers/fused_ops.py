@@ -218,7 +218,8 @@ if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        """``workers.sampling._mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products)."""
+        """``workers.sampling._mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products; the
+        wrap-around is meant, so Triton's debug-mode overflow checks would flag it)."""
         x = ((x >> 16) ^ x) * 0x45D9F3B
         x = ((x >> 16) ^ x) * 0x45D9F3B
         return (x >> 16) ^ x
@@ -228,7 +229,7 @@ if triton is not None:
         """``workers.sampling.gumbel_from_hash`` on uint32 hashes, fp32."""
         upper = h >= 0x80000000
         q = (tl.where(upper, 0xFFFFFFFF - h, h).to(tl.float32) + 0.5) * 2.3283064365386963e-10
-        series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q / 8)))))))
+        series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q * 0.125)))))))
         e = tl.where(upper, tl.where(q < 1 / 16, series, -tl.log(1 - q)), -tl.log(q))
         return -tl.log(e)
 

@@ -44,7 +44,7 @@ def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
     ``fused_ops._gumbel`` computes the same on the GPU."""
     upper = h >= 2**31
     q = (torch.where(upper, _MASK32 - h, h).float() + 0.5) * 2.0**-32  # min(u, 1 - u), in (0, 0.5]
-    series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q / 8)))))))
+    series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q * 0.125)))))))
     e = torch.where(upper, torch.where(q < 1 / 16, series, -torch.log(1 - q)), -torch.log(q))  # -log u
     return -torch.log(e)
 
@@ -132,14 +132,14 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Tensor:
     """A token per row ([B]) drawn from the processed distribution (``processed_probs``), by the Gumbel race on
     logits / T, or for rows that filter on the log of their filtered probabilities. Rows that do not filter race
-    the very same values whatever the batch's kind, so their draws do not depend on the rest of the batch.
-    Greedy rows (temperature 0) get a draw at T = 1 here; callers take the argmax for them."""
+    the very same values whatever the batch's kind (the kernel divides by T in both), so their draws do not depend
+    on the rest of the batch. Greedy rows (temperature 0) get a draw at T = 1 here; callers take their argmax."""
     temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
     if p.kind != "filter":
         return gumbel_argmax(logits, temp, p.seeds, p.counters, stream)
     filters = (p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)
-    x = torch.where(filters.unsqueeze(1), torch.log(processed_probs(logits, p)), logits.float() / temp.unsqueeze(1))
-    return gumbel_argmax(x, torch.ones_like(temp), p.seeds, p.counters, stream)
+    x = torch.where(filters.unsqueeze(1), torch.log(processed_probs(logits, p)), logits.float())
+    return gumbel_argmax(x, torch.where(filters, torch.ones_like(temp), temp), p.seeds, p.counters, stream)
 
 
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for any (OpenAI's most); each request keeps its own
