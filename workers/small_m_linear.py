@@ -125,14 +125,15 @@ def row_bucket(m: int) -> int:
 
 
 def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
-    """The weight and as many copies as it takes for all of them to be twice the GPU's L2 cache (at most 8), so
+    """The weight and as many copies as it takes for all of them to be twice the GPU's L2 cache (at most 256), so
     that timed calls cycling over them stream their weight from memory, as every layer of a decode step does."""
     l2 = getattr(torch.cuda.get_device_properties(weight.device), "L2_cache_size", 0) or 50 << 20
-    n = min(8, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))
+    n = min(256, max(1, -(-2 * l2 // (weight.numel() * weight.element_size()))))
     return [weight] + [weight.clone() for _ in range(n - 1)]
 
 
-def replayed_ms(call, weights: list[torch.Tensor], min_calls: int = 8, replays: int = 5) -> float:
+def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_calls: int = 8,
+                replays: int = 5) -> float:
     """Milliseconds per ``call(weight)`` as a decode step runs it: captured in a CUDA graph as back-to-back calls
     cycling over ``weights`` (no launch gaps, a cold weight each time, the next kernel queued behind), the median
     over replays. Isolated timings (``do_bench``: one call after an L2 flush) add several microseconds of dirty
@@ -140,14 +141,15 @@ def replayed_ms(call, weights: list[torch.Tensor], min_calls: int = 8, replays: 
     import statistics
 
     calls = max(min_calls, len(weights))
-    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
         for w in weights:
             call(w)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # thread_local: as GraphRunner.capture, another thread's CUDA calls (the NCCL watchdog under TP) must not
+    # invalidate the capture
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             call(weights[i % len(weights)])
     graph.replay()
@@ -163,18 +165,21 @@ def replayed_ms(call, weights: list[torch.Tensor], min_calls: int = 8, replays: 
     return statistics.median(times)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False) -> TileConfig | None:
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False,
+         side: torch.cuda.Stream | None = None) -> TileConfig | None:
     """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``); the fastest
     (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton
     with it fused. A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is
-    skipped."""
+    skipped. ``side``: the stream warm-ups run on (one for a whole tuning: PyTorch keeps a cuBLAS workspace of tens
+    of MB per stream, which must not pile up before the KV cache is sized)."""
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
     weights = weight_copies(weight)
+    side = side or torch.cuda.Stream(weight.device)
     cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
-    best, best_ms = None, replayed_ms(cublas, weights)
+    best, best_ms = None, replayed_ms(cublas, weights, side)
     for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
         try:
-            ms = replayed_ms(lambda w, c=cfg: small_m_linear(x, w, bias, c, gated), weights)
+            ms = replayed_ms(lambda w, c=cfg: small_m_linear(x, w, bias, c, gated), weights, side)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
             torch.cuda.synchronize()
             continue
@@ -259,6 +264,7 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
     many (shape, bucket) pairs were timed."""
     by_shape: dict[str, dict] = {}
     timed = 0
+    side = None  # one warm-up stream for every timing (made when the first shape needs timing)
     for module in model.modules():
         table = getattr(module, "small_m", None)
         weight = getattr(module, "weight", None)
@@ -271,7 +277,8 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
         if key not in by_shape:
             by_shape[key] = cache.get(key) if cache is not None else None
             if by_shape[key] is None:
-                by_shape[key] = {rows: tune(weight, bias, rows, gated) for rows in ROW_BUCKETS}
+                side = side or torch.cuda.Stream(weight.device)
+                by_shape[key] = {rows: tune(weight, bias, rows, gated, side) for rows in ROW_BUCKETS}
                 timed += len(ROW_BUCKETS)
                 if cache is not None:
                     cache.put(key, by_shape[key])
