@@ -104,8 +104,8 @@ def check_gumbel_argmax(g) -> None:
     and streams, rows longer than one program, -inf entries that never win."""
     import torch
 
-    from workers.fused_ops import argmax_logsumexp
-    from workers.sampling import _hash32, gumbel_from_hash, uniform_noise
+    from workers.fused_ops import argmax_logsumexp, gumbel_from_hash, hash32
+    from workers.sampling import uniform_noise
 
     for b, n in ((3, 50), (4, 9000)):
         logits = torch.randn(b, n, generator=g) * 3
@@ -123,7 +123,7 @@ def check_gumbel_argmax(g) -> None:
     h = torch.cat([torch.arange(0, 2**32, 2**32 // 100000), torch.arange(2**32 - 1000, 2**32), torch.arange(1000)])
     exact = -torch.log(-torch.log((h.double() + 0.5) / 2**32))
     assert torch.allclose(gumbel_from_hash(h).double(), exact, rtol=2e-6, atol=2e-6)
-    assert gumbel_from_hash(h).isfinite().all() and _hash32(torch.tensor([1]), torch.tensor([2]), 4, 0).shape == (1, 4)
+    assert gumbel_from_hash(h).isfinite().all() and hash32(torch.tensor([1]), torch.tensor([2]), 4, 0).shape == (1, 4)
     flat = torch.zeros(64, 1000)  # a uniform distribution: each counter draws its own token
     ids = argmax_logsumexp(flat, gumbel=(torch.ones(64), torch.full((64,), 3), torch.arange(64), 0))[0]
     assert len(set(ids.tolist())) > 50

@@ -213,12 +213,41 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
                         HEADS_P2=triton.next_power_of_2(heads))
 
 
+# ---- counter-based noise (the sampler's): a 32-bit hash of (seed, counter, column, stream), and Gumbel noise ------
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2^32."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def hash32(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int) -> torch.Tensor:
+    """[B, width] int64 holding 32-bit hashes of (seed, counter, column, stream)."""
+    base = mix32((seeds.long() & _MASK32) ^ mix32((counters.long() * 0x9E37 + stream * 0x85EB + 0x27D4) & _MASK32))
+    cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
+    return mix32((base.unsqueeze(1) + mix32(cols).unsqueeze(0) * 0x2C1B) & _MASK32)
+
+
+def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log u), u = (h + 0.5) / 2^32, in fp32 without losing the tail: u near 1 (where fp32 would
+    round u to 1 and the noise to +inf) goes through q = 1 - u, exact from the hash, and a series for -log(1 - q).
+    ``_gumbel`` computes the same in the argmax kernel."""
+    upper = h >= 2**31
+    q = (torch.where(upper, _MASK32 - h, h).float() + 0.5) * 2.0**-32  # min(u, 1 - u), in (0, 0.5]
+    series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q * 0.125)))))))
+    e = torch.where(upper, torch.where(q < 1 / 16, series, -torch.log(1 - q)), -torch.log(q))  # -log u
+    return -torch.log(e)
+
+
 # ---- greedy token and log-normaliser of each row of logits -------------------------------------------------------
 if triton is not None:
 
     @triton.jit
     def _mix32(x):
-        """``workers.sampling._mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products; the
+        """``mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products; the
         wrap-around is meant, so Triton's debug-mode overflow checks would flag it)."""
         x = ((x >> 16) ^ x) * 0x45D9F3B
         x = ((x >> 16) ^ x) * 0x45D9F3B
@@ -226,7 +255,7 @@ if triton is not None:
 
     @triton.jit
     def _gumbel(h):
-        """``workers.sampling.gumbel_from_hash`` on uint32 hashes, fp32."""
+        """``gumbel_from_hash`` on uint32 hashes, fp32."""
         upper = h >= 0x80000000
         q = (tl.where(upper, 0xFFFFFFFF - h, h).to(tl.float32) + 0.5) * 2.3283064365386963e-10
         series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q * 0.125)))))))
@@ -243,7 +272,7 @@ if triton is not None:
         m = tl.full([BLOCK], float("-inf"), tl.float32)  # per lane: running max, its first index, sum of exp
         arg = tl.zeros([BLOCK], tl.int32)
         s = tl.zeros([BLOCK], tl.float32)
-        if GUMBEL:  # the row's hash base, as workers.sampling.uniform_noise computes it
+        if GUMBEL:  # the row's hash base, as ``hash32`` computes it
             temp = tl.load(Temperature + row)
             ctr = (tl.load(Counters + row) * 0x9E37 + stream * 0x85EB + 0x27D4) & 0xFFFFFFFF
             seed = tl.load(Seeds + row) & 0xFFFFFFFF
@@ -287,10 +316,8 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None) -> tuple
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
     counter-based uniforms instead (``workers.sampling.gumbel_argmax``; the reference here is only for CPUs)."""
     if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
-        from workers.sampling import _hash32, gumbel_from_hash
-
         temp, seeds, counters, stream = gumbel
-        noise = gumbel_from_hash(_hash32(seeds, counters, logits.shape[1], stream))
+        noise = gumbel_from_hash(hash32(seeds, counters, logits.shape[1], stream))
         logits, gumbel = logits.float() / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)

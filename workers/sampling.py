@@ -14,39 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.fused_ops import argmax_logsumexp
-
-_MASK32 = 0xFFFFFFFF
-
-
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2^32."""
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
-    return (x >> 16) ^ x
-
-
-def _hash32(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int) -> torch.Tensor:
-    """[B, width] int64 holding 32-bit hashes of (seed, counter, column, stream)."""
-    base = _mix32((seeds.long() & _MASK32) ^ _mix32((counters.long() * 0x9E37 + stream * 0x85EB + 0x27D4) & _MASK32))
-    cols = torch.arange(width, device=seeds.device, dtype=torch.int64)
-    return _mix32((base.unsqueeze(1) + _mix32(cols).unsqueeze(0) * 0x2C1B) & _MASK32)
+from workers.fused_ops import argmax_logsumexp, hash32
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
     """Uniforms in (0, 1), shape [B, width], a pure function of (seed, counter, column, stream)."""
-    return (_hash32(seeds, counters, width, stream).double() + 0.5) / 4294967296.0
-
-
-def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise -log(-log u), u = (h + 0.5) / 2^32, in fp32 without losing the tail: u near 1 (where fp32 would
-    round u to 1 and the noise to +inf) goes through q = 1 - u, exact from the hash, and a series for -log(1 - q).
-    ``fused_ops._gumbel`` computes the same on the GPU."""
-    upper = h >= 2**31
-    q = (torch.where(upper, _MASK32 - h, h).float() + 0.5) * 2.0**-32  # min(u, 1 - u), in (0, 0.5]
-    series = q * (1 + q * (1 / 2 + q * (1 / 3 + q * (1 / 4 + q * (1 / 5 + q * (1 / 6 + q * (1 / 7 + q * 0.125)))))))
-    e = torch.where(upper, torch.where(q < 1 / 16, series, -torch.log(1 - q)), -torch.log(q))  # -log u
-    return -torch.log(e)
+    return (hash32(seeds, counters, width, stream).double() + 0.5) / 4294967296.0
 
 
 @dataclass
@@ -124,7 +97,7 @@ def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
 
 def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                   stream: int = 0) -> torch.Tensor:
-    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms (``gumbel_from_hash``):
+    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms (``fused_ops.gumbel_from_hash``):
     an exact draw from softmax(x / T) (-inf entries never win). One pass of the split-row argmax kernel on the GPU."""
     return argmax_logsumexp(x, gumbel=(temperature, seeds, counters, stream))[0]
 
