@@ -352,7 +352,7 @@ class Suite:
             print(name, rows[name], flush=True)
 
     # ---- sampled decoding ----------------------------------------------------------------------------------------
-    SAMPLING_KINDS = {"greedy": {}, "temperature": {"temperature": 0.8},
+    SAMPLING_SETTINGS = {"greedy": {}, "temperature": {"temperature": 0.8},
                       "top_k_top_p": {"temperature": 0.8, "top_k": 50, "top_p": 0.9}}
 
     def sampling_part(self) -> None:
@@ -362,7 +362,7 @@ class Suite:
         self.decode_rate(eng, 1)  # warm-up
         table = self.results.setdefault("sampling", {})
         for bs in [int(x) for x in self.args.batch_sizes.split(",")]:
-            for name, kw in self.SAMPLING_KINDS.items():
+            for name, kw in self.SAMPLING_SETTINGS.items():
                 self.decode_rate(eng, bs, **kw)  # warm-up: the kind's graphs are captured on first use
                 table.setdefault(name, []).append(self.decode_rate(eng, bs, **kw))
                 print("sampling", name, table[name][-1], flush=True)
