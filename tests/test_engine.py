@@ -193,6 +193,35 @@ def test_sampler_draws_from_the_processed_distribution():
     assert torch.equal(draw(wide, mixed)[0::2], draw(wide[0::2], alone))
 
 
+def test_processed_distribution_matches_hf_warpers():
+    """temperature → top-k → top-p → min-p as HF transformers' logits warpers apply them (top-p over the top-k
+    survivors renormalised; an earlier version took top-p of the whole distribution, which keeps more tokens)."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+
+    from workers.sampling import SamplingTensors, processed_probs
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 500, generator=g) * 3
+    settings = [(0.7, 50, 0.9, 0.0), (1.0, 20, 0.5, 0.0), (0.6, 0, 0.9, 0.0), (1.3, 8, 1.0, 0.0), (0.9, 40, 0.8, 0.05),
+                (1.0, 0, 1.0, 0.1)]
+    p = SamplingTensors.from_lists(*[list(c) for c in zip(*settings)], [0] * 6, [0] * 6, "cpu")
+    ours = processed_probs(logits, p)
+    differs_from_whole_top_p = False
+    for i, (t, k, top_p, min_p) in enumerate(settings):
+        scores = logits[i:i + 1].clone()
+        for warper in [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + \
+                ([TopPLogitsWarper(top_p)] if top_p < 1 else []) + ([MinPLogitsWarper(min_p)] if min_p else []):
+            scores = warper(None, scores)
+        hf = torch.softmax(scores, -1)[0]
+        assert torch.equal(ours[i] > 0, hf > 0), (i, int((ours[i] > 0).sum()), int((hf > 0).sum()))
+        torch.testing.assert_close(ours[i], hf, atol=1e-6, rtol=1e-5)
+        if k and top_p < 1:  # this case tells the two top-p readings apart
+            whole = torch.softmax(logits[i] / t, -1).sort(descending=True).values
+            differs_from_whole_top_p |= int(((whole.cumsum(0) - whole) < top_p)[:k].sum()) != int((hf > 0).sum())
+    assert differs_from_whole_top_p
+
+
 def test_cli_generate_json(tiny_models):
     out = subprocess.run(
         [sys.executable, "-m", "deployments.cli", "generate", "--model", str(tiny_models["qwen3"]), "--prompt",

@@ -74,18 +74,19 @@ def sampling_kind(temperature, top_k, top_p, min_p) -> str:
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
-    """The distribution a request samples from: temperature, then top-k, top-p and min-p filtering (fp32).
-    Greedy rows (temperature 0) get a one-hot on the argmax."""
+    """The distribution a request samples from (fp32), filtered in HF transformers' order: temperature, top-k,
+    top-p over what top-k kept (renormalised: the smallest prefix of the top-k tokens holding ``top_p`` of their
+    mass), min-p (relative to the most likely token). Greedy rows (temperature 0) get a one-hot on the argmax."""
     logits = logits.float()
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
     probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
-    keep = torch.ones_like(sorted_p, dtype=torch.bool)
-    keep &= (p.top_k.unsqueeze(1) <= 0) | (rank < p.top_k.unsqueeze(1))
-    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before this token
-    keep &= before < p.top_p.unsqueeze(1)
+    keep = (p.top_k.unsqueeze(1) <= 0) | (rank < p.top_k.unsqueeze(1))  # top-k: a prefix of the sorted order
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before this token (the same within the top-k prefix)
+    kept_mass = (sorted_p * keep).sum(-1, keepdim=True)
+    keep &= before < p.top_p.unsqueeze(1) * kept_mass  # top-p of the renormalised top-k distribution
     keep &= sorted_p >= p.min_p.unsqueeze(1) * sorted_p[:, :1]
     keep[:, 0] = True
     sorted_p = sorted_p * keep
