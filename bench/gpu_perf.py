@@ -416,6 +416,13 @@ class Suite:
         self.results["summary"] = {
             "accept_length_simulated": a.accept_length,
             f"{chain}_vs_no_spec_bs1": round(by[chain][1]["decode_tok_s"] / by["no_spec"][1]["decode_tok_s"], 3),
+            f"{chain}_accept_length_measured_bs1": by[chain][1].get("accept_length"),
+            # the round's cost apart from the simulation's luck: a round in no-spec decode steps, and the speedup a
+            # round of exactly the simulated accept length would give (accept length / that cost)
+            f"{chain}_round_in_decode_steps_bs1": round(by[chain][1]["ms_per_step"] / by["no_spec"][1]["ms_per_step"],
+                                                        3),
+            f"{chain}_vs_no_spec_bs1_at_simulated_accept_length": round(
+                a.accept_length * by["no_spec"][1]["ms_per_step"] / by[chain][1]["ms_per_step"], 3),
             "naive_fused_over_separate_round_ms_bs1": round(by["naive_fused"][1]["ms_per_step"]
                                                             / by["naive_separate"][1]["ms_per_step"], 3),
             "naive_fused_vs_no_spec_bs64": round(by["naive_fused"][64]["decode_tok_s"]
