@@ -28,7 +28,7 @@ from workers.forward_batch import ForwardBatch
 def _split_kv_attention(
     Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
     scale, page_size, tree_len, num_splits, min_chunk,
-    stride_qt, stride_qh, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
+    stride_qt, stride_qh, stride_kp, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
     stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
@@ -68,9 +68,9 @@ def _split_kv_attention(
         pos = start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_hi
         page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
-        slot = page.to(tl.int64) * page_size + pos % page_size
-        k = tl.load(K + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * stride_kn + kv_head * stride_kh + d[None, :], mask=pos_ok[:, None], other=0.0)
+        row = page.to(tl.int64) * stride_kp + (pos % page_size) * stride_kn + kv_head * stride_kh
+        k = tl.load(K + row[:, None] + d[None, :], mask=pos_ok[:, None], other=0.0)
+        v = tl.load(V + row[:, None] + d[None, :], mask=pos_ok[:, None], other=0.0)
         if IEEE:  # fp32 models: no TF32 rounding
             s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         else:
@@ -226,12 +226,19 @@ class TritonBackend(AttentionBackend):
         part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
         k_cache, v_cache = fb.kv_cache.k[layer.layer_id], fb.kv_cache.v[layer.layer_id]
+        page_size = fb.page_table.page_size
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("K and V caches of one layer must share a layout")
+        if k_cache.dim() == 4:  # [pages, kv heads, page size, dim]: a page holds each head's tokens together
+            stride_kp, stride_kh, stride_kn = k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)
+        else:  # [slots, kv heads, dim] (KVCache): a token's heads together
+            stride_kp, stride_kh, stride_kn = page_size * k_cache.stride(0), k_cache.stride(1), k_cache.stride(0)
         table = fb.page_table.table
         bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
         _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
             q, k_cache, v_cache, table, fb.req_slots, fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o,
-            part_lse, layer.scaling, fb.page_table.page_size, m["tree_len"], splits, self.min_chunk,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+            part_lse, layer.scaling, page_size, m["tree_len"], splits, self.min_chunk,
+            q.stride(0), q.stride(1), stride_kp, stride_kn, stride_kh, table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
             BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),

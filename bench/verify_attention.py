@@ -152,6 +152,22 @@ def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 5
     return {"results": results}
 
 
+def page_major_timing(backend, layer, fb: ForwardBatch, q: torch.Tensor, out_token_major: torch.Tensor) -> dict:
+    """The decode-style launch replayed from a CUDA graph on a copy of the KV cache laid out [pages, kv heads, page
+    size, dim], and whether its output equals the token-major one bit for bit."""
+    kv = fb.kv_cache
+    token_major = kv.k[0], kv.v[0]
+    kv.k[0], kv.v[0] = (t.view(kv.num_pages, kv.page_size, *t.shape[1:]).permute(0, 2, 1, 3).contiguous()
+                        for t in token_major)
+    try:
+        backend.init_forward_metadata(fb)
+        ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb))
+        same = bool(torch.equal(backend.forward(q, None, None, layer, fb), out_token_major))
+    finally:
+        kv.k[0], kv.v[0] = token_major
+    return {"decode_style_page_major_graph_ms": round(ms, 4), "page_major_output_equal": same}
+
+
 def main() -> None:
     import triton.testing
 
@@ -165,6 +181,9 @@ def main() -> None:
     ap.add_argument("--min-chunk", type=int, default=None,
                     help="fewest KV positions per decode-style split (default: the backend's); short contexts get "
                          "more splits with a smaller value (--draft-tokens 1 times plain decode)")
+    ap.add_argument("--page-major", action="store_true",
+                    help="also time the decode-style launch on a copy of the KV laid out [pages, kv heads, page size, "
+                         "dim] (each head's tokens of a page contiguous) instead of KVCache's [slots, kv heads, dim]")
     ap.add_argument("--sweep-short", action="store_true",
                     help="only: sweep the bs=1 launch at short contexts (sweep_short_contexts) into <out>.json")
     args = ap.parse_args()
@@ -205,6 +224,7 @@ def main() -> None:
                     res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, fb))
                 out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
                 out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
+                page_major = page_major_timing(decode, layer, fb, q, out_d) if args.page_major else {}
                 kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
                 floor_ms = kv_bytes / bw * 1e3
                 rows.append({"context": ctx, "batch_size": bs, "draft_tokens": nd,
@@ -218,7 +238,11 @@ def main() -> None:
                              "graph_speedup_vs_prefill_style": round(res["prefill_style_graph"]
                                                                      / res["decode_style_graph"], 2),
                              "decode_style_graph_vs_floor": round(res["decode_style_graph"] / floor_ms, 2),
-                             "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max())})
+                             "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max()),
+                             **page_major})
+                if page_major:
+                    rows[-1]["page_major_graph_vs_floor"] = round(page_major["decode_style_page_major_graph_ms"]
+                                                                  / floor_ms, 2)
                 print(rows[-1], flush=True)
                 del fb, q
                 torch.cuda.empty_cache()
@@ -241,12 +265,16 @@ def report(meta: dict, out: Path) -> None:
           "Times per layer in ms; *graph*: replayed from a CUDA graph (as the engine runs verify), *eager*: launched "
           "from Python.", "",
           "| context | bs | draft tokens | KV floor | decode-style graph | prefill-style graph | speedup | vs floor | "
-          "decode-style eager | prefill-style eager | speedup | vs floor |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "decode-style eager | prefill-style eager | speedup | vs floor |" + (pm_head := (
+              " page-major KV: decode-style graph | vs floor | equal |" if any(
+                  "decode_style_page_major_graph_ms" in r for r in rows) else "")),
+          "|---" * (12 + pm_head.count("|")) + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['kv_read_floor_ms']} | "
            f"{r['decode_style_graph_ms']} | {r['prefill_style_graph_ms']} | {r['graph_speedup_vs_prefill_style']}x | "
            f"**{r['decode_style_graph_vs_floor']}x** | {r['decode_style_ms']} | {r['prefill_style_ms']} | "
-           f"{r['speedup_vs_prefill_style']}x | {r['decode_style_vs_floor']}x |" for r in rows]
+           f"{r['speedup_vs_prefill_style']}x | {r['decode_style_vs_floor']}x |"
+           + (f" {r.get('decode_style_page_major_graph_ms', '')} | {r.get('page_major_graph_vs_floor', '')}x | "
+              f"{r.get('page_major_output_equal', '')} |" if pm_head else "") for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         import matplotlib

@@ -23,3 +23,48 @@ def test_triton_kernels_match_reference_in_interpreter():
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("triton")]
     assert len(lines) == 22 and all(ln.endswith(" ok") for ln in lines), res.stdout
+
+
+PAGE_MAJOR_CHECK = """
+import torch
+from attention.base import AttentionLayerSpec
+from attention.triton_backend import TritonBackend
+from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.kv_cache import KVCache, PageTable
+
+torch.manual_seed(0)
+page, kv_heads, dim, heads, bs, ctx, nd = 4, 2, 16, 4, 2, 37, 3
+pages_per = -(-(ctx + nd) // page)
+kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.float32, "cpu")
+kv.k[0].normal_()
+kv.v[0].normal_()
+table = PageTable(bs, pages_per, page, "cpu")
+table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
+fb = ForwardBatch.build(ForwardMode.TARGET_VERIFY, torch.zeros(bs * nd, dtype=torch.int64), list(range(bs)),
+                        [ctx] * bs, [nd] * bs, kv, table)
+q = torch.randn(bs * nd, heads, dim)
+layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim ** -0.5)
+be = TritonBackend()
+be.min_chunk = 8
+outs = {}
+for name in ("token-major", "page-major"):
+    if name == "page-major":  # the same values as [pages, kv heads, page size, dim]
+        kv.k[0], kv.v[0] = (t.view(kv.num_pages, page, kv_heads, dim).permute(0, 2, 1, 3).contiguous()
+                            for t in (kv.k[0], kv.v[0]))
+    for style in ("decode", "prefill"):
+        be.init_forward_metadata(fb)
+        outs[name, style] = be._run(q, layer, fb, decode_style=style == "decode")
+for style in ("decode", "prefill"):
+    assert torch.equal(outs["token-major", style], outs["page-major", style]), style
+assert outs["token-major", "decode"].abs().sum() > 0
+print("layouts equal")
+"""
+
+
+def test_split_kv_kernel_reads_a_page_major_cache_as_the_token_major_one():
+    """The kernel addresses K/V by (page, head, position in page) strides: a cache laid out [pages, kv heads, page
+    size, dim] gives the very same outputs as the KVCache layout [slots, kv heads, dim] holding the same values."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", PAGE_MAJOR_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "layouts equal" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
