@@ -413,7 +413,7 @@ class Suite:
         by = {name: {r["batch_size"]: r for r in rows} for name, rows in sweep.items()}
         chain = next(name for name in sweep if name.startswith("eagle3_chain"))
         sizes = sorted(by["no_spec"])
-        self.results["summary"] = {
+        summary = {
             "accept_length_simulated": a.accept_length,
             f"{chain}_vs_no_spec_bs1": round(by[chain][1]["decode_tok_s"] / by["no_spec"][1]["decode_tok_s"], 3),
             f"{chain}_accept_length_measured_bs1": by[chain][1].get("accept_length"),
@@ -425,11 +425,13 @@ class Suite:
                 a.accept_length * by["no_spec"][1]["ms_per_step"] / by[chain][1]["ms_per_step"], 3),
             "naive_fused_over_separate_round_ms_bs1": round(by["naive_fused"][1]["ms_per_step"]
                                                             / by["naive_separate"][1]["ms_per_step"], 3),
-            "naive_fused_vs_no_spec_bs64": round(by["naive_fused"][64]["decode_tok_s"]
-                                                 / by["no_spec"][64]["decode_tok_s"], 3),
-            "spec_vs_no_spec_by_bs": {bs: round(by[chain][bs]["decode_tok_s"] / by["no_spec"][bs]["decode_tok_s"], 3)
-                                      for bs in sizes if bs in by[chain]},
         }
+        if 64 in by["no_spec"]:  # (--batch-sizes without 64: no no-spec row to compare with)
+            summary["naive_fused_vs_no_spec_bs64"] = round(by["naive_fused"][64]["decode_tok_s"]
+                                                           / by["no_spec"][64]["decode_tok_s"], 3)
+        summary["spec_vs_no_spec_by_bs"] = {bs: round(by[chain][bs]["decode_tok_s"] / by["no_spec"][bs]["decode_tok_s"],
+                                                      3) for bs in sizes if bs in by[chain]}
+        self.results["summary"] = summary
 
     # ---- report --------------------------------------------------------------------------------------------------
     def bs1_rows(self) -> list[tuple[str, dict]]:
