@@ -6,7 +6,8 @@ table; the mask is causal in storage positions, with a per-row bitmask over the 
 positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
 
 DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
-family) with query tiles and one split. The number of splits is fixed per backend from the page table's capacity and
+family) with query tiles and one split, except a speculative round's DRAFT_EXTEND (the same few tokens for every
+request), which takes the decode family's launch as verify does. The number of splits is fixed per backend from the page table's capacity and
 each program derives its own KV range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the
 launch depends on no host-side sequence length and replays inside a CUDA graph; splits past a short sequence exit at
 once and the merge ignores them. ``verify_attention_mode = "prefill"`` runs verify
@@ -21,7 +22,7 @@ import triton
 import triton.language as tl
 
 from attention.base import AttentionBackend, AttentionLayerSpec
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import ForwardBatch, ForwardMode
 
 
 @triton.jit
@@ -190,6 +191,7 @@ class TritonBackend(AttentionBackend):
             "bits": bits,
             "tree_len": tree_len,
             "n_max": max(fb.extend_lens_cpu),
+            "uniform": len(set(fb.extend_lens_cpu)) == 1,
             "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
         }
 
@@ -253,8 +255,16 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
+    # a speculative round's draft catch-up (DRAFT_EXTEND of the accepted tokens: every request extends by the same
+    # few tokens at the end of its context) has a verify's shape, and runs on the same split-KV launch when verify
+    # does: one query tile per request over one KV split would leave the GPU nearly idle at long context
+    DECODE_STYLE_EXTEND_MAX_TOKENS = 16
+
     def forward_extend(self, q, layer, fb):
-        return self._run(q, layer, fb, decode_style=False)
+        m = self._meta
+        round_catch_up = (fb.mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode"
+                          and m["uniform"] and m["n_max"] <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
+        return self._run(q, layer, fb, decode_style=round_catch_up)
 
     def forward_decode(self, q, layer, fb):
         return self._run(q, layer, fb, decode_style=True)

@@ -22,7 +22,38 @@ def test_triton_kernels_match_reference_in_interpreter():
                          timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("triton")]
-    assert len(lines) == 22 and all(ln.endswith(" ok") for ln in lines), res.stdout
+    assert len(lines) == 24 and all(ln.endswith(" ok") for ln in lines), res.stdout
+
+
+def test_round_draft_extend_takes_the_split_kv_launch():
+    """A speculative round's DRAFT_EXTEND (the same few tokens for every request) runs the decode family's launch
+    when verify does; a prefill catch-up (ragged, or long) and everything under verify_attention_mode "prefill" run
+    the prefill launch."""
+    import torch
+
+    from attention.triton_backend import TritonBackend
+    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.kv_cache import KVCache, PageTable
+
+    kv = KVCache(1, 64, 16, 2, 16, torch.float32, "cpu")
+    table = PageTable(2, 16, 16, "cpu")
+    table.table.copy_(torch.arange(1, 33, dtype=torch.int32).view(2, 16))
+
+    def launch(mode, new, verify_mode="decode"):
+        be = TritonBackend(verify_attention_mode=verify_mode)
+        fb = ForwardBatch.build(mode, torch.zeros(sum(new), dtype=torch.int64), [0, 1], [100, 200], new, kv, table)
+        styles = []
+        be._run = lambda q, layer, fb, decode_style: styles.append(decode_style)
+        be.init_forward_metadata(fb)
+        be.forward(torch.zeros(sum(new), 4, 16), None, None, None, fb)
+        return styles[0]
+
+    assert launch(ForwardMode.DRAFT_EXTEND, [4, 4]) is True
+    assert launch(ForwardMode.DRAFT_EXTEND, [4, 4], verify_mode="prefill") is False
+    assert launch(ForwardMode.DRAFT_EXTEND, [4, 9]) is False
+    assert launch(ForwardMode.DRAFT_EXTEND, [40, 40]) is False
+    assert launch(ForwardMode.EXTEND, [4, 4]) is False
+    assert launch(ForwardMode.TARGET_VERIFY, [4, 4]) is True
 
 
 PAGE_MAJOR_CHECK = """
