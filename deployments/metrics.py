@@ -44,15 +44,19 @@ class EngineMetrics:
         self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
                       "after the first", _ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self._accept_length: float | None = None  # the gauge's last value, re-set while idle (see record_load)
         self.record_load({"running": 0, "waiting": 0, "kv_usage": 0.0})  # exported (as 0) before any request
 
     def record_load(self, stats: dict) -> None:
-        """The gauges: running and waiting requests, KV use. Set after every step and, while idle, periodically
-        (Ray drops a gauge from the export when it is not set for a while)."""
+        """The gauges: running and waiting requests, KV use, and the last speculative step's mean accept length.
+        Set after every step and, while idle, periodically (Ray drops a gauge from the export when it is not set
+        for a while: an idle server's accept length would vanish from Prometheus)."""
         t = self.tags
         self.num_running.set(stats["running"], tags=t)
         self.num_waiting.set(stats["waiting"], tags=t)
         self.kv_usage.set(stats["kv_usage"], tags=t)
+        if self._accept_length is not None:
+            self.mean_accept_length.set(self._accept_length, tags=t)
 
     def record_step(self, stats: dict) -> None:
         t = self.tags
@@ -66,7 +70,8 @@ class EngineMetrics:
             for pos, n in enumerate(spec["per_pos"]):
                 if n:
                     self.accepted_per_pos.inc(n, tags={**t, "position": str(pos)})
-            self.mean_accept_length.set(1.0 + spec["accepted"] / spec["drafts"], tags=t)
+            self._accept_length = 1.0 + spec["accepted"] / spec["drafts"]
+            self.mean_accept_length.set(self._accept_length, tags=t)
 
     def record_tokens(self, req, num_new: int, now: float, prev_token_time: float | None) -> None:
         """TTFT for a request's first tokens, else one inter-token sample: the time since its previous step that
