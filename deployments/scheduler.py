@@ -194,6 +194,8 @@ class Scheduler:
         return self._schedule_extend() or self._schedule_decode()
 
     def _schedule_extend(self) -> StepPlan | None:
+        if not self.waiting:  # (a decode-only step: no pass over the running requests' reserves)
+            return None
         budget = self.max_prefill_tokens
         batch: list[tuple[Request, int]] = []
         # pages kept free for what admitted requests still need (running ones' next steps, partially prefilled ones'
