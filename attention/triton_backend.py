@@ -6,13 +6,14 @@ table; the mask is causal in storage positions, with a per-row bitmask over the 
 positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
 
 DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
-family) with query tiles and one split, except a speculative round's DRAFT_EXTEND (the same few tokens for every
-request), which takes the decode family's launch as verify does. The number of splits is fixed per backend from the page table's capacity and
-each program derives its own KV range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the
-launch depends on no host-side sequence length and replays inside a CUDA graph; splits past a short sequence exit at
-once and the merge ignores them. ``verify_attention_mode = "prefill"`` runs verify
-through the prefill configuration (one split per program), which is what makes prefill kernels slow at long
-context: the parallelism is over query tiles, and a verify has only one.
+family) with query tiles and one split, except a DRAFT_EXTEND of the same few tokens for every request (a
+speculative round's catch-up, or a short uniform prefill catch-up), which takes the decode family's launch as verify
+does. The number of splits is fixed per backend from the page table's capacity and each program derives its own KV
+range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the launch depends on no host-side
+sequence length and replays inside a CUDA graph; splits past a short sequence exit at once and the merge ignores
+them. ``verify_attention_mode = "prefill"`` runs verify through the prefill configuration (one split per program),
+which is what makes prefill kernels slow at long context: the parallelism is over query tiles, and a verify has only
+one.
 """
 
 from __future__ import annotations
@@ -255,9 +256,10 @@ class TritonBackend(AttentionBackend):
         )
         return out
 
-    # a speculative round's draft catch-up (DRAFT_EXTEND of the accepted tokens: every request extends by the same
-    # few tokens at the end of its context) has a verify's shape, and runs on the same split-KV launch when verify
-    # does: one query tile per request over one KV split would leave the GPU nearly idle at long context
+    # a DRAFT_EXTEND where every request extends by the same few tokens at the end of its context (a speculative
+    # round's catch-up over the accepted tokens; also a short prefill catch-up of that shape) has a verify's shape,
+    # and runs on the same split-KV launch when verify does: one query tile per request over one KV split would
+    # leave the GPU nearly idle at long context
     DECODE_STYLE_EXTEND_MAX_TOKENS = 16
 
     def forward_extend(self, q, layer, fb):

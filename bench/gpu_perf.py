@@ -452,7 +452,8 @@ class Suite:
         r = self.results
         lines = [f"# GPU performance, {r['shape']} shape, random {'bf16' if self.dev == 'cuda' else 'fp32'} weights",
                  "", f"device: {r['device']} · commit: {r['commit']} · command: `{r['command']}`", "",
-                 f"prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens, greedy, "
+                 f"prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens, "
+                 + ("greedy unless a table says otherwise, " if "sampling" in r else "greedy, ")
                  + ("Triton attention." if self.dev == "cuda" else "torch-native attention.")]
         if r.get("note"):
             lines += ["", f"**{r['note']}**"]

@@ -203,9 +203,16 @@ def test_processed_distribution_matches_hf_warpers():
 
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 500, generator=g) * 3
+    # bf16 logits (as a bf16 model's) have ties; each of these rows takes a k whose k-th token is tied with the
+    # next one, which HF keeps too
+    tied = (torch.randn(4, 500, generator=g) * 0.25).bfloat16().float()
+    desc = tied.sort(dim=-1, descending=True).values
+    k_tied = [next(k for k in range(5, 500) if desc[i, k - 1] == desc[i, k]) for i in range(4)]
+    logits = torch.cat([logits, tied])
     settings = [(0.7, 50, 0.9, 0.0), (1.0, 20, 0.5, 0.0), (0.6, 0, 0.9, 0.0), (1.3, 8, 1.0, 0.0), (0.9, 40, 0.8, 0.05),
-                (1.0, 0, 1.0, 0.1)]
-    p = SamplingTensors.from_lists(*[list(c) for c in zip(*settings)], [0] * 6, [0] * 6, "cpu")
+                (1.0, 0, 1.0, 0.1)] + [(t, k, top_p, 0.0) for t, k, top_p in zip((1.0, 1.0, 0.7, 1.0), k_tied,
+                                                                                 (1.0, 0.9, 0.95, 1.0))]
+    p = SamplingTensors.from_lists(*[list(c) for c in zip(*settings)], [0] * 10, [0] * 10, "cpu")
     ours = processed_probs(logits, p)
     differs_from_whole_top_p = False
     for i, (t, k, top_p, min_p) in enumerate(settings):
@@ -220,6 +227,7 @@ def test_processed_distribution_matches_hf_warpers():
             whole = torch.softmax(logits[i] / t, -1).sort(descending=True).values
             differs_from_whole_top_p |= int(((whole.cumsum(0) - whole) < top_p)[:k].sum()) != int((hf > 0).sum())
     assert differs_from_whole_top_p
+    assert all(int((ours[i] > 0).sum()) > k for i, k in zip(range(6, 10), k_tied) if settings[i][2] == 1.0)
 
 
 def test_cli_generate_json(tiny_models):

@@ -26,9 +26,9 @@ def test_triton_kernels_match_reference_in_interpreter():
 
 
 def test_round_draft_extend_takes_the_split_kv_launch():
-    """A speculative round's DRAFT_EXTEND (the same few tokens for every request) runs the decode family's launch
-    when verify does; a prefill catch-up (ragged, or long) and everything under verify_attention_mode "prefill" run
-    the prefill launch."""
+    """A DRAFT_EXTEND of the same few tokens for every request (a speculative round's catch-up, or a short uniform
+    prefill catch-up) runs the decode family's launch when verify does; a ragged or long one, EXTEND, and
+    everything under verify_attention_mode "prefill" run the prefill launch."""
     import torch
 
     from attention.triton_backend import TritonBackend

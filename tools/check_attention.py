@@ -80,8 +80,8 @@ def make_case(mode: str, page_size: int, seq_lens: list[int], n_new: list[int], 
 
 CASES = {  # name: (mode, seq_lens, new tokens per request)
     "extend": ("extend", [40, 300, 17], [40, 120, 5]),
-    "draft_extend": ("draft_extend", [64, 129], [4, 4]),  # a round's catch-up (Triton: the split-KV launch)
-    "draft_extend_ragged": ("draft_extend", [50, 300], [6, 20]),  # after a prefill chunk (the prefill launch)
+    "draft_extend": ("draft_extend", [64, 129], [4, 4]),  # uniform, few tokens (Triton: the split-KV launch)
+    "draft_extend_ragged": ("draft_extend", [50, 300], [6, 20]),  # ragged (Triton: the prefill launch)
     "decode": ("decode", [1, 77, 1000, 4097], [1, 1, 1, 1]),
     "decode_one": ("decode", [3000], [1]),  # a lone request: the Triton backend's own launch (small KV tiles)
     "verify_chain": ("verify_chain", [5, 300, 2000], [5, 5, 5]),

@@ -74,23 +74,26 @@ def sampling_kind(temperature, top_k, top_p, min_p) -> str:
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
-    """The distribution a request samples from (fp32), filtered in HF transformers' order: temperature, top-k,
-    top-p over what top-k kept (renormalised: the smallest prefix of the top-k tokens holding ``top_p`` of their
-    mass), min-p (relative to the most likely token). Greedy rows (temperature 0) get a one-hot on the argmax."""
+    """The distribution a request samples from (fp32), filtered in HF transformers' order: temperature, top-k
+    (with every token tied with the k-th), top-p over what top-k kept (renormalised: the smallest prefix of the
+    top-k tokens holding ``top_p`` of their mass; off at 1), min-p (relative to the most likely token). Greedy rows
+    (temperature 0) get a one-hot on the argmax."""
     logits = logits.float()
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
-    probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
-    keep = (p.top_k.unsqueeze(1) <= 0) | (rank < p.top_k.unsqueeze(1))  # top-k: a prefix of the sorted order
+    sorted_x, order = (logits / temp.unsqueeze(1)).sort(dim=-1, descending=True)
+    sorted_p = torch.softmax(sorted_x, dim=-1)  # the probabilities in that order
+    top_k = p.top_k.unsqueeze(1)
+    kth = sorted_x.gather(1, (top_k - 1).clamp(0, sorted_x.shape[1] - 1))
+    keep = (top_k <= 0) | (sorted_x >= kth)  # top-k, ties with the k-th kept (as HF): a prefix of the order
     before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before this token (the same within the top-k prefix)
     kept_mass = (sorted_p * keep).sum(-1, keepdim=True)
-    keep &= before < p.top_p.unsqueeze(1) * kept_mass  # top-p of the renormalised top-k distribution
+    top_p = p.top_p.unsqueeze(1)
+    keep &= (top_p >= 1) | (before < top_p * kept_mass)  # top-p of the renormalised top-k distribution
     keep &= sorted_p >= p.min_p.unsqueeze(1) * sorted_p[:, :1]
     keep[:, 0] = True
     sorted_p = sorted_p * keep
-    filtered = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    filtered = torch.zeros_like(sorted_p).scatter_(1, order, sorted_p)
     filtered = filtered / filtered.sum(-1, keepdim=True)
     onehot = torch.zeros_like(filtered).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(1), onehot, filtered)
@@ -98,8 +101,9 @@ def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
 
 def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
                   stream: int = 0) -> torch.Tensor:
-    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms (``fused_ops.gumbel_from_hash``):
-    an exact draw from softmax(x / T) (-inf entries never win). One pass of the split-row argmax kernel on the GPU."""
+    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms
+    (``fused_ops.gumbel_from_hash``): an exact draw from softmax(x / T) (-inf entries never win). One pass of the
+    split-row argmax kernel on the GPU."""
     return argmax_logsumexp(x, gumbel=(temperature, seeds, counters, stream))[0]
 
 
