@@ -264,9 +264,9 @@ class TritonBackend(AttentionBackend):
 
     def forward_extend(self, q, layer, fb):
         m = self._meta
-        round_catch_up = (fb.mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode"
-                          and m["uniform"] and m["n_max"] <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
-        return self._run(q, layer, fb, decode_style=round_catch_up)
+        verify_shaped = (fb.mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode"
+                         and m["uniform"] and m["n_max"] <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
+        return self._run(q, layer, fb, decode_style=verify_shaped)
 
     def forward_decode(self, q, layer, fb):
         return self._run(q, layer, fb, decode_style=True)
