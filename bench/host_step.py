@@ -1,95 +1,209 @@
-"""The engine's host time per DECODE step, by batch size: planning (schedule) and a step's outputs (tokens to
-requests, detokenizing, metrics), with the real Ray metrics on. These are what the overlap schedule must hide
-behind the GPU's step; on a CPU the step itself (execute) is the model's own compute and is reported only for
-scale. Writes JSON + markdown + PNG.
+"""The engine's host time per DECODE step, by batch size: planning (schedule), launching and reading a step
+(execute; ``worker`` is rank 0's own part of it) and a step's outputs (tokens to requests, detokenizing, metrics).
+With the overlap schedule these must hide behind the device's step; ``wall`` is what a step really took.
+
+On a CPU the step itself (execute) is the model's own compute and is reported only for scale:
 
     specserve make-tiny --out /tmp/micro --layers 1 --hidden 64 --heads 4 --kv-heads 2 --vocab 2048 --max-position 2048
     python bench/host_step.py --model /tmp/micro --out bench/results/cpu_host_step
+
+On a GPU (bf16, Triton attention, CUDA graphs as ``gpu_perf`` runs them; ``--no-metrics`` there, Ray is not needed),
+``--profile-batch N`` also records, at N requests, the kernels of the steady-state engine steps (wall vs busy time per
+step, per-kernel totals) and the host's functions by own time (cProfile), to tell a host-bound step from a
+device-bound one:
+
+    python bench/random_llama.py --shape llama-3.2-1b --out /tmp/l1
+    python bench/host_step.py --device cuda --model /tmp/l1 --no-metrics --prompt-len 128 --new-tokens 128 \\
+        --batch-sizes 64,128,256 --profile-batch 256 --out bench/results/gpu_host_step_1b_h100
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import platform
+import pstats
 import random
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.engine_vs_hf import commit  # noqa: E402
+from bench.engine_vs_hf import commit, device_name  # noqa: E402
+
+STEP_KEYS = ("schedule_s", "execute_s", "worker_s", "outputs_s")
 
 
-def measure(model: str, batch: int, new_tokens: int, prompt_len: int, metrics: bool) -> dict:
+def make_engine(args, max_batch: int):
     from deployments.config import EngineConfig
     from deployments.engine import Engine
-    from deployments.metrics import EngineMetrics
+
+    kw = {"model": args.model, "max_num_seqs": max_batch,
+          "max_model_len": args.max_model_len or args.prompt_len + args.new_tokens + 64}
+    if args.device == "cuda":
+        kw.update(device="cuda", dtype="bfloat16", cuda_graph_max_bs=max_batch, gpu_memory_utilization=0.8,
+                  prefill_attention_backend="triton", decode_attention_backend="triton")
+    else:
+        kw.update(device="cpu", kv_cache_tokens=max_batch * (args.prompt_len + args.new_tokens + 16))
+    metrics = None
+    if not args.no_metrics:
+        from deployments.metrics import EngineMetrics
+
+        metrics = EngineMetrics("host-step")
+    return Engine(EngineConfig(**kw), metrics=metrics)
+
+
+def measure(eng, batch: int, args, profile: bool = False) -> dict:
+    """``batch`` greedy requests; the steps after every request is decoding, timed per part."""
     from deployments.request import SamplingParams
 
-    eng = Engine(EngineConfig(model=model, device="cpu", max_num_seqs=batch, max_model_len=prompt_len + new_tokens + 8,
-                              kv_cache_tokens=batch * (prompt_len + new_tokens + 16)),
-                 metrics=EngineMetrics("host-step") if metrics else None)
     rng = random.Random(batch)
     vocab = eng.executor.model_config.vocab_size
     for _ in range(batch):
-        eng.add_request([rng.randrange(10, vocab - 10) for _ in range(prompt_len)],
-                        SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True))
+        eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
+                        SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
     while len(eng.scheduler.running) < batch:  # prefills
         eng.step()
-    before = dict(eng.step_time)
+    for _ in range(4):  # into the steady state (overlap: one step in flight)
+        eng.step()
+    before, t0 = dict(eng.step_time), time.perf_counter()
+    n_timed = max(8, args.new_tokens // 2)
+    for _ in range(n_timed):
+        eng.step()
+    wall = time.perf_counter() - t0
+    steps = eng.step_time["steps"] - before["steps"]
+    row = {"batch_size": batch, "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3)}
+    for key in STEP_KEYS:
+        row[key.replace("_s", "_ms_per_step")] = round((eng.step_time[key] - before[key]) / steps * 1e3, 3)
+    if profile:
+        row["profile"] = profile_steps(eng, args.profile_steps)
     while eng.has_work():
         eng.step()
-    steps = eng.step_time["steps"] - before["steps"]
-    row = {"batch_size": batch, "steps": steps, "metrics": metrics}
-    for key in ("schedule_s", "execute_s", "outputs_s"):
-        row[key.replace("_s", "_ms_per_step")] = round((eng.step_time[key] - before[key]) / steps * 1e3, 3)
-    eng.shutdown()
     return row
+
+
+def profile_steps(eng, steps: int) -> dict:
+    """Kernels of ``steps`` engine steps (torch.profiler, CUDA) and the host's functions by own time (cProfile,
+    separate steps: the two profilers together would distort each other)."""
+    out = {}
+    if eng.executor.worker.device.type == "cuda":
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        from bench.profile_decode import kernel_timeline, timeline_summary
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        summary = timeline_summary(kernel_timeline(prof), steps)
+        summary["kernels"] = summary["kernels"][:25]
+        out["device"] = summary
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(steps):
+        eng.step()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    out["host_tottime"] = s.getvalue().splitlines()
+    return out
+
+
+def markdown(meta: dict) -> str:
+    rows = meta["rows"]
+    md = [f"# Engine host time per DECODE step ({meta['device']})", "",
+          f"commit `{meta['commit']}` · command `{meta['command']}`", "",
+          f"{meta['prompt_len']}-token prompts, {meta['new_tokens']} greedy tokens each, metrics "
+          f"{'off' if meta['no_metrics'] else 'on (Ray)'}. wall: a step's real time; execute: launching the step "
+          "and reading the previous one's results (worker: rank 0's own part, the rest is waiting for the device); "
+          + ("on a CPU, execute is the model's own compute." if meta["device"].startswith("CPU") else
+             "with the overlap schedule, schedule + outputs hide behind the device's step."), "",
+          "| batch | steps | wall ms | schedule ms | execute ms | worker ms | outputs ms |",
+          "|---|---|---|---|---|---|---|"]
+    md += [f"| {r['batch_size']} | {r['steps']} | {r['wall_ms_per_step']} | {r['schedule_ms_per_step']} | "
+           f"{r['execute_ms_per_step']} | {r['worker_ms_per_step']} | {r['outputs_ms_per_step']} |" for r in rows]
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        md += ["", f"## {r['batch_size']} requests, profiled", ""]
+        dev = prof.get("device")
+        if dev:
+            md += [f"device: wall {dev['wall_us_per_step']} µs per step, kernels running {dev['busy_us_per_step']} "
+                   f"µs, idle gaps {dev['gap_us_per_step']} µs, {dev['kernels_per_step']} kernels", "",
+                   "| kernel | per step | mean µs | µs per step | gap before µs |", "|---|---|---|---|---|"]
+            md += [f"| `{k['kernel']}` | {k['per_step']} | {k['mean_us']} | {k['us_per_step']} | "
+                   f"{k['gap_before_us']} |" for k in dev["kernels"][:15]]
+        md += ["", "host functions by own time (cProfile):", "", "```", *prof["host_tottime"][:45], "```"]
+    return "\n".join(md) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch-sizes", default="8,32,96,256")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="default: prompt + new tokens + 64 (gpu_perf runs 4096; attention launches size by it)")
+    ap.add_argument("--no-metrics", action="store_true", help="no Ray metrics (as the offline benchmarks run)")
+    ap.add_argument("--profile-batch", type=int, default=None, help="profile the steps at this batch size")
+    ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
-    import ray
-
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # the metrics' agent
-    rows = [measure(args.model, int(b), args.new_tokens, args.prompt_len, True) for b in args.batch_sizes.split(",")]
-    meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": "python " + " ".join(sys.argv),
-            "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
-    md = [f"# Engine host time per DECODE step ({meta['device']})", "",
-          f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"{args.prompt_len}-token prompts, {args.new_tokens} greedy tokens each, Ray metrics on; execute is the CPU "
-          "model's own step (on a GPU it overlaps with the other two)", "",
-          "| batch | steps | schedule ms | outputs ms | execute ms |", "|---|---|---|---|---|"]
-    md += [f"| {r['batch_size']} | {r['steps']} | {r['schedule_ms_per_step']} | {r['outputs_ms_per_step']} | "
-           f"{r['execute_ms_per_step']} |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    if args.report_only:
+        meta = json.loads(out.with_suffix(".json").read_text())
+    else:
+        if not args.no_metrics:
+            import ray
+
+            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)  # the metrics' agent
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        if args.profile_batch is not None and args.profile_batch not in sizes:
+            raise SystemExit(f"--profile-batch {args.profile_batch} is not in --batch-sizes")
+        eng = make_engine(args, max(sizes))
+        measure(eng, min(sizes), args)  # warm-up
+        rows = [measure(eng, b, args, profile=b == args.profile_batch) for b in sizes]
+        eng.shutdown()
+        device = device_name("cuda") if args.device == "cuda" else f"CPU {platform.machine()}"
+        meta = {"device": device, "commit": commit(), "command": "python " + " ".join(sys.argv),
+                "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                "no_metrics": args.no_metrics, "rows": rows}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    md = markdown(meta)
+    out.with_suffix(".md").write_text(md)
+    plot(meta, out.with_suffix(".png"))
+    print(md)
+
+
+def plot(meta: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = meta["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["batch_size"] for r in rows]
-    ax.plot(xs, [r["schedule_ms_per_step"] for r in rows], "o-", label="schedule")
-    ax.plot(xs, [r["outputs_ms_per_step"] for r in rows], "o-", label="outputs")
+    for key, label in (("wall", "wall"), ("schedule", "schedule"), ("execute", "execute"),
+                       ("outputs", "outputs")):
+        ax.plot(xs, [r.get(f"{key}_ms_per_step") for r in rows], "o-", label=label)
     ax.set_xlabel("requests in the batch")
-    ax.set_ylabel("host ms per step")
-    ax.set_title(f"engine host time per step ({meta['device']}, {meta['commit']})", fontsize=9)
+    ax.set_ylabel("ms per step")
+    ax.set_title(f"engine time per step ({meta['device']}, {meta['commit']})", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=120)
-    print("\n".join(md))
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":
