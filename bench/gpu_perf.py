@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
+from bench.host_step import GCTimer  # noqa: E402
 from bench.random_llama import DRAFT_SHAPES, weight_bytes_per_token, write_checkpoint  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
 
@@ -65,6 +66,7 @@ class Suite:
             torch.cuda.synchronize()
 
     def free(self) -> None:
+        gc.unfreeze()  # (--gc-freeze) the dropped engine's objects go back to the collector
         gc.collect()  # graphs and their closures form cycles with the worker
         if self.dev == "cuda":
             torch.cuda.empty_cache()
@@ -89,7 +91,12 @@ class Suite:
             kw = {"max_model_len": 1024, "kv_cache_tokens": 16384, **kw, "disable_cuda_graph": True}
             kw.pop("cuda_graph_max_bs", None)
             dtype = "float32"
-        return Engine(EngineConfig(model=str(self.ckpt), device=self.dev, dtype=dtype, speculative_config=spec, **kw))
+        eng = Engine(EngineConfig(model=str(self.ckpt), device=self.dev, dtype=dtype, speculative_config=spec, **kw))
+        if self.args.gc_freeze:  # as the server's controller does after start-up
+            from deployments.engine import freeze_startup_heap
+
+            freeze_startup_heap()
+        return eng
 
     def decode_rate(self, eng, bs: int, **sampling) -> dict:
         """Decode tokens/s and ms per token per request for ``bs`` concurrent requests: the steps after the last
@@ -101,26 +108,29 @@ class Suite:
                                        **sampling, **({"seed": i} if sampling else {})})
             eng.add_request(self.prompt(bs * 1000 + i), params)
         started, start, tokens, steps, drafts, accepted = set(), None, 0, 0, 0, 0
-        while eng.has_work():
-            outs = eng.step()
-            now = time.perf_counter()
-            for o in outs:
-                if o.finished and o.request.spec is not None:
-                    drafts += o.request.spec.num_drafts
-                    accepted += o.request.spec.num_accepted_tokens
-            if start is None:
-                started.update(o.rid for o in outs if o.new_token_ids)
-                if len(started) == bs:
-                    start = now
-                continue
-            tokens += sum(len(o.new_token_ids) for o in outs)
-            steps += 1
-        end = time.perf_counter()
+        with GCTimer() as gct:
+            while eng.has_work():
+                outs = eng.step()
+                now = time.perf_counter()
+                for o in outs:
+                    if o.finished and o.request.spec is not None:
+                        drafts += o.request.spec.num_drafts
+                        accepted += o.request.spec.num_accepted_tokens
+                if start is None:
+                    started.update(o.rid for o in outs if o.new_token_ids)
+                    if len(started) == bs:
+                        start = now
+                        gct.reset()  # collections of the timed steps only
+                    continue
+                tokens += sum(len(o.new_token_ids) for o in outs)
+                steps += 1
+            end = time.perf_counter()
         if not tokens:
             raise ValueError("no decode steps after the last first token: raise --new-tokens")
         row = {"batch_size": bs, "decode_tok_s": round(tokens / (end - start), 1),
                "ms_per_token_per_request": round((end - start) / (tokens / bs) * 1e3, 3),
-               "ms_per_step": round((end - start) / steps * 1e3, 3), "decode_steps": steps}
+               "ms_per_step": round((end - start) / steps * 1e3, 3), "decode_steps": steps,
+               "gc_ms_per_step": round(sum(gct.seconds) / steps * 1e3, 3), "gc_collections": gct.count}
         if drafts:
             row["accept_length"] = round(1 + accepted / drafts, 3)
         return row
@@ -551,6 +561,8 @@ def main() -> None:
     ap.add_argument("--parts", default="bs1,spec", help="comma list of bs1, spec, hf, draft, sampling (bs1 brings hf "
                     "unless --skip-hf)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap after building each engine "
+                    "(deployments.engine.freeze_startup_heap, as the server does)")
     ap.add_argument("--draft-shape", default=None, help="standalone draft shape (default: DRAFT_SHAPES[shape])")
     ap.add_argument("--draft-ckpt", default=None, help="default: /tmp/<draft shape>-random (written if missing)")
     ap.add_argument("--hf-repeats", type=int, default=3, help="timed calls per length, static+compile (median)")

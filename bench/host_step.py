@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import platform
@@ -54,7 +55,37 @@ def make_engine(args, max_batch: int):
         from deployments.metrics import EngineMetrics
 
         metrics = EngineMetrics("host-step")
-    return Engine(EngineConfig(**kw), metrics=metrics)
+    eng = Engine(EngineConfig(**kw), metrics=metrics)
+    if args.gc_freeze:  # as the server's controller does after start-up
+        from deployments.engine import freeze_startup_heap
+
+        freeze_startup_heap()
+    return eng
+
+
+class GCTimer:
+    """Collections of the cyclic garbage collector and their time, per generation, while active."""
+
+    def __init__(self):
+        self._t0 = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
 
 
 def measure(eng, batch: int, args, profile: bool = False) -> dict:
@@ -72,11 +103,14 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
         eng.step()
     before, t0 = dict(eng.step_time), time.perf_counter()
     n_timed = max(8, args.new_tokens // 2)
-    for _ in range(n_timed):
-        eng.step()
+    with GCTimer() as gct:
+        for _ in range(n_timed):
+            eng.step()
     wall = time.perf_counter() - t0
     steps = eng.step_time["steps"] - before["steps"]
-    row = {"batch_size": batch, "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3)}
+    row = {"batch_size": batch, "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3),
+           "gc_ms_per_step": round(sum(gct.seconds) / steps * 1e3, 3), "gc_collections": gct.count,
+           "gc_ms_by_generation": [round(x * 1e3, 2) for x in gct.seconds]}
     for key in STEP_KEYS:
         row[key.replace("_s", "_ms_per_step")] = round((eng.step_time[key] - before[key]) / steps * 1e3, 3)
     if profile:
@@ -124,10 +158,11 @@ def markdown(meta: dict) -> str:
           "and reading the previous one's results (worker: rank 0's own part, the rest is waiting for the device); "
           + ("on a CPU, execute is the model's own compute." if meta["device"].startswith("CPU") else
              "with the overlap schedule, schedule + outputs hide behind the device's step."), "",
-          "| batch | steps | wall ms | schedule ms | execute ms | worker ms | outputs ms |",
-          "|---|---|---|---|---|---|---|"]
+          "| batch | steps | wall ms | schedule ms | execute ms | worker ms | outputs ms | GC ms (collections) |",
+          "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch_size']} | {r['steps']} | {r['wall_ms_per_step']} | {r['schedule_ms_per_step']} | "
-           f"{r['execute_ms_per_step']} | {r['worker_ms_per_step']} | {r['outputs_ms_per_step']} |" for r in rows]
+           f"{r['execute_ms_per_step']} | {r['worker_ms_per_step']} | {r['outputs_ms_per_step']} | "
+           f"{r.get('gc_ms_per_step', '')} ({'/'.join(map(str, r.get('gc_collections', [])))}) |" for r in rows]
     for r in rows:
         prof = r.get("profile")
         if not prof:
@@ -154,6 +189,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: prompt + new tokens + 64 (gpu_perf runs 4096; attention launches size by it)")
     ap.add_argument("--no-metrics", action="store_true", help="no Ray metrics (as the offline benchmarks run)")
+    ap.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap after building the engine "
+                    "(deployments.engine.freeze_startup_heap, as the server does)")
     ap.add_argument("--profile-batch", type=int, default=None, help="profile the steps at this batch size")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--out", required=True)

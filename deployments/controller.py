@@ -94,10 +94,12 @@ class EngineLoop:
                     loop.call_soon_threadsafe(q.put_nowait, e)
                 self._queues.clear()
                 return
+            by_loop: dict[asyncio.AbstractEventLoop, list] = {}
             for target, out in targets:
                 if target is not None:
-                    loop, q = target
-                    loop.call_soon_threadsafe(q.put_nowait, out)
+                    by_loop.setdefault(target[0], []).append((target[1], out))
+            for loop, items in by_loop.items():  # one wake-up of each event loop per step, not one per request
+                loop.call_soon_threadsafe(_deliver, items)
             if self.engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
                 self.busy_s += time.perf_counter() - t0
                 self.lock_wait_s += lock_wait
@@ -105,6 +107,12 @@ class EngineLoop:
     def shutdown(self) -> None:
         self._stop = True
         self._thread.join(timeout=10)
+
+
+def _deliver(items: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: a step's outputs into their requests' queues."""
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _output_dict(out: RequestOutput, tokenizer) -> dict:
@@ -137,7 +145,7 @@ def _merged(items: list[dict]) -> dict:
 @serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 class LLMController:
     def __init__(self, llm_config: dict):
-        from deployments.engine import Engine
+        from deployments.engine import Engine, freeze_startup_heap
         from deployments.executor import RayExecutor
         from deployments.metrics import EngineMetrics
 
@@ -146,6 +154,7 @@ class LLMController:
         t0 = time.time()
         executor = RayExecutor.start(cfg)
         self.engine = Engine(cfg, executor, metrics=EngineMetrics(self.config.model_loading_config.model_id))
+        freeze_startup_heap()  # this replica's process keeps the engine for its life
         self.loop = EngineLoop(self.engine)
         self.cold_start_s = time.time() - t0
         logger.info("engine ready in %.1f s (%d KV pages)", self.cold_start_s, executor.num_pages)

@@ -161,6 +161,8 @@ class Scheduler:
     # ---- KV bookkeeping --------------------------------------------------------------------------------------
     def _grow(self, req: Request, num_tokens: int) -> None:
         start = len(req.pages)
+        if num_tokens <= start * self.allocator.page_size:  # (most steps: the last page has room)
+            return
         new = self.allocator.grow(req.pages, num_tokens)
         if new:
             slots, pos, ids = self._page_updates
@@ -247,41 +249,49 @@ class Scheduler:
         )
 
     def _schedule_decode(self) -> StepPlan | None:
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            if self._ends_in_flight(req):
-                i += 1
+        """Every running request whose in-flight tokens cannot have ended it, each with KV pages for the most this
+        step appends; when pages run out, the newest running requests are preempted until they fit."""
+        reqs: list[Request] = []
+        running, i = self.running, 0
+        grow_by = self.decode_max_advance
+        while i < len(running):
+            req = running[i]
+            i += 1
+            if req.num_inflight and self._ends_in_flight(req):
                 continue
-            try:
-                self._grow(req, self._most_tokens(req) - 1 + self.decode_lookahead)
-                i += 1
-            except OutOfPages:
-                victim = self.running[-1]
-                if victim is req and len(self.running) == 1:
+            try:  # its length once its in-flight steps land, at most, plus what this step appends
+                self._grow(req, req.num_tokens + req.num_inflight * grow_by - 1 + self.decode_lookahead)
+                reqs.append(req)
+            except OutOfPages:  # the newest request gives way (it comes after every request taken so far)
+                i -= 1
+                victim = running[-1]
+                if victim is req and len(running) == 1:
                     req.error = "the KV cache cannot hold this request even alone"
                     self.finish(req, "error")
                     self.failed.append(req)
                     continue
                 self._preempt(victim)
-        reqs = [r for r in self.running if not self._ends_in_flight(r)]
         if not reqs:
             return None
-        plan = StepPlan(
+        seq_lens, counters, pending = [], [], []
+        for r in reqs:
+            assert r.num_inflight <= 1, "one step in flight at most"
+            n_out = len(r.output_ids)
+            seq_lens.append(len(r.prompt_ids) + n_out)
+            counters.append(n_out)
+            pending.append(r.num_inflight)
+            r.num_inflight += 1
+        return StepPlan(
             mode=ForwardMode.DECODE,
             requests=reqs,
             input_ids=[],  # each request's last token is on the device already (it may not have reached the host)
-            seq_lens=[r.num_tokens for r in reqs],
+            seq_lens=seq_lens,
             extend_lens=[1] * len(reqs),
             page_updates=self._take_page_updates(),
-            counters=[len(r.output_ids) for r in reqs],
-            pending=[r.num_inflight for r in reqs],
+            counters=counters,
+            pending=pending,
             draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
         )
-        for r in reqs:
-            assert r.num_inflight <= 1, "one step in flight at most"
-            r.num_inflight += 1
-        return plan
 
     def _most_tokens(self, req: Request) -> int:
         """The request's length once its in-flight steps land, at most."""
@@ -298,32 +308,37 @@ class Scheduler:
         """Apply sampled tokens; returns (request, new tokens) for every request that produced tokens."""
         produced = []
         self.landed(plan)
+        extend = plan.mode == ForwardMode.EXTEND
+        tops, specs = result.top_logprobs, result.spec
         for i, req in enumerate(plan.requests):
-            if req.finished:  # aborted, or ended by a token read after this step was launched
+            if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
-            if plan.mode == ForwardMode.EXTEND:
+            if extend:
                 req.num_computed = plan.seq_lens[i]
                 if req.num_computed < req.num_tokens:
                     continue  # more prompt chunks to go
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
-            new = self._append_tokens(req, result.tokens[i], result.logprobs[i],
-                                      result.top_logprobs[i] if result.top_logprobs else None)
-            spec = result.spec[i] if result.spec else None
-            if spec is not None:
-                kept = min(len(spec[1]), len(new) - 1)  # drafts cut by a stop condition do not count as accepted
-                req.spec.num_drafts += 1
-                req.spec.num_draft_tokens += spec[0]
-                req.spec.num_accepted_tokens += kept
-                per = req.spec.accepted_per_position
-                per.extend([0] * (kept - len(per)))
-                for pos_ok in range(kept):
-                    per[pos_ok] += 1
+            new = self._append_tokens(req, result.tokens[i], result.logprobs[i], tops[i] if tops else None)
+            if specs:
+                self._count_accepted(req, specs[i], len(new))
             produced.append((req, new))
-            if req.finished:
+            if req.status == RequestStatus.FINISHED:
                 self.finish(req, req.finish_reason)
         return produced
+
+    @staticmethod
+    def _count_accepted(req: Request, spec: tuple[int, list[int]], num_new: int) -> None:
+        """A speculative round's drafts and accepted positions; drafts cut by a stop condition do not count."""
+        kept = min(len(spec[1]), num_new - 1)
+        req.spec.num_drafts += 1
+        req.spec.num_draft_tokens += spec[0]
+        req.spec.num_accepted_tokens += kept
+        per = req.spec.accepted_per_position
+        per.extend([0] * (kept - len(per)))
+        for pos_ok in range(kept):
+            per[pos_ok] += 1
 
     def landed(self, plan: StepPlan) -> None:
         """The plan's step has finished (or failed): its tokens are no longer in flight."""
@@ -335,20 +350,25 @@ class Scheduler:
                        top: list[list[tuple[int, float]]] | None = None) -> list[int]:
         """Append tokens up to the first stop condition; sets req.finish_reason when one is hit. ``top``: each
         token's most likely alternatives (kept, cut to its request's ``top_logprobs``, when it asked for them)."""
-        new = []
         p = req.params
-        for j, (tok, lp) in enumerate(zip(tokens, logprobs)):
-            req.output_ids.append(tok)
-            req.output_logprobs.append(lp)
-            if p.top_logprobs and top is not None:
-                req.output_top_logprobs.append(top[j][: p.top_logprobs])
-            new.append(tok)
-            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                req.status, req.finish_reason = RequestStatus.FINISHED, "stop"
-            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-                req.status, req.finish_reason = RequestStatus.FINISHED, "length"
-            if req.finished:
+        eos = () if p.ignore_eos else self.eos_token_ids
+        # output length that ends it: max_tokens, or the context's end
+        limit = min(p.max_tokens, self.max_model_len - len(req.prompt_ids)) - len(req.output_ids)
+        n, reason = len(tokens), None
+        for j, tok in enumerate(tokens):
+            if tok in eos or tok in p.stop_token_ids:
+                n, reason = j + 1, "stop"
                 break
+            if j + 1 >= limit:
+                n, reason = j + 1, "length"
+                break
+        new = tokens if n == len(tokens) else tokens[:n]
+        req.output_ids.extend(new)
+        req.output_logprobs.extend(logprobs[:n])
+        if p.top_logprobs and top is not None:
+            req.output_top_logprobs.extend(t[: p.top_logprobs] for t in top[:n])
+        if reason is not None:
+            req.status, req.finish_reason = RequestStatus.FINISHED, reason
         # every token but the newest has its K/V cached now. A speculative round wrote K/V for all draft nodes;
         # only the accepted ones are kept, and whole pages past them go back to the pool (not those a step still in
         # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.

@@ -34,10 +34,13 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
 
 
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas in O(new tokens) per step: only a short window of ids
-    (from ``prefix_offset``) is decoded again, so a byte-level token boundary or an incomplete UTF-8 sequence
-    resolves with context. Text that could be the start of a stop string is held back until decided; a matched
-    stop string ends the text before it."""
+    """Turns a growing list of token ids into text deltas in O(new tokens) per step: only a short window of ids is
+    decoded again (the tokens read last step give the new ones context, so a byte-level token boundary or an
+    incomplete UTF-8 sequence resolves), and only the text not yet emitted is searched for stop strings. Text that
+    could be the start of a stop string is held back until decided; a matched stop string ends the text before it.
+
+    Nothing emitted can contain the start of a match: the longest suffix of the text that begins a stop string is
+    always held back, so a later match starts in the held-back text or after it."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
@@ -47,19 +50,23 @@ class Detokenizer:
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
             self._decode = functools.partial(backend.decode, skip_special_tokens=True)
         self.stop = [s for s in stop if s]
-        self.max_stop = max((len(s) for s in self.stop), default=0)
-        self.ids: list[int] = []
-        self.decoded = ""  # text of ids[:read_offset]
-        self.prefix_offset = 0  # decoding restarts here: the tokens read last step give the new ones context
-        self.read_offset = 0
-        self.text = ""  # what has been emitted so far
+        self._window: list[int] = []  # the ids decoding restarts from: last step's read tokens, then the unread
+        self._read = 0  # window[:_read] is decoded text already; window[_read:] is not yet
+        self._unsent = ""  # decoded but not emitted (held back: it may begin a stop string)
+        self._sent: list[str] = []  # the emitted deltas
 
-    def _held_back(self, full: str) -> int:
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._sent)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(full)), 0, -1):
-                if full.endswith(s[:k]):
-                    hold = max(hold, k)
+            for k in range(min(len(s) - 1, len(text)), hold, -1):
+                if text.endswith(s[:k]):
+                    hold = k
                     break
         return hold
 
@@ -68,20 +75,21 @@ class Detokenizer:
 
     def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
         """Add tokens; returns (new text, whether a stop string was hit)."""
-        searched_from = max(0, len(self.decoded) - self.max_stop)
-        self.ids.extend(new_ids)
-        before = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        after = self._decode(self.ids[self.prefix_offset :])
+        window = self._window
+        window.extend(new_ids)
+        before = self._decode(window[: self._read]) if self._read else ""
+        after = self._decode(window)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self.decoded += after[len(before):]
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.ids)
-        full = self.decoded
-        hit = False
-        hits = [i for i in (full.find(s, searched_from) for s in self.stop) if i >= 0]
-        if hits:
-            full, hit, final = full[: min(hits)], True, True
-        safe = full if final else full[: len(full) - self._held_back(full)]
-        delta = safe[len(self.text):] if safe.startswith(self.text) else safe
-        self.text = safe
+            self._unsent += after[len(before):]
+            self._window = window[self._read:]  # the tokens read now are the next window's context
+            self._read = len(self._window)
+        unsent, hit = self._unsent, False
+        if self.stop:
+            hits = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
+            if hits:
+                unsent, hit, final = unsent[: min(hits)], True, True
+        delta = unsent if final else unsent[: len(unsent) - self._held_back(unsent)] if self.stop else unsent
+        self._unsent = unsent[len(delta):]
+        if delta:
+            self._sent.append(delta)
         return delta, hit

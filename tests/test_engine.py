@@ -345,4 +345,23 @@ def test_incremental_detokenizer_matches_full_decode():
         out += delta
         if hit:
             break
-    assert hit and out == full[: full.index("OutOfPages")]
+    assert hit and out == full[: full.index("OutOfPages")] == d.text
+    # stop strings cut at the earliest match of any of them, whatever the chunking; a prefix that is held back and
+    # then does not complete a match is emitted; per step only a short window is decoded again
+    for trial in range(20):
+        a = rng.randrange(100, len(full) - 40)
+        stops = [full[a:a + rng.randint(2, 12)], full[rng.randrange(len(full) - 5):][:4] + "\u2603", "never here"]
+        first = min(i for i in (full.find(s) for s in stops) if i >= 0)
+        d, out, i, hit = Detokenizer(tok, stops), "", 0, False
+        while i < len(ids) and not hit:
+            n = rng.randint(1, 4)
+            delta, hit = d.push(ids[i:i + n], final=i + n >= len(ids))
+            out, i = out + delta, i + n
+            assert len(d._window) <= 16 and len(d._unsent) <= 16
+        assert hit and out == full[:first] == d.text, (trial, stops)
+    d, out = Detokenizer(tok, ["never here", "end!"]), ""
+    for i in range(len(ids)):
+        delta, hit = d.push(ids[i:i + 1], final=i == len(ids) - 1)
+        out += delta
+        assert not hit
+    assert out == full  # "end" was held back at the end as the start of "end!", and the final push emits it

@@ -143,11 +143,9 @@ class HostCopy:
     def lists(self) -> list[list]:
         if self.event is not None:
             self.event.synchronize()
-        packed = self.host.tolist()
         out, start = [], 0
         for width, flat in zip(self.widths, self.flat):
-            rows = [r[start:start + width] for r in packed]
-            out.append([r[0] for r in rows] if flat else rows)
+            out.append((self.host[:, start] if flat else self.host[:, start:start + width]).tolist())
             start += width
         return out
 
@@ -180,7 +178,7 @@ class _Launched:
 
 def _token_result(lists: list[list]) -> StepResult:
     ids, logprobs, *top = lists
-    res = StepResult(tokens=[[int(t)] for t in ids], logprobs=[[lp] for lp in logprobs])
+    res = StepResult(tokens=[[t] for t in map(int, ids)], logprobs=[[lp] for lp in logprobs])
     if top:  # [B, K] ids and logprobs
         res.top_logprobs = [[list(zip(map(int, i), v))] for i, v in zip(*top)]
     return res
