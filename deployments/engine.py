@@ -7,6 +7,7 @@ Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this pro
 
 from __future__ import annotations
 
+import atexit
 import gc
 import itertools
 import logging
@@ -33,9 +34,12 @@ def freeze_startup_heap() -> None:
     the tokenizer, the model's modules, the captured graphs) is a few hundred thousand objects; left in the oldest
     generation, every full collection while serving scans all of it: a pause of 100 ms or more inside a step. Objects
     created later are collected as before. For a process that keeps one engine for its life (the controller);
-    ``gc.unfreeze`` gives the frozen objects back to the collector."""
+    ``gc.unfreeze`` gives the frozen objects back to the collector, and runs at exit (frozen objects would outlive
+    the interpreter's final collections, and Triton's bindings report them as leaked)."""
     gc.collect()
     gc.freeze()
+    atexit.unregister(gc.unfreeze)  # once
+    atexit.register(gc.unfreeze)
 
 
 class Executor(Protocol):
