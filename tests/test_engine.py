@@ -365,3 +365,33 @@ def test_incremental_detokenizer_matches_full_decode():
         out += delta
         assert not hit
     assert out == full  # "end" was held back at the end as the start of "end!", and the final push emits it
+
+
+def test_freeze_startup_heap_keeps_collecting_new_garbage():
+    """After the start-up heap is frozen, full collections skip it, and cycles created later are still collected."""
+    import gc
+    import weakref
+
+    from deployments.engine import freeze_startup_heap
+
+    class Node:
+        pass
+
+    old = Node()
+    old.self = old  # a cycle from "start-up"
+    old_ref = weakref.ref(old)
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > 0
+        del old
+        new = Node()
+        new.self = new
+        new_ref = weakref.ref(new)
+        del new
+        gc.collect()
+        assert new_ref() is None  # garbage made after the freeze is collected
+        assert old_ref() is not None  # the frozen cycle is not scanned
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert old_ref() is None  # back with the collector once unfrozen

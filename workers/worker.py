@@ -376,8 +376,9 @@ class Worker:
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:
-        slots, pos, ids = (to_device(x, torch.int64, self.device) for x in step.page_updates)
-        self.page_table.apply(slots, pos, ids)
+        if step.page_updates[0]:  # (most DECODE steps grant no page) one host→device copy for the three columns
+            slots, pos, ids = to_device(step.page_updates, torch.int64, self.device).unbind(0)
+            self.page_table.apply(slots, pos, ids)
 
     def _sampling(self, step: WorkerStep, counters: list[int] | None = None) -> SamplingTensors:
         return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
