@@ -363,11 +363,13 @@ class Suite:
 
     # ---- sampled decoding ----------------------------------------------------------------------------------------
     SAMPLING_SETTINGS = {"greedy": {}, "temperature": {"temperature": 0.8},
+                      "top_p": {"temperature": 0.8, "top_p": 0.9},  # what an OpenAI client can ask for
                       "top_k_top_p": {"temperature": 0.8, "top_k": 50, "top_p": 0.9}}
 
     def sampling_part(self) -> None:
         """Decode throughput of one engine (no speculation) greedy, at a temperature only (one fused Gumbel race),
-        and with top-k + top-p (softmax, sort, race), at each --batch-sizes size: what sampling costs."""
+        with top-p, and with top-k + top-p (sort, filter floor, race), at each --batch-sizes size: what sampling
+        costs."""
         eng = self.engine()
         self.decode_rate(eng, 1)  # warm-up
         table = self.results.setdefault("sampling", {})
@@ -504,7 +506,9 @@ class Suite:
                 lines.append(f"| {bs} | " + " | ".join(cells) + " |")
         if "sampling" in r:
             kinds = list(r["sampling"])
-            lines += ["", "## Sampled decoding (no speculation; temperature 0.8, top-k 50, top-p 0.9)", "",
+            settings = "; ".join(f"{k}: " + (", ".join(f"{a} {b}" for a, b in self.SAMPLING_SETTINGS[k].items())
+                                              or "temperature 0") for k in kinds if k in self.SAMPLING_SETTINGS)
+            lines += ["", f"## Sampled decoding (no speculation; {settings})", "",
                       "| batch | " + " | ".join(f"{k} tok/s" for k in kinds) + " |", "|---" * (len(kinds) + 1) + "|"]
             for bs in sorted({x["batch_size"] for rows_ in r["sampling"].values() for x in rows_}):
                 cells = [next((str(x["decode_tok_s"]) for x in r["sampling"][k] if x["batch_size"] == bs), "")

@@ -96,6 +96,34 @@ def check_store_kv_and_argmax(g) -> None:
             assert ids[0].item() == n // 3
             assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-4, rtol=1e-5), (b, n, dtype)
     check_gumbel_argmax(g)
+    check_filter_floor(g)
+
+
+def check_filter_floor(g) -> None:
+    """The per-row filter floor kernel against its reference: top-k (ties with the k-th), top-p (a nucleus inside
+    the first block, one that runs past it, one over all of a row with no top-k), min-p, a row that filters
+    nothing, bf16-valued logits with ties, -inf entries; and the race stays above each row's floor."""
+    import torch
+
+    from workers.fused_ops import argmax_logsumexp, filter_floor, filter_floor_reference
+
+    n = 3000  # three blocks of 1024
+    logits = torch.randn(8, n, generator=g) * torch.tensor([3.0, 3.0, 0.3, 0.05, 3.0, 1.0, 2.0, 3.0]).unsqueeze(1)
+    logits[5] = logits[5].bfloat16().float()  # ties
+    logits[6, n // 2:] = float("-inf")
+    temp = torch.tensor([0.7, 1.0, 1.0, 1.0, 0.0, 1.0, 0.9, 1.0])
+    top_k = torch.tensor([40, 0, 0, 0, 7, 1500, 0, 0])
+    top_p = torch.tensor([0.9, 0.8, 0.95, 0.5, 1.0, 0.9, 0.99, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.05, 0.0, 0.0])
+    desc = logits.sort(dim=-1, descending=True).values
+    got = filter_floor(desc, temp, top_k, top_p, min_p)
+    ref = filter_floor_reference(desc, temp, top_k, top_p, min_p)
+    assert torch.equal(got, ref), (got, ref)
+    kept = (logits >= got.unsqueeze(1)).sum(-1)
+    assert kept[7] == n and kept[4] == 7 and 1 <= kept[0] <= 40 and kept[2] > 1024 and kept[3] < kept[2], kept
+    race = (torch.where(temp > 0, temp, 1.0), torch.arange(8), torch.zeros(8, dtype=torch.long), 0)
+    ids = argmax_logsumexp(logits, gumbel=race, floor=got)[0]
+    assert torch.all(logits.gather(1, ids.unsqueeze(1)).squeeze(1) >= got)
 
 
 def check_gumbel_argmax(g) -> None:

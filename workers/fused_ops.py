@@ -264,8 +264,8 @@ if triton is not None:
 
     @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
-                            Temperature, Seeds, Counters, stream,
-                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr):
+                            Temperature, Seeds, Counters, stream, Floor,
+                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr, HAS_FLOOR: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * chunk
@@ -277,9 +277,13 @@ if triton is not None:
             ctr = (tl.load(Counters + row) * 0x9E37 + stream * 0x85EB + 0x27D4) & 0xFFFFFFFF
             seed = tl.load(Seeds + row) & 0xFFFFFFFF
             base = _mix32(seed.to(tl.uint32) ^ _mix32(ctr.to(tl.uint32)))
+        if HAS_FLOOR:
+            floor = tl.load(Floor + row)
         for start in range(lo, lo + chunk, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(Logits + row * stride_l + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            if HAS_FLOOR:  # filtered out: below the row's floor
+                x = tl.where(x >= floor, x, float("-inf"))
             if GUMBEL:  # x / T + Gumbel noise of the column's hash
                 x = x / temp + _gumbel(_mix32(base + _mix32(cols.to(tl.uint32)) * 0x2C1B))
             new_m = tl.maximum(m, x)
@@ -310,15 +314,20 @@ if triton is not None:
         tl.store(Lse + row, safe + tl.log(tl.sum(s * tl.exp(m - safe), 0)))
 
 
-def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
+                     floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
     kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us).
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
-    counter-based uniforms instead (``workers.sampling.gumbel_argmax``; the reference here is only for CPUs)."""
+    counter-based uniforms instead (``workers.sampling.gumbel_argmax``; the reference here is only for CPUs).
+    ``floor`` [B] (with ``gumbel``): logits below their row's floor take no part (``filter_floor``)."""
     if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
         temp, seeds, counters, stream = gumbel
         noise = gumbel_from_hash(hash32(seeds, counters, logits.shape[1], stream))
-        logits, gumbel = logits.float() / temp.unsqueeze(1) + noise, None
+        x = logits.float()
+        if floor is not None:
+            x = torch.where(x >= floor.unsqueeze(1), x, float("-inf"))
+        logits, gumbel = x / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
     b, n = logits.shape
@@ -334,8 +343,104 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None) -> tuple
     lse = torch.empty(b, dtype=torch.float32, device=dev)
     if b:
         temp, seeds, counters, stream = gumbel if gumbel is not None else (lse, ids, ids, 0)  # (unused then)
+        has_floor = gumbel is not None and floor is not None
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
-                                        temp, seeds, counters, stream, BLOCK=block, GUMBEL=gumbel is not None)
+                                        temp, seeds, counters, stream, floor if has_floor else lse,
+                                        BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor)
         _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, parts,
                                 PARTS_P2=triton.next_power_of_2(parts))
     return ids, lse
+
+
+# ---- where a sampled row's top-k / top-p / min-p filtering ends ---------------------------------------------------
+def filter_floor_reference(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                           top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The smallest logit a row keeps ([B], raw logit units) given its logits sorted in descending order: the
+    tokens kept are those whose logit is at least this (``workers.sampling.processed_probs`` says which). With
+    s = logits / T and e = exp(s - s_max) (each token's probability relative to the most likely one's): top-k keeps
+    s >= the k-th s; top-p keeps the tokens, in this order, whose e before them is below ``top_p`` of the top-k
+    survivors' e; min-p keeps e >= ``min_p``. At least the most likely token is kept; a row with none of the three
+    keeps everything (its smallest logit)."""
+    n = sorted_logits.shape[1]
+    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(1)
+    s = sorted_logits.float() / t
+    e = torch.exp(s - s[:, :1])
+    k = torch.where((top_k <= 0) | (top_k > n), torch.full_like(top_k, n), top_k).unsqueeze(1)
+    in_k = s >= s.gather(1, k - 1)
+    n_k = in_k.sum(-1)
+    before = e.cumsum(-1) - e
+    kept = (e * in_k).sum(-1, keepdim=True)
+    n_p = torch.where(top_p >= 1, n, (before < top_p.unsqueeze(1) * kept).sum(-1))
+    n_m = torch.where(min_p > 0, (e >= min_p.unsqueeze(1)).sum(-1), n)
+    last = torch.minimum(torch.minimum(n_k, n_p), n_m).clamp(min=1) - 1
+    return sorted_logits.gather(1, last.unsqueeze(1)).squeeze(1).float()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _filter_floor(Sorted, Temperature, TopK, TopP, MinP, Floor, n, stride, BLOCK: tl.constexpr):
+        """``filter_floor_reference`` for one row, reading only the head of its sorted logits where it can: the
+        top-k survivors (the whole row when top-p needs their mass with top-k off), then up to where the top-p
+        mass is reached and e falls below min-p."""
+        row = tl.program_id(0).to(tl.int64)
+        base = Sorted + row * stride
+        lanes = tl.arange(0, BLOCK)
+        t = tl.load(Temperature + row)
+        t = tl.where(t > 0, t, 1.0)
+        k = tl.load(TopK + row).to(tl.int32)
+        k = tl.where((k <= 0) | (k > n), n, k)
+        top_p = tl.load(TopP + row)
+        min_p = tl.load(MinP + row)
+        s0 = tl.math.div_rn(tl.load(base).to(tl.float32), t)  # IEEE division, as PyTorch's
+        kth = tl.math.div_rn(tl.load(base + k - 1).to(tl.float32), t)
+        # the top-k survivors (ties with the k-th included): how many, and their mass relative to the top token
+        go = (k < n) | (top_p < 1)
+        n_k = tl.where(go, 0, n)
+        kept = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        start = 0
+        while go:
+            cols = start + lanes
+            s = tl.math.div_rn(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32), t)
+            inside = (s >= kth) & (cols < n)
+            kept += tl.sum(tl.where(inside, tl.exp(s - s0), 0.0), 0)
+            n_k += tl.sum(inside.to(tl.int32), 0)
+            start += BLOCK
+            go = (start < n) & (tl.min(s, 0) >= kth)  # sorted: past the last survivor, nothing more to count
+        # top-p: tokens whose mass before them is below top_p of the survivors'; min-p: e >= min_p
+        need_p = top_p < 1
+        need_m = min_p > 0
+        target = top_p * kept
+        n_p = tl.where(need_p, 0, n)
+        n_m = tl.where(need_m, 0, n)
+        mass = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
+        start = 0
+        go = need_p | need_m
+        while go:
+            cols = start + lanes
+            valid = cols < n
+            s = tl.math.div_rn(tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32), t)
+            e = tl.where(valid, tl.exp(s - s0), 0.0)
+            before = mass + tl.cumsum(e, 0) - e
+            n_p += tl.where(need_p, tl.sum(((before < target) & valid).to(tl.int32), 0), 0)
+            n_m += tl.where(need_m, tl.sum(((e >= min_p) & valid).to(tl.int32), 0), 0)
+            mass += tl.sum(e, 0)
+            start += BLOCK
+            go = (start < n) & ((need_p & (mass < target)) | (need_m & (tl.min(tl.where(valid, e, 0.0), 0) >= min_p)))
+        last = tl.maximum(tl.minimum(tl.minimum(n_k, n_p), n_m), 1) - 1
+        tl.store(Floor + row, tl.load(base + last).to(tl.float32))
+
+
+def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """``filter_floor_reference``; on the GPU one program per row, which stops reading the sorted row once the
+    filters are decided (a nucleus is usually a few hundred tokens: the ~20 passes over [B, V] of the reference are
+    most of the filtering path's time at large batches)."""
+    if not _triton_for(sorted_logits) or sorted_logits.stride(-1) != 1:
+        return filter_floor_reference(sorted_logits, temperature, top_k, top_p, min_p)
+    b, n = sorted_logits.shape
+    floor = torch.empty(b, dtype=torch.float32, device=sorted_logits.device)
+    if b:
+        _filter_floor[(b,)](sorted_logits, temperature, top_k, top_p, min_p, floor, n, sorted_logits.stride(0),
+                            BLOCK=1024)
+    return floor

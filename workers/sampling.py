@@ -4,8 +4,10 @@ Randomness is counter-based: the uniform for (seed, step, token) is a hash, so a
 its own seed and output position — reproducible across batch compositions, preemption and TP ranks, with no
 generator state and no host sync. A draw is the Gumbel-max race: argmax_i x_i + G_i with G_i = -log(-log u_i)
 draws exactly from softmax(x). For a row with only a temperature x = logits / T, raced in the same pass that
-reads the logits (one kernel on the GPU, no softmax, no sort); a row with top-k / top-p / min-p races the log of
-its filtered distribution, which needs the sort, so a batch says on the host whether any row filters (``kind``).
+reads the logits (one kernel on the GPU, no softmax, no sort); a row with top-k / top-p / min-p races only the
+tokens its filters keep, which are the logits at or above a per-row floor found from the sorted row (one sort, then
+one kernel that reads only as far into each sorted row as its filters reach), so a batch says on the host whether
+any row filters (``kind``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.fused_ops import argmax_logsumexp, hash32
+from workers.fused_ops import argmax_logsumexp, filter_floor, hash32
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
@@ -76,25 +78,15 @@ def sampling_kind(temperature, top_k, top_p, min_p) -> str:
 def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     """The distribution a request samples from (fp32), filtered in HF transformers' order: temperature, top-k
     (with every token tied with the k-th), top-p over what top-k kept (renormalised: the smallest prefix of the
-    top-k tokens holding ``top_p`` of their mass; off at 1), min-p (relative to the most likely token). Greedy rows
+    top-k tokens holding ``top_p`` of their mass, with every token tied with its last; off at 1), min-p (relative to
+    the most likely token). What is kept is every token whose logit reaches the row's ``filter_floor``. Greedy rows
     (temperature 0) get a one-hot on the argmax."""
     logits = logits.float()
     greedy = p.temperature <= 0
     temp = torch.where(greedy, torch.ones_like(p.temperature), p.temperature)
-    sorted_x, order = (logits / temp.unsqueeze(1)).sort(dim=-1, descending=True)
-    sorted_p = torch.softmax(sorted_x, dim=-1)  # the probabilities in that order
-    top_k = p.top_k.unsqueeze(1)
-    kth = sorted_x.gather(1, (top_k - 1).clamp(0, sorted_x.shape[1] - 1))
-    keep = (top_k <= 0) | (sorted_x >= kth)  # top-k, ties with the k-th kept (as HF): a prefix of the order
-    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before this token (the same within the top-k prefix)
-    kept_mass = (sorted_p * keep).sum(-1, keepdim=True)
-    top_p = p.top_p.unsqueeze(1)
-    keep &= (top_p >= 1) | (before < top_p * kept_mass)  # top-p of the renormalised top-k distribution
-    keep &= sorted_p >= p.min_p.unsqueeze(1) * sorted_p[:, :1]
-    keep[:, 0] = True
-    sorted_p = sorted_p * keep
-    filtered = torch.zeros_like(sorted_p).scatter_(1, order, sorted_p)
-    filtered = filtered / filtered.sum(-1, keepdim=True)
+    floor = filter_floor(logits.sort(dim=-1, descending=True).values, p.temperature, p.top_k, p.top_p, p.min_p)
+    x = torch.where(logits >= floor.unsqueeze(1), logits / temp.unsqueeze(1), float("-inf"))
+    filtered = torch.softmax(x, dim=-1)
     onehot = torch.zeros_like(filtered).scatter_(1, logits.argmax(-1, keepdim=True), 1.0)
     return torch.where(greedy.unsqueeze(1), onehot, filtered)
 
@@ -109,15 +101,16 @@ def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tenso
 
 def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Tensor:
     """A token per row ([B]) drawn from the processed distribution (``processed_probs``), by the Gumbel race on
-    logits / T, or for rows that filter on the log of their filtered probabilities. Rows that do not filter race
-    the very same values whatever the batch's kind (the kernel divides by T in both), so their draws do not depend
-    on the rest of the batch. Greedy rows (temperature 0) get a draw at T = 1 here; callers take their argmax."""
+    logits / T, among the tokens at or above the row's ``filter_floor`` for rows that filter (the race of the kept
+    tokens is a draw from their renormalised distribution). Rows that do not filter race the very same values
+    whatever the batch's kind (the kernel divides by T in both), so their draws do not depend on the rest of the
+    batch. Greedy rows (temperature 0) get a draw at T = 1 here; callers take their argmax."""
     temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
-    if p.kind != "filter":
-        return gumbel_argmax(logits, temp, p.seeds, p.counters, stream)
-    filters = (p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0)
-    x = torch.where(filters.unsqueeze(1), torch.log(processed_probs(logits, p)), logits.float())
-    return gumbel_argmax(x, torch.where(filters, torch.ones_like(temp), temp), p.seeds, p.counters, stream)
+    floor = None
+    if p.kind == "filter":  # one sort for the thresholds; no pass over [B, V] after it but the race itself
+        floor = filter_floor(logits.float().sort(dim=-1, descending=True).values, p.temperature, p.top_k, p.top_p,
+                             p.min_p)
+    return argmax_logsumexp(logits, gumbel=(temp, p.seeds, p.counters, stream), floor=floor)[0]
 
 
 TOP_LOGPROBS = 20  # alternatives computed when a request asks for any (OpenAI's most); each request keeps its own
