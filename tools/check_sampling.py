@@ -3,10 +3,11 @@ PyTorch reference's on the CPU (the same counter-based noise, so the same tokens
 
     python tools/check_sampling.py --device cuda --json out.json
 
-Per kind ("sample": temperature only, the Gumbel race inside the argmax kernel; "filter": top-k / top-p, the race
-over the log of the filtered distribution): a chi-square test of 50,000 draws from a 6-token distribution (pass:
-p-value > 1e-4), and 64 rows of 128k-token random logits drawn on the device and on the CPU (pass: at most one
-row differs). The exit status says whether every check passed.
+Per kind ("sample": temperature only, the Gumbel race inside the argmax kernel; "filter": top-k / top-p / min-p,
+the race over the logits at or above each row's filter floor): a chi-square test of 50,000 draws from a 6-token
+distribution (pass: p-value > 1e-4), and 64 rows of 128k-token random logits drawn on the device and on the CPU,
+with their filter floors (pass: at most one row differs in each). The exit status says whether every check
+passed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from workers.fused_ops import filter_floor  # noqa: E402
 from workers.sampling import SamplingTensors, draw, processed_probs  # noqa: E402
 
 
@@ -32,13 +34,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows, ok = [], True
-    for kind, top_k, top_p in (("sample", 0, 1.0), ("filter", 4, 1.0), ("filter", 0, 0.9)):
+    cases = (("sample", 0, 1.0, 0.0), ("filter", 4, 1.0, 0.0), ("filter", 0, 0.9, 0.0), ("filter", 0, 1.0, 0.2),
+             ("filter", 3, 0.95, 0.0))
+    for kind, top_k, top_p, min_p in cases:
         n = 50000
         logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]], device=args.device).expand(n, -1)
-        p = SamplingTensors.from_lists([0.7] * n, [top_k] * n, [top_p] * n, [0.0] * n, [11] * n, list(range(n)),
+        p = SamplingTensors.from_lists([0.7] * n, [top_k] * n, [top_p] * n, [min_p] * n, [11] * n, list(range(n)),
                                        args.device)
         assert p.kind == kind
-        probs = processed_probs(logits[:1], SamplingTensors.from_lists([0.7], [top_k], [top_p], [0.0], [11], [0],
+        probs = processed_probs(logits[:1], SamplingTensors.from_lists([0.7], [top_k], [top_p], [min_p], [11], [0],
                                                                        args.device))[0].double().cpu()
         counts = torch.bincount(draw(logits, p).cpu(), minlength=6).double()
         kept = probs > 0
@@ -48,16 +52,24 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         wide = torch.randn(64, 128256, generator=g) * 2
         def params(dev):
-            return SamplingTensors.from_lists([0.8] * 64, [top_k and 50] * 64, [top_p] * 64, [0.0] * 64,
+            return SamplingTensors.from_lists([0.8] * 64, [top_k and 50] * 64, [top_p] * 64, [min_p / 20] * 64,
                                               list(range(64)), [3] * 64, dev)
 
         on_device = draw(wide.to(args.device), params(args.device)).cpu()
         on_cpu = draw(wide, params("cpu"))
         differ = int((on_device != on_cpu).sum())
-        passed = pvalue > 1e-4 and outside == 0 and differ <= 1
+        floors_differ = 0
+        if kind == "filter":
+            def floors(x, q):
+                return filter_floor(x.sort(dim=-1, descending=True).values, q.temperature, q.top_k, q.top_p, q.min_p)
+
+            floors_differ = int((floors(wide.to(args.device), params(args.device)).cpu()
+                                 != floors(wide, params("cpu"))).sum())
+        passed = pvalue > 1e-4 and outside == 0 and differ <= 1 and floors_differ <= 1
         ok &= passed
-        rows.append({"kind": kind, "top_k": top_k, "top_p": top_p, "chi2_pvalue": round(pvalue, 5),
-                     "draws_outside_support": outside, "rows_differing_from_cpu_of_64": differ, "ok": passed})
+        rows.append({"kind": kind, "top_k": top_k, "top_p": top_p, "min_p": min_p, "chi2_pvalue": round(pvalue, 5),
+                     "draws_outside_support": outside, "rows_differing_from_cpu_of_64": differ,
+                     "floors_differing_from_cpu_of_64": floors_differ, "ok": passed})
         print(rows[-1], flush=True)
     if args.json:
         from bench.engine_vs_hf import commit, device_name
