@@ -6,7 +6,8 @@ PyTorch reference's on the CPU (the same counter-based noise, so the same tokens
 Per kind ("sample": temperature only, the Gumbel race inside the argmax kernel; "filter": top-k / top-p / min-p,
 the race over the logits at or above each row's filter floor): a chi-square test of 50,000 draws from a 6-token
 distribution (pass: p-value > 1e-4), and 64 rows of 128k-token random logits drawn on the device and on the CPU,
-with their filter floors (pass: at most one row differs in each). The exit status says whether every check
+and their filter floors (pass: at most one row's draw differs, and no row's kept-token count differs by more than
+2 + 0.1% of it: fp32 sums in another order can move a top-p boundary). The exit status says whether every check
 passed.
 """
 
@@ -58,18 +59,20 @@ def main() -> None:
         on_device = draw(wide.to(args.device), params(args.device)).cpu()
         on_cpu = draw(wide, params("cpu"))
         differ = int((on_device != on_cpu).sum())
-        floors_differ = 0
-        if kind == "filter":
-            def floors(x, q):
-                return filter_floor(x.sort(dim=-1, descending=True).values, q.temperature, q.top_k, q.top_p, q.min_p)
+        floors_differ, kept_off, kept_ok = 0, 0, True
+        if kind == "filter":  # a top-p boundary may move by a token or two with the order of fp32 summation
+            def kept(x, q):
+                floor = filter_floor(x.sort(dim=-1, descending=True).values, q.temperature, q.top_k, q.top_p, q.min_p)
+                return (x >= floor.unsqueeze(1)).sum(-1).cpu()
 
-            floors_differ = int((floors(wide.to(args.device), params(args.device)).cpu()
-                                 != floors(wide, params("cpu"))).sum())
-        passed = pvalue > 1e-4 and outside == 0 and differ <= 1 and floors_differ <= 1
+            on_dev, ref = kept(wide.to(args.device), params(args.device)), kept(wide, params("cpu"))
+            floors_differ, kept_off = int((on_dev != ref).sum()), int((on_dev - ref).abs().max())
+            kept_ok = bool(((on_dev - ref).abs() <= 2 + ref // 1000).all())
+        passed = pvalue > 1e-4 and outside == 0 and differ <= 1 and kept_ok
         ok &= passed
         rows.append({"kind": kind, "top_k": top_k, "top_p": top_p, "min_p": min_p, "chi2_pvalue": round(pvalue, 5),
                      "draws_outside_support": outside, "rows_differing_from_cpu_of_64": differ,
-                     "floors_differing_from_cpu_of_64": floors_differ, "ok": passed})
+                     "floors_differing_from_cpu_of_64": floors_differ, "kept_tokens_most_off": kept_off, "ok": passed})
         print(rows[-1], flush=True)
     if args.json:
         from bench.engine_vs_hf import commit, device_name

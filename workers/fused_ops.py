@@ -357,13 +357,13 @@ def filter_floor_reference(sorted_logits: torch.Tensor, temperature: torch.Tenso
                            top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """The smallest logit a row keeps ([B], raw logit units) given its logits sorted in descending order: the
     tokens kept are those whose logit is at least this (``workers.sampling.processed_probs`` says which). With
-    s = logits / T and e = exp(s - s_max) (each token's probability relative to the most likely one's): top-k keeps
-    s >= the k-th s; top-p keeps the tokens, in this order, whose e before them is below ``top_p`` of the top-k
-    survivors' e; min-p keeps e >= ``min_p``. At least the most likely token is kept; a row with none of the three
-    keeps everything (its smallest logit)."""
+    s = logits * (1 / T) and e = exp(s - s_max) (each token's probability relative to the most likely one's): top-k
+    keeps s >= the k-th s; top-p keeps the tokens, in this order, whose e before them is below ``top_p`` of the
+    top-k survivors' e; min-p keeps e >= ``min_p``. At least the most likely token is kept; a row with none of the
+    three keeps everything (its smallest logit)."""
     n = sorted_logits.shape[1]
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(1)
-    s = sorted_logits.float() / t
+    inv = 1.0 / torch.where(temperature > 0, temperature, torch.ones_like(temperature)).unsqueeze(1)
+    s = sorted_logits.float() * inv
     e = torch.exp(s - s[:, :1])
     k = torch.where((top_k <= 0) | (top_k > n), torch.full_like(top_k, n), top_k).unsqueeze(1)
     in_k = s >= s.gather(1, k - 1)
@@ -379,68 +379,97 @@ def filter_floor_reference(sorted_logits: torch.Tensor, temperature: torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _filter_floor(Sorted, Temperature, TopK, TopP, MinP, Floor, n, stride, BLOCK: tl.constexpr):
-        """``filter_floor_reference`` for one row, reading only the head of its sorted logits where it can: the
-        top-k survivors (the whole row when top-p needs their mass with top-k off), then up to where the top-p
-        mass is reached and e falls below min-p."""
-        row = tl.program_id(0).to(tl.int64)
-        base = Sorted + row * stride
-        lanes = tl.arange(0, BLOCK)
+    def _row_scale(Sorted, Temperature, TopK, row, n):
+        """A row's 1 / T (IEEE, as PyTorch's), its k (n when off), s of its top token and of its k-th."""
         t = tl.load(Temperature + row)
-        t = tl.where(t > 0, t, 1.0)
+        inv = tl.math.div_rn(1.0, tl.where(t > 0, t, 1.0))
         k = tl.load(TopK + row).to(tl.int32)
         k = tl.where((k <= 0) | (k > n), n, k)
-        top_p = tl.load(TopP + row)
+        return inv, k, tl.load(Sorted).to(tl.float32) * inv, tl.load(Sorted + k - 1).to(tl.float32) * inv
+
+    @triton.jit
+    def _filter_partials(Sorted, Temperature, TopK, MinP, PartMass, PartInK, PartMinP, n, stride, chunk,
+                         num_parts, BLOCK: tl.constexpr):
+        """Per chunk of a sorted row: the top-k survivors' e (mass relative to the top token) and count, and the
+        count of e >= min_p."""
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1)
+        base = Sorted + row * stride
+        inv, k, s0, kth = _row_scale(base, Temperature, TopK, row, n)
         min_p = tl.load(MinP + row)
-        s0 = tl.math.div_rn(tl.load(base).to(tl.float32), t)  # IEEE division, as PyTorch's
-        kth = tl.math.div_rn(tl.load(base + k - 1).to(tl.float32), t)
-        # the top-k survivors (ties with the k-th included): how many, and their mass relative to the top token
-        go = (k < n) | (top_p < 1)
-        n_k = tl.where(go, 0, n)
-        kept = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        start = 0
-        while go:
-            cols = start + lanes
-            s = tl.math.div_rn(tl.load(base + cols, mask=cols < n, other=float("-inf")).to(tl.float32), t)
-            inside = (s >= kth) & (cols < n)
-            kept += tl.sum(tl.where(inside, tl.exp(s - s0), 0.0), 0)
-            n_k += tl.sum(inside.to(tl.int32), 0)
-            start += BLOCK
-            go = (start < n) & (tl.min(s, 0) >= kth)  # sorted: past the last survivor, nothing more to count
-        # top-p: tokens whose mass before them is below top_p of the survivors'; min-p: e >= min_p
-        need_p = top_p < 1
-        need_m = min_p > 0
-        target = top_p * kept
-        n_p = tl.where(need_p, 0, n)
-        n_m = tl.where(need_m, 0, n)
-        mass = tl.sum(tl.zeros([BLOCK], tl.float32), 0)
-        start = 0
-        go = need_p | need_m
-        while go:
-            cols = start + lanes
+        mass = tl.zeros([BLOCK], tl.float32)
+        in_k = tl.zeros([BLOCK], tl.int32)
+        above_min_p = tl.zeros([BLOCK], tl.int32)
+        for start in range(part * chunk, part * chunk + chunk, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
             valid = cols < n
-            s = tl.math.div_rn(tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32), t)
+            s = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv
             e = tl.where(valid, tl.exp(s - s0), 0.0)
-            before = mass + tl.cumsum(e, 0) - e
-            n_p += tl.where(need_p, tl.sum(((before < target) & valid).to(tl.int32), 0), 0)
-            n_m += tl.where(need_m, tl.sum(((e >= min_p) & valid).to(tl.int32), 0), 0)
-            mass += tl.sum(e, 0)
-            start += BLOCK
-            go = (start < n) & ((need_p & (mass < target)) | (need_m & (tl.min(tl.where(valid, e, 0.0), 0) >= min_p)))
+            inside = valid & (s >= kth)
+            mass += tl.where(inside, e, 0.0)
+            in_k += inside.to(tl.int32)
+            above_min_p += (valid & (e >= min_p)).to(tl.int32)
+        out = row * num_parts + part
+        tl.store(PartMass + out, tl.sum(mass, 0))
+        tl.store(PartInK + out, tl.sum(in_k, 0))
+        tl.store(PartMinP + out, tl.sum(above_min_p, 0))
+
+    @triton.jit
+    def _filter_floor(Sorted, Temperature, TopK, TopP, MinP, PartMass, PartInK, PartMinP, Floor, n, stride, chunk,
+                      num_parts, PARTS_P2: tl.constexpr, BLOCK: tl.constexpr):
+        """``filter_floor_reference`` for one row from its chunks' partials: top-p's crossing is found among the
+        chunks' prefix masses, and only that chunk is read again."""
+        row = tl.program_id(0).to(tl.int64)
+        base = Sorted + row * stride
+        inv, k, s0, kth = _row_scale(base, Temperature, TopK, row, n)
+        parts = tl.arange(0, PARTS_P2)
+        ok = parts < num_parts
+        pm = tl.load(PartMass + row * num_parts + parts, mask=ok, other=0.0)
+        n_k = tl.sum(tl.load(PartInK + row * num_parts + parts, mask=ok, other=0), 0)
+        min_p = tl.load(MinP + row)
+        n_m = tl.where(min_p > 0, tl.sum(tl.load(PartMinP + row * num_parts + parts, mask=ok, other=0), 0), n)
+        top_p = tl.load(TopP + row)
+        target = top_p * tl.sum(pm, 0)
+        n_p = n
+        if top_p < 1:
+            cum = tl.cumsum(pm, 0)
+            c = tl.min(tl.where(ok & (cum >= target), parts, num_parts - 1), 0)  # the chunk where it is reached
+            mass = tl.sum(tl.where(parts == c, cum - pm, 0.0), 0)  # e before that chunk: every token there counts
+            count = tl.sum(tl.zeros([BLOCK], tl.int32), 0)
+            for start in range(c * chunk, c * chunk + chunk, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                valid = cols < n
+                s = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32) * inv
+                e = tl.where(valid & (s >= kth), tl.exp(s - s0), 0.0)
+                before = mass + tl.cumsum(e, 0) - e
+                count += tl.sum((valid & (before < target)).to(tl.int32), 0)
+                mass += tl.sum(e, 0)
+            n_p = c * chunk + count
         last = tl.maximum(tl.minimum(tl.minimum(n_k, n_p), n_m), 1) - 1
         tl.store(Floor + row, tl.load(base + last).to(tl.float32))
 
 
 def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor) -> torch.Tensor:
-    """``filter_floor_reference``; on the GPU one program per row, which stops reading the sorted row once the
-    filters are decided (a nucleus is usually a few hundred tokens: the ~20 passes over [B, V] of the reference are
-    most of the filtering path's time at large batches)."""
+    """``filter_floor_reference``; on the GPU two kernels: per-chunk partials of each sorted row (one read of it,
+    spread over many programs), then one program per row that adds them up and reads again only the chunk where
+    top-p's mass is reached (the ~20 passes over [B, V] of the reference are most of its time at large batches)."""
     if not _triton_for(sorted_logits) or sorted_logits.stride(-1) != 1:
         return filter_floor_reference(sorted_logits, temperature, top_k, top_p, min_p)
     b, n = sorted_logits.shape
-    floor = torch.empty(b, dtype=torch.float32, device=sorted_logits.device)
+    block = 1024
+    parts = max(1, min(64, triton.cdiv(n, 4 * block)))
+    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
+    parts = triton.cdiv(n, chunk)
+    dev = sorted_logits.device
+    mass = torch.empty(b, parts, dtype=torch.float32, device=dev)
+    in_k = torch.empty(b, parts, dtype=torch.int32, device=dev)
+    above_min_p = torch.empty(b, parts, dtype=torch.int32, device=dev)
+    floor = torch.empty(b, dtype=torch.float32, device=dev)
     if b:
-        _filter_floor[(b,)](sorted_logits, temperature, top_k, top_p, min_p, floor, n, sorted_logits.stride(0),
-                            BLOCK=1024)
+        args = (sorted_logits, temperature, top_k)
+        _filter_partials[(b, parts)](*args, min_p, mass, in_k, above_min_p, n, sorted_logits.stride(0), chunk, parts,
+                                     BLOCK=block)
+        _filter_floor[(b,)](*args, top_p, min_p, mass, in_k, above_min_p, floor, n, sorted_logits.stride(0), chunk,
+                            parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=block)
     return floor
