@@ -403,3 +403,20 @@ def test_freeze_startup_heap_keeps_collecting_new_garbage():
         gc.unfreeze()
     gc.collect()
     assert old_ref() is None  # back with the collector once unfrozen
+
+
+def test_sampling_reads_16_bit_logits_as_their_fp32_values():
+    """Logits stay in the model's dtype (no fp32 copy of [T, vocab]): greedy, temperature-only and filtering rows
+    draw the same tokens with the same logprobs from bf16 logits as from the same values widened to fp32."""
+    from workers.sampling import SamplingTensors, sample
+
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(6, 3000, generator=g) * 2).bfloat16()
+    p = SamplingTensors.from_lists([0.0, 0.8, 0.8, 1.2, 0.7, 0.9], [0, 0, 40, 0, 0, 5], [1.0, 1.0, 0.9, 0.8, 1.0, 0.5],
+                                   [0.0, 0.0, 0.0, 0.0, 0.1, 0.0], list(range(6)), [3] * 6, "cpu")
+    assert p.kind == "filter"
+    ids16, lp16 = sample(logits, p)
+    ids32, lp32 = sample(logits.float(), p)
+    assert torch.equal(ids16, ids32) and torch.equal(lp16, lp32) and lp16.dtype == torch.float32
+    q = SamplingTensors.from_lists([0.8] * 6, [0] * 6, [1.0] * 6, [0.0] * 6, list(range(6)), [3] * 6, "cpu")
+    assert q.kind == "sample" and torch.equal(sample(logits, q)[0], sample(logits.float(), q)[0])

@@ -119,6 +119,9 @@ def check_filter_floor(g) -> None:
     got = filter_floor(desc, temp, top_k, top_p, min_p)
     ref = filter_floor_reference(desc, temp, top_k, top_p, min_p)
     assert torch.equal(got, ref), (got, ref)
+    half = desc.bfloat16()  # 16-bit logits, as a bf16 model's (read as fp32 inside)
+    assert torch.equal(filter_floor(half, temp, top_k, top_p, min_p), filter_floor_reference(half, temp, top_k, top_p,
+                                                                                             min_p))
     kept = (logits >= got.unsqueeze(1)).sum(-1)
     assert kept[7] == n and kept[4] == 7 and 1 <= kept[0] <= 40 and kept[2] > 3072 and kept[3] < kept[2], kept
     race = (torch.where(temp > 0, temp, 1.0), torch.arange(8), torch.zeros(8, dtype=torch.long), 0)

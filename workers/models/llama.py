@@ -152,10 +152,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: every consumer (argmax and race kernels, the sort of the sampling filter,
+        log-softmaxes) reads them widened to fp32 itself, which is exact, so no fp32 copy of [T, vocab] is made."""
         if self.lm_head is None:  # tied: the embedding matrix is the (vocab-parallel) head
             logits = self.tp.all_gather_last_dim(linear(hidden, self.embed_tokens.weight, None, self.embed_tokens.small_m))
-            return logits[..., : self.cfg.vocab_size].float()
-        return self.lm_head(hidden).float()
+            return logits[..., : self.cfg.vocab_size].contiguous()
+        return self.lm_head(hidden)
 
     # ---- weights ---------------------------------------------------------------------------------------------
     def load_weight(self, name: str, slice_) -> bool:
