@@ -96,7 +96,8 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
     vocab = eng.executor.model_config.vocab_size
     for _ in range(batch):
         eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
-                        SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True))
+                        SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                       top_k=args.top_k, seed=len(eng.scheduler.waiting), ignore_eos=True))
     while len(eng.scheduler.running) < batch:  # prefills
         eng.step()
     for _ in range(4):  # into the steady state (overlap: one step in flight)
@@ -153,7 +154,8 @@ def markdown(meta: dict) -> str:
     rows = meta["rows"]
     md = [f"# Engine host time per DECODE step ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"{meta['prompt_len']}-token prompts, {meta['new_tokens']} greedy tokens each, metrics "
+          f"{meta['prompt_len']}-token prompts, {meta['new_tokens']} tokens each ({meta.get('sampling', 'greedy')}), "
+          "metrics "
           f"{'off' if meta['no_metrics'] else 'on (Ray)'}. wall: a step's real time; execute: launching the step "
           "and reading the previous one's results (worker: rank 0's own part, the rest is waiting for the device); "
           + ("on a CPU, execute is the model's own compute." if meta["device"].startswith("CPU") else
@@ -188,6 +190,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="default: prompt + new tokens + 64 (gpu_perf runs 4096; attention launches size by it)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling settings of every request (greedy "
+                    "by default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--no-metrics", action="store_true", help="no Ray metrics (as the offline benchmarks run)")
     ap.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap after building the engine "
                     "(deployments.engine.freeze_startup_heap, as the server does)")
@@ -214,7 +220,8 @@ def main() -> None:
         device = device_name("cuda") if args.device == "cuda" else f"CPU {platform.machine()}"
         meta = {"device": device, "commit": commit(), "command": "python " + " ".join(sys.argv),
                 "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                "no_metrics": args.no_metrics, "rows": rows}
+                "no_metrics": args.no_metrics, "rows": rows,
+                "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
     md = markdown(meta)
