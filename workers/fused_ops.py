@@ -314,6 +314,13 @@ if triton is not None:
         tl.store(Lse + row, safe + tl.log(tl.sum(s * tl.exp(m - safe), 0)))
 
 
+def _row_chunks(n: int, block: int) -> tuple[int, int]:
+    """(programs, positions each) that spread a row of ``n`` over up to 64 programs of at least 4 blocks."""
+    parts = max(1, min(64, triton.cdiv(n, 4 * block)))
+    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
+    return triton.cdiv(n, chunk), chunk
+
+
 def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
                      floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
@@ -332,9 +339,7 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
     b, n = logits.shape
     block = 1024
-    parts = max(1, min(64, triton.cdiv(n, 4 * block)))
-    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
-    parts = triton.cdiv(n, chunk)
+    parts, chunk = _row_chunks(n, block)
     dev = logits.device
     part_max = torch.empty(b, parts, dtype=torch.float32, device=dev)
     part_arg = torch.empty(b, parts, dtype=torch.int32, device=dev)
@@ -458,9 +463,7 @@ def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: 
         return filter_floor_reference(sorted_logits, temperature, top_k, top_p, min_p)
     b, n = sorted_logits.shape
     block = 1024
-    parts = max(1, min(64, triton.cdiv(n, 4 * block)))
-    chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
-    parts = triton.cdiv(n, chunk)
+    parts, chunk = _row_chunks(n, block)
     dev = sorted_logits.device
     mass = torch.empty(b, parts, dtype=torch.float32, device=dev)
     in_k = torch.empty(b, parts, dtype=torch.int32, device=dev)
