@@ -91,14 +91,6 @@ def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:
     return torch.where(greedy.unsqueeze(1), onehot, filtered)
 
 
-def gumbel_argmax(x: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor,
-                  stream: int = 0) -> torch.Tensor:
-    """argmax_i x_i / T + G_i ([B] int64), G_i = -log(-log u_i) of the counter-based uniforms
-    (``fused_ops.gumbel_from_hash``): an exact draw from softmax(x / T) (-inf entries never win). One pass of the
-    split-row argmax kernel on the GPU."""
-    return argmax_logsumexp(x, gumbel=(temperature, seeds, counters, stream))[0]
-
-
 def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Tensor:
     """A token per row ([B]) drawn from the processed distribution (``processed_probs``), by the Gumbel race on
     logits / T, among the tokens at or above the row's ``filter_floor`` for rows that filter (the race of the kept
@@ -106,6 +98,8 @@ def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Ten
     whatever the batch's kind (the kernel divides by T in both), so their draws do not depend on the rest of the
     batch. Greedy rows (temperature 0) get a draw at T = 1 here; callers take their argmax."""
     temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
+    # the race: argmax_i x_i / T + G_i, G_i = -log(-log u_i) of the counter-based uniforms
+    # (``fused_ops.gumbel_from_hash``), an exact draw from softmax(x / T); one pass of the split-row argmax kernel
     floor = None
     if p.kind == "filter":  # one sort for the thresholds; no pass over [B, V] after it but the race itself
         # sorted in their own dtype (16-bit keys sort faster; the values are the same), read as fp32 after
