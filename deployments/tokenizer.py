@@ -33,25 +33,54 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def _decode_stream_factory(tokenizer):
+    """A maker of ``tokenizers.decoders.DecodeStream`` over the fast tokenizer's own pipeline, or None where it does
+    not decode as ``tokenizer.decode`` does (a slow tokenizer, or one that asks for transformers' clean-up of
+    spaces) or the installed tokenizers predates it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    return backend, functools.partial(DecodeStream, skip_special_tokens=True)
+
+
 class Detokenizer:
-    """Turns a growing list of token ids into text deltas in O(new tokens) per step: only a short window of ids is
-    decoded again (the tokens read last step give the new ones context, so a byte-level token boundary or an
-    incomplete UTF-8 sequence resolves), and only the text not yet emitted is searched for stop strings. Text that
-    could be the start of a stop string is held back until decided; a matched stop string ends the text before it.
+    """Turns a growing list of token ids into text deltas in O(new tokens) per step, and finds stop strings. Only
+    the text not yet emitted is searched for stop strings. Text that could be the start of a stop string is held back
+    until decided; a matched stop string ends the text before it.
+
+    New text comes from the tokenizers library's ``DecodeStream`` (one call per token into Rust, which keeps the few
+    ids a byte-level token boundary or an incomplete UTF-8 sequence needs). Where that does not decode as
+    ``tokenizer.decode`` does, a short window of ids is decoded again each step instead (the tokens read last step
+    give the new ones context). At the end, ids that never completed a character are decoded as ``decode`` would,
+    with replacement characters, so the deltas always add up to the full decode.
 
     Nothing emitted can contain the start of a match: the longest suffix of the text that begins a stop string is
     always held back, so a later match starts in the held-back text or after it."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    FLUSH_CONTEXT = 8  # ids decoded before the pending ones when a stream's incomplete tail is flushed
+
+    def __init__(self, tokenizer, stop: list[str], stream: bool = True):
         self.tokenizer = tokenizer
-        # the fast tokenizer's own decoder, without transformers' per-call wrapping (half of a step's host time at
-        # 96 requests); transformers' decode adds only the clean-up of spaces, which this tokenizer does not ask for
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self._decode = functools.partial(backend.decode, skip_special_tokens=True)
+        factory = _decode_stream_factory(tokenizer) if stream else None
+        if factory is not None:
+            self._backend, make_stream = factory
+            self._stream = make_stream()
+            self._ids: list[int] = []  # every id pushed (the final flush decodes the last few again)
+            self._pending = 0  # trailing ids the stream has not turned into text yet
+        else:
+            self._stream = None
+            # the fast tokenizer's own decoder, without transformers' per-call wrapping (half of a step's host time
+            # at 96 requests); transformers' decode adds only the clean-up of spaces, which this one does not ask for
+            backend = getattr(tokenizer, "backend_tokenizer", None)
+            if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+                self._decode = functools.partial(backend.decode, skip_special_tokens=True)
+            self._window: list[int] = []  # the ids decoding restarts from: last step's read tokens, then the unread
+            self._read = 0  # window[:_read] is decoded text already; window[_read:] is not yet
         self.stop = [s for s in stop if s]
-        self._window: list[int] = []  # the ids decoding restarts from: last step's read tokens, then the unread
-        self._read = 0  # window[:_read] is decoded text already; window[_read:] is not yet
         self._unsent = ""  # decoded but not emitted (held back: it may begin a stop string)
         self._sent: list[str] = []  # the emitted deltas
 
@@ -73,17 +102,40 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
-        """Add tokens; returns (new text, whether a stop string was hit)."""
+    def _stream_text(self, new_ids: list[int], final: bool) -> str:
+        step, backend, pending = self._stream.step, self._backend, self._pending
+        chunks = []
+        for i in new_ids:
+            chunk = step(backend, i)
+            if chunk is None:
+                pending += 1
+            else:
+                chunks.append(chunk)
+                pending = 0
+        self._ids += new_ids
+        if final and pending:  # the ids of an unfinished character: decode them as the full decode would
+            ctx = self._ids[-(pending + self.FLUSH_CONTEXT):]
+            before, after = self._decode(ctx[:-pending]), self._decode(ctx)
+            chunks.append(after[len(before):])
+            pending = 0
+        self._pending = pending
+        return "".join(chunks)
+
+    def _window_text(self, new_ids: list[int], final: bool) -> str:
         window = self._window
         window.extend(new_ids)
         before = self._decode(window[: self._read]) if self._read else ""
         after = self._decode(window)
         if len(after) > len(before) and (final or not after.endswith("\ufffd")):
-            self._unsent += after[len(before):]
             self._window = window[self._read:]  # the tokens read now are the next window's context
             self._read = len(self._window)
-        unsent, hit = self._unsent, False
+            return after[len(before):]
+        return ""
+
+    def push(self, new_ids: list[int], final: bool) -> tuple[str, bool]:
+        """Add tokens; returns (new text, whether a stop string was hit)."""
+        new_text = self._stream_text(new_ids, final) if self._stream is not None else self._window_text(new_ids, final)
+        unsent, hit = self._unsent + new_text if new_text else self._unsent, False
         if self.stop:
             hits = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
             if hits:

@@ -327,9 +327,11 @@ def test_a_failing_step_fails_only_its_requests(tiny_models):
         assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
 
 
-def test_incremental_detokenizer_matches_full_decode():
+@pytest.mark.parametrize("stream", [True, False], ids=["decode_stream", "window"])
+def test_incremental_detokenizer_matches_full_decode(stream):
     """Deltas from any chunking (1-5 tokens, splitting multi-byte characters) add up to the full decode, and a stop
-    string cuts the text right before it."""
+    string cuts the text right before it; with the tokenizers library's DecodeStream (the default) and with the
+    window of ids decoded again (its fallback)."""
     import random
 
     from deployments.tokenizer import Detokenizer, load_tokenizer
@@ -338,16 +340,25 @@ def test_incremental_detokenizer_matches_full_decode():
     text = (ROOT / "deployments" / "scheduler.py").read_text()[:2000] + "héllo wörld — ünïcode ✓ 日本語 🙂 end"
     ids = tok(text).input_ids
     full = tok.decode(ids, skip_special_tokens=True)
-    assert Detokenizer(tok, [])._decode.func == tok.backend_tokenizer.decode  # the fast path, checked against decode
+    if stream:
+        assert Detokenizer(tok, [])._stream is not None
+    else:  # the fast path, checked against decode
+        assert Detokenizer(tok, [], stream=False)._decode.func == tok.backend_tokenizer.decode
     rng = random.Random(0)
     for _ in range(10):
-        d, out, i = Detokenizer(tok, []), "", 0
+        d, out, i = Detokenizer(tok, [], stream), "", 0
         while i < len(ids):
             n = rng.randint(1, 5)
             delta, _ = d.push(ids[i:i + n], final=i + n >= len(ids))
             out, i = out + delta, i + n
         assert out == full
-    d, out = Detokenizer(tok, ["OutOfPages"]), ""
+    # a text that ends inside a multi-byte character: the final push emits what decode gives (replacement chars)
+    emoji = tok("ab 🙂", add_special_tokens=False).input_ids
+    cut = next(k for k in range(len(emoji) - 1, 0, -1) if "\ufffd" in tok.decode(emoji[:k]))
+    d = Detokenizer(tok, [], stream)
+    out = "".join(d.push([t], final=j == cut - 1)[0] for j, t in enumerate(emoji[:cut]))
+    assert out == tok.decode(emoji[:cut], skip_special_tokens=True) and "\ufffd" in out
+    d, out = Detokenizer(tok, ["OutOfPages"], stream), ""
     for j in range(0, len(ids), 3):
         delta, hit = d.push(ids[j:j + 3], final=False)
         out += delta
@@ -360,14 +371,14 @@ def test_incremental_detokenizer_matches_full_decode():
         a = rng.randrange(100, len(full) - 40)
         stops = [full[a:a + rng.randint(2, 12)], full[rng.randrange(len(full) - 5):][:4] + "\u2603", "never here"]
         first = min(i for i in (full.find(s) for s in stops) if i >= 0)
-        d, out, i, hit = Detokenizer(tok, stops), "", 0, False
+        d, out, i, hit = Detokenizer(tok, stops, stream), "", 0, False
         while i < len(ids) and not hit:
             n = rng.randint(1, 4)
             delta, hit = d.push(ids[i:i + n], final=i + n >= len(ids))
             out, i = out + delta, i + n
-            assert len(d._window) <= 16 and len(d._unsent) <= 16
+            assert len(d._unsent) <= 16 and (stream or len(d._window) <= 16)
         assert hit and out == full[:first] == d.text, (trial, stops)
-    d, out = Detokenizer(tok, ["never here", "end!"]), ""
+    d, out = Detokenizer(tok, ["never here", "end!"], stream), ""
     for i in range(len(ids)):
         delta, hit = d.push(ids[i:i + 1], final=i == len(ids) - 1)
         out += delta
