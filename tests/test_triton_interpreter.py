@@ -99,3 +99,52 @@ def test_split_kv_kernel_reads_a_page_major_cache_as_the_token_major_one():
     res = subprocess.run([sys.executable, "-c", PAGE_MAJOR_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "layouts equal" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+IN_KERNEL_MERGE_CHECK = """
+import torch
+from attention.base import AttentionLayerSpec
+from attention.triton_backend import TritonBackend
+from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.kv_cache import KVCache, PageTable
+
+torch.manual_seed(0)
+page, kv_heads, dim, heads = 4, 2, 16, 6  # GROUP 3: merge rows padded to 4
+lens = [3, 150, 97, 40]  # one active split, many, some; the fill gives more splits than the short ones use
+bs, pages_per = len(lens), 40
+kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.float32, "cpu")
+kv.k[0].normal_()
+kv.v[0].normal_()
+table = PageTable(bs, pages_per, page, "cpu")
+table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
+fb = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(bs, dtype=torch.int64), list(range(bs)), lens, [1] * bs, kv,
+                        table)
+layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim ** -0.5)
+be = TritonBackend()
+be.min_chunk = 16
+outs = {}
+for merge in (False, True, True):
+    q = torch.randn(bs, heads, dim) if merge is False else q
+    be.in_kernel_merge = merge
+    be.init_forward_metadata(fb)
+    outs.setdefault(merge, []).append(be._run(q, layer, fb, decode_style=True))
+    if merge:
+        assert be._arrival_counts is not None and int(be._arrival_counts.abs().sum()) == 0, "counters not reset"
+splits = be._decode_splits(*be._decode_launch(bs, 16)[:1], bs, kv_heads, 1)
+assert splits >= 4, splits  # the 3-position request uses one of them, the 150-position one several
+ref = outs[False][0]
+for got in outs[True]:
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6), (got - ref).abs().max()
+assert ref.abs().sum() > 0
+print("in-kernel merge equal")
+"""
+
+
+def test_decode_merges_its_splits_in_the_split_kernel():
+    """A decode launch merges its KV splits in the split kernel (the last split of each request and KV head to
+    finish): the same outputs as the separate merge kernel for a lone active split, several, and many, twice in a
+    row (each launch leaves its arrival counters at zero)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", IN_KERNEL_MERGE_CHECK], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and "in-kernel merge equal" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
