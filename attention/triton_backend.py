@@ -3,10 +3,7 @@
 A program owns (request, block of query rows, KV head, KV split). Query rows are the request's new tokens times the
 GQA group, packed so each K/V tile is read once per KV head for the whole group. KV is walked through the page
 table; the mask is causal in storage positions, with a per-row bitmask over the speculative block (the last L ≤ 64
-positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges;
-a decode launch (one query token per request) merges them in the split kernel instead: the last split of a (request,
-KV head) to finish, counted with one atomic per program, reads the others' partials. A lone split writes the output
-itself (one-split launches; in a decode launch, a sequence no longer than one split).
+positions: verify tree / draft scratch area). Splits write partial (output, log-sum-exp) that a second kernel merges.
 
 DECODE / TARGET_VERIFY (decode family) run with many KV splits and few query rows; EXTEND / DRAFT_EXTEND (prefill
 family) with query tiles and one split, except a DRAFT_EXTEND of the same few tokens for every request (a
@@ -31,13 +28,12 @@ from workers.forward_batch import ForwardBatch, ForwardMode
 
 @triton.jit
 def _split_kv_attention(
-    Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE, Out, Arrivals,
-    scale, page_size, tree_len, num_splits, min_chunk, num_kv_heads,
+    Q, K, V, PageTable, ReqSlots, SeqLens, ExtLens, ExtStart, TreeBits, PartO, PartLSE,
+    scale, page_size, tree_len, num_splits, min_chunk,
     stride_qt, stride_qh, stride_kp, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
-    stride_pl_r, stride_pl_h, stride_or, stride_oh,
+    stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, IEEE: tl.constexpr, IN_KERNEL_MERGE: tl.constexpr, MERGE_ROWS: tl.constexpr,
-    MERGE_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
 ):
     b = tl.program_id(0)
     qblock = tl.program_id(1)
@@ -61,13 +57,9 @@ def _split_kv_attention(
     # this split's KV range, from the device sequence length (whole BLOCK_N tiles)
     chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
     kv_lo = split * chunk
+    kv_hi = tl.minimum(kv_lo + chunk, seq_len)
     # causal: nothing past the last query row's position is ever visible
-    kv_end = tl.minimum(seq_len, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
-    kv_hi = tl.minimum(kv_lo + chunk, kv_end)
-    n_active = tl.maximum(tl.cdiv(kv_end, chunk), 1)  # splits with positions to read (split 0 always counts)
-    if IN_KERNEL_MERGE:
-        if split >= n_active:  # past a short sequence: nothing to read, nothing to merge
-            return
+    kv_hi = tl.minimum(kv_hi, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -105,56 +97,9 @@ def _split_kv_attention(
     out_row = tok0 + q_idx
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if IN_KERNEL_MERGE:
-        if n_active == 1:  # the only split: the output itself
-            tl.store(Out + out_row[:, None] * stride_or + head[:, None] * stride_oh + d[None, :],
-                     o.to(Out.dtype.element_ty), mask=row_ok[:, None])
-            return
     tl.store(PartO + out_row[:, None] * stride_po_r + head[:, None] * stride_po_h + split * stride_po_s + d[None, :],
              o, mask=row_ok[:, None])
     tl.store(PartLSE + out_row * stride_pl_r + head * stride_pl_h + split, lse, mask=row_ok)
-    if IN_KERNEL_MERGE:
-        # the last of the (request, query block, KV head)'s active splits to finish merges them all: every thread's
-        # partial stores precede one release-acquire arrival; the counter goes back to 0 for the next launch
-        tl.debug_barrier()
-        arrivals = Arrivals + (b * tl.num_programs(1) + qblock) * num_kv_heads + kv_head
-        if tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == n_active - 1:
-            tl.store(arrivals, 0)
-            _merge_rows(PartO, PartLSE, Out, tok0, kv_head, n_active, stride_po_r, stride_po_h, stride_po_s,
-                        stride_pl_r, stride_pl_h, stride_or, stride_oh, GROUP, HEAD_DIM, MERGE_ROWS, MERGE_SPLITS,
-                        MERGE_CHUNK)
-
-
-@triton.jit
-def _merge_rows(PartO, PartLSE, Out, tok0, kv_head, n_active, stride_po_r, stride_po_h, stride_po_s, stride_pl_r,
-                stride_pl_h, stride_or, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """Merge the partials of one token's GROUP query heads over its ``n_active`` splits (the in-kernel merge of a
-    decode launch). Loads skip L1 (``.cg``): other SMs wrote the partials, and this SM may hold stale lines of the
-    same buffer from an earlier layer."""
-    g = tl.arange(0, MERGE_ROWS)
-    g_ok = g < GROUP
-    head = kv_head * GROUP + g
-    sp = tl.arange(0, MERGE_SPLITS)
-    lse = tl.load(PartLSE + tok0 * stride_pl_r + head[:, None] * stride_pl_h + sp[None, :],
-                  mask=g_ok[:, None] & (sp < n_active)[None, :], other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.sum(tl.exp(lse - m[:, None]), 1)
-    d = tl.arange(0, HEAD_DIM)
-    c = tl.arange(0, MERGE_CHUNK)
-    acc = tl.zeros([MERGE_ROWS, HEAD_DIM], tl.float32)
-    for s0 in range(0, n_active, MERGE_CHUNK):
-        s = s0 + c
-        ok = g_ok[:, None] & (s < n_active)[None, :]
-        w = tl.exp(tl.load(PartLSE + tok0 * stride_pl_r + head[:, None] * stride_pl_h + s[None, :], mask=ok,
-                           other=float("-inf"), cache_modifier=".cg") - m[:, None])
-        o = tl.load(PartO + tok0 * stride_po_r + head[:, None, None] * stride_po_h + s[None, :, None] * stride_po_s
-                    + d[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], 1)
-    out = acc / tl.maximum(denom, 1e-30)[:, None]
-    tl.store(Out + tok0 * stride_or + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
-             mask=g_ok[:, None])
 
 
 @triton.jit
@@ -206,9 +151,6 @@ class TritonBackend(AttentionBackend):
     # (0.135 vs 0.095 ms at 50k, 8 draft tokens); many requests fill the GPU by themselves and stream long tiles.
     decode_launch: tuple[tuple[int, int, int, int], ...] = (
         (1, 16, 4, 32), (1, 64, 2, 128), (4, 64, 8, 128), (8, 64, 1, 128), (32, 64, 1, 128))
-    # a decode launch (one query token per request) merges its KV splits inside the split kernel instead of in a
-    # second kernel (bench/results/in_kernel_merge_h100.md)
-    in_kernel_merge = True
     block_n = 128  # KV positions per tile of the prefill family (16-bit KV)
     block_n_fp32 = 64  # fp32 tiles are twice the bytes: 128 would not fit the shared memory with 3 stages
     num_warps = 4
@@ -222,7 +164,6 @@ class TritonBackend(AttentionBackend):
         # shared memory a program may use (H100: 227 KB; A100: 163 KB; L40S / RTX 4090: 99 KB)
         self._smem = (getattr(props, "shared_memory_per_block_optin", 0) if props else 0) or 227 * 1024
         self._meta: dict = {}
-        self._arrival_counts: torch.Tensor | None = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Tree bits and launch shape, once per forward for all layers. Nothing here reads a sequence length on the
@@ -264,14 +205,6 @@ class TritonBackend(AttentionBackend):
             block_n //= 2
         return block_n
 
-    def _arrivals(self, n: int, device) -> torch.Tensor:
-        """Per (request, query block, KV head) counters of finished splits for the in-kernel merge: zeros that each
-        launch leaves at zero. Grown outside CUDA-graph capture (a capture's warm-up runs first, at the same shape)."""
-        buf = self._arrival_counts
-        if buf is None or buf.numel() < n or buf.device != torch.device(device):
-            buf = self._arrival_counts = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        return buf
-
     def _decode_launch(self, batch: int, rows: int) -> tuple[int, int]:
         """(programs per SM, KV tile) of the decode family for this batch size and query rows per program."""
         return next(((pps, bn) for max_batch, max_rows, pps, bn in self.decode_launch
@@ -293,20 +226,8 @@ class TritonBackend(AttentionBackend):
         else:
             block_n, splits = self.block_n, 1
         t = q.shape[0]
-        out = torch.empty_like(q)
-        # one split writes the output itself; a decode launch (one token per request) merges its splits in the kernel
-        # (the last split of each (request, KV head) to finish); otherwise a second kernel merges them
-        in_kernel_merge = splits == 1 or (decode_style and m["n_max"] == 1 and self.in_kernel_merge)
-        if splits == 1:
-            part_o = part_lse = out.new_empty(1, dtype=torch.float32)  # never written
-        else:
-            part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
-            part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
-        po_strides = part_o.stride()[:3] if splits > 1 else (0, 0, 0)
-        pl_strides = part_lse.stride()[:2] if splits > 1 else (0, 0)
-        arrivals = self._arrivals(fb.batch_size * num_qblocks * layer.num_kv_heads, q.device)
-        merge_rows = triton.next_power_of_2(group)
-        merge_splits = triton.next_power_of_2(splits)
+        part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
         k_cache, v_cache = fb.kv_cache.k[layer.layer_id], fb.kv_cache.v[layer.layer_id]
         page_size = fb.page_table.page_size
         if k_cache.stride() != v_cache.stride():
@@ -316,24 +237,23 @@ class TritonBackend(AttentionBackend):
         else:  # [slots, kv heads, dim] (KVCache): a token's heads together
             stride_kp, stride_kh, stride_kn = page_size * k_cache.stride(0), k_cache.stride(1), k_cache.stride(0)
         table = fb.page_table.table
-        bits = m["bits"] if m["bits"] is not None else arrivals  # unused when HAS_TREE is False
+        bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
         _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
             q, k_cache, v_cache, table, fb.req_slots, fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o,
-            part_lse, out, arrivals, layer.scaling, page_size, m["tree_len"], splits, self.min_chunk,
-            layer.num_kv_heads, q.stride(0), q.stride(1), stride_kp, stride_kn, stride_kh, table.stride(0),
-            *po_strides, *pl_strides, out.stride(0), out.stride(1),
+            part_lse, layer.scaling, page_size, m["tree_len"], splits, self.min_chunk,
+            q.stride(0), q.stride(1), stride_kp, stride_kn, stride_kh, table.stride(0),
+            part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
             BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
-            HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, IN_KERNEL_MERGE=in_kernel_merge,
-            MERGE_ROWS=merge_rows, MERGE_SPLITS=merge_splits,
-            MERGE_CHUNK=max(1, min(merge_splits, 8192 // (merge_rows * layer.head_dim))),
-            num_warps=self.num_warps, num_stages=self.num_stages,
+            HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
+            num_stages=self.num_stages,
         )
-        if not in_kernel_merge:
-            _merge_splits[(t, layer.num_heads)](
-                part_o, part_lse, out, splits, *po_strides, *pl_strides, out.stride(0), out.stride(1),
-                HEAD_DIM=layer.head_dim, SPLITS_P2=merge_splits,
-            )
+        out = torch.empty_like(q)
+        _merge_splits[(t, layer.num_heads)](
+            part_o, part_lse, out, splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
+            part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=layer.head_dim,
+            SPLITS_P2=triton.next_power_of_2(splits),
+        )
         return out
 
     # a DRAFT_EXTEND where every request extends by the same few tokens at the end of its context (a speculative

@@ -466,9 +466,7 @@ class Suite:
                  "", f"device: {r['device']} · commit: {r['commit']} · command: `{r['command']}`", "",
                  f"prompt {r['prompt_len']} tokens, {r['new_tokens']} new tokens, "
                  + ("greedy unless a table says otherwise, " if "sampling" in r else "greedy, ")
-                 + (("Triton attention" + (", decode splits merged by the separate merge kernel (A/B run)"
-                                           if r.get("attention_merge") == "kernel" else "") + ".")
-                    if self.dev == "cuda" else "torch-native attention.")]
+                 + ("Triton attention." if self.dev == "cuda" else "torch-native attention.")]
         if r.get("note"):
             lines += ["", f"**{r['note']}**"]
         b = r.get("bs1", {})
@@ -572,9 +570,6 @@ def main() -> None:
     ap.add_argument("--draft-shape", default=None, help="standalone draft shape (default: DRAFT_SHAPES[shape])")
     ap.add_argument("--draft-ckpt", default=None, help="default: /tmp/<draft shape>-random (written if missing)")
     ap.add_argument("--hf-repeats", type=int, default=3, help="timed calls per length, static+compile (median)")
-    ap.add_argument("--attention-merge", default="in_kernel", choices=["in_kernel", "kernel"],
-                    help="A/B knob: how a decode launch of the Triton attention merges its KV splits (in the split "
-                         "kernel, the default, or in the separate merge kernel)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
@@ -603,11 +598,6 @@ def main() -> None:
         write_checkpoint(suite.ckpt, args.shape)
         print(f"checkpoint written in {time.time() - t0:.0f}s", flush=True)
     suite.vocab = json.loads((suite.ckpt / "config.json").read_text())["vocab_size"]
-    if args.attention_merge != "in_kernel":
-        from attention.triton_backend import TritonBackend
-
-        TritonBackend.in_kernel_merge = False  # this benchmark process only
-    suite.results["attention_merge"] = args.attention_merge
     try:
         if "bs1" in parts:
             suite.bs1_floor()

@@ -168,19 +168,6 @@ def page_major_timing(backend, layer, fb: ForwardBatch, q: torch.Tensor, out_tok
     return {"decode_style_page_major_graph_ms": round(ms, 4), "page_major_output_equal": same}
 
 
-def merge_kernel_timing(backend, layer, fb: ForwardBatch, q: torch.Tensor, out_in_kernel: torch.Tensor) -> dict:
-    """The decode-style launch of a 1-token batch with the separate merge kernel (``in_kernel_merge`` off), replayed
-    from a CUDA graph, and how far its output is from the in-kernel merge's."""
-    backend.in_kernel_merge = False
-    try:
-        backend.init_forward_metadata(fb)
-        ms = graph_ms(lambda: backend.forward(q, None, None, layer, fb))
-        diff = float((backend.forward(q, None, None, layer, fb).float() - out_in_kernel.float()).abs().max())
-    finally:
-        backend.in_kernel_merge = True
-    return {"decode_style_merge_kernel_graph_ms": round(ms, 4), "max_abs_diff_merge_kernel": diff}
-
-
 def main() -> None:
     import triton.testing
 
@@ -197,9 +184,6 @@ def main() -> None:
     ap.add_argument("--page-major", action="store_true",
                     help="also time the decode-style launch on a copy of the KV laid out [pages, kv heads, page size, "
                          "dim] (each head's tokens of a page contiguous) instead of KVCache's [slots, kv heads, dim]")
-    ap.add_argument("--merge-ab", action="store_true",
-                    help="for 1-token rows (decode) also time the decode-style launch with its splits merged by the "
-                         "separate merge kernel instead of inside the split kernel")
     ap.add_argument("--sweep-short", action="store_true",
                     help="only: sweep the bs=1 launch at short contexts (sweep_short_contexts) into <out>.json")
     args = ap.parse_args()
@@ -241,7 +225,6 @@ def main() -> None:
                 out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
                 out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
                 page_major = page_major_timing(decode, layer, fb, q, out_d) if args.page_major else {}
-                merge_ab = merge_kernel_timing(decode, layer, fb, q, out_d) if args.merge_ab and nd == 1 else {}
                 kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
                 floor_ms = kv_bytes / bw * 1e3
                 rows.append({"context": ctx, "batch_size": bs, "draft_tokens": nd,
@@ -256,11 +239,7 @@ def main() -> None:
                                                                      / res["decode_style_graph"], 2),
                              "decode_style_graph_vs_floor": round(res["decode_style_graph"] / floor_ms, 2),
                              "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max()),
-                             **page_major, **merge_ab})
-                if merge_ab:
-                    merge_ab["in_kernel_merge_speedup"] = round(merge_ab["decode_style_merge_kernel_graph_ms"]
-                                                                / res["decode_style_graph"], 3)
-                    rows[-1].update(merge_ab)
+                             **page_major})
                 if page_major:
                     rows[-1]["page_major_graph_vs_floor"] = round(page_major["decode_style_page_major_graph_ms"]
                                                                   / floor_ms, 2)
@@ -288,18 +267,14 @@ def report(meta: dict, out: Path) -> None:
           "| context | bs | draft tokens | KV floor | decode-style graph | prefill-style graph | speedup | vs floor | "
           "decode-style eager | prefill-style eager | speedup | vs floor |" + (pm_head := (
               " page-major KV: decode-style graph | vs floor | equal |" if any(
-                  "decode_style_page_major_graph_ms" in r for r in rows) else ""))
-          + (mk_head := (" merge kernel: decode-style graph | in-kernel merge speedup | max abs diff |" if any(
-              "decode_style_merge_kernel_graph_ms" in r for r in rows) else "")),
-          "|---" * (12 + pm_head.count("|") + mk_head.count("|")) + "|"]
+                  "decode_style_page_major_graph_ms" in r for r in rows) else "")),
+          "|---" * (12 + pm_head.count("|")) + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['kv_read_floor_ms']} | "
            f"{r['decode_style_graph_ms']} | {r['prefill_style_graph_ms']} | {r['graph_speedup_vs_prefill_style']}x | "
            f"**{r['decode_style_graph_vs_floor']}x** | {r['decode_style_ms']} | {r['prefill_style_ms']} | "
            f"{r['speedup_vs_prefill_style']}x | {r['decode_style_vs_floor']}x |"
            + (f" {r.get('decode_style_page_major_graph_ms', '')} | {r.get('page_major_graph_vs_floor', '')}x | "
-              f"{r.get('page_major_output_equal', '')} |" if pm_head else "")
-           + (f" {r.get('decode_style_merge_kernel_graph_ms', '')} | {r.get('in_kernel_merge_speedup', '')} | "
-              f"{r.get('max_abs_diff_merge_kernel', '')} |" if mk_head else "") for r in rows]
+              f"{r.get('page_major_output_equal', '')} |" if pm_head else "") for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         import matplotlib
