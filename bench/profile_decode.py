@@ -172,8 +172,10 @@ def timeline_summary(ks: list[tuple[str, float, float]], steps: int) -> dict:
             "kernels_per_step": round(len(ks) / steps, 1), "kernels": kernels}
 
 
-def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
-    """The bs=1 decode graph replayed back to back, and (``head``) bs=1 speculative engine steps, under the profiler."""
+def graph_profile(ckpt: str, head: str | None, steps: int, later_tokens: int = 0) -> dict:
+    """The bs=1 decode graph replayed back to back, and (``head``) bs=1 speculative engine steps, under the profiler.
+    ``later_tokens``: also profile engine steps (no-spec and, with ``head``, speculative) once the request has
+    generated that many more tokens (what grows with the context)."""
     from torch.profiler import ProfilerActivity, profile
 
     from deployments.config import EngineConfig, SpeculativeConfig
@@ -185,8 +187,8 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
                                   cuda_graph_max_bs=8, prefill_attention_backend="triton",
                                   decode_attention_backend="triton", gpu_memory_utilization=0.5,
                                   speculative_config=spec))
-        eng.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=4 * steps + 64, temperature=0.0,
-                                                                ignore_eos=True))
+        eng.add_request(list(range(1000, 1128)), SamplingParams(max_tokens=8 * steps + 64 + later_tokens,
+                                                                temperature=0.0, ignore_eos=True))
         for _ in range(8):
             eng.step()
         return eng
@@ -203,6 +205,24 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
         gc.collect()
         torch.cuda.empty_cache()
 
+    def context(eng) -> int:
+        req = next(iter(eng.scheduler.running))
+        return req.num_tokens
+
+    def engine_steps_at_two_contexts(eng, name: str, out: dict) -> None:
+        """Engine steps now and ``later_tokens`` tokens later, each with the request's context."""
+        at = {}
+        for label in ("now", "later"):
+            if label == "later":
+                target = context(eng) + later_tokens
+                while context(eng) < target:
+                    eng.step()
+            ctx = context(eng)
+            at[label] = {"context": ctx, **timeline_summary(timeline(eng.step), steps)}
+        out[f"{name}_engine_steps_by_context"] = at
+        print(name, {k: (v["context"], v["wall_us_per_step"], v["busy_us_per_step"]) for k, v in at.items()},
+              flush=True)
+
     out = {}
     eng = decoding_engine()
     graph = eng.executor.worker.graphs.graphs[("decode", 1, "greedy", False)][0]
@@ -213,6 +233,8 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
                                           "gap_before_us": round(s - (first[i - 1][2] if i else s), 2)}
                                          for i, (n, s, e) in enumerate(first)]
     print(json.dumps(out, indent=1), flush=True)
+    if later_tokens:
+        engine_steps_at_two_contexts(eng, "decode", out)
     del graph, eng
     release()
     if head:
@@ -220,9 +242,13 @@ def graph_profile(ckpt: str, head: str | None, steps: int) -> dict:
                                                 simulated_accept_length=3.0))
         out["eagle3_chain3_engine_steps"] = timeline_summary(timeline(eng.step), steps)
         print(json.dumps(out["eagle3_chain3_engine_steps"], indent=1), flush=True)
+        if later_tokens:
+            engine_steps_at_two_contexts(eng, "eagle3_chain3", out)
         del eng
         release()
     return out
+
+
 
 
 def main() -> None:
@@ -234,6 +260,8 @@ def main() -> None:
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     ap.add_argument("--graphs", action="store_true", help="profile the bs=1 CUDA graphs instead (see the docstring)")
     ap.add_argument("--head", help="with --graphs: an EAGLE-3 head for the speculative rounds")
+    ap.add_argument("--later-tokens", type=int, default=0,
+                    help="with --graphs: also profile engine steps this many generated tokens later")
     args = ap.parse_args()
     if args.report_only:
         res = json.loads(Path(args.out + ".json").read_text())
@@ -244,7 +272,7 @@ def main() -> None:
         ap.error("--ckpt is required (except with --report-only)")
     if args.graphs:
         res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
-               **graph_profile(args.ckpt, args.head, args.steps)}
+               **graph_profile(args.ckpt, args.head, args.steps, args.later_tokens)}
         Path(args.out + ".json").write_text(json.dumps(res, indent=2))
         return
     cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
