@@ -201,8 +201,8 @@ class EagleProposer(_ModelProposer):
     def _draft_forward(self, fb, features):
         hidden, feat = self.runner.forward(fb, features=features)
         with torch.inference_mode():
-            logits, d2t = self.head.compute_logits(hidden[fb.logits_indices])
-        return (self._draft_scores(logits), d2t), feat[fb.logits_indices]
+            logits, d2t = self.head.compute_logits(fb.logits_rows(hidden))
+        return (self._draft_scores(logits), d2t), fb.logits_rows(feat)
 
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
         ids, vals = self._topk(logp, d2t)
@@ -240,7 +240,7 @@ class EagleProposer(_ModelProposer):
         rows = torch.arange(b, device=m.device) * s1 + verdict.accept_len
         fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), inp,
                          shift_lens(inp.seq_lens, s1 - 1), s1, positions)
-        fb.logits_indices = rows
+        fb.logits_indices, fb.logits_all_tokens = rows, False
         (logp, d2t), feat = self._draft_forward(fb, feats)
         self._save_state(fb.req_slots, logp, d2t, feat)
 
@@ -270,7 +270,7 @@ class DraftModelProposer(_ModelProposer):
 
     def _draft_forward(self, fb, features):
         hidden = self.runner.forward(fb)
-        logits = self.runner.logits(hidden[fb.logits_indices])
+        logits = self.runner.logits(fb.logits_rows(hidden))
         return (self._draft_scores(logits), None), None
 
     def after_extend(self, step, fb, features, sampled):

@@ -45,6 +45,8 @@ def check() -> None:
     assert torch.allclose(rms_norm(strided, torch.ones(96), 1e-6), rms_norm_reference(strided, torch.ones(96), 1e-6),
                           atol=1e-5)
     check_small_m_linear(g)
+    check_uniform_token_metadata(g)
+    check_overlap_step_inputs(g)
     check_store_kv_and_argmax(g)
     print("fused ops ok")
 
@@ -85,6 +87,17 @@ def check_store_kv_and_argmax(g) -> None:
             assert torch.allclose(q_rot.float(), rope_reference(q, ang.cos(), ang.sin()).float(), atol=1e-5,
                                   rtol=1e-2)
             assert kc[[i for i in range(16) if i not in slots.tolist()]].abs().sum() == 0  # other slots untouched
+            # the whole tables with each token's position: the kernel reads the rows itself, bit for bit the same
+            table = torch.rand(40, 8, generator=g) * 6
+            pos = torch.tensor([3, 39, 0, 17, 3])
+            kt, vt = torch.zeros_like(kc), torch.zeros_like(vc)
+            q_tab = apply_rope_store_kv(q, k, v, table.cos(), table.sin(), kt, vt, slots, positions=pos)
+            kg, vg = torch.zeros_like(kc), torch.zeros_like(vc)
+            q_gat = apply_rope_store_kv(q, k, v, table.cos()[pos], table.sin()[pos], kg, vg, slots)
+            assert torch.equal(q_tab, q_gat) and torch.equal(kt, kg) and torch.equal(vt, vg), cache_dtype
+            qa, ka = apply_rope_qk(q, k, table.cos(), table.sin(), pos)
+            qb, kb = apply_rope_qk(q, k, table.cos()[pos], table.sin()[pos])
+            assert torch.equal(qa, qb) and torch.equal(ka, kb)
     for b, n in ((3, 50), (2, 5000), (4, 70001)):
         for dtype in (torch.float32, torch.bfloat16):
             logits = (torch.randn(b, n, generator=g) * 4).to(dtype)
@@ -210,6 +223,50 @@ def check_small_m_linear(g) -> None:
     finally:
         sml.small_m_linear = real
     assert sml.row_bucket(1) == 1 and sml.row_bucket(3) == 4 and sml.row_bucket(9) == 16
+
+
+def check_uniform_token_metadata(g) -> None:
+    """The one-kernel token metadata of a uniform batch equals the PyTorch ops it replaces (the interpreter runs the
+    kernel on these CPU tensors), for decode (1 token), verify-sized (4) and odd (5) extends, int64 and int32
+    sequence lengths, pages scattered."""
+    import torch
+
+    from workers import fused_ops
+
+    page, pages_per = 4, 9
+    table = (torch.randperm(6 * pages_per, generator=g) + 1).view(6, pages_per).to(torch.int32)
+    for n, dtype in ((1, torch.int64), (4, torch.int32), (5, torch.int64)):
+        slots = torch.tensor([5, 0, 3], dtype=torch.int64)
+        seq = torch.tensor([n, 17, 33], dtype=dtype)
+        got = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
+        real = fused_ops._triton_for
+        fused_ops._triton_for = lambda x: False
+        try:
+            ref = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
+        finally:
+            fused_ops._triton_for = real
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype and torch.equal(a, b), (n, a, b)
+        pos = torch.cat([torch.arange(s - n, s) for s in seq.tolist()])
+        assert torch.equal(ref[5], table[slots.repeat_interleave(n), pos // page].long() * page + pos % page)
+
+
+def check_overlap_step_inputs(g) -> None:
+    """A replayed step's inputs in one kernel: lengths and counters moved ahead by the step in flight (pending rows
+    only), roots gathered by slot; the same as the PyTorch ops."""
+    import torch
+
+    from workers import fused_ops
+
+    advance, last = torch.randint(1, 5, (40,), generator=g), torch.randint(0, 1000, (40,), generator=g)
+    for b in (1, 7, 33):
+        slots = torch.randperm(40, generator=g)[:b]
+        pending = torch.randint(0, 2, (b,), generator=g)
+        seq, ctr = torch.randint(1, 500, (b,), generator=g), torch.randint(0, 50, (b,), generator=g)
+        got = fused_ops.overlap_step_inputs(slots, pending, seq, ctr, advance, last)
+        ahead = pending * advance[slots]
+        for a, ref in zip(got, (seq + ahead, last[slots], seq + ahead - 1, ctr + ahead)):
+            assert a.dtype == torch.int64 and torch.equal(a, ref), (b, a, ref)
 
 
 def test_fused_ops_match_reference_in_interpreter():

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workers.fused_ops import uniform_token_metadata
 from workers.kv_cache import KVCache, PageTable
 
 
@@ -71,6 +72,7 @@ class ForwardBatch:
     step_index: int = 0
     attn_backend: object | None = None
     capture_hidden: bool = False
+    logits_all_tokens: bool = False  # logits_indices is arange(T) (``logits_rows``)
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
     @property
@@ -80,6 +82,12 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    def logits_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of ``x`` ([T, ...], one per token) that logits are computed for: ``x[logits_indices]``, or ``x``
+        itself when those are every token in order (one token per request, or a draft step's k per request), which
+        saves a gather kernel per forward."""
+        return x if self.logits_all_tokens else x[self.logits_indices]
 
     @property
     def has_tree(self) -> bool:
@@ -107,25 +115,24 @@ class ForwardBatch:
         ids = to_device(input_ids, torch.int64, device)
         t = int(ids.shape[0])
         slots_t = to_device(req_slots, torch.int64, device)
-        seq_t = to_device(seq_lens, torch.int32, device)
-        if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device, so a captured
-            # graph holds no copy from a temporary host buffer that could be reused before a replay; and no
-            # repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
-            b, n = len(extend_lens), extend_lens[0]
-            ext_t = torch.full((b,), n, dtype=torch.int32, device=device)
-            start_t = torch.arange(0, b * n, n, dtype=torch.int32, device=device)
-            tok_req = slots_t.unsqueeze(1).expand(b, n).reshape(-1)
-            storage_pos = ((seq_t - n).unsqueeze(1) + torch.arange(n, device=device)).reshape(-1)
+        if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
+            # the GPU), so a captured graph holds no copy from a temporary host buffer that could be reused before a
+            # replay; and no repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
+            seq_in = seq_lens if isinstance(seq_lens, torch.Tensor) else to_device(seq_lens, torch.int32, device)
+            seq_t, ext_t, start_t, last_t, storage_pos, out_loc = uniform_token_metadata(
+                slots_t, seq_in.to(device), extend_lens[0], page_table.table, page_table.page_size)
         else:
+            seq_t = to_device(seq_lens, torch.int32, device)
             ext_t = to_device(extend_lens, torch.int32, device)
             start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
             tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
             offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
             storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
-        out_loc = page_table.slots(tok_req, storage_pos)
+            out_loc = page_table.slots(tok_req, storage_pos)
+            last_t = (start_t + ext_t - 1).long()
         pos = storage_pos if positions is None else to_device(positions, torch.int64, device)
         if logits_indices is None:  # last token of every request
-            logits_idx = (start_t + ext_t - 1).long()
+            logits_idx = last_t
         else:
             logits_idx = to_device(logits_indices, torch.int64, device)
         return cls(
@@ -144,6 +151,7 @@ class ForwardBatch:
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
             capture_hidden=capture_hidden,
+            logits_all_tokens=logits_indices is None and set(extend_lens) == {1},
         )
 
 
@@ -260,6 +268,6 @@ class DraftSteps:
             logits_indices=logits_idx, kv_cache=kv_cache, page_table=page_table,
             seq_lens_cpu=list(seq_lens_per_step[i]) if on_host else None, extend_lens_cpu=[k] * b,
             tree_bits=bits[i], tree_len=0 if tree_bits is None else tree_prefix + (i + 1) * k,
-            step_metadata=metadata, step_index=i,
+            step_metadata=metadata, step_index=i, logits_all_tokens=True,
         ) for i in range(steps)]
         return cls(stacked, batches, k, tree_bits, tree_prefix, metadata)

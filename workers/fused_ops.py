@@ -68,16 +68,17 @@ if triton is not None:
         tl.store(Out + row * stride_o + cols, (s.to(tl.float32) * u).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rope_qk(Q, K, V, QOut, KOut, VOut, Slots, Cos, Sin, num_q_heads, half,
+    def _rope_qk(Q, K, V, QOut, KOut, VOut, Slots, Cos, Sin, Positions, num_q_heads, half,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
                  stride_kot, stride_koh, stride_vot, stride_voh, stride_ct,
-                 BLOCK: tl.constexpr, TO_CACHE: tl.constexpr):
+                 BLOCK: tl.constexpr, TO_CACHE: tl.constexpr, TABLE_ROWS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
         ok = d < half
-        c = tl.load(Cos + t * stride_ct + d, mask=ok, other=0.0)
-        s = tl.load(Sin + t * stride_ct + d, mask=ok, other=0.0)
+        crow = tl.load(Positions + t).to(tl.int64) if TABLE_ROWS else t  # the token's row of cos / sin
+        c = tl.load(Cos + crow * stride_ct + d, mask=ok, other=0.0)
+        s = tl.load(Sin + crow * stride_ct + d, mask=ok, other=0.0)
         if h < num_q_heads:
             src = Q + t * stride_qt + h * stride_qh
             dst = QOut + t * stride_qot + h * stride_qoh
@@ -133,41 +134,48 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor | None = None):
     """Rotate-half RoPE of q [T, Hq, D] and k [T, Hk, D] (rows may be strided views of a fused qkv); cos/sin
-    [T, D/2] fp32. Returns new contiguous (q, k)."""
+    [T, D/2] fp32, or with ``positions`` [T] the whole tables, read at each token's position (inside the kernel on
+    the GPU: no gather per forward). Returns new contiguous (q, k)."""
     if not _triton_for(q):
+        if positions is not None:
+            cos, sin = cos[positions], sin[positions]
         return rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                    device=k.device)
-    _launch_rope(q, k, k, q_out, k_out, k_out, cos, sin, slots=None)
+    _launch_rope(q, k, k, q_out, k_out, k_out, cos, sin, None, positions)
     return q_out, k_out
 
 
 def apply_rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                        k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                        positions: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE on q and k, and the rotated k and v written to ``k_cache[slots]`` / ``v_cache[slots]`` ([S, Hk, D]):
     one kernel for what ``apply_rope_qk`` + ``store_kv`` do in two (the rotated k is never materialised).
-    Returns the rotated q [T, Hq, D]."""
+    ``positions``: as for ``apply_rope_qk``. Returns the rotated q [T, Hq, D]."""
     if not (_triton_for(q) and _fits_cache(k_cache, v_cache, slots, k, v) and q.dtype == k.dtype):
-        q, k = apply_rope_qk(q, k, cos, sin)
+        q, k = apply_rope_qk(q, k, cos, sin, positions)
         store_kv(k_cache, v_cache, slots, k, v)
         return q
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch_rope(q, k, v, q_out, k_cache, v_cache, cos, sin, slots=slots)
+    _launch_rope(q, k, v, q_out, k_cache, v_cache, cos, sin, slots, positions)
     return q_out
 
 
-def _launch_rope(q, k, v, q_out, k_out, v_out, cos, sin, slots) -> None:
-    """``slots`` None: k_out / v_out are [T, Hk, D] rows (v untouched); else the caches, row = slot."""
+def _launch_rope(q, k, v, q_out, k_out, v_out, cos, sin, slots, positions) -> None:
+    """``slots`` None: k_out / v_out are [T, Hk, D] rows (v untouched); else the caches, row = slot. ``positions``
+    None: cos / sin row t is token t's; else row positions[t] of the tables."""
     t, hq, dim = q.shape
     hk = k.shape[1]
     if t:
-        _rope_qk[(t, hq + hk)](q, k, v, q_out, k_out, v_out, slots if slots is not None else cos, cos, sin, hq,
+        _rope_qk[(t, hq + hk)](q, k, v, q_out, k_out, v_out, slots if slots is not None else cos, cos, sin,
+                               positions if positions is not None else cos, hq,
                                dim // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0),
                                v_out.stride(1), cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2),
-                               TO_CACHE=slots is not None)
+                               TO_CACHE=slots is not None, TABLE_ROWS=positions is not None)
 
 
 # ---- K and V of new tokens into the paged cache, one kernel ------------------------------------------------------
@@ -476,3 +484,86 @@ def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: 
         _filter_floor[(b,)](*args, top_p, min_p, mass, in_k, above_min_p, floor, n, sorted_logits.stride(0), chunk,
                             parts, PARTS_P2=triton.next_power_of_2(parts), BLOCK=block)
     return floor
+
+
+# ---- token metadata of a uniform batch (every request extends by n tokens), one kernel ---------------------------
+if triton is not None:
+
+    @triton.jit
+    def _uniform_tokens(Slots, SeqIn, Table, SeqOut, ExtOut, StartOut, LogitsIdx, StoragePos, OutLoc,
+                        n, page_size, stride_table, N_P2: tl.constexpr):
+        b = tl.program_id(0)
+        slot = tl.load(Slots + b).to(tl.int64)
+        seq = tl.load(SeqIn + b).to(tl.int32)
+        tl.store(SeqOut + b, seq)
+        tl.store(ExtOut + b, n)
+        tl.store(StartOut + b, b * n)
+        tl.store(LogitsIdx + b, (b * n + n - 1).to(tl.int64))
+        j = tl.arange(0, N_P2)
+        ok = j < n
+        pos = (seq - n + j).to(tl.int64)
+        page = tl.load(Table + slot * stride_table + pos // page_size, mask=ok, other=0).to(tl.int64)
+        tl.store(StoragePos + b * n + j, pos, mask=ok)
+        tl.store(OutLoc + b * n + j, page * page_size + pos % page_size, mask=ok)
+
+
+def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, table: torch.Tensor,
+                           page_size: int) -> tuple[torch.Tensor, ...]:
+    """A batch where each of the B requests extends by ``n`` tokens ending at its ``seq_lens``: (seq_lens int32,
+    extend_lens int32 [B] = n, extend_start int32 [B] = b*n, last-token indices int64 [B], storage positions int64
+    [B*n], KV slots int64 [B*n] through the page ``table`` [requests, pages] of request slots ``slots``). One
+    Triton kernel where it runs (the same values as the PyTorch ops below, which it replaces in every forward's
+    metadata), else those ops."""
+    b, device = slots.shape[0], slots.device
+    if not (_triton_for(slots) and b):
+        seq = seq_lens.to(torch.int32)
+        ext = torch.full((b,), n, dtype=torch.int32, device=device)
+        start = torch.arange(0, b * n, n, dtype=torch.int32, device=device)
+        storage_pos = ((seq - n).unsqueeze(1) + torch.arange(n, device=device)).reshape(-1).long()
+        tok_req = slots.long().unsqueeze(1).expand(b, n).reshape(-1)
+        pages = table[tok_req, storage_pos // page_size].long()
+        return seq, ext, start, (start + ext - 1).long(), storage_pos, pages * page_size + storage_pos % page_size
+    seq = torch.empty(b, dtype=torch.int32, device=device)
+    ext, start = torch.empty_like(seq), torch.empty_like(seq)
+    last = torch.empty(b, dtype=torch.int64, device=device)
+    storage_pos = torch.empty(b * n, dtype=torch.int64, device=device)
+    out_loc = torch.empty_like(storage_pos)
+    _uniform_tokens[(b,)](slots, seq_lens, table, seq, ext, start, last, storage_pos, out_loc, n, page_size,
+                          table.stride(0), N_P2=max(1, triton.next_power_of_2(n)))
+    return seq, ext, start, last, storage_pos, out_loc
+
+
+# ---- a replayed step's inputs under the overlap schedule, one kernel ---------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _overlap_inputs(Slots, Pending, SeqLens, Counters, Advance, LastToken, SeqOut, Root, RootPos, CountersOut,
+                        b, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < b
+        slot = tl.load(Slots + i, mask=ok, other=0)
+        ahead = tl.load(Pending + i, mask=ok, other=0) * tl.load(Advance + slot, mask=ok, other=0)
+        seq = tl.load(SeqLens + i, mask=ok, other=0) + ahead
+        tl.store(SeqOut + i, seq, mask=ok)
+        tl.store(RootPos + i, seq - 1, mask=ok)
+        tl.store(Root + i, tl.load(LastToken + slot, mask=ok, other=0), mask=ok)
+        tl.store(CountersOut + i, tl.load(Counters + i, mask=ok, other=0) + ahead, mask=ok)
+
+
+def overlap_step_inputs(slots: torch.Tensor, pending: torch.Tensor, seq_lens: torch.Tensor, counters: torch.Tensor,
+                        advance: torch.Tensor, last_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A step's device inputs from the host's view of it (int64 [B] each): with ``pending`` (the step in flight
+    appends ``advance[slot]`` tokens, 1 or a round's accepted drafts + 1, before this one runs) the sequence length
+    and the sampling counter move ahead by that much. Returns (seq_lens, root token = ``last_token[slot]``, root
+    position = seq_lens - 1, counters). One kernel where Triton runs, else the same PyTorch ops."""
+    if not _triton_for(slots):
+        ahead = pending * advance[slots]
+        seq = seq_lens + ahead
+        return seq, last_token[slots], seq - 1, counters + ahead
+    b = slots.shape[0]
+    seq, root, root_pos, ctr = (torch.empty(b, dtype=torch.int64, device=slots.device) for _ in range(4))
+    if b:
+        block = min(1024, max(16, triton.next_power_of_2(b)))
+        _overlap_inputs[(triton.cdiv(b, block),)](slots, pending, seq_lens, counters, advance, last_token, seq, root,
+                                                  root_pos, ctr, b, BLOCK=block)
+    return seq, root, root_pos, ctr

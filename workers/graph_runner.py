@@ -29,53 +29,58 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 
 class StaticInputs:
-    """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``."""
+    """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``.
+    Field-major ([fields, max_bs]): every column a graph reads is a contiguous view (no copy kernel in the graph),
+    and each step's values arrive in two whole-buffer host→device copies."""
 
     def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device):
         self.pad_slot = pad_slot
-        self.ints = torch.zeros(max_bs, len(INT_FIELDS) + num_draft_cols, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(max_bs, len(FLOAT_FIELDS), dtype=torch.float32, device=device)
+        self.max_bs = max_bs
+        self.ints = torch.zeros(len(INT_FIELDS) + num_draft_cols, max_bs, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(len(FLOAT_FIELDS), max_bs, dtype=torch.float32, device=device)
         self.reset()
 
     def reset(self) -> None:
         """Every row a padding row (graphs are captured on these)."""
-        self._fill_rows(self.ints, self.floats, 0, self.ints.shape[0])
+        self._fill_rows(self.ints, self.floats, 0, self.max_bs)
 
     def _fill_rows(self, ints, floats, lo, hi) -> None:
-        ints[lo:hi] = 0
-        ints[lo:hi, INT_FIELDS.index("req_slots")] = self.pad_slot
-        ints[lo:hi, INT_FIELDS.index("seq_lens")] = 1
-        floats[lo:hi, FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
-        floats[lo:hi, FLOAT_FIELDS.index("temperature")] = 0.0
-        floats[lo:hi, FLOAT_FIELDS.index("min_p")] = 0.0
+        ints[:, lo:hi] = 0
+        ints[INT_FIELDS.index("req_slots"), lo:hi] = self.pad_slot
+        ints[INT_FIELDS.index("seq_lens"), lo:hi] = 1
+        floats[FLOAT_FIELDS.index("top_p"), lo:hi] = 1.0  # greedy (temperature 0), top_p and min_p off
+        floats[FLOAT_FIELDS.index("temperature"), lo:hi] = 0.0
+        floats[FLOAT_FIELDS.index("min_p"), lo:hi] = 0.0
 
     def fill(self, step, bucket: int) -> None:
-        """Copy the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies."""
+        """Write the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies of the
+        whole buffers (a few KB; the columns past ``bucket`` are not read)."""
         b = len(step.req_slots)
         cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters, step.pending or [0] * b]
-        ints = torch.zeros(bucket, self.ints.shape[1], dtype=torch.int64)
-        ints[:b, : len(INT_FIELDS)] = torch.tensor(cols, dtype=torch.int64).T
+        ints = torch.empty(self.ints.shape, dtype=torch.int64)
+        ints[: len(INT_FIELDS), :b] = torch.tensor(cols, dtype=torch.int64)
         if step.draft_tokens is not None:
-            ints[:b, len(INT_FIELDS):] = torch.tensor(step.draft_tokens, dtype=torch.int64)
-        floats = torch.empty(bucket, len(FLOAT_FIELDS), dtype=torch.float32)
-        floats[:b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32).T
+            ints[len(INT_FIELDS):, :b] = torch.tensor(step.draft_tokens, dtype=torch.int64).T
+        floats = torch.empty(self.floats.shape, dtype=torch.float32)
+        floats[:, :b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32)
         self._fill_rows(ints, floats, b, bucket)
         pinned = self.ints.device.type == "cuda"
-        self.ints[:bucket].copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
-        self.floats[:bucket].copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
+        self.ints.copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
+        self.floats.copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
         if name in INT_FIELDS:
-            return self.ints[:bucket, INT_FIELDS.index(name)].contiguous()
-        return self.floats[:bucket, FLOAT_FIELDS.index(name)].contiguous()
+            return self.ints[INT_FIELDS.index(name), :bucket]
+        return self.floats[FLOAT_FIELDS.index(name), :bucket]
 
-    def sampling(self, bucket: int, kind: str, counters_ahead: torch.Tensor) -> SamplingTensors:
+    def sampling(self, bucket: int, kind: str, counters: torch.Tensor) -> SamplingTensors:
+        """The bucket's sampling columns, with the step's ``counters`` (moved ahead of the step in flight)."""
         c = lambda n: self.column(n, bucket)  # noqa: E731
-        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"),
-                               c("counters") + counters_ahead, kind=kind)
+        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), counters, kind=kind)
 
     def drafts(self, bucket: int) -> torch.Tensor:
-        return self.ints[:bucket, len(INT_FIELDS):].contiguous()
+        """[bucket, num_steps] host-proposed drafts (a transposed view)."""
+        return self.ints[len(INT_FIELDS):, :bucket].T
 
 
 class GraphRunner:

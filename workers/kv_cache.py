@@ -94,10 +94,10 @@ class KVCache:
         store_kv(self.k[layer_id], self.v[layer_id], slots, k, v)
 
     def rope_and_store(self, layer_id: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+                       cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE on q [T, Hq, D] and k [T, Hk, D], rotated k and v stored at ``slots``; returns the rotated q (one
-        kernel on the GPU: ``fused_ops.apply_rope_store_kv``)."""
-        return apply_rope_store_kv(q, k, v, cos, sin, self.k[layer_id], self.v[layer_id], slots)
+        kernel on the GPU: ``fused_ops.apply_rope_store_kv``). ``positions``: cos / sin are the whole tables."""
+        return apply_rope_store_kv(q, k, v, cos, sin, self.k[layer_id], self.v[layer_id], slots, positions)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (compacting accepted tree nodes)."""

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from deployments.config import EngineConfig
 from workers.forward_batch import ForwardMode, to_device
+from workers.fused_ops import overlap_step_inputs
 from workers.graph_runner import GraphRunner, StaticInputs, batch_buckets
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
@@ -485,10 +486,12 @@ class Worker:
     def _static_inputs(self, bucket: int, kind: str) -> RoundInputs:
         st = self.static
         slots = st.column("req_slots", bucket)
-        ahead = st.column("pending", bucket) * self.advance[slots]  # what the step in flight appends (overlap)
-        seq = st.column("seq_lens", bucket) + ahead
-        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq,
-                           root_pos=seq - 1, sampling=st.sampling(bucket, kind, counters_ahead=ahead),
+        # what the step in flight appends (overlap) moves lengths and counters ahead: one kernel on the GPU
+        seq, root, root_pos, counters = overlap_step_inputs(
+            slots, st.column("pending", bucket), st.column("seq_lens", bucket), st.column("counters", bucket),
+            self.advance, self.last_token)
+        return RoundInputs(root=root, req_slots=slots, seq_lens=seq, root_pos=root_pos,
+                           sampling=st.sampling(bucket, kind, counters),
                            drafts=st.drafts(bucket) if self.proposer is not None else None)
 
     def _decode(self, inp, top: bool = False) -> tuple[torch.Tensor, ...]:
@@ -497,7 +500,7 @@ class Worker:
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
         hidden = self.target.forward(fb)
-        logits = self.target.logits(hidden[fb.logits_indices])
+        logits = self.target.logits(fb.logits_rows(hidden))
         ids, logprobs = sample(logits, inp.sampling)
         self.last_token[inp.req_slots] = ids
         return (ids, logprobs, *top_logprobs(logits, TOP_LOGPROBS)) if top else (ids, logprobs)
@@ -516,7 +519,9 @@ class Worker:
         fb = self.target.new_batch(
             ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, shift_lens(inp.seq_lens, d - 1),
             [d] * b, page_table=self.page_table, positions=(m.unsqueeze(1) + tree.depths).reshape(-1),
-            logits_indices=torch.arange(b * d, device=self.device), tree_mask=tree.mask,
+            logits_indices=torch.arange(b * d, device=self.device),
+            # a chain's nodes sit at consecutive positions in order: its mask is the plain causal one
+            tree_mask=tree.mask if self.proposer.topk > 1 else None,
         )
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden).view(b, d, -1)

@@ -97,7 +97,7 @@ class EagleHead(nn.Module):
     def forward(self, fb: ForwardBatch, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """features: [T, H] (already fused for EAGLE-3). Returns (hidden for logits, next-step feature)."""
         embeds = self.embed_tokens(fb.input_ids)
-        cos, sin = self.rope_cos[fb.positions], self.rope_sin[fb.positions]
+        cos, sin = self.rope_cos, self.rope_sin  # tables, read at fb.positions by each layer's RoPE
         if self.eagle3:
             x, residual = self.midlayer(embeds, features, cos, sin, fb)
             out, feature = self.norm(x, residual)

@@ -41,6 +41,7 @@ class Attention(nn.Module):
         )
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """cos / sin: the model's RoPE tables [positions, D/2], read at ``fb.positions``."""
         s = self.spec
         q, k, v = self.qkv_proj(x)
         q = q.view(-1, s.num_heads, s.head_dim)
@@ -48,7 +49,7 @@ class Attention(nn.Module):
         v = v.view(-1, s.num_kv_heads, s.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = fb.kv_cache.rope_and_store(s.layer_id, fb.out_cache_loc, q, k, v, cos, sin)
+        q = fb.kv_cache.rope_and_store(s.layer_id, fb.out_cache_loc, q, k, v, cos, sin, fb.positions)
         out = fb.attn_backend.forward(q, None, None, s, fb)  # K/V already in the cache
         return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
 
@@ -139,7 +140,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Returns the final-norm hidden states [T, hidden]; aux hidden states go to ``fb.aux``."""
         x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
-        cos, sin = self.rope_cos[fb.positions], self.rope_sin[fb.positions]
+        cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
         captured = {}
         for i, layer in enumerate(self.layers):
