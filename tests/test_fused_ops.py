@@ -57,7 +57,8 @@ def check_store_kv_and_argmax(g) -> None:
     shorter than one program)."""
     import torch
 
-    from workers.fused_ops import apply_rope_qk, apply_rope_store_kv, argmax_logsumexp, rope_reference, store_kv
+    from workers.fused_ops import (apply_rope_qk, apply_rope_store_kv, argmax_logsumexp, greedy_with_logprob,
+                                   rope_reference, store_kv)
 
     for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(5, (3 + 3 + 3) * 16, generator=g).to(dtype)
@@ -108,6 +109,10 @@ def check_store_kv_and_argmax(g) -> None:
             assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(-1)), (b, n, dtype)
             assert ids[0].item() == n // 3
             assert torch.allclose(lse, torch.logsumexp(logits.float(), -1), atol=1e-4, rtol=1e-5), (b, n, dtype)
+            # greedy sampling's (argmax, its log-probability) from the same kernels: the gathered logit minus lse
+            gids, glp = greedy_with_logprob(logits)
+            assert torch.equal(gids, ids) and glp.dtype == torch.float32
+            assert torch.equal(glp, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse), (b, n, dtype)
     check_gumbel_argmax(g)
     check_filter_floor(g)
 
@@ -236,8 +241,8 @@ def check_uniform_token_metadata(g) -> None:
     page, pages_per = 4, 9
     table = (torch.randperm(6 * pages_per, generator=g) + 1).view(6, pages_per).to(torch.int32)
     for n, dtype in ((1, torch.int64), (4, torch.int32), (5, torch.int64)):
-        slots = torch.tensor([5, 0, 3], dtype=torch.int64)
-        seq = torch.tensor([n, 17, 33], dtype=dtype)
+        slots = torch.tensor([5, 9, 0, 9, 3, 9], dtype=torch.int64)[::2]  # strided views, as callers may pass
+        seq = torch.tensor([[n, 17, 33], [0, 0, 0]], dtype=dtype).T[:, 0]
         got = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
         real = fused_ops._triton_for
         fused_ops._triton_for = lambda x: False

@@ -308,7 +308,8 @@ if triton is not None:
         tl.store(PartSum + row * num_parts + part, total)
 
     @triton.jit
-    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, num_parts, PARTS_P2: tl.constexpr):
+    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, LogProb, num_parts, PARTS_P2: tl.constexpr,
+                          WITH_LOGPROB: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, PARTS_P2)
         ok = p < num_parts
@@ -318,8 +319,11 @@ if triton is not None:
         best = tl.max(m, 0)
         first = tl.min(tl.where(m == best, arg, 2147483647), 0)
         safe = tl.where(best == float("-inf"), 0.0, best)
+        lse = safe + tl.log(tl.sum(s * tl.exp(m - safe), 0))
         tl.store(Ids + row, first.to(tl.int64))
-        tl.store(Lse + row, safe + tl.log(tl.sum(s * tl.exp(m - safe), 0)))
+        tl.store(Lse + row, lse)
+        if WITH_LOGPROB:  # the argmax's log-probability: its logit is the row's maximum
+            tl.store(LogProb + row, best - lse)
 
 
 def _row_chunks(n: int, block: int) -> tuple[int, int]:
@@ -327,6 +331,16 @@ def _row_chunks(n: int, block: int) -> tuple[int, int]:
     parts = max(1, min(64, triton.cdiv(n, 4 * block)))
     chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
     return triton.cdiv(n, chunk), chunk
+
+
+def greedy_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(argmax [B] int64, its log-probability [B] fp32) of logits [B, V]: the two kernels of ``argmax_logsumexp``
+    write the log-probability too (max - logsumexp), so greedy sampling needs no gather afterwards."""
+    if not _triton_for(logits) or logits.stride(-1) != 1:
+        x = logits.float()
+        return x.argmax(-1), x.max(-1).values - torch.logsumexp(x, dim=-1)
+    ids, _, logprob = _argmax_lse(logits, None, None, with_logprob=True)
+    return ids, logprob
 
 
 def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
@@ -345,6 +359,10 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
         logits, gumbel = x / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
+    return _argmax_lse(logits, gumbel, floor)[:2]
+
+
+def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False):
     b, n = logits.shape
     block = 1024
     parts, chunk = _row_chunks(n, block)
@@ -354,15 +372,16 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
     part_sum = torch.empty(b, parts, dtype=torch.float32, device=dev)
     ids = torch.empty(b, dtype=torch.int64, device=dev)
     lse = torch.empty(b, dtype=torch.float32, device=dev)
+    logprob = torch.empty_like(lse) if with_logprob else None
     if b:
         temp, seeds, counters, stream = gumbel if gumbel is not None else (lse, ids, ids, 0)  # (unused then)
         has_floor = gumbel is not None and floor is not None
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
                                         temp, seeds, counters, stream, floor if has_floor else lse,
                                         BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor)
-        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, parts,
-                                PARTS_P2=triton.next_power_of_2(parts))
-    return ids, lse
+        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, logprob if with_logprob else lse, parts,
+                                PARTS_P2=triton.next_power_of_2(parts), WITH_LOGPROB=with_logprob)
+    return ids, lse, logprob
 
 
 # ---- where a sampled row's top-k / top-p / min-p filtering ends ---------------------------------------------------
@@ -491,10 +510,10 @@ if triton is not None:
 
     @triton.jit
     def _uniform_tokens(Slots, SeqIn, Table, SeqOut, ExtOut, StartOut, LogitsIdx, StoragePos, OutLoc,
-                        n, page_size, stride_table, N_P2: tl.constexpr):
+                        n, page_size, stride_slots, stride_seq, stride_table, N_P2: tl.constexpr):
         b = tl.program_id(0)
-        slot = tl.load(Slots + b).to(tl.int64)
-        seq = tl.load(SeqIn + b).to(tl.int32)
+        slot = tl.load(Slots + b * stride_slots).to(tl.int64)
+        seq = tl.load(SeqIn + b * stride_seq).to(tl.int32)
         tl.store(SeqOut + b, seq)
         tl.store(ExtOut + b, n)
         tl.store(StartOut + b, b * n)
@@ -529,7 +548,7 @@ def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, 
     storage_pos = torch.empty(b * n, dtype=torch.int64, device=device)
     out_loc = torch.empty_like(storage_pos)
     _uniform_tokens[(b,)](slots, seq_lens, table, seq, ext, start, last, storage_pos, out_loc, n, page_size,
-                          table.stride(0), N_P2=max(1, triton.next_power_of_2(n)))
+                          slots.stride(0), seq_lens.stride(0), table.stride(0), N_P2=max(1, triton.next_power_of_2(n)))
     return seq, ext, start, last, storage_pos, out_loc
 
 
@@ -561,6 +580,7 @@ def overlap_step_inputs(slots: torch.Tensor, pending: torch.Tensor, seq_lens: to
         seq = seq_lens + ahead
         return seq, last_token[slots], seq - 1, counters + ahead
     b = slots.shape[0]
+    slots, pending, seq_lens, counters = (x.contiguous() for x in (slots, pending, seq_lens, counters))  # views: as is
     seq, root, root_pos, ctr = (torch.empty(b, dtype=torch.int64, device=slots.device) for _ in range(4))
     if b:
         block = min(1024, max(16, triton.next_power_of_2(b)))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.fused_ops import argmax_logsumexp, filter_floor, hash32
+from workers.fused_ops import argmax_logsumexp, filter_floor, greedy_with_logprob, hash32
 
 
 def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
@@ -118,9 +118,8 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (token ids [B], logprob of each sampled token under the model's raw distribution [B])."""
+    if p.all_greedy:  # the argmax kernels write its log-probability too
+        return greedy_with_logprob(logits)
     greedy_ids, lse = argmax_logsumexp(logits)
-    if p.all_greedy:
-        ids = greedy_ids
-    else:
-        ids = torch.where(p.temperature <= 0, greedy_ids, draw(logits, p))
+    ids = torch.where(p.temperature <= 0, greedy_ids, draw(logits, p))
     return ids, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse
