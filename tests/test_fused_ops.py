@@ -232,17 +232,17 @@ def check_small_m_linear(g) -> None:
 
 def check_uniform_token_metadata(g) -> None:
     """The one-kernel token metadata of a uniform batch equals the PyTorch ops it replaces (the interpreter runs the
-    kernel on these CPU tensors), for decode (1 token), verify-sized (4) and odd (5) extends, int64 and int32
-    sequence lengths, pages scattered."""
+    kernel on these CPU tensors), for decode (1 token), verify-sized (4), odd (5) and prefill-sized (2500: three
+    programs per request) extends, int64 and int32 sequence lengths, pages scattered."""
     import torch
 
     from workers import fused_ops
 
-    page, pages_per = 4, 9
+    page, pages_per = 4, 700
     table = (torch.randperm(6 * pages_per, generator=g) + 1).view(6, pages_per).to(torch.int32)
-    for n, dtype in ((1, torch.int64), (4, torch.int32), (5, torch.int64)):
+    for n, dtype in ((1, torch.int64), (4, torch.int32), (5, torch.int64), (2500, torch.int64)):  # 2500: 3 blocks
         slots = torch.tensor([5, 9, 0, 9, 3, 9], dtype=torch.int64)[::2]  # strided views, as callers may pass
-        seq = torch.tensor([[n, 17, 33], [0, 0, 0]], dtype=dtype).T[:, 0]
+        seq = torch.tensor([[n, 17 + n, 2790], [0, 0, 0]], dtype=dtype).T[:, 0]
         got = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
         real = fused_ops._triton_for
         fused_ops._triton_for = lambda x: False

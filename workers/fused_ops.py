@@ -510,15 +510,16 @@ if triton is not None:
 
     @triton.jit
     def _uniform_tokens(Slots, SeqIn, Table, SeqOut, ExtOut, StartOut, LogitsIdx, StoragePos, OutLoc,
-                        n, page_size, stride_slots, stride_seq, stride_table, N_P2: tl.constexpr):
+                        n, page_size, stride_slots, stride_seq, stride_table, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         slot = tl.load(Slots + b * stride_slots).to(tl.int64)
         seq = tl.load(SeqIn + b * stride_seq).to(tl.int32)
-        tl.store(SeqOut + b, seq)
-        tl.store(ExtOut + b, n)
-        tl.store(StartOut + b, b * n)
-        tl.store(LogitsIdx + b, (b * n + n - 1).to(tl.int64))
-        j = tl.arange(0, N_P2)
+        if tl.program_id(1) == 0:
+            tl.store(SeqOut + b, seq)
+            tl.store(ExtOut + b, n)
+            tl.store(StartOut + b, b * n)
+            tl.store(LogitsIdx + b, (b * n + n - 1).to(tl.int64))
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = j < n
         pos = (seq - n + j).to(tl.int64)
         page = tl.load(Table + slot * stride_table + pos // page_size, mask=ok, other=0).to(tl.int64)
@@ -547,8 +548,10 @@ def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, 
     last = torch.empty(b, dtype=torch.int64, device=device)
     storage_pos = torch.empty(b * n, dtype=torch.int64, device=device)
     out_loc = torch.empty_like(storage_pos)
-    _uniform_tokens[(b,)](slots, seq_lens, table, seq, ext, start, last, storage_pos, out_loc, n, page_size,
-                          slots.stride(0), seq_lens.stride(0), table.stride(0), N_P2=max(1, triton.next_power_of_2(n)))
+    block = min(1024, max(16, triton.next_power_of_2(n)))  # few distinct compiles whatever the prefill length
+    _uniform_tokens[(b, triton.cdiv(max(n, 1), block))](
+        slots, seq_lens, table, seq, ext, start, last, storage_pos, out_loc, n, page_size, slots.stride(0),
+        seq_lens.stride(0), table.stride(0), BLOCK=block)
     return seq, ext, start, last, storage_pos, out_loc
 
 
