@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.tree import DraftTree
-from workers.fused_ops import argmax_logsumexp
+from workers.fused_ops import argmax_logsumexp, walk_tree
 from workers.sampling import SamplingTensors, draw
 
 
@@ -69,22 +69,9 @@ def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
-    """Walk each tree from the root along children equal to the target's choice. Fixed trip count, no sync."""
-    b, d, _ = logits.shape
+    """Walk each tree from the root along children equal to the target's choice (``fused_ops.walk_tree``: one
+    kernel on the GPU). Fixed trip count, no sync."""
     choice, lse = target_choices(tree, logits, sampling)
     logprobs = _token_logprobs(logits, choice, lse)  # [B, D]
-    rows = torch.arange(b, device=logits.device)
-    cur = torch.zeros(b, dtype=torch.int64, device=logits.device)
-    alive = torch.ones(b, dtype=torch.bool, device=logits.device)
-    accept = torch.zeros(b, dtype=torch.int64, device=logits.device)
-    path = [cur]
-    for _ in range(max_depth):
-        want = choice[rows, cur]
-        match = (tree.parents == cur.unsqueeze(1)) & (tree.tokens == want.unsqueeze(1))
-        found = match.any(1) & alive
-        cur = torch.where(found, match.int().argmax(1), cur)
-        alive = found
-        accept += found.long()
-        path.append(cur)
-    path_t = torch.stack(path, 1)
-    return Verdict(accept, path_t, choice.gather(1, path_t), logprobs.gather(1, path_t))
+    accept, path = walk_tree(tree.parents, tree.tokens, choice, max_depth)
+    return Verdict(accept, path, choice.gather(1, path), logprobs.gather(1, path))

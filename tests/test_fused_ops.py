@@ -47,6 +47,7 @@ def check() -> None:
     check_small_m_linear(g)
     check_uniform_token_metadata(g)
     check_overlap_step_inputs(g)
+    check_walk_tree(g)
     check_store_kv_and_argmax(g)
     print("fused ops ok")
 
@@ -272,6 +273,33 @@ def check_overlap_step_inputs(g) -> None:
         ahead = pending * advance[slots]
         for a, ref in zip(got, (seq + ahead, last[slots], seq + ahead - 1, ctr + ahead)):
             assert a.dtype == torch.int64 and torch.equal(a, ref), (b, a, ref)
+
+
+def check_walk_tree(g) -> None:
+    """The tree walk of verification in one kernel: the same accepted counts and paths as the PyTorch loop, on
+    random trees whose tokens repeat (several children match: the first wins; a walk that stopped stays stopped)."""
+    import torch
+
+    from workers import fused_ops
+
+    hits = 0
+    for b, d, depth in ((6, 4, 3), (5, 8, 4), (7, 13, 5), (3, 1, 0)):
+        parents = torch.full((b, d), -1, dtype=torch.int64)
+        for j in range(1, d):
+            parents[:, j] = torch.randint(0, j, (b,), generator=g)
+        tokens = torch.randint(0, 3, (b, d), generator=g)
+        choice = torch.randint(0, 3, (b, d), generator=g)
+        got = fused_ops.walk_tree(parents, tokens, choice, depth)
+        real = fused_ops._triton_for
+        fused_ops._triton_for = lambda x: False
+        try:
+            ref = fused_ops.walk_tree(parents, tokens, choice, depth)
+        finally:
+            fused_ops._triton_for = real
+        for a, r in zip(got, ref):
+            assert a.dtype == torch.int64 and torch.equal(a, r), (b, d, a, r)
+        hits += int((ref[0] > 1).sum())
+    assert hits > 0  # some walks went deeper than one hop
 
 
 def test_fused_ops_match_reference_in_interpreter():

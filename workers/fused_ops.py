@@ -590,3 +590,58 @@ def overlap_step_inputs(slots: torch.Tensor, pending: torch.Tensor, seq_lens: to
         _overlap_inputs[(triton.cdiv(b, block),)](slots, pending, seq_lens, counters, advance, last_token, seq, root,
                                                   root_pos, ctr, b, BLOCK=block)
     return seq, root, root_pos, ctr
+
+
+# ---- the walk down a verified draft tree, one kernel ---------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _walk_tree(Parents, Tokens, Choice, Accept, Path, d, max_depth, stride_p, stride_t, stride_c, stride_path,
+                   D_P2: tl.constexpr):
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, D_P2)
+        ok = j < d
+        parents = tl.load(Parents + b * stride_p + j, mask=ok, other=-2)
+        tokens = tl.load(Tokens + b * stride_t + j, mask=ok, other=-1)
+        cur = tl.zeros([], dtype=tl.int64)
+        alive = tl.full([], 1, dtype=tl.int64)
+        accept = tl.zeros([], dtype=tl.int64)
+        tl.store(Path + b * stride_path, cur)
+        for step in range(max_depth):
+            want = tl.load(Choice + b * stride_c + cur)
+            match = (parents == cur) & (tokens == want) & ok & (alive != 0)
+            alive = tl.max(match.to(tl.int64), 0)
+            cur = tl.where(alive != 0, tl.min(tl.where(match, j, D_P2), 0).to(tl.int64), cur)
+            accept += alive
+            tl.store(Path + b * stride_path + step + 1, cur)
+        tl.store(Accept + b, accept)
+
+
+def walk_tree(parents: torch.Tensor, tokens: torch.Tensor, choice: torch.Tensor,
+              max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk each request's draft tree ([B, D] ``parents``, ``tokens``) from the root along the child whose token is
+    the target's choice at the current node (``choice`` [B, D]; the first such child), for ``max_depth`` hops or
+    until there is none: (accepted drafts [B] int64, path [B, max_depth + 1] int64, node indices from the root,
+    padded with the last). One program per request where Triton runs (about 11 PyTorch ops per hop otherwise)."""
+    b, d = parents.shape
+    if not _triton_for(parents):
+        rows = torch.arange(b, device=parents.device)
+        cur = torch.zeros(b, dtype=torch.int64, device=parents.device)
+        alive = torch.ones(b, dtype=torch.bool, device=parents.device)
+        accept = torch.zeros(b, dtype=torch.int64, device=parents.device)
+        path = [cur]
+        for _ in range(max_depth):
+            want = choice[rows, cur]
+            match = (parents == cur.unsqueeze(1)) & (tokens == want.unsqueeze(1))
+            found = match.any(1) & alive
+            cur = torch.where(found, match.int().argmax(1), cur)
+            alive = found
+            accept += found.long()
+            path.append(cur)
+        return accept, torch.stack(path, 1)
+    accept = torch.empty(b, dtype=torch.int64, device=parents.device)
+    path = torch.empty(b, max_depth + 1, dtype=torch.int64, device=parents.device)
+    if b:
+        _walk_tree[(b,)](parents, tokens, choice, accept, path, d, max_depth, parents.stride(0), tokens.stride(0),
+                         choice.stride(0), path.stride(0), D_P2=max(16, triton.next_power_of_2(d)))
+    return accept, path
