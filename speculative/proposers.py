@@ -86,10 +86,10 @@ class Proposer:
         pass
 
     # ---- shared helpers --------------------------------------------------------------------------------------
-    def _batch(self, runner, mode, ids, inp: RoundInputs, seq_lens, ext_len, positions):
+    def _batch(self, runner, mode, ids, inp: RoundInputs, seq_lens, ext_len, positions, logits_indices=None):
         """A draft-side ForwardBatch over the round's request slots, with ``ext_len`` tokens each."""
         return runner.new_batch(mode, ids, inp.req_slots, seq_lens, [ext_len] * inp.batch_size,
-                                page_table=self.worker.page_table, positions=positions)
+                                page_table=self.worker.page_table, positions=positions, logits_indices=logits_indices)
 
 
 class _ModelProposer(Proposer):
@@ -239,8 +239,7 @@ class EagleProposer(_ModelProposer):
         positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
         rows = torch.arange(b, device=m.device) * s1 + verdict.accept_len
         fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), inp,
-                         shift_lens(inp.seq_lens, s1 - 1), s1, positions)
-        fb.logits_indices, fb.logits_all_tokens = rows, False
+                         shift_lens(inp.seq_lens, s1 - 1), s1, positions, logits_indices=rows)
         (logp, d2t), feat = self._draft_forward(fb, feats)
         self._save_state(fb.req_slots, logp, d2t, feat)
 

@@ -19,7 +19,9 @@ class DraftTree:
     tokens: torch.Tensor  # [B, D] int64, node 0 = root
     parents: torch.Tensor  # [B, D] int64, -1 for the root
     depths: torch.Tensor  # [B, D] int64, root depth 0
-    mask: torch.Tensor  # [B, D, D] bool, row i sees node j iff j is i or an ancestor of i
+    # [B, D, D] bool, row i sees node j iff j is i or an ancestor of i; None for a chain, whose nodes sit at
+    # consecutive positions in order, so its mask is the plain causal one
+    mask: torch.Tensor | None
 
     @property
     def num_nodes(self) -> int:
@@ -45,8 +47,7 @@ def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     d = s + 1
     idx = torch.arange(d, device=drafts.device)
     parents = (idx - 1).expand(b, d).clone()
-    mask = torch.tril(torch.ones(d, d, dtype=torch.bool, device=drafts.device)).expand(b, d, d).clone()
-    return DraftTree(torch.cat([root.unsqueeze(1), drafts], dim=1), parents, idx.expand(b, d).clone(), mask)
+    return DraftTree(torch.cat([root.unsqueeze(1), drafts], dim=1), parents, idx.expand(b, d).clone(), None)
 
 
 class TreeCandidates:

@@ -506,6 +506,13 @@ def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: 
 
 
 # ---- token metadata of a uniform batch (every request extends by n tokens), one kernel ---------------------------
+def paged_slots(table: torch.Tensor, page_size: int, req_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Physical KV slots of token ``positions`` of requests ``req_slots`` (same shape) through the page ``table``
+    [requests, pages] (PyTorch ops; ``uniform_token_metadata`` does it in its kernel)."""
+    pages = table[req_slots.long(), positions.long() // page_size].long()
+    return pages * page_size + positions.long() % page_size
+
+
 if triton is not None:
 
     @triton.jit
@@ -541,8 +548,8 @@ def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, 
         start = torch.arange(0, b * n, n, dtype=torch.int32, device=device)
         storage_pos = ((seq - n).unsqueeze(1) + torch.arange(n, device=device)).reshape(-1).long()
         tok_req = slots.long().unsqueeze(1).expand(b, n).reshape(-1)
-        pages = table[tok_req, storage_pos // page_size].long()
-        return seq, ext, start, (start + ext - 1).long(), storage_pos, pages * page_size + storage_pos % page_size
+        out_loc = paged_slots(table, page_size, tok_req, storage_pos)
+        return seq, ext, start, (start + ext - 1).long(), storage_pos, out_loc
     seq = torch.empty(b, dtype=torch.int32, device=device)
     ext, start = torch.empty_like(seq), torch.empty_like(seq)
     last = torch.empty(b, dtype=torch.int64, device=device)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.fused_ops import apply_rope_store_kv, store_kv
+from workers.fused_ops import apply_rope_store_kv, paged_slots, store_kv
 
 
 class OutOfPages(RuntimeError):
@@ -76,8 +76,7 @@ class PageTable:
 
     def slots(self, req_slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Physical KV slots of token ``positions`` of requests ``req_slots`` (same shape)."""
-        pages = self.table[req_slots.long(), positions.long() // self.page_size].long()
-        return pages * self.page_size + positions.long() % self.page_size
+        return paged_slots(self.table, self.page_size, req_slots, positions)
 
 
 class KVCache:

@@ -519,9 +519,7 @@ class Worker:
         fb = self.target.new_batch(
             ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, shift_lens(inp.seq_lens, d - 1),
             [d] * b, page_table=self.page_table, positions=(m.unsqueeze(1) + tree.depths).reshape(-1),
-            logits_indices=torch.arange(b * d, device=self.device),
-            # a chain's nodes sit at consecutive positions in order: its mask is the plain causal one
-            tree_mask=tree.mask if self.proposer.topk > 1 else None,
+            logits_indices=torch.arange(b * d, device=self.device), tree_mask=tree.mask,
         )
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden).view(b, d, -1)
