@@ -179,7 +179,9 @@ def run_once_per_round(s: Setup, t: Timer) -> None:
     from workers.forward_batch import DraftSteps  # (lazily: the two old variants also run on older checkouts)
 
     with t("batches"):
-        rnd = DraftSteps.build(ForwardMode.DECODE, s.slots, s.seq_lens, s.k, round_positions(s), s.kv, s.table)
+        base = s.seq_lens[0]  # step 0's lengths: m + k
+        rnd = DraftSteps.build(ForwardMode.DECODE, s.slots, base, s.k, s.kv, s.table, steps=s.steps, seq_offset=-s.k,
+                               positions=round_positions(s))
     with t("backend"):
         rnd.init_backend(s.backend)
     for i, fb in enumerate(rnd):

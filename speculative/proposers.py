@@ -5,7 +5,8 @@
 - ``after_verify``: the draft consumes the accepted tokens (fixed shape, padded: no host sync).
 
 ``propose`` and ``after_verify`` read only a ``RoundInputs`` of device tensors, so a whole round can be captured in
-a CUDA graph (sequence lengths are host lists in eager rounds, device tensors in graphs; ``shift_lens`` serves both).
+a CUDA graph (sequence lengths are host lists in eager rounds, device tensors in graphs; batches take them with a
+``seq_offset``, which ``ForwardBatch.build`` applies on the host or in its metadata kernel).
 
 KV layout of a round for a request whose root sits at position m (pages cover m + ``lookahead``): the target
 verifies D nodes at m .. m+D-1; the draft's step s >= 2 writes its k frontier nodes to a scratch area starting at
@@ -41,10 +42,6 @@ class RoundInputs:
     @property
     def batch_size(self) -> int:
         return self.root.shape[0]
-
-
-def shift_lens(lens: list[int] | torch.Tensor, delta: int) -> list[int] | torch.Tensor:
-    return lens + delta if isinstance(lens, torch.Tensor) else [x + delta for x in lens]
 
 
 def _lookahead(num_steps: int, topk: int, num_draft_tokens: int) -> int:
@@ -86,10 +83,11 @@ class Proposer:
         pass
 
     # ---- shared helpers --------------------------------------------------------------------------------------
-    def _batch(self, runner, mode, ids, inp: RoundInputs, seq_lens, ext_len, positions, logits_indices=None):
-        """A draft-side ForwardBatch over the round's request slots, with ``ext_len`` tokens each."""
-        return runner.new_batch(mode, ids, inp.req_slots, seq_lens, [ext_len] * inp.batch_size,
-                                page_table=self.worker.page_table, positions=positions, logits_indices=logits_indices)
+    def _batch(self, runner, mode, ids, inp: RoundInputs, ext_len: int, seq_offset: int = 0, **kwargs):
+        """A draft-side ForwardBatch over the round's request slots, with ``ext_len`` tokens each and KV lengths
+        ``inp.seq_lens + seq_offset`` (``ForwardBatch.build``'s keywords pass through)."""
+        return runner.new_batch(mode, ids, inp.req_slots, inp.seq_lens, [ext_len] * inp.batch_size,
+                                page_table=self.worker.page_table, seq_offset=seq_offset, **kwargs)
 
 
 class _ModelProposer(Proposer):
@@ -128,32 +126,31 @@ class _ModelProposer(Proposer):
     def _topk(self, logp: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [N, k], scores [N, k]) of each row's best k drafts, as target ids. A chain's score is the row's
         log-normaliser (the chain never ranks by it)."""
-        if self.chain:
-            ids, lse = argmax_logsumexp(logp)
-            ids, vals = ids.unsqueeze(1), lse.unsqueeze(1)
-        else:
-            vals, ids = logp.topk(self.topk, dim=-1)
+        if self.chain:  # the argmax kernels map draft ids to target ids themselves
+            ids, lse = argmax_logsumexp(logp, remap=d2t)
+            return ids.unsqueeze(1), lse.unsqueeze(1)
+        vals, ids = logp.topk(self.topk, dim=-1)
         if d2t is not None:
             ids = ids + d2t[ids]
         return ids, vals
 
     def _expand_steps(self, inp: RoundInputs, cand: TreeCandidates, frontier_feat: torch.Tensor | None,
-                      first_step: int, seq_base: list[int] | torch.Tensor, root_visible: bool) -> None:
-        """Steps first_step..S: expand the frontier (k nodes per request) one level per step."""
+                      first_step: int, seq_offset: int, root_visible: bool) -> None:
+        """Steps first_step..S: expand the frontier (k nodes per request) one level per step; step s's KV length
+        is ``seq_lens + seq_offset + (s - first_step + 1) * k``."""
         k, b, m = self.topk, inp.batch_size, inp.root_pos
-        device = m.device
-        steps = range(first_step, self.num_steps + 1)
-        seq_lens = [shift_lens(seq_base, (s - first_step + 1) * k) for s in steps]
-        if isinstance(seq_base, torch.Tensor):
-            seq_lens = torch.stack(seq_lens)
-        depths = torch.arange(first_step - 1, self.num_steps, device=device)
-        positions = (m.unsqueeze(0) + depths.unsqueeze(1) - 1 + self.scratch_offset).repeat_interleave(k, dim=1)
+        num = self.num_steps + 1 - first_step
+        positions = None  # a chain's scratch nodes sit at their storage positions
+        if not self.chain:
+            depths = torch.arange(first_step - 1, self.num_steps, device=m.device)
+            positions = (m.unsqueeze(0) + depths.unsqueeze(1) - 1 + self.scratch_offset).repeat_interleave(k, dim=1)
         # the round's metadata, built once: step s feeds the frontier of depth s-1 into k more scratch slots; the
         # tree masks (k > 1; a chain's scratch block is plain causal) start with every node seeing itself (and the
         # root when it opens the block), and each step adds only its parents' rows (``advance``)
-        rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, seq_lens, k, positions,
+        rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, inp.seq_lens, k, steps=num,
+                                      seq_offset=seq_offset, positions=positions,
                                       page_table=self.worker.page_table, tree_prefix=int(root_visible))
-        frontier_ids = cand.tokens.gather(1, cand.frontier)  # [B, k]
+        frontier_ids = cand.tokens[:, :1] if self.chain else cand.tokens.gather(1, cand.frontier)  # [B, k]
         for i, fb in enumerate(rnd):
             fb.input_ids = frontier_ids.reshape(-1)  # [B * k]
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
@@ -207,7 +204,8 @@ class EagleProposer(_ModelProposer):
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
         ids, vals = self._topk(logp, d2t)
         self.state_ids[slots] = ids
-        self.state_logp[slots] = vals.to(self.state_logp.dtype)
+        if not self.chain:  # a chain never ranks its drafts
+            self.state_logp[slots] = vals.to(self.state_logp.dtype)
         self.state_feat[slots] = feat.to(self.state_feat.dtype)
 
     def after_extend(self, step, fb, features, sampled):
@@ -223,23 +221,25 @@ class EagleProposer(_ModelProposer):
 
     def propose(self, inp):
         slots = inp.req_slots
-        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, slots.device)
-        cand.add_root_children(self.state_ids[slots], self.state_logp[slots])
+        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, slots.device, chain=self.chain)
+        cand.add_root_children(self.state_ids[slots], None if self.chain else self.state_logp[slots])
         if self.num_steps > 1:
-            feat = self.state_feat[slots].repeat_interleave(self.topk, dim=0)
-            self._expand_steps(inp, cand, feat, first_step=2, seq_base=shift_lens(inp.seq_lens, -1),
-                               root_visible=False)
+            feat = self.state_feat[slots]
+            if not self.chain:
+                feat = feat.repeat_interleave(self.topk, dim=0)
+            self._expand_steps(inp, cand, feat, first_step=2, seq_offset=-1, root_visible=False)
         return cand.build(inp.root, self.num_draft_tokens, self.max_depth)
 
     def after_verify(self, inp, tree, verdict: Verdict, features):
-        m = inp.root_pos
         b, s1 = verdict.out_tokens.shape  # S + 1 tokens per request: t_{m+1} .. t_{m+S+1}, valid up to accept
-        feats = features.view(b, tree.num_nodes, -1).gather(
-            1, verdict.path.unsqueeze(2).expand(b, s1, features.shape[-1])).reshape(b * s1, -1)
-        positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
-        rows = torch.arange(b, device=m.device) * s1 + verdict.accept_len
-        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), inp,
-                         shift_lens(inp.seq_lens, s1 - 1), s1, positions, logits_indices=rows)
+        if tree.mask is None:  # a chain: the accepted nodes are its first ones, in order (the rows past the
+            feats = features  # accepted ones feed positions that the next round writes before it reads them)
+        else:
+            feats = features.view(b, tree.num_nodes, -1).gather(
+                1, verdict.path.unsqueeze(2).expand(b, s1, features.shape[-1])).reshape(b * s1, -1)
+        # at positions m .. m+S (their storage positions), logits at the bonus token's row
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, verdict.out_tokens.reshape(-1), inp, s1,
+                         seq_offset=s1 - 1, logits_at=verdict.accept_len)
         (logp, d2t), feat = self._draft_forward(fb, feats)
         self._save_state(fb.req_slots, logp, d2t, feat)
 
@@ -279,22 +279,19 @@ class DraftModelProposer(_ModelProposer):
 
     def propose(self, inp):
         # step 1: the root itself at position m
-        fb = self._batch(self.runner, ForwardMode.DECODE, inp.root, inp, inp.seq_lens, 1, inp.root_pos)
+        fb = self._batch(self.runner, ForwardMode.DECODE, inp.root, inp, 1)
         (logp, _), _ = self._draft_forward(fb, None)
-        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, inp.root.device)
+        cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, inp.root.device, chain=self.chain)
         cand.add_root_children(*self._topk(logp, None))
         if self.num_steps > 1:
-            self._expand_steps(inp, cand, None, first_step=2, seq_base=inp.seq_lens, root_visible=True)
+            self._expand_steps(inp, cand, None, first_step=2, seq_offset=0, root_visible=True)
         return cand.build(inp.root, self.num_draft_tokens, self.max_depth)
 
     def after_verify(self, inp, tree, verdict, features):
-        m = inp.root_pos
         b, s1 = verdict.out_tokens.shape
-        # consume root + accepted drafts (t_m .. t_{m+accept}); the new bonus is next round's root
+        # consume root + accepted drafts (t_m .. t_{m+accept}, at positions m ..); the new bonus is next round's root
         ids = torch.cat([tree.tokens[:, :1], verdict.out_tokens[:, :-1]], dim=1).reshape(-1)
-        positions = (m.unsqueeze(1) + torch.arange(s1, device=m.device)).reshape(-1)
-        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, ids, inp, shift_lens(inp.seq_lens, s1 - 1), s1,
-                         positions)
+        fb = self._batch(self.runner, ForwardMode.DRAFT_EXTEND, ids, inp, s1, seq_offset=s1 - 1)
         self.runner.forward(fb)
 
 

@@ -17,11 +17,15 @@ import torch
 @dataclass
 class DraftTree:
     tokens: torch.Tensor  # [B, D] int64, node 0 = root
-    parents: torch.Tensor  # [B, D] int64, -1 for the root
-    depths: torch.Tensor  # [B, D] int64, root depth 0
-    # [B, D, D] bool, row i sees node j iff j is i or an ancestor of i; None for a chain, whose nodes sit at
-    # consecutive positions in order, so its mask is the plain causal one
-    mask: torch.Tensor | None
+    # A chain (root → d1 → d2 ...) has None for these three: node i's parent is i - 1, its depth i, and its nodes
+    # sit at consecutive positions in order, so its mask is the plain causal one.
+    parents: torch.Tensor | None  # [B, D] int64, -1 for the root
+    depths: torch.Tensor | None  # [B, D] int64, root depth 0
+    mask: torch.Tensor | None  # [B, D, D] bool, row i sees node j iff j is i or an ancestor of i
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
 
     @property
     def num_nodes(self) -> int:
@@ -43,11 +47,15 @@ def ancestor_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
 
 def chain_tree(root: torch.Tensor, drafts: torch.Tensor) -> DraftTree:
     """A chain root → d1 → d2 ... (drafts [B, S])."""
-    b, s = drafts.shape
-    d = s + 1
-    idx = torch.arange(d, device=drafts.device)
-    parents = (idx - 1).expand(b, d).clone()
-    return DraftTree(torch.cat([root.unsqueeze(1), drafts], dim=1), parents, idx.expand(b, d).clone(), None)
+    return DraftTree(torch.cat([root.unsqueeze(1), drafts], dim=1), None, None, None)
+
+
+def node_depths(tree: DraftTree) -> torch.Tensor:
+    """[B, D] int64 depth of every node (a chain's are 0 .. D-1)."""
+    if tree.depths is not None:
+        return tree.depths
+    b, d = tree.tokens.shape
+    return torch.arange(d, device=tree.tokens.device).expand(b, d)
 
 
 class TreeCandidates:
@@ -57,13 +65,16 @@ class TreeCandidates:
     of the previous step) by top-k each and keeps the best k of the k*k children as the next frontier.
     """
 
-    def __init__(self, batch: int, topk: int, num_steps: int, device):
+    def __init__(self, batch: int, topk: int, num_steps: int, device, chain: bool = False):
         self.k = topk
+        self.chain = chain  # top-1 drafting without the tree bookkeeping (see ``_ModelProposer.chain``)
+        if chain and topk != 1:
+            raise ValueError("a chain drafts top-1")
         cap = topk + (num_steps - 1) * topk * topk
-        self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
-        if topk == 1:  # a chain (top-1) is its tokens in order: no scores, parents or depths to keep; its frontier
-            self._positions = torch.arange(cap, device=device).expand(batch, cap)  # is a view of this
+        if chain:  # a chain (top-1) is its tokens in order, each written before it is read: no scores, parents
+            self.tokens = torch.empty(batch, cap, dtype=torch.int64, device=device)  # or depths to keep
         else:
+            self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
             self.scores = torch.full((batch, cap), float("-inf"), device=device)
             self.parents = torch.full((batch, cap), -1, dtype=torch.int64, device=device)  # candidate, -1 = root
             self.depths = torch.zeros(batch, cap, dtype=torch.int64, device=device)
@@ -71,26 +82,26 @@ class TreeCandidates:
         self.frontier = None  # [B, k] candidate indices
         self.frontier_scores = None
 
-    def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor) -> None:
+    def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor | None) -> None:
+        """The root's k best children ([B, k]) and their log-probs (None for a chain)."""
         k = self.k
         self.tokens[:, :k] = tokens
-        self.frontier = self._positions[:, :1] if k == 1 else torch.arange(k, device=tokens.device).expand(
-            tokens.shape[0], k)
         self.used = k
-        if k > 1:
+        if not self.chain:
+            self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
             self.scores[:, :k] = logp
             self.depths[:, :k] = 1
             self.frontier_scores = logp
 
     def expand(self, child_tokens: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
         """child_tokens/logp: [B, k(frontier), k(children)]. Returns, per new frontier slot, which old frontier
-        slot it descends from ([B, k]) — the caller carries that parent's hidden state forward."""
-        b, k = self.frontier.shape
-        if k == 1:  # a chain: the one child is the next frontier
-            self.tokens[:, self.used] = child_tokens.reshape(b)
-            self.frontier = self._positions[:, self.used:self.used + 1]
+        slot it descends from ([B, k]) — the caller carries that parent's hidden state forward; None for a chain,
+        whose one child descends from the only slot."""
+        if self.chain:  # the one child is the next frontier
+            self.tokens[:, self.used] = child_tokens.reshape(-1)
             self.used += 1
-            return self._positions[:, :1]  # [B, 1] zeros: it descends from the only slot
+            return None
+        b, k = self.frontier.shape
         cum = (self.frontier_scores.unsqueeze(2) + child_logp).reshape(b, k * k)
         start, end = self.used, self.used + k * k
         self.tokens[:, start:end] = child_tokens.reshape(b, k * k)
@@ -109,7 +120,7 @@ class TreeCandidates:
         b = root.shape[0]
         n = num_nodes - 1
         used = self.used
-        if self.k == 1:  # a chain: scores fall along it, so the best n are its first n
+        if self.chain:  # scores fall along it, so the best n are its first n
             return chain_tree(root, self.tokens[:, :n])
         # shallower first on ties: subtract a tiny depth penalty
         key = self.scores[:, :used] - self.depths[:, :used].float() * 1e-6

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from speculative.tree import DraftTree
+from speculative.tree import DraftTree, node_depths
 from workers.fused_ops import argmax_logsumexp, walk_tree
 from workers.sampling import SamplingTensors, draw
 
@@ -41,7 +41,7 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
         temperature=sampling.temperature.repeat_interleave(d), top_k=sampling.top_k.repeat_interleave(d),
         top_p=sampling.top_p.repeat_interleave(d), min_p=sampling.min_p.repeat_interleave(d),
         seeds=sampling.seeds.repeat_interleave(d),
-        counters=(sampling.counters.unsqueeze(1) + tree.depths).reshape(-1), kind=sampling.kind,
+        counters=(sampling.counters.unsqueeze(1) + node_depths(tree)).reshape(-1), kind=sampling.kind,
     )
     drawn = draw(logits.reshape(b * d, v), per_node).view(b, d)
     return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn), lse
@@ -60,12 +60,13 @@ def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
 
     b = logits.shape[0]
     u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
-    accept = (mean_accept_length - 1.0 + u).floor().long().clamp(0, max_depth)
+    accept = (u + (mean_accept_length - 1.0)).long().clamp_(0, max_depth)  # (>= 0: truncation is the floor)
     choice, lse = target_choices(tree, logits, sampling)
     path = torch.arange(max_depth + 1, device=logits.device).expand(b, -1)
+    # drafts up to the accepted count, then the target's own choice at the next node (the chain's node j is path j)
     nxt = torch.cat([tree.tokens[:, 1:max_depth + 1], choice[:, -1:]], dim=1)
-    out = torch.where(path < accept.unsqueeze(1), nxt, choice.gather(1, path))
-    return Verdict(accept, path.clone(), out, _token_logprobs(logits, out, lse))
+    out = torch.where(path < accept.unsqueeze(1), nxt, choice[:, :max_depth + 1])
+    return Verdict(accept, path, out, _token_logprobs(logits, out, lse))
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:

@@ -26,10 +26,12 @@ def test_draft_round_metadata_equals_per_step_build(lens, prefix, k):
     m = torch.tensor([10, 23, 7])
     seq = torch.stack([m + prefix + (i + 1) * k for i in range(steps)])
     seq_lens = seq.tolist() if lens == "host" else seq
+    base = (m - 5).tolist() if lens == "host" else m - 5  # step i's lengths: base + offset + (i + 1) * k
     positions = (m.unsqueeze(0) + torch.arange(steps).unsqueeze(1)).repeat_interleave(k, dim=1)
     origins = [torch.randint(0, k, (b, k), generator=g) for _ in range(steps)]
 
-    rnd = DraftSteps.build(ForwardMode.DECODE, slots, seq_lens, k, positions, kv, table, tree_prefix=prefix)
+    rnd = DraftSteps.build(ForwardMode.DECODE, slots, base, k, kv, table, steps=steps, seq_offset=5 + prefix,
+                           positions=positions, tree_prefix=prefix)
     once = TorchNativeBackend()
     rnd.init_backend(once)
     eye = torch.eye(k, dtype=torch.bool).expand(b, k, k)
@@ -44,6 +46,9 @@ def test_draft_round_metadata_equals_per_step_build(lens, prefix, k):
         old = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(b * k, dtype=torch.int64), slots, seq_lens[i],
                                  [k] * b, kv, table, positions=positions[i], tree_mask=mask if k > 1 else None)
         per_step.init_forward_metadata(old)
+        assert torch.equal(fb.seq_lens, old.seq_lens) and torch.equal(fb.out_cache_loc, old.out_cache_loc)
+        assert torch.equal(fb.positions, old.positions) and torch.equal(fb.req_slots, slots)
+        assert fb.seq_lens_cpu == (seq_lens[i] if lens == "host" else None)
         width = min(per_step._mask.shape[-1], new_mask.shape[-1])
         assert torch.equal(per_step._mask[..., :width], new_mask[..., :width]), (i, lens, prefix, k)
         assert torch.equal(per_step._kv_slots[:, :width], new_slots[:, :width])

@@ -113,6 +113,9 @@ def check_store_kv_and_argmax(g) -> None:
             # greedy sampling's (argmax, its log-probability) from the same kernels: the gathered logit minus lse
             gids, glp = greedy_with_logprob(logits)
             assert torch.equal(gids, ids) and glp.dtype == torch.float32
+            remap = torch.randint(0, 1000, (n,), generator=g)  # an EAGLE-3 d2t: id + remap[id]
+            rids, rlse = argmax_logsumexp(logits, remap=remap)
+            assert torch.equal(rids, ids + remap[ids]) and torch.equal(rlse, lse), (b, n, dtype)
             assert torch.equal(glp, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse), (b, n, dtype)
     check_gumbel_argmax(g)
     check_filter_floor(g)
@@ -255,6 +258,21 @@ def check_uniform_token_metadata(g) -> None:
             assert a.dtype == b.dtype and torch.equal(a, b), (n, a, b)
         pos = torch.cat([torch.arange(s - n, s) for s in seq.tolist()])
         assert torch.equal(ref[5], table[slots.repeat_interleave(n), pos // page].long() * page + pos % page)
+        # lengths moved by an offset, the batch stacked 3 times (each copy n further), logits at chosen rows: the
+        # same as the plain metadata of the explicit lengths
+        if n < 100:
+            at = torch.randint(0, n, (3,), generator=g)
+            kw = dict(seq_offset=1, steps=3, seq_step=2, logits_at=at)
+            got = fused_ops.uniform_token_metadata(slots, seq, n, table, page, **kw)
+            fused_ops._triton_for = lambda x: False
+            try:
+                ref = fused_ops.uniform_token_metadata(slots, seq, n, table, page, **kw)
+                plain = fused_ops.uniform_token_metadata(
+                    slots.repeat(3), torch.cat([seq + 1 + 2 * i for i in range(3)]), n, table, page)
+            finally:
+                fused_ops._triton_for = real
+            for a, b, c in zip(got, ref, plain[:3] + (plain[2] + at.repeat(3),) + plain[4:]):
+                assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(b, c), (n, a, b, c)
 
 
 def check_overlap_step_inputs(g) -> None:
@@ -299,7 +317,26 @@ def check_walk_tree(g) -> None:
         for a, r in zip(got, ref):
             assert a.dtype == torch.int64 and torch.equal(a, r), (b, d, a, r)
         hits += int((ref[0] > 1).sum())
+        # a chain (parents None: node j's parent is j - 1) walks as its explicit parents do
+        chain = (torch.arange(d) - 1).expand(b, d)
+        got = fused_ops.walk_tree(None, tokens, choice, depth)
+        fused_ops._triton_for = lambda x: False
+        try:
+            ref = fused_ops.walk_tree(None, tokens, choice, depth)
+        finally:
+            fused_ops._triton_for = real
+        for a, r, e in zip(got, ref, fused_ops.walk_tree(chain.contiguous(), tokens, choice, depth)):
+            assert torch.equal(a, r) and torch.equal(r, e), (b, d, a, r, e)
     assert hits > 0  # some walks went deeper than one hop
+    # a round's outcome into the per-request state: last_token[slot] = out[b, accept], advance[slot] = accept + 1
+    slots = torch.tensor([7, 2, 9, 4, 0, 5])[::2]  # strided
+    accept = torch.tensor([0, 3, 1])
+    out = torch.randint(0, 100, (3, 4), generator=g)
+    last, adv = torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.int64)
+    fused_ops.record_round(slots, accept, out, last, adv)
+    want_last, want_adv = torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.int64)
+    want_last[slots], want_adv[slots] = out[torch.arange(3), accept], accept + 1
+    assert torch.equal(last, want_last) and torch.equal(adv, want_adv), (last, adv)
 
 
 def test_fused_ops_match_reference_in_interpreter():

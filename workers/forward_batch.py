@@ -53,7 +53,7 @@ class ForwardBatch:
     extend_lens: torch.Tensor  # [B] int32, new tokens per request
     extend_start: torch.Tensor  # [B] int32, exclusive cumsum of extend_lens
     out_cache_loc: torch.Tensor  # [T] int64, KV slots the new tokens are written to
-    logits_indices: torch.Tensor  # [N] int64, token rows whose logits are needed
+    logits_indices: torch.Tensor | None  # [N] int64, token rows whose logits are needed (None: every token's)
     kv_cache: KVCache
     page_table: PageTable
     seq_lens_cpu: list[int] | None
@@ -72,7 +72,7 @@ class ForwardBatch:
     step_index: int = 0
     attn_backend: object | None = None
     capture_hidden: bool = False
-    logits_all_tokens: bool = False  # logits_indices is arange(T) (``logits_rows``)
+    logits_all_tokens: bool = False  # every token gets logits, in order (``logits_rows``); logits_indices is None
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
     @property
@@ -106,35 +106,53 @@ class ForwardBatch:
         *,
         positions: list[int] | torch.Tensor | None = None,
         logits_indices: list[int] | torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+        all_logits: bool = False,
+        seq_offset: int = 0,
+        steps: int = 1,
+        seq_step: int = 0,
         tree_mask: torch.Tensor | None = None,
         capture_hidden: bool = False,
     ) -> "ForwardBatch":
         """The one metadata builder for model inputs: KV write slots and positions are derived on the device from
-        the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers."""
+        the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers.
+
+        ``positions`` default to the storage positions (a chain's draft and verify tokens sit at consecutive
+        positions); the KV lengths are ``seq_lens + seq_offset``. Logits rows: ``logits_indices``, else each
+        request's token ``logits_at[b]`` (a device tensor, [B]), else ``all_logits`` (every token, in order), else
+        each request's last token. ``steps`` > 1 (uniform batches, ``DraftSteps``): the requests repeated that many
+        times, copy i's lengths ``i * seq_step`` further; ``req_slots`` then holds them once."""
         device = page_table.table.device
         ids = to_device(input_ids, torch.int64, device)
         t = int(ids.shape[0])
         slots_t = to_device(req_slots, torch.int64, device)
+        if not isinstance(seq_lens, torch.Tensor) and (seq_offset or steps > 1):  # host lengths: moved on the host
+            seq_lens = [x + seq_offset + i * seq_step for i in range(steps) for x in seq_lens]
+            seq_offset, steps, seq_step, slots_t = 0, 1, 0, slots_t.repeat(steps)
         if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
             # the GPU), so a captured graph holds no copy from a temporary host buffer that could be reused before a
             # replay; and no repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
             seq_in = seq_lens if isinstance(seq_lens, torch.Tensor) else to_device(seq_lens, torch.int32, device)
             seq_t, ext_t, start_t, last_t, storage_pos, out_loc = uniform_token_metadata(
-                slots_t, seq_in.to(device), extend_lens[0], page_table.table, page_table.page_size)
+                slots_t, seq_in.to(device), extend_lens[0], page_table.table, page_table.page_size,
+                seq_offset=seq_offset, steps=steps, seq_step=seq_step, logits_at=logits_at)
         else:
-            seq_t = to_device(seq_lens, torch.int32, device)
+            if steps > 1:
+                raise ValueError("a stacked multi-step batch must be uniform")
+            seq_t = to_device(seq_lens, torch.int32, device) + seq_offset
             ext_t = to_device(extend_lens, torch.int32, device)
             start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
             tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
             offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)
             storage_pos = torch.repeat_interleave(seq_t - ext_t, ext_t, output_size=t) + offset
             out_loc = page_table.slots(tok_req, storage_pos)
-            last_t = (start_t + ext_t - 1).long()
+            last_t = (start_t + (ext_t - 1 if logits_at is None else logits_at)).long()
         pos = storage_pos if positions is None else to_device(positions, torch.int64, device)
-        if logits_indices is None:  # last token of every request
-            logits_idx = last_t
-        else:
+        if logits_indices is not None:
             logits_idx = to_device(logits_indices, torch.int64, device)
+        else:  # each request's last token or its ``logits_at`` token; unused with ``all_logits``
+            logits_idx = None if all_logits else last_t
+        all_logits = all_logits or (logits_indices is None and logits_at is None and set(extend_lens) == {1})
         return cls(
             mode=mode,
             input_ids=ids,
@@ -151,7 +169,7 @@ class ForwardBatch:
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
             capture_hidden=capture_hidden,
-            logits_all_tokens=logits_indices is None and set(extend_lens) == {1},
+            logits_all_tokens=all_logits,
         )
 
 
@@ -223,28 +241,31 @@ class DraftSteps:
         cls,
         mode: ForwardMode,
         req_slots: list[int] | torch.Tensor,
-        seq_lens_per_step: list[list[int]] | torch.Tensor,
+        seq_lens: list[int] | torch.Tensor,
         tokens_per_request: int,
-        positions: torch.Tensor,
         kv_cache: KVCache,
         page_table: PageTable,
         *,
+        steps: int,
+        seq_offset: int = 0,
+        positions: torch.Tensor | None = None,
         tree_prefix: int = 0,
     ) -> "DraftSteps":
-        """``seq_lens_per_step``: [steps][B] (host or device), step i's = step 0's + i * k; ``positions``:
-        [steps, B * k]. A tree when ``tokens_per_request`` > 1 (see the class), ``tree_prefix`` positions before
-        the first step's nodes visible to all. Each step's ``input_ids`` are filled in when the previous step has
-        produced them (and its tree rows by ``advance``)."""
-        steps, b, k = len(seq_lens_per_step), len(req_slots), tokens_per_request
-        on_host = not isinstance(seq_lens_per_step, torch.Tensor)
-        flat_lens = [x for lens in seq_lens_per_step for x in lens] if on_host else seq_lens_per_step.reshape(-1)
-        slots = list(req_slots) * steps if isinstance(req_slots, list) else \
-            req_slots.unsqueeze(0).expand(steps, -1).reshape(-1)
-        device = positions.device
-        stacked = ForwardBatch.build(mode, torch.zeros(steps * b * k, dtype=torch.int64, device=device),
-                                     slots, flat_lens, [k] * (steps * b), kv_cache, page_table,
-                                     positions=positions.reshape(-1),
-                                     logits_indices=torch.arange(b * k, device=device))
+        """Step i's KV lengths are ``seq_lens + seq_offset + (i + 1) * k`` ([B], host or device); ``positions``:
+        [steps, B * k], or None for the storage positions (a chain). A tree when ``tokens_per_request`` > 1 (see
+        the class), ``tree_prefix`` positions before the first step's nodes visible to all. Each step's
+        ``input_ids`` are filled in when the previous step has produced them (and its tree rows by ``advance``).
+        The stacked batch is built by ONE ``ForwardBatch.build`` (one kernel on the GPU: the lengths are moved per
+        step in it) and holds the requests' slots once."""
+        b, k = len(req_slots), tokens_per_request
+        on_host = not isinstance(seq_lens, torch.Tensor)
+        device = page_table.table.device
+        stacked = ForwardBatch.build(mode, torch.empty(steps * b * k, dtype=torch.int64, device=device),
+                                     req_slots, seq_lens, [k] * (steps * b), kv_cache, page_table,
+                                     positions=None if positions is None else positions.reshape(-1),
+                                     all_logits=True, seq_offset=seq_offset + k, steps=steps, seq_step=k)
+        if on_host:  # the host path repeated the slots per step: keep them once, as the device path does
+            stacked.req_slots = stacked.req_slots[:b]
         tree_bits = None
         if k > 1:
             if tree_prefix + steps * k > MAX_TREE_BLOCK:
@@ -258,15 +279,16 @@ class DraftSteps:
         # step i's views: one unbind per per-step field; the per-request shape is the same in every step
         per_tok = [x.view(steps, b * k).unbind(0) for x in (stacked.input_ids, stacked.positions,
                                                              stacked.out_cache_loc)]
-        per_req = [x.view(steps, b).unbind(0) for x in (stacked.req_slots, stacked.seq_lens)]
+        per_seq = stacked.seq_lens.view(steps, b).unbind(0)
+        lens_cpu = stacked.seq_lens_cpu
         bits = [None] * steps if tree_bits is None else tree_bits.view(steps, b * k).unbind(0)
-        ext, start, logits_idx = stacked.extend_lens[:b], stacked.extend_start[:b], stacked.logits_indices[:b * k]
+        ext, start = stacked.extend_lens[:b], stacked.extend_start[:b]
         metadata: dict = {}
         batches = [ForwardBatch(
-            mode=mode, input_ids=per_tok[0][i], positions=per_tok[1][i], req_slots=per_req[0][i],
-            seq_lens=per_req[1][i], extend_lens=ext, extend_start=start, out_cache_loc=per_tok[2][i],
-            logits_indices=logits_idx, kv_cache=kv_cache, page_table=page_table,
-            seq_lens_cpu=list(seq_lens_per_step[i]) if on_host else None, extend_lens_cpu=[k] * b,
+            mode=mode, input_ids=per_tok[0][i], positions=per_tok[1][i], req_slots=stacked.req_slots,
+            seq_lens=per_seq[i], extend_lens=ext, extend_start=start, out_cache_loc=per_tok[2][i],
+            logits_indices=None, kv_cache=kv_cache, page_table=page_table,
+            seq_lens_cpu=lens_cpu[i * b:(i + 1) * b] if on_host else None, extend_lens_cpu=[k] * b,
             tree_bits=bits[i], tree_len=0 if tree_bits is None else tree_prefix + (i + 1) * k,
             step_metadata=metadata, step_index=i, logits_all_tokens=True,
         ) for i in range(steps)]

@@ -308,8 +308,8 @@ if triton is not None:
         tl.store(PartSum + row * num_parts + part, total)
 
     @triton.jit
-    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, LogProb, num_parts, PARTS_P2: tl.constexpr,
-                          WITH_LOGPROB: tl.constexpr):
+    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, LogProb, Remap, num_parts, PARTS_P2: tl.constexpr,
+                          WITH_LOGPROB: tl.constexpr, HAS_REMAP: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, PARTS_P2)
         ok = p < num_parts
@@ -320,7 +320,10 @@ if triton is not None:
         first = tl.min(tl.where(m == best, arg, 2147483647), 0)
         safe = tl.where(best == float("-inf"), 0.0, best)
         lse = safe + tl.log(tl.sum(s * tl.exp(m - safe), 0))
-        tl.store(Ids + row, first.to(tl.int64))
+        first = first.to(tl.int64)
+        if HAS_REMAP:  # a draft vocabulary's id → the target's: id + Remap[id]
+            first += tl.load(Remap + first)
+        tl.store(Ids + row, first)
         tl.store(Lse + row, lse)
         if WITH_LOGPROB:  # the argmax's log-probability: its logit is the row's maximum
             tl.store(LogProb + row, best - lse)
@@ -343,13 +346,15 @@ def greedy_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return ids, logprob
 
 
-def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
-                     floor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None, floor: torch.Tensor | None = None,
+                     remap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
     kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us).
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
     counter-based uniforms instead (``workers.sampling.draw``; the reference here is only for CPUs).
-    ``floor`` [B] (with ``gumbel``): logits below their row's floor take no part (``filter_floor``)."""
+    ``floor`` [B] (with ``gumbel``): logits below their row's floor take no part (``filter_floor``).
+    ``remap`` [V] int64 (an EAGLE-3 head's d2t): the returned id is ``i + remap[i]`` for argmax ``i``, added in the
+    second kernel (no index and add kernels after it)."""
     if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
         temp, seeds, counters, stream = gumbel
         noise = gumbel_from_hash(hash32(seeds, counters, logits.shape[1], stream))
@@ -358,11 +363,12 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None,
             x = torch.where(x >= floor.unsqueeze(1), x, float("-inf"))
         logits, gumbel = x / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
-        return logits.argmax(-1), torch.logsumexp(logits.float(), dim=-1)
-    return _argmax_lse(logits, gumbel, floor)[:2]
+        ids = logits.argmax(-1)
+        return ids if remap is None else ids + remap[ids], torch.logsumexp(logits.float(), dim=-1)
+    return _argmax_lse(logits, gumbel, floor, remap=remap)[:2]
 
 
-def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False):
+def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.Tensor | None = None):
     b, n = logits.shape
     block = 1024
     parts, chunk = _row_chunks(n, block)
@@ -379,8 +385,9 @@ def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False):
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
                                         temp, seeds, counters, stream, floor if has_floor else lse,
                                         BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor)
-        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, logprob if with_logprob else lse, parts,
-                                PARTS_P2=triton.next_power_of_2(parts), WITH_LOGPROB=with_logprob)
+        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, logprob if with_logprob else lse,
+                                remap if remap is not None else ids, parts, PARTS_P2=triton.next_power_of_2(parts),
+                                WITH_LOGPROB=with_logprob, HAS_REMAP=remap is not None)
     return ids, lse, logprob
 
 
@@ -516,16 +523,21 @@ def paged_slots(table: torch.Tensor, page_size: int, req_slots: torch.Tensor, po
 if triton is not None:
 
     @triton.jit
-    def _uniform_tokens(Slots, SeqIn, Table, SeqOut, ExtOut, StartOut, LogitsIdx, StoragePos, OutLoc,
-                        n, page_size, stride_slots, stride_seq, stride_table, BLOCK: tl.constexpr):
+    def _uniform_tokens(Slots, SeqIn, Table, LogitsAt, SeqOut, ExtOut, StartOut, LogitsIdx, StoragePos, OutLoc,
+                        n, page_size, num_req, seq_offset, seq_step, stride_slots, stride_seq, stride_table,
+                        BLOCK: tl.constexpr, HAS_AT: tl.constexpr):
         b = tl.program_id(0)
-        slot = tl.load(Slots + b * stride_slots).to(tl.int64)
-        seq = tl.load(SeqIn + b * stride_seq).to(tl.int32)
+        req = b % num_req
+        slot = tl.load(Slots + req * stride_slots).to(tl.int64)
+        seq = (tl.load(SeqIn + req * stride_seq) + seq_offset + (b // num_req) * seq_step).to(tl.int32)
         if tl.program_id(1) == 0:
             tl.store(SeqOut + b, seq)
             tl.store(ExtOut + b, n)
             tl.store(StartOut + b, b * n)
-            tl.store(LogitsIdx + b, (b * n + n - 1).to(tl.int64))
+            if HAS_AT:
+                tl.store(LogitsIdx + b, b * n + tl.load(LogitsAt + req).to(tl.int64))
+            else:
+                tl.store(LogitsIdx + b, (b * n + n - 1).to(tl.int64))
         j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = j < n
         pos = (seq - n + j).to(tl.int64)
@@ -535,30 +547,38 @@ if triton is not None:
 
 
 def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, table: torch.Tensor,
-                           page_size: int) -> tuple[torch.Tensor, ...]:
-    """A batch where each of the B requests extends by ``n`` tokens ending at its ``seq_lens``: (seq_lens int32,
-    extend_lens int32 [B] = n, extend_start int32 [B] = b*n, last-token indices int64 [B], storage positions int64
-    [B*n], KV slots int64 [B*n] through the page ``table`` [requests, pages] of request slots ``slots``). One
-    Triton kernel where it runs (the same values as the PyTorch ops below, which it replaces in every forward's
-    metadata), else those ops."""
+                           page_size: int, *, seq_offset: int = 0, steps: int = 1, seq_step: int = 0,
+                           logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """A batch where each of the B requests extends by ``n`` tokens ending at ``seq_lens + seq_offset``: (seq_lens
+    int32, extend_lens int32 [B] = n, extend_start int32 [B] = b*n, logits row indices int64 [B] (each request's
+    last token, or its token ``logits_at[b]``), storage positions int64 [B*n], KV slots int64 [B*n] through the page
+    ``table`` [requests, pages] of request slots ``slots``). ``steps`` > 1 stacks the batch that many times (a
+    multi-step draft round), step i's lengths ``i * seq_step`` further. One Triton kernel where it runs (the same
+    values as the PyTorch ops below, which it replaces in every forward's metadata), else those ops."""
     b, device = slots.shape[0], slots.device
     if not (_triton_for(slots) and b):
-        seq = seq_lens.to(torch.int32)
-        ext = torch.full((b,), n, dtype=torch.int32, device=device)
-        start = torch.arange(0, b * n, n, dtype=torch.int32, device=device)
+        seq = (seq_lens.to(torch.int32) + seq_offset).repeat(steps)
+        if steps > 1:
+            seq = seq + torch.arange(steps, dtype=torch.int32, device=device).repeat_interleave(b) * seq_step
+        rows = b * steps
+        ext = torch.full((rows,), n, dtype=torch.int32, device=device)
+        start = torch.arange(0, rows * n, n, dtype=torch.int32, device=device)
+        at = ext - 1 if logits_at is None else logits_at.to(torch.int32).repeat(steps)
         storage_pos = ((seq - n).unsqueeze(1) + torch.arange(n, device=device)).reshape(-1).long()
-        tok_req = slots.long().unsqueeze(1).expand(b, n).reshape(-1)
+        tok_req = slots.long().repeat(steps).unsqueeze(1).expand(rows, n).reshape(-1)
         out_loc = paged_slots(table, page_size, tok_req, storage_pos)
-        return seq, ext, start, (start + ext - 1).long(), storage_pos, out_loc
-    seq = torch.empty(b, dtype=torch.int32, device=device)
+        return seq, ext, start, (start + at).long(), storage_pos, out_loc
+    rows = b * steps
+    seq = torch.empty(rows, dtype=torch.int32, device=device)
     ext, start = torch.empty_like(seq), torch.empty_like(seq)
-    last = torch.empty(b, dtype=torch.int64, device=device)
-    storage_pos = torch.empty(b * n, dtype=torch.int64, device=device)
+    last = torch.empty(rows, dtype=torch.int64, device=device)
+    storage_pos = torch.empty(rows * n, dtype=torch.int64, device=device)
     out_loc = torch.empty_like(storage_pos)
     block = min(1024, max(16, triton.next_power_of_2(n)))  # few distinct compiles whatever the prefill length
-    _uniform_tokens[(b, triton.cdiv(max(n, 1), block))](
-        slots, seq_lens, table, seq, ext, start, last, storage_pos, out_loc, n, page_size, slots.stride(0),
-        seq_lens.stride(0), table.stride(0), BLOCK=block)
+    _uniform_tokens[(rows, triton.cdiv(max(n, 1), block))](
+        slots, seq_lens, table, logits_at if logits_at is not None else last, seq, ext, start, last, storage_pos,
+        out_loc, n, page_size, b, seq_offset, seq_step, slots.stride(0), seq_lens.stride(0), table.stride(0),
+        BLOCK=block, HAS_AT=logits_at is not None)
     return seq, ext, start, last, storage_pos, out_loc
 
 
@@ -604,11 +624,14 @@ if triton is not None:
 
     @triton.jit
     def _walk_tree(Parents, Tokens, Choice, Accept, Path, d, max_depth, stride_p, stride_t, stride_c, stride_path,
-                   D_P2: tl.constexpr):
+                   D_P2: tl.constexpr, CHAIN: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, D_P2)
         ok = j < d
-        parents = tl.load(Parents + b * stride_p + j, mask=ok, other=-2)
+        if CHAIN:  # node j's parent is j - 1
+            parents = tl.where(ok, j - 1, -2).to(tl.int64)
+        else:
+            parents = tl.load(Parents + b * stride_p + j, mask=ok, other=-2)
         tokens = tl.load(Tokens + b * stride_t + j, mask=ok, other=-1)
         cur = tl.zeros([], dtype=tl.int64)
         alive = tl.full([], 1, dtype=tl.int64)
@@ -624,14 +647,18 @@ if triton is not None:
         tl.store(Accept + b, accept)
 
 
-def walk_tree(parents: torch.Tensor, tokens: torch.Tensor, choice: torch.Tensor,
+def walk_tree(parents: torch.Tensor | None, tokens: torch.Tensor, choice: torch.Tensor,
               max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk each request's draft tree ([B, D] ``parents``, ``tokens``) from the root along the child whose token is
-    the target's choice at the current node (``choice`` [B, D]; the first such child), for ``max_depth`` hops or
-    until there is none: (accepted drafts [B] int64, path [B, max_depth + 1] int64, node indices from the root,
-    padded with the last). One program per request where Triton runs (about 11 PyTorch ops per hop otherwise)."""
-    b, d = parents.shape
-    if not _triton_for(parents):
+    """Walk each request's draft tree ([B, D] ``parents``, ``tokens``; ``parents`` None: a chain, node j's parent
+    is j - 1) from the root along the child whose token is the target's choice at the current node (``choice``
+    [B, D]; the first such child), for ``max_depth`` hops or until there is none: (accepted drafts [B] int64, path
+    [B, max_depth + 1] int64, node indices from the root, padded with the last). One program per request where
+    Triton runs (about 11 PyTorch ops per hop otherwise)."""
+    b, d = tokens.shape
+    chain = parents is None
+    if not _triton_for(tokens):
+        if chain:
+            parents = (torch.arange(d, device=tokens.device) - 1).expand(b, d)
         rows = torch.arange(b, device=parents.device)
         cur = torch.zeros(b, dtype=torch.int64, device=parents.device)
         alive = torch.ones(b, dtype=torch.bool, device=parents.device)
@@ -646,9 +673,39 @@ def walk_tree(parents: torch.Tensor, tokens: torch.Tensor, choice: torch.Tensor,
             accept += found.long()
             path.append(cur)
         return accept, torch.stack(path, 1)
-    accept = torch.empty(b, dtype=torch.int64, device=parents.device)
-    path = torch.empty(b, max_depth + 1, dtype=torch.int64, device=parents.device)
+    accept = torch.empty(b, dtype=torch.int64, device=tokens.device)
+    path = torch.empty(b, max_depth + 1, dtype=torch.int64, device=tokens.device)
     if b:
+        parents = tokens if chain else parents  # (unread for a chain)
         _walk_tree[(b,)](parents, tokens, choice, accept, path, d, max_depth, parents.stride(0), tokens.stride(0),
-                         choice.stride(0), path.stride(0), D_P2=max(16, triton.next_power_of_2(d)))
+                         choice.stride(0), path.stride(0), D_P2=max(16, triton.next_power_of_2(d)), CHAIN=chain)
     return accept, path
+
+
+# ---- a round's outcome into the worker's per-request state, one kernel -------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _record_round(Slots, Accept, OutTokens, LastToken, Advance, b, stride_slots, stride_out, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < b
+        slot = tl.load(Slots + i * stride_slots, mask=ok, other=0)
+        accept = tl.load(Accept + i, mask=ok, other=0)
+        tl.store(LastToken + slot, tl.load(OutTokens + i.to(tl.int64) * stride_out + accept, mask=ok), mask=ok)
+        tl.store(Advance + slot, accept + 1, mask=ok)
+
+
+def record_round(slots: torch.Tensor, accept: torch.Tensor, out_tokens: torch.Tensor, last_token: torch.Tensor,
+                 advance: torch.Tensor) -> None:
+    """After a speculative round: each request's newest token (``out_tokens[b, accept[b]]``, the bonus token after
+    its accepted drafts) into ``last_token[slot]`` and the tokens the round appended (``accept + 1``) into
+    ``advance[slot]`` (int64 tensors; slots distinct). One kernel where Triton runs, else four PyTorch ops."""
+    if not _triton_for(slots) or out_tokens.stride(1) != 1:
+        last_token[slots] = out_tokens.gather(1, accept.unsqueeze(1)).squeeze(1)
+        advance[slots] = accept + 1
+        return
+    b = slots.shape[0]
+    if b:
+        block = min(1024, max(16, triton.next_power_of_2(b)))
+        _record_round[(triton.cdiv(b, block),)](slots, accept.contiguous(), out_tokens, last_token, advance, b,
+                                                slots.stride(0), out_tokens.stride(0), BLOCK=block)

@@ -19,14 +19,14 @@ import torch.distributed as dist
 
 from deployments.config import EngineConfig
 from workers.forward_batch import ForwardMode, to_device
-from workers.fused_ops import overlap_step_inputs
+from workers.fused_ops import overlap_step_inputs, record_round
 from workers.graph_runner import GraphRunner, StaticInputs, batch_buckets
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
 from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, sampling_kind, top_logprobs
-from speculative.proposers import RoundInputs, shift_lens
+from speculative.proposers import RoundInputs
 
 logger = logging.getLogger(__name__)
 
@@ -516,10 +516,11 @@ class Worker:
         from speculative.verify import simulated_acceptance, verify_tree
 
         b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
+        # the nodes at m .. m+D-1, RoPE at the root's position + depth (a chain's: its storage positions)
         fb = self.target.new_batch(
-            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, shift_lens(inp.seq_lens, d - 1),
-            [d] * b, page_table=self.page_table, positions=(m.unsqueeze(1) + tree.depths).reshape(-1),
-            logits_indices=torch.arange(b * d, device=self.device), tree_mask=tree.mask,
+            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, inp.seq_lens, [d] * b,
+            page_table=self.page_table, seq_offset=d - 1, all_logits=True, tree_mask=tree.mask,
+            positions=None if tree.is_chain else (m.unsqueeze(1) + tree.depths).reshape(-1),
         )
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden).view(b, d, -1)
@@ -545,9 +546,7 @@ class Worker:
     def _finish_round(self, inp, tree, verdict, features, alternatives=None):
         self.proposer.after_verify(inp, tree, verdict, features)
         # the next round's root: the last token this one emits (the bonus token after the accepted drafts)
-        accept = verdict.accept_len.long()
-        self.last_token[inp.req_slots] = verdict.out_tokens.gather(1, accept.unsqueeze(1)).squeeze(1)
-        self.advance[inp.req_slots] = accept + 1
+        record_round(inp.req_slots, verdict.accept_len, verdict.out_tokens, self.last_token, self.advance)
         outputs = (verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
         return outputs + alternatives if alternatives is not None else outputs
 
