@@ -60,12 +60,14 @@ def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
     return ms
 
 
-def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int):
-    """A verify batch of ``bs`` requests at context ``ctx`` with ``nd`` draft tokens, KV pages scattered."""
+def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int, layers: int = 1):
+    """A verify batch of ``bs`` requests at context ``ctx`` with ``nd`` draft tokens, KV pages scattered (the same
+    pages in each of ``layers`` layers' caches)."""
     pages_per = -(-(ctx + 16) // page)
-    kv = KVCache(1, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
-    kv.k[0].normal_()
-    kv.v[0].normal_()
+    kv = KVCache(layers, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
+    for i in range(layers):
+        kv.k[i].normal_()
+        kv.v[i].normal_()
     table = PageTable(bs, pages_per, page, "cuda")
     table.table.copy_((torch.randperm(bs * pages_per) + 1).view(bs, pages_per).to(torch.int32))
     fb = ForwardBatch.build(ForwardMode.TARGET_VERIFY, torch.zeros(bs * nd, dtype=torch.int64),
@@ -119,6 +121,39 @@ def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes
                   decode_launch=tuple((bs, 64, best_per_sm(tile, bs), tile[0]) for bs in batch_sizes))
     print("sweep chose", chosen, "mean vs floor", round(score[tile], 3), flush=True)
     return {"context": ctx, "chosen": chosen, "chosen_mean_vs_floor": round(score[tile], 3), "results": results}
+
+
+def layers_graph_ms(backend, q: torch.Tensor, fb: ForwardBatch, specs: list, replays: int = 20) -> float:
+    """Per layer: one CUDA graph running the attention of every layer in ``specs`` back to back (each its own KV
+    cache, as a model's layers run, with no launch or L2 flush between them), replayed ``replays`` times between
+    two events, after warm-up replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for spec in specs:
+            backend.forward(q, None, None, spec, fb)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for spec in specs:
+            backend.forward(q, None, None, spec, fb)
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / (replays * len(specs))
+
+
+def layers_for(kv_bytes_per_layer: int) -> int:
+    """Layers per back-to-back graph: together at least four times the L2 (so no layer's KV is still cached when
+    its turn comes round again), between 2 and 64."""
+    l2 = torch.cuda.get_device_properties().L2_cache_size
+    return max(2, min(64, -(-4 * l2 // kv_bytes_per_layer)))
 
 
 def sweep_short_contexts(backend, layer, bw: float, contexts=(256, 1024, 4096, 50000), draft_tokens=(1, 4)) -> dict:
@@ -181,6 +216,9 @@ def main() -> None:
     ap.add_argument("--min-chunk", type=int, default=None,
                     help="fewest KV positions per decode-style split (default: the backend's); short contexts get "
                          "more splits with a smaller value (--draft-tokens 1 times plain decode)")
+    ap.add_argument("--layers", action="store_true",
+                    help="also time each launch as a model runs it: a graph of many layers back to back (each its "
+                         "own KV, together 4x the L2), no launch or L2 flush between them")
     ap.add_argument("--page-major", action="store_true",
                     help="also time the decode-style launch on a copy of the KV laid out [pages, kv heads, page size, "
                          "dim] (each head's tokens of a page contiguous) instead of KVCache's [slots, kv heads, dim]")
@@ -215,17 +253,21 @@ def main() -> None:
     for ctx in [int(x) for x in args.contexts.split(",")]:
         for bs in [int(x) for x in args.batch_sizes.split(",")]:
             for nd in [int(x) for x in args.draft_tokens.split(",")]:
-                fb, q = verify_case(ctx, bs, nd, heads, kv_heads, dim, page)
+                kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
+                nl = layers_for(kv_bytes) if args.layers else 1
+                fb, q = verify_case(ctx, bs, nd, heads, kv_heads, dim, page, layers=nl)
                 res = {}
                 for name, be in (("decode_style", decode), ("prefill_style", prefill)):
                     be.init_forward_metadata(fb)
                     res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, fb), warmup=10,
                                                         rep=100)
                     res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, fb))
+                    if args.layers:
+                        specs = [AttentionLayerSpec(i, heads, kv_heads, dim, dim**-0.5) for i in range(nl)]
+                        res[name + "_layers"] = layers_graph_ms(be, q, fb, specs)
                 out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
                 out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
                 page_major = page_major_timing(decode, layer, fb, q, out_d) if args.page_major else {}
-                kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
                 floor_ms = kv_bytes / bw * 1e3
                 rows.append({"context": ctx, "batch_size": bs, "draft_tokens": nd,
                              "decode_style_ms": round(res["decode_style"], 4),
@@ -240,6 +282,13 @@ def main() -> None:
                              "decode_style_graph_vs_floor": round(res["decode_style_graph"] / floor_ms, 2),
                              "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max()),
                              **page_major})
+                if args.layers:
+                    rows[-1].update({
+                        "layers_per_graph": nl, "decode_style_layers_ms": round(res["decode_style_layers"], 4),
+                        "prefill_style_layers_ms": round(res["prefill_style_layers"], 4),
+                        "layers_speedup_vs_prefill_style": round(res["prefill_style_layers"]
+                                                                 / res["decode_style_layers"], 2),
+                        "decode_style_layers_vs_floor": round(res["decode_style_layers"] / floor_ms, 2)})
                 if page_major:
                     rows[-1]["page_major_graph_vs_floor"] = round(page_major["decode_style_page_major_graph_ms"]
                                                                   / floor_ms, 2)
@@ -262,19 +311,27 @@ def report(meta: dict, out: Path) -> None:
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
           f"{meta['copy_bandwidth_GBps']} GB/s (read + write); decode-style launch {launch}"
           + (" (chosen by the sweep in the JSON)" if sweep else ""), "",
-          "Times per layer in ms; *graph*: replayed from a CUDA graph (as the engine runs verify), *eager*: launched "
-          "from Python.", "",
+          "Times per layer in ms; *graph*: one layer's launch replayed from a CUDA graph, timed per replay with the "
+          "L2 flushed before each (triton's do_bench), *eager*: "
+          "launched from Python" + ("; *layers back to back*: one graph of that many layers' attention (each its own "
+          "KV cache, together at least 4x the L2) replayed, time / layers, as the kernels run inside a model's step"
+          if any("decode_style_layers_ms" in r for r in rows) else "") + ".", "",
           "| context | bs | draft tokens | KV floor | decode-style graph | prefill-style graph | speedup | vs floor | "
           "decode-style eager | prefill-style eager | speedup | vs floor |" + (pm_head := (
               " page-major KV: decode-style graph | vs floor | equal |" if any(
-                  "decode_style_page_major_graph_ms" in r for r in rows) else "")),
-          "|---" * (12 + pm_head.count("|")) + "|"]
+                  "decode_style_page_major_graph_ms" in r for r in rows) else ""))
+          + (ly_head := (" layers per graph | decode-style, layers back to back | prefill-style, layers back to back "
+                         "| speedup | vs floor |" if any("decode_style_layers_ms" in r for r in rows) else "")),
+          "|---" * (12 + pm_head.count("|") + ly_head.count("|")) + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['kv_read_floor_ms']} | "
            f"{r['decode_style_graph_ms']} | {r['prefill_style_graph_ms']} | {r['graph_speedup_vs_prefill_style']}x | "
            f"**{r['decode_style_graph_vs_floor']}x** | {r['decode_style_ms']} | {r['prefill_style_ms']} | "
            f"{r['speedup_vs_prefill_style']}x | {r['decode_style_vs_floor']}x |"
            + (f" {r.get('decode_style_page_major_graph_ms', '')} | {r.get('page_major_graph_vs_floor', '')}x | "
-              f"{r.get('page_major_output_equal', '')} |" if pm_head else "") for r in rows]
+              f"{r.get('page_major_output_equal', '')} |" if pm_head else "")
+           + (f" {r['layers_per_graph']} | {r['decode_style_layers_ms']} | {r['prefill_style_layers_ms']} | "
+              f"{r['layers_speedup_vs_prefill_style']}x | **{r['decode_style_layers_vs_floor']}x** |"
+              if ly_head else "") for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         import matplotlib
