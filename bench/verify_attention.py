@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from attention.base import AttentionLayerSpec  # noqa: E402
 from attention.registry import _make  # noqa: E402
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
 from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from workers.kv_cache import KVCache, PageTable  # noqa: E402
 
@@ -139,14 +139,9 @@ def layers_graph_ms(backend, q: torch.Tensor, fb: ForwardBatch, specs: list, rep
             backend.forward(q, None, None, spec, fb)
     for _ in range(3):
         graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
+    ms = graph_replay_ms(graph, replays) / len(specs)
     del graph
-    return start.elapsed_time(end) / (replays * len(specs))
+    return ms
 
 
 def layers_for(kv_bytes_per_layer: int) -> int:

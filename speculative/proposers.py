@@ -232,7 +232,7 @@ class EagleProposer(_ModelProposer):
 
     def after_verify(self, inp, tree, verdict: Verdict, features):
         b, s1 = verdict.out_tokens.shape  # S + 1 tokens per request: t_{m+1} .. t_{m+S+1}, valid up to accept
-        if tree.mask is None:  # a chain: the accepted nodes are its first ones, in order (the rows past the
+        if tree.is_chain:  # the accepted nodes are its first ones, in order (the rows past the
             feats = features  # accepted ones feed positions that the next round writes before it reads them)
         else:
             feats = features.view(b, tree.num_nodes, -1).gather(

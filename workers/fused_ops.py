@@ -576,7 +576,8 @@ def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, 
     out_loc = torch.empty_like(storage_pos)
     block = min(1024, max(16, triton.next_power_of_2(n)))  # few distinct compiles whatever the prefill length
     _uniform_tokens[(rows, triton.cdiv(max(n, 1), block))](
-        slots, seq_lens, table, logits_at if logits_at is not None else last, seq, ext, start, last, storage_pos,
+        slots, seq_lens, table, logits_at.contiguous() if logits_at is not None else last, seq, ext, start, last,
+        storage_pos,
         out_loc, n, page_size, b, seq_offset, seq_step, slots.stride(0), seq_lens.stride(0), table.stride(0),
         BLOCK=block, HAS_AT=logits_at is not None)
     return seq, ext, start, last, storage_pos, out_loc
