@@ -258,7 +258,7 @@ def check_uniform_token_metadata(g) -> None:
             assert a.dtype == b.dtype and torch.equal(a, b), (n, a, b)
         pos = torch.cat([torch.arange(s - n, s) for s in seq.tolist()])
         assert torch.equal(ref[5], table[slots.repeat_interleave(n), pos // page].long() * page + pos % page)
-        # lengths moved by an offset, the batch stacked 3 times (each copy n further), logits at chosen rows: the
+        # lengths moved by an offset, the batch stacked 3 times (each copy 2 further), logits at chosen rows: the
         # same as the plain metadata of the explicit lengths
         if n < 100:
             at = torch.randint(0, n, (3,), generator=g)
