@@ -33,12 +33,20 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def _decode_stream_factory(tokenizer):
-    """A maker of ``tokenizers.decoders.DecodeStream`` over the fast tokenizer's own pipeline, or None where it does
-    not decode as ``tokenizer.decode`` does (a slow tokenizer, or one that asks for transformers' clean-up of
-    spaces) or the installed tokenizers predates it."""
+def _fast_backend(tokenizer):
+    """The fast tokenizer's own (Rust) tokenizer where it decodes as ``tokenizer.decode`` does, else None: a slow
+    tokenizer, or one that asks for transformers' clean-up of spaces (the only thing transformers' decode adds)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
+def _decode_stream_factory(tokenizer):
+    """A maker of ``tokenizers.decoders.DecodeStream`` over ``_fast_backend``, or None where there is none or the
+    installed tokenizers predates it."""
+    backend = _fast_backend(tokenizer)
+    if backend is None:
         return None
     try:
         from tokenizers.decoders import DecodeStream
@@ -74,9 +82,9 @@ class Detokenizer:
         else:
             self._stream = None
             # the fast tokenizer's own decoder, without transformers' per-call wrapping (half of a step's host time
-            # at 96 requests); transformers' decode adds only the clean-up of spaces, which this one does not ask for
-            backend = getattr(tokenizer, "backend_tokenizer", None)
-            if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            # at 96 requests)
+            backend = _fast_backend(tokenizer)
+            if backend is not None:
                 self._decode = functools.partial(backend.decode, skip_special_tokens=True)
             self._window: list[int] = []  # the ids decoding restarts from: last step's read tokens, then the unread
             self._read = 0  # window[:_read] is decoded text already; window[_read:] is not yet

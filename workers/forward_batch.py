@@ -126,9 +126,9 @@ class ForwardBatch:
         ids = to_device(input_ids, torch.int64, device)
         t = int(ids.shape[0])
         slots_t = to_device(req_slots, torch.int64, device)
-        if not isinstance(seq_lens, torch.Tensor) and (seq_offset or steps > 1):  # host lengths: moved on the host
-            seq_lens = [x + seq_offset + i * seq_step for i in range(steps) for x in seq_lens]
-            seq_offset, steps, seq_step, slots_t = 0, 1, 0, slots_t.repeat(steps)
+        lens_cpu = None  # the host's view of the (moved) lengths, when it has them
+        if not isinstance(seq_lens, torch.Tensor):
+            lens_cpu = [x + seq_offset + i * seq_step for i in range(steps) for x in seq_lens]
         if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
             # the GPU), so a captured graph holds no copy from a temporary host buffer that could be reused before a
             # replay; and no repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
@@ -139,7 +139,9 @@ class ForwardBatch:
         else:
             if steps > 1:
                 raise ValueError("a stacked multi-step batch must be uniform")
-            seq_t = to_device(seq_lens, torch.int32, device) + seq_offset
+            seq_t = to_device(seq_lens, torch.int32, device)
+            if seq_offset:
+                seq_t = seq_t + seq_offset
             ext_t = to_device(extend_lens, torch.int32, device)
             start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
             tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
@@ -165,7 +167,7 @@ class ForwardBatch:
             logits_indices=logits_idx,
             kv_cache=kv_cache,
             page_table=page_table,
-            seq_lens_cpu=None if isinstance(seq_lens, torch.Tensor) else list(seq_lens),
+            seq_lens_cpu=lens_cpu,
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
             capture_hidden=capture_hidden,
@@ -258,14 +260,11 @@ class DraftSteps:
         The stacked batch is built by ONE ``ForwardBatch.build`` (one kernel on the GPU: the lengths are moved per
         step in it) and holds the requests' slots once."""
         b, k = len(req_slots), tokens_per_request
-        on_host = not isinstance(seq_lens, torch.Tensor)
         device = page_table.table.device
         stacked = ForwardBatch.build(mode, torch.empty(steps * b * k, dtype=torch.int64, device=device),
                                      req_slots, seq_lens, [k] * (steps * b), kv_cache, page_table,
                                      positions=None if positions is None else positions.reshape(-1),
                                      all_logits=True, seq_offset=seq_offset + k, steps=steps, seq_step=k)
-        if on_host:  # the host path repeated the slots per step: keep them once, as the device path does
-            stacked.req_slots = stacked.req_slots[:b]
         tree_bits = None
         if k > 1:
             if tree_prefix + steps * k > MAX_TREE_BLOCK:
@@ -288,7 +287,7 @@ class DraftSteps:
             mode=mode, input_ids=per_tok[0][i], positions=per_tok[1][i], req_slots=stacked.req_slots,
             seq_lens=per_seq[i], extend_lens=ext, extend_start=start, out_cache_loc=per_tok[2][i],
             logits_indices=None, kv_cache=kv_cache, page_table=page_table,
-            seq_lens_cpu=lens_cpu[i * b:(i + 1) * b] if on_host else None, extend_lens_cpu=[k] * b,
+            seq_lens_cpu=None if lens_cpu is None else lens_cpu[i * b:(i + 1) * b], extend_lens_cpu=[k] * b,
             tree_bits=bits[i], tree_len=0 if tree_bits is None else tree_prefix + (i + 1) * k,
             step_metadata=metadata, step_index=i, logits_all_tokens=True,
         ) for i in range(steps)]
