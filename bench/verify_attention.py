@@ -2,6 +2,11 @@
 and vs the KV-read floor (KV bytes ÷ device copy bandwidth measured in the same run). Llama-3.1-8B head shape
 (32 query heads, 8 KV heads, head dim 128), bf16, one layer, paged KV (page 16), chain verify.
 
+``--backend flashinfer`` times FlashInfer's kernels as the engine's flashinfer backend runs them: decode-style is
+the XQA kernel (device lengths, as in CUDA-graph rounds), prefill-style the BatchPrefillWithPagedKVCacheWrapper
+(verify_attention_mode "prefill"), and a third launch, the BatchDecodeWithPagedKVCacheWrapper with tensor cores and
+q_len_per_req = draft tokens (decode mode with host lengths, as without graphs).
+
 Each launch is timed two ways: called eagerly (Python launches of the split and merge kernels, as without CUDA
 graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
 
@@ -62,7 +67,7 @@ def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
 
 def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int, layers: int = 1):
     """A verify batch of ``bs`` requests at context ``ctx`` with ``nd`` draft tokens, KV pages scattered (the same
-    pages in each of ``layers`` layers' caches)."""
+    pages in each of ``layers`` layers' caches); its lengths are on the host too (see ``device_lengths``)."""
     pages_per = -(-(ctx + 16) // page)
     kv = KVCache(layers, bs * pages_per + 1, page, kv_heads, dim, torch.bfloat16, "cuda")
     for i in range(layers):
@@ -74,6 +79,14 @@ def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int,
                             list(range(bs)), [ctx] * bs, [nd] * bs, kv, table)
     q = torch.randn(bs * nd, heads, dim, dtype=torch.bfloat16, device="cuda")
     return fb, q
+
+
+def device_lengths(fb: ForwardBatch) -> ForwardBatch:
+    """The same verify batch with its sequence lengths only on the device, as a CUDA-graph round has them."""
+    bs = len(fb.extend_lens_cpu)
+    lens = torch.tensor(fb.seq_lens_cpu, dtype=torch.int32, device="cuda")
+    return ForwardBatch.build(ForwardMode.TARGET_VERIFY, fb.input_ids, list(range(bs)), lens, fb.extend_lens_cpu,
+                              fb.kv_cache, fb.page_table)
 
 
 def sweep_decode_launch(backend, layer, bw: float, ctx: int = 50000, batch_sizes=(1, 4, 8, 32)) -> dict:
@@ -203,6 +216,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/verify_attention_h100")
+    ap.add_argument("--backend", default="triton", choices=("triton", "flashinfer"),
+                    help="whose kernels: our Triton split-KV family, or FlashInfer's (XQA, decode and prefill wrappers)")
     ap.add_argument("--contexts", default="1024,8192,50000")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--draft-tokens", default="4,8")
@@ -220,6 +235,8 @@ def main() -> None:
     ap.add_argument("--sweep-short", action="store_true",
                     help="only: sweep the bs=1 launch at short contexts (sweep_short_contexts) into <out>.json")
     args = ap.parse_args()
+    if args.backend != "triton" and (args.sweep or args.sweep_short or args.page_major or args.min_chunk is not None):
+        ap.error("--sweep, --sweep-short, --page-major and --min-chunk tune the triton launch")
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     if args.report_only:
         report(json.loads(out.with_suffix(".json").read_text()), out)
@@ -227,7 +244,7 @@ def main() -> None:
     heads, kv_heads, dim, page = 32, 8, 128, 16
     layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim**-0.5)
     bw = copy_bandwidth()
-    decode, prefill = _make("triton", "decode", "cuda"), _make("triton", "prefill", "cuda")
+    decode, prefill = _make(args.backend, "decode", "cuda"), _make(args.backend, "prefill", "cuda")
     if args.min_chunk is not None:
         decode.min_chunk = prefill.min_chunk = args.min_chunk
     if args.sweep_short:
@@ -251,17 +268,22 @@ def main() -> None:
                 kv_bytes = 2 * bs * ctx * kv_heads * dim * 2
                 nl = layers_for(kv_bytes) if args.layers else 1
                 fb, q = verify_case(ctx, bs, nd, heads, kv_heads, dim, page, layers=nl)
-                res = {}
-                for name, be in (("decode_style", decode), ("prefill_style", prefill)):
-                    be.init_forward_metadata(fb)
-                    res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, fb), warmup=10,
+                launches = [("decode_style", decode, fb), ("prefill_style", prefill, fb)]
+                if args.backend == "flashinfer":  # XQA takes the device-length batch; the wrapper the host one
+                    launches = [("decode_style", decode, device_lengths(fb)), *launches[1:],
+                                ("decode_style_wrapper", decode, fb)]
+                res, outs, kernels = {}, {}, {}
+                for name, be, batch in launches:
+                    be.init_forward_metadata(batch)
+                    kernels[name] = getattr(be, "last_kernel", args.backend)
+                    res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, batch), warmup=10,
                                                         rep=100)
-                    res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, fb))
+                    res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, batch))
                     if args.layers:
                         specs = [AttentionLayerSpec(i, heads, kv_heads, dim, dim**-0.5) for i in range(nl)]
-                        res[name + "_layers"] = layers_graph_ms(be, q, fb, specs)
-                out_d = (decode.init_forward_metadata(fb), decode.forward(q, None, None, layer, fb))[1]
-                out_p = (prefill.init_forward_metadata(fb), prefill.forward(q, None, None, layer, fb))[1]
+                        res[name + "_layers"] = layers_graph_ms(be, q, batch, specs)
+                    outs[name] = (be.init_forward_metadata(batch), be.forward(q, None, None, layer, batch))[1]
+                out_d, out_p = outs["decode_style"], outs["prefill_style"]
                 page_major = page_major_timing(decode, layer, fb, q, out_d) if args.page_major else {}
                 floor_ms = kv_bytes / bw * 1e3
                 rows.append({"context": ctx, "batch_size": bs, "draft_tokens": nd,
@@ -277,6 +299,18 @@ def main() -> None:
                              "decode_style_graph_vs_floor": round(res["decode_style_graph"] / floor_ms, 2),
                              "max_abs_diff_decode_vs_prefill": float((out_d.float() - out_p.float()).abs().max()),
                              **page_major})
+                if args.backend != "triton":
+                    rows[-1]["kernels"] = kernels
+                if "decode_style_wrapper" in res:
+                    w = res["decode_style_wrapper_graph"]
+                    rows[-1].update({"decode_style_wrapper_graph_ms": round(w, 4),
+                                     "decode_style_wrapper_graph_vs_floor": round(w / floor_ms, 2),
+                                     "max_abs_diff_wrapper_vs_prefill":
+                                         float((outs["decode_style_wrapper"].float() - out_p.float()).abs().max())})
+                    if args.layers:
+                        w = res["decode_style_wrapper_layers"]
+                        rows[-1].update({"decode_style_wrapper_layers_ms": round(w, 4),
+                                         "decode_style_wrapper_layers_vs_floor": round(w / floor_ms, 2)})
                 if args.layers:
                     rows[-1].update({
                         "layers_per_graph": nl, "decode_style_layers_ms": round(res["decode_style_layers"], 4),
@@ -290,8 +324,9 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 del fb, q
                 torch.cuda.empty_cache()
-    launch = {k: getattr(decode, k) for k in LAUNCH_KNOBS + ("min_chunk",)}
-    meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
+    launch = ({k: getattr(decode, k) for k in LAUNCH_KNOBS + ("min_chunk",)} if args.backend == "triton"
+              else rows[0]["kernels"] if rows else {})
+    meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv), "backend": args.backend,
             "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
             "decode_style_launch": launch, "sweep": sweep, "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -302,9 +337,11 @@ def main() -> None:
 def report(meta: dict, out: Path) -> None:
     """<out>.md and <out>.png from the run's record (``meta``, as written to <out>.json)."""
     rows, launch, sweep = meta["rows"], meta["decode_style_launch"], meta["sweep"]
-    md = [f"# Verify attention ({meta['device']})", "",
+    backend = meta.get("backend", "triton")
+    md = [f"# Verify attention{'' if backend == 'triton' else ', ' + backend} ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['shape']}; copy bandwidth "
-          f"{meta['copy_bandwidth_GBps']} GB/s (read + write); decode-style launch {launch}"
+          f"{meta['copy_bandwidth_GBps']} GB/s (read + write); "
+          + (f"decode-style launch {launch}" if backend == "triton" else f"kernels: {launch}")
           + (" (chosen by the sweep in the JSON)" if sweep else ""), "",
           "Times per layer in ms; *graph*: one layer's launch replayed from a CUDA graph, timed per replay with the "
           "L2 flushed before each (triton's do_bench), *eager*: "
@@ -316,8 +353,11 @@ def report(meta: dict, out: Path) -> None:
               " page-major KV: decode-style graph | vs floor | equal |" if any(
                   "decode_style_page_major_graph_ms" in r for r in rows) else ""))
           + (ly_head := (" layers per graph | decode-style, layers back to back | prefill-style, layers back to back "
-                         "| speedup | vs floor |" if any("decode_style_layers_ms" in r for r in rows) else "")),
-          "|---" * (12 + pm_head.count("|") + ly_head.count("|")) + "|"]
+                         "| speedup | vs floor |" if any("decode_style_layers_ms" in r for r in rows) else ""))
+          + (wr_head := (" decode wrapper graph | vs floor |" + (" decode wrapper, layers back to back | vs floor |"
+                                                                  if ly_head else "")
+                         if any("decode_style_wrapper_graph_ms" in r for r in rows) else "")),
+          "|---" * (12 + pm_head.count("|") + ly_head.count("|") + wr_head.count("|")) + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['draft_tokens']} | {r['kv_read_floor_ms']} | "
            f"{r['decode_style_graph_ms']} | {r['prefill_style_graph_ms']} | {r['graph_speedup_vs_prefill_style']}x | "
            f"**{r['decode_style_graph_vs_floor']}x** | {r['decode_style_ms']} | {r['prefill_style_ms']} | "
@@ -326,7 +366,10 @@ def report(meta: dict, out: Path) -> None:
               f"{r.get('page_major_output_equal', '')} |" if pm_head else "")
            + (f" {r['layers_per_graph']} | {r['decode_style_layers_ms']} | {r['prefill_style_layers_ms']} | "
               f"{r['layers_speedup_vs_prefill_style']}x | **{r['decode_style_layers_vs_floor']}x** |"
-              if ly_head else "") for r in rows]
+              if ly_head else "")
+           + (f" {r['decode_style_wrapper_graph_ms']} | {r['decode_style_wrapper_graph_vs_floor']}x |"
+              + (f" {r['decode_style_wrapper_layers_ms']} | {r['decode_style_wrapper_layers_vs_floor']}x |"
+                 if ly_head else "") if wr_head else "") for r in rows]
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
     try:
         import matplotlib
