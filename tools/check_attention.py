@@ -1,7 +1,8 @@
 """Attention backends against the torch-native fp32 reference, on random paged KV, for every forward mode.
 
     python tools/check_attention.py --device cuda --backends triton,flashinfer [--dtype bfloat16] [--json out.json]
-    TRITON_INTERPRET=1 python tools/check_attention.py --device cpu --backends triton --small   # CPU, interpreter
+    TRITON_INTERPRET=1 python tools/check_attention.py --device cpu --backends triton --small --dtype float32
+    # (CPU, Triton's interpreter: float32 only, its bfloat16 loads are wrong)
 
 Cases: EXTEND (with a cached prefix, chunked), DRAFT_EXTEND, DECODE, TARGET_VERIFY (chain and tree, decode- and
 prefill-style kernels), and a multi-step draft step (queries against a scratch block). Page sizes 1 and 16, GQA.
@@ -9,9 +10,9 @@ Every line names the kernel that ran (for flashinfer: ``xqa`` or one of its plan
 
 flashinfer runs every case twice: with host lengths, and with the lengths on the device only (``seq_lens_cpu``
 None, as in CUDA-graph capture/replay and speculative rounds). Where its XQA kernel runs (sm90/100/120), XQA must
-take every forward it serves (DECODE, DRAFT_EXTEND, draft steps, decode-mode verify; page size 16) with device-only
-lengths, and the planned wrappers those with host lengths; the forwards XQA does not serve must refuse device-only
-lengths with a ValueError (printed ``n/a``).
+take every forward it serves (DECODE, uniform DRAFT_EXTEND, draft steps, decode-mode verify; page size 16) with
+device-only lengths, and the planned wrappers those with host lengths; the forwards XQA does not serve must refuse
+device-only lengths with a ValueError (printed ``n/a``).
 
 On CUDA a graph check follows for every graph-capable backend (``supports_cuda_graph``): one DECODE and one
 TARGET_VERIFY (tree) forward captured in a ``torch.cuda.CUDAGraph`` over static device lengths, replayed after the
@@ -91,10 +92,12 @@ CASES = {  # name: (mode, seq_lens, new tokens per request)
 }
 
 
-def expects_xqa(backend, mode: str, verify_mode: str, page_size: int, dtype) -> bool:
-    """Whether the flashinfer backend must run this case on XQA (see the module docstring of its backend)."""
+def expects_xqa(backend, mode: str, verify_mode: str, page_size: int, dtype, news: list[int]) -> bool:
+    """Whether the flashinfer backend must run this case on XQA (see the module docstring of its backend): XQA
+    takes one count of new tokens per batch, so a ragged batch (a draft catch-up after prompts of different
+    lengths, which the engine runs with host lengths) is not its."""
     return (getattr(backend, "xqa_available", False) and page_size in XQA_PAGE_SIZES
-            and dtype in (torch.float16, torch.bfloat16) and mode != "extend"
+            and dtype in (torch.float16, torch.bfloat16) and mode != "extend" and len(set(news)) == 1
             and not (verify_mode == "prefill" and mode.startswith("verify")))
 
 
@@ -154,7 +157,7 @@ def main() -> None:
                     fb, q = make_case(mode, page_size, seqs, news, heads, kv_heads, dim, device, dtype, g)
                     ref = reference(fb, q, layer)
                     xqa_can = backend_name == "flashinfer" and expects_xqa(backend, mode, verify_mode, page_size,
-                                                                           dtype)
+                                                                           dtype, news)
                     for lens in lens_variants:
                         want_xqa = xqa_can and lens == "device"  # host lengths run on the planned wrappers
                         if lens == "device":
@@ -246,10 +249,12 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
     lens = torch.tensor(GRAPH_LENS["capture"], dtype=torch.int32, device=device)  # the graph's static inputs
     tree = None if alloc.tree_mask is None else alloc.tree_mask.clone()
     ids = torch.zeros(b * n, dtype=torch.int64, device=device)
-    fb = ForwardBatch.build(fmode, ids, list(range(b)), lens, [n] * b, kv, table, tree_mask=tree)
-    assert fb.seq_lens_cpu is None and fb.seq_lens.data_ptr() == lens.data_ptr()
 
-    def step():
+    slots = torch.arange(b, device=device)
+
+    def step():  # as the engine's graph runner: the batch is built inside the capture, from the static inputs
+        fb = ForwardBatch.build(fmode, ids, slots, lens, [n] * b, kv, table, tree_mask=tree)
+        assert fb.seq_lens_cpu is None
         backend.init_forward_metadata(fb)
         return backend.forward(q, None, None, layer, fb)
 
