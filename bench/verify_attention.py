@@ -11,6 +11,7 @@ Each launch is timed two ways: called eagerly (Python launches of the split and 
 graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
 
     python bench/verify_attention.py --out bench/results/verify_attention_h100
+    python bench/verify_attention.py --layers --backend flashinfer --out bench/results/verify_attention_flashinfer_layers_h100
 
 Writes <out>.json, <out>.md, <out>.png with device, commit and command.
 """

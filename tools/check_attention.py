@@ -2,7 +2,7 @@
 
     python tools/check_attention.py --device cuda --backends triton,flashinfer [--dtype bfloat16] [--json out.json]
     TRITON_INTERPRET=1 python tools/check_attention.py --device cpu --backends triton --small --dtype float32
-    # (CPU, Triton's interpreter: float32 only, its bfloat16 loads are wrong)
+    # (CPU, Triton's interpreter: float32 only; in bfloat16 its outputs are wrong there)
 
 Cases: EXTEND (with a cached prefix, chunked), DRAFT_EXTEND, DECODE, TARGET_VERIFY (chain and tree, decode- and
 prefill-style kernels), and a multi-step draft step (queries against a scratch block). Page sizes 1 and 16, GQA.
@@ -249,7 +249,6 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
     lens = torch.tensor(GRAPH_LENS["capture"], dtype=torch.int32, device=device)  # the graph's static inputs
     tree = None if alloc.tree_mask is None else alloc.tree_mask.clone()
     ids = torch.zeros(b * n, dtype=torch.int64, device=device)
-
     slots = torch.arange(b, device=device)
 
     def step():  # as the engine's graph runner: the batch is built inside the capture, from the static inputs

@@ -4,6 +4,9 @@
 # ray[serve] and openai for the serving stage).
 #   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
+# flashinfer: its wheels (two carry sets, about 66 MB) do not fit beside models/ (55 MB) in the 64 MiB a call
+# carries: carry the sets with models/ moved out of the working tree, then run the stage in a call with models/
+# back (check_logits and check_engine_backends load the shipped model); the stage runs about 9 minutes.
 set -uo pipefail
 stage=$1
 R=$OUT/r
@@ -57,6 +60,9 @@ case $stage in
     run python3 tools/check_attention.py --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
     run python3 tools/check_logits.py --backends torch_native,triton,flashinfer --dtype bfloat16 --json "$R/logits_check_bf16.json"
     run python3 tools/check_engine_backends.py --dtype bfloat16 --backends torch_native,triton,flashinfer --json "$R/engine_backends_bf16.json"
+    # FlashInfer's verify kernels (XQA at the Llama-3.1-8B head shape, 4 and 8 drafts; the wrappers JIT-build on use)
+    run python3 tools/prebuild_flashinfer.py --groups 4 --head-dim 128 --q 4,8
+    run python3 bench/verify_attention.py --layers --backend flashinfer --out "$R/verify_attention_flashinfer_layers_$tag"
     ;;
   engine)
     run python3 tools/check_attention.py --device cuda --backends triton --dtype float32 --json "$R/attention_check_fp32.json"
