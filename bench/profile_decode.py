@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: kernel time by name under torch.profiler (eager engine steps), and each of
-the model's linear shapes at M = 1, 4, 16 rows timed alone (cuBLAS, the small-M Triton kernel's tile configs, and
-what ``workers.small_m_linear.tune`` picks) against its weight-read floor.
+the model's linear shapes at M = 1, 4, 16 rows (cuBLAS, the small-M Triton kernel's tile configs, and what
+``workers.small_m_linear.tune`` picks, each timed as the tuner times it) against its weight-read floor.
 
     python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
 
@@ -31,34 +31,39 @@ from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
     """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
-    ``workers.small_m_linear.tune`` picks, against the weight-read floor."""
-    from triton.testing import do_bench
-
+    ``workers.small_m_linear.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``, as the
+    tuner times them (a CUDA graph of back-to-back calls over weight copies worth twice the L2, as a decode step
+    runs its layers). The down projection runs gated, as in the models: its input is [gate | up] and silu(gate) * up
+    is fused into the Triton kernel's loads, while cuBLAS runs after the separate silu_and_mul kernel."""
     from workers import small_m_linear as sml
+    from workers.fused_ops import silu_and_mul
 
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    side = torch.cuda.Stream()
     rows = []
-    for name, (n, k) in {"qkv": (h + 2 * kv, h), "o": (h, h), "gate_up": (2 * inter, h), "down": (h, inter),
-                         "lm_head": (v, h)}.items():
+    for name, (n, k, gated) in {"qkv": (h + 2 * kv, h, False), "o": (h, h, False), "gate_up": (2 * inter, h, False),
+                                "down": (h, inter, True), "lm_head": (v, h, False)}.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        weights = sml.weight_copies(w)
         floor = n * k * 2 / bw * 1e3
         for m in rows_m:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_cublas = do_bench(lambda: F.linear(x, w), warmup=20, rep=200)
+            x = torch.randn(m, k * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
+            ref = F.linear(silu_and_mul(x) if gated else x, w).float()
+            t_cublas = sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
+                                       else (lambda ww: F.linear(x, ww)), weights, side)
             cands = (sml.CANDIDATES_M1 if m == 1 else []) + sml.CANDIDATES
-            t_cfg = {str(tuple(c)): do_bench(lambda c=c: sml.small_m_linear(x, w, None, c), warmup=20, rep=200)
-                     for c in cands}
+            t_cfg = {str(tuple(c)): sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c, gated), weights,
+                                                    side) for c in cands}
             # every config's output against cuBLAS: the worst relative error over the configs
-            ref = F.linear(x, w).float()
-            worst = max(((sml.small_m_linear(x, w, None, c).float() - ref).abs().max()
+            worst = max(((sml.small_m_linear(x, w, None, c, gated).float() - ref).abs().max()
                          / ref.abs().max()).item() for c in cands)
-            table = {sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m))}
+            table = {sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m), gated, side)}
             chosen = table[sml.row_bucket(m)]
-            err = (sml.linear(x, w, None, table).float() - F.linear(x, w).float()).abs().max().item()
-            t_chosen = do_bench(lambda: sml.linear(x, w, None, table), warmup=20, rep=200)
+            err = (sml.linear(x, w, None, table, gated).float() - ref).abs().max().item()
+            t_chosen = sml.replayed_ms(lambda ww: sml.linear(x, ww, None, table, gated), weights, side)
             best = min(t_cfg, key=t_cfg.get)
-            rows.append({"linear": name, "m": m, "n": n, "k": k, "floor_ms": round(floor, 4),
+            rows.append({"linear": name, "m": m, "n": n, "k": k, "gated": gated, "floor_ms": round(floor, 4),
                          "cublas_ms": round(t_cublas, 4), "best_triton_ms": round(t_cfg[best], 4),
                          "best_triton_config": best, "chosen": "cublas" if chosen is None else str(tuple(chosen)),
                          "chosen_ms": round(t_chosen, 4), "cublas_vs_floor": round(t_cublas / floor, 2),
@@ -66,7 +71,8 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> 
                          "worst_config_rel_err_vs_cublas": worst,
                          "triton_configs_ms": {c: round(t, 4) for c, t in t_cfg.items()}})
             print({kk: vv for kk, vv in rows[-1].items() if kk != "triton_configs_ms"}, flush=True)
-        del w
+        del w, weights
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -75,7 +81,11 @@ def linear_markdown(res: dict) -> str:
              f"commit `{res['commit']}`, command `{res['command']}`; bf16, floor = weight bytes / "
              f"{res['copy_bandwidth_gb_s']} GB/s copy bandwidth measured in the run", "",
              "Triton configs: (block_m, block_n, block_k, warps, stages); worst rel. error: the largest "
-             "over all configs, vs cuBLAS.", "",
+             "over all configs, vs cuBLAS."
+             + (" Times: CUDA-graph replays of back-to-back calls over weight copies worth twice the L2, as the "
+                "start-up tuning times them; down runs gated (Triton: silu(gate) * up fused into its loads; cuBLAS: "
+                "after the silu_and_mul kernel, both counted)." if res["linears"] and "gated" in res["linears"][0]
+                else ""), "",
              "| linear | M | N | K | floor ms | cuBLAS ms (x floor) | best Triton ms (config) | chosen | "
              "chosen ms (x floor) | worst rel. error |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -190,7 +190,7 @@ def check_small_m_linear(g) -> None:
     from workers import small_m_linear as sml
 
     for cfg in (sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1)):
-        for m, n, k, bias in ((1, 48, 96, False), (3, 40, 70, True), (16, 64, 64, False)):
+        for m, n, k, bias in ((1, 48, 96, False), (1, 44, 70, True), (3, 40, 70, True), (16, 64, 64, False)):
             if cfg.block_m == 1 and m > 1:
                 continue
             x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows of a wider tensor
@@ -202,7 +202,7 @@ def check_small_m_linear(g) -> None:
     from workers.fused_ops import silu_and_mul
 
     for cfg in (sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1)):  # silu(gate) * up fused in
-        for m, k in ((1, 64), (5, 70)):
+        for m, k in ((1, 64), (1, 70), (5, 70)):
             if cfg.block_m == 1 and m > 1:
                 continue
             gu, w = torch.randn(m, 2 * k, generator=g), torch.randn(24, k, generator=g)

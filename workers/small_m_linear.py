@@ -3,7 +3,8 @@
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
 the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
 [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
-padded to 16) or, for M = 1, as a broadcast multiply-sum.
+padded to 16) or, for M = 1, as a broadcast multiply-add into a [BLOCK_N, BLOCK_K] accumulator summed once after the
+loop (a GEMV: narrow column blocks, 1-2 KB of each weight row per load, no reduction inside the loop).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
@@ -43,7 +44,7 @@ MAX_ROWS = 16
 
 
 class TileConfig(NamedTuple):
-    block_m: int  # 1: broadcast multiply-sum (M == 1 only); 16: tensor-core dot with rows padded to 16
+    block_m: int  # 1: GEMV, broadcast multiply-add (M == 1 only); 16: tensor-core dot with rows padded to 16
     block_n: int
     block_k: int
     num_warps: int
@@ -53,7 +54,9 @@ class TileConfig(NamedTuple):
 # Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds.
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
-CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 2, 3))]
+# M = 1: the best tiles of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100 (bench/results/gemv_m1_h100.md)
+CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in
+                 ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 1024, 8, 3))]
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 # A later candidate (cuBLAS first, then the list's order) must be this much faster to be chosen: kernels of nearly
@@ -75,7 +78,10 @@ if triton is not None:
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if BLOCK_M == 1:  # GEMV: per-column partial sums over the tile's K positions, reduced once after the loop
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
@@ -91,11 +97,13 @@ if triton is not None:
                 act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
                 x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
             if BLOCK_M == 1:
-                acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+                acc += w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcast over the tile's rows
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
+        if BLOCK_M == 1:
+            acc = tl.sum(acc, axis=1)[None, :]
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
