@@ -1,5 +1,5 @@
 """Where a decode step's GPU time goes: kernel time by name under torch.profiler (eager engine steps), and each of
-the model's linear shapes at M = 1, 4, 16 rows (cuBLAS, the small-M Triton kernel's tile configs, and what
+the model's linear shapes at M = 1, 2, 4, 16 rows (cuBLAS, the small-M Triton kernel's tile configs, and what
 ``workers.small_m_linear.tune`` picks, each timed as the tuner times it) against its weight-read floor.
 
     python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
@@ -29,7 +29,7 @@ from bench.engine_vs_hf import commit, device_name  # noqa: E402
 from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 
-def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
+def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
     """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
     ``workers.small_m_linear.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``, as the
     tuner times them (a CUDA graph of back-to-back calls over weight copies worth twice the L2, as a decode step
@@ -52,7 +52,7 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 4, 16)) -> 
             ref = F.linear(silu_and_mul(x) if gated else x, w).float()
             t_cublas = sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
                                        else (lambda ww: F.linear(x, ww)), weights, side)
-            cands = (sml.CANDIDATES_M1 if m == 1 else []) + sml.CANDIDATES
+            cands = sml.candidates(sml.row_bucket(m))
             t_cfg = {str(tuple(c)): sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c, gated), weights,
                                                     side) for c in cands}
             # every config's output against cuBLAS: the worst relative error over the configs

@@ -3,8 +3,8 @@
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
 the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
 [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
-padded to 16) or, for M = 1, as a broadcast multiply-add into a [BLOCK_N, BLOCK_K] accumulator summed once after the
-loop (a GEMV: narrow column blocks, 1-2 KB of each weight row per load, no reduction inside the loop).
+padded to 16) or, for M <= 4, as a GEMV: a broadcast multiply-add into a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
+summed once after the loop (narrow column blocks, 0.5-2 KB of each weight row per load, no reduction in the loop).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
@@ -44,7 +44,7 @@ MAX_ROWS = 16
 
 
 class TileConfig(NamedTuple):
-    block_m: int  # 1: GEMV, broadcast multiply-add (M == 1 only); 16: tensor-core dot with rows padded to 16
+    block_m: int  # 1, 2, 4: GEMV, broadcast multiply-add (M <= block_m); 16: tensor-core dot, rows padded to 16
     block_n: int
     block_k: int
     num_warps: int
@@ -54,9 +54,21 @@ class TileConfig(NamedTuple):
 # Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds.
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
-# M = 1: the best tiles of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100 (bench/results/gemv_m1_h100.md)
-CANDIDATES_M1 = [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in
-                 ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 1024, 8, 3))]
+# GEMV tiles for 1, 2 and 4 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
+# (bench/results/gemv_h100.md); more rows, the same narrow tiles with at most 64 accumulator values per thread
+GEMV_CANDIDATES = {
+    1: [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in
+        ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 1024, 8, 3))],
+    2: [TileConfig(2, bn, bk, w, s) for bn, bk, w, s in
+        ((8, 512, 4, 3), (8, 1024, 8, 3), (8, 512, 8, 3), (16, 512, 8, 3))],
+    4: [TileConfig(4, bn, bk, w, s) for bn, bk, w, s in
+        ((8, 256, 4, 3), (8, 512, 8, 3), (8, 256, 8, 4), (16, 256, 8, 3))],
+}
+
+
+def candidates(rows: int) -> list[TileConfig]:
+    """The tile configs timed for a row bucket: the GEMV's for up to 4 rows, then the tensor-core ones."""
+    return GEMV_CANDIDATES.get(rows, []) + CANDIDATES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
 # A later candidate (cuBLAS first, then the list's order) must be this much faster to be chosen: kernels of nearly
@@ -80,6 +92,8 @@ if triton is not None:
         row_ok = offs_m[:, None] < M
         if BLOCK_M == 1:  # GEMV: per-column partial sums over the tile's K positions, reduced once after the loop
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        elif BLOCK_M < 16:  # the same per row
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -98,12 +112,16 @@ if triton is not None:
                 x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
             if BLOCK_M == 1:
                 acc += w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcast over the tile's rows
+            elif BLOCK_M < 16:
+                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
             else:
                 acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if BLOCK_M == 1:
             acc = tl.sum(acc, axis=1)[None, :]
+        elif BLOCK_M < 16:
+            acc = tl.sum(acc, axis=2)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -115,6 +133,8 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous.
     ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
     m, k = x2d.shape
+    if m > cfg.block_m and cfg.block_m < MAX_ROWS:
+        raise ValueError(f"the GEMV tile {cfg} takes at most {cfg.block_m} rows, not {m}")
     if gated:
         k //= 2
     n = weight.shape[0]
@@ -185,7 +205,7 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
     side = side or torch.cuda.Stream(weight.device)
     cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
     best, best_ms = None, replayed_ms(cublas, weights, side)
-    for cfg in (CANDIDATES_M1 if rows == 1 else []) + CANDIDATES:
+    for cfg in candidates(rows):
         try:
             ms = replayed_ms(lambda w, c=cfg: small_m_linear(x, w, bias, c, gated), weights, side)
         except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
