@@ -190,9 +190,10 @@ def check_small_m_linear(g) -> None:
     from workers import small_m_linear as sml
 
     gemv4 = sml.TileConfig(4, 8, 32, 2, 1)
-    for cfg in (sml.TileConfig(1, 8, 32, 2, 1), gemv4, sml.TileConfig(16, 16, 32, 4, 1)):
-        for m, n, k, bias in ((1, 48, 96, False), (1, 44, 70, True), (3, 40, 70, True), (4, 48, 64, False),
-                              (16, 64, 64, False)):
+    gemv1, gemv2, dot16 = sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(2, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1)
+    for cfg in (gemv1, gemv2, gemv4, dot16):
+        for m, n, k, bias in ((1, 48, 96, False), (1, 44, 70, True), (2, 40, 70, True), (3, 40, 70, True),
+                              (4, 48, 64, False), (16, 64, 64, False)):
             if m > cfg.block_m:
                 continue
             x = torch.randn(m, 2 * k, generator=g)[:, :k]  # rows of a wider tensor

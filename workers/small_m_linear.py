@@ -3,7 +3,7 @@
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
 the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
 [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
-padded to 16) or, for M <= 4, as a GEMV: a broadcast multiply-add into a [BLOCK_M, BLOCK_N, BLOCK_K] accumulator
+padded to 16) or, for M <= 4, as a GEMV: each row's products added into its own [BLOCK_N, BLOCK_K] accumulator,
 summed once after the loop (narrow column blocks, 0.5-2 KB of each weight row per load, no reduction in the loop).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
@@ -55,14 +55,14 @@ class TileConfig(NamedTuple):
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
 # GEMV tiles for 1, 2 and 4 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
-# (bench/results/gemv_h100.md); more rows, the same narrow tiles with at most 64 accumulator values per thread
+# (bench/results/gemv_h100.md); more rows, the same narrow tiles with at most 128 accumulator values per thread
 GEMV_CANDIDATES = {
     1: [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in
         ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 1024, 8, 3))],
     2: [TileConfig(2, bn, bk, w, s) for bn, bk, w, s in
-        ((8, 512, 4, 3), (8, 1024, 8, 3), (8, 512, 8, 3), (16, 512, 8, 3))],
+        ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 512, 4, 3), (16, 512, 8, 3))],
     4: [TileConfig(4, bn, bk, w, s) for bn, bk, w, s in
-        ((8, 256, 4, 3), (8, 512, 8, 3), (8, 256, 8, 4), (16, 256, 8, 3))],
+        ((8, 512, 4, 3), (8, 1024, 8, 3), (8, 512, 8, 3), (8, 256, 4, 4))],
 }
 
 
@@ -80,9 +80,64 @@ SWITCH_MARGIN = 0.03
 if triton is not None:
 
     @triton.jit
+    def _input_chunk(ptrs, mask, K, GATED: tl.constexpr):
+        """One row's BLOCK_K inputs in fp32; GATED: the row is [gate | up] and the input silu(gate) * up, rounded
+        as fused_ops.silu_and_mul rounds."""
+        x = tl.load(ptrs, mask=mask, other=0.0)
+        if GATED:
+            up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+            g = x.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
+            x = (act.to(tl.float32) * up).to(x.dtype)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+              HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Up to four rows (BLOCK_M 1, 2 or 4): each row's products with the [BLOCK_N, BLOCK_K] weight tile added
+        into its own accumulator of that shape, summed over K once after the loop."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = X + offs_k
+        m_k, m_n = offs_k * 0 + M, offs_n * 0 + M  # the row count as vectors, for the rows' masks
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 1 else (1, 1), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 2 else (1, 1), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 3 else (1, 1), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
+                w = tl.load(w_ptrs).to(tl.float32)
+                k_ok = offs_k < BLOCK_K
+            else:
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0).to(tl.float32)
+            acc0 += w * _input_chunk(x_ptrs, k_ok, K, GATED)[None, :]
+            if BLOCK_M > 1:
+                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & (m_k > 1), K, GATED)[None, :]
+            if BLOCK_M > 2:
+                acc2 += w * _input_chunk(x_ptrs + 2 * stride_xm, k_ok & (m_k > 2), K, GATED)[None, :]
+                acc3 += w * _input_chunk(x_ptrs + 3 * stride_xm, k_ok & (m_k > 3), K, GATED)[None, :]
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        n_ok = offs_n < N
+        bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
+        tl.store(Y + offs_n, (tl.sum(acc0, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok)
+        if BLOCK_M > 1:
+            tl.store(Y + stride_ym + offs_n, (tl.sum(acc1, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok & (m_n > 1))
+        if BLOCK_M > 2:
+            tl.store(Y + 2 * stride_ym + offs_n, (tl.sum(acc2, axis=1) + bias).to(Y.dtype.element_ty),
+                     mask=n_ok & (m_n > 2))
+            tl.store(Y + 3 * stride_ym + offs_n, (tl.sum(acc3, axis=1) + bias).to(Y.dtype.element_ty),
+                     mask=n_ok & (m_n > 3))
+
+    @triton.jit
     def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Up to BLOCK_M = 16 rows on the tensor cores (rows padded to 16)."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -90,12 +145,7 @@ if triton is not None:
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
-        if BLOCK_M == 1:  # GEMV: per-column partial sums over the tile's K positions, reduced once after the loop
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        elif BLOCK_M < 16:  # the same per row
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
@@ -110,18 +160,9 @@ if triton is not None:
                 g = x.to(tl.float32)
                 act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
                 x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
-            if BLOCK_M == 1:
-                acc += w.to(tl.float32) * x.to(tl.float32)  # x [1, BLOCK_K] broadcast over the tile's rows
-            elif BLOCK_M < 16:
-                acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-            else:
-                acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if BLOCK_M == 1:
-            acc = tl.sum(acc, axis=1)[None, :]
-        elif BLOCK_M < 16:
-            acc = tl.sum(acc, axis=2)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -140,7 +181,8 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    _small_m_linear[(triton.cdiv(n, cfg.block_n),)](
+    kernel = _gemv if cfg.block_m < MAX_ROWS else _small_m_linear
+    kernel[(triton.cdiv(n, cfg.block_n),)](
         x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
