@@ -3,8 +3,10 @@
 At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
 the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
 [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
-padded to 16) or, for M <= 4, as a GEMV: each row's products added into its own [BLOCK_N, BLOCK_K] accumulator,
-summed once after the loop (narrow column blocks, 0.5-2 KB of each weight row per load, no reduction in the loop).
+padded to 16) or, for M <= 2, as a GEMV: each row's products added into its own [BLOCK_N, BLOCK_K] accumulator,
+summed once after the loop (narrow column blocks, 1-2 KB of each weight row per load, no reduction in the loop).
+With 3-4 rows the same GEMV (tried: a [4, BLOCK_N, BLOCK_K] accumulator, and four of [BLOCK_N, BLOCK_K]) was slower
+than the tensor-core tiles on an H100 (bench/results/gemv_h100.md).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
@@ -44,7 +46,7 @@ MAX_ROWS = 16
 
 
 class TileConfig(NamedTuple):
-    block_m: int  # 1, 2, 4: GEMV, broadcast multiply-add (M <= block_m); 16: tensor-core dot, rows padded to 16
+    block_m: int  # 1, 2: GEMV, broadcast multiply-add (M <= block_m); 16: tensor-core dot, rows padded to 16
     block_n: int
     block_k: int
     num_warps: int
@@ -54,20 +56,18 @@ class TileConfig(NamedTuple):
 # Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds.
 CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
-# GEMV tiles for 1, 2 and 4 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
-# (bench/results/gemv_h100.md); more rows, the same narrow tiles with at most 128 accumulator values per thread
+# GEMV tiles for 1 and 2 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
+# (bench/results/gemv_h100.md); 2 rows, the same narrow tiles
 GEMV_CANDIDATES = {
     1: [TileConfig(1, bn, bk, w, s) for bn, bk, w, s in
         ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 1024, 4, 2), (8, 1024, 8, 2), (8, 512, 8, 3), (16, 1024, 8, 3))],
     2: [TileConfig(2, bn, bk, w, s) for bn, bk, w, s in
         ((8, 1024, 4, 3), (8, 1024, 8, 3), (8, 512, 4, 3), (16, 512, 8, 3))],
-    4: [TileConfig(4, bn, bk, w, s) for bn, bk, w, s in
-        ((8, 512, 4, 3), (8, 1024, 8, 3), (8, 512, 8, 3), (8, 256, 4, 4))],
 }
 
 
 def candidates(rows: int) -> list[TileConfig]:
-    """The tile configs timed for a row bucket: the GEMV's for up to 4 rows, then the tensor-core ones."""
+    """The tile configs timed for a row bucket: the GEMV's for 1 and 2 rows, then the tensor-core ones."""
     return GEMV_CANDIDATES.get(rows, []) + CANDIDATES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
@@ -95,18 +95,16 @@ if triton is not None:
     def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
               HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Up to four rows (BLOCK_M 1, 2 or 4): each row's products with the [BLOCK_N, BLOCK_K] weight tile added
+        """One or two rows (BLOCK_M 1 or 2): each row's products with the [BLOCK_N, BLOCK_K] weight tile added
         into its own accumulator of that shape, summed over K once after the loop."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = X + offs_k
-        m_k, m_n = offs_k * 0 + M, offs_n * 0 + M  # the row count as vectors, for the rows' masks
+        second_row = offs_k * 0 + M > 1  # a vector: the interpreter's masks are tensors
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 1 else (1, 1), dtype=tl.float32)
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 2 else (1, 1), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 3 else (1, 1), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs).to(tl.float32)
@@ -116,22 +114,15 @@ if triton is not None:
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0).to(tl.float32)
             acc0 += w * _input_chunk(x_ptrs, k_ok, K, GATED)[None, :]
             if BLOCK_M > 1:
-                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & (m_k > 1), K, GATED)[None, :]
-            if BLOCK_M > 2:
-                acc2 += w * _input_chunk(x_ptrs + 2 * stride_xm, k_ok & (m_k > 2), K, GATED)[None, :]
-                acc3 += w * _input_chunk(x_ptrs + 3 * stride_xm, k_ok & (m_k > 3), K, GATED)[None, :]
+                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         n_ok = offs_n < N
         bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         tl.store(Y + offs_n, (tl.sum(acc0, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok)
         if BLOCK_M > 1:
-            tl.store(Y + stride_ym + offs_n, (tl.sum(acc1, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok & (m_n > 1))
-        if BLOCK_M > 2:
-            tl.store(Y + 2 * stride_ym + offs_n, (tl.sum(acc2, axis=1) + bias).to(Y.dtype.element_ty),
-                     mask=n_ok & (m_n > 2))
-            tl.store(Y + 3 * stride_ym + offs_n, (tl.sum(acc3, axis=1) + bias).to(Y.dtype.element_ty),
-                     mask=n_ok & (m_n > 3))
+            tl.store(Y + stride_ym + offs_n, (tl.sum(acc1, axis=1) + bias).to(Y.dtype.element_ty),
+                     mask=n_ok & (offs_n * 0 + M > 1))
 
     @triton.jit
     def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
