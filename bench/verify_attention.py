@@ -11,7 +11,8 @@ Each launch is timed two ways: called eagerly (Python launches of the split and 
 graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
 
     python bench/verify_attention.py --out bench/results/verify_attention_h100
-    python bench/verify_attention.py --layers --backend flashinfer --out bench/results/verify_attention_flashinfer_layers_h100
+    python bench/verify_attention.py --layers --backend flashinfer \
+        --out bench/results/verify_attention_flashinfer_layers_h100
 
 Writes <out>.json, <out>.md, <out>.png with device, commit and command.
 """
@@ -218,7 +219,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="bench/results/verify_attention_h100")
     ap.add_argument("--backend", default="triton", choices=("triton", "flashinfer"),
-                    help="whose kernels: our Triton split-KV family, or FlashInfer's (XQA, decode and prefill wrappers)")
+                    help="whose kernels: our Triton split-KV family, or FlashInfer's (XQA, decode and prefill "
+                         "wrappers)")
     ap.add_argument("--contexts", default="1024,8192,50000")
     ap.add_argument("--batch-sizes", default="1,8,32")
     ap.add_argument("--draft-tokens", default="4,8")

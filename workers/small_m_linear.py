@@ -1,10 +1,11 @@
 """Linear layers for few rows (decode and verify of small batches): ``y = x W^T (+ b)`` with x [M <= 16, K].
 
-At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for these shapes reach 1.1-2.1x
-the weight-read time on an H100 (bench/results/linears_8b_h100.md). This module's Triton kernel streams W once in
-[BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M rows multiplied on the tensor cores (rows
-padded to 16) or, for M <= 2, as a GEMV: each row's products added into its own [BLOCK_N, BLOCK_K] accumulator,
-summed once after the loop (narrow column blocks, 1-2 KB of each weight row per load, no reduction in the loop).
+At M = 1..16 a linear layer only streams its weight from memory, and cuBLAS's kernels for the Llama-3.1-8B shapes
+take 1.06-1.52x the weight-read time on an H100 as a decode step runs them (bench/results/linears_8b_h100.md). This
+module's Triton kernels stream W once in [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M
+rows multiplied on the tensor cores (rows padded to 16) or, for M <= 2, as a GEMV: each row's products added into
+its own [BLOCK_N, BLOCK_K] accumulator, summed once after the loop (narrow column blocks, 1-2 KB of each weight row
+per load, no reduction in the loop).
 With 3-4 rows the same GEMV (tried: a [4, BLOCK_N, BLOCK_K] accumulator, and four of [BLOCK_N, BLOCK_K]) was slower
 than the tensor-core tiles on an H100 (bench/results/gemv_h100.md).
 
@@ -162,7 +163,8 @@ if triton is not None:
 
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
                    gated: bool = False) -> torch.Tensor:
-    """The Triton kernel with one tile config: x2d [M <= 16, K] (unit stride in K), weight [N, K] contiguous.
+    """The Triton kernel of one tile config (the GEMV for block_m 1-2, else the tensor-core one): x2d [M <= 16, K]
+    (unit stride in K; M <= block_m), weight [N, K] contiguous.
     ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
     m, k = x2d.shape
     if m > cfg.block_m and cfg.block_m < MAX_ROWS:
