@@ -79,3 +79,15 @@ def test_cache_directory_setting(tmp_path, monkeypatch):
     assert EngineConfig(model="m", tuning_cache_dir=str(tmp_path / "x")).resolved_tuning_cache_dir() == str(
         tmp_path / "x")
     assert EngineConfig(model="m", tuning_cache_dir="").resolved_tuning_cache_dir() is None
+
+
+def test_the_environment_names_the_candidates(monkeypatch):
+    """A cache written while other tile configs were candidates (an older release) is timed again: the environment
+    key carries a digest of the candidate set."""
+    from workers import small_m_linear as sml
+
+    monkeypatch.setattr(sml.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    before = sml.tuning_environment("cuda")
+    assert before.startswith("NVIDIA H100 80GB HBM3 | torch ") and f"candidates {sml.candidates_digest()}" in before
+    monkeypatch.setitem(sml.GEMV_CANDIDATES, 1, sml.GEMV_CANDIDATES[1][:-1])
+    assert sml.tuning_environment("cuda") != before

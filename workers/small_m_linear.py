@@ -23,6 +23,7 @@ later starts (restarts, other replicas sharing the file) read it and time nothin
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -310,10 +311,17 @@ class TuningCache:
 TIMING_METHOD = "graph replays"  # part of the cache's environment: choices timed another way are timed again
 
 
+def candidates_digest() -> str:
+    """A short digest of every tile config the tuner times: choices made among other candidates (an older release's
+    file) are timed again rather than kept."""
+    return hashlib.sha1(repr((sorted(GEMV_CANDIDATES.items()), CANDIDATES)).encode()).hexdigest()[:8]
+
+
 def tuning_environment(device: torch.device) -> str:
-    """What a timing depends on besides the shape: the GPU model, the torch / triton builds, how it was timed."""
+    """What a timing depends on besides the shape: the GPU model, the torch / triton builds, how it was timed and
+    among which candidates."""
     return (f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__} | "
-            f"{TIMING_METHOD}")
+            f"{TIMING_METHOD} | candidates {candidates_digest()}")
 
 
 def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
