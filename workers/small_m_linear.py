@@ -83,15 +83,15 @@ if triton is not None:
 
     @triton.jit
     def _input_chunk(ptrs, mask, K, GATED: tl.constexpr):
-        """One row's BLOCK_K inputs in fp32; GATED: the row is [gate | up] and the input silu(gate) * up, rounded
-        as fused_ops.silu_and_mul rounds."""
+        """A tile of the input (either kernel), in its dtype; GATED: each row is [gate | up] and the input
+        silu(gate) * up, rounded as fused_ops.silu_and_mul rounds."""
         x = tl.load(ptrs, mask=mask, other=0.0)
         if GATED:
             up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
             x = (act.to(tl.float32) * up).to(x.dtype)
-        return x.to(tl.float32)
+        return x
 
     @triton.jit
     def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -114,9 +114,9 @@ if triton is not None:
             else:
                 k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0).to(tl.float32)
-            acc0 += w * _input_chunk(x_ptrs, k_ok, K, GATED)[None, :]
+            acc0 += w * _input_chunk(x_ptrs, k_ok, K, GATED).to(tl.float32)[None, :]
             if BLOCK_M > 1:
-                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED)[None, :]
+                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         n_ok = offs_n < N
@@ -147,13 +147,7 @@ if triton is not None:
                 k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
                 x_ok = row_ok & k_ok[None, :]
-            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
-            if GATED:  # X rows are [gate | up]: silu(gate) * up, rounded as fused_ops.silu_and_mul rounds
-                up = tl.load(x_ptrs + K, mask=x_ok, other=0.0).to(tl.float32)
-                g = x.to(tl.float32)
-                act = (g / (1.0 + tl.exp(-g))).to(X.dtype.element_ty)
-                x = (act.to(tl.float32) * up).to(X.dtype.element_ty)
-            acc = tl.dot(x, tl.trans(w), acc)
+            acc = tl.dot(_input_chunk(x_ptrs, x_ok, K, GATED), tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if HAS_BIAS:
