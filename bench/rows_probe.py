@@ -8,7 +8,11 @@ as the tuner times it (``replayed_ms``), on the Llama-3.1-8B linear shapes.
 - ``swap``: tensor cores with the weight as the left operand, acc[BLOCK_N, 16] = W_tile @ x_tile^T (rows padded to
   16), so BLOCK_N can be 64-128 (the left operand of Hopper's warp-group MMA is 64 rows).
 
-    python bench/rows_probe.py OUT.json
+    python bench/rows_probe.py OUT.json [--second]
+
+``--second`` (4 rows only): the weight-left kernel on a wider grid with the down projection's silu(gate) * up run
+first by its own kernel, the weight-left kernel split over K (each program writes an fp32 partial; the last of a column
+block to arrive sums them), and the current rows-left kernel with longer K tiles.
 
 Each kernel's output is compared with cuBLAS (relative Frobenius error) before it is timed.
 """
@@ -105,6 +109,68 @@ def _swap_dot(X, W, Y, M, N, K, stride_xm, stride_wn, stride_ym, GATED: tl.const
     tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=m_ok)
 
 
+@triton.jit
+def _swap_split(X, W, Y, P, Count, M, N, K, stride_xm, stride_wn, stride_ym,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """``_swap_dot`` over 1/SPLIT of K per program; each writes its fp32 partial, and the last of a column block's
+    SPLIT programs to arrive (an atomic counter, reset by it) sums them and stores the output."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    offs_k = tl.arange(0, BLOCK_K)
+    k_len = K // SPLIT
+    w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + (split * k_len + offs_k)[None, :]
+    x_ptrs = X + offs_m[None, :] * stride_xm + (split * k_len + offs_k)[:, None]
+    m_ok = offs_m[None, :] < M
+    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+    for k0 in range(0, k_len, BLOCK_K):
+        acc = tl.dot(tl.load(w_ptrs), tl.load(x_ptrs, mask=m_ok, other=0.0), acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    part = P + (split * N + offs_n)[:, None] * 16 + offs_m[None, :]
+    tl.store(part, acc)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(Count + pid, 1)
+    if arrived == SPLIT - 1:
+        for s in range(SPLIT):
+            if s != split:
+                acc += tl.load(P + (s * N + offs_n)[:, None] * 16 + offs_m[None, :], cache_modifier=".cg")
+        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty), mask=m_ok)
+        tl.atomic_xchg(Count + pid, 0)
+
+
+_SCRATCH = {}
+
+
+def swap_split(x, w, cfg, gated):
+    bn, bk, split, warps, stages = cfg
+    if gated:
+        x = silu_and_mul(x)
+    m = x.shape[0]
+    n, k = w.shape
+    if k % (split * bk):
+        raise ValueError("K not divisible")
+    key = (n, split)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(split * n * 16, dtype=torch.float32, device=x.device),
+                         torch.zeros(n // bn + 1, dtype=torch.int32, device=x.device))
+    p, cnt = _SCRATCH[key]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _swap_split[(n // bn, split)](x, w, y, p, cnt, m, n, k, x.stride(0), w.stride(0), y.stride(0), BLOCK_N=bn,
+                                  BLOCK_K=bk, SPLIT=split, num_warps=warps, num_stages=stages)
+    return y
+
+
+def swap_pre(x, w, cfg, gated):
+    """``_swap_dot`` on silu(gate) * up computed first by its own kernel (gated) — as cuBLAS runs."""
+    return swap_dot(silu_and_mul(x) if gated else x, w, cfg, False)
+
+
+def rows_dot(x, w, cfg, gated):
+    return sml.small_m_linear(x, w, None, sml.TileConfig(16, *cfg), gated)
+
+
 def vec_gemv(x, w, cfg, gated):
     bm, bn, bk, warps, stages = cfg
     m = x.shape[0]
@@ -127,11 +193,17 @@ def swap_dot(x, w, cfg, gated):
 
 VEC_GRID = [c for c in itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (3,))]
 SWAP_GRID = [c for c in itertools.product((32, 64, 128), (64, 128, 256), (4, 8), (3,))]
+# --second: the probe's second run (4 rows only): wider weight-left grid, pre-activated down, split K, and the
+# current rows-left kernel with longer K tiles
+SWAP2_GRID = [c for c in itertools.product((16, 32, 64), (256, 512), (2, 4), (2, 3, 4))]
+SPLIT_GRID = [c for c in itertools.product((32, 64), (128, 256), (2, 4), (4,), (3,))]
+ROWS_GRID = [c for c in itertools.product((16, 32), (512, 1024), (4, 8), (2, 3))]
 
 
 def main():
     out_path = sys.argv[1]
     quick = "--quick" in sys.argv
+    second = "--second" in sys.argv
     shapes = {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, False),
               "down": (4096, 14336, True)}
     side = torch.cuda.Stream()
@@ -141,7 +213,7 @@ def main():
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
         ws = sml.weight_copies(w)
         floor_us = n * k * 2 / 3.0e12 * 1e6
-        for m in (1, 4):
+        for m in ((4,) if second else (1, 4)):
             x = torch.randn(m, k * (2 if gated else 1), dtype=torch.bfloat16, device="cuda")
             ref = F.linear(silu_and_mul(x) if gated else x, w).float()
             t = {"cublas": sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
@@ -153,8 +225,12 @@ def main():
             bm = 1 if m == 1 else 4
             grids = [("vec", (bm,) + c, vec_gemv) for c in VEC_GRID
                      if n % c[0] == 0 and k % c[1] == 0 and c[0] * c[1] // (32 * c[2]) <= 128]
-            if m > 1:
+            if m > 1 and not second:
                 grids += [("swap", c, swap_dot) for c in SWAP_GRID if n % c[0] == 0 and k % c[1] == 0]
+            if second:
+                grids = ([("swap_pre", c, swap_pre) for c in SWAP2_GRID if n % c[0] == 0 and k % c[1] == 0]
+                         + [("split", c, swap_split) for c in SPLIT_GRID if n % c[0] == 0 and k % (c[1] * c[2]) == 0]
+                         + [("rows", c, rows_dot) for c in ROWS_GRID if n % c[0] == 0 and k % c[1] == 0])
             if quick:
                 grids = grids[::6]
             for kind, cfg, fn in grids:
@@ -173,7 +249,8 @@ def main():
                 return (round(min(c)[0], 2), min(c)[1]) if c else None
             row = {"linear": name, "m": m, "n": n, "k": k, "gated": gated, "floor_us_at_3TBps": round(floor_us, 2),
                    "cublas_us": round(t["cublas"], 2), "current_best": best_of("cur"), "vec_best": best_of("vec"),
-                   "swap_best": best_of("swap"), "max_rel_err": max(errs.values()) if errs else None,
+                   "swap_best": best_of("swap"), "swap_pre_best": best_of("swap_pre"),
+                   "split_best": best_of("split"), "rows_best": best_of("rows"), "max_rel_err": max(errs.values()) if errs else None,
                    "top8": [(kk, round(v, 2)) for kk, v in best[:8]], "all_us": {kk: round(v, 2) for kk, v in t.items()}}
             print({kk: v for kk, v in row.items() if kk != "all_us"}, f"{time.time() - t0:.0f}s", flush=True)
             res_all["rows"].append(row)
