@@ -183,15 +183,16 @@ def check_gumbel_argmax(g) -> None:
 
 
 def check_small_m_linear(g) -> None:
-    """The small-M linear kernel: its row paths (GEMV for 1 and 2 rows, padded dot), bias, ragged N and K,
-    strided rows; and ``linear`` runs it only for the row buckets the layer's table holds a config for."""
+    """The small-M linear kernel: its row paths (GEMV for 1 and 2 rows, padded dot with the rows or the weight on
+    the left), bias, ragged N and K, strided rows; and ``linear`` runs it only for the row buckets the layer's table holds a config for."""
     import torch
 
     from workers import small_m_linear as sml
 
     gemv1, gemv2 = sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(2, 8, 32, 2, 1)
     dot16 = sml.TileConfig(16, 16, 32, 4, 1)
-    for cfg in (gemv1, gemv2, dot16):
+    left16 = sml.TileConfig(16, 16, 32, 4, 1, weight_left=True)
+    for cfg in (gemv1, gemv2, dot16, left16):
         for m, n, k, bias in ((1, 48, 96, False), (1, 44, 70, True), (2, 40, 70, True), (3, 40, 70, True),
                               (4, 48, 64, False), (16, 64, 64, False)):
             if m > cfg.block_m:
@@ -204,7 +205,7 @@ def check_small_m_linear(g) -> None:
             assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (cfg, m, n, k)
     from workers.fused_ops import silu_and_mul
 
-    for cfg in (gemv1, gemv2, dot16):  # silu(gate) * up fused in
+    for cfg in (gemv1, gemv2, dot16, left16):  # silu(gate) * up fused in (weight on the left: activated first)
         for m, k in ((1, 64), (1, 70), (2, 70), (5, 70)):
             if m > cfg.block_m:
                 continue
@@ -226,6 +227,7 @@ def check_small_m_linear(g) -> None:
         pass
     assert [c.block_m for c in sml.candidates(2)[:len(sml.GEMV_CANDIDATES[2])]] == [2] * len(sml.GEMV_CANDIDATES[2])
     assert all(c.block_m == 16 for c in sml.candidates(4))
+    assert {c.weight_left for c in sml.candidates(4)} == {False, True}
     w = torch.randn(32, 64, generator=g)
     # which kernel ran: count the calls of the Triton path (the table must be what decides)
     calls = []

@@ -12,7 +12,8 @@ from deployments.config import EngineConfig
 from workers.small_m_linear import ROW_BUCKETS, TileConfig, TuningCache
 
 ENV = "NVIDIA H100 80GB HBM3 | torch 2.11 | triton 3.6"
-TABLE = {rows: (TileConfig(1, 16, 512, 4, 3) if rows == 1 else None if rows == 16 else TileConfig(16, 32, 256, 4, 4))
+TABLE = {rows: (TileConfig(1, 16, 512, 4, 3) if rows == 1 else None if rows == 16 else
+                TileConfig(16, 64, 256, 4, 4, weight_left=True) if rows == 4 else TileConfig(16, 32, 256, 4, 4))
          for rows in ROW_BUCKETS}
 
 
@@ -25,7 +26,7 @@ def test_choices_survive_a_restart_for_the_same_environment_only(tmp_path):
     cache.save()
     again = TuningCache(path, ENV)
     got = again.get("4096x4096 bfloat16")
-    assert got == TABLE and isinstance(got[1], TileConfig) and got[16] is None
+    assert got == TABLE and isinstance(got[1], TileConfig) and got[16] is None and got[4].weight_left
     assert again.get("6144x4096 bfloat16") is None
     assert TuningCache(path, "NVIDIA A100 | torch 2.11 | triton 3.6").get("4096x4096 bfloat16") is None
 

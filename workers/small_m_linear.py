@@ -5,9 +5,12 @@ take 1.06-1.52x the weight-read time on an H100 as a decode step runs them (benc
 module's Triton kernels stream W once in [BLOCK_N, BLOCK_K] tiles, one program per BLOCK_N output columns, the M
 rows multiplied on the tensor cores (rows padded to 16) or, for M <= 2, as a GEMV: each row's products added into
 its own [BLOCK_N, BLOCK_K] accumulator, summed once after the loop (narrow column blocks, 1-2 KB of each weight row
-per load, no reduction in the loop).
-With 3-4 rows the same GEMV (tried: a [4, BLOCK_N, BLOCK_K] accumulator, and four of [BLOCK_N, BLOCK_K]) was slower
-than the tensor-core tiles on an H100 (bench/results/gemv_h100.md).
+per load, no reduction in the loop). On the tensor cores either operand order is a candidate: rows on the left
+(acc [16, BLOCK_N]) or the weight tile on the left (acc [BLOCK_N, 16]); at the 4 rows of a chain's verify the latter
+was the faster on every Llama-3.1-8B shape on an H100 (bench/results/rows_probe_h100.md).
+With 3-4 rows the same GEMV (tried: a [4, BLOCK_N, BLOCK_K] accumulator, four of [BLOCK_N, BLOCK_K], and one
+summing 8-wide products in registers) was slower than the tensor-core tiles on an H100 (bench/results/gemv_h100.md,
+rows_probe_h100.md).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
@@ -53,11 +56,19 @@ class TileConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+    # tensor cores only: the weight tile is the dot's left operand (acc [BLOCK_N, 16]); a gated input is activated
+    # by fused_ops.silu_and_mul first (in this kernel's loads it would run on all 16 padded rows of every tile)
+    weight_left: bool = False
 
 
-# Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds.
-CANDIDATES = [TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
-              ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
+# Candidates (timed per shape): few enough that tuning a model's handful of shapes costs seconds. Tensor cores with
+# the rows on the left, then with the weight on the left (the best tiles at 4 rows on the Llama-3.1-8B shapes on an
+# H100, bench/results/rows_probe_h100.md).
+CANDIDATES = ([TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
+               ((16, 256, 4, 4), (16, 512, 4, 3), (32, 256, 4, 4), (32, 128, 4, 5), (64, 128, 4, 4), (32, 256, 8, 3))]
+              + [TileConfig(16, bn, bk, w, s, weight_left=True) for bn, bk, w, s in
+                 ((64, 256, 4, 4), (64, 256, 4, 3), (32, 256, 2, 2), (32, 256, 4, 2), (16, 512, 2, 3),
+                  (32, 512, 2, 3))])
 # GEMV tiles for 1 and 2 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
 # (bench/results/gemv_h100.md); 2 rows, the same narrow tiles
 GEMV_CANDIDATES = {
@@ -156,24 +167,62 @@ if triton is not None:
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
 
 
+    @triton.jit
+    def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
+                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T."""
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, 16)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, 16]: the rows as columns
+        row_ok = offs_m[None, :] < M
+        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
+                w = tl.load(w_ptrs)
+                x_ok = row_ok
+            else:
+                k_ok = (k0 + offs_k) < K
+                w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
+                x_ok = row_ok & k_ok[:, None]
+            acc = tl.dot(w, tl.load(x_ptrs, mask=x_ok, other=0.0), acc)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[:, None] < N))
+
+
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
                    gated: bool = False) -> torch.Tensor:
-    """The Triton kernel of one tile config (the GEMV for block_m 1-2, else the tensor-core one): x2d [M <= 16, K]
-    (unit stride in K; M <= block_m), weight [N, K] contiguous.
-    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded."""
+    """The Triton kernel of one tile config (the GEMV for block_m 1-2, else a tensor-core one, rows or weight on the
+    left): x2d [M <= 16, K] (unit stride in K; M <= block_m), weight [N, K] contiguous.
+    ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded (weight on the
+    left: by fused_ops.silu_and_mul first)."""
     m, k = x2d.shape
     if m > cfg.block_m and cfg.block_m < MAX_ROWS:
         raise ValueError(f"the GEMV tile {cfg} takes at most {cfg.block_m} rows, not {m}")
     if gated:
         k //= 2
+        if cfg.weight_left:
+            x2d, gated = silu_and_mul(x2d), False
     n = weight.shape[0]
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
-    kernel = _gemv if cfg.block_m < MAX_ROWS else _small_m_linear
-    kernel[(triton.cdiv(n, cfg.block_n),)](
-        x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, EVEN=even, GATED=gated, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    args = (x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0),
+            y.stride(0))
+    grid = (triton.cdiv(n, cfg.block_n),)
+    launch = dict(HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.weight_left:
+        _weight_left_dot[grid](*args, **launch)
+    else:
+        (_gemv if cfg.block_m < MAX_ROWS else _small_m_linear)[grid](*args, GATED=gated, BLOCK_M=cfg.block_m,
+                                                                       **launch)
     return y
 
 
