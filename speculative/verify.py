@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.tree import DraftTree, node_depths
-from workers.fused_ops import argmax_logsumexp, walk_tree
+from workers.fused_ops import argmax_logsumexp, uniform_noise, walk_tree
 from workers.sampling import SamplingTensors, draw
 
 
@@ -56,8 +56,6 @@ def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
                          mean_accept_length: float) -> Verdict:
     """BENCHMARK ONLY: accept floor(L - 1 + u) draft tokens of a chain (u uniform, so the mean accept length is L)
     whatever the target says. The emitted tokens are the drafts, not the model's output."""
-    from workers.sampling import uniform_noise
-
     b = logits.shape[0]
     u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
     accept = (u + (mean_accept_length - 1.0)).long().clamp_(0, max_depth)  # (>= 0: truncation is the floor)

@@ -157,8 +157,7 @@ def check_gumbel_argmax(g) -> None:
     and streams, rows longer than one program, -inf entries that never win."""
     import torch
 
-    from workers.fused_ops import argmax_logsumexp, gumbel_from_hash, hash32
-    from workers.sampling import uniform_noise
+    from workers.fused_ops import argmax_logsumexp, gumbel_from_hash, hash32, uniform_noise
 
     for b, n in ((3, 50), (4, 9000)):
         logits = torch.randn(b, n, generator=g) * 3
@@ -177,6 +176,11 @@ def check_gumbel_argmax(g) -> None:
     exact = -torch.log(-torch.log((h.double() + 0.5) / 2**32))
     assert torch.allclose(gumbel_from_hash(h).double(), exact, rtol=2e-6, atol=2e-6)
     assert gumbel_from_hash(h).isfinite().all() and hash32(torch.tensor([1]), torch.tensor([2]), 4, 0).shape == (1, 4)
+    # the one-kernel uniforms (the interpreter runs it here) are exactly the PyTorch hash's, past one block of columns
+    seeds, counters = torch.tensor([7, 2**33 + 5, 123456789]), torch.tensor([0, 17, 10**6])
+    for width, stream in ((1, 7), (1500, 0)):
+        ref = (hash32(seeds, counters, width, stream).double() + 0.5) / 2**32
+        assert torch.equal(uniform_noise(seeds, counters, width, stream), ref)
     flat = torch.zeros(64, 1000)  # a uniform distribution: each counter draws its own token
     ids = argmax_logsumexp(flat, gumbel=(torch.ones(64), torch.full((64,), 3), torch.arange(64), 0))[0]
     assert len(set(ids.tolist())) > 50

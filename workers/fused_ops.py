@@ -239,6 +239,45 @@ def hash32(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int)
     return mix32((base.unsqueeze(1) + mix32(cols).unsqueeze(0) * 0x2C1B) & _MASK32)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _mix32(x):
+        """``mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products; the
+        wrap-around is meant, so Triton's debug-mode overflow checks would flag it)."""
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        x = ((x >> 16) ^ x) * 0x45D9F3B
+        return (x >> 16) ^ x
+
+    @triton.jit
+    def _hash_base(seed, counter, stream):
+        """A row's hash base, as ``hash32`` computes it (uint32); column c's hash is
+        ``_mix32(base + _mix32(c) * 0x2C1B)``."""
+        ctr = (counter * 0x9E37 + stream * 0x85EB + 0x27D4) & 0xFFFFFFFF
+        return _mix32((seed & 0xFFFFFFFF).to(tl.uint32) ^ _mix32(ctr.to(tl.uint32)))
+
+    @triton.jit
+    def _uniform_noise(Seeds, Counters, Out, width, stream, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        base = _hash_base(tl.load(Seeds + row), tl.load(Counters + row), stream)
+        h = _mix32(base + _mix32(cols.to(tl.uint32)) * 0x2C1B)
+        tl.store(Out + row * width + cols, (h.to(tl.float64) + 0.5) * 2.3283064365386963e-10, mask=cols < width)
+
+
+def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
+    """Uniforms (hash32 + 0.5) / 2^32 in (0, 1), float64 [B, width], a pure function of (seed, counter, column,
+    stream): one kernel on the GPU (the PyTorch form is about 45 int64 element-wise kernels)."""
+    if not _triton_for(seeds):
+        return (hash32(seeds, counters, width, stream).double() + 0.5) / 4294967296.0
+    b = seeds.shape[0]
+    out = torch.empty(b, width, dtype=torch.float64, device=seeds.device)
+    if b and width:
+        block = min(1024, triton.next_power_of_2(width))
+        _uniform_noise[(b, triton.cdiv(width, block))](seeds, counters, out, width, stream, BLOCK=block)
+    return out
+
+
 def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
     """Gumbel noise -log(-log u), u = (h + 0.5) / 2^32, in fp32 without losing the tail: u near 1 (where fp32 would
     round u to 1 and the noise to +inf) goes through q = 1 - u, exact from the hash, and a series for -log(1 - q).
@@ -252,14 +291,6 @@ def gumbel_from_hash(h: torch.Tensor) -> torch.Tensor:
 
 # ---- greedy token and log-normaliser of each row of logits -------------------------------------------------------
 if triton is not None:
-
-    @triton.jit
-    def _mix32(x):
-        """``mix32`` on uint32 lanes (its int64 products taken mod 2^32 are uint32 products; the
-        wrap-around is meant, so Triton's debug-mode overflow checks would flag it)."""
-        x = ((x >> 16) ^ x) * 0x45D9F3B
-        x = ((x >> 16) ^ x) * 0x45D9F3B
-        return (x >> 16) ^ x
 
     @triton.jit
     def _gumbel(h):
@@ -282,9 +313,7 @@ if triton is not None:
         s = tl.zeros([BLOCK], tl.float32)
         if GUMBEL:  # the row's hash base, as ``hash32`` computes it
             temp = tl.load(Temperature + row)
-            ctr = (tl.load(Counters + row) * 0x9E37 + stream * 0x85EB + 0x27D4) & 0xFFFFFFFF
-            seed = tl.load(Seeds + row) & 0xFFFFFFFF
-            base = _mix32(seed.to(tl.uint32) ^ _mix32(ctr.to(tl.uint32)))
+            base = _hash_base(tl.load(Seeds + row), tl.load(Counters + row), stream)
         if HAS_FLOOR:
             floor = tl.load(Floor + row)
         for start in range(lo, lo + chunk, BLOCK):

@@ -16,12 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.fused_ops import argmax_logsumexp, filter_floor, greedy_with_logprob, hash32
-
-
-def uniform_noise(seeds: torch.Tensor, counters: torch.Tensor, width: int, stream: int = 0) -> torch.Tensor:
-    """Uniforms in (0, 1), shape [B, width], a pure function of (seed, counter, column, stream)."""
-    return (hash32(seeds, counters, width, stream).double() + 0.5) / 4294967296.0
+from workers.fused_ops import argmax_logsumexp, filter_floor, greedy_with_logprob
 
 
 @dataclass
