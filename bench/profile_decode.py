@@ -73,6 +73,56 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) 
             print({kk: vv for kk, vv in rows[-1].items() if kk != "triton_configs_ms"}, flush=True)
         del w, weights
         torch.cuda.empty_cache()
+    rows += activated_rows(h, inter, bw, rows_m, side)
+    return rows
+
+
+def activated_rows(h: int, inter: int, bw: float, rows_m: tuple[int, ...], side) -> list[dict]:
+    """The gate/up layer writing silu(gate) * up (an MLP's activated path, ``tune_activated``): its candidate tiles
+    against cuBLAS + silu_and_mul ("cuBLAS" column) and against the layer's own tuned kernel + silu_and_mul (the
+    baseline the tuner compares with, "plain_then_silu_ms"); "chosen" is what ``tune_activated`` picks (the
+    plain kernel + silu_and_mul when none beats it)."""
+    from workers import small_m_linear as sml
+    from workers.fused_ops import silu_and_mul
+
+    n, k = 2 * inter, h
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    weights = sml.weight_copies(w)
+    floor = n * k * 2 / bw * 1e3
+    rows = []
+    for m in rows_m:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        ref = silu_and_mul(F.linear(x, w)).float()
+        bucket = sml.row_bucket(m)
+        plain = sml.tune(w, None, bucket, False, side)
+        t_cublas = sml.replayed_ms(lambda ww: silu_and_mul(F.linear(x, ww)), weights, side)
+        t_plain = sml.replayed_ms(lambda ww: silu_and_mul(sml.linear(x, ww, None, {bucket: plain})), weights, side)
+        t_cfg, worst = {}, 0.0
+        for c in sml.ACTIVATED_CANDIDATES:
+            try:
+                t_cfg[str(tuple(c))] = sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c,
+                                                                                           activated=True),
+                                                       weights, side)
+                got = sml.small_m_linear(x, w, None, c, activated=True).float()
+                worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+            except Exception:  # noqa: BLE001 - as the tuner: a tile this GPU cannot run is no candidate
+                torch.cuda.synchronize()
+        chosen = sml.tune_activated(w, None, bucket, plain, side)
+        t_chosen = (sml.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, chosen, activated=True), weights,
+                                    side) if chosen is not None else t_plain)
+        best = min(t_cfg, key=t_cfg.get)
+        rows.append({"linear": "gate_up_activated", "m": m, "n": inter, "k": k, "gated": False,
+                     "floor_ms": round(floor, 4), "cublas_ms": round(t_cublas, 4),
+                     "plain_then_silu_ms": round(t_plain, 4),
+                     "plain": "cublas" if plain is None else str(tuple(plain)), "best_triton_ms": round(t_cfg[best], 4),
+                     "best_triton_config": best,
+                     "chosen": "plain + silu_and_mul" if chosen is None else str(tuple(chosen)),
+                     "chosen_ms": round(t_chosen, 4), "cublas_vs_floor": round(t_cublas / floor, 2),
+                     "chosen_vs_floor": round(t_chosen / floor, 2), "worst_config_rel_err_vs_cublas": worst,
+                     "triton_configs_ms": {c: round(t, 4) for c, t in t_cfg.items()}})
+        print({kk: vv for kk, vv in rows[-1].items() if kk != "triton_configs_ms"}, flush=True)
+    del w, weights
+    torch.cuda.empty_cache()
     return rows
 
 

@@ -248,6 +248,64 @@ def check_small_m_linear(g) -> None:
     finally:
         sml.small_m_linear = real
     assert sml.row_bucket(1) == 1 and sml.row_bucket(3) == 4 and sml.row_bucket(9) == 16
+    check_activated_output(g)
+
+
+def check_activated_output(g) -> None:
+    """A weight-left tile writing silu(gate) * up of a [gate; up] weight equals the two-kernel path (bf16: bit for
+    bit, as it rounds gate and up first), with bias and ragged sizes; an MLP takes that path exactly when its
+    gate/up layer has such a tile for the bucket and its down projection would otherwise run silu_and_mul first."""
+    import torch
+
+    from workers import small_m_linear as sml
+    from workers.fused_ops import silu_and_mul
+    from workers.models.llama import MLP
+
+    act16 = sml.TileConfig(16, 16, 32, 4, 1, weight_left=True)
+    for m, n, k, bias, dtype in ((1, 32, 64, False, torch.float32), (3, 24, 70, True, torch.float32),
+                                 (4, 32, 64, False, torch.bfloat16), (16, 40, 96, True, torch.bfloat16)):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        w = torch.randn(2 * n, k, generator=g).to(dtype)
+        b = torch.randn(2 * n, generator=g).to(dtype) if bias else None
+        ref = silu_and_mul(sml.small_m_linear(x, w, b, act16))
+        got = sml.small_m_linear(x, w, b, act16, activated=True)
+        assert got.shape == (m, n) and got.dtype == dtype
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, ref), (m, n, k)
+        else:
+            assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5), (m, n, k)
+    try:
+        sml.small_m_linear(torch.randn(1, 64), torch.randn(64, 64), None, sml.TileConfig(1, 8, 32, 2, 1),
+                           activated=True)
+        raise AssertionError("only a weight-left tile writes an activated output")
+    except ValueError:
+        pass
+
+    class Cfg:
+        hidden_size, intermediate_size = 64, 96
+
+    mlp = MLP(Cfg, torch.float32, __import__("workers.layers", fromlist=["SINGLE"]).SINGLE)
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    gemv, left = sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1, weight_left=True)
+    mlp.gate_up_proj.small_m_act.update({1: act16, 4: act16})
+    mlp.down_proj.small_m.update({1: gemv, 4: left})
+    calls = []
+    real = sml.small_m_linear
+    sml.small_m_linear = lambda *a, **kw: calls.append(kw.get("activated", False)) or real(*a, **kw)
+    try:
+        with torch.no_grad():
+            for m, activated in ((4, True), (3, True), (1, False), (2, False)):
+                x = torch.randn(m, 64, generator=g)
+                ref = torch.nn.functional.linear(silu_and_mul(torch.nn.functional.linear(
+                    x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+                calls.clear()
+                assert torch.allclose(mlp(x), ref, atol=1e-4, rtol=1e-4), m
+                # 3-4 rows: the activated gate/up, then the down kernel on plain input; 1 row: the down GEMV
+                # activates as it loads; 2 rows: no tiles in the tables, cuBLAS / F.linear throughout
+                assert calls == ([True, False] if activated else [False] if m == 1 else []), (m, calls)
+    finally:
+        sml.small_m_linear = real
 
 
 def check_uniform_token_metadata(g) -> None:

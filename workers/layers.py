@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.fused_ops import rms_norm
-from workers.small_m_linear import linear
+from workers.small_m_linear import activated_linear, linear
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,9 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((local, in_size), dtype)
         self.bias = _param((local,), dtype) if bias else None
         self.small_m: dict = {}  # row bucket → tuned kernel (workers.small_m_linear)
+        # [gate; up] of an MLP: the start-up tuning also times kernels writing silu(gate) * up (small_m_act)
+        self.activated_output = False
+        self.small_m_act: dict = {}
 
     def load_weight(self, name: str, slice_, shard_id: int = 0) -> None:
         param = self.weight if name == "weight" else self.bias
@@ -103,7 +106,10 @@ class ColumnParallelLinear(nn.Module):
         start, end = _shard_range(self.out_sizes[shard_id], self.tp)
         param.data[off : off + self.local_sizes[shard_id]].copy_(_read(slice_, 0, start, end))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, activated=None) -> torch.Tensor:
+        """``activated`` (a tile of ``small_m_act``): silu(gate) * up of the two halves, in one kernel."""
+        if activated is not None:
+            return activated_linear(x, self.weight, self.bias, activated)
         return linear(x, self.weight, self.bias, self.small_m)
 
 

@@ -69,6 +69,10 @@ CANDIDATES = ([TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               + [TileConfig(16, bn, bk, w, s, weight_left=True) for bn, bk, w, s in
                  ((64, 256, 4, 4), (64, 256, 4, 3), (32, 256, 2, 2), (32, 256, 4, 2), (16, 512, 2, 3),
                   (32, 512, 2, 3))])
+# weight on the left writing silu(gate) * up (two weight tiles per step, so half the columns of the tiles above)
+ACTIVATED_CANDIDATES = [TileConfig(16, bn, bk, w, s, weight_left=True) for bn, bk, w, s in
+                        ((32, 256, 4, 4), (32, 256, 4, 3), (16, 256, 2, 2), (16, 256, 4, 2), (16, 512, 2, 3),
+                         (32, 128, 4, 4))]
 # GEMV tiles for 1 and 2 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
 # (bench/results/gemv_h100.md); 2 rows, the same narrow tiles
 GEMV_CANDIDATES = {
@@ -169,48 +173,68 @@ if triton is not None:
 
     @triton.jit
     def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
-                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ACTIVATED: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T."""
+        """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T.
+        ACTIVATED: W is [gate; up] (2N rows) and the output silu(gate) * up [M, N]: each program multiplies the
+        gate rows of its columns and the up rows N further, rounded as the two-kernel path rounds."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+        up_rows = N.to(tl.int64) * stride_wn  # ACTIVATED: the up half starts N rows further
         x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, 16]: the rows as columns
         row_ok = offs_m[None, :] < M
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, 16) if ACTIVATED else (1, 1), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
+                w_up = tl.load(w_ptrs + up_rows) if ACTIVATED else w
                 x_ok = row_ok
             else:
                 k_ok = (k0 + offs_k) < K
-                w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
+                w_ok = (offs_n[:, None] < N) & k_ok[None, :]
+                w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+                w_up = tl.load(w_ptrs + up_rows, mask=w_ok, other=0.0) if ACTIVATED else w
                 x_ok = row_ok & k_ok[:, None]
-            acc = tl.dot(w, tl.load(x_ptrs, mask=x_ok, other=0.0), acc)
+            x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            acc = tl.dot(w, x, acc)
+            if ACTIVATED:
+                acc_up = tl.dot(w_up, x, acc_up)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+            if ACTIVATED:
+                acc_up += tl.load(Bias + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        out = acc.to(Y.dtype.element_ty)
+        if ACTIVATED:  # as fused_ops.silu_and_mul on the bf16 gate and up
+            g = out.to(tl.float32)
+            act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
+            out = (act.to(tl.float32) * acc_up.to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
         y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[:, None] < N))
+        tl.store(y_ptrs, out, mask=row_ok & (offs_n[:, None] < N))
 
 
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-                   gated: bool = False) -> torch.Tensor:
+                   gated: bool = False, activated: bool = False) -> torch.Tensor:
     """The Triton kernel of one tile config (the GEMV for block_m 1-2, else a tensor-core one, rows or weight on the
     left): x2d [M <= 16, K] (unit stride in K; M <= block_m), weight [N, K] contiguous.
     ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded (weight on the
-    left: by fused_ops.silu_and_mul first)."""
+    left: by fused_ops.silu_and_mul first). ``activated`` (weight on the left only): weight is [gate; up] [2N, K]
+    and the output silu(gate) * up [M, N], in the kernel's epilogue."""
     m, k = x2d.shape
     if m > cfg.block_m and cfg.block_m < MAX_ROWS:
         raise ValueError(f"the GEMV tile {cfg} takes at most {cfg.block_m} rows, not {m}")
+    if activated and not cfg.weight_left:
+        raise ValueError(f"only a weight-left tile writes an activated output, not {cfg}")
     if gated:
         k //= 2
         if cfg.weight_left:
             x2d, gated = silu_and_mul(x2d), False
-    n = weight.shape[0]
+    n = weight.shape[0] // (2 if activated else 1)
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cfg.block_n == 0 and k % cfg.block_k == 0
     args = (x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0),
@@ -219,7 +243,7 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     launch = dict(HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.weight_left:
-        _weight_left_dot[grid](*args, **launch)
+        _weight_left_dot[grid](*args, ACTIVATED=activated, **launch)
     else:
         (_gemv if cfg.block_m < MAX_ROWS else _small_m_linear)[grid](*args, GATED=gated, BLOCK_M=cfg.block_m,
                                                                        **launch)
@@ -272,27 +296,43 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     return statistics.median(times)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False,
-         side: torch.cuda.Stream | None = None) -> TileConfig | None:
-    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``); the fastest
-    (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton
-    with it fused. A candidate that fails to compile or launch (e.g. too much shared memory on this GPU) is
-    skipped. ``side``: the stream warm-ups run on (one for a whole tuning: PyTorch keeps a cuBLAS workspace of tens
-    of MB per stream, which must not pile up before the KV cache is sized)."""
-    x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
-    weights = weight_copies(weight)
-    side = side or torch.cuda.Stream(weight.device)
-    cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
-    best, best_ms = None, replayed_ms(cublas, weights, side)
-    for cfg in candidates(rows):
+def _fastest(weights: list[torch.Tensor], side: torch.cuda.Stream, baseline, configs: list[TileConfig],
+             run) -> TileConfig | None:
+    """The config whose ``run(weight, config)`` times fastest (``replayed_ms``), or None when none beats
+    ``baseline(weight)`` by SWITCH_MARGIN. A candidate that fails to compile or launch (e.g. too much shared memory
+    on this GPU) is simply not a candidate."""
+    best, best_ms = None, replayed_ms(baseline, weights, side)
+    for cfg in configs:
         try:
-            ms = replayed_ms(lambda w, c=cfg: small_m_linear(x, w, bias, c, gated), weights, side)
-        except Exception:  # noqa: BLE001 - a config this GPU cannot run is simply not a candidate
+            ms = replayed_ms(lambda w, c=cfg: run(w, c), weights, side)
+        except Exception:  # noqa: BLE001
             torch.cuda.synchronize()
             continue
         if ms < best_ms * (1 - SWITCH_MARGIN):
             best, best_ms = cfg, ms
     return best
+
+
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False,
+         side: torch.cuda.Stream | None = None) -> TileConfig | None:
+    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``); the fastest
+    (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton
+    with it fused. ``side``: the stream warm-ups run on (one for a whole tuning: PyTorch keeps a cuBLAS workspace of
+    tens of MB per stream, which must not pile up before the KV cache is sized)."""
+    x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
+    cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
+    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device), cublas, candidates(rows),
+                    lambda w, c: small_m_linear(x, w, bias, c, gated))
+
+
+def tune_activated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, plain: TileConfig | None,
+                   side: torch.cuda.Stream | None = None) -> TileConfig | None:
+    """For a [gate; up] weight: the ACTIVATED_CANDIDATES tile that writes silu(gate) * up at ``rows`` rows faster
+    than the layer's own kernel for them (``plain``, None: cuBLAS) followed by the silu_and_mul kernel, or None."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device),
+                    lambda w: silu_and_mul(linear(x, w, bias, {rows: plain})), ACTIVATED_CANDIDATES,
+                    lambda w, c: small_m_linear(x, w, bias, c, activated=True))
 
 
 class TuningCache:
@@ -357,7 +397,8 @@ TIMING_METHOD = "graph replays"  # part of the cache's environment: choices time
 def candidates_digest() -> str:
     """A short digest of every tile config the tuner times: choices made among other candidates (an older release's
     file) are timed again rather than kept."""
-    return hashlib.sha1(repr((sorted(GEMV_CANDIDATES.items()), CANDIDATES)).encode()).hexdigest()[:8]
+    return hashlib.sha1(repr((sorted(GEMV_CANDIDATES.items()), CANDIDATES, ACTIVATED_CANDIDATES)).encode()
+                        ).hexdigest()[:8]
 
 
 def tuning_environment(device: torch.device) -> str:
@@ -374,30 +415,61 @@ def shape_key(weight: torch.Tensor, has_bias: bool, gated: bool) -> str:
 
 def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = None) -> int:
     """Fill the ``small_m`` table of every layer of ``model`` that has one, for every row bucket (CUDA, 16-bit
-    weights only); layers of the same shape share one timing, and a shape the cache holds is not timed. Returns how
-    many (shape, bucket) pairs were timed."""
-    by_shape: dict[str, dict] = {}
+    weights only), and a [gate; up] layer's ``small_m_act`` table (``activated_output``: ``tune_activated``);
+    layers of the same shape share one timing, and a shape the cache holds is not timed. Returns how many
+    (shape, bucket) pairs were timed."""
+    tables: dict[str, dict] = {}
     timed = 0
     side = None  # one warm-up stream for every timing (made when the first shape needs timing)
+
+    def table(key: str, time_bucket) -> dict:
+        nonlocal side, timed
+        if key not in tables:
+            tables[key] = cache.get(key) if cache is not None else None
+            if tables[key] is None:
+                side = side or torch.cuda.Stream(weight.device)
+                tables[key] = {rows: time_bucket(rows, side) for rows in ROW_BUCKETS}
+                timed += len(ROW_BUCKETS)
+                if cache is not None:
+                    cache.put(key, tables[key])
+        return tables[key]
+
     for module in model.modules():
-        table = getattr(module, "small_m", None)
         weight = getattr(module, "weight", None)
-        if table is None or weight is None or not weight.is_cuda or weight.dtype not in (torch.bfloat16,
-                                                                                          torch.float16):
+        if getattr(module, "small_m", None) is None or weight is None or not weight.is_cuda or weight.dtype not in (
+                torch.bfloat16, torch.float16):
             continue
         bias = getattr(module, "bias", None)
         gated = getattr(module, "gated_input", False)
         key = shape_key(weight, bias is not None, gated)
-        if key not in by_shape:
-            by_shape[key] = cache.get(key) if cache is not None else None
-            if by_shape[key] is None:
-                side = side or torch.cuda.Stream(weight.device)
-                by_shape[key] = {rows: tune(weight, bias, rows, gated, side) for rows in ROW_BUCKETS}
-                timed += len(ROW_BUCKETS)
-                if cache is not None:
-                    cache.put(key, by_shape[key])
-        table.update(by_shape[key])
+        plain = table(key, lambda rows, side: tune(weight, bias, rows, gated, side))
+        module.small_m.update(plain)
+        if getattr(module, "activated_output", False):
+            module.small_m_act.update(table(key + " activated", lambda rows, side: tune_activated(
+                weight, bias, rows, plain[rows], side)))
     return timed
+
+
+def activated_config(act_table: dict[int, TileConfig | None], down_table: dict[int, TileConfig | None],
+                     m: int) -> TileConfig | None:
+    """The tile that writes an MLP's silu(gate) * up for ``m`` rows in its gate/up layer's epilogue, or None: when
+    the gate/up layer's activated table (``tune_activated``) holds one for m's bucket and the down projection's
+    kernel for that bucket would run the separate silu_and_mul kernel first (cuBLAS, weight on the left); a down
+    kernel that activates its input as it loads it (GEMV, rows on the left) keeps that."""
+    if not act_table or not 0 < m <= MAX_ROWS:
+        return None
+    bucket = row_bucket(m)
+    down = down_table.get(bucket)
+    return act_table.get(bucket) if down is None or down.weight_left else None
+
+
+def activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     cfg: TileConfig) -> torch.Tensor:
+    """silu(gate) * up [..., N] of a [gate; up] weight [2N, K], in one weight-left kernel (``activated_config``)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if x2d.stride(1) != 1:
+        x2d = x2d.contiguous()
+    return small_m_linear(x2d, weight, bias, cfg, activated=True).view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

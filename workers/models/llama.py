@@ -17,7 +17,7 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.small_m_linear import linear
+from workers.small_m_linear import activated_config, linear
 from workers.model_config import ModelConfig
 
 
@@ -60,9 +60,15 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, dtype, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, False, dtype, tp)
         self.down_proj.gated_input = True
+        self.gate_up_proj.activated_output = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), gated=True)  # silu(gate) * up inside the projection
+        # silu(gate) * up: in the gate/up kernel's epilogue where the tuning found that faster than the separate
+        # kernel the down projection's would need, else inside the down projection
+        act = activated_config(self.gate_up_proj.small_m_act, self.down_proj.small_m, x.numel() // x.shape[-1])
+        if act is not None:
+            return self.down_proj(self.gate_up_proj(x, activated=act))
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 class DecoderLayer(nn.Module):
