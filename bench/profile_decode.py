@@ -135,7 +135,11 @@ def linear_markdown(res: dict) -> str:
              + (" Times: CUDA-graph replays of back-to-back calls over weight copies worth twice the L2, as the "
                 "start-up tuning times them; down runs gated (Triton: silu(gate) * up fused into its loads; cuBLAS: "
                 "after the silu_and_mul kernel, both counted)." if res["linears"] and "gated" in res["linears"][0]
-                else ""), "",
+                else "")
+             + (" gate_up_activated: the gate/up layer writing silu(gate) * up (N = its half); cuBLAS column: "
+                "cuBLAS + silu_and_mul; chosen: what tune_activated picks against the layer's own tuned kernel + "
+                "silu_and_mul (plain_then_silu_ms in the JSON), that baseline when none beats it by the margin."
+                if any(r["linear"] == "gate_up_activated" for r in res["linears"]) else ""), "",
              "| linear | M | N | K | floor ms | cuBLAS ms (x floor) | best Triton ms (config) | chosen | "
              "chosen ms (x floor) | worst rel. error |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -9,6 +9,7 @@ as the tuner times it (``replayed_ms``), on the Llama-3.1-8B linear shapes.
   16), so BLOCK_N can be 64-128 (the left operand of Hopper's warp-group MMA is 64 rows).
 
     python bench/rows_probe.py OUT.json [--second]
+    python bench/rows_probe.py --plot FIRST.json SECOND.json OUT.png   (4 rows: best of each family / floor)
 
 ``--second`` (4 rows only): the weight-left kernel on a wider grid with the down projection's silu(gate) * up run
 first by its own kernel, the weight-left kernel split over K (each program writes an fp32 partial; the last of a column
@@ -259,5 +260,39 @@ def main():
         Path(out_path).write_text(json.dumps(res_all, indent=1))
 
 
+def plot(first: str, second: str, out: str) -> None:
+    """Bar chart at 4 rows: cuBLAS and the best of each kernel family, over the weight-read floor, per shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(Path(p).read_text()) for p in (first, second)]
+    fams = [("cublas", "cuBLAS", 0), ("current_best", "rows left (current)", 0), ("vec_best", "8-wide GEMV", 0),
+            ("swap_best", "weight left", 0), ("swap_pre_best", "weight left, silu first", 1),
+            ("split_best", "weight left, split K", 1), ("rows_best", "rows left, long K", 1)]
+    shapes = [r["linear"] for r in runs[0]["rows"] if r["m"] == 4]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(fams)
+    for i, (key, label, run) in enumerate(fams):
+        rows = {r["linear"]: r for r in runs[run]["rows"] if r["m"] == 4}
+        vals = []
+        for s in shapes:
+            v = rows[s]["cublas_us"] if key == "cublas" else (rows[s].get(key) or [None])[0]
+            vals.append(v / rows[s]["floor_us_at_3TBps"] if v else 0)
+        ax.bar([j + (i - len(fams) / 2) * width for j in range(len(shapes))], vals, width=width, label=label)
+    ax.axhline(1.0, color="gray", linestyle=":")
+    ax.set_xticks(range(len(shapes)), [f"{s}{' (gated)' if s == 'down' else ''}" for s in shapes])
+    ax.set_ylim(0.9, 2.0)
+    ax.set_ylabel("time / weight-read floor (3.0 TB/s), 4 rows")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{runs[0]['device']} · {runs[0]['commit']} / {runs[1]['commit']} · bars past 2.0 clipped", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--plot":
+        plot(*sys.argv[2:5])
+    else:
+        main()
