@@ -17,7 +17,10 @@ times cuBLAS (``F.linear``) and every candidate tile config on each layer's real
 graph replays of back-to-back calls (``replayed_ms``: how a decode step runs them), and stores the winner in that
 layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the table: a bucket
 that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
-kernel) runs ``F.linear``.
+kernel) runs ``F.linear``. An MLP's [gate; up] layer also gets a ``small_m_act`` table (``tune_activated``): a
+weight-left tile writing silu(gate) * up in its epilogue, where that beats the layer's own kernel followed by the
+silu_and_mul kernel; the MLP takes it where the down projection's kernel would run silu_and_mul first
+(``activated_config``).
 
 Timings are noisy, and kernels round differently, so two starts that chose differently would give different bf16
 tokens for the same greedy request. A ``TuningCache`` file keeps each choice per GPU model and software versions:
@@ -169,7 +172,6 @@ if triton is not None:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
         tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
-
 
     @triton.jit
     def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -422,12 +424,12 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
     timed = 0
     side = None  # one warm-up stream for every timing (made when the first shape needs timing)
 
-    def table(key: str, time_bucket) -> dict:
+    def table(key: str, device: torch.device, time_bucket) -> dict:
         nonlocal side, timed
         if key not in tables:
             tables[key] = cache.get(key) if cache is not None else None
             if tables[key] is None:
-                side = side or torch.cuda.Stream(weight.device)
+                side = side or torch.cuda.Stream(device)
                 tables[key] = {rows: time_bucket(rows, side) for rows in ROW_BUCKETS}
                 timed += len(ROW_BUCKETS)
                 if cache is not None:
@@ -442,10 +444,10 @@ def tune_small_m_linears(model: torch.nn.Module, cache: TuningCache | None = Non
         bias = getattr(module, "bias", None)
         gated = getattr(module, "gated_input", False)
         key = shape_key(weight, bias is not None, gated)
-        plain = table(key, lambda rows, side: tune(weight, bias, rows, gated, side))
+        plain = table(key, weight.device, lambda rows, side: tune(weight, bias, rows, gated, side))
         module.small_m.update(plain)
         if getattr(module, "activated_output", False):
-            module.small_m_act.update(table(key + " activated", lambda rows, side: tune_activated(
+            module.small_m_act.update(table(key + " activated", weight.device, lambda rows, side: tune_activated(
                 weight, bias, rows, plain[rows], side)))
     return timed
 
