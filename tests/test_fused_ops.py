@@ -188,7 +188,8 @@ def check_gumbel_argmax(g) -> None:
 
 def check_small_m_linear(g) -> None:
     """The small-M linear kernel: its row paths (GEMV for 1 and 2 rows, padded dot with the rows or the weight on
-    the left), bias, ragged N and K, strided rows; and ``linear`` runs it only for the row buckets the layer's table holds a config for."""
+    the left), bias, ragged N and K, strided rows; and ``linear`` runs it only for the row buckets the layer's table
+    holds a config for."""
     import torch
 
     from workers import small_m_linear as sml
@@ -259,6 +260,7 @@ def check_activated_output(g) -> None:
 
     from workers import small_m_linear as sml
     from workers.fused_ops import silu_and_mul
+    from workers.layers import SINGLE
     from workers.models.llama import MLP
 
     act16 = sml.TileConfig(16, 16, 32, 4, 1, weight_left=True)
@@ -284,7 +286,7 @@ def check_activated_output(g) -> None:
     class Cfg:
         hidden_size, intermediate_size = 64, 96
 
-    mlp = MLP(Cfg, torch.float32, __import__("workers.layers", fromlist=["SINGLE"]).SINGLE)
+    mlp = MLP(Cfg, torch.float32, SINGLE)
     for p in mlp.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     gemv, left = sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(16, 16, 32, 4, 1, weight_left=True)
