@@ -100,15 +100,19 @@ SWITCH_MARGIN = 0.03
 if triton is not None:
 
     @triton.jit
+    def _silu_times(gate, up):
+        """silu(gate) * up of two tiles in their 16-bit dtype, rounded as fused_ops.silu_and_mul rounds."""
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+        return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+    @triton.jit
     def _input_chunk(ptrs, mask, K, GATED: tl.constexpr):
         """A tile of the input (either kernel), in its dtype; GATED: each row is [gate | up] and the input
-        silu(gate) * up, rounded as fused_ops.silu_and_mul rounds."""
+        silu(gate) * up."""
         x = tl.load(ptrs, mask=mask, other=0.0)
         if GATED:
-            up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(x.dtype)
-            x = (act.to(tl.float32) * up).to(x.dtype)
+            x = _silu_times(x, tl.load(ptrs + K, mask=mask, other=0.0))
         return x
 
     @triton.jit
@@ -212,10 +216,8 @@ if triton is not None:
             if ACTIVATED:
                 acc_up += tl.load(Bias + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         out = acc.to(Y.dtype.element_ty)
-        if ACTIVATED:  # as fused_ops.silu_and_mul on the bf16 gate and up
-            g = out.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
-            out = (act.to(tl.float32) * acc_up.to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
+        if ACTIVATED:  # on the 16-bit gate and up, as the two-kernel path
+            out = _silu_times(out, acc_up.to(Y.dtype.element_ty))
         y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, out, mask=row_ok & (offs_n[:, None] < N))
 
