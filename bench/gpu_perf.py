@@ -92,11 +92,30 @@ class Suite:
             kw.pop("cuda_graph_max_bs", None)
             dtype = "float32"
         eng = Engine(EngineConfig(model=str(self.ckpt), device=self.dev, dtype=dtype, speculative_config=spec, **kw))
+        if self.dev == "cuda":
+            self.record_kernels(eng)
         if self.args.gc_freeze:  # as the server's controller does after start-up
             from deployments.engine import freeze_startup_heap
 
             freeze_startup_heap()
         return eng
+
+    def record_kernels(self, eng) -> None:
+        """The small-M kernels the engine's start-up tuning chose (per weight shape and row bucket: a tile config or
+        cuBLAS): two runs of one commit can differ by these choices alone."""
+        from workers.small_m_linear import shape_key
+
+        worker = eng.executor.worker
+        runner = getattr(worker.proposer, "runner", None)
+        chosen = self.results.setdefault("small_m_kernels", {})
+        for model in [worker.target.model] + ([runner.model] if runner is not None else []):
+            for module in model.modules():
+                for suffix, table in (("", getattr(module, "small_m", None)),
+                                      (" activated", getattr(module, "small_m_act", None))):
+                    if table:
+                        key = shape_key(module.weight, getattr(module, "bias", None) is not None,
+                                        getattr(module, "gated_input", False)) + suffix
+                        chosen[key] = {rows: "cublas" if c is None else list(c) for rows, c in table.items()}
 
     def decode_rate(self, eng, bs: int, **sampling) -> dict:
         """Decode tokens/s and ms per token per request for ``bs`` concurrent requests: from when the last request

@@ -52,7 +52,7 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) 
             ref = F.linear(silu_and_mul(x) if gated else x, w).float()
             t_cublas = sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
                                        else (lambda ww: F.linear(x, ww)), weights, side)
-            cands = sml.candidates(sml.row_bucket(m))
+            cands = [c for c in sml.candidates(sml.row_bucket(m)) if c is not None]  # None: cuBLAS, above
             t_cfg = {str(tuple(c)): sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c, gated), weights,
                                                     side) for c in cands}
             # every config's output against cuBLAS: the worst relative error over the configs
@@ -287,25 +287,34 @@ def graph_profile(ckpt: str, head: str | None, steps: int, later_tokens: int = 0
         print(name, {k: (v["context"], v["wall_us_per_step"], v["busy_us_per_step"]) for k, v in at.items()},
               flush=True)
 
+    def graph_replays(eng, name: str, out: dict, first_kernels: int) -> None:
+        """The bs=1 graph ``name`` replayed back to back (the same inputs each time: no host work between), and
+        the first kernels of one replay in order, with the gap before each."""
+        graph = eng.executor.worker.graphs.graphs[(name, 1, "greedy", False)][0]
+        ks = timeline(graph.replay)
+        label = "decode" if name == "decode" else "eagle3_chain3"
+        out[f"{label}_graph_replay"] = timeline_summary(ks, steps)
+        first = ks[:min(len(ks) // steps, first_kernels)]
+        out[f"{label}_graph_first_kernels"] = [{"kernel": short_name(n), "us": round(e - s, 2),
+                                                "gap_before_us": round(s - (first[i - 1][2] if i else s), 2)}
+                                               for i, (n, s, e) in enumerate(first)]
+
     out = {}
     eng = decoding_engine()
-    graph = eng.executor.worker.graphs.graphs[("decode", 1, "greedy", False)][0]
-    ks = timeline(graph.replay)
-    out["decode_graph_replay"] = timeline_summary(ks, steps)
-    first = ks[:min(len(ks) // steps, 40)]
-    out["decode_graph_first_kernels"] = [{"kernel": short_name(n), "us": round(e - s, 2),
-                                          "gap_before_us": round(s - (first[i - 1][2] if i else s), 2)}
-                                         for i, (n, s, e) in enumerate(first)]
+    graph_replays(eng, "decode", out, 40)
     print(json.dumps(out, indent=1), flush=True)
     if later_tokens:
         engine_steps_at_two_contexts(eng, "decode", out)
-    del graph, eng
+    del eng
     release()
     if head:
         eng = decoding_engine(SpeculativeConfig(method="eagle3", model=head, num_steps=3, topk=1,
                                                 simulated_accept_length=3.0))
         out["eagle3_chain3_engine_steps"] = timeline_summary(timeline(eng.step), steps)
         print(json.dumps(out["eagle3_chain3_engine_steps"], indent=1), flush=True)
+        # every kernel of a round in order: which are the model's and which bookkeeping
+        graph_replays(eng, "round", out, 1000)
+        print(json.dumps(out["eagle3_chain3_graph_replay"], indent=1), flush=True)
         if later_tokens:
             engine_steps_at_two_contexts(eng, "eagle3_chain3", out)
         del eng

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from speculative.tree import DraftTree, node_depths
-from workers.fused_ops import argmax_logsumexp, uniform_noise, walk_tree
+from workers.fused_ops import argmax_logsumexp, tree_verdict, uniform_noise
 from workers.sampling import SamplingTensors, draw
 
 
@@ -47,30 +47,18 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
     return torch.where((sampling.temperature <= 0).unsqueeze(1), greedy, drawn), lse
 
 
-def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """log p(token) under each node's raw logits: [B, D]."""
-    return logits.gather(2, tokens.unsqueeze(2)).squeeze(2).float() - lse
-
-
 def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int,
                          mean_accept_length: float) -> Verdict:
     """BENCHMARK ONLY: accept floor(L - 1 + u) draft tokens of a chain (u uniform, so the mean accept length is L)
     whatever the target says. The emitted tokens are the drafts, not the model's output."""
-    b = logits.shape[0]
     u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
-    accept = (u + (mean_accept_length - 1.0)).long().clamp_(0, max_depth)  # (>= 0: truncation is the floor)
     choice, lse = target_choices(tree, logits, sampling)
-    path = torch.arange(max_depth + 1, device=logits.device).expand(b, -1)
-    # drafts up to the accepted count, then the target's own choice at the next node (the chain's node j is path j)
-    nxt = torch.cat([tree.tokens[:, 1:max_depth + 1], choice[:, -1:]], dim=1)
-    out = torch.where(path < accept.unsqueeze(1), nxt, choice[:, :max_depth + 1])
-    return Verdict(accept, path, out, _token_logprobs(logits, out, lse))
+    return Verdict(*tree_verdict(None, tree.tokens, choice, lse, logits, max_depth,
+                                 forced=(u, mean_accept_length - 1.0)))
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
-    """Walk each tree from the root along children equal to the target's choice (``fused_ops.walk_tree``: one
-    kernel on the GPU). Fixed trip count, no sync."""
+    """Walk each tree from the root along children equal to the target's choice, and gather what it emits
+    (``fused_ops.tree_verdict``: one kernel on the GPU). Fixed trip count, no sync."""
     choice, lse = target_choices(tree, logits, sampling)
-    logprobs = _token_logprobs(logits, choice, lse)  # [B, D]
-    accept, path = walk_tree(tree.parents, tree.tokens, choice, max_depth)
-    return Verdict(accept, path, choice.gather(1, path), logprobs.gather(1, path))
+    return Verdict(*tree_verdict(tree.parents, tree.tokens, choice, lse, logits, max_depth))

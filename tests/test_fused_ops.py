@@ -47,7 +47,8 @@ def check() -> None:
     check_small_m_linear(g)
     check_uniform_token_metadata(g)
     check_overlap_step_inputs(g)
-    check_walk_tree(g)
+    check_tree_verdict(g)
+    check_record_round(g)
     check_store_kv_and_argmax(g)
     print("fused ops ok")
 
@@ -230,9 +231,14 @@ def check_small_m_linear(g) -> None:
         raise AssertionError("a GEMV tile of 2 rows must refuse 3")
     except ValueError:
         pass
-    assert [c.block_m for c in sml.candidates(2)[:len(sml.GEMV_CANDIDATES[2])]] == [2] * len(sml.GEMV_CANDIDATES[2])
-    assert all(c.block_m == 16 for c in sml.candidates(4))
-    assert {c.weight_left for c in sml.candidates(4)} == {False, True}
+    # the order timed: cuBLAS, then the GEMV's tiles up to 2 rows; from 4 rows the weight-left incumbent, cuBLAS,
+    # then the other tensor-core tiles, each config once
+    two, four = sml.candidates(2), sml.candidates(4)
+    assert two[0] is None and [c.block_m for c in two[1:1 + len(sml.GEMV_CANDIDATES[2])]] == [2] * len(
+        sml.GEMV_CANDIDATES[2])
+    assert four[:2] == [sml.TENSOR_CORE_INCUMBENT, None] and sml.TENSOR_CORE_INCUMBENT.weight_left
+    assert len(set(four)) == len(four) and all(c.block_m == 16 for c in four[2:])
+    assert {c.weight_left for c in four[2:]} == {False, True}
     w = torch.randn(32, 64, generator=g)
     # which kernel ran: count the calls of the Triton path (the table must be what decides)
     calls = []
@@ -369,12 +375,25 @@ def check_overlap_step_inputs(g) -> None:
             assert a.dtype == torch.int64 and torch.equal(a, ref), (b, a, ref)
 
 
-def check_walk_tree(g) -> None:
-    """The tree walk of verification in one kernel: the same accepted counts and paths as the PyTorch loop, on
-    random trees whose tokens repeat (several children match: the first wins; a walk that stopped stays stopped)."""
+def check_tree_verdict(g) -> None:
+    """A round's verdict in one kernel: the same accepted counts, paths, emitted tokens and log-probs as the PyTorch
+    ops, on random trees whose tokens repeat (several children match: the first wins; a walk that stopped stays
+    stopped), on chains (as their explicit parents), and with a forced accept count (the benchmark's)."""
     import torch
 
     from workers import fused_ops
+
+    def both(*args, **kwargs):
+        got = fused_ops.tree_verdict(*args, **kwargs)
+        real = fused_ops._triton_for
+        fused_ops._triton_for = lambda x: False
+        try:
+            ref = fused_ops.tree_verdict(*args, **kwargs)
+        finally:
+            fused_ops._triton_for = real
+        for a, r in zip(got, ref):
+            assert a.dtype == r.dtype and torch.equal(a, r), (args[1].shape, a, r)
+        return ref
 
     hits = 0
     for b, d, depth in ((6, 4, 3), (5, 8, 4), (7, 13, 5), (3, 1, 0)):
@@ -383,28 +402,35 @@ def check_walk_tree(g) -> None:
             parents[:, j] = torch.randint(0, j, (b,), generator=g)
         tokens = torch.randint(0, 3, (b, d), generator=g)
         choice = torch.randint(0, 3, (b, d), generator=g)
-        got = fused_ops.walk_tree(parents, tokens, choice, depth)
-        real = fused_ops._triton_for
-        fused_ops._triton_for = lambda x: False
-        try:
-            ref = fused_ops.walk_tree(parents, tokens, choice, depth)
-        finally:
-            fused_ops._triton_for = real
-        for a, r in zip(got, ref):
-            assert a.dtype == torch.int64 and torch.equal(a, r), (b, d, a, r)
-        hits += int((ref[0] > 1).sum())
+        logits = torch.randn(b * d, 5, generator=g).to(torch.bfloat16)
+        lse = torch.logsumexp(logits.float(), -1).view(b, d)
+        accept, path, out, logprob = both(parents, tokens, choice, lse, logits, depth)
+        hits += int((accept > 1).sum())
+        for i in range(b):  # what the walk emits: the target's choice along the path, with its log-prob
+            assert path[i, 0] == 0 and all(parents[i, path[i, j + 1]] == path[i, j] for j in range(int(accept[i])))
+            assert torch.equal(out[i], choice[i, path[i]])
+            assert torch.equal(logprob[i], logits[i * d + path[i], out[i]].float() - lse[i, path[i]])
         # a chain (parents None: node j's parent is j - 1) walks as its explicit parents do
-        chain = (torch.arange(d) - 1).expand(b, d)
-        got = fused_ops.walk_tree(None, tokens, choice, depth)
-        fused_ops._triton_for = lambda x: False
-        try:
-            ref = fused_ops.walk_tree(None, tokens, choice, depth)
-        finally:
-            fused_ops._triton_for = real
-        for a, r, e in zip(got, ref, fused_ops.walk_tree(chain.contiguous(), tokens, choice, depth)):
-            assert torch.equal(a, r) and torch.equal(r, e), (b, d, a, r, e)
+        chain = both(None, tokens, choice, lse, logits, depth)
+        explicit = fused_ops.tree_verdict((torch.arange(d) - 1).expand(b, d).contiguous(), tokens, choice, lse,
+                                          logits, depth)
+        assert all(torch.equal(a, e) for a, e in zip(chain, explicit))
+        if d == depth + 1:  # forced: floor(u + offset) drafts, then the target's choice
+            u = torch.rand(b, generator=g)
+            accept, path, out, _ = both(None, tokens, choice, lse, logits.view(b, d, 5), depth, forced=(u, 1.0))
+            assert torch.equal(accept, (u + 1.0).long().clamp(0, depth)) and torch.equal(path[0], torch.arange(d))
+            for i in range(b):
+                a = int(accept[i])
+                assert torch.equal(out[i, :a], tokens[i, 1:a + 1]) and out[i, a] == choice[i, a]
     assert hits > 0  # some walks went deeper than one hop
-    # a round's outcome into the per-request state: last_token[slot] = out[b, accept], advance[slot] = accept + 1
+
+
+def check_record_round(g) -> None:
+    """A round's outcome into the per-request state: last_token[slot] = out[b, accept], advance[slot] = accept + 1."""
+    import torch
+
+    from workers import fused_ops
+
     slots = torch.tensor([7, 2, 9, 4, 0, 5])[::2]  # strided
     accept = torch.tensor([0, 3, 1])
     out = torch.randint(0, 100, (3, 4), generator=g)

@@ -100,14 +100,21 @@ if triton is not None:
         tl.store(dst + half + d, (x2 * c + x1 * s).to(QOut.dtype.element_ty), mask=ok)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out: torch.Tensor | None = None):
+    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual). ``out`` (without
+    ``residual``): a [T, n] tensor, e.g. columns of a wider one, that the norm is written into and returned as."""
+    if out is not None and (residual is not None or x.dim() != 2 or out.shape != x.shape or out.stride(1) != 1):
+        raise ValueError("rms_norm(out=) takes a plain norm of [T, n] rows into [T, n] rows")
     if not _triton_for(x):
+        if out is not None:
+            return out.copy_(rms_norm_reference(x, weight, eps))
         return rms_norm_reference(x, weight, eps, residual)
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else x2
-    out = torch.empty(x2.shape, dtype=torch.result_type(x2, weight), device=x.device)
+    if out is None:
+        out = torch.empty(x2.shape, dtype=torch.result_type(x2, weight), device=x.device)
     r_out = torch.empty_like(x2) if residual is not None else out
     if x2.shape[0]:
         _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0),
@@ -649,67 +656,114 @@ def overlap_step_inputs(slots: torch.Tensor, pending: torch.Tensor, seq_lens: to
     return seq, root, root_pos, ctr
 
 
-# ---- the walk down a verified draft tree, one kernel ---------------------------------------------------------------
+# ---- a round's verdict: the walk down a verified draft tree and the emitted tokens, one kernel ------------------
 if triton is not None:
 
     @triton.jit
-    def _walk_tree(Parents, Tokens, Choice, Accept, Path, d, max_depth, stride_p, stride_t, stride_c, stride_path,
-                   D_P2: tl.constexpr, CHAIN: tl.constexpr):
+    def _verdict(Parents, Tokens, Choice, Lse, Logits, Uniform, Accept, Path, Out, OutLogprob, d, max_depth, offset,
+                 stride_p, stride_t, stride_c, stride_lse, stride_row, stride_path, stride_out, stride_olp,
+                 D_P2: tl.constexpr, CHAIN: tl.constexpr, FORCED: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, D_P2)
         ok = j < d
-        if CHAIN:  # node j's parent is j - 1
-            parents = tl.where(ok, j - 1, -2).to(tl.int64)
-        else:
-            parents = tl.load(Parents + b * stride_p + j, mask=ok, other=-2)
+        emit = j <= max_depth
         tokens = tl.load(Tokens + b * stride_t + j, mask=ok, other=-1)
-        cur = tl.zeros([], dtype=tl.int64)
-        alive = tl.full([], 1, dtype=tl.int64)
-        accept = tl.zeros([], dtype=tl.int64)
-        tl.store(Path + b * stride_path, cur)
-        for step in range(max_depth):
-            want = tl.load(Choice + b * stride_c + cur)
-            match = (parents == cur) & (tokens == want) & ok & (alive != 0)
-            alive = tl.max(match.to(tl.int64), 0)
-            cur = tl.where(alive != 0, tl.min(tl.where(match, j, D_P2), 0).to(tl.int64), cur)
-            accept += alive
-            tl.store(Path + b * stride_path + step + 1, cur)
+        if FORCED:  # a chain's first floor(u + offset) drafts, whatever the target chose
+            accept = tl.minimum(tl.maximum((tl.load(Uniform + b) + offset).to(tl.int64), 0), max_depth)
+            path = j.to(tl.int64)
+        else:
+            if CHAIN:  # node j's parent is j - 1
+                parents = tl.where(ok, j - 1, -2).to(tl.int64)
+            else:
+                parents = tl.load(Parents + b * stride_p + j, mask=ok, other=-2)
+            cur = tl.zeros([], dtype=tl.int64)
+            alive = tl.full([], 1, dtype=tl.int64)
+            accept = tl.zeros([], dtype=tl.int64)
+            path = tl.zeros([D_P2], dtype=tl.int64)
+            for step in range(max_depth):
+                want = tl.load(Choice + b * stride_c + cur)
+                match = (parents == cur) & (tokens == want) & ok & (alive != 0)
+                alive = tl.max(match.to(tl.int64), 0)
+                cur = tl.where(alive != 0, tl.min(tl.where(match, j, D_P2), 0).to(tl.int64), cur)
+                accept += alive
+                path = tl.where(j == step + 1, cur, path)
+        out = tl.load(Choice + b * stride_c + path, mask=emit, other=0)
+        if FORCED:
+            drafted = j < accept
+            out = tl.where(drafted, tl.load(Tokens + b * stride_t + j + 1, mask=drafted & emit, other=0), out)
+        logit = tl.load(Logits + (b * d + path) * stride_row + out, mask=emit, other=0.0).to(tl.float32)
+        lse = tl.load(Lse + b * stride_lse + path, mask=emit, other=0.0)
         tl.store(Accept + b, accept)
+        tl.store(Path + b * stride_path + j, path, mask=emit)
+        tl.store(Out + b * stride_out + j, out, mask=emit)
+        tl.store(OutLogprob + b * stride_olp + j, logit - lse, mask=emit)
 
 
-def walk_tree(parents: torch.Tensor | None, tokens: torch.Tensor, choice: torch.Tensor,
-              max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk each request's draft tree ([B, D] ``parents``, ``tokens``; ``parents`` None: a chain, node j's parent
-    is j - 1) from the root along the child whose token is the target's choice at the current node (``choice``
-    [B, D]; the first such child), for ``max_depth`` hops or until there is none: (accepted drafts [B] int64, path
-    [B, max_depth + 1] int64, node indices from the root, padded with the last). One program per request where
-    Triton runs (about 11 PyTorch ops per hop otherwise)."""
+def tree_verdict(parents: torch.Tensor | None, tokens: torch.Tensor, choice: torch.Tensor, lse: torch.Tensor,
+                 logits: torch.Tensor, max_depth: int, forced: tuple[torch.Tensor, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A verified round's outcome for each request's draft tree ([B, D] ``parents``, ``tokens``; ``parents`` None:
+    a chain, node j's parent is j - 1), given the target's choice after each node (``choice`` [B, D]), each node's
+    log-normaliser (``lse`` [B, D] fp32) and logits ([B * D, V] rows, or [B, D, V]).
+
+    Walks from the root along the child whose token is the target's choice at the current node (the first such
+    child), for ``max_depth`` hops or until there is none. ``forced`` = (u [B] fp32, offset), a chain only (the
+    benchmark's simulated acceptance): accept ``floor(u + offset)`` drafts (clamped to 0 .. max_depth) whatever the
+    target chose, the emitted tokens being those drafts and then the target's choice.
+
+    Returns (accepted drafts [B] int64; path [B, max_depth + 1] int64, node indices from the root, padded with the
+    last; emitted tokens [B, max_depth + 1] int64, valid up to accept + 1; their target log-probs, fp32). One
+    program per request where Triton runs (about 15 PyTorch ops otherwise)."""
     b, d = tokens.shape
     chain = parents is None
+    if forced is not None and not chain:
+        raise ValueError("a forced accept count takes a chain")
+    rows = logits.reshape(b * d, -1)
     if not _triton_for(tokens):
-        if chain:
-            parents = (torch.arange(d, device=tokens.device) - 1).expand(b, d)
-        rows = torch.arange(b, device=parents.device)
-        cur = torch.zeros(b, dtype=torch.int64, device=parents.device)
-        alive = torch.ones(b, dtype=torch.bool, device=parents.device)
-        accept = torch.zeros(b, dtype=torch.int64, device=parents.device)
-        path = [cur]
-        for _ in range(max_depth):
-            want = choice[rows, cur]
-            match = (parents == cur.unsqueeze(1)) & (tokens == want.unsqueeze(1))
-            found = match.any(1) & alive
-            cur = torch.where(found, match.int().argmax(1), cur)
-            alive = found
-            accept += found.long()
-            path.append(cur)
-        return accept, torch.stack(path, 1)
+        depth = torch.arange(max_depth + 1, device=tokens.device).expand(b, -1)
+        if forced is not None:
+            u, offset = forced
+            accept, path = (u + offset).long().clamp_(0, max_depth), depth
+            drafts = torch.cat([tokens[:, 1:], choice[:, -1:]], dim=1)  # node j + 1's token at j (the last: unread)
+            out = torch.where(depth < accept.unsqueeze(1), drafts.gather(1, path), choice.gather(1, path))
+        else:
+            accept, path = _walk_reference(parents, tokens, choice, max_depth)
+            out = choice.gather(1, path)
+        row = torch.arange(b, device=tokens.device).unsqueeze(1) * d + path
+        return accept, path, out, rows[row, out].float() - lse.gather(1, path)
     accept = torch.empty(b, dtype=torch.int64, device=tokens.device)
-    path = torch.empty(b, max_depth + 1, dtype=torch.int64, device=tokens.device)
+    path, out = (torch.empty(b, max_depth + 1, dtype=torch.int64, device=tokens.device) for _ in range(2))
+    logprob = torch.empty(b, max_depth + 1, dtype=torch.float32, device=tokens.device)
     if b:
         parents = tokens if chain else parents  # (unread for a chain)
-        _walk_tree[(b,)](parents, tokens, choice, accept, path, d, max_depth, parents.stride(0), tokens.stride(0),
-                         choice.stride(0), path.stride(0), D_P2=max(16, triton.next_power_of_2(d)), CHAIN=chain)
-    return accept, path
+        u, offset = forced if forced is not None else (lse, 0.0)  # (unread unless forced)
+        _verdict[(b,)](parents, tokens, choice, lse, rows, u.contiguous(), accept, path, out, logprob, d, max_depth,
+                       float(offset), parents.stride(0), tokens.stride(0), choice.stride(0), lse.stride(0),
+                       rows.stride(0), path.stride(0), out.stride(0), logprob.stride(0),
+                       D_P2=max(16, triton.next_power_of_2(d)), CHAIN=chain, FORCED=forced is not None)
+    return accept, path, out, logprob
+
+
+def _walk_reference(parents: torch.Tensor | None, tokens: torch.Tensor, choice: torch.Tensor,
+                    max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tree_verdict``'s walk in PyTorch: (accept [B], path [B, max_depth + 1])."""
+    b, d = tokens.shape
+    if parents is None:
+        parents = (torch.arange(d, device=tokens.device) - 1).expand(b, d)
+    rows = torch.arange(b, device=parents.device)
+    cur = torch.zeros(b, dtype=torch.int64, device=parents.device)
+    alive = torch.ones(b, dtype=torch.bool, device=parents.device)
+    accept = torch.zeros(b, dtype=torch.int64, device=parents.device)
+    path = [cur]
+    for _ in range(max_depth):
+        want = choice[rows, cur]
+        match = (parents == cur.unsqueeze(1)) & (tokens == want.unsqueeze(1))
+        found = match.any(1) & alive
+        cur = torch.where(found, match.int().argmax(1), cur)
+        alive = found
+        accept += found.long()
+        path.append(cur)
+    return accept, torch.stack(path, 1)
 
 
 # ---- a round's outcome into the worker's per-request state, one kernel -------------------------------------------

@@ -86,14 +86,26 @@ GEMV_CANDIDATES = {
 }
 
 
-def candidates(rows: int) -> list[TileConfig]:
-    """The tile configs timed for a row bucket: the GEMV's for 1 and 2 rows, then the tensor-core ones."""
-    return GEMV_CANDIDATES.get(rows, []) + CANDIDATES
+# From 4 rows on, the first candidate timed, which the others (cuBLAS included) must beat by SWITCH_MARGIN: the
+# weight-left tile that was the fastest or within 1% of it on every Llama-3.1-8B shape at 4 rows on an H100
+# (rows_probe_h100.md, linears_8b_h100.md), where cuBLAS as the incumbent kept itself on some starts by less than
+# the margin (gate/up: 82.6 us against this tile's 80.7, ~60 us per verify forward).
+TENSOR_CORE_INCUMBENT = TileConfig(16, 64, 256, 4, 4, weight_left=True)
+TENSOR_CORE_INCUMBENT_ROWS = 4
+
+
+def candidates(rows: int) -> list[TileConfig | None]:
+    """What a row bucket times, in order (None: cuBLAS): the incumbent first, each later one chosen only when
+    SWITCH_MARGIN faster than the best before it. Up to 2 rows cuBLAS, the GEMV's tiles, the tensor-core ones; from
+    TENSOR_CORE_INCUMBENT_ROWS on, TENSOR_CORE_INCUMBENT, cuBLAS, the other tensor-core tiles."""
+    if rows >= TENSOR_CORE_INCUMBENT_ROWS:
+        return [TENSOR_CORE_INCUMBENT, None] + [c for c in CANDIDATES if c != TENSOR_CORE_INCUMBENT]
+    return [None] + GEMV_CANDIDATES.get(rows, []) + CANDIDATES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
-# A later candidate (cuBLAS first, then the list's order) must be this much faster to be chosen: kernels of nearly
-# the same speed then resolve the same way on every start, so replicas and restarts mostly run the same kernels and
-# round alike (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
+# A later candidate must be this much faster than the best before it to be chosen: kernels of nearly the same speed
+# then resolve the same way on every start, so replicas and restarts mostly run the same kernels and round alike
+# (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
 SWITCH_MARGIN = 0.03
 
 
@@ -300,33 +312,33 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     return statistics.median(times)
 
 
-def _fastest(weights: list[torch.Tensor], side: torch.cuda.Stream, baseline, configs: list[TileConfig],
-             run) -> TileConfig | None:
-    """The config whose ``run(weight, config)`` times fastest (``replayed_ms``), or None when none beats
-    ``baseline(weight)`` by SWITCH_MARGIN. A candidate that fails to compile or launch (e.g. too much shared memory
-    on this GPU) is simply not a candidate."""
-    best, best_ms = None, replayed_ms(baseline, weights, side)
-    for cfg in configs:
+def _fastest(weights: list[torch.Tensor], side: torch.cuda.Stream, runs) -> TileConfig | None:
+    """Of ``runs`` [(choice, call(weight))] in order, the choice timed fastest (``replayed_ms``), each later one
+    taken only when it beats the best before it by SWITCH_MARGIN. A candidate that fails to compile or launch (e.g.
+    too much shared memory on this GPU) is simply not a candidate."""
+    best, best_ms = None, float("inf")
+    for choice, call in runs:
         try:
-            ms = replayed_ms(lambda w, c=cfg: run(w, c), weights, side)
+            ms = replayed_ms(call, weights, side)
         except Exception:  # noqa: BLE001
             torch.cuda.synchronize()
             continue
         if ms < best_ms * (1 - SWITCH_MARGIN):
-            best, best_ms = cfg, ms
+            best, best_ms = choice, ms
     return best
 
 
 def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool = False,
          side: torch.cuda.Stream | None = None) -> TileConfig | None:
-    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``); the fastest
-    (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the separate silu_and_mul kernel, Triton
-    with it fused. ``side``: the stream warm-ups run on (one for a whole tuning: PyTorch keeps a cuBLAS workspace of
-    tens of MB per stream, which must not pile up before the KV cache is sized)."""
+    """Time cuBLAS and every candidate tile config at ``rows`` rows on this weight (``replayed_ms``), in the order
+    of ``candidates``; the fastest (None: cuBLAS). ``gated`` layers are timed as they run: cuBLAS after the
+    separate silu_and_mul kernel, Triton with it fused. ``side``: the stream warm-ups run on (one for a whole
+    tuning: PyTorch keeps a cuBLAS workspace of tens of MB per stream, which must not pile up before the KV cache
+    is sized)."""
     x = torch.randn(rows, weight.shape[1] * (2 if gated else 1), dtype=weight.dtype, device=weight.device)
     cublas = (lambda w: F.linear(silu_and_mul(x), w, bias)) if gated else (lambda w: F.linear(x, w, bias))
-    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device), cublas, candidates(rows),
-                    lambda w, c: small_m_linear(x, w, bias, c, gated))
+    runs = [(c, cublas if c is None else lambda w, c=c: small_m_linear(x, w, bias, c, gated)) for c in candidates(rows)]
+    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device), runs)
 
 
 def tune_activated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, plain: TileConfig | None,
@@ -334,9 +346,9 @@ def tune_activated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, p
     """For a [gate; up] weight: the ACTIVATED_CANDIDATES tile that writes silu(gate) * up at ``rows`` rows faster
     than the layer's own kernel for them (``plain``, None: cuBLAS) followed by the silu_and_mul kernel, or None."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device),
-                    lambda w: silu_and_mul(linear(x, w, bias, {rows: plain})), ACTIVATED_CANDIDATES,
-                    lambda w, c: small_m_linear(x, w, bias, c, activated=True))
+    runs = [(None, lambda w: silu_and_mul(linear(x, w, bias, {rows: plain})))] + [
+        (c, lambda w, c=c: small_m_linear(x, w, bias, c, activated=True)) for c in ACTIVATED_CANDIDATES]
+    return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device), runs)
 
 
 class TuningCache:
@@ -399,10 +411,10 @@ TIMING_METHOD = "graph replays"  # part of the cache's environment: choices time
 
 
 def candidates_digest() -> str:
-    """A short digest of every tile config the tuner times: choices made among other candidates (an older release's
-    file) are timed again rather than kept."""
-    return hashlib.sha1(repr((sorted(GEMV_CANDIDATES.items()), CANDIDATES, ACTIVATED_CANDIDATES)).encode()
-                        ).hexdigest()[:8]
+    """A short digest of every tile config the tuner times, in its order: choices made among other candidates or in
+    another order (an older release's file) are timed again rather than kept."""
+    timed = [candidates(rows) for rows in ROW_BUCKETS]  # in order: the incumbents matter too
+    return hashlib.sha1(repr((timed, ACTIVATED_CANDIDATES)).encode()).hexdigest()[:8]
 
 
 def tuning_environment(device: torch.device) -> str:

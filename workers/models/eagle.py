@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
-from workers.layers import ParallelLMHead, RMSNorm, TPGroup, VocabParallelEmbedding
+from workers.layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, TPGroup, VocabParallelEmbedding
 from workers.model_config import CheckpointError, ModelConfig
 from workers.models.llama import MLP, Attention, DecoderLayer, load_into_submodule
 
@@ -50,7 +50,10 @@ class Eagle3Layer(nn.Module):
 
     def forward(self, embeds, hidden, cos, sin, fb):
         residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        h = embeds.shape[-1]
+        x = embeds.new_empty(embeds.shape[0], 2 * h)  # [norm(embeds) | norm(hidden)], each norm into its half
+        self.input_layernorm(embeds, out=x[:, :h])
+        self.hidden_norm(hidden, out=x[:, h:])
         x = self.self_attn(x, cos, sin, fb)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -73,7 +76,7 @@ class EagleHead(nn.Module):
         if self.eagle3:
             aux = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
             self.aux_layer_ids = tuple(aux) if aux else None
-            self.fc = nn.Linear(3 * target_hidden, h, bias=False, dtype=dtype)
+            self.fc = ColumnParallelLinear(3 * target_hidden, [h], False, dtype)
             self.midlayer = Eagle3Layer(cfg, dtype, tp)
             self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
             self.draft_vocab = int(raw.get("draft_vocab_size") or cfg.vocab_size)
@@ -81,10 +84,12 @@ class EagleHead(nn.Module):
             self.register_buffer("d2t", torch.zeros(self.draft_vocab, dtype=torch.int64), persistent=False)
         else:
             self.aux_layer_ids = None
-            self.fc = nn.Linear(2 * h, h, bias=bool(raw.get("bias", True)), dtype=dtype)
+            self.fc = ColumnParallelLinear(2 * h, [h], bool(raw.get("bias", True)), dtype)
             self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, tp) for i in range(cfg.num_layers))
             self.layers[0].input_layernorm = None  # EAGLE-1 skips the first input norm
             self.draft_vocab = cfg.vocab_size
+        if tp.size > 1:  # fc is whole on every rank: a kernel tuned per rank could round differently on each
+            self.fc.small_m = None
         cos, sin = rope_cos_sin(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -148,14 +148,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
-        captured = {}
+        h = x.shape[-1]
+        # each captured layer's input written straight into its columns of [T, n * hidden] (no concatenation)
+        aux = x.new_empty(x.shape[0], len(self.aux_hidden_layers) * h) if self.aux_hidden_layers else None
         for i, layer in enumerate(self.layers):
-            if i in self.aux_hidden_layers:
-                captured[i] = x if residual is None else x + residual
+            for j in (j for j, a in enumerate(self.aux_hidden_layers) if a == i):
+                if residual is None:
+                    aux[:, j * h:(j + 1) * h].copy_(x)
+                else:
+                    torch.add(x, residual, out=aux[:, j * h:(j + 1) * h])
             x, residual = layer(x, residual, cos, sin, fb)
         x, _ = self.norm(x, residual)
-        if captured:
-            fb.aux["aux_hidden"] = torch.cat([captured[i] for i in self.aux_hidden_layers], dim=-1)
+        if aux is not None:
+            fb.aux["aux_hidden"] = aux
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
