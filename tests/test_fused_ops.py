@@ -44,6 +44,14 @@ def check() -> None:
     strided = torch.randn(4, 192, generator=g)[:, :96]  # rows of a wider tensor
     assert torch.allclose(rms_norm(strided, torch.ones(96), 1e-6), rms_norm_reference(strided, torch.ones(96), 1e-6),
                           atol=1e-5)
+    # the norm and the sum written into columns of wider tensors (EAGLE-3's captured states, its head's input)
+    x, r = torch.randn(3, 96, generator=g), torch.randn(3, 96, generator=g)
+    wide, wide_r = torch.zeros(3, 2 * 96), torch.zeros(3, 3 * 96)
+    got, got_r = rms_norm(x, torch.ones(96), 1e-6, r, out=wide[:, 96:], residual_out=wide_r[:, 96:192])
+    ref, ref_r = rms_norm_reference(x, torch.ones(96), 1e-6, r)
+    assert got.data_ptr() == wide[:, 96:].data_ptr() and got_r.data_ptr() == wide_r[:, 96:192].data_ptr()
+    assert torch.allclose(wide[:, 96:], ref, atol=1e-5) and torch.equal(wide_r[:, 96:192], ref_r)
+    assert not wide[:, :96].any() and not wide_r[:, :96].any() and not wide_r[:, 192:].any()
     check_small_m_linear(g)
     check_uniform_token_metadata(g)
     check_overlap_step_inputs(g)

@@ -101,21 +101,26 @@ if triton is not None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None):
-    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual). ``out`` (without
-    ``residual``): a [T, n] tensor, e.g. columns of a wider one, that the norm is written into and returned as."""
-    if out is not None and (residual is not None or x.dim() != 2 or out.shape != x.shape or out.stride(1) != 1):
-        raise ValueError("rms_norm(out=) takes a plain norm of [T, n] rows into [T, n] rows")
+             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
+    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual). ``out`` (the norm) and
+    ``residual_out`` (x + residual) are [T, n] tensors to write into and return, e.g. columns of a wider one."""
+    for given, what in ((out, "out"), (residual_out, "residual_out")):
+        if given is not None and (x.dim() != 2 or given.shape != x.shape or given.stride(1) != 1):
+            raise ValueError(f"rms_norm({what}=) writes [T, n] rows (unit column stride) of [T, n] inputs")
+    if residual_out is not None and residual is None:
+        raise ValueError("rms_norm(residual_out=) needs a residual")
     if not _triton_for(x):
-        if out is not None:
-            return out.copy_(rms_norm_reference(x, weight, eps))
-        return rms_norm_reference(x, weight, eps, residual)
+        ref = rms_norm_reference(x, weight, eps, residual)
+        normed, summed = ref if residual is not None else (ref, None)
+        normed = normed if out is None else out.copy_(normed)
+        summed = summed if residual_out is None or summed is None else residual_out.copy_(summed)
+        return normed if residual is None else (normed, summed)
     shape, n = x.shape, x.shape[-1]
     x2 = x.reshape(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if out is None:
         out = torch.empty(x2.shape, dtype=torch.result_type(x2, weight), device=x.device)
-    r_out = torch.empty_like(x2) if residual is not None else out
+    r_out = (torch.empty_like(x2) if residual_out is None else residual_out) if residual is not None else out
     if x2.shape[0]:
         _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0),
                                       r_out.stride(0), n, eps, HAS_RES=residual is not None,

@@ -76,9 +76,11 @@ class RMSNorm(nn.Module):
     def load_weight(self, name: str, slice_, shard_id=None) -> None:
         self.weight.data.copy_(slice_[:])
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None):
-        """Plain norm (into ``out`` if given), or fused add-then-norm returning (normed, new_residual)."""
-        return rms_norm(x, self.weight, self.eps, residual, out)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                residual_out: torch.Tensor | None = None):
+        """Plain norm, or fused add-then-norm returning (normed, new_residual); ``out`` / ``residual_out``: where
+        to write them (``fused_ops.rms_norm``)."""
+        return rms_norm(x, self.weight, self.eps, residual, out, residual_out)
 
 
 class ColumnParallelLinear(nn.Module):

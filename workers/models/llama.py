@@ -79,12 +79,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, cos, sin, fb):
+    def forward(self, x, residual, cos, sin, fb, stream_out: torch.Tensor | None = None):
+        """``stream_out``: also write the residual stream entering this layer (x + residual) there (EAGLE-3's
+        captured states: the input norm's fused add writes it, no extra kernel)."""
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
+            if stream_out is not None:
+                stream_out.copy_(x)
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, residual_out=stream_out)
         h = self.self_attn(h, cos, sin, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -148,16 +152,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
-        h = x.shape[-1]
-        # each captured layer's input written straight into its columns of [T, n * hidden] (no concatenation)
-        aux = x.new_empty(x.shape[0], len(self.aux_hidden_layers) * h) if self.aux_hidden_layers else None
+        h, ids = x.shape[-1], self.aux_hidden_layers
+        # each captured layer's input stream written by that layer into its columns of [T, n * hidden]
+        aux = x.new_empty(x.shape[0], len(ids) * h) if ids else None
         for i, layer in enumerate(self.layers):
-            for j in (j for j, a in enumerate(self.aux_hidden_layers) if a == i):
-                if residual is None:
-                    aux[:, j * h:(j + 1) * h].copy_(x)
-                else:
-                    torch.add(x, residual, out=aux[:, j * h:(j + 1) * h])
-            x, residual = layer(x, residual, cos, sin, fb)
+            cols = [j for j, a in enumerate(ids) if a == i]
+            x, residual = layer(x, residual, cos, sin, fb,
+                                stream_out=aux[:, cols[0] * h:(cols[0] + 1) * h] if cols else None)
+            for j in cols[1:]:  # a layer named twice
+                aux[:, j * h:(j + 1) * h].copy_(aux[:, cols[0] * h:(cols[0] + 1) * h])
         x, _ = self.norm(x, residual)
         if aux is not None:
             fb.aux["aux_hidden"] = aux
