@@ -239,13 +239,14 @@ def check_small_m_linear(g) -> None:
         raise AssertionError("a GEMV tile of 2 rows must refuse 3")
     except ValueError:
         pass
-    # the order timed: cuBLAS, then the GEMV's tiles up to 2 rows; from 4 rows the weight-left incumbent, cuBLAS,
-    # then the other tensor-core tiles, each config once
-    two, four = sml.candidates(2), sml.candidates(4)
-    assert two[0] is None and [c.block_m for c in two[1:1 + len(sml.GEMV_CANDIDATES[2])]] == [2] * len(
-        sml.GEMV_CANDIDATES[2])
-    assert four[:2] == [sml.TENSOR_CORE_INCUMBENT, None] and sml.TENSOR_CORE_INCUMBENT.weight_left
-    assert len(set(four)) == len(four) and all(c.block_m == 16 for c in four[2:])
+    # the order timed: one row, cuBLAS then the GEMV's tiles; from 2 rows the weight-left incumbent, cuBLAS, the
+    # GEMV's tiles of 2 rows, the other tensor-core tiles; each config once
+    one, two, four = sml.candidates(1), sml.candidates(2), sml.candidates(4)
+    assert one[0] is None and [c.block_m for c in one[1:1 + len(sml.GEMV_CANDIDATES[1])]] == [1] * len(
+        sml.GEMV_CANDIDATES[1])
+    assert two[:2] == four[:2] == [sml.TENSOR_CORE_INCUMBENT, None] and sml.TENSOR_CORE_INCUMBENT.weight_left
+    assert two[2:2 + len(sml.GEMV_CANDIDATES[2])] == sml.GEMV_CANDIDATES[2]
+    assert all(len(set(c)) == len(c) for c in (one, two, four)) and all(c.block_m == 16 for c in four[2:])
     assert {c.weight_left for c in four[2:]} == {False, True}
     w = torch.randn(32, 64, generator=g)
     # which kernel ran: count the calls of the Triton path (the table must be what decides)

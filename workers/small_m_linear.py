@@ -14,7 +14,8 @@ rows_probe_h100.md).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
-graph replays of back-to-back calls (``replayed_ms``: how a decode step runs them), and stores the winner in that
+graph replays of back-to-back calls (``replayed_ms``: how a decode step runs them) in the order of ``candidates``
+(an incumbent first; a later kernel must be SWITCH_MARGIN faster), and stores the winner in that
 layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the table: a bucket
 that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
 kernel) runs ``F.linear``. An MLP's [gate; up] layer also gets a ``small_m_act`` table (``tune_activated``): a
@@ -86,20 +87,23 @@ GEMV_CANDIDATES = {
 }
 
 
-# From 4 rows on, the first candidate timed, which the others (cuBLAS included) must beat by SWITCH_MARGIN: the
-# weight-left tile that was the fastest or within 1% of it on every Llama-3.1-8B shape at 4 rows on an H100
-# (rows_probe_h100.md, linears_8b_h100.md), where cuBLAS as the incumbent kept itself on some starts by less than
-# the margin (gate/up: 82.6 us against this tile's 80.7, ~60 us per verify forward).
+# From 2 rows on, the first candidate timed, which the others (cuBLAS included) must beat by SWITCH_MARGIN: the
+# weight-left tile that was the fastest or within 1% of it on every Llama-3.1-8B shape at 2 and 4 rows on an H100
+# (rows_probe_h100.md, linears_8b_h100.md, tma_probe_h100.json). With cuBLAS as the incumbent, starts kept it (or
+# another tile) by less than the margin on some machines and not on others: gate/up at 4 rows 82.6-87.5 us against
+# this tile's 80.6, an EAGLE-3 chain-of-3 round 7.19 against 6.98 ms (speculation_incumbent_h100.md).
 TENSOR_CORE_INCUMBENT = TileConfig(16, 64, 256, 4, 4, weight_left=True)
-TENSOR_CORE_INCUMBENT_ROWS = 4
+TENSOR_CORE_INCUMBENT_ROWS = 2
 
 
 def candidates(rows: int) -> list[TileConfig | None]:
     """What a row bucket times, in order (None: cuBLAS): the incumbent first, each later one chosen only when
-    SWITCH_MARGIN faster than the best before it. Up to 2 rows cuBLAS, the GEMV's tiles, the tensor-core ones; from
-    TENSOR_CORE_INCUMBENT_ROWS on, TENSOR_CORE_INCUMBENT, cuBLAS, the other tensor-core tiles."""
+    SWITCH_MARGIN faster than the best before it. One row: cuBLAS, the GEMV's tiles, the tensor-core ones; from
+    TENSOR_CORE_INCUMBENT_ROWS on, TENSOR_CORE_INCUMBENT, cuBLAS, the GEMV's tiles (2 rows), the other tensor-core
+    tiles."""
     if rows >= TENSOR_CORE_INCUMBENT_ROWS:
-        return [TENSOR_CORE_INCUMBENT, None] + [c for c in CANDIDATES if c != TENSOR_CORE_INCUMBENT]
+        return ([TENSOR_CORE_INCUMBENT, None] + GEMV_CANDIDATES.get(rows, [])
+                + [c for c in CANDIDATES if c != TENSOR_CORE_INCUMBENT])
     return [None] + GEMV_CANDIDATES.get(rows, []) + CANDIDATES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
