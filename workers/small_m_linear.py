@@ -73,10 +73,11 @@ CANDIDATES = ([TileConfig(16, bn, bk, w, s) for bn, bk, w, s in
               + [TileConfig(16, bn, bk, w, s, weight_left=True) for bn, bk, w, s in
                  ((64, 256, 4, 4), (64, 256, 4, 3), (32, 256, 2, 2), (32, 256, 4, 2), (16, 512, 2, 3),
                   (32, 512, 2, 3))])
-# weight on the left writing silu(gate) * up (two weight tiles per step, so half the columns of the tiles above)
+# weight on the left writing silu(gate) * up: block_n weight rows per tile, the gate and up rows of half as many
+# output columns (the weight-left tiles above, and one with a shorter K step)
 ACTIVATED_CANDIDATES = [TileConfig(16, bn, bk, w, s, weight_left=True) for bn, bk, w, s in
-                        ((32, 256, 4, 4), (32, 256, 4, 3), (16, 256, 2, 2), (16, 256, 4, 2), (16, 512, 2, 3),
-                         (32, 128, 4, 4))]
+                        ((64, 256, 4, 4), (64, 256, 4, 3), (32, 256, 2, 2), (32, 256, 4, 2), (32, 512, 2, 3),
+                         (64, 128, 4, 4))]
 # GEMV tiles for 1 and 2 rows: M = 1, the best of a sweep over the Llama-3.2-1B / 3.1-8B shapes on an H100
 # (bench/results/gemv_h100.md); 2 rows, the same narrow tiles
 GEMV_CANDIDATES = {
@@ -198,42 +199,44 @@ if triton is not None:
                          HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ACTIVATED: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T.
-        ACTIVATED: W is [gate; up] (2N rows) and the output silu(gate) * up [M, N]: each program multiplies the
-        gate rows of its columns and the up rows N further, rounded as the two-kernel path rounds."""
+        ACTIVATED: W is [gate; up] (2N rows) and the output silu(gate) * up [M, N]: the tile's BLOCK_N weight rows
+        are its BLOCK_N / 2 columns' gate and up rows, interleaved (one load, one dot: as fast as a plain tile of
+        BLOCK_N rows), split apart in the epilogue and rounded as the two-kernel path rounds."""
         pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        COLS: tl.constexpr = BLOCK_N // 2 if ACTIVATED else BLOCK_N  # output columns per program
+        r = tl.arange(0, BLOCK_N)
+        if ACTIVATED:  # tile row 2j: gate row of column j, 2j + 1: its up row, N rows further
+            col = pid * COLS + r // 2
+            w_rows = col + (r % 2) * N
+        else:
+            col = pid * COLS + r
+            w_rows = col
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        up_rows = N.to(tl.int64) * stride_wn  # ACTIVATED: the up half starts N rows further
+        w_ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
         x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, 16]: the rows as columns
         row_ok = offs_m[None, :] < M
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, 16) if ACTIVATED else (1, 1), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
+            if EVEN:  # N % COLS == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
-                w_up = tl.load(w_ptrs + up_rows) if ACTIVATED else w
                 x_ok = row_ok
             else:
                 k_ok = (k0 + offs_k) < K
-                w_ok = (offs_n[:, None] < N) & k_ok[None, :]
-                w = tl.load(w_ptrs, mask=w_ok, other=0.0)
-                w_up = tl.load(w_ptrs + up_rows, mask=w_ok, other=0.0) if ACTIVATED else w
+                w = tl.load(w_ptrs, mask=(col[:, None] < N) & k_ok[None, :], other=0.0)
                 x_ok = row_ok & k_ok[:, None]
             x = tl.load(x_ptrs, mask=x_ok, other=0.0)
             acc = tl.dot(w, x, acc)
-            if ACTIVATED:
-                acc_up = tl.dot(w_up, x, acc_up)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         if HAS_BIAS:
-            acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-            if ACTIVATED:
-                acc_up += tl.load(Bias + N + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-        out = acc.to(Y.dtype.element_ty)
-        if ACTIVATED:  # on the 16-bit gate and up, as the two-kernel path
-            out = _silu_times(out, acc_up.to(Y.dtype.element_ty))
+            acc += tl.load(Bias + w_rows, mask=col < N, other=0.0).to(tl.float32)[:, None]
+        offs_n = pid * COLS + tl.arange(0, COLS)
+        if ACTIVATED:  # [COLS, 2, 16] → [COLS, 16, 2] → gate, up; on the 16-bit values, as the two-kernel path
+            gate, up = tl.split(tl.permute(tl.reshape(acc, (COLS, 2, 16)), (0, 2, 1)))
+            out = _silu_times(gate.to(Y.dtype.element_ty), up.to(Y.dtype.element_ty))
+        else:
+            out = acc.to(Y.dtype.element_ty)
         y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, out, mask=row_ok & (offs_n[:, None] < N))
 
@@ -255,11 +258,12 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if cfg.weight_left:
             x2d, gated = silu_and_mul(x2d), False
     n = weight.shape[0] // (2 if activated else 1)
+    cols = cfg.block_n // 2 if activated else cfg.block_n  # output columns per program
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
-    even = n % cfg.block_n == 0 and k % cfg.block_k == 0
+    even = n % cols == 0 and k % cfg.block_k == 0
     args = (x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0),
             y.stride(0))
-    grid = (triton.cdiv(n, cfg.block_n),)
+    grid = (triton.cdiv(n, cols),)
     launch = dict(HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.weight_left:
@@ -347,11 +351,16 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, gated: bool
 
 def tune_activated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, plain: TileConfig | None,
                    side: torch.cuda.Stream | None = None) -> TileConfig | None:
-    """For a [gate; up] weight: the ACTIVATED_CANDIDATES tile that writes silu(gate) * up at ``rows`` rows faster
-    than the layer's own kernel for them (``plain``, None: cuBLAS) followed by the silu_and_mul kernel, or None."""
+    """For a [gate; up] weight: the tile that writes silu(gate) * up at ``rows`` rows (None: the layer's own kernel
+    for them, ``plain`` (None: cuBLAS), followed by the silu_and_mul kernel). A weight-left ``plain`` tile's own
+    activated form is the incumbent (the same weight stream, one kernel less), then the two kernels, then the
+    ACTIVATED_CANDIDATES."""
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    runs = [(None, lambda w: silu_and_mul(linear(x, w, bias, {rows: plain})))] + [
-        (c, lambda w, c=c: small_m_linear(x, w, bias, c, activated=True)) for c in ACTIVATED_CANDIDATES]
+    own = [plain] if plain is not None and plain.weight_left else []
+    runs = [(c, lambda w, c=c: small_m_linear(x, w, bias, c, activated=True)) for c in own]
+    runs.append((None, lambda w: silu_and_mul(linear(x, w, bias, {rows: plain}))))
+    runs += [(c, lambda w, c=c: small_m_linear(x, w, bias, c, activated=True))
+             for c in ACTIVATED_CANDIDATES if c not in own]
     return _fastest(weight_copies(weight), side or torch.cuda.Stream(weight.device), runs)
 
 
@@ -418,7 +427,9 @@ def candidates_digest() -> str:
     """A short digest of every tile config the tuner times, in its order: choices made among other candidates or in
     another order (an older release's file) are timed again rather than kept."""
     timed = [candidates(rows) for rows in ROW_BUCKETS]  # in order: the incumbents matter too
-    return hashlib.sha1(repr((timed, ACTIVATED_CANDIDATES)).encode()).hexdigest()[:8]
+    # (an activated tile's block_n counts its interleaved gate and up rows; the plain tile's own form goes first)
+    activated = ("interleaved, own first", ACTIVATED_CANDIDATES)
+    return hashlib.sha1(repr((timed, activated)).encode()).hexdigest()[:8]
 
 
 def tuning_environment(device: torch.device) -> str:
