@@ -196,10 +196,10 @@ class EagleProposer(_ModelProposer):
         return self.head.fuse_target_features(fb.aux["aux_hidden"]) if self.head.eagle3 else hidden
 
     def _draft_forward(self, fb, features):
-        hidden, feat = self.runner.forward(fb, features=features)
+        hidden, feat = self.runner.forward(fb, features=features)  # at the logits rows
         with torch.inference_mode():
-            logits, d2t = self.head.compute_logits(fb.logits_rows(hidden))
-        return (self._draft_scores(logits), d2t), fb.logits_rows(feat)
+            logits, d2t = self.head.compute_logits(hidden)
+        return (self._draft_scores(logits), d2t), feat
 
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
         ids, vals = self._topk(logp, d2t)

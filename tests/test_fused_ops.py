@@ -52,6 +52,13 @@ def check() -> None:
     assert got.data_ptr() == wide[:, 96:].data_ptr() and got_r.data_ptr() == wide_r[:, 96:192].data_ptr()
     assert torch.allclose(wide[:, 96:], ref, atol=1e-5) and torch.equal(wide_r[:, 96:192], ref_r)
     assert not wide[:, :96].any() and not wide_r[:, :96].any() and not wide_r[:, 192:].any()
+    # only some rows (a forward's logits rows), in their order, as [R, n]
+    rows = torch.tensor([2, 0])
+    got, got_r = rms_norm(x, torch.ones(96), 1e-6, r, rows=rows)
+    assert got.shape == got_r.shape == (2, 96)
+    assert torch.allclose(got, ref[rows], atol=1e-5) and torch.equal(got_r, ref_r[rows])
+    assert torch.allclose(rms_norm(x, torch.ones(96), 1e-6, rows=rows), rms_norm_reference(x[rows], torch.ones(96),
+                                                                                         1e-6), atol=1e-5)
     check_small_m_linear(g)
     check_uniform_token_metadata(g)
     check_overlap_step_inputs(g)

@@ -40,14 +40,15 @@ def rms_norm_reference(x, weight, eps, residual=None):
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _add_rms_norm(X, R, W, Out, ROut, Rows, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
+                      HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # the output row; the input row is Rows[row] when given
+        src = tl.load(Rows + row).to(tl.int64) if HAS_ROWS else row
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
-        x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
+        x = tl.load(X + src * stride_x + cols, mask=ok, other=0.0)
         if HAS_RES:
-            r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0)
+            r = tl.load(R + src * stride_r + cols, mask=ok, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(ROut + row * stride_ro + cols, x, mask=ok)
         xf = x.to(tl.float32)
@@ -101,30 +102,40 @@ if triton is not None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None):
-    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual). ``out`` (the norm) and
-    ``residual_out`` (x + residual) are [T, n] tensors to write into and return, e.g. columns of a wider one."""
+             out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+             rows: torch.Tensor | None = None):
+    """RMSNorm over the last dim; with ``residual``: (norm(x + residual), x + residual). ``rows`` (int64 [R]):
+    only those rows of [T, n] inputs, as [R, n] outputs (the rows a forward's logits are taken at). ``out`` (the
+    norm) and ``residual_out`` (x + residual) are tensors of the output's shape to write into and return, e.g.
+    columns of a wider one."""
+    if rows is not None and x.dim() != 2:
+        raise ValueError("rms_norm(rows=) takes [T, n] inputs")
+    shape = x.shape if rows is None else (rows.shape[0], x.shape[-1])
     for given, what in ((out, "out"), (residual_out, "residual_out")):
-        if given is not None and (x.dim() != 2 or given.shape != x.shape or given.stride(1) != 1):
+        if given is not None and (x.dim() != 2 or given.shape != shape or given.stride(1) != 1):
             raise ValueError(f"rms_norm({what}=) writes [T, n] rows (unit column stride) of [T, n] inputs")
     if residual_out is not None and residual is None:
         raise ValueError("rms_norm(residual_out=) needs a residual")
     if not _triton_for(x):
+        if rows is not None:
+            x, residual = x[rows], (residual[rows] if residual is not None else None)
         ref = rms_norm_reference(x, weight, eps, residual)
         normed, summed = ref if residual is not None else (ref, None)
         normed = normed if out is None else out.copy_(normed)
         summed = summed if residual_out is None or summed is None else residual_out.copy_(summed)
         return normed if residual is None else (normed, summed)
-    shape, n = x.shape, x.shape[-1]
+    n = x.shape[-1]
     x2 = x.reshape(-1, n)
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if out is None:
-        out = torch.empty(x2.shape, dtype=torch.result_type(x2, weight), device=x.device)
-    r_out = (torch.empty_like(x2) if residual_out is None else residual_out) if residual is not None else out
-    if x2.shape[0]:
-        _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, r_out, x2.stride(0), r2.stride(0), out.stride(0),
-                                      r_out.stride(0), n, eps, HAS_RES=residual is not None,
-                                      BLOCK=triton.next_power_of_2(n))
+        out = torch.empty(shape, dtype=torch.result_type(x2, weight), device=x.device).view(-1, n)
+    r_out = (torch.empty(out.shape, dtype=x2.dtype, device=x.device) if residual_out is None else residual_out
+             ) if residual is not None else out
+    if out.shape[0]:
+        _add_rms_norm[(out.shape[0],)](x2, r2, weight, out, r_out, rows if rows is not None else x2, x2.stride(0),
+                                       r2.stride(0), out.stride(0), r_out.stride(0), n, eps,
+                                       HAS_RES=residual is not None, HAS_ROWS=rows is not None,
+                                       BLOCK=triton.next_power_of_2(n))
     return out.view(shape) if residual is None else (out.view(shape), r_out.view(shape))
 
 

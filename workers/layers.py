@@ -77,10 +77,10 @@ class RMSNorm(nn.Module):
         self.weight.data.copy_(slice_[:])
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                residual_out: torch.Tensor | None = None):
+                residual_out: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         """Plain norm, or fused add-then-norm returning (normed, new_residual); ``out`` / ``residual_out``: where
-        to write them (``fused_ops.rms_norm``)."""
-        return rms_norm(x, self.weight, self.eps, residual, out, residual_out)
+        to write them, ``rows``: only those rows (``fused_ops.rms_norm``)."""
+        return rms_norm(x, self.weight, self.eps, residual, out, residual_out, rows)
 
 
 class ColumnParallelLinear(nn.Module):

@@ -100,13 +100,14 @@ class EagleHead(nn.Module):
         return self.fc(target_features) if self.eagle3 else target_features
 
     def forward(self, fb: ForwardBatch, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """features: [T, H] (already fused for EAGLE-3). Returns (hidden for logits, next-step feature)."""
+        """features: [T, H] (already fused for EAGLE-3). Returns (hidden for logits, next-step feature) at the
+        batch's logits rows (``fb.logits_rows``): nothing reads the others."""
         embeds = self.embed_tokens(fb.input_ids)
         cos, sin = self.rope_cos, self.rope_sin  # tables, read at fb.positions by each layer's RoPE
         if self.eagle3:
             x, residual = self.midlayer(embeds, features, cos, sin, fb)
-            out, feature = self.norm(x, residual)
-            return out, feature
+            # the final norm reads only the logits rows (no gathers of its [T, H] outputs after it)
+            return self.norm(x, residual, rows=None if fb.logits_all_tokens else fb.logits_indices)
         x = self.fc(torch.cat([embeds, features], dim=-1))
         residual = None
         for i, layer in enumerate(self.layers):
@@ -117,7 +118,7 @@ class EagleHead(nn.Module):
                 x = layer.mlp(hh)
             else:
                 x, residual = layer(x, residual, cos, sin, fb)
-        out = x + residual
+        out = fb.logits_rows(x + residual)
         return out, out
 
     def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
