@@ -17,6 +17,29 @@ TEMPERATURE_ONLY = SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore
 KIND = {id(GREEDY): "greedy", id(SAMPLED): "filter", id(TEMPERATURE_ONLY): "sample"}
 
 
+def test_captures_pause_the_garbage_collector():
+    """No collection inside a capture (it could destroy a dropped engine's graphs there, which fails the capture);
+    the collector's state comes back after, also after an error, and a collector that was off stays off."""
+    import gc
+
+    from workers.graph_runner import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]

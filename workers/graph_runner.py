@@ -12,6 +12,8 @@ Batches are padded to the bucket with rows that write their K/V into the reserve
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from typing import Callable
 
 import torch
@@ -20,6 +22,27 @@ from workers.sampling import SamplingTensors
 
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off inside (restored after, as it was). For CUDA graph captures: a
+    collection that lands in one can destroy unreachable CUDA graphs (a dropped engine's: its graphs and the
+    worker's closures form cycles), which is not permitted while a stream captures, and the capture fails."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
+    """``torch.cuda.graph(graph, **kwargs)`` with the garbage collector paused (``gc_paused``)."""
+    with gc_paused(), torch.cuda.graph(graph, **kwargs):
+        yield
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -106,7 +129,7 @@ class GraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread keeps polling its events while a TP rank captures
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
         self.pool = graph.pool()

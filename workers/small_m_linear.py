@@ -295,6 +295,8 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     L2 write-back and launch latency to each call, enough to rank kernels of a few tens of microseconds wrongly."""
     import statistics
 
+    from workers.graph_runner import capturing
+
     calls = max(min_calls, len(weights))
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # compile and warm up outside the capture
@@ -304,7 +306,7 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     graph = torch.cuda.CUDAGraph()
     # thread_local: as GraphRunner.capture, another thread's CUDA calls (the NCCL watchdog under TP) must not
     # invalidate the capture
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with capturing(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             call(weights[i % len(weights)])
     graph.replay()
