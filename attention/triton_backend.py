@@ -10,8 +10,8 @@ family) with query tiles and one split, except a DRAFT_EXTEND of the same few to
 speculative round's catch-up, or a short uniform prefill catch-up), which takes the decode family's launch as verify
 does. The number of splits is fixed per backend from the page table's capacity and each program derives its own KV
 range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the launch depends on no host-side
-sequence length and replays inside a CUDA graph; splits past a short sequence exit at once and the merge ignores
-them. ``verify_attention_mode = "prefill"`` runs verify through the prefill configuration (one split per program),
+sequence length and replays inside a CUDA graph; a split past a short sequence writes only its -inf log-sum-exp
+(no query read, no partial output) and the merge reads the partial outputs of live splits only. ``verify_attention_mode = "prefill"`` runs verify through the prefill configuration (one split per program),
 which is what makes prefill kernels slow at long context: the parallelism is over query tiles, and a verify has only
 one.
 """
@@ -51,8 +51,6 @@ def _split_kv_attention(
     row_ok = q_idx < n_new
     d = tl.arange(0, HEAD_DIM)
     head = kv_head * GROUP + g
-    q = tl.load(Q + (tok0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
     q_pos = prefix + q_idx  # storage position of each query row
     # this split's KV range, from the device sequence length (whole BLOCK_N tiles)
     chunk = tl.maximum(min_chunk, tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N)
@@ -60,6 +58,11 @@ def _split_kv_attention(
     kv_hi = tl.minimum(kv_lo + chunk, seq_len)
     # causal: nothing past the last query row's position is ever visible
     kv_hi = tl.minimum(kv_hi, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
+    # a split past a short sequence reads no query and writes only its -inf log-sum-exp (no partial output: the
+    # merge reads outputs of live splits only), so the launch sized for the longest context costs little at short
+    live_rows = row_ok & (tl.zeros_like(q_idx) + kv_lo < kv_hi)  # (as a vector: Triton's interpreter needs one)
+    q = tl.load(Q + (tok0 + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=live_rows[:, None], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -98,7 +101,7 @@ def _split_kv_attention(
     lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(PartO + out_row[:, None] * stride_po_r + head[:, None] * stride_po_h + split * stride_po_s + d[None, :],
-             o, mask=row_ok[:, None])
+             o, mask=live_rows[:, None])
     tl.store(PartLSE + out_row * stride_pl_r + head * stride_pl_h + split, lse, mask=row_ok)
 
 
@@ -114,9 +117,10 @@ def _merge_splits(PartO, PartLSE, Out, num_splits, stride_po_r, stride_po_h, str
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m)
-    w = tl.where(sp_ok, w, 0.0)
+    live = sp_ok & (lse > float("-inf"))  # a split with no visible position wrote no output
+    w = tl.where(live, w, 0.0)
     o = tl.load(PartO + r * stride_po_r + h * stride_po_h + sp[:, None] * stride_po_s + d[None, :],
-                mask=sp_ok[:, None], other=0.0)
+                mask=live[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(Out + r * stride_or + h * stride_oh + d, out.to(Out.dtype.element_ty))
 

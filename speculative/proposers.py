@@ -123,11 +123,12 @@ class _ModelProposer(Proposer):
         """What drafts are chosen and ranked by: log-probs for a tree; for a chain the logits (the same argmax)."""
         return logits if self.chain else torch.log_softmax(logits.float(), -1)
 
-    def _topk(self, logp: torch.Tensor, d2t: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _topk(self, logp: torch.Tensor, d2t: torch.Tensor | None,
+              ids_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids [N, k], scores [N, k]) of each row's best k drafts, as target ids. A chain's score is the row's
-        log-normaliser (the chain never ranks by it)."""
+        log-normaliser (the chain never ranks by it); its ids go to ``ids_out`` [N] when given (in place)."""
         if self.chain:  # the argmax kernels map draft ids to target ids themselves
-            ids, lse = argmax_logsumexp(logp, remap=d2t)
+            ids, lse = argmax_logsumexp(logp, remap=d2t, ids_out=ids_out)
             return ids.unsqueeze(1), lse.unsqueeze(1)
         vals, ids = logp.topk(self.topk, dim=-1)
         if d2t is not None:
@@ -150,11 +151,11 @@ class _ModelProposer(Proposer):
         rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, inp.seq_lens, k, steps=num,
                                       seq_offset=seq_offset, positions=positions,
                                       page_table=self.worker.page_table, tree_prefix=int(root_visible))
-        frontier_ids = cand.tokens[:, :1] if self.chain else cand.tokens.gather(1, cand.frontier)  # [B, k]
+        frontier_ids = cand.tokens[:1].t() if self.chain else cand.tokens.gather(1, cand.frontier)  # [B, k]
         for i, fb in enumerate(rnd):
             fb.input_ids = frontier_ids.reshape(-1)  # [B * k]
             (logp, d2t), feat = self._draft_forward(fb, frontier_feat)
-            child_ids, child_logp = self._topk(logp, d2t)
+            child_ids, child_logp = self._topk(logp, d2t, cand.next_chain_node() if self.chain else None)
             origin = cand.expand(child_ids.view(b, k, k), child_logp.view(b, k, k))
             if i + 1 == len(rnd):
                 break
@@ -202,9 +203,11 @@ class EagleProposer(_ModelProposer):
         return (self._draft_scores(logits), d2t), feat
 
     def _save_state(self, slots: torch.Tensor, logp, d2t, feat) -> None:
-        ids, vals = self._topk(logp, d2t)
-        self.state_ids[slots] = ids
-        if not self.chain:  # a chain never ranks its drafts
+        if self.chain:  # the argmax writes each request's draft into its slot; a chain never ranks its drafts
+            argmax_logsumexp(logp, remap=d2t, ids_out=self.state_ids.view(-1), ids_rows=slots)
+        else:
+            ids, vals = self._topk(logp, d2t)
+            self.state_ids[slots] = ids
             self.state_logp[slots] = vals.to(self.state_logp.dtype)
         self.state_feat[slots] = feat.to(self.state_feat.dtype)
 
@@ -222,7 +225,11 @@ class EagleProposer(_ModelProposer):
     def propose(self, inp):
         slots = inp.req_slots
         cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, slots.device, chain=self.chain)
-        cand.add_root_children(self.state_ids[slots], None if self.chain else self.state_logp[slots])
+        if self.chain:  # gathered straight into the chain's first node
+            cand.add_root_children(torch.index_select(self.state_ids.view(-1), 0, slots, out=cand.next_chain_node()),
+                                   None)
+        else:
+            cand.add_root_children(self.state_ids[slots], self.state_logp[slots])
         if self.num_steps > 1:
             feat = self.state_feat[slots]
             if not self.chain:
@@ -282,7 +289,7 @@ class DraftModelProposer(_ModelProposer):
         fb = self._batch(self.runner, ForwardMode.DECODE, inp.root, inp, 1)
         (logp, _), _ = self._draft_forward(fb, None)
         cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, inp.root.device, chain=self.chain)
-        cand.add_root_children(*self._topk(logp, None))
+        cand.add_root_children(*self._topk(logp, None, cand.next_chain_node() if self.chain else None))
         if self.num_steps > 1:
             self._expand_steps(inp, cand, None, first_step=2, seq_offset=0, root_visible=True)
         return cand.build(inp.root, self.num_draft_tokens, self.max_depth)

@@ -71,8 +71,9 @@ class TreeCandidates:
         if chain and topk != 1:
             raise ValueError("a chain drafts top-1")
         cap = topk + (num_steps - 1) * topk * topk
-        if chain:  # a chain (top-1) is its tokens in order, each written before it is read: no scores, parents
-            self.tokens = torch.empty(batch, cap, dtype=torch.int64, device=device)  # or depths to keep
+        if chain:  # a chain (top-1) is its tokens in order, each written before it is read: no scores, parents or
+            # depths to keep; stored depth-major ([depth, B]) so that each step's argmax writes its row in place
+            self.tokens = torch.empty(cap, batch, dtype=torch.int64, device=device)
         else:
             self.tokens = torch.zeros(batch, cap, dtype=torch.int64, device=device)
             self.scores = torch.full((batch, cap), float("-inf"), device=device)
@@ -82,24 +83,34 @@ class TreeCandidates:
         self.frontier = None  # [B, k] candidate indices
         self.frontier_scores = None
 
+    def next_chain_node(self) -> torch.Tensor:
+        """A chain's next node ([B] int64, contiguous): whoever computes it (a state gather, a step's argmax) writes
+        it here in place; ``add_root_children`` / ``expand`` then take this very tensor (no copy kernel)."""
+        return self.tokens[self.used]
+
+    def _count_chain_node(self, tokens: torch.Tensor) -> None:
+        if tokens.data_ptr() != self.tokens[self.used].data_ptr():
+            raise ValueError("a chain's node is written in place into next_chain_node()")
+        self.used += 1
+
     def add_root_children(self, tokens: torch.Tensor, logp: torch.Tensor | None) -> None:
-        """The root's k best children ([B, k]) and their log-probs (None for a chain)."""
+        """The root's k best children ([B, k]) and their log-probs (a chain: ``next_chain_node()``, None)."""
+        if self.chain:
+            return self._count_chain_node(tokens)
         k = self.k
         self.tokens[:, :k] = tokens
         self.used = k
-        if not self.chain:
-            self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
-            self.scores[:, :k] = logp
-            self.depths[:, :k] = 1
-            self.frontier_scores = logp
+        self.frontier = torch.arange(k, device=tokens.device).expand(tokens.shape[0], k)
+        self.scores[:, :k] = logp
+        self.depths[:, :k] = 1
+        self.frontier_scores = logp
 
     def expand(self, child_tokens: torch.Tensor, child_logp: torch.Tensor) -> torch.Tensor:
         """child_tokens/logp: [B, k(frontier), k(children)]. Returns, per new frontier slot, which old frontier
         slot it descends from ([B, k]) — the caller carries that parent's hidden state forward; None for a chain,
         whose one child descends from the only slot."""
-        if self.chain:  # the one child is the next frontier
-            self.tokens[:, self.used] = child_tokens.reshape(-1)
-            self.used += 1
+        if self.chain:  # the one child (written in place) is the next frontier
+            self._count_chain_node(child_tokens)
             return None
         b, k = self.frontier.shape
         cum = (self.frontier_scores.unsqueeze(2) + child_logp).reshape(b, k * k)
@@ -121,7 +132,7 @@ class TreeCandidates:
         n = num_nodes - 1
         used = self.used
         if self.chain:  # scores fall along it, so the best n are its first n
-            return chain_tree(root, self.tokens[:, :n])
+            return chain_tree(root, self.tokens[:n].t())
         # shallower first on ties: subtract a tiny depth penalty
         key = self.scores[:, :used] - self.depths[:, :used].float() * 1e-6
         chosen = key.topk(n, dim=1).indices.sort(dim=1).values  # candidate order = parents before children

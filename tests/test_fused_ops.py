@@ -59,6 +59,7 @@ def check() -> None:
     assert torch.allclose(got, ref[rows], atol=1e-5) and torch.equal(got_r, ref_r[rows])
     assert torch.allclose(rms_norm(x, torch.ones(96), 1e-6, rows=rows), rms_norm_reference(x[rows], torch.ones(96),
                                                                                          1e-6), atol=1e-5)
+    check_rms_norm_pair(g)
     check_small_m_linear(g)
     check_uniform_token_metadata(g)
     check_overlap_step_inputs(g)
@@ -66,6 +67,31 @@ def check() -> None:
     check_record_round(g)
     check_store_kv_and_argmax(g)
     print("fused ops ok")
+
+
+def check_rms_norm_pair(g) -> None:
+    """Two norms side by side in one kernel (EAGLE-3's layer input) equal two ``rms_norm`` calls bit for bit, with
+    the first input's rows gathered by index (an embedding lookup fused in), a strided second input, bf16 and fp32."""
+    import torch
+
+    from workers.fused_ops import rms_norm, rms_norm_pair
+
+    for dtype in (torch.float32, torch.bfloat16):
+        table, hidden = torch.randn(11, 80, generator=g).to(dtype), torch.randn(4, 160, generator=g).to(dtype)[:, :80]
+        wa, wb = ((1 + 0.1 * torch.randn(80, generator=g)).to(dtype) for _ in range(2))
+        ids = torch.tensor([3, 3, 10, 0])
+        out = torch.full((4, 160), float("nan"), dtype=dtype)
+        got = rms_norm_pair(table, hidden, wa, wb, 1e-5, out, a_rows=ids)
+        assert got.data_ptr() == out.data_ptr()
+        assert torch.equal(out[:, :80], rms_norm(table[ids], wa, 1e-5)) and torch.equal(out[:, 80:],
+                                                                                       rms_norm(hidden, wb, 1e-5))
+        rms_norm_pair(table[ids], hidden, wa, wb, 1e-5, out)  # without the gather
+        assert torch.equal(out[:, :80], rms_norm(table[ids], wa, 1e-5))
+    try:
+        rms_norm_pair(table, hidden, wa, wb, 1e-5, out)  # 11 table rows for 4 outputs, no a_rows
+        raise AssertionError("rms_norm_pair took mismatched rows")
+    except ValueError:
+        pass
 
 
 def check_store_kv_and_argmax(g) -> None:
@@ -133,6 +159,15 @@ def check_store_kv_and_argmax(g) -> None:
             rids, rlse = argmax_logsumexp(logits, remap=remap)
             assert torch.equal(rids, ids + remap[ids]) and torch.equal(rlse, lse), (b, n, dtype)
             assert torch.equal(glp, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse), (b, n, dtype)
+            # in place: into a given [B] (a draft chain's node), or scattered by slot into a per-request state
+            into = torch.full((b + 1, b), -1)
+            got, _ = argmax_logsumexp(logits, remap=remap, ids_out=into[1])
+            assert got.data_ptr() == into[1].data_ptr() and torch.equal(into[1], rids) and (into[0] == -1).all()
+            state, slots = torch.full((2 * b + 3,), -1), torch.randperm(2 * b + 3, generator=g)[:b]
+            argmax_logsumexp(logits, remap=remap, ids_out=state, ids_rows=slots)
+            want = torch.full_like(state, -1)
+            want[slots] = rids
+            assert torch.equal(state, want), (state, want)
     check_gumbel_argmax(g)
     check_filter_floor(g)
 

@@ -99,3 +99,36 @@ def test_split_kv_kernel_reads_a_page_major_cache_as_the_token_major_one():
     res = subprocess.run([sys.executable, "-c", PAGE_MAJOR_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0 and "layouts equal" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+MERGE_CHECK = """
+import torch
+import triton
+from attention.triton_backend import _merge_splits
+
+torch.manual_seed(0)
+rows, heads, splits, dim = 3, 2, 6, 16
+part_o = torch.randn(rows, heads, splits, dim)
+part_lse = torch.randn(rows, heads, splits)
+part_lse[:, :, 4:] = float("-inf")  # splits past the sequence: no output written (NaN here stands for garbage)
+part_o[:, :, 4:] = float("nan")
+part_lse[1, 0, 1] = float("-inf")  # a live split where this row saw nothing
+part_o[1, 0, 1] = float("nan")
+out = torch.empty(rows, heads, dim)
+_merge_splits[(rows, heads)](part_o, part_lse, out, splits, *part_o.stride()[:3], *part_lse.stride()[:2],
+                             out.stride(0), out.stride(1), HEAD_DIM=dim, SPLITS_P2=triton.next_power_of_2(splits))
+w = torch.softmax(part_lse, -1).nan_to_num(0.0)
+ref = (part_o.nan_to_num(0.0) * w.unsqueeze(-1)).sum(2)
+assert torch.isfinite(out).all(), out
+torch.testing.assert_close(out, ref)
+print("merge ok")
+"""
+
+
+def test_merge_reads_only_the_outputs_of_live_splits():
+    """A KV split with no visible position writes only its -inf log-sum-exp, not its partial output: the merge must
+    neither read nor weigh that output (NaN garbage there leaves the result finite and exact)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", MERGE_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "merge ok" in res.stdout, res.stdout[-3000:] + res.stderr[-3000:]

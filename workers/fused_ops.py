@@ -59,6 +59,26 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
+    def _rms_norm_pair(A, B, WA, WB, Out, ARows, stride_a, stride_b, stride_o, n_cols, eps,
+                       HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # program (row, 0) writes the first half, (row, 1) the second
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n_cols
+        if tl.program_id(1) == 0:
+            src = tl.load(ARows + row).to(tl.int64) if HAS_ROWS else row
+            x = tl.load(A + src * stride_a + cols, mask=ok, other=0.0)
+            w = tl.load(WA + cols, mask=ok, other=0.0)
+            dst = Out + row * stride_o + cols
+        else:
+            x = tl.load(B + row * stride_b + cols, mask=ok, other=0.0)
+            w = tl.load(WB + cols, mask=ok, other=0.0)
+            dst = Out + row * stride_o + n_cols + cols
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / n_cols + eps)
+        normed = (xf * rstd).to(A.dtype.element_ty)
+        tl.store(dst, (normed.to(tl.float32) * w.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
+
+    @triton.jit
     def _silu_and_mul(GateUp, Out, stride_g, stride_o, n, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -137,6 +157,28 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                        HAS_RES=residual is not None, HAS_ROWS=rows is not None,
                                        BLOCK=triton.next_power_of_2(n))
     return out.view(shape) if residual is None else (out.view(shape), r_out.view(shape))
+
+
+def rms_norm_pair(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor, weight_b: torch.Tensor, eps: float,
+                  out: torch.Tensor, a_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Two RMSNorms side by side, one kernel: ``out`` [T, 2n] = [norm(a) * weight_a | norm(b) * weight_b] for a, b
+    [T, n] (EAGLE-3's layer input). ``a_rows`` (int64 [T]): a's rows are ``a[a_rows]`` (an embedding lookup, a
+    being the table, fused into the norm). The same values as two ``rms_norm`` calls."""
+    t, n = b.shape
+    rows_ok = a.shape[0] == t if a_rows is None else a_rows.shape == (t,)
+    if (a.dtype != b.dtype or a.shape[-1] != n or out.shape != (t, 2 * n) or not rows_ok
+            or any(x.stride(1) != 1 for x in (a, b, out))):
+        raise ValueError(f"rms_norm_pair: a {tuple(a.shape)} {a.dtype}, b {tuple(b.shape)} {b.dtype}, out "
+                         f"{tuple(out.shape)}, a_rows {None if a_rows is None else tuple(a_rows.shape)}")
+    if not _triton_for(b):
+        rms_norm(a if a_rows is None else a[a_rows], weight_a, eps, out=out[:, :n])
+        rms_norm(b, weight_b, eps, out=out[:, n:])
+        return out
+    if t:
+        _rms_norm_pair[(t, 2)](a, b, weight_a, weight_b, out, a_rows if a_rows is not None else b, a.stride(0),
+                               b.stride(0), out.stride(0), n, eps, HAS_ROWS=a_rows is not None,
+                               BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -360,8 +402,9 @@ if triton is not None:
         tl.store(PartSum + row * num_parts + part, total)
 
     @triton.jit
-    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, Lse, LogProb, Remap, num_parts, PARTS_P2: tl.constexpr,
-                          WITH_LOGPROB: tl.constexpr, HAS_REMAP: tl.constexpr):
+    def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, IdRows, Lse, LogProb, Remap, num_parts,
+                          PARTS_P2: tl.constexpr, WITH_LOGPROB: tl.constexpr, HAS_REMAP: tl.constexpr,
+                          HAS_ID_ROWS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, PARTS_P2)
         ok = p < num_parts
@@ -375,7 +418,7 @@ if triton is not None:
         first = first.to(tl.int64)
         if HAS_REMAP:  # a draft vocabulary's id → the target's: id + Remap[id]
             first += tl.load(Remap + first)
-        tl.store(Ids + row, first)
+        tl.store(Ids + (tl.load(IdRows + row).to(tl.int64) if HAS_ID_ROWS else row), first)
         tl.store(Lse + row, lse)
         if WITH_LOGPROB:  # the argmax's log-probability: its logit is the row's maximum
             tl.store(LogProb + row, best - lse)
@@ -399,14 +442,20 @@ def greedy_with_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None, floor: torch.Tensor | None = None,
-                     remap: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     remap: torch.Tensor | None = None, ids_out: torch.Tensor | None = None,
+                     ids_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
     kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us).
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
     counter-based uniforms instead (``workers.sampling.draw``; the reference here is only for CPUs).
     ``floor`` [B] (with ``gumbel``): logits below their row's floor take no part (``filter_floor``).
     ``remap`` [V] int64 (an EAGLE-3 head's d2t): the returned id is ``i + remap[i]`` for argmax ``i``, added in the
-    second kernel (no index and add kernels after it)."""
+    second kernel (no index and add kernels after it).
+    ``ids_out`` (contiguous int64): where the ids go, returned in their place: [B], or with ``ids_rows`` (int64 [B])
+    any length, row b's id written to ``ids_out[ids_rows[b]]`` (a per-request state by slot: no copy kernel after)."""
+    if ids_out is not None and (ids_out.dtype != torch.int64 or ids_out.dim() != 1 or not ids_out.is_contiguous() or (
+            ids_rows is None and ids_out.shape != logits.shape[:1])) or (ids_rows is not None and ids_out is None):
+        raise ValueError("argmax_logsumexp: ids_out takes [B] int64 contiguous ids, or any length with ids_rows")
     if gumbel is not None and not (_triton_for(logits) and logits.stride(-1) == 1):
         temp, seeds, counters, stream = gumbel
         noise = gumbel_from_hash(hash32(seeds, counters, logits.shape[1], stream))
@@ -416,11 +465,15 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None, floor: t
         logits, gumbel = x / temp.unsqueeze(1) + noise, None
     if not _triton_for(logits) or logits.stride(-1) != 1:
         ids = logits.argmax(-1)
-        return ids if remap is None else ids + remap[ids], torch.logsumexp(logits.float(), dim=-1)
-    return _argmax_lse(logits, gumbel, floor, remap=remap)[:2]
+        ids = ids if remap is None else ids + remap[ids]
+        if ids_out is not None:
+            ids = ids_out.index_copy_(0, ids_rows, ids) if ids_rows is not None else ids_out.copy_(ids)
+        return ids, torch.logsumexp(logits.float(), dim=-1)
+    return _argmax_lse(logits, gumbel, floor, remap=remap, ids_out=ids_out, ids_rows=ids_rows)[:2]
 
 
-def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.Tensor | None = None):
+def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.Tensor | None = None,
+                ids_out: torch.Tensor | None = None, ids_rows: torch.Tensor | None = None):
     b, n = logits.shape
     block = 1024
     parts, chunk = _row_chunks(n, block)
@@ -428,7 +481,7 @@ def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.
     part_max = torch.empty(b, parts, dtype=torch.float32, device=dev)
     part_arg = torch.empty(b, parts, dtype=torch.int32, device=dev)
     part_sum = torch.empty(b, parts, dtype=torch.float32, device=dev)
-    ids = torch.empty(b, dtype=torch.int64, device=dev)
+    ids = torch.empty(b, dtype=torch.int64, device=dev) if ids_out is None else ids_out
     lse = torch.empty(b, dtype=torch.float32, device=dev)
     logprob = torch.empty_like(lse) if with_logprob else None
     if b:
@@ -437,9 +490,10 @@ def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
                                         temp, seeds, counters, stream, floor if has_floor else lse,
                                         BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor)
-        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, lse, logprob if with_logprob else lse,
-                                remap if remap is not None else ids, parts, PARTS_P2=triton.next_power_of_2(parts),
-                                WITH_LOGPROB=with_logprob, HAS_REMAP=remap is not None)
+        _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, ids_rows if ids_rows is not None else ids, lse,
+                                logprob if with_logprob else lse, remap if remap is not None else ids, parts,
+                                PARTS_P2=triton.next_power_of_2(parts), WITH_LOGPROB=with_logprob,
+                                HAS_REMAP=remap is not None, HAS_ID_ROWS=ids_rows is not None)
     return ids, lse, logprob
 
 

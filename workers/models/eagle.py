@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
+from workers.fused_ops import rms_norm_pair
 from workers.layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, TPGroup, VocabParallelEmbedding
 from workers.model_config import CheckpointError, ModelConfig
 from workers.models.llama import MLP, Attention, DecoderLayer, load_into_submodule
@@ -48,12 +49,15 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, embeds, hidden, cos, sin, fb):
+    def forward(self, ids, embed_tokens: VocabParallelEmbedding, hidden, cos, sin, fb):
         residual = hidden
-        h = embeds.shape[-1]
-        x = embeds.new_empty(embeds.shape[0], 2 * h)  # [norm(embeds) | norm(hidden)], each norm into its half
-        self.input_layernorm(embeds, out=x[:, :h])
-        self.hidden_norm(hidden, out=x[:, h:])
+        x = hidden.new_empty(hidden.shape[0], 2 * hidden.shape[1])  # [norm(embed(ids)) | norm(hidden)], one kernel
+        if embed_tokens.tp.size == 1:  # the embedding lookup is the first norm's row gather
+            table, rows = embed_tokens.weight, ids
+        else:  # a vocab-parallel lookup sums the ranks' rows first
+            table, rows = embed_tokens(ids), None
+        rms_norm_pair(table, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.input_layernorm.eps, x,
+                      a_rows=rows)
         x = self.self_attn(x, cos, sin, fb)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -102,13 +106,12 @@ class EagleHead(nn.Module):
     def forward(self, fb: ForwardBatch, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """features: [T, H] (already fused for EAGLE-3). Returns (hidden for logits, next-step feature) at the
         batch's logits rows (``fb.logits_rows``): nothing reads the others."""
-        embeds = self.embed_tokens(fb.input_ids)
         cos, sin = self.rope_cos, self.rope_sin  # tables, read at fb.positions by each layer's RoPE
         if self.eagle3:
-            x, residual = self.midlayer(embeds, features, cos, sin, fb)
+            x, residual = self.midlayer(fb.input_ids, self.embed_tokens, features, cos, sin, fb)
             # the final norm reads only the logits rows (no gathers of its [T, H] outputs after it)
             return self.norm(x, residual, rows=None if fb.logits_all_tokens else fb.logits_indices)
-        x = self.fc(torch.cat([embeds, features], dim=-1))
+        x = self.fc(torch.cat([self.embed_tokens(fb.input_ids), features], dim=-1))
         residual = None
         for i, layer in enumerate(self.layers):
             if i == 0:  # no input norm on the first layer
