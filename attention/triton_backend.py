@@ -24,6 +24,7 @@ import triton.language as tl
 
 from attention.base import AttentionBackend, AttentionLayerSpec
 from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.fused_ops import pdl_launch, pdl_start
 
 
 @triton.jit
@@ -33,8 +34,9 @@ def _split_kv_attention(
     stride_qt, stride_qh, stride_kp, stride_kn, stride_kh, stride_pt_r, stride_po_r, stride_po_h, stride_po_s,
     stride_pl_r, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_TREE: tl.constexpr, IEEE: tl.constexpr,
+    HAS_TREE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl_start(PDL)
     b = tl.program_id(0)
     qblock = tl.program_id(1)
     pid2 = tl.program_id(2)
@@ -107,7 +109,8 @@ def _split_kv_attention(
 
 @triton.jit
 def _merge_splits(PartO, PartLSE, Out, num_splits, stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h,
-                  stride_or, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
+                  stride_or, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_start(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1)
     sp = tl.arange(0, SPLITS_P2)
@@ -250,13 +253,13 @@ class TritonBackend(AttentionBackend):
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
             BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
             HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
-            num_stages=self.num_stages,
+            num_stages=self.num_stages, **pdl_launch(q),
         )
         out = torch.empty_like(q)
         _merge_splits[(t, layer.num_heads)](
             part_o, part_lse, out, splits, part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0),
             part_lse.stride(1), out.stride(0), out.stride(1), HEAD_DIM=layer.head_dim,
-            SPLITS_P2=triton.next_power_of_2(splits),
+            SPLITS_P2=triton.next_power_of_2(splits), **pdl_launch(q),
         )
         return out
 

@@ -8,6 +8,7 @@ widened to fp32, and results are rounded back where PyTorch would round them.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -18,6 +19,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only install without triton: PyTorch paths only
     triton = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: kernels start when the previous one has ended
+    gdc_launch_dependents = gdc_wait = None
 
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels on CPU tensors
@@ -25,6 +30,72 @@ _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpr
 
 def _triton_for(x: torch.Tensor) -> bool:
     return triton is not None and (x.is_cuda or _INTERPRETER)
+
+
+# ---- programmatic dependent launch (PDL) --------------------------------------------------------------------------
+# On Hopper and later a kernel launched with PDL may start while the one before it still runs: its programs become
+# resident and wait (``griddepcontrol.wait``) until that kernel has ended and its writes are visible. A decode step
+# of a small batch is a chain of ~9 kernels a layer, each too short to hide its own start: the short kernels let the
+# next one start at once, and the linear layers pull the first weight tile of each of their programs into L2 before
+# they wait, so a layer's weight stream starts while the norm / RoPE / attention kernels before it run. Nothing is
+# read from an activation or written before the wait, so results are those of kernels run one after another.
+# SPECSERVE_PDL=0 turns it off (A/B, debugging).
+_PDL_ALLOWED = os.environ.get("SPECSERVE_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def use_pdl(device: torch.device | str) -> bool:
+    """Whether the Triton kernels on ``device`` launch with PDL (CUDA sm90+, a Triton with grid dependency
+    control, not turned off by SPECSERVE_PDL=0)."""
+    device = torch.device(device)
+    if not (_PDL_ALLOWED and device.type == "cuda" and triton is not None and gdc_wait is not None
+            and torch.cuda.is_available()):
+        return False
+    return _pdl_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_launch(x: torch.Tensor) -> dict:
+    """Launch keywords of a kernel on ``x``'s device with a ``PDL`` constexpr (``pdl_start``, or ``pdl_release``
+    and a wait)."""
+    return {"PDL": True, "launch_pdl": True} if use_pdl(x.device) else {}
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_start(PDL: tl.constexpr):
+        """A short kernel's first statement: let the next kernel's programs start now, then wait for the previous
+        kernel's results."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
+    @triton.jit
+    def pdl_release(PDL: tl.constexpr):
+        """Let the next kernel's programs start (a linear layer: once its weight stream is done)."""
+        if PDL:
+            gdc_launch_dependents()
+
+    @triton.jit
+    def prefetch_to_l2(ptrs, nbytes):
+        """Bring ``nbytes`` from each pointer into L2 without waiting for them (sm90 bulk prefetch; skipped where
+        nbytes <= 0). Pointers 16-byte aligned, nbytes a multiple of 16."""
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+            "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_prefetch_bytes(weight: torch.Tensor, block_k: int) -> int:
+    """Bytes of each weight row a linear kernel's program prefetches before it waits (its first K tile), 0 where
+    the rows are not 16-byte aligned."""
+    row = weight.stride(0) * weight.element_size()
+    if weight.data_ptr() % 16 or row % 16:
+        return 0
+    return min(block_k, weight.shape[1]) * weight.element_size() // 16 * 16
 
 
 # ---- residual add + RMSNorm --------------------------------------------------------------------------------------
@@ -41,7 +112,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm(X, R, W, Out, ROut, Rows, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                      HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)  # the output row; the input row is Rows[row] when given
         src = tl.load(Rows + row).to(tl.int64) if HAS_ROWS else row
         cols = tl.arange(0, BLOCK)
@@ -60,7 +132,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_pair(A, B, WA, WB, Out, ARows, stride_a, stride_b, stride_o, n_cols, eps,
-                       HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                       HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)  # program (row, 0) writes the first half, (row, 1) the second
         cols = tl.arange(0, BLOCK)
         ok = cols < n_cols
@@ -79,7 +152,8 @@ if triton is not None:
         tl.store(dst, (normed.to(tl.float32) * w.to(tl.float32)).to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _silu_and_mul(GateUp, Out, stride_g, stride_o, n, BLOCK: tl.constexpr):
+    def _silu_and_mul(GateUp, Out, stride_g, stride_o, n, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < n
@@ -92,7 +166,8 @@ if triton is not None:
     def _rope_qk(Q, K, V, QOut, KOut, VOut, Slots, Cos, Sin, Positions, num_q_heads, half,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_qot, stride_qoh,
                  stride_kot, stride_koh, stride_vot, stride_voh, stride_ct,
-                 BLOCK: tl.constexpr, TO_CACHE: tl.constexpr, TABLE_ROWS: tl.constexpr):
+                 BLOCK: tl.constexpr, TO_CACHE: tl.constexpr, TABLE_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, BLOCK)
@@ -155,7 +230,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         _add_rms_norm[(out.shape[0],)](x2, r2, weight, out, r_out, rows if rows is not None else x2, x2.stride(0),
                                        r2.stride(0), out.stride(0), r_out.stride(0), n, eps,
                                        HAS_RES=residual is not None, HAS_ROWS=rows is not None,
-                                       BLOCK=triton.next_power_of_2(n))
+                                       BLOCK=triton.next_power_of_2(n), **pdl_launch(x2))
     return out.view(shape) if residual is None else (out.view(shape), r_out.view(shape))
 
 
@@ -177,7 +252,7 @@ def rms_norm_pair(a: torch.Tensor, b: torch.Tensor, weight_a: torch.Tensor, weig
     if t:
         _rms_norm_pair[(t, 2)](a, b, weight_a, weight_b, out, a_rows if a_rows is not None else b, a.stride(0),
                                b.stride(0), out.stride(0), n, eps, HAS_ROWS=a_rows is not None,
-                               BLOCK=triton.next_power_of_2(n))
+                               BLOCK=triton.next_power_of_2(n), **pdl_launch(b))
     return out
 
 
@@ -189,7 +264,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        _silu_and_mul[(t, triton.cdiv(n, 1024))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=1024)
+        _silu_and_mul[(t, triton.cdiv(n, 1024))](gate_up, out, gate_up.stride(0), out.stride(0), n, BLOCK=1024,
+                                                 **pdl_launch(gate_up))
     return out
 
 
@@ -240,7 +316,7 @@ def _launch_rope(q, k, v, q_out, k_out, v_out, cos, sin, slots, positions) -> No
                                dim // 2, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                                q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0),
                                v_out.stride(1), cos.stride(0), BLOCK=triton.next_power_of_2(dim // 2),
-                               TO_CACHE=slots is not None, TABLE_ROWS=positions is not None)
+                               TO_CACHE=slots is not None, TABLE_ROWS=positions is not None, **pdl_launch(q))
 
 
 # ---- K and V of new tokens into the paged cache, one kernel ------------------------------------------------------
@@ -248,7 +324,8 @@ if triton is not None:
 
     @triton.jit
     def _store_kv(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-                  num_heads, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr):
+                  num_heads, HEAD_DIM: tl.constexpr, HEADS_P2: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HEADS_P2)
         d = tl.arange(0, HEAD_DIM)
@@ -283,7 +360,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, 
     if t:
         _store_kv[(t,)](k, v, k_cache, v_cache, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                         k_cache.stride(0), k_cache.stride(1), heads, HEAD_DIM=dim,
-                        HEADS_P2=triton.next_power_of_2(heads))
+                        HEADS_P2=triton.next_power_of_2(heads), **pdl_launch(k))
 
 
 # ---- counter-based noise (the sampler's): a 32-bit hash of (seed, counter, column, stream), and Gumbel noise ------
@@ -369,7 +446,8 @@ if triton is not None:
     @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
                             Temperature, Seeds, Counters, stream, Floor,
-                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr, HAS_FLOOR: tl.constexpr):
+                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr, HAS_FLOOR: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
         lo = part * chunk
@@ -404,7 +482,8 @@ if triton is not None:
     @triton.jit
     def _argmax_lse_final(PartMax, PartArg, PartSum, Ids, IdRows, Lse, LogProb, Remap, num_parts,
                           PARTS_P2: tl.constexpr, WITH_LOGPROB: tl.constexpr, HAS_REMAP: tl.constexpr,
-                          HAS_ID_ROWS: tl.constexpr):
+                          HAS_ID_ROWS: tl.constexpr, PDL: tl.constexpr = False):
+        pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         p = tl.arange(0, PARTS_P2)
         ok = p < num_parts
@@ -489,11 +568,12 @@ def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.
         has_floor = gumbel is not None and floor is not None
         _argmax_lse_partial[(b, parts)](logits, part_max, part_arg, part_sum, n, logits.stride(0), chunk, parts,
                                         temp, seeds, counters, stream, floor if has_floor else lse,
-                                        BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor)
+                                        BLOCK=block, GUMBEL=gumbel is not None, HAS_FLOOR=has_floor,
+                                        **pdl_launch(logits))
         _argmax_lse_final[(b,)](part_max, part_arg, part_sum, ids, ids_rows if ids_rows is not None else ids, lse,
                                 logprob if with_logprob else lse, remap if remap is not None else ids, parts,
                                 PARTS_P2=triton.next_power_of_2(parts), WITH_LOGPROB=with_logprob,
-                                HAS_REMAP=remap is not None, HAS_ID_ROWS=ids_rows is not None)
+                                HAS_REMAP=remap is not None, HAS_ID_ROWS=ids_rows is not None, **pdl_launch(logits))
     return ids, lse, logprob
 
 
