@@ -492,6 +492,29 @@ def check_record_round(g) -> None:
     assert torch.equal(last, want_last) and torch.equal(adv, want_adv), (last, adv)
 
 
+def test_pdl_only_inside_graph_scopes_and_never_on_cpu():
+    """Programmatic dependent launch is scoped (CUDA-graph warm-ups and captures, per thread, nesting restores the
+    outer state) and never asked for on a device without it."""
+    import threading
+
+    import torch
+
+    from workers import fused_ops
+
+    x = torch.zeros(1)
+    seen = {}
+    with fused_ops.pdl_launches():
+        with fused_ops.pdl_launches():
+            pass
+        seen["inside"] = fused_ops._pdl_scope.on
+        worker = threading.Thread(target=lambda: seen.update(other=getattr(fused_ops._pdl_scope, "on", False)))
+        worker.start()
+        worker.join()
+        assert fused_ops.pdl_launch(x) == {}  # no CUDA here
+    assert seen == {"inside": True, "other": False} and not fused_ops._pdl_scope.on
+    assert not fused_ops.pdl_supported("cpu")
+
+
 def test_fused_ops_match_reference_in_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from workers.fused_ops import pdl_launches
 from workers.sampling import SamplingTensors
 
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns
@@ -123,13 +124,14 @@ class GraphRunner:
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (Triton compiles, cuBLAS picks kernels) outside the capture
+        # warm up (Triton compiles, cuBLAS picks kernels) outside the capture; graphs launch with PDL (fused_ops)
+        with pdl_launches(), torch.cuda.stream(stream):
             for _ in range(2):
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the NCCL watchdog thread keeps polling its events while a TP rank captures
-        with capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with pdl_launches(), capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
         self.pool = graph.pool()

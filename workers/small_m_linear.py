@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.fused_ops import l2_prefetch_bytes, pdl_launch, silu_and_mul, use_pdl
+from workers.fused_ops import l2_prefetch_bytes, pdl_launch, pdl_launches, pdl_supported, silu_and_mul
 
 try:
     import triton
@@ -317,14 +317,14 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
 
     calls = max(min_calls, len(weights))
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
+    with pdl_launches(), torch.cuda.stream(side):  # compile and warm up outside the capture (PDL: as in graphs)
         for w in weights:
             call(w)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: as GraphRunner.capture, another thread's CUDA calls (the NCCL watchdog under TP) must not
     # invalidate the capture
-    with capturing(graph, capture_error_mode="thread_local"):
+    with pdl_launches(), capturing(graph, capture_error_mode="thread_local"):
         for i in range(calls):
             call(weights[i % len(weights)])
     graph.replay()
@@ -455,7 +455,7 @@ def candidates_digest() -> str:
 def tuning_environment(device: torch.device) -> str:
     """What a timing depends on besides the shape: the GPU model, the torch / triton builds, how it was timed and
     among which candidates, whether the kernels launch with PDL."""
-    pdl = " | pdl" if use_pdl(device) else ""
+    pdl = " | pdl" if pdl_supported(device) else ""
     return (f"{torch.cuda.get_device_name(device)} | torch {torch.__version__} | triton {triton.__version__} | "
             f"{TIMING_METHOD} | candidates {candidates_digest()}{pdl}")
 
