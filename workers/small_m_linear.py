@@ -47,13 +47,11 @@ try:
     import triton
     import triton.language as tl
 
-    from workers.fused_ops import gdc_launch_dependents, gdc_wait, pdl_release, prefetch_to_l2
+    from workers.fused_ops import gdc_wait, pdl_release, prefetch_to_l2
 except ImportError:  # CPU-only install without triton
     triton = None
 
 logger = logging.getLogger(__name__)
-_PDL_EARLY = os.environ.get("SPECSERVE_PDL_LINEAR_RELEASE", "end") == "start"  # (experiment)
-_PDL_PREFETCH_TILES = int(os.environ.get("SPECSERVE_PDL_PREFETCH_TILES", "1"))  # (experiment)
 
 MAX_ROWS = 16
 
@@ -121,12 +119,10 @@ SWITCH_MARGIN = 0.03
 if triton is not None:
 
     @triton.jit
-    def _pdl_enter_linear(row_ptrs, nbytes, PDL: tl.constexpr, PDL_EARLY: tl.constexpr):
+    def _pdl_enter_linear(row_ptrs, nbytes, PDL: tl.constexpr):
         """A linear kernel's start under PDL: its first weight tile (``nbytes`` of each of its rows) on its way to L2
         while the previous kernel still runs, then the wait for that kernel's results."""
         if PDL:
-            if PDL_EARLY:
-                gdc_launch_dependents()
             prefetch_to_l2(row_ptrs, nbytes)
             gdc_wait()
 
@@ -149,16 +145,14 @@ if triton is not None:
     @triton.jit
     def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
               HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-              PDL_EARLY: tl.constexpr = False):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         """One or two rows (BLOCK_M 1 or 2): each row's products with the [BLOCK_N, BLOCK_K] weight tile added
         into its own accumulator of that shape, summed over K once after the loop."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL,
-                          PDL_EARLY)
+        _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_k
         second_row = offs_k * 0 + M > 1  # a vector: the interpreter's masks are tensors
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -175,8 +169,7 @@ if triton is not None:
                 acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED).to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if not PDL_EARLY:
-            pdl_release(PDL)
+        pdl_release(PDL)
         n_ok = offs_n < N
         bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
         tl.store(Y + offs_n, (tl.sum(acc0, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok)
@@ -188,15 +181,14 @@ if triton is not None:
     def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False, PDL_EARLY: tl.constexpr = False):
+                        PDL: tl.constexpr = False):
         """Up to BLOCK_M = 16 rows on the tensor cores (rows padded to 16)."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL,
-                          PDL_EARLY)
+        _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -211,8 +203,7 @@ if triton is not None:
             acc = tl.dot(_input_chunk(x_ptrs, x_ok, K, GATED), tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if not PDL_EARLY:
-            pdl_release(PDL)
+        pdl_release(PDL)
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
@@ -221,8 +212,7 @@ if triton is not None:
     @triton.jit
     def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
                          HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ACTIVATED: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-                         PDL_EARLY: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T.
         ACTIVATED: W is [gate; up] (2N rows) and the output silu(gate) * up [M, N]: the tile's BLOCK_N weight rows
         are its BLOCK_N / 2 columns' gate and up rows, interleaved (one load, one dot: as fast as a plain tile of
@@ -239,8 +229,7 @@ if triton is not None:
         offs_m = tl.arange(0, 16)
         offs_k = tl.arange(0, BLOCK_K)
         w_ptrs = W + w_rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
-        _pdl_enter_linear(W + w_rows.to(tl.int64) * stride_wn, tl.where(col < N, prefetch_bytes, 0), PDL,
-                          PDL_EARLY)
+        _pdl_enter_linear(W + w_rows.to(tl.int64) * stride_wn, tl.where(col < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, 16]: the rows as columns
         row_ok = offs_m[None, :] < M
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
@@ -256,8 +245,7 @@ if triton is not None:
             acc = tl.dot(w, x, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if not PDL_EARLY:
-            pdl_release(PDL)
+        pdl_release(PDL)
         if HAS_BIAS:
             acc += tl.load(Bias + w_rows, mask=col < N, other=0.0).to(tl.float32)[:, None]
         offs_n = pid * COLS + tl.arange(0, COLS)
@@ -291,10 +279,8 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cols == 0 and k % cfg.block_k == 0
     pdl = pdl_launch(x2d)
-    if pdl:
-        pdl["PDL_EARLY"] = _PDL_EARLY
     args = (x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0),
-            y.stride(0), l2_prefetch_bytes(weight, _PDL_PREFETCH_TILES * cfg.block_k) if pdl else 0)
+            y.stride(0), l2_prefetch_bytes(weight, cfg.block_k) if pdl else 0)
     grid = (triton.cdiv(n, cols),)
     launch = dict(HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
