@@ -11,9 +11,9 @@ speculative round's catch-up, or a short uniform prefill catch-up), which takes 
 does. The number of splits is fixed per backend from the page table's capacity and each program derives its own KV
 range from the device ``seq_lens`` (chunk = max(MIN_CHUNK, seq_len / splits)), so the launch depends on no host-side
 sequence length and replays inside a CUDA graph; a split past a short sequence writes only its -inf log-sum-exp
-(no query read, no partial output) and the merge reads the partial outputs of live splits only. ``verify_attention_mode = "prefill"`` runs verify through the prefill configuration (one split per program),
-which is what makes prefill kernels slow at long context: the parallelism is over query tiles, and a verify has only
-one.
+(no query read, no partial output) and the merge reads the partial outputs of live splits only.
+``verify_attention_mode = "prefill"`` runs verify through the prefill configuration (one split per program), which
+is what makes prefill kernels slow at long context: the parallelism is over query tiles, and a verify has only one.
 """
 
 from __future__ import annotations

@@ -129,7 +129,8 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm(X, R, W, Out, ROut, Rows, stride_x, stride_r, stride_o, stride_ro, n_cols, eps,
-                      HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                      HAS_RES: tl.constexpr, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr = False):
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)  # the output row; the input row is Rows[row] when given
         src = tl.load(Rows + row).to(tl.int64) if HAS_ROWS else row
@@ -463,7 +464,8 @@ if triton is not None:
     @triton.jit
     def _argmax_lse_partial(Logits, PartMax, PartArg, PartSum, n, stride_l, chunk, num_parts,
                             Temperature, Seeds, Counters, stream, Floor,
-                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr, HAS_FLOOR: tl.constexpr, PDL: tl.constexpr = False):
+                            BLOCK: tl.constexpr, GUMBEL: tl.constexpr, HAS_FLOOR: tl.constexpr,
+                            PDL: tl.constexpr = False):
         pdl_start(PDL)
         row = tl.program_id(0).to(tl.int64)
         part = tl.program_id(1)
