@@ -1,0 +1,253 @@
+"""Compile every Triton kernel launch of a CPU run for an H100 (sm_90), here, without a GPU.
+
+Triton's interpreter runs a kernel's body as Python over NumPy: it checks what a kernel computes, but not what only
+the compiler rejects (a loop-carried variable that changes type, a shape the layout pass refuses, a register or
+shared-memory budget), and those would otherwise first show on a scarce GPU. This tool runs a workload under the
+interpreter, records each launch (kernel, argument types, constexpr values, num_warps / num_stages), then compiles
+each distinct one through Triton's own compiler and ptxas for ``--arch`` (PDL on where a kernel has it, as in the
+CUDA graphs).
+
+    python tools/compile_kernels.py                     # the default workloads, report on stdout
+    python tools/compile_kernels.py --json out.json
+
+Workloads: the fused-op checks of ``tests/test_fused_ops.py`` (norms, RoPE, KV store, sampling, small-M linears)
+and ``tools/check_attention.py --small`` (the split-KV attention in every forward mode), run; then the launches of
+the models' own shapes, recorded without running (``model_shapes``: the interpreter would take hours), since a
+constexpr combination only those reach (an H100's split count, a head size of 128) is what the small checks miss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = (
+    [str(ROOT / "tests" / "test_fused_ops.py")],
+    [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "bfloat16", "--small", "--min-chunk",
+     "64"],
+    [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "float32", "--small", "--min-chunk",
+     "64"],
+)
+KERNEL_MODULES = ("workers.fused_ops", "workers.small_m_linear", "attention.triton_backend")  # every kernel is here
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
+# forward batch's metadata kernels) run
+LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.small_m_linear")
+
+
+def describe(value):
+    """A launch argument as the compiler sees it: a tensor by its element type, scalars by value."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    return {"value": repr(value)}
+
+
+def model_shapes() -> None:
+    """Launch (the recorder does not run them) the attention and small-M linear kernels at the Llama-3.1-8B and
+    Llama-3.2-1B shapes as an H100 engine would: decode at batch 1 / 8 / 64, chain and tree verify, a round's
+    draft-extend, a ragged prefill; every small-M tile candidate at 1 / 2 / 4 / 16 rows, plain, gated and
+    activated."""
+    import torch
+
+    from attention.base import AttentionLayerSpec
+    from attention.triton_backend import TritonBackend
+    from workers import small_m_linear as sml
+    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.kv_cache import KVCache, PageTable
+
+    page, capacity = 16, 8192
+    for heads, kv_heads, dim in ((32, 8, 128), (32, 8, 64)):
+        layer = AttentionLayerSpec(0, heads, kv_heads, dim, dim ** -0.5)
+        kv = KVCache(1, 8, page, kv_heads, dim, torch.bfloat16, "cpu")
+        for mode, batch, new, tree in ((ForwardMode.DECODE, 1, 1, False), (ForwardMode.DECODE, 8, 1, False),
+                                       (ForwardMode.DECODE, 64, 1, False), (ForwardMode.TARGET_VERIFY, 1, 4, False),
+                                       (ForwardMode.TARGET_VERIFY, 4, 8, True), (ForwardMode.DRAFT_EXTEND, 1, 3, False),
+                                       (ForwardMode.EXTEND, 2, 0, False)):
+            extend = [new] * batch if new else [300, 17][:batch]
+            table = PageTable(batch, capacity // page, page, "cpu")
+            seq = [1000 + e for e in extend]
+            mask = torch.ones(batch, new, new, dtype=torch.bool).tril() if tree else None
+            fb = ForwardBatch.build(mode, torch.zeros(sum(extend), dtype=torch.int64), list(range(batch)), seq,
+                                    extend, kv, table, tree_mask=mask)
+            backend = TritonBackend()
+            backend._num_sms = 132  # an H100's split counts
+            backend.init_forward_metadata(fb)
+            backend.forward(torch.empty(sum(extend), heads, dim, dtype=torch.bfloat16), None, None, layer, fb)
+    for n, k in ((6144, 4096), (4096, 4096), (3072, 2048)):
+        weight = torch.empty(n, k, dtype=torch.bfloat16)
+        for rows in (1, 2, 4, 16):
+            for cfg in filter(None, sml.candidates(rows)):
+                x = torch.empty(rows, k, dtype=torch.bfloat16)
+                sml.small_m_linear(x, weight, None, cfg)
+                if not cfg.weight_left:
+                    sml.small_m_linear(torch.empty(rows, 2 * k, dtype=torch.bfloat16), weight, None, cfg, gated=True)
+                else:
+                    sml.small_m_linear(x, weight, None, cfg, activated=True)
+
+
+def record(workloads, out_path: str) -> None:
+    """Run each workload in this process under the interpreter, then launch ``model_shapes`` without running its
+    kernels, recording every launch into ``out_path``."""
+    assert os.environ.get("TRITON_INTERPRET") == "1", "record under TRITON_INTERPRET=1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    original = InterpretedFunction.run
+    execute = True
+
+    def run(self, *args, grid, warmup, **kwargs):
+        fn = self.fn
+        names = self.arg_names
+        bound = dict(zip(names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in names})
+        entry = {
+            "module": fn.__module__, "name": fn.__qualname__,
+            "args": {k: describe(v) for k, v in bound.items()},
+            "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs},
+        }
+        seen.setdefault(json.dumps(entry, sort_keys=True), entry)
+        if execute or fn.__module__ not in LAUNCH_ONLY_MODULES:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        return None
+
+    InterpretedFunction.run = run
+    argv = sys.argv
+    try:
+        for w in workloads:
+            sys.argv = list(w)
+            try:
+                runpy.run_path(w[0], run_name="__main__")
+            except SystemExit:  # a check's own verdict (bf16 attention is not exact under the interpreter)
+                pass
+        execute = False
+        model_shapes()
+    finally:
+        sys.argv = argv
+        InterpretedFunction.run = original
+    Path(out_path).write_text(json.dumps(list(seen.values())))
+
+
+def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
+    """(signature, constexprs) for ``triton.compile`` from a recorded launch; parameters left at their defaults
+    take them, and ``PDL`` is on when asked."""
+    dtypes = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
+              "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
+    params = inspect.signature(kernel.fn).parameters
+    sig, const = {}, {}
+    for i, (name, p) in enumerate(params.items()):
+        arg = entry["args"].get(name)
+        if kernel.params[i].is_constexpr:
+            value = arg["value"] if arg is not None else p.default
+            if name == "PDL" and pdl:
+                value = True
+            sig[name] = "constexpr"
+            const[(i,)] = value
+        elif arg is None:
+            raise ValueError(f"{entry['name']}: no value for {name}")
+        elif "tensor" in arg:
+            sig[name] = "*" + dtypes[arg["tensor"]]
+        elif arg["value"] is None:
+            sig[name] = "constexpr"
+            const[(i,)] = None
+        elif isinstance(arg["value"], bool):
+            sig[name] = "i1"
+        elif isinstance(arg["value"], int):
+            sig[name] = "i64" if abs(arg["value"]) >= 2 ** 31 else "i32"
+        else:
+            sig[name] = "fp32"
+    return sig, const
+
+
+def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
+    """Compile each distinct recorded launch (no interpreter); one result each: the kernel, ok or the error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    results, done = [], set()
+    for e in entries:
+        kernel = getattr(importlib.import_module(e["module"]), e["name"])
+        t0 = time.perf_counter()
+        try:
+            sig, const = signature_of(kernel, e, pdl)
+            key = (e["module"], e["name"], json.dumps(sig), repr(sorted(const.items())), repr(e["options"]))
+            if key in done:  # launches differing only in scalar values compile to the same kernel
+                continue
+            done.add(key)
+            compiled = triton.compile(ASTSource(kernel, sig, const), target=target, options=dict(e["options"]))
+            res = {"ok": True, "shared_bytes": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps}
+        except Exception as exc:  # noqa: BLE001 - reported per launch
+            res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
+        res.update(kernel=f"{e['module']}.{e['name']}", seconds=round(time.perf_counter() - t0, 2),
+                   constexprs={k: v["value"] for k, v in e["args"].items() if "value" in v
+                               and kernel.params[list(inspect.signature(kernel.fn).parameters).index(k)].is_constexpr})
+        results.append(res)
+    return results
+
+
+def kernels_in(modules: tuple[str, ...]) -> set[str]:
+    """Every Triton kernel (a ``@triton.jit`` function no other one calls) defined in ``modules``."""
+    from triton.runtime.jit import JITFunction
+
+    fns = {}
+    for m in modules:
+        mod = importlib.import_module(m)
+        fns.update({f"{m}.{n}": f for n, f in vars(mod).items() if isinstance(f, JITFunction) and f.__module__ == m})
+    sources = {k: inspect.getsource(f.fn) for k, f in fns.items()}
+    called = {k for k, f in fns.items()
+              if any(f"{f.fn.__name__}(" in src for other, src in sources.items() if other != k)}
+    return set(fns) - called
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100 / H200)")
+    ap.add_argument("--no-pdl", action="store_true", help="compile as launched on the CPU (PDL off)")
+    ap.add_argument("--json")
+    ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)  # the interpreter half
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    if args.record_only:
+        record(WORKLOADS, args.record_only)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = os.path.join(tmp, "launches.json")
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+        rec = subprocess.run([sys.executable, __file__, "--record-only", launches], env=env, capture_output=True,
+                             text=True)
+        if rec.returncode != 0:
+            print(rec.stdout[-3000:], rec.stderr[-3000:], sep="\n")
+            print("recording the launches failed")
+            return 1
+        entries = json.loads(Path(launches).read_text())
+    results = compile_all(entries, args.arch, pdl=not args.no_pdl)
+    missing = sorted(kernels_in(KERNEL_MODULES) - {r["kernel"] for r in results})
+    for r in results:
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['kernel']} {r['seconds']}s {r['constexprs']}"
+              + ("" if r["ok"] else f"\n     {r['error']}"))
+    failed = [r for r in results if not r["ok"]]
+    print(f"SUMMARY: {len(results) - len(failed)} compiled for sm_{args.arch}, {len(failed)} FAIL; "
+          f"kernels never launched: {', '.join(missing) or 'none'}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"arch": args.arch, "results": results, "never_launched": missing},
+                                              indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
