@@ -146,12 +146,13 @@ def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
     take them, and ``PDL`` is on when asked."""
     dtypes = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
               "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
-    params = inspect.signature(kernel.fn).parameters
+    defaults = inspect.signature(kernel.fn).parameters
     sig, const = {}, {}
-    for i, (name, p) in enumerate(params.items()):
+    for i, param in enumerate(kernel.params):
+        name = param.name
         arg = entry["args"].get(name)
-        if kernel.params[i].is_constexpr:
-            value = arg["value"] if arg is not None else p.default
+        if param.is_constexpr:
+            value = arg["value"] if arg is not None else defaults[name].default
             if name == "PDL" and pdl:
                 value = True
             sig[name] = "constexpr"
@@ -193,9 +194,9 @@ def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
             res = {"ok": True, "shared_bytes": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps}
         except Exception as exc:  # noqa: BLE001 - reported per launch
             res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
+        constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
         res.update(kernel=f"{e['module']}.{e['name']}", seconds=round(time.perf_counter() - t0, 2),
-                   constexprs={k: v["value"] for k, v in e["args"].items() if "value" in v
-                               and kernel.params[list(inspect.signature(kernel.fn).parameters).index(k)].is_constexpr})
+                   constexprs={k: v["value"] for k, v in e["args"].items() if k in constexpr_names})
         results.append(res)
     return results
 
