@@ -236,6 +236,39 @@ def timeline_summary(ks: list[tuple[str, float, float]], steps: int) -> dict:
             "kernels_per_step": round(len(ks) / steps, 1), "kernels": kernels}
 
 
+def exposed_by_kernel(first_kernels: list[dict]) -> dict[str, dict]:
+    """Per kernel name, from one replay's kernels in order (``*_graph_first_kernels``: duration and the gap since
+    the previous kernel ended, negative where they overlap under PDL): launches, summed duration, and the wall
+    time it adds (how far its end moves the replay's latest end, idle time before it included). Summed over
+    names, the exposed times give the replay's wall time: the attribution of a step's length to its kernels when
+    they overlap."""
+    out: dict[str, dict] = defaultdict(lambda: {"launches": 0, "us": 0.0, "exposed_us": 0.0})
+    prev_end = latest = 0.0
+    for i, k in enumerate(first_kernels):
+        start = prev_end + k["gap_before_us"] if i else 0.0
+        end = start + k["us"]
+        row = out[k["kernel"]]
+        row["launches"] += 1
+        row["us"] += k["us"]
+        row["exposed_us"] += max(0.0, end - latest)
+        prev_end, latest = end, max(latest, end)
+    return dict(out)
+
+
+def exposed_markdown(files: list[str], key: str = "eagle3_chain3_graph_first_kernels") -> str:
+    """A table of ``exposed_by_kernel`` for ``key`` of each ``--graphs`` result file, side by side."""
+    runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in files]
+    tables = [exposed_by_kernel(r[key]) for _, r in runs]
+    names = sorted({n for t in tables for n in t}, key=lambda n: -max(t.get(n, {}).get("exposed_us", 0) for t in tables))
+    head = " | ".join(f"{stem} ({r['commit']}): launches, kernel us, exposed us" for stem, r in runs)
+    lines = [f"`{key}`, one replay", "", f"| kernel | {head} |", "|---|" + "---|" * len(runs)]
+    for n in names:
+        cells = [f"{t[n]['launches']}, {t[n]['us']:.1f}, {t[n]['exposed_us']:.1f}" if n in t else "" for t in tables]
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    lines.append("| wall | " + " | ".join(f"{sum(v['exposed_us'] for v in t.values()):.1f}" for t in tables) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def graph_profile(ckpt: str, head: str | None, steps: int, later_tokens: int = 0) -> dict:
     """The bs=1 decode graph replayed back to back, and (``head``) bs=1 speculative engine steps, under the profiler.
     ``later_tokens``: also profile engine steps (no-spec and, with ``head``, speculative) once the request has
@@ -335,14 +368,20 @@ def main() -> None:
     ap.add_argument("--head", help="with --graphs: an EAGLE-3 head for the speculative rounds")
     ap.add_argument("--later-tokens", type=int, default=0,
                     help="with --graphs: also profile engine steps this many generated tokens later")
+    ap.add_argument("--exposed", nargs="+", metavar="JSON",
+                    help="instead: the wall time each kernel adds to a round (exposed_by_kernel) in these --graphs "
+                         "results, a markdown table to <out>.md")
     args = ap.parse_args()
+    if args.exposed:
+        Path(args.out + ".md").write_text(exposed_markdown(args.exposed))
+        return
     if args.report_only:
         res = json.loads(Path(args.out + ".json").read_text())
         Path(args.out + ".md").write_text(linear_markdown(res))
         linear_plot(res, Path(args.out + ".png"))
         return
     if not args.ckpt:
-        ap.error("--ckpt is required (except with --report-only)")
+        ap.error("--ckpt is required (except with --report-only or --exposed)")
     if args.graphs:
         res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
                **graph_profile(args.ckpt, args.head, args.steps, args.later_tokens)}
