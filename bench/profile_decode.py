@@ -8,6 +8,11 @@ the model's linear shapes at M = 1, 2, 4, 16 rows (cuBLAS, the small-M Triton ke
 back, and (with ``--head``, an EAGLE-3 head) whole speculative rounds at a simulated accept length. Per kernel name:
 launches, mean duration and the idle time before it (the gap since the previous kernel ended); per step: wall time,
 time with a kernel running, and the sum of gaps.
+
+``--exposed A.json B.json ...``: from ``--graphs`` results, the wall time each kernel adds to one round replay when
+kernels overlap under PDL (``exposed_by_kernel``), and the verify forward's per-layer split (``verify_layers``):
+
+    python bench/profile_decode.py --exposed base.json new.json --out bench/results/NAME
 """
 
 from __future__ import annotations
@@ -243,29 +248,66 @@ def exposed_by_kernel(first_kernels: list[dict]) -> dict[str, dict]:
     names, the exposed times give the replay's wall time: the attribution of a step's length to its kernels when
     they overlap."""
     out: dict[str, dict] = defaultdict(lambda: {"launches": 0, "us": 0.0, "exposed_us": 0.0})
-    prev_end = latest = 0.0
-    for i, k in enumerate(first_kernels):
-        start = prev_end + k["gap_before_us"] if i else 0.0
-        end = start + k["us"]
+    for k, exposed in zip(first_kernels, exposed_with_times(first_kernels)):
         row = out[k["kernel"]]
         row["launches"] += 1
         row["us"] += k["us"]
-        row["exposed_us"] += max(0.0, end - latest)
-        prev_end, latest = end, max(latest, end)
+        row["exposed_us"] += exposed
     return dict(out)
 
 
-def exposed_markdown(files: list[str], key: str = "eagle3_chain3_graph_first_kernels") -> str:
-    """A table of ``exposed_by_kernel`` for ``key`` of each ``--graphs`` result file, side by side."""
+def exposed_with_times(first_kernels: list[dict]) -> list[float]:
+    """Each kernel's exposed time (``exposed_by_kernel``), in order."""
+    prev_end = latest = 0.0
+    out = []
+    for i, k in enumerate(first_kernels):
+        end = (prev_end + k["gap_before_us"] if i else 0.0) + k["us"]
+        out.append(max(0.0, end - latest))
+        prev_end, latest = end, max(latest, end)
+    return out
+
+
+def verify_layers(first_kernels: list[dict], layers: int) -> dict[str, float]:
+    """A round's target verify forward, per layer: exposed us by role, averaged over its ``layers`` layers (the
+    span from the kernel before the first of the last ``layers`` RoPE kernels ahead of the lm_head, the longest
+    kernel, up to that lm_head). The linears are told apart by place and length: q/k/v is the one before a RoPE,
+    then o (under 30 us), down (30-60) and gate/up (longer), which holds for the Llama-3.1-8B shapes at 4 rows."""
+    exposed = exposed_with_times(first_kernels)
+    head = max(range(len(first_kernels)), key=lambda i: first_kernels[i]["us"])
+    ropes = [i for i in range(head) if first_kernels[i]["kernel"] == "_rope_qk"][-layers:]
+    start = ropes[0] - 1
+    if start > 0 and "norm" in first_kernels[start - 1]["kernel"]:
+        start -= 1  # the first layer's input norm
+    roles: dict[str, float] = defaultdict(float)
+    for i in range(start, head):
+        k = first_kernels[i]
+        name = k["kernel"]
+        if name == "_weight_left_dot" or name == "_gemv":
+            name = ("q/k/v" if first_kernels[i + 1]["kernel"] == "_rope_qk" else
+                    "o" if k["us"] < 30 else "down" if k["us"] < 60 else "gate/up")
+        roles[name] += exposed[i] / layers
+    return {"per_layer_us": sum(roles.values()), **roles}
+
+
+def exposed_markdown(files: list[str], key: str = "eagle3_chain3_graph_first_kernels", layers: int = 32) -> str:
+    """A table of ``exposed_by_kernel`` for ``key`` of each ``--graphs`` result file, side by side; for a round,
+    also its verify forward per layer (``verify_layers``, a model of ``layers`` layers)."""
     runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in files]
     tables = [exposed_by_kernel(r[key]) for _, r in runs]
-    names = sorted({n for t in tables for n in t}, key=lambda n: -max(t.get(n, {}).get("exposed_us", 0) for t in tables))
+    names = sorted({n for t in tables for n in t},
+                   key=lambda n: -max(t.get(n, {}).get("exposed_us", 0) for t in tables))
     head = " | ".join(f"{stem} ({r['commit']}): launches, kernel us, exposed us" for stem, r in runs)
     lines = [f"`{key}`, one replay", "", f"| kernel | {head} |", "|---|" + "---|" * len(runs)]
     for n in names:
         cells = [f"{t[n]['launches']}, {t[n]['us']:.1f}, {t[n]['exposed_us']:.1f}" if n in t else "" for t in tables]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     lines.append("| wall | " + " | ".join(f"{sum(v['exposed_us'] for v in t.values()):.1f}" for t in tables) + " |")
+    if key.startswith("eagle3"):  # the verify forward's layers (``verify_layers``)
+        per = [verify_layers(r[key], layers) for _, r in runs]
+        lines += ["", f"The verify forward, exposed us per layer (mean of {layers}):", "",
+                  "| role | " + " | ".join(stem for stem, _ in runs) + " |", "|---|" + "---|" * len(runs)]
+        for role in sorted({n for t in per for n in t}, key=lambda n: -max(t.get(n, 0.0) for t in per)):
+            lines.append(f"| {role} | " + " | ".join(f"{t[role]:.2f}" if role in t else "" for t in per) + " |")
     return "\n".join(lines) + "\n"
 
 
