@@ -294,7 +294,7 @@ def check_small_m_linear(g) -> None:
     # which kernel ran: count the calls of the Triton path (the table must be what decides)
     calls = []
     real = sml.small_m_linear
-    sml.small_m_linear = lambda *a: calls.append(a[3]) or real(*a)
+    sml.small_m_linear = lambda *a, **kw: calls.append(a[3]) or real(*a, **kw)
     try:
         table = {8: sml.TileConfig(16, 16, 32, 4, 1)}
         x = torch.randn(2, 3, 64, generator=g)  # 6 rows: bucket 8, in the table
@@ -513,6 +513,15 @@ def test_pdl_only_inside_graph_scopes_and_never_on_cpu():
         assert fused_ops.pdl_launch(x) == {}  # no CUDA here
     assert seen == {"inside": True, "other": False} and not fused_ops._pdl_scope.on
     assert not fused_ops.pdl_supported("cpu")
+
+
+def test_fused_norms_match_reference_in_interpreter():
+    """tools/check_fused_norms.py (the norms and residual adds inside the small-M kernels) on the CPU."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, os.path.join(root, "tools", "check_fused_norms.py"), "--device", "cpu",
+                          "--dtype", "float32"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "fused norms ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
 def test_fused_ops_match_reference_in_interpreter():

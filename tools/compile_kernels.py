@@ -60,7 +60,7 @@ def model_shapes() -> None:
     """Launch (the recorder does not run them) the attention and small-M linear kernels at the Llama-3.1-8B and
     Llama-3.2-1B shapes as an H100 engine would: decode at batch 1 / 8 / 64, chain and tree verify, a round's
     draft-extend, a ragged prefill; every small-M tile candidate at 1 / 2 / 4 / 16 rows, plain, gated and
-    activated."""
+    activated (and at 1 and 4 rows of one shape, normalising the input and adding to the output)."""
     import torch
 
     from attention.base import AttentionLayerSpec
@@ -93,6 +93,15 @@ def model_shapes() -> None:
             for cfg in filter(None, sml.candidates(rows)):
                 x = torch.empty(rows, k, dtype=torch.bfloat16)
                 sml.small_m_linear(x, weight, None, cfg)
+                if (n, k) == (6144, 4096) and rows in (1, 4):  # the norm in q/k/v or gate/up, the add in o or down
+                    add = torch.empty(rows, n, dtype=torch.bfloat16)
+                    sml.small_m_linear(x, weight, None, cfg, norm_eps=1e-5)
+                    sml.small_m_linear(x, weight, None, cfg, add=add)
+                    if cfg.weight_left:
+                        sml.small_m_linear(x, weight, None, cfg, activated=True, norm_eps=1e-5)
+                    else:
+                        sml.small_m_linear(torch.empty(rows, 2 * k, dtype=torch.bfloat16), weight, None, cfg,
+                                           gated=True, add=add)
                 if not cfg.weight_left:
                     sml.small_m_linear(torch.empty(rows, 2 * k, dtype=torch.bfloat16), weight, None, cfg, gated=True)
                 else:

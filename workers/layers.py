@@ -108,11 +108,13 @@ class ColumnParallelLinear(nn.Module):
         start, end = _shard_range(self.out_sizes[shard_id], self.tp)
         param.data[off : off + self.local_sizes[shard_id]].copy_(_read(slice_, 0, start, end))
 
-    def forward(self, x: torch.Tensor, activated=None) -> torch.Tensor:
-        """``activated`` (a tile of ``small_m_act``): silu(gate) * up of the two halves, in one kernel."""
+    def forward(self, x: torch.Tensor, activated=None, norm_eps: float | None = None) -> torch.Tensor:
+        """``activated`` (a tile of ``small_m_act``): silu(gate) * up of the two halves, in one kernel.
+        ``norm_eps``: the input is RMS-normalised first, inside the small-M kernel where one runs
+        (``small_m_linear.linear``; the norm's weight folded into this one's)."""
         if activated is not None:
-            return activated_linear(x, self.weight, self.bias, activated)
-        return linear(x, self.weight, self.bias, self.small_m)
+            return activated_linear(x, self.weight, self.bias, activated, norm_eps)
+        return linear(x, self.weight, self.bias, self.small_m, norm_eps=norm_eps)
 
 
 class QKVParallelLinear(nn.Module):
@@ -149,8 +151,11 @@ class QKVParallelLinear(nn.Module):
             start, n = self.kv_head_start * d, self.kv_size
         param.data[off : off + n].copy_(_read(slice_, 0, start, start + n))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qkv = linear(x, self.weight, self.bias, self.small_m)
+    def forward(self, x: torch.Tensor,
+                norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``norm_eps``: the input is RMS-normalised first, inside the small-M kernel where one runs
+        (``small_m_linear.linear``; the norm's weight folded into this one's)."""
+        qkv = linear(x, self.weight, self.bias, self.small_m, norm_eps=norm_eps)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
 
@@ -174,11 +179,16 @@ class RowParallelLinear(nn.Module):
         start, end = _shard_range(self.in_size, self.tp)
         self.weight.data.copy_(_read(slice_, 1, start, end))
 
-    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
-        """``gated``: x is [..., 2 * in] (gate | up) and the input is silu(gate) * up (small_m_linear.linear)."""
+    def forward(self, x: torch.Tensor, gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``gated``: x is [..., 2 * in] (gate | up) and the input is silu(gate) * up (small_m_linear.linear).
+        ``add``: returns y + add (a residual stream), inside the small-M kernel where one runs and nothing comes
+        between them (no all-reduce, no bias)."""
+        if add is not None and self.tp.size == 1 and self.bias is None:
+            return linear(x, self.weight, None, self.small_m, gated, add=add)
         y = linear(x, self.weight, None, self.small_m, gated)
         y = self.tp.all_reduce(y)
-        return y + self.bias if self.bias is not None else y
+        y = y + self.bias if self.bias is not None else y
+        return y if add is None else (y.float() + add.float()).to(y.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -110,6 +110,14 @@ def candidates(rows: int) -> list[TileConfig | None]:
     return [None] + GEMV_CANDIDATES.get(rows, []) + CANDIDATES
 
 ROW_BUCKETS = (1, 2, 4, 8, 16)
+# A tensor-core linear that adds the residual stream (o, down: the kernels before a normalising q/k/v or gate/up when
+# a layer's norms are fused) lets the next kernel start this many weight steps before its loop ends, not after it:
+# without the norm kernel between them, the next linear's L2 prefetch had only this one's epilogue to overlap (8B
+# verify forward, norm_fold_round_h100.md: the normalising linears 4.2 us a layer slower in place, 1.6 standing
+# alone). The one-row GEMV keeps releasing after its loop: there an early release made the 8B step slower (5.67
+# against 5.46 ms with 2 steps; release_ahead_h100.md), and 4 steps made the EAGLE-3 round faster (457 against 451
+# tok/s) but no-spec slower (175 against 182).
+RELEASE_STEPS_AHEAD = 4
 # A later candidate must be this much faster than the best before it to be chosen: kernels of nearly the same speed
 # then resolve the same way on every start, so replicas and restarts mostly run the same kernels and round alike
 # (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
@@ -143,11 +151,52 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
+    def _sum_squares(x, sq):
+        """A NORM_IN kernel's squares ``sq`` (the input tile's shape, fp32) with those of an input tile ``x``
+        added, element by element: summed over K once after the loop, since a reduction across threads in every
+        step would hold up the weight stream (measured: 0.7 us more per 4-row kernel on an H100)."""
+        x = x.to(tl.float32)
+        return sq + x * x
+
+    @triton.jit
+    def _inv_rms(sq, K, eps):
+        return 1.0 / tl.sqrt(sq / K + eps)
+
+    @triton.jit
+    def _stream_tile(add_ptrs, mask, ADD: tl.constexpr):
+        """ADD: the residual stream's tile for the output's epilogue, in fp32, loaded before the weight loop (its
+        latency hidden behind the loop, not added after it; under PDL after the wait, as the stream is an earlier
+        kernel's output); else 0."""
+        if ADD:
+            return tl.load(add_ptrs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            return 0.0
+
+    @triton.jit
+    def _plus_stream(out, stream, ADD: tl.constexpr):
+        """An output tile in its dtype; ADD: plus the residual stream's tile (``_stream_tile``), rounded once
+        more (as fused_ops.rms_norm rounds its residual add)."""
+        if ADD:
+            out = (out.to(tl.float32) + stream).to(out.dtype)
+        return out
+
+    @triton.jit
+    def _release_ahead(k0, K, BLOCK_K: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr):
+        """Under PDL with AHEAD > 0: let the next kernel's programs start AHEAD weight steps before this program's
+        loop ends (``RELEASE_STEPS_AHEAD``) instead of after it, so that its prologue's L2 prefetch overlaps this
+        kernel's last steps. Safe at any point: the next kernel still waits for this one to finish."""
+        if PDL and AHEAD > 0:
+            if k0 == tl.maximum(tl.cdiv(K, BLOCK_K) - 1 - AHEAD, 0) * BLOCK_K:
+                pdl_release(PDL)
+
+    @triton.jit
+    def _gemv(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes, Add, stride_am, eps,
               HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_IN: tl.constexpr,
+              ADD: tl.constexpr, PDL: tl.constexpr = False, RELEASE_AHEAD: tl.constexpr = 0):
         """One or two rows (BLOCK_M 1 or 2): each row's products with the [BLOCK_N, BLOCK_K] weight tile added
-        into its own accumulator of that shape, summed over K once after the loop."""
+        into its own accumulator of that shape, summed over K once after the loop. NORM_IN and ADD:
+        ``small_m_linear``."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -155,34 +204,52 @@ if triton is not None:
         _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_k
         second_row = offs_k * 0 + M > 1  # a vector: the interpreter's masks are tensors
+        n_ok = offs_n < N
+        ok1 = n_ok & (offs_n * 0 + M > 1)
+        stream0 = _stream_tile(Add + offs_n, n_ok, ADD)
+        stream1 = _stream_tile(Add + stride_am + offs_n, ok1, ADD and BLOCK_M > 1)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc1 = tl.zeros((BLOCK_N, BLOCK_K) if BLOCK_M > 1 else (1, 1), dtype=tl.float32)
+        sq0 = tl.zeros((BLOCK_K,) if NORM_IN else (1,), dtype=tl.float32)  # the rows' squares (_sum_squares)
+        sq1 = tl.zeros((BLOCK_K,) if NORM_IN and BLOCK_M > 1 else (1,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
+            _release_ahead(k0, K, BLOCK_K, PDL, RELEASE_AHEAD)
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs).to(tl.float32)
                 k_ok = offs_k < BLOCK_K
             else:
                 k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0).to(tl.float32)
-            acc0 += w * _input_chunk(x_ptrs, k_ok, K, GATED).to(tl.float32)[None, :]
+            x0 = _input_chunk(x_ptrs, k_ok, K, GATED).to(tl.float32)
+            if NORM_IN:
+                sq0 = _sum_squares(x0, sq0)
+            acc0 += w * x0[None, :]
             if BLOCK_M > 1:
-                acc1 += w * _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED).to(tl.float32)[None, :]
+                x1 = _input_chunk(x_ptrs + stride_xm, k_ok & second_row, K, GATED).to(tl.float32)
+                if NORM_IN:
+                    sq1 = _sum_squares(x1, sq1)
+                acc1 += w * x1[None, :]
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        pdl_release(PDL)
-        n_ok = offs_n < N
+        if RELEASE_AHEAD == 0:
+            pdl_release(PDL)
         bias = tl.load(Bias + offs_n, mask=n_ok, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
-        tl.store(Y + offs_n, (tl.sum(acc0, axis=1) + bias).to(Y.dtype.element_ty), mask=n_ok)
+        y0 = tl.sum(acc0, axis=1)
+        if NORM_IN:
+            y0 = y0 * _inv_rms(tl.sum(sq0, 0), K, eps)
+        tl.store(Y + offs_n, _plus_stream((y0 + bias).to(Y.dtype.element_ty), stream0, ADD), mask=n_ok)
         if BLOCK_M > 1:
-            tl.store(Y + stride_ym + offs_n, (tl.sum(acc1, axis=1) + bias).to(Y.dtype.element_ty),
-                     mask=n_ok & (offs_n * 0 + M > 1))
+            y1 = tl.sum(acc1, axis=1)
+            if NORM_IN:
+                y1 = y1 * _inv_rms(tl.sum(sq1, 0), K, eps)
+            tl.store(Y + stride_ym + offs_n, _plus_stream((y1 + bias).to(Y.dtype.element_ty), stream1, ADD), mask=ok1)
 
     @triton.jit
-    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
+    def _small_m_linear(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes, Add, stride_am, eps,
                         HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        """Up to BLOCK_M = 16 rows on the tensor cores (rows padded to 16)."""
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_IN: tl.constexpr,
+                        ADD: tl.constexpr, PDL: tl.constexpr = False, RELEASE_AHEAD: tl.constexpr = 0):
+        """Up to BLOCK_M = 16 rows on the tensor cores (rows padded to 16). NORM_IN and ADD: ``small_m_linear``."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -191,8 +258,12 @@ if triton is not None:
         _pdl_enter_linear(W + offs_n.to(tl.int64) * stride_wn, tl.where(offs_n < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_m[:, None] * stride_xm + offs_k[None, :]
         row_ok = offs_m[:, None] < M
+        ok = row_ok & (offs_n[None, :] < N)
+        stream = _stream_tile(Add + offs_m[:, None] * stride_am + offs_n[None, :], ok, ADD)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_M, BLOCK_K) if NORM_IN else (1, 1), dtype=tl.float32)  # _sum_squares
         for k0 in range(0, K, BLOCK_K):
+            _release_ahead(k0, K, BLOCK_K, PDL, RELEASE_AHEAD)
             if EVEN:  # N % BLOCK_N == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
                 x_ok = row_ok
@@ -200,23 +271,31 @@ if triton is not None:
                 k_ok = (k0 + offs_k) < K
                 w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & k_ok[None, :], other=0.0)
                 x_ok = row_ok & k_ok[None, :]
-            acc = tl.dot(_input_chunk(x_ptrs, x_ok, K, GATED), tl.trans(w), acc)
+            x = _input_chunk(x_ptrs, x_ok, K, GATED)
+            if NORM_IN:
+                sq = _sum_squares(x, sq)
+            acc = tl.dot(x, tl.trans(w), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        pdl_release(PDL)
+        if RELEASE_AHEAD == 0:
+            pdl_release(PDL)
+        if NORM_IN:
+            acc = acc * _inv_rms(tl.sum(sq, axis=1), K, eps)[:, None]
         if HAS_BIAS:
             acc += tl.load(Bias + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = Y + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(Y.dtype.element_ty), mask=row_ok & (offs_n[None, :] < N))
+        out = _plus_stream(acc.to(Y.dtype.element_ty), stream, ADD)
+        tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], out, mask=ok)
 
     @triton.jit
-    def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes,
+    def _weight_left_dot(X, W, Bias, Y, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes, Add, stride_am, eps,
                          HAS_BIAS: tl.constexpr, EVEN: tl.constexpr, ACTIVATED: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_IN: tl.constexpr, ADD: tl.constexpr,
+                         PDL: tl.constexpr = False, RELEASE_AHEAD: tl.constexpr = 0):
         """Up to 16 rows on the tensor cores, the weight tile on the left: acc [BLOCK_N, 16] += W_tile @ x_tile^T.
         ACTIVATED: W is [gate; up] (2N rows) and the output silu(gate) * up [M, N]: the tile's BLOCK_N weight rows
         are its BLOCK_N / 2 columns' gate and up rows, interleaved (one load, one dot: as fast as a plain tile of
-        BLOCK_N rows), split apart in the epilogue and rounded as the two-kernel path rounds."""
+        BLOCK_N rows), split apart in the epilogue and rounded as the two-kernel path rounds. NORM_IN and ADD:
+        ``small_m_linear``."""
         pid = tl.program_id(0)
         COLS: tl.constexpr = BLOCK_N // 2 if ACTIVATED else BLOCK_N  # output columns per program
         r = tl.arange(0, BLOCK_N)
@@ -232,8 +311,13 @@ if triton is not None:
         _pdl_enter_linear(W + w_rows.to(tl.int64) * stride_wn, tl.where(col < N, prefetch_bytes, 0), PDL)
         x_ptrs = X + offs_m[None, :] * stride_xm + offs_k[:, None]  # [BLOCK_K, 16]: the rows as columns
         row_ok = offs_m[None, :] < M
+        offs_n = pid * COLS + tl.arange(0, COLS)
+        ok = row_ok & (offs_n[:, None] < N)
+        stream = _stream_tile(Add + offs_m[None, :] * stride_am + offs_n[:, None], ok, ADD)
         acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        sq = tl.zeros((BLOCK_K, 16) if NORM_IN else (1, 1), dtype=tl.float32)  # _sum_squares
         for k0 in range(0, K, BLOCK_K):
+            _release_ahead(k0, K, BLOCK_K, PDL, RELEASE_AHEAD)
             if EVEN:  # N % COLS == 0 and K % BLOCK_K == 0: unmasked weight loads
                 w = tl.load(w_ptrs)
                 x_ok = row_ok
@@ -242,48 +326,65 @@ if triton is not None:
                 w = tl.load(w_ptrs, mask=(col[:, None] < N) & k_ok[None, :], other=0.0)
                 x_ok = row_ok & k_ok[:, None]
             x = tl.load(x_ptrs, mask=x_ok, other=0.0)
+            if NORM_IN:
+                sq = _sum_squares(x, sq)
             acc = tl.dot(w, x, acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        pdl_release(PDL)
+        if RELEASE_AHEAD == 0:
+            pdl_release(PDL)
+        if NORM_IN:
+            acc = acc * _inv_rms(tl.sum(sq, axis=0), K, eps)[None, :]
         if HAS_BIAS:
             acc += tl.load(Bias + w_rows, mask=col < N, other=0.0).to(tl.float32)[:, None]
-        offs_n = pid * COLS + tl.arange(0, COLS)
         if ACTIVATED:  # [COLS, 2, 16] → [COLS, 16, 2] → gate, up; on the 16-bit values, as the two-kernel path
             gate, up = tl.split(tl.permute(tl.reshape(acc, (COLS, 2, 16)), (0, 2, 1)))
             out = _silu_times(gate.to(Y.dtype.element_ty), up.to(Y.dtype.element_ty))
         else:
             out = acc.to(Y.dtype.element_ty)
-        y_ptrs = Y + offs_m[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, out, mask=row_ok & (offs_n[:, None] < N))
+        out = _plus_stream(out, stream, ADD)
+        tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], out, mask=ok)
 
 
 def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cfg: TileConfig,
-                   gated: bool = False, activated: bool = False) -> torch.Tensor:
+                   gated: bool = False, activated: bool = False,
+                   norm_eps: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel of one tile config (the GEMV for block_m 1-2, else a tensor-core one, rows or weight on the
     left): x2d [M <= 16, K] (unit stride in K; M <= block_m), weight [N, K] contiguous.
     ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded (weight on the
     left: by fused_ops.silu_and_mul first). ``activated`` (weight on the left only): weight is [gate; up] [2N, K]
-    and the output silu(gate) * up [M, N], in the kernel's epilogue."""
+    and the output silu(gate) * up [M, N], in the kernel's epilogue.
+    ``norm_eps``: the input is RMS-normalised without a weight (``fold_norm_weight`` put the norm's weight in this
+    one): each row's sum of squares is taken from the kernel's own input loads and 1 / rms applied to the row's
+    result (no norm kernel before it). ``add`` [M, N]: the output is y + add, rounded as the add + norm kernel
+    rounds its residual add (a residual stream's next value, no add kernel after it)."""
     m, k = x2d.shape
     if m > cfg.block_m and cfg.block_m < MAX_ROWS:
         raise ValueError(f"the GEMV tile {cfg} takes at most {cfg.block_m} rows, not {m}")
     if activated and not cfg.weight_left:
         raise ValueError(f"only a weight-left tile writes an activated output, not {cfg}")
+    if norm_eps is not None and gated:
+        raise ValueError("a gated input (silu(gate) * up) is not normalised")
     if gated:
         k //= 2
         if cfg.weight_left:
             x2d, gated = silu_and_mul(x2d), False
     n = weight.shape[0] // (2 if activated else 1)
+    if add is not None and (add.shape != (m, n) or add.stride(1) != 1):
+        raise ValueError(f"add= is [{m}, {n}] with unit column stride, not {tuple(add.shape)}")
     cols = cfg.block_n // 2 if activated else cfg.block_n  # output columns per program
     y = torch.empty(m, n, dtype=x2d.dtype, device=x2d.device)
     even = n % cols == 0 and k % cfg.block_k == 0
     pdl = pdl_launch(x2d)
     args = (x2d, weight, bias if bias is not None else weight, y, m, n, k, x2d.stride(0), weight.stride(0),
-            y.stride(0), l2_prefetch_bytes(weight, cfg.block_k) if pdl else 0)
+            y.stride(0), l2_prefetch_bytes(weight, cfg.block_k) if pdl else 0,
+            y if add is None else add, 0 if add is None else add.stride(0), norm_eps or 0.0)
     grid = (triton.cdiv(n, cols),)
+    tensor_cores = cfg.weight_left or cfg.block_m >= MAX_ROWS
+    release_ahead = RELEASE_STEPS_AHEAD if add is not None and tensor_cores else 0
     launch = dict(HAS_BIAS=bias is not None, EVEN=even, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl)
+                  NORM_IN=norm_eps is not None, ADD=add is not None, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages, RELEASE_AHEAD=release_ahead, **pdl)
     if cfg.weight_left:
         _weight_left_dot[grid](*args, ACTIVATED=activated, **launch)
     else:
@@ -516,29 +617,56 @@ def activated_config(act_table: dict[int, TileConfig | None], down_table: dict[i
 
 
 def activated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                     cfg: TileConfig) -> torch.Tensor:
-    """silu(gate) * up [..., N] of a [gate; up] weight [2N, K], in one weight-left kernel (``activated_config``)."""
+                     cfg: TileConfig, norm_eps: float | None = None) -> torch.Tensor:
+    """silu(gate) * up [..., N] of a [gate; up] weight [2N, K], in one weight-left kernel (``activated_config``);
+    ``norm_eps``: of the RMS-normalised input (``small_m_linear``)."""
     x2d = x.reshape(-1, x.shape[-1])
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    return small_m_linear(x2d, weight, bias, cfg, activated=True).view(*x.shape[:-1], weight.shape[0] // 2)
+    y = small_m_linear(x2d, weight, bias, cfg, activated=True, norm_eps=norm_eps)
+    return y.view(*x.shape[:-1], weight.shape[0] // 2)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_m: dict[int, TileConfig | None] | None = None, gated: bool = False) -> torch.Tensor:
+           small_m: dict[int, TileConfig | None] | None = None, gated: bool = False,
+           norm_eps: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster.
     ``gated``: x is [..., 2K] (gate | up) and the layer's input is silu(gate) * up — inside the Triton kernel's
-    loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first."""
+    loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first.
+    ``norm_eps``: the input is RMS-normalised without a weight (``fold_norm_weight``), ``add``: the output plus
+    ``add`` (a residual stream): inside the Triton kernel when it runs (``small_m_linear``), else computed around
+    cuBLAS, rounded as ``fused_ops.rms_norm`` rounds."""
     width = x.shape[-1]
     if gated and width != 2 * weight.shape[1]:
         raise ValueError(f"a gated input is [..., 2 x {weight.shape[1]}] (gate | up), not [..., {width}]")
     m = x.numel() // width if width else 0
     cfg = small_m.get(row_bucket(m)) if small_m and 0 < m <= MAX_ROWS else None
     if cfg is None or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):  # no backward here
+        if norm_eps is not None:
+            x = _normalised(x, norm_eps)
         if gated:
             x = silu_and_mul(x.reshape(m, width)).view(*x.shape[:-1], width // 2)
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if add is None else (y.float() + add.float()).to(y.dtype)
     x2d = x.reshape(m, width)
     if x2d.stride(1) != 1:
         x2d = x2d.contiguous()
-    return small_m_linear(x2d, weight, bias, cfg, gated).view(*x.shape[:-1], weight.shape[0])
+    add2d = add.reshape(m, weight.shape[0]) if add is not None else None
+    y = small_m_linear(x2d, weight, bias, cfg, gated, norm_eps=norm_eps, add=add2d)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm without a weight, rounded as fused_ops.rms_norm rounds it (x * rsqrt(mean(x^2) + eps) in fp32, to x's
+    dtype; the norm's weight, folded away, is then ones)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fold_norm_weight(linear_weight: torch.Tensor, norm_weight: torch.Tensor) -> None:
+    """W <- W diag(g) (in fp32, rounded once to W's dtype) and g <- 1: a linear layer whose input is RMSNorm(x) * g
+    computes the same (up to that rounding) from the unweighted norm, which the small-M kernels take from their own
+    input loads (``linear(norm_eps=)``), and the separate norm kernel, where another kernel runs, with weights of
+    one."""
+    linear_weight.copy_((linear_weight.float() * norm_weight.float()[None, :]).to(linear_weight.dtype))
+    norm_weight.fill_(1)

@@ -229,6 +229,7 @@ class Worker:
             self.lookahead = self.proposer.lookahead
             self.max_advance = self.proposer.max_depth + 1
         self.graph_refusal = self._graph_refusal()
+        self._fold_norm_weights()
         if self.graph_refusal is None:
             self._tune_small_m_linears()
         self.page_table: PageTable | None = None
@@ -306,6 +307,16 @@ class Worker:
         if self.cfg.disable_cuda_graph:
             return "disable_cuda_graph is set"
         return None
+
+    def _fold_norm_weights(self) -> None:
+        """On one GPU with 16-bit weights, each decoder layer's norm weights go into the projections after them
+        (``LlamaForCausalLM.fold_norms``), with or without CUDA graphs, so that eager and graph runs use the same
+        weights; forwards whose linears run the small-M kernels then run the norms inside them."""
+        runner = getattr(self.proposer, "runner", None)
+        for model in [self.target.model] + ([runner.model] if runner is not None else []):
+            if (hasattr(model, "fold_norms") and model.tp.size == 1 and self.device.type == "cuda"
+                    and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)):
+                model.fold_norms()
 
     def _tune_small_m_linears(self) -> None:
         """Time the small-M linear kernel against cuBLAS for every layer and row bucket, once, before the KV cache

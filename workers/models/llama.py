@@ -17,7 +17,7 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.small_m_linear import activated_config, linear
+from workers.small_m_linear import MAX_ROWS, activated_config, fold_norm_weight, linear, row_bucket
 from workers.model_config import ModelConfig
 
 
@@ -40,10 +40,13 @@ class Attention(nn.Module):
             scaling=cfg.head_dim**-0.5,
         )
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """cos / sin: the model's RoPE tables [positions, D/2], read at ``fb.positions``."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                norm_eps: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """cos / sin: the model's RoPE tables [positions, D/2], read at ``fb.positions``. ``norm_eps``: the q/k/v
+        projection RMS-normalises its input, ``add``: added to the output projection's result (both inside their
+        kernels where the small-M kernels run)."""
         s = self.spec
-        q, k, v = self.qkv_proj(x)
+        q, k, v = self.qkv_proj(x, norm_eps)
         q = q.view(-1, s.num_heads, s.head_dim)
         k = k.view(-1, s.num_kv_heads, s.head_dim)
         v = v.view(-1, s.num_kv_heads, s.head_dim)
@@ -51,7 +54,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = fb.kv_cache.rope_and_store(s.layer_id, fb.out_cache_loc, q, k, v, cos, sin, fb.positions)
         out = fb.attn_backend.forward(q, None, None, s, fb)  # K/V already in the cache
-        return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim))
+        return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim), add=add)
 
 
 class MLP(nn.Module):
@@ -62,13 +65,15 @@ class MLP(nn.Module):
         self.down_proj.gated_input = True
         self.gate_up_proj.activated_output = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm_eps: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm_eps``: the gate/up projection RMS-normalises its input, ``add``: added to the down projection's
+        result (both inside their kernels where the small-M kernels run)."""
         # silu(gate) * up: in the gate/up kernel's epilogue where the tuning found that faster than the separate
         # kernel the down projection's would need, else inside the down projection
         act = activated_config(self.gate_up_proj.small_m_act, self.down_proj.small_m, x.numel() // x.shape[-1])
         if act is not None:
-            return self.down_proj(self.gate_up_proj(x, activated=act))
-        return self.down_proj(self.gate_up_proj(x), gated=True)
+            return self.down_proj(self.gate_up_proj(x, activated=act, norm_eps=norm_eps), add=add)
+        return self.down_proj(self.gate_up_proj(x, norm_eps=norm_eps), gated=True, add=add)
 
 
 class DecoderLayer(nn.Module):
@@ -78,10 +83,21 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norms_folded = False  # fold_norms
 
-    def forward(self, x, residual, cos, sin, fb, stream_out: torch.Tensor | None = None):
+    def forward(self, x, residual, cos, sin, fb, stream_out: torch.Tensor | None = None, fused_norms: bool = False):
         """``stream_out``: also write the residual stream entering this layer (x + residual) there (EAGLE-3's
-        captured states: the input norm's fused add writes it, no extra kernel)."""
+        captured states: the input norm's fused add writes it, no extra kernel). ``fused_norms``
+        (``fuses_norms``): x is the residual stream itself (residual None) and the norms run inside the small-M
+        kernels: q/k/v and gate/up normalise their input, o and down add the stream to their output; returns (the
+        next stream, None)."""
+        if fused_norms:
+            if residual is not None:
+                raise ValueError("a layer with its norms in its linears takes the residual stream as one tensor")
+            if stream_out is not None:
+                stream_out.copy_(x)
+            x = self.self_attn(x, cos, sin, fb, norm_eps=self.input_layernorm.eps, add=x)
+            return self.mlp(x, norm_eps=self.post_attention_layernorm.eps, add=x), None
         if residual is None:
             residual = x
             h = self.input_layernorm(x)
@@ -92,6 +108,28 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, fb)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def runs_small_m_kernels(self, rows: int) -> bool:
+        """Whether all four projections run a small-M Triton kernel for ``rows`` rows (their tuned tables), on one
+        GPU (under TP the residual add waits for the all-reduce)."""
+        if not 0 < rows <= MAX_ROWS or self.self_attn.o_proj.tp.size > 1:
+            return False
+        bucket = row_bucket(rows)
+        return all(p.small_m.get(bucket) is not None for p in (self.self_attn.qkv_proj, self.self_attn.o_proj,
+                                                                self.mlp.gate_up_proj, self.mlp.down_proj))
+
+    def fuses_norms(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows runs this layer's norms and residual adds inside its linears (the norm
+        weights folded, ``fold_norms``, and all four on small-M kernels): a one-row decode step of a 32-layer model
+        then runs 64 kernels fewer, each a short one on the step's critical path, and a speculative round's verify
+        as many."""
+        return self.norms_folded and self.runs_small_m_kernels(rows)
+
+    def fold_norms(self) -> None:
+        """The two norms' weights into the q/k/v and gate/up weights (``small_m_linear.fold_norm_weight``)."""
+        fold_norm_weight(self.self_attn.qkv_proj.weight, self.input_layernorm.weight)
+        fold_norm_weight(self.mlp.gate_up_proj.weight, self.post_attention_layernorm.weight)
+        self.norms_folded = True
 
 
 # HF parameter name fragment → (our fused module, shard id)
@@ -143,6 +181,19 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.aux_hidden_layers: tuple[int, ...] = ()
 
+    def fold_norms(self) -> None:
+        """Fold each layer's two norm weights into its q/k/v and gate/up weights (``DecoderLayer.fold_norms``):
+        forwards whose projections all run small-M Triton kernels then run the norms and residual adds inside them
+        (``fuses_norms``), the others the norm kernels with weights of one. Once; single-GPU only (under TP the
+        residual add waits for the all-reduce, so nothing would fuse)."""
+        if self.tp.size > 1:
+            raise ValueError("norm weights are folded only on one GPU")
+        if self.layers[0].norms_folded:
+            return
+        with torch.no_grad():
+            for layer in self.layers:
+                layer.fold_norms()
+
     # ---- forward ---------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -152,16 +203,18 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
+        fused_norms = all(layer.fuses_norms(x.shape[0]) for layer in self.layers)
         h, ids = x.shape[-1], self.aux_hidden_layers
         # each captured layer's input stream written by that layer into its columns of [T, n * hidden]
         aux = x.new_empty(x.shape[0], len(ids) * h) if ids else None
         for i, layer in enumerate(self.layers):
             cols = [j for j, a in enumerate(ids) if a == i]
             x, residual = layer(x, residual, cos, sin, fb,
-                                stream_out=aux[:, cols[0] * h:(cols[0] + 1) * h] if cols else None)
+                                stream_out=aux[:, cols[0] * h:(cols[0] + 1) * h] if cols else None,
+                                fused_norms=fused_norms)
             for j in cols[1:]:  # a layer named twice
                 aux[:, j * h:(j + 1) * h].copy_(aux[:, cols[0] * h:(cols[0] + 1) * h])
-        x, _ = self.norm(x, residual)
+        x = self.norm(x) if residual is None else self.norm(x, residual)[0]  # None: x is the stream
         if aux is not None:
             fb.aux["aux_hidden"] = aux
         return x
