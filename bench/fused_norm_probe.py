@@ -38,8 +38,9 @@ def probe(rows: int) -> dict:
     side = torch.cuda.Stream(dev)
     out = {}
     stream = torch.randn(rows, HIDDEN, dtype=dt, device=dev)
-    for name, n, k in (("qkv_proj", QKV, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("gate_up_proj", 2 * INTERMEDIATE, HIDDEN),
-                       ("down_proj", HIDDEN, INTERMEDIATE)):
+    shapes = (("qkv_proj", QKV, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("gate_up_proj", 2 * INTERMEDIATE, HIDDEN),
+              ("down_proj", HIDDEN, INTERMEDIATE))
+    for name, n, k in shapes:
         w = torch.randn(n, k, dtype=dt, device=dev) / k ** 0.5
         weights = sml.weight_copies(w)
         gated = name == "down_proj"
@@ -55,7 +56,8 @@ def probe(rows: int) -> dict:
         tile, activated = (act, True) if act is not None else (cfg, False)
         fused = ({"norm_eps": EPS} if name in ("qkv_proj", "gate_up_proj") else
                  {"add": torch.randn(rows, n // (2 if activated else 1), dtype=dt, device=dev)})
-        plain_us = 1e3 * sml.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated), weights, side)
+        plain_us = 1e3 * sml.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated),
+                                         weights, side)
         fused_us = 1e3 * sml.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated, **fused),
                                          weights, side)
         out[name] = {"tile": list(tile), "activated": activated, "fused": next(iter(fused)),

@@ -75,6 +75,7 @@ case $stage in
   kernels)  # after kernel changes: Triton attention and the fused ops in bf16, the sampler, graphs vs eager, the verify sweep
     run python3 tools/check_attention.py --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
     run python3 tools/check_sampling.py --device cuda --json "$R/sampling_check_$tag.json"
+    run python3 tools/check_fused_norms.py --device cuda --dtype bfloat16  # the norms / adds inside the linears
     run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
     run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_$tag"
     ;;

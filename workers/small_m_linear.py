@@ -114,9 +114,10 @@ ROW_BUCKETS = (1, 2, 4, 8, 16)
 # a layer's norms are fused) lets the next kernel start this many weight steps before its loop ends, not after it:
 # without the norm kernel between them, the next linear's L2 prefetch had only this one's epilogue to overlap (8B
 # verify forward, norm_fold_round_h100.md: the normalising linears 4.2 us a layer slower in place, 1.6 standing
-# alone). The one-row GEMV keeps releasing after its loop: there an early release made the 8B step slower (5.67
-# against 5.46 ms with 2 steps; release_ahead_h100.md), and 4 steps made the EAGLE-3 round faster (457 against 451
-# tok/s) but no-spec slower (175 against 182).
+# alone). The one-row GEMV keeps releasing after its loop: released early on every tile, the 8B bs=1 step took 5.67 ms
+# at 2 steps (main 5.54), and at 4 steps no-spec fell from 182 to 175 tok/s while the EAGLE-3 round got faster (457
+# against 451); on the tensor-core tiles only, 4 steps: EAGLE-3 2.516x no-spec, 8: 2.502x
+# (bench/results/norms_in_linears_landed_h100.md).
 RELEASE_STEPS_AHEAD = 4
 # A later candidate must be this much faster than the best before it to be chosen: kernels of nearly the same speed
 # then resolve the same way on every start, so replicas and restarts mostly run the same kernels and round alike
