@@ -1,6 +1,6 @@
-"""What the norms and residual adds inside the small-M kernels cost and save, per linear of a Llama-3.1-8B layer.
+"""What the norms and residual adds inside the small-M kernels cost and save, per linear of a Llama layer.
 
-    python bench/fused_norm_probe.py --out bench/results/fused_norm_probe_h100
+    python bench/fused_norm_probe.py --out bench/results/fused_norm_probe_h100 [--shape llama-3.2-1b]
 
 At 1 row (the decode step) and 4 rows (an EAGLE-3 chain-of-3 verify), for each of the layer's four linears with the
 tile ``small_m_linear.tune`` picks (the activated one for gate/up where ``tune_activated`` picks one): the kernel as
@@ -25,21 +25,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.random_llama import SHAPES  # noqa: E402
 
-HIDDEN, INTERMEDIATE, QKV = 4096, 14336, 4096 + 2 * 1024  # Llama-3.1-8B
 EPS = 1e-5
 
 
-def probe(rows: int) -> dict:
+def linear_shapes(shape: str) -> tuple[int, int, int]:
+    """(hidden, intermediate, q/k/v output width) of a ``bench.random_llama`` shape."""
+    c = SHAPES[shape]
+    head_dim = c["hidden_size"] // c["num_attention_heads"]
+    return c["hidden_size"], c["intermediate_size"], c["hidden_size"] + 2 * c["num_key_value_heads"] * head_dim
+
+
+def probe(rows: int, shape: str) -> dict:
     from workers import small_m_linear as sml
     from workers.fused_ops import rms_norm
 
+    hidden, intermediate, qkv = linear_shapes(shape)
     dev, dt = torch.device("cuda"), torch.bfloat16
     side = torch.cuda.Stream(dev)
     out = {}
-    stream = torch.randn(rows, HIDDEN, dtype=dt, device=dev)
-    shapes = (("qkv_proj", QKV, HIDDEN), ("o_proj", HIDDEN, HIDDEN), ("gate_up_proj", 2 * INTERMEDIATE, HIDDEN),
-              ("down_proj", HIDDEN, INTERMEDIATE))
+    stream = torch.randn(rows, hidden, dtype=dt, device=dev)
+    shapes = (("qkv_proj", qkv, hidden), ("o_proj", hidden, hidden), ("gate_up_proj", 2 * intermediate, hidden),
+              ("down_proj", hidden, intermediate))
     for name, n, k in shapes:
         w = torch.randn(n, k, dtype=dt, device=dev) / k ** 0.5
         weights = sml.weight_copies(w)
@@ -63,8 +71,8 @@ def probe(rows: int) -> dict:
         out[name] = {"tile": list(tile), "activated": activated, "fused": next(iter(fused)),
                      "plain_us": round(plain_us, 2), "fused_us": round(fused_us, 2),
                      "delta_us": round(fused_us - plain_us, 2)}
-    gamma = torch.ones(HIDDEN, dtype=dt, device=dev)
-    residual = torch.randn(rows, HIDDEN, dtype=dt, device=dev)
+    gamma = torch.ones(hidden, dtype=dt, device=dev)
+    residual = torch.randn(rows, hidden, dtype=dt, device=dev)
     norm_us = 1e3 * sml.replayed_ms(lambda w: rms_norm(stream, gamma, EPS, residual=residual), [gamma] * 8, side)
     deltas = sum(v.get("delta_us", 0.0) for v in out.values())
     return {"linears": out, "add_rms_norm_us": round(norm_us, 2),
@@ -72,7 +80,7 @@ def probe(rows: int) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# Norms and adds inside the small-M kernels, Llama-3.1-8B linears ({res['device']})", "",
+    lines = [f"# Norms and adds inside the small-M kernels, {res['shape']} linears ({res['device']})", "",
              f"commit {res['commit']}, `{res['command']}`", "",
              "| rows | linear | tile | fused | unfused µs | fused µs | delta µs |", "|---|---|---|---|---|---|---|"]
     for rows, r in res["rows"].items():
@@ -89,9 +97,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
     args = ap.parse_args()
     res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
-           "rows": {r: probe(int(r)) for r in args.rows.split(",")}}
+           "shape": args.shape, "rows": {r: probe(int(r), args.shape) for r in args.rows.split(",")}}
     Path(args.out + ".json").write_text(json.dumps(res, indent=2))
     Path(args.out + ".md").write_text(markdown(res))
     print(markdown(res))
