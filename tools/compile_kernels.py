@@ -5,7 +5,9 @@ the compiler rejects (a loop-carried variable that changes type, a shape the lay
 shared-memory budget), and those would otherwise first show on a scarce GPU. This tool runs a workload under the
 interpreter, records each launch (kernel, argument types, constexpr values, num_warps / num_stages), then compiles
 each distinct one through Triton's own compiler and ptxas for ``--arch`` (PDL on where a kernel has it, as in the
-CUDA graphs).
+CUDA graphs), and reports each one's registers and stack bytes per thread (``cuobjdump -res-usage``; a STACK line
+lists the launches that spill). Those are what this machine's Triton makes of the kernels: another Triton version
+(the GPU machine's) allocates registers differently, so a spill here is a lead to check there, not a verdict.
 
     python tools/compile_kernels.py                     # the default workloads, report on stdout
     python tools/compile_kernels.py --json out.json
@@ -23,6 +25,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -182,6 +185,22 @@ def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
     return sig, const
 
 
+def resource_usage(cubin: bytes) -> dict:
+    """Registers per thread and stack bytes per thread (register spills, local arrays) of a compiled kernel, from
+    ``cuobjdump -res-usage`` (Triton's own copy); empty where that tool is missing."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"registers": int(found[1]), "stack_bytes": int(found[2])} if found else {}
+
+
 def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
     """Compile each distinct recorded launch (no interpreter); one result each: the kernel, ok or the error."""
     import triton
@@ -200,7 +219,8 @@ def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
                 continue
             done.add(key)
             compiled = triton.compile(ASTSource(kernel, sig, const), target=target, options=dict(e["options"]))
-            res = {"ok": True, "shared_bytes": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps}
+            res = {"ok": True, "shared_bytes": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
+                   **resource_usage(compiled.asm["cubin"])}
         except Exception as exc:  # noqa: BLE001 - reported per launch
             res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
         constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
@@ -248,11 +268,15 @@ def main() -> int:
     results = compile_all(entries, args.arch, pdl=not args.no_pdl)
     missing = sorted(kernels_in(KERNEL_MODULES) - {r["kernel"] for r in results})
     for r in results:
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['kernel']} {r['seconds']}s {r['constexprs']}"
+        usage = f" regs {r['registers']} stack {r['stack_bytes']}" if "registers" in r else ""
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['kernel']} {r['seconds']}s{usage} {r['constexprs']}"
               + ("" if r["ok"] else f"\n     {r['error']}"))
     failed = [r for r in results if not r["ok"]]
+    spilled = [r for r in results if r.get("stack_bytes")]
     print(f"SUMMARY: {len(results) - len(failed)} compiled for sm_{args.arch}, {len(failed)} FAIL; "
           f"kernels never launched: {', '.join(missing) or 'none'}")
+    print(f"STACK: {len(spilled)} compiled launches use stack (register spills): "
+          + ("; ".join(f"{r['kernel']} {r['stack_bytes']} B {r['constexprs']}" for r in spilled) or "none"))
     if args.json:
         Path(args.json).write_text(json.dumps({"arch": args.arch, "results": results, "never_launched": missing},
                                               indent=1))
