@@ -116,6 +116,11 @@ class Suite:
                         key = shape_key(module.weight, getattr(module, "bias", None) is not None,
                                         getattr(module, "gated_input", False)) + suffix
                         chosen[key] = {rows: "cublas" if c is None else list(c) for rows, c in table.items()}
+        fusion = getattr(worker, "norm_fusion", None)  # per batch bucket: norms inside the linears or not
+        if fusion:
+            spec = worker.cfg.speculative_config
+            self.results.setdefault("norms_in_linears", []).append(
+                {"speculation": spec.method if spec is not None else "none", "by_bucket": dict(fusion)})
 
     def decode_rate(self, eng, bs: int, **sampling) -> dict:
         """Decode tokens/s and ms per token per request for ``bs`` concurrent requests: from when the last request

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from typing import Callable
 
 import torch
@@ -136,6 +137,32 @@ class GraphRunner:
         graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
         self.pool = graph.pool()
         self.graphs[key] = (graph, out)
+
+    def replay_ms(self, keys: list[tuple], passes: int) -> float:
+        """Milliseconds per pass of replaying ``keys``' graphs in order, ``passes`` times back to back (CUDA
+        events; on a CPU the callables, by the wall clock)."""
+        if not self.use_graphs:
+            t0 = time.perf_counter()
+            for _ in range(passes):
+                for key in keys:
+                    self.graphs[key][1]()
+            return 1e3 * (time.perf_counter() - t0) / passes
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(passes):
+            for key in keys:
+                self.graphs[key][0].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / passes
+
+    def keep(self, keys: list[tuple], as_keys: list[tuple], drop: list[tuple]) -> None:
+        """Keep the graphs of ``keys`` under ``as_keys`` and destroy those of ``drop`` (their pool memory goes
+        back to the pool for later captures)."""
+        kept = [self.graphs.pop(key) for key in keys]
+        for key in drop:
+            del self.graphs[key]
+        self.graphs.update(zip(as_keys, kept))
 
     def replay(self, key: tuple):
         graph, out = self.graphs[key]

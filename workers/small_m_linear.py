@@ -488,7 +488,8 @@ def tune_activated(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, p
 
 class TuningCache:
     """The tuned choices, in a JSON file shared by every start on this machine (or volume):
-    ``{environment: {shape key: {row bucket: [tile config] | null (cuBLAS)}}}``. The environment names the GPU model
+    ``{environment: {shape key: {row bucket: [tile config] | null (cuBLAS)}}}``, and yes / no choices
+    (``put_choice``) under their own keys. The environment names the GPU model
     and the torch and triton versions, whose kernels were timed. Saving merges with what the file holds by then and
     replaces it atomically, so concurrent starts (TP ranks, replicas) never leave it half written; an unreadable
     file is logged, timed afresh and replaced by the next save."""
@@ -496,8 +497,8 @@ class TuningCache:
     def __init__(self, path: str | os.PathLike, environment: str):
         self.path = Path(path)
         self.environment = environment
-        self._entries: dict[str, dict[str, list[int] | None]] = self._read().get(environment, {})
-        self._new: dict[str, dict[str, list[int] | None]] = {}
+        self._entries: dict[str, dict[str, list[int] | None] | bool] = self._read().get(environment, {})
+        self._new: dict[str, dict[str, list[int] | None] | bool] = {}
 
     def _read(self) -> dict:
         try:
@@ -524,6 +525,16 @@ class TuningCache:
     def put(self, key: str, table: dict[int, TileConfig | None]) -> None:
         entry = {str(rows): None if cfg is None else list(cfg) for rows, cfg in table.items()}
         self._entries[key] = self._new[key] = entry
+
+    def get_choice(self, key: str) -> bool | None:
+        """A yes / no choice stored under ``key`` (``put_choice``), or None."""
+        value = self._entries.get(key)
+        return value if isinstance(value, bool) else None
+
+    def put_choice(self, key: str, value: bool) -> None:
+        """A yes / no choice timed once, such as whether a batch bucket's graphs run the norms inside the linears
+        (``Worker._capture``), so that later starts make the same one."""
+        self._entries[key] = self._new[key] = value
 
     def save(self) -> None:
         """Write the entries tuned since loading (nothing when none was); errors are logged, not raised."""

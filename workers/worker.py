@@ -6,6 +6,7 @@ function of logits, seeds and counters), and the controller reads rank 0's ``Ste
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -29,6 +30,12 @@ from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, sampling_kin
 from speculative.proposers import RoundInputs
 
 logger = logging.getLogger(__name__)
+
+# choosing a bucket's graphs with or without the norms inside the linears (Worker._capture_faster_fusion): rounds of
+# alternating timings, graph replays per timing, and how much faster the graphs with norm kernels must be to be kept
+NORM_FUSION_PASSES = 5
+NORM_FUSION_REPLAYS = 10
+NORM_FUSION_MARGIN = 0.01
 
 
 @dataclass
@@ -239,6 +246,9 @@ class Worker:
         self.graph_buckets: list[int] = []
         # (bucket, sampling kind, top logprobs) → graph names in replay order
         self.graph_phases: dict[tuple[int, str, bool], list[str]] = {}
+        # batch bucket → whether its graphs run the norms inside the linears (decided at its greedy capture)
+        self.norm_fusion: dict[int, bool] = {}
+        self.tuning_cache = None  # the small-M tuning cache (TuningCache), when graphs are on and one is configured
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -334,6 +344,7 @@ class Worker:
         cache_dir = self.cfg.resolved_tuning_cache_dir()
         cache = (TuningCache(os.path.join(cache_dir, "small_m_linear.json"), tuning_environment(self.device))
                  if cache_dir else None)
+        self.tuning_cache = cache
         t0 = time.perf_counter()
         timed = sum(tune_small_m_linears(m, cache) for m in models)
         torch.cuda.empty_cache()  # the timing buffers must not count as used when the KV cache is sized
@@ -374,17 +385,93 @@ class Worker:
         self.static = StaticInputs(buckets[-1], draft_cols, self.pad_slot, self.device)
         self.graphs = GraphRunner(self.device)
         self.graph_phases.clear()
+        self.norm_fusion.clear()
         self.graph_buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             self._capture(bucket, "greedy", top=False)
+        if self.tuning_cache is not None:
+            self.tuning_cache.save()
 
     def _capture(self, bucket: int, kind: str, top: bool) -> None:
-        """Capture one bucket's graphs on padding rows (a capture runs its callables three times)."""
+        """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
+        forwards can run the norms inside the linears (``_norm_fusion_open``), the bucket's first capture takes
+        them both ways and keeps the faster (``_capture_faster_fusion``); its later captures follow that choice."""
+        if bucket not in self.norm_fusion and self._norm_fusion_open(bucket):
+            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top)
+        else:
+            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True))
+
+    def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = ()) -> list[tuple]:
+        """Capture the bucket's phases under their graph keys (plus ``variant``), their forwards running the norms
+        inside the linears where they can if ``fused``; returns the keys in order."""
         self.static.reset()
         phases = self._graph_callables(bucket, kind, top)
-        for name, fn in phases.items():
-            self.graphs.capture((name, bucket, kind, top), fn)
+        keys = [(name, bucket, kind, top) + variant for name in phases]
+        for key, fn in zip(keys, phases.values()):
+            self.graphs.capture(key, self._norms_in_linears(fused)(fn))  # (on a CPU the callable runs each time)
         self.graph_phases[(bucket, kind, top)] = list(phases)
+        return keys
+
+    def _folded_models(self) -> list[torch.nn.Module]:
+        runner = getattr(self.proposer, "runner", None)
+        models = [self.target.model] + ([runner.model] if runner is not None else [])
+        return [m for m in models if getattr(m, "norms_folded", False)]
+
+    def _norm_fusion_open(self, bucket: int) -> bool:
+        """Whether this bucket's graphs could run the norms inside the linears: a model's norm weights are folded
+        and its bucket-row forward runs small-M kernels in every layer (a verify has more rows than the bucket, never
+        fewer, so larger buckets never fuse)."""
+        return any(m.fuses_norms(bucket) for m in self._folded_models())
+
+    @contextlib.contextmanager
+    def _norms_in_linears(self, on: bool):
+        """Forwards inside run their norms inside the linears where they can (``on``) or as norm kernels; also a
+        decorator (``_capture_phases``)."""
+        models = self._folded_models()
+        for m in models:
+            m.norms_in_linears = on
+        try:
+            yield
+        finally:
+            for m in models:
+                m.norms_in_linears = True
+
+    def _norm_fusion_key(self, bucket: int) -> str:
+        """The tuning cache's key of a bucket's fusion choice: what its graphs run (model shapes, speculation)."""
+        shapes = [(m.cfg.architecture, m.cfg.hidden_size, m.cfg.intermediate_size, m.cfg.num_layers,
+                   m.cfg.num_heads, m.cfg.num_kv_heads, m.cfg.head_dim, m.cfg.vocab_size)
+                  for m in self._folded_models()]
+        spec = self.cfg.speculative_config
+        spec_key = None if spec is None else (spec.method, spec.num_steps, spec.topk, spec.num_draft_tokens,
+                                              self.cfg.fuse_speculative_round)
+        return f"norms in linears | {shapes} | {spec_key} | {self.dtype} | bucket {bucket}"
+
+    def _capture_faster_fusion(self, bucket: int, kind: str, top: bool) -> bool:
+        """Capture the bucket's graphs with the norms inside the linears and with the norm kernels, time their
+        replays (alternating, NORM_FUSION_PASSES rounds of NORM_FUSION_REPLAYS, the median), keep the faster and
+        return whether it fuses. The fused graphs are kept unless the others are NORM_FUSION_MARGIN faster; a
+        choice in the tuning cache is taken without timing, so that later starts run the same kernels.
+        (Measured: at the 8B shape the fused bs=1 step is 1.4% faster, at the 1B shape 4% slower:
+        bench/results/norms_in_linears_landed_h100.md.)"""
+        key = self._norm_fusion_key(bucket)
+        cached = self.tuning_cache.get_choice(key) if self.tuning_cache is not None else None
+        if cached is not None:
+            self._capture_phases(bucket, kind, top, cached)
+            return cached
+        keys = {fused: self._capture_phases(bucket, kind, top, fused, variant=(fused,)) for fused in (True, False)}
+        self.graphs.replay_ms(keys[True] + keys[False], 2)  # warm-up
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(NORM_FUSION_PASSES):
+            for fused in (True, False):
+                times[fused].append(self.graphs.replay_ms(keys[fused], NORM_FUSION_REPLAYS))
+        fused_ms, plain_ms = (sorted(times[f])[len(times[f]) // 2] for f in (True, False))
+        fused = plain_ms > fused_ms * (1 - NORM_FUSION_MARGIN)
+        self.graphs.keep(keys[fused], [k[:-1] for k in keys[fused]], drop=keys[not fused])
+        if self.tuning_cache is not None:
+            self.tuning_cache.put_choice(key, fused)
+        logger.info("bucket %d: norms %s the linears (graph replays %.3f ms fused, %.3f ms with norm kernels)",
+                    bucket, "inside" if fused else "outside", fused_ms, plain_ms)
+        return fused
 
     # ---- steps -----------------------------------------------------------------------------------------------
     def _apply_pages(self, step: WorkerStep) -> None:

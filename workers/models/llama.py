@@ -180,6 +180,9 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.aux_hidden_layers: tuple[int, ...] = ()
+        # whether forwards may run the norms inside the linears where the layers can (``fuses_norms``); the worker
+        # sets it per captured batch bucket, to whichever way its graphs replayed faster (``Worker._capture``)
+        self.norms_in_linears = True
 
     def fold_norms(self) -> None:
         """Fold each layer's two norm weights into its q/k/v and gate/up weights (``DecoderLayer.fold_norms``):
@@ -188,11 +191,20 @@ class LlamaForCausalLM(nn.Module):
         residual add waits for the all-reduce, so nothing would fuse)."""
         if self.tp.size > 1:
             raise ValueError("norm weights are folded only on one GPU")
-        if self.layers[0].norms_folded:
+        if self.norms_folded:
             return
         with torch.no_grad():
             for layer in self.layers:
                 layer.fold_norms()
+
+    @property
+    def norms_folded(self) -> bool:
+        return self.layers[0].norms_folded
+
+    def fuses_norms(self, rows: int) -> bool:
+        """Whether a forward of ``rows`` rows runs its norms and residual adds inside its linears: allowed
+        (``norms_in_linears``) and every layer can (``DecoderLayer.fuses_norms``)."""
+        return self.norms_in_linears and all(layer.fuses_norms(rows) for layer in self.layers)
 
     # ---- forward ---------------------------------------------------------------------------------------------
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -203,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
         cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
-        fused_norms = all(layer.fuses_norms(x.shape[0]) for layer in self.layers)
+        fused_norms = self.fuses_norms(x.shape[0])
         h, ids = x.shape[-1], self.aux_hidden_layers
         # each captured layer's input stream written by that layer into its columns of [T, n * hidden]
         aux = x.new_empty(x.shape[0], len(ids) * h) if ids else None
