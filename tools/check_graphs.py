@@ -56,9 +56,11 @@ def main() -> None:
                 ref = next(r for r in rows if r["spec"] == spec_name and r["sampling"] == sname and "eager_tokens" in r)
                 same = toks == ref["eager_tokens"]
                 ok &= same or args.dtype != "float32"
-                replays = eng.executor.worker.graphs.num_replays
+                worker = eng.executor.worker
                 rows.append({"spec": spec_name, "sampling": sname, "mode": mode, "tokens_equal_eager": same,
-                             "graph_replays": replays})
+                             "graph_replays": worker.graphs.num_replays,
+                             # per batch bucket: whether its graphs run the norms inside the linears
+                             "norms_in_linears": {str(b): f for b, f in sorted(worker.norm_fusion.items())}})
                 print(rows[-1], flush=True)
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]
