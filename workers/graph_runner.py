@@ -1,8 +1,8 @@
 """CUDA graphs: one runner for every captured mode.
 
-A captured callable reads only the static input buffers (``StaticInputs``: one packed int64 and one float32 tensor,
-filled with two host→device copies per step) and the worker's device state (each request's last token and last
-advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay. The
+A captured callable reads only the static input buffers (``StaticInputs``: an int64 and a float32 table in one
+device buffer, filled with one host→device copy per step) and the worker's device state (each request's last token
+and last advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay. The
 worker captures, per batch-size bucket and sampling kind (greedy at start, "sample" / "filter" on first use: see
 ``workers.sampling``), and with or without top logprobs: the plain DECODE step (forward + sampling), and for
 speculative decoding either the whole round in ONE graph (draft loop + TARGET_VERIFY + acceptance + KV compaction +
@@ -55,15 +55,24 @@ def batch_buckets(max_bs: int) -> list[int]:
 
 class StaticInputs:
     """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``.
-    Field-major ([fields, max_bs]): every column a graph reads is a contiguous view (no copy kernel in the graph),
-    and each step's values arrive in two whole-buffer host→device copies."""
+    Field-major ([fields, max_bs]): every column a graph reads is a contiguous view (no copy kernel in the graph).
+    The int64 and float32 tables are views of one byte buffer, so each step's values arrive in one whole-buffer
+    host→device copy."""
 
     def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device):
         self.pad_slot = pad_slot
         self.max_bs = max_bs
-        self.ints = torch.zeros(len(INT_FIELDS) + num_draft_cols, max_bs, dtype=torch.int64, device=device)
-        self.floats = torch.zeros(len(FLOAT_FIELDS), max_bs, dtype=torch.float32, device=device)
+        self.num_int_fields = len(INT_FIELDS) + num_draft_cols
+        self.buffer = torch.zeros((self.num_int_fields * 8 + len(FLOAT_FIELDS) * 4) * max_bs, dtype=torch.uint8,
+                                  device=device)
+        self.ints, self.floats = self._tables(self.buffer)
         self.reset()
+
+    def _tables(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``buffer``'s int64 [int fields, max_bs] and float32 [float fields, max_bs] views."""
+        split = self.num_int_fields * 8 * self.max_bs
+        return (buffer[:split].view(torch.int64).view(self.num_int_fields, self.max_bs),
+                buffer[split:].view(torch.float32).view(len(FLOAT_FIELDS), self.max_bs))
 
     def reset(self) -> None:
         """Every row a padding row (graphs are captured on these)."""
@@ -78,20 +87,20 @@ class StaticInputs:
         floats[FLOAT_FIELDS.index("min_p"), lo:hi] = 0.0
 
     def fill(self, step, bucket: int) -> None:
-        """Write the step's rows (and padding up to ``bucket``) into the buffers: two host→device copies of the
-        whole buffers (a few KB; the columns past ``bucket`` are not read)."""
+        """Write the step's rows (and padding up to ``bucket``) into the buffers: one host→device copy of the
+        whole buffer (a few KB; the columns past ``bucket`` are not read), from pinned memory the copy holds until
+        it is done (PyTorch's caching host allocator)."""
         b = len(step.req_slots)
         cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters, step.pending or [0] * b]
-        ints = torch.empty(self.ints.shape, dtype=torch.int64)
+        pinned = self.buffer.device.type == "cuda"
+        host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
+        ints, floats = self._tables(host)
         ints[: len(INT_FIELDS), :b] = torch.tensor(cols, dtype=torch.int64)
         if step.draft_tokens is not None:
             ints[len(INT_FIELDS):, :b] = torch.tensor(step.draft_tokens, dtype=torch.int64).T
-        floats = torch.empty(self.floats.shape, dtype=torch.float32)
         floats[:, :b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32)
         self._fill_rows(ints, floats, b, bucket)
-        pinned = self.ints.device.type == "cuda"
-        self.ints.copy_(ints.pin_memory() if pinned else ints, non_blocking=pinned)
-        self.floats.copy_(floats.pin_memory() if pinned else floats, non_blocking=pinned)
+        self.buffer.copy_(host, non_blocking=pinned)
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
         if name in INT_FIELDS:

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Callable
 
@@ -130,23 +130,40 @@ def share_node_gpus(store, rank: int, world_size: int) -> int | None:
     return rank
 
 
-class HostCopy:
-    """[B] or [B, k] device results on their way to the host: ONE packed device→host copy, started now (into pinned
-    memory, asynchronously) and waited for in ``lists()``. Ids stay exact in float64."""
+@dataclass(frozen=True)
+class PackedOutputs:
+    """A step's [B] / [B, ...] device outputs side by side in one [B, W] float64 tensor (ids stay exact), and how to
+    split them again. A graph's last phase returns one (the packing is captured with it), so a replayed step adds
+    no kernel of its own before its device→host copy."""
 
-    def __init__(self, *tensors: torch.Tensor):
+    data: torch.Tensor
+    widths: tuple[int, ...]
+    flat: tuple[bool, ...]  # a [B] output (one value per row), not a [B, ...] one
+
+    @classmethod
+    def pack(cls, *tensors: torch.Tensor) -> "PackedOutputs":
         cols = [t.reshape(t.shape[0], -1).double() for t in tensors]
-        self.widths = [c.shape[1] for c in cols]
-        self.flat = [t.dim() == 1 for t in tensors]
-        packed = torch.cat(cols, dim=1)
+        return cls(torch.cat(cols, dim=1), tuple(c.shape[1] for c in cols), tuple(t.dim() == 1 for t in tensors))
+
+    def rows(self, b: int) -> "PackedOutputs":
+        """The first ``b`` rows (a bucket's real requests; a contiguous view)."""
+        return replace(self, data=self.data[:b])
+
+
+class HostCopy:
+    """A step's packed outputs on their way to the host: ONE device→host copy, started now (into pinned memory,
+    asynchronously) and waited for in ``lists()``."""
+
+    def __init__(self, packed: PackedOutputs):
+        self.widths, self.flat = packed.widths, packed.flat
         self.event = None
-        if packed.is_cuda:
-            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self.host.copy_(packed, non_blocking=True)
+        if packed.data.is_cuda:
+            self.host = torch.empty(packed.data.shape, dtype=packed.data.dtype, pin_memory=True)
+            self.host.copy_(packed.data, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
         else:
-            self.host = packed
+            self.host = packed.data  # (on a CPU a "replay" runs the callable: new tensors every step)
 
     def lists(self) -> list[list]:
         if self.event is not None:
@@ -355,12 +372,12 @@ class Worker:
 
     # ---- CUDA graphs -----------------------------------------------------------------------------------------
     def _graph_callables(self, bucket: int, kind: str, top: bool) -> dict[str, object]:
-        """What one bucket captures: name → callable over the static inputs (``top``: with each token's top
-        logprobs as extra outputs)."""
+        """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
+        step's outputs packed for the host (``PackedOutputs``; ``top``: with each token's top logprobs)."""
         if self.proposer is None:
-            return {"decode": lambda: self._decode(self._static_inputs(bucket, kind), top)}
+            return {"decode": lambda: PackedOutputs.pack(*self._decode(self._static_inputs(bucket, kind), top))}
         if self.cfg.fuse_speculative_round:
-            return {"round": lambda: self._round(self._static_inputs(bucket, kind), top)}
+            return {"round": lambda: PackedOutputs.pack(*self._round(self._static_inputs(bucket, kind), top))}
         state: dict = {}  # tensors the phases hand to each other (outputs of the previous phase's graph)
 
         def draft():
@@ -371,7 +388,8 @@ class Worker:
             state["verified"] = self._verify(state["inp"], state["tree"], top)
 
         return {"draft": draft, "verify": verify,
-                "draft_extend": lambda: self._finish_round(state["inp"], state["tree"], *state["verified"])}
+                "draft_extend": lambda: PackedOutputs.pack(*self._finish_round(state["inp"], state["tree"],
+                                                                                *state["verified"]))}
 
     @torch.inference_mode()
     def capture_graphs(self) -> None:
@@ -528,7 +546,7 @@ class Worker:
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             self.proposer.after_extend(step, fb, self._features(fb, hidden), ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
-        return HostCopy(ids, logprobs, *top), _token_result
+        return HostCopy(PackedOutputs.pack(ids, logprobs, *top)), _token_result
 
     def _features(self, fb, hidden: torch.Tensor) -> torch.Tensor:
         fn = getattr(self.proposer, "target_features", None)
@@ -542,15 +560,16 @@ class Worker:
         if bucket is None:
             inp = self._eager_inputs(step)
             out = self._decode(inp, top) if self.proposer is None else self._round(inp, top)
+            packed = PackedOutputs.pack(*out)
         else:
             if (bucket, kind, top) not in self.graph_phases:
                 self._capture(bucket, kind, top)
             self.static.fill(step, bucket)
-            for name in self.graph_phases[(bucket, kind, top)]:  # the last phase returns the step's outputs
+            for name in self.graph_phases[(bucket, kind, top)]:  # the last phase returns the packed outputs
                 out = self.graphs.replay((name, bucket, kind, top))
+            packed = out.rows(b)
         # copied now: the next replay overwrites a graph's outputs
-        copy = HostCopy(*(t[:b] for t in out))
-        return copy, (_token_result if self.proposer is None else self._round_result)
+        return HostCopy(packed), (_token_result if self.proposer is None else self._round_result)
 
     def _round_result(self, lists: list[list]) -> StepResult:
         accept, tokens, logprobs, *top = lists
