@@ -1,5 +1,9 @@
-"""The bench reports' own arithmetic (no GPU): how a profiled replay's wall time is attributed to its kernels."""
+"""The bench reports' own arithmetic (no GPU): how a profiled replay's wall time is attributed to its kernels, and
+the speculation summary's ratios."""
 
+from types import SimpleNamespace
+
+from bench.gpu_perf import Suite
 from bench.profile_decode import exposed_by_kernel, verify_layers
 
 
@@ -29,3 +33,23 @@ def test_verify_layers_roles_and_span():
     got = verify_layers(kernels, 2)
     assert got == {"per_layer_us": 168.0, "_add_rms_norm": 2.0, "q/k/v": 20.0, "_rope_qk": 2.0,
                    "_split_kv_attention": 5.0, "_merge_splits": 3.0, "o": 13.0, "gate/up": 80.0, "down": 43.0}
+
+
+def test_speculation_summary_ratios():
+    def row(bs, tok_s, ms):
+        return {"batch_size": bs, "decode_tok_s": tok_s, "ms_per_step": ms}
+
+    throughput = {"no_spec": [row(1, 200.0, 5.0), row(64, 8000.0, 8.0)],
+                  "eagle3_chain3": [row(1, 480.0, 6.0), row(64, 16000.0, 12.0)],
+                  "naive_fused": [row(1, 300.0, 5.4), row(64, 11000.0, 8.4)],
+                  "naive_separate": [row(1, 290.0, 5.5), row(64, 10800.0, 8.5)]}
+    suite = SimpleNamespace(args=SimpleNamespace(accept_length=3.0), results={"throughput": throughput})
+    Suite.summarize(suite)
+    got = suite.results["summary"]
+    assert got["eagle3_chain3_vs_no_spec_bs1"] == 2.4
+    assert got["eagle3_chain3_round_in_decode_steps_bs1"] == 1.2
+    assert got["eagle3_chain3_vs_no_spec_bs1_at_simulated_accept_length"] == 2.5  # 3 tokens per 1.2 steps
+    assert got["naive_fused_over_separate_round_ms_bs1"] == round(5.4 / 5.5, 3)
+    assert got["naive_fused_over_separate_bound_bs1"] == round(5.0 / 5.5, 3)  # a fused round of one decode step
+    assert got["naive_fused_vs_no_spec_bs64"] == 1.375
+    assert got["spec_vs_no_spec_by_bs"] == {1: 2.4, 64: 2.0}
