@@ -339,8 +339,7 @@ class Worker:
         """On one GPU with 16-bit weights, each decoder layer's norm weights go into the projections after them
         (``LlamaForCausalLM.fold_norms``), with or without CUDA graphs, so that eager and graph runs use the same
         weights; forwards whose linears run the small-M kernels then run the norms inside them."""
-        runner = getattr(self.proposer, "runner", None)
-        for model in [self.target.model] + ([runner.model] if runner is not None else []):
+        for model in (runner.model for runner in self._runners()):
             if (hasattr(model, "fold_norms") and model.tp.size == 1 and self.device.type == "cuda"
                     and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)):
                 model.fold_norms()
@@ -431,9 +430,7 @@ class Worker:
         return keys
 
     def _folded_models(self) -> list[torch.nn.Module]:
-        runner = getattr(self.proposer, "runner", None)
-        models = [self.target.model] + ([runner.model] if runner is not None else [])
-        return [m for m in models if getattr(m, "norms_folded", False)]
+        return [runner.model for runner in self._runners() if getattr(runner.model, "norms_folded", False)]
 
     def _norm_fusion_open(self, bucket: int) -> bool:
         """Whether this bucket's graphs could run the norms inside the linears: a model's norm weights are folded
