@@ -41,7 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.fused_ops import l2_prefetch_bytes, pdl_launch, pdl_launches, pdl_supported, silu_and_mul
+from workers.fused_ops import l2_prefetch_bytes, pdl_launch, pdl_launches, pdl_supported, rms_norm, silu_and_mul
 
 try:
     import triton
@@ -408,11 +408,12 @@ def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_calls: int = 8,
-                replays: int = 5) -> float:
+                replays: int = 5, between=None) -> float:
     """Milliseconds per ``call(weight)`` as a decode step runs it: captured in a CUDA graph as back-to-back calls
     cycling over ``weights`` (no launch gaps, a cold weight each time, the next kernel queued behind), the median
     over replays. Isolated timings (``do_bench``: one call after an L2 flush) add several microseconds of dirty
-    L2 write-back and launch latency to each call, enough to rank kernels of a few tens of microseconds wrongly."""
+    L2 write-back and launch latency to each call, enough to rank kernels of a few tens of microseconds wrongly.
+    ``between()``: launched before each call (its time is part of the result)."""
     import statistics
 
     from workers.graph_runner import capturing
@@ -421,6 +422,8 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     side.wait_stream(torch.cuda.current_stream())
     with pdl_launches(), torch.cuda.stream(side):  # compile and warm up outside the capture (PDL: as in graphs)
         for w in weights:
+            if between is not None:
+                between()
             call(w)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
@@ -428,6 +431,8 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     # invalidate the capture
     with pdl_launches(), capturing(graph, capture_error_mode="thread_local"):
         for i in range(calls):
+            if between is not None:
+                between()
             call(weights[i % len(weights)])
     graph.replay()
     times = []
@@ -442,14 +447,31 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     return statistics.median(times)
 
 
+def pdl_neighbour(weight: torch.Tensor):
+    """A short Triton kernel launched with PDL, like those around a linear in a layer (its RMS norm, RoPE, the
+    attention merge): an RMS norm of one row as wide as ``weight``'s input."""
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    gamma, out = torch.ones_like(x[0]), torch.empty_like(x)
+    return lambda: rms_norm(x, gamma, 1e-6, out=out)
+
+
 def _fastest(weights: list[torch.Tensor], side: torch.cuda.Stream, runs) -> TileConfig | None:
     """Of ``runs`` [(choice, call(weight))] in order, the choice timed fastest (``replayed_ms``), each later one
     taken only when it beats the best before it by SWITCH_MARGIN. A candidate that fails to compile or launch (e.g.
-    too much shared memory on this GPU) is simply not a candidate."""
+    too much shared memory on this GPU) is simply not a candidate.
+
+    Each call is timed after a short PDL kernel (``pdl_neighbour``), less that kernel's own time: in a layer a
+    linear starts after, and is followed by, such kernels, and a Triton kernel meets them under PDL (each starts
+    while the one before it ends) where a cuBLAS one waits at both ends. Timed back to back among themselves, the
+    1B gate/up's one-row kernels had cuBLAS 1.0 us faster than the rows-left tile on some starts and not others,
+    while in the model cuBLAS made the step 36 us (2.3 us a layer) slower
+    (bench/results/tuner_neighbours_h100.md)."""
+    neighbour = pdl_neighbour(weights[0])
+    alone = replayed_ms(lambda w: None, weights, side, between=neighbour)
     best, best_ms = None, float("inf")
     for choice, call in runs:
         try:
-            ms = replayed_ms(call, weights, side)
+            ms = replayed_ms(call, weights, side, between=neighbour) - alone
         except Exception:  # noqa: BLE001
             torch.cuda.synchronize()
             continue
@@ -553,7 +575,7 @@ class TuningCache:
             logger.warning("small-M tuning cache %s not written: %s", self.path, e)
 
 
-TIMING_METHOD = "graph replays"  # part of the cache's environment: choices timed another way are timed again
+TIMING_METHOD = "graph replays after a PDL kernel"  # part of the cache's environment: choices timed another way are timed again
 
 
 def candidates_digest() -> str:
