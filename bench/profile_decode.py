@@ -36,10 +36,11 @@ from bench.verify_attention import copy_bandwidth  # noqa: E402
 
 def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
     """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
-    ``workers.small_m_linear.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``, as the
-    tuner times them (a CUDA graph of back-to-back calls over weight copies worth twice the L2, as a decode step
-    runs its layers). The down projection runs gated, as in the models: its input is [gate | up] and silu(gate) * up
-    is fused into the Triton kernel's loads, while cuBLAS runs after the separate silu_and_mul kernel."""
+    ``workers.small_m_linear.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``: a CUDA
+    graph of back-to-back calls over weight copies worth twice the L2, as a decode step runs its layers (the tuner
+    also launches a short PDL kernel before each call and takes its time off, ``_fastest``). The down projection
+    runs gated, as in the models: its input is [gate | up] and silu(gate) * up is fused into the Triton kernel's
+    loads, while cuBLAS runs after the separate silu_and_mul kernel."""
     from workers import small_m_linear as sml
     from workers.fused_ops import silu_and_mul
 

@@ -14,11 +14,11 @@ rows_probe_h100.md).
 
 Which kernel runs is measured once, at start-up, not guessed and not on the serving path: ``tune_small_m_linears``
 times cuBLAS (``F.linear``) and every candidate tile config on each layer's real weight for each row bucket, as CUDA
-graph replays of back-to-back calls (``replayed_ms``: how a decode step runs them) in the order of ``candidates``
-(an incumbent first; a later kernel must be SWITCH_MARGIN faster), and stores the winner in that
-layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only reads the table: a bucket
-that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the very same
-kernel) runs ``F.linear``. An MLP's [gate; up] layer also gets a ``small_m_act`` table (``tune_activated``): a
+graph replays of back-to-back calls, each after a short PDL kernel (``replayed_ms``, ``_fastest``: how a decode step
+runs them) in the order of ``candidates`` (an incumbent first; a later kernel must be SWITCH_MARGIN faster), and
+stores the winner in that layer's ``small_m`` table (row bucket → TileConfig, or None for cuBLAS). ``linear`` only
+reads the table: a bucket that was not tuned (CPU, fp32, a replicated draft under TP, where every rank must run the
+very same kernel) runs ``F.linear``. An MLP's [gate; up] layer also gets a ``small_m_act`` table (``tune_activated``): a
 weight-left tile writing silu(gate) * up in its epilogue, where that beats the layer's own kernel followed by the
 silu_and_mul kernel; the MLP takes it where the down projection's kernel would run silu_and_mul first
 (``activated_config``).
@@ -463,9 +463,9 @@ def _fastest(weights: list[torch.Tensor], side: torch.cuda.Stream, runs) -> Tile
     Each call is timed after a short PDL kernel (``pdl_neighbour``), less that kernel's own time: in a layer a
     linear starts after, and is followed by, such kernels, and a Triton kernel meets them under PDL (each starts
     while the one before it ends) where a cuBLAS one waits at both ends. Timed back to back among themselves, the
-    1B gate/up's one-row kernels had cuBLAS 1.0 us faster than the rows-left tile on some starts and not others,
-    while in the model cuBLAS made the step 36 us (2.3 us a layer) slower
-    (bench/results/tuner_neighbours_h100.md)."""
+    1B gate/up's one-row kernels came out about 1 us (4%) apart, the rows-left tile ahead of cuBLAS, and fresh
+    starts still kept cuBLAS (the incumbent, within the margin) on 3 of 5; in the model, cuBLAS made the step 36 us
+    (2.3 us a layer) slower than the tile (bench/results/tuner_neighbours_h100.md)."""
     neighbour = pdl_neighbour(weights[0])
     alone = replayed_ms(lambda w: None, weights, side, between=neighbour)
     best, best_ms = None, float("inf")
@@ -575,7 +575,8 @@ class TuningCache:
             logger.warning("small-M tuning cache %s not written: %s", self.path, e)
 
 
-TIMING_METHOD = "graph replays after a PDL kernel"  # part of the cache's environment: choices timed another way are timed again
+# part of the cache's environment: choices timed another way are timed again
+TIMING_METHOD = "graph replays after a PDL kernel"
 
 
 def candidates_digest() -> str:
