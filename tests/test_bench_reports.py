@@ -53,3 +53,13 @@ def test_speculation_summary_ratios():
     assert got["naive_fused_over_separate_bound_bs1"] == round(5.0 / 5.5, 3)  # a fused round of one decode step
     assert got["naive_fused_vs_no_spec_bs64"] == 1.375
     assert got["spec_vs_no_spec_by_bs"] == {1: 2.4, 64: 2.0}
+
+
+def test_speculation_row_is_the_fastest_run():
+    """A speculation row keeps the run with the fewest ms per step (a stall only adds time) and every run's."""
+    stalled = {"batch_size": 64, "decode_tok_s": 35410.7, "ms_per_step": 2.869}
+    clean = {"batch_size": 64, "decode_tok_s": 50183.3, "ms_per_step": 2.0}
+    for runs in ([stalled, clean], [clean, stalled]):
+        got = Suite.fastest_run(runs)
+        assert (got["decode_tok_s"], got["ms_per_step"]) == (50183.3, 2.0)
+        assert got["ms_per_step_runs"] == [r["ms_per_step"] for r in runs]
