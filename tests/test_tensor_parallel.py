@@ -96,3 +96,85 @@ def test_custom_all_reduce_switch_reaches_the_config():
     assert cfg.disable_custom_all_reduce and cfg.tensor_parallel_size == 2
     assert not engine_config_from_args(p.parse_args(["--model", "m"])).disable_custom_all_reduce
     assert EngineConfig(model="m").resolved_device() == "cpu"  # auto on a machine without GPUs
+
+
+# a prefill of 5 and 3 tokens, one-row and two-row steps, then a 20-token prefill (past MAX_ROWS: norm kernels)
+FORWARDS = [([0, 1], [5, 3]), ([0], [1]), ([0, 1], [1, 1]), ([1], [20])]
+
+
+def _logits(path: str, tp, fold: bool) -> list:
+    """The model's logits over FORWARDS (torch-native attention, fp32), its norm weights folded if ``fold``."""
+    import torch
+
+    from attention.torch_native import TorchNativeBackend
+    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.kv_cache import KVCache, PageTable
+    from workers.loader import load_weights
+    from workers.model_config import ModelConfig
+    from workers.models.llama import LlamaForCausalLM
+    from workers.small_m_linear import MAX_ROWS
+
+    cfg = ModelConfig.from_pretrained(path)
+    model = LlamaForCausalLM(cfg, torch.float32, tp)
+    load_weights(model, path)
+    if fold:
+        model.fold_norms()
+    spec = model.layers[0].self_attn.spec
+    kv = KVCache(cfg.num_layers, 17, 4, spec.num_kv_heads, spec.head_dim, torch.float32, torch.device("cpu"))
+    table = PageTable(2, 8, 4, torch.device("cpu"))
+    table.table.copy_(torch.arange(1, 17, dtype=torch.int32).view(2, 8))
+    g = torch.Generator().manual_seed(5)
+    lens, out = [0, 0], []
+    for slots, new in FORWARDS:
+        ids = torch.randint(0, cfg.vocab_size, (sum(new),), generator=g)
+        seq = [lens[s] + n for s, n in zip(slots, new)]
+        fb = ForwardBatch.build(ForwardMode.EXTEND if max(new) > 1 else ForwardMode.DECODE, ids, slots, seq, new,
+                                kv, table)
+        fb.attn_backend = TorchNativeBackend()
+        fb.attn_backend.init_forward_metadata(fb)
+        assert model.fuses_norms(len(ids)) == (fold and len(ids) <= MAX_ROWS)
+        with torch.no_grad():
+            out.append(model.compute_logits(model(fb)).float())
+        for s, n in zip(slots, new):
+            lens[s] += n
+    return out
+
+
+def _folded_rank(rank: int, path: str, port: int, result: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from workers.worker import init_distributed
+
+    tp = init_distributed(rank, 2, "127.0.0.1", port, "cpu")
+    try:
+        logits = _logits(path, tp, fold=True)
+        agreed = tp.all_reduce_host([float(rank), 1.0], op=dist.ReduceOp.MIN)
+        if rank == 0:
+            torch.save({"logits": logits, "agreed": agreed}, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_norms_in_linears_equal_tp1(tp_models, tmp_path):
+    """Under TP the folded model runs its norms inside the linears on every rank whatever each one's tuning picked,
+    and rank 0 alone adds the residual stream to its partial sum before the all-reduce: the stream is added once,
+    and the logits equal TP=1's with its norm kernels (gloo, two processes)."""
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from workers.layers import SINGLE
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = str(tmp_path / "tp2.pt")
+    mp.spawn(_folded_rank, args=(str(tp_models["target"]), port, result), nprocs=2, join=True)
+    got = torch.load(result)
+    assert got["agreed"] == [0.0, 1.0]
+    ref = _logits(str(tp_models["target"]), SINGLE, fold=False)
+    assert len(got["logits"]) == len(ref) == len(FORWARDS)
+    for a, b in zip(got["logits"], ref):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()

@@ -37,6 +37,15 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_host(self, values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
+        """``values`` reduced over the ranks (``op``), back on the host: for decisions every rank must take alike."""
+        if self.size == 1:
+            return list(values)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.nccl is not None else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=op, group=self.group)
+        return t.tolist()
+
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
@@ -181,10 +190,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, gated: bool = False, add: torch.Tensor | None = None) -> torch.Tensor:
         """``gated``: x is [..., 2 * in] (gate | up) and the input is silu(gate) * up (small_m_linear.linear).
-        ``add``: returns y + add (a residual stream), inside the small-M kernel where one runs and nothing comes
-        between them (no all-reduce, no bias)."""
-        if add is not None and self.tp.size == 1 and self.bias is None:
-            return linear(x, self.weight, None, self.small_m, gated, add=add)
+        ``add``: returns y + add (a residual stream, the same on every rank), inside the small-M kernel where one
+        runs. Under TP rank 0 alone adds it to its partial sum, before the all-reduce: the sum then carries it once
+        and no add kernel waits for the all-reduce."""
+        if add is not None and self.bias is None:
+            y = linear(x, self.weight, None, self.small_m, gated, add=add if self.tp.rank == 0 else None)
+            return self.tp.all_reduce(y)
         y = linear(x, self.weight, None, self.small_m, gated)
         y = self.tp.all_reduce(y)
         y = y + self.bias if self.bias is not None else y

@@ -336,11 +336,11 @@ class Worker:
         return None
 
     def _fold_norm_weights(self) -> None:
-        """On one GPU with 16-bit weights, each decoder layer's norm weights go into the projections after them
+        """On GPUs with 16-bit weights, each decoder layer's norm weights go into the projections after them
         (``LlamaForCausalLM.fold_norms``), with or without CUDA graphs, so that eager and graph runs use the same
-        weights; forwards whose linears run the small-M kernels then run the norms inside them."""
+        weights; forwards that can (``fuses_norms``) then run the norms inside the linears."""
         for model in (runner.model for runner in self._runners()):
-            if (hasattr(model, "fold_norms") and model.tp.size == 1 and self.device.type == "cuda"
+            if (hasattr(model, "fold_norms") and self.device.type == "cuda"
                     and next(model.parameters()).dtype in (torch.float16, torch.bfloat16)):
                 model.fold_norms()
 
@@ -470,6 +470,9 @@ class Worker:
         bench/results/norms_in_linears_landed_h100.md.)"""
         key = self._norm_fusion_key(bucket)
         cached = self.tuning_cache.get_choice(key) if self.tuning_cache is not None else None
+        if self.tp.size > 1:  # every rank takes the same path, and times (replays all-reduces) or none does
+            has, value = self.tp.all_reduce_host([cached is not None, bool(cached)], op=dist.ReduceOp.MIN)
+            cached = bool(value) if has else None
         if cached is not None:
             self._capture_phases(bucket, kind, top, cached)
             return cached
@@ -480,6 +483,7 @@ class Worker:
             for fused in (True, False):
                 times[fused].append(self.graphs.replay_ms(keys[fused], NORM_FUSION_REPLAYS))
         fused_ms, plain_ms = (sorted(times[f])[len(times[f]) // 2] for f in (True, False))
+        fused_ms, plain_ms = (t / self.tp.size for t in self.tp.all_reduce_host([fused_ms, plain_ms]))  # the mean
         fused = plain_ms > fused_ms * (1 - NORM_FUSION_MARGIN)
         self.graphs.keep(keys[fused], [k[:-1] for k in keys[fused]], drop=keys[not fused])
         if self.tuning_cache is not None:

@@ -110,9 +110,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def runs_small_m_kernels(self, rows: int) -> bool:
-        """Whether all four projections run a small-M Triton kernel for ``rows`` rows (their tuned tables), on one
-        GPU (under TP the residual add waits for the all-reduce)."""
-        if not 0 < rows <= MAX_ROWS or self.self_attn.o_proj.tp.size > 1:
+        """Whether all four projections run a small-M Triton kernel for ``rows`` rows (their tuned tables)."""
+        if not 0 < rows <= MAX_ROWS:
             return False
         bucket = row_bucket(rows)
         return all(p.small_m.get(bucket) is not None for p in (self.self_attn.qkv_proj, self.self_attn.o_proj,
@@ -120,10 +119,17 @@ class DecoderLayer(nn.Module):
 
     def fuses_norms(self, rows: int) -> bool:
         """Whether a forward of ``rows`` rows runs this layer's norms and residual adds inside its linears (the norm
-        weights folded, ``fold_norms``, and all four on small-M kernels): a one-row decode step of a 32-layer model
-        then runs 64 kernels fewer, each a short one on the step's critical path, and a speculative round's verify
-        as many."""
-        return self.norms_folded and self.runs_small_m_kernels(rows)
+        weights folded, ``fold_norms``): a one-row decode step of a 32-layer model then runs 64 kernels fewer, each
+        a short one on the step's critical path, and a speculative round's verify as many. On one GPU only where all
+        four run small-M kernels (elsewhere the norm is torch ops). Under TP at any row count up to MAX_ROWS, so
+        that it does not depend on this rank's tuning: the ranks must take the same path, or the stream that rank 0
+        adds before the all-reduce (``RowParallelLinear.forward``) would be added again after it; the norm kernel it
+        saves is one that waited for the all-reduce."""
+        if not self.norms_folded:
+            return False
+        if self.self_attn.o_proj.tp.size > 1:
+            return 0 < rows <= MAX_ROWS
+        return self.runs_small_m_kernels(rows)
 
     def fold_norms(self) -> None:
         """The two norms' weights into the q/k/v and gate/up weights (``small_m_linear.fold_norm_weight``)."""
@@ -187,10 +193,7 @@ class LlamaForCausalLM(nn.Module):
     def fold_norms(self) -> None:
         """Fold each layer's two norm weights into its q/k/v and gate/up weights (``DecoderLayer.fold_norms``):
         forwards whose projections all run small-M Triton kernels then run the norms and residual adds inside them
-        (``fuses_norms``), the others the norm kernels with weights of one. Once; single-GPU only (under TP the
-        residual add waits for the all-reduce, so nothing would fuse)."""
-        if self.tp.size > 1:
-            raise ValueError("norm weights are folded only on one GPU")
+        (``fuses_norms``), the others the norm kernels with weights of one. Once."""
         if self.norms_folded:
             return
         with torch.no_grad():
