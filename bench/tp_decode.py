@@ -35,6 +35,10 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
         import faulthandler
 
         faulthandler.dump_traceback_later(float(os.environ["SPECSERVE_HANG_DUMP_S"]), exit=True)
+    import logging
+
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"rank {rank} %(name)s: %(message)s")
     if isolated:  # as under Ray: this rank sees only its own GPU; the Worker widens the visibility itself
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     else:
@@ -75,7 +79,10 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     overlapped_ms = (time.perf_counter() - t0) * 1000 / steps
     if rank == 0:
         Path(result_file).write_text(json.dumps({"tokens": tokens, "step_ms": times, "overlapped_step_ms": overlapped_ms,
-                                                 "custom_all_reduce": w.tp.custom_all_reduce is not None}))
+                                                 "custom_all_reduce": w.tp.custom_all_reduce is not None,
+                                                 "norms_in_linears": {str(b): f
+                                                                      for b, f in sorted(w.norm_fusion.items())},
+                                                 "norms_folded": w.target.model.norms_folded}))
     if profile_file:  # GPU time per kernel over 8 more steps (kernels replayed from graphs included), rank 0's table
         from torch.profiler import ProfilerActivity, profile
 
@@ -105,6 +112,9 @@ def markdown(meta: dict) -> str:
                else ".\n\n")
             +
             f"TP=2 used the one-shot custom all-reduce: {meta['tp2_custom_all_reduce']}.\n")
+    if "norms" in meta:
+        text += "\nNorm weights folded / norms inside the linears by batch bucket: " + "; ".join(
+            f"{k} {v['folded']} / {v['inside_linears_by_bucket']}" for k, v in meta["norms"].items()) + ".\n"
     if "tp2_isolated_median_step_ms" in meta:
         text += (f"\nTP=2 with each rank started seeing only its own GPU (as under Ray): "
                  f"{meta['tp2_isolated_median_step_ms']} ms/step, custom all-reduce: "
@@ -173,6 +183,10 @@ def main() -> None:
             "overlapped_tp2_over_tp1": round(results["tp2"]["overlapped_step_ms"]
                                              / results["tp1"]["overlapped_step_ms"], 3),
             "tp2_custom_all_reduce": results["tp2"]["custom_all_reduce"],
+            # per variant: whether the norm weights were folded, and each batch bucket's choice of the norms inside
+            # the linears (Worker._capture_faster_fusion; empty: no bucket timed them, the fused forward where folded)
+            "norms": {name: {"folded": r.get("norms_folded"), "inside_linears_by_bucket": r.get("norms_in_linears")}
+                      for name, r in results.items()},
             "greedy_tokens_equal": equal, "first_difference_at": first_diff, "cuda_graphs": not args.eager}
     if "tp2_isolated" in results:
         r = results["tp2_isolated"]
