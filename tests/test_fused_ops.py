@@ -66,6 +66,7 @@ def check() -> None:
     check_tree_verdict(g)
     check_record_round(g)
     check_store_kv_and_argmax(g)
+    check_one_shot_sum(g)
     print("fused ops ok")
 
 
@@ -200,6 +201,43 @@ def check_filter_floor(g) -> None:
     race = (torch.where(temp > 0, temp, 1.0), torch.arange(8), torch.zeros(8, dtype=torch.long), 0)
     ids = argmax_logsumexp(logits, gumbel=race, floor=got)[0]
     assert torch.all(logits.gather(1, ids.unsqueeze(1)).squeeze(1) >= got)
+
+
+def check_one_shot_sum(g) -> None:
+    """The one-shot all-reduce kernel (``workers.custom_all_reduce``) as rank 0 of 2, its peer played here: the peer's
+    slices in the half of each program's call count, its flags at that count + 1. Rank 0 must sum both in rank
+    order, flag each program's call to the peer, count its calls (so the next ones use the other half), and leave
+    the programs past the grid alone; sizes change between calls, a ragged last slice included."""
+    import torch
+
+    from workers.custom_all_reduce import BLOCK, _one_shot_sum_kernel
+
+    world, max_numel = 2, 4 * BLOCK
+    for dtype in (torch.float32, torch.bfloat16):
+        buffers = [torch.zeros(2 * max_numel, dtype=dtype) for _ in range(world)]
+        flags = [torch.zeros(4 * world, dtype=torch.int64) for _ in range(world)]
+        buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
+        flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+        calls = torch.zeros(4, dtype=torch.int64)
+        for n in (BLOCK + 7, 3 * BLOCK, BLOCK + 7, 4 * BLOCK, 5):
+            x, peer = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+            grid = -(-n // BLOCK)
+            for p in range(grid):
+                half, lo, hi = int(calls[p]) % 2 * max_numel, p * BLOCK, min(n, (p + 1) * BLOCK)
+                buffers[1][half + lo: half + hi] = peer[lo:hi]
+                buffers[1][max_numel - half + lo: max_numel - half + hi] = float("nan")  # the other half: stale
+                flags[0][p * world + 1] = calls[p] + 1
+            before, out = calls.clone(), torch.empty_like(x)
+            _one_shot_sum_kernel[(grid,)](x, out, buffer_ptrs, flag_ptrs, calls, n, max_numel, RANK=0, WORLD=world,
+                                          BLOCK=BLOCK, num_warps=4)
+            ref = (x.float() + peer.float()).to(dtype)
+            if dtype == torch.float32:
+                assert torch.equal(out, ref), n
+            else:  # the interpreter rounds fp32 to bf16 towards zero, the GPU to nearest: one unit apart at most
+                assert torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=0), n
+            assert torch.equal(calls[:grid], before[:grid] + 1) and torch.equal(calls[grid:], before[grid:])
+            assert torch.equal(flags[1][0:2 * grid:2], calls[:grid]), (flags[1], calls)  # rank 0's flags at rank 1
+            assert torch.equal(buffers[0][int(before[0]) % 2 * max_numel:][:min(n, BLOCK)], x[:BLOCK])
 
 
 def check_gumbel_argmax(g) -> None:

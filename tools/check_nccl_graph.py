@@ -44,12 +44,61 @@ def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
     return graph_replay_ms(graph, replays) * 1000 / reps
 
 
+def _pdl_chain(custom, comm, rank: int, world: int, stream) -> str:
+    """The one-shot all-reduce between PDL-launched Triton kernels (the residual output of the fused add + RMSNorm
+    with a zero residual: the input itself), as in a layer, in a graph, alternating a one-row and a 64-row tensor (so
+    the programs count their calls apart) for 6 links; three replays of fresh random inputs must equal the same
+    chain through NCCL (bit for bit with 2 ranks: a + b rounds once either way) and agree on every rank."""
+    from workers.fused_ops import pdl_launches, rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(99 + rank)
+    ones = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
+    inputs = [torch.empty(rows, 4096, device="cuda", dtype=torch.bfloat16) for rows in (1, 64)]
+    zeros = [torch.zeros_like(x) for x in inputs]
+
+    def chain():
+        hs = list(inputs)
+        for _ in range(6):
+            for i in range(2):
+                hs[i] = custom.all_reduce(rms_norm(hs[i], ones, 1e-6, zeros[i])[1])
+        return hs
+
+    with pdl_launches():
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for x in inputs:
+                x.normal_(generator=gen)
+            chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+    for _ in range(3):
+        for x in inputs:
+            x.normal_(generator=gen)
+        graph.replay()
+        refs = [x.clone() for x in inputs]
+        for _ in range(6):
+            refs = [comm.all_reduce(r.clone()) for r in refs]
+        every = [comm.all_gather(o) for o in outs]
+        torch.cuda.synchronize()
+        for o, r, e in zip(outs, refs, every):
+            if world == 2:
+                assert torch.equal(o, r), ("PDL chain vs NCCL", (o.float() - r.float()).abs().max().item())
+            else:
+                assert torch.allclose(o.float(), r.float(), rtol=5e-2, atol=5e-2), "PDL chain vs NCCL"
+            assert all(torch.equal(e[0], e[k]) for k in range(world)), "ranks differ in the PDL chain"
+    del graph
+    return "ok"
+
+
 def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str) -> None:
     if isolated:  # before CUDA initialises in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
 
     from workers.custom_all_reduce import create_custom_all_reduce
+    from workers.fused_ops import pdl_launches
     from workers.nccl import NcclCommunicator
 
     from workers.worker import share_node_gpus
@@ -129,12 +178,16 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
         result["checks"]["custom_graph_chain"] = "ok"
         print(f"rank {rank}: custom all-reduce eager == NCCL, graph chain ok", flush=True)
         del graph
+        result["checks"]["custom_pdl_chain"] = _pdl_chain(custom, comm, rank, world, stream)
+        print(f"rank {rank}: custom all-reduce in a PDL chain ok", flush=True)
 
     for kib in SIZES_KIB:
         t = torch.ones(kib * 512, device="cuda", dtype=torch.bfloat16)
         row = {"nccl": round(_graph_time_us(lambda: comm.all_reduce(t)), 2)}
         if custom is not None and custom.takes(t):
             row["custom"] = round(_graph_time_us(lambda: custom.all_reduce(t)), 2)
+            with pdl_launches():  # as in the engine's graphs on Hopper: each call starts while the one before ends
+                row["custom_pdl"] = round(_graph_time_us(lambda: custom.all_reduce(t)), 2)
         result["latency_us"][f"{kib} KiB"] = row
     if rank == 0:
         Path(result_file).write_text(json.dumps(result))

@@ -41,7 +41,8 @@ WORKLOADS = (
     [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "float32", "--small", "--min-chunk",
      "64"],
 )
-KERNEL_MODULES = ("workers.fused_ops", "workers.small_m_linear", "attention.triton_backend")  # every kernel is here
+KERNEL_MODULES = ("workers.fused_ops", "workers.small_m_linear", "attention.triton_backend",
+                  "workers.custom_all_reduce")  # every kernel is here
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
 # forward batch's metadata kernels) run

@@ -1,11 +1,21 @@
-"""One-shot all-reduce over NVLink for the small tensors of decode and verify, through PyTorch's symmetric memory.
+"""One-shot all-reduce over NVLink for the small tensors of decode and verify: our own Triton kernel over buffers in
+PyTorch's symmetric memory.
 
-Every rank owns one buffer that its peers map directly (``torch.distributed._symmetric_memory``, CUDA backend). The
-op ``symm_mem::one_shot_all_reduce_copy_out`` copies the local input into the own buffer, meets the peers at a barrier
-on the signal pads, and sums all ranks' buffers in rank order: ONE kernel, no ring and no protocol steps, so a
-decode-sized all-reduce (a few KiB) costs a few microseconds instead of NCCL's latency. All ranks sum in the same
-order, so they hold bit-identical results (they must: every rank samples the same tokens). The barrier state lives in
-the signal pads and is reset by each call, so the op can be captured in a CUDA graph and replayed.
+Every rank owns a buffer that its peers map directly (``torch.distributed._symmetric_memory``, CUDA backend). One
+kernel does it all: each program copies its slice of the local input into the own buffer, tells every peer it has
+(a flag it writes into the peer's flag array, release, system scope), waits for the peers' flags (acquire), then sums
+the slice of every rank's buffer in rank order. No ring and no protocol steps, so a decode-sized all-reduce (a few
+KiB) costs a few microseconds instead of NCCL's latency. All ranks sum in the same order, so they hold bit-identical
+results (they must: every rank samples the same tokens).
+
+- Flags count up: a program's n-th call waits for flags of at least n (int64, per program and peer), so nothing is
+  reset and the same kernel replays from CUDA graphs.
+- A rank can be one call ahead of a peer that is still reading its buffer, so the buffer has two halves and
+  consecutive calls of a program alternate between them; a slice always belongs to the same program.
+- Inside ``fused_ops.pdl_launches`` (graph captures on Hopper) it launches with programmatic dependent launch like
+  our other kernels: it becomes resident while the linear before it finishes and lets the next linear prefetch its
+  weights while the ranks meet. (PyTorch's own ``symm_mem::one_shot_all_reduce`` launches plainly: measured in
+  ``bench/results/tp_triton_all_reduce_h100x2.md``.)
 
 Larger tensors (prefill) go to NCCL: past a few hundred KiB the ring's bandwidth wins over one-shot reads.
 Creation is collective; any rank that cannot take part (no symmetric memory in this PyTorch build, peers it cannot
@@ -19,38 +29,93 @@ import logging
 import torch
 import torch.distributed as dist
 
+from workers.fused_ops import pdl_launch, triton
+
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 1 << 20  # largest tensor sent through one-shot: bs 64 x 8192 hidden in bf16
+BLOCK = 1024  # elements per program: a slice of the tensor, always the same program's
+
+if triton is not None:
+    import triton.language as tl
+
+    from workers.fused_ops import pdl_start
+
+    @triton.jit
+    def _one_shot_sum_kernel(x_ptr, out_ptr, buffer_ptrs, flag_ptrs, calls_ptr, n, half_numel,
+                             RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr = False):
+        pid = tl.program_id(0)
+        pdl_start(PDL)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        calls = tl.load(calls_ptr + pid)  # this program's calls so far: the same count on every rank
+        half = (calls % 2) * half_numel
+        x = tl.load(x_ptr + offs, mask=mask)
+        own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        own = tl.multiple_of(own + half, 16)  # (buffers and halves are aligned: vector loads and stores)
+        tl.store(own + offs, x, mask=mask)
+        tl.debug_barrier()  # the whole slice is written before any peer hears of it
+        epoch = calls + 1
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))
+                tl.atomic_xchg(peer_flags + pid * WORLD + RANK, epoch, sem="release", scope="sys")
+        own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
+        for peer in tl.static_range(WORLD):
+            if peer != RANK:
+                while tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys") < epoch:
+                    pass
+        tl.debug_barrier()
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if r == RANK:
+                acc += x.to(tl.float32)
+            else:
+                buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                buf = tl.multiple_of(buf + half, 16)
+                acc += tl.load(buf + offs, mask=mask, volatile=True).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(calls_ptr + pid, epoch)
 
 
 class SymmMemAllReduce:
-    """Sum over the ranks of ``group`` for contiguous ``dtype`` tensors of at most ``max_bytes``."""
+    """Sum over the ranks of ``group`` for contiguous ``dtype`` tensors of at most ``max_bytes`` (module docstring)."""
 
     def __init__(self, group, dtype: torch.dtype, device: torch.device, max_bytes: int = MAX_BYTES):
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
-        self.group_name = group.group_name
-        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
+        self.rank, self.world = group.rank(), group.size()
+        programs = -(-self.max_numel // BLOCK)
+        self.buffer = symm_mem.empty(2 * self.max_numel, dtype=dtype, device=device)  # two halves
         self.handle = symm_mem.rendezvous(self.buffer, group)  # keeps the peers' mappings alive
-        self._op = torch.ops.symm_mem.one_shot_all_reduce_copy_out
+        self.flags = symm_mem.empty(programs * self.world, dtype=torch.int64, device=device)
+        self.flags.zero_()
+        torch.cuda.synchronize(device)  # zeroed before any peer can write a flag here
+        self.flags_handle = symm_mem.rendezvous(self.flags, group)
+        self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.flag_ptrs = torch.tensor(self.flags_handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.calls = torch.zeros(programs, dtype=torch.int64, device=device)
+        dist.barrier(group=group)  # every rank's flags are zero before the first call
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether the one-shot op runs ``x`` (the op needs the input 16-byte aligned, start and size)."""
-        return x.numel() <= self.max_numel and x.dtype == self.dtype and x.is_cuda and x.is_contiguous() \
-            and (x.numel() * x.element_size()) % 16 == 0 and (x.storage_offset() * x.element_size()) % 16 == 0
+        """Whether the one-shot kernel runs ``x``."""
+        return 0 < x.numel() <= self.max_numel and x.dtype == self.dtype and x.is_cuda and x.is_contiguous()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """A new tensor: the sum of every rank's ``x``."""
         out = torch.empty_like(x)
-        self._op(self.buffer[: x.numel()], x.view(-1), "sum", self.group_name, out.view(-1))
+        n = x.numel()
+        _one_shot_sum_kernel[(triton.cdiv(n, BLOCK),)](
+            x, out, self.buffer_ptrs, self.flag_ptrs, self.calls, n, self.max_numel, RANK=self.rank,
+            WORLD=self.world, BLOCK=BLOCK, num_warps=4, **pdl_launch(x))
         return out
 
     def close(self) -> None:
-        """Drop the buffer and the peers' mappings (after the graphs that use them)."""
-        self.buffer = self.handle = None
+        """Drop the buffers and the peers' mappings (after the graphs that use them)."""
+        self.buffer = self.handle = self.flags = self.flags_handle = None
         self.max_numel = 0
 
 
@@ -85,12 +150,12 @@ def _local_refusal(world_size: int, dtype: torch.dtype, device: torch.device) ->
     blocked = [j for j in range(count) if j != here and not torch.cuda.can_device_access_peer(here, j)]
     if blocked:
         return f"no peer access from GPU {here} to {blocked}"
+    if triton is None:
+        return "no Triton for the one-shot kernel"
     try:
         from torch.distributed import _symmetric_memory  # noqa: F401
-
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out  # noqa: B018
-    except (ImportError, AttributeError, RuntimeError) as e:
-        return f"this PyTorch has no symmetric-memory one-shot all-reduce ({e})"
+    except ImportError as e:
+        return f"this PyTorch has no symmetric memory ({e})"
     return None
 
 
@@ -104,11 +169,12 @@ def create_custom_all_reduce(group, rank: int, world_size: int, dtype: torch.dty
     comm, reason = None, None
     try:
         comm = SymmMemAllReduce(group, dtype, device)
-        x = torch.full((4096,), float(rank + 1), dtype=dtype, device=device)
-        y = comm.all_reduce(x)
-        expect = world_size * (world_size + 1) / 2
-        if not torch.all(y == expect).item():
-            reason = f"check sum {y[0].item()} != {expect}"
+        for i, numel in enumerate((4096, 3 * BLOCK + 5, 4096)):  # both halves of the buffer, a ragged slice
+            y = comm.all_reduce(torch.full((numel,), float((rank + 1) * (i + 1)), dtype=dtype, device=device))
+            expect = world_size * (world_size + 1) / 2 * (i + 1)
+            if not torch.all(y == expect).item():
+                reason = f"check sum {y[0].item()} != {expect}"
+                break
     except Exception as e:  # noqa: BLE001 -- any failure here means: use NCCL
         reason = f"{type(e).__name__}: {e}"
     if not _agree(reason is None, group, device):
