@@ -204,17 +204,18 @@ def check_filter_floor(g) -> None:
 
 
 def check_one_shot_sum(g) -> None:
-    """The one-shot all-reduce kernel (``workers.custom_all_reduce``) as rank 0 of 2, its peer played here: the peer's
-    slices in the half of each program's call count, its flags at that count + 1. Rank 0 must sum both in rank
-    order, flag each program's call to the peer, count its calls (so the next ones use the other half), and leave
-    the programs past the grid alone; sizes change between calls, a ragged last slice included."""
+    """The one-shot all-reduce kernel (``workers.custom_all_reduce``) as rank 0 of 2, its peer played here: the peer
+    has pushed its slices into slot 1 of rank 0's buffer, in the half of each program's call count, and set its flags
+    to that count + 1. Rank 0 must push its own slices into slot 0 of the peer's buffer (same half), flag each
+    program's call to the peer, sum both in rank order, count its calls (so the next ones use the other half) and
+    leave the programs past the grid alone; sizes change between calls, a ragged last slice included."""
     import torch
 
     from workers.custom_all_reduce import BLOCK, _one_shot_sum_kernel
 
-    world, max_numel = 2, 4 * BLOCK
+    world, slot = 2, 4 * BLOCK
     for dtype in (torch.float32, torch.bfloat16):
-        buffers = [torch.zeros(2 * max_numel, dtype=dtype) for _ in range(world)]
+        buffers = [torch.zeros(2 * world * slot, dtype=dtype) for _ in range(world)]  # [half, slot, slot elements]
         flags = [torch.zeros(4 * world, dtype=torch.int64) for _ in range(world)]
         buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
         flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
@@ -222,13 +223,16 @@ def check_one_shot_sum(g) -> None:
         for n in (BLOCK + 7, 3 * BLOCK, BLOCK + 7, 4 * BLOCK, 5):
             x, peer = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
             grid = -(-n // BLOCK)
+            into_peer = buffers[1].view(2, world, slot)[:, 0]  # where rank 0 pushes, by half
             for p in range(grid):
-                half, lo, hi = int(calls[p]) % 2 * max_numel, p * BLOCK, min(n, (p + 1) * BLOCK)
-                buffers[1][half + lo: half + hi] = peer[lo:hi]
-                buffers[1][max_numel - half + lo: max_numel - half + hi] = float("nan")  # the other half: stale
+                half, lo, hi = int(calls[p]) % 2, p * BLOCK, min(n, (p + 1) * BLOCK)
+                mine = buffers[0].view(2, world, slot)
+                mine[half, 1, lo:hi] = peer[lo:hi]
+                mine[1 - half, 1, lo:hi] = float("nan")  # the other half: stale
+                into_peer[:, lo:hi] = float("nan")
                 flags[0][p * world + 1] = calls[p] + 1
             before, out = calls.clone(), torch.empty_like(x)
-            _one_shot_sum_kernel[(grid,)](x, out, buffer_ptrs, flag_ptrs, calls, n, max_numel, RANK=0, WORLD=world,
+            _one_shot_sum_kernel[(grid,)](x, out, buffer_ptrs, flag_ptrs, calls, n, slot, RANK=0, WORLD=world,
                                           BLOCK=BLOCK, num_warps=4)
             ref = (x.float() + peer.float()).to(dtype)
             if dtype == torch.float32:
@@ -237,7 +241,10 @@ def check_one_shot_sum(g) -> None:
                 assert torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=0), n
             assert torch.equal(calls[:grid], before[:grid] + 1) and torch.equal(calls[grid:], before[grid:])
             assert torch.equal(flags[1][0:2 * grid:2], calls[:grid]), (flags[1], calls)  # rank 0's flags at rank 1
-            assert torch.equal(buffers[0][int(before[0]) % 2 * max_numel:][:min(n, BLOCK)], x[:BLOCK])
+            for p in range(grid):
+                lo, hi = p * BLOCK, min(n, (p + 1) * BLOCK)
+                assert torch.equal(into_peer[int(before[p]) % 2, lo:hi], x[lo:hi]), (n, p)
+                assert into_peer[1 - int(before[p]) % 2, lo:hi].isnan().all()
 
 
 def check_gumbel_argmax(g) -> None:

@@ -2,16 +2,19 @@
 PyTorch's symmetric memory.
 
 Every rank owns a buffer that its peers map directly (``torch.distributed._symmetric_memory``, CUDA backend). One
-kernel does it all: each program copies its slice of the local input into the own buffer, tells every peer it has
-(a flag it writes into the peer's flag array, release, system scope), waits for the peers' flags (acquire), then sums
-the slice of every rank's buffer in rank order. No ring and no protocol steps, so a decode-sized all-reduce (a few
+kernel does it all: each program writes its slice of the local input into its rank's slot of every peer's buffer
+(stores over NVLink, which do not wait for an answer), tells each peer so (a flag it writes into the peer's flag
+array, release, system scope), waits for the peers' flags (acquire), then sums the slices in its own buffer in rank
+order. No ring and no protocol steps, so a decode-sized all-reduce (a few
 KiB) costs a few microseconds instead of NCCL's latency. All ranks sum in the same order, so they hold bit-identical
 results (they must: every rank samples the same tokens).
 
 - Flags count up: a program's n-th call waits for flags of at least n (int64, per program and peer), so nothing is
   reset and the same kernel replays from CUDA graphs.
-- A rank can be one call ahead of a peer that is still reading its buffer, so the buffer has two halves and
+- A rank can be one call ahead of a peer that is still reading the slot it writes, so the slots have two halves and
   consecutive calls of a program alternate between them; a slice always belongs to the same program.
+- Pushing the data instead of reading the peers' (``bench/results/tp_triton_all_reduce_h100x2.md``) takes one
+  NVLink round trip off each call.
 - Inside ``fused_ops.pdl_launches`` (graph captures on Hopper) it launches with programmatic dependent launch like
   our other kernels: it becomes resident while the linear before it finishes and lets the next linear prefetch its
   weights while the ranks meet. (PyTorch's own ``symm_mem::one_shot_all_reduce`` launches plainly: measured in
@@ -42,7 +45,7 @@ if triton is not None:
     from workers.fused_ops import pdl_start
 
     @triton.jit
-    def _one_shot_sum_kernel(x_ptr, out_ptr, buffer_ptrs, flag_ptrs, calls_ptr, n, half_numel,
+    def _one_shot_sum_kernel(x_ptr, out_ptr, buffer_ptrs, flag_ptrs, calls_ptr, n, slot_numel,
                              RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                              PDL: tl.constexpr = False):
         pid = tl.program_id(0)
@@ -50,11 +53,13 @@ if triton is not None:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         calls = tl.load(calls_ptr + pid)  # this program's calls so far: the same count on every rank
-        half = (calls % 2) * half_numel
+        half = (calls % 2) * WORLD
         x = tl.load(x_ptr + offs, mask=mask)
-        own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
-        own = tl.multiple_of(own + half, 16)  # (buffers and halves are aligned: vector loads and stores)
-        tl.store(own + offs, x, mask=mask)
+        for peer in tl.static_range(WORLD):  # push: our slice into our slot of every peer's buffer
+            if peer != RANK:
+                buf = tl.load(buffer_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty))
+                buf = tl.multiple_of(buf + (half + RANK) * slot_numel, 16)  # (aligned: vector stores)
+                tl.store(buf + offs, x, mask=mask)
         tl.debug_barrier()  # the whole slice is written before any peer hears of it
         epoch = calls + 1
         for peer in tl.static_range(WORLD):
@@ -67,14 +72,14 @@ if triton is not None:
                 while tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys") < epoch:
                     pass
         tl.debug_barrier()
+        own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
             if r == RANK:
                 acc += x.to(tl.float32)
-            else:
-                buf = tl.load(buffer_ptrs + r).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                buf = tl.multiple_of(buf + half, 16)
-                acc += tl.load(buf + offs, mask=mask, volatile=True).to(tl.float32)
+            else:  # the peers' slices, in our own memory now
+                slot = tl.multiple_of(own + (half + r) * slot_numel, 16)
+                acc += tl.load(slot + offs, mask=mask, volatile=True).to(tl.float32)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(calls_ptr + pid, epoch)
 
@@ -89,7 +94,8 @@ class SymmMemAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.rank, self.world = group.rank(), group.size()
         programs = -(-self.max_numel // BLOCK)
-        self.buffer = symm_mem.empty(2 * self.max_numel, dtype=dtype, device=device)  # two halves
+        # two halves of one slot per rank: the peers write their slices into theirs
+        self.buffer = symm_mem.empty(2 * self.world * self.max_numel, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, group)  # keeps the peers' mappings alive
         self.flags = symm_mem.empty(programs * self.world, dtype=torch.int64, device=device)
         self.flags.zero_()
