@@ -205,46 +205,48 @@ def check_filter_floor(g) -> None:
 
 def check_one_shot_sum(g) -> None:
     """The one-shot all-reduce kernel (``workers.custom_all_reduce``) as rank 0 of 2, its peer played here: the peer
-    has pushed its slices into slot 1 of rank 0's buffer, in the half of each program's call count, and set its flags
-    to that count + 1. Rank 0 must push its own slices into slot 0 of the peer's buffer (same half), flag each
-    program's call to the peer, sum both in rank order, count its calls (so the next ones use the other half) and
+    has pushed its slices into slot 1 of rank 0's buffer, in the phase of each program's call count (mod 3). Rank 0
+    must push its own slices into slot 0 of the peer's buffer (same phase, -0.0 sent as +0.0: -0.0 marks a slot
+    empty), sum both in rank order, mark the peer's slot of its previous phase empty again, count its calls and
     leave the programs past the grid alone; sizes change between calls, a ragged last slice included."""
     import torch
 
     from workers.custom_all_reduce import BLOCK, _one_shot_sum_kernel
 
     world, slot = 2, 4 * BLOCK
+
+    def negative_zero(t):
+        return (t == 0) & (1 / t < 0)
+
     for dtype in (torch.float32, torch.bfloat16):
-        buffers = [torch.zeros(2 * world * slot, dtype=dtype) for _ in range(world)]  # [half, slot, slot elements]
-        flags = [torch.zeros(4 * world, dtype=torch.int64) for _ in range(world)]
+        buffers = [torch.full((3 * world * slot,), -0.0, dtype=dtype) for _ in range(world)]
         buffer_ptrs = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
-        flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+        mine, peers = (b.view(3, world, slot) for b in buffers)  # [phase, slot, elements]
         calls = torch.zeros(4, dtype=torch.int64)
-        for n in (BLOCK + 7, 3 * BLOCK, BLOCK + 7, 4 * BLOCK, 5):
+        for n in (BLOCK + 7, 3 * BLOCK, BLOCK + 7, 4 * BLOCK, 5, BLOCK + 7):
             x, peer = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+            x[1] = -0.0
             grid = -(-n // BLOCK)
-            into_peer = buffers[1].view(2, world, slot)[:, 0]  # where rank 0 pushes, by half
             for p in range(grid):
-                half, lo, hi = int(calls[p]) % 2, p * BLOCK, min(n, (p + 1) * BLOCK)
-                mine = buffers[0].view(2, world, slot)
-                mine[half, 1, lo:hi] = peer[lo:hi]
-                mine[1 - half, 1, lo:hi] = float("nan")  # the other half: stale
-                into_peer[:, lo:hi] = float("nan")
-                flags[0][p * world + 1] = calls[p] + 1
+                lo, hi = p * BLOCK, min(n, (p + 1) * BLOCK)
+                mine[int(calls[p]) % 3, 1, lo:hi] = peer[lo:hi]
             before, out = calls.clone(), torch.empty_like(x)
-            _one_shot_sum_kernel[(grid,)](x, out, buffer_ptrs, flag_ptrs, calls, n, slot, RANK=0, WORLD=world,
-                                          BLOCK=BLOCK, num_warps=4)
-            ref = (x.float() + peer.float()).to(dtype)
+            _one_shot_sum_kernel[(grid,)](x, out, buffer_ptrs, calls, n, slot, RANK=0, WORLD=world, BLOCK=BLOCK,
+                                          num_warps=4)
+            sent = torch.where(x == 0, torch.zeros_like(x), x)
+            ref = (sent.float() + peer.float()).to(dtype)
             if dtype == torch.float32:
                 assert torch.equal(out, ref), n
             else:  # the interpreter rounds fp32 to bf16 towards zero, the GPU to nearest: one unit apart at most
                 assert torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=0), n
             assert torch.equal(calls[:grid], before[:grid] + 1) and torch.equal(calls[grid:], before[grid:])
-            assert torch.equal(flags[1][0:2 * grid:2], calls[:grid]), (flags[1], calls)  # rank 0's flags at rank 1
             for p in range(grid):
                 lo, hi = p * BLOCK, min(n, (p + 1) * BLOCK)
-                assert torch.equal(into_peer[int(before[p]) % 2, lo:hi], x[lo:hi]), (n, p)
-                assert into_peer[1 - int(before[p]) % 2, lo:hi].isnan().all()
+                phase = int(before[p]) % 3
+                assert torch.equal(peers[phase, 0, lo:hi], sent[lo:hi]), (n, p)
+                assert not negative_zero(peers[phase, 0, lo:hi]).any()
+                assert negative_zero(mine[(phase + 2) % 3, 1, lo:hi]).all(), (n, p)  # the previous phase: empty
+            peers.fill_(-0.0)  # the peer has read them
 
 
 def check_gumbel_argmax(g) -> None:

@@ -45,7 +45,12 @@ if triton is not None:
     from workers.fused_ops import pdl_start
 
     @triton.jit
-    def _one_shot_sum_kernel(x_ptr, out_ptr, buffer_ptrs, flag_ptrs, calls_ptr, n, slot_numel,
+    def _is_empty(v):
+        """Where ``v`` still holds the empty mark, -0.0 (its fp32 bits: only the sign bit)."""
+        return v.to(tl.float32).to(tl.int32, bitcast=True) == -2147483648
+
+    @triton.jit
+    def _one_shot_sum_kernel(x_ptr, out_ptr, buffer_ptrs, calls_ptr, n, slot_numel,
                              RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr,
                              PDL: tl.constexpr = False):
         pid = tl.program_id(0)
@@ -53,35 +58,33 @@ if triton is not None:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         calls = tl.load(calls_ptr + pid)  # this program's calls so far: the same count on every rank
-        half = (calls % 2) * WORLD
+        phase = calls % 3
         x = tl.load(x_ptr + offs, mask=mask)
+        xf = x.to(tl.float32)
+        x = tl.where(xf == 0, 0.0, xf).to(x.dtype)  # -0.0 marks a slot empty: every rank sends and adds +0.0
         for peer in tl.static_range(WORLD):  # push: our slice into our slot of every peer's buffer
             if peer != RANK:
                 buf = tl.load(buffer_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                buf = tl.multiple_of(buf + (half + RANK) * slot_numel, 16)  # (aligned: vector stores)
+                buf = tl.multiple_of(buf + (phase * WORLD + RANK) * slot_numel, 16)  # (aligned: vector stores)
                 tl.store(buf + offs, x, mask=mask)
-        tl.debug_barrier()  # the whole slice is written before any peer hears of it
-        epoch = calls + 1
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                peer_flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))
-                tl.atomic_xchg(peer_flags + pid * WORLD + RANK, epoch, sem="release", scope="sys")
-        own_flags = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64))
-        for peer in tl.static_range(WORLD):
-            if peer != RANK:
-                while tl.atomic_add(own_flags + pid * WORLD + peer, 0, sem="acquire", scope="sys") < epoch:
-                    pass
-        tl.debug_barrier()
         own = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty))
+        empty = tl.full([BLOCK], -2147483648, tl.int32).to(tl.float32, bitcast=True).to(x_ptr.dtype.element_ty)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
             if r == RANK:
                 acc += x.to(tl.float32)
-            else:  # the peers' slices, in our own memory now
-                slot = tl.multiple_of(own + (half + r) * slot_numel, 16)
-                acc += tl.load(slot + offs, mask=mask, volatile=True).to(tl.float32)
+            else:  # the peer's slice, in our own memory once it has landed: no element still empty
+                slot = tl.multiple_of(own + (phase * WORLD + r) * slot_numel, 16)
+                v = tl.load(slot + offs, mask=mask, other=0.0, volatile=True)
+                while tl.max((_is_empty(v) & mask).to(tl.int32), axis=0) > 0:
+                    v = tl.load(slot + offs, mask=mask, other=0.0, volatile=True)
+                acc += v.to(tl.float32)
+                # the slot of this program's previous call is empty again before this peer's next write to it,
+                # two calls on (it can already be writing the next call's slot, not that one)
+                used = tl.multiple_of(own + (((phase + 2) % 3) * WORLD + r) * slot_numel, 16)
+                tl.store(used + offs, empty, mask=mask)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(calls_ptr + pid, epoch)
+        tl.store(calls_ptr + pid, calls + 1)
 
 
 class SymmMemAllReduce:
@@ -94,17 +97,14 @@ class SymmMemAllReduce:
         self.max_numel = max_bytes // dtype.itemsize
         self.rank, self.world = group.rank(), group.size()
         programs = -(-self.max_numel // BLOCK)
-        # two halves of one slot per rank: the peers write their slices into theirs
-        self.buffer = symm_mem.empty(2 * self.world * self.max_numel, dtype=dtype, device=device)
+        # three phases of one slot per rank, all empty (-0.0): the peers write their slices into theirs
+        self.buffer = symm_mem.empty(3 * self.world * self.max_numel, dtype=dtype, device=device)
+        self.buffer.fill_(-0.0)
+        torch.cuda.synchronize(device)  # empty before any peer can write here
         self.handle = symm_mem.rendezvous(self.buffer, group)  # keeps the peers' mappings alive
-        self.flags = symm_mem.empty(programs * self.world, dtype=torch.int64, device=device)
-        self.flags.zero_()
-        torch.cuda.synchronize(device)  # zeroed before any peer can write a flag here
-        self.flags_handle = symm_mem.rendezvous(self.flags, group)
         self.buffer_ptrs = torch.tensor(self.handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.flag_ptrs = torch.tensor(self.flags_handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.calls = torch.zeros(programs, dtype=torch.int64, device=device)
-        dist.barrier(group=group)  # every rank's flags are zero before the first call
+        dist.barrier(group=group)  # every rank's buffer is empty before the first call
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the one-shot kernel runs ``x``."""
@@ -115,13 +115,13 @@ class SymmMemAllReduce:
         out = torch.empty_like(x)
         n = x.numel()
         _one_shot_sum_kernel[(triton.cdiv(n, BLOCK),)](
-            x, out, self.buffer_ptrs, self.flag_ptrs, self.calls, n, self.max_numel, RANK=self.rank,
+            x, out, self.buffer_ptrs, self.calls, n, self.max_numel, RANK=self.rank,
             WORLD=self.world, BLOCK=BLOCK, num_warps=4, **pdl_launch(x))
         return out
 
     def close(self) -> None:
         """Drop the buffers and the peers' mappings (after the graphs that use them)."""
-        self.buffer = self.handle = self.flags = self.flags_handle = None
+        self.buffer = self.handle = None
         self.max_numel = 0
 
 
