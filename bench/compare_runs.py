@@ -1,6 +1,7 @@
 """Side-by-side table and bar plot of ``bench/gpu_perf.py`` result files (A/B runs, variants of one tree): for each
 labelled JSON its device, commit and bs=1 decode (graph replay and engine, ms and x the bandwidth floor) or, for a
-``--parts spec`` file, EAGLE-3's speed-up over no-spec at bs=1.
+``--parts spec`` file, EAGLE-3's speed-up over no-spec at bs=1; or of ``bench/tp_decode.py`` result files: TP=1 and
+TP=2 ms per decode step, launched as the engine runs them (overlapped), and TP=2 / TP=1.
 
     python bench/compare_runs.py --out bench/results/NAME base=a.json new=b.json ...
 
@@ -23,6 +24,10 @@ def row(label: str, path: str) -> dict:
         out.update(floor_ms=b["floor_ms"], graph_replay_ms=b["graph_replay_ms"],
                    graph_replay_vs_floor=b["graph_replay_vs_floor"], engine_ms=b["specserve_graphs_ms"],
                    engine_vs_floor=b["specserve_graphs_vs_floor"])
+    if "tp2_over_tp1" in d:
+        over = d["overlapped_step_ms"]
+        out.update(tp1_ms=over["tp1"], tp2_ms=over["tp2"], tp2_over_tp1=d["overlapped_tp2_over_tp1"],
+                   tp2_over_tp1_step_then_read=d["tp2_over_tp1"], dtype=d["dtype"])
     summary = d.get("summary", {})
     if "eagle3_chain3_vs_no_spec_bs1" in summary:
         out["eagle3_vs_no_spec_bs1"] = summary["eagle3_chain3_vs_no_spec_bs1"]
@@ -38,7 +43,8 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
     cols = [c for c in ("graph_replay_ms", "graph_replay_vs_floor", "engine_ms", "engine_vs_floor",
-                        "eagle3_vs_no_spec_bs1") if any(c in r for r in rows)]
+                        "eagle3_vs_no_spec_bs1", "dtype", "tp1_ms", "tp2_ms", "tp2_over_tp1",
+                        "tp2_over_tp1_step_then_read") if any(c in r for r in rows)]
     lines = ["| run | device | commit | " + " | ".join(cols) + " |", "|---" * (3 + len(cols)) + "|"]
     lines += [f"| {r['label']} | {r['device']} | {r['commit']} | " + " | ".join(str(r.get(c, "")) for c in cols)
               + " |" for r in rows]
@@ -48,21 +54,36 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    tp = [r for r in rows if "tp2_over_tp1" in r]
+    if tp:  # TP=2 / TP=1 per run against the 0.6 goal
+        bar_plot(out, plt, tp, "tp2_over_tp1", "TP=2 / TP=1 decode step, bs=1", f"{tp[0]['device']}: TP=2 vs TP=1",
+                 [(0.6, dict(color="tab:red", ls="--"), "goal 0.6"),
+                  (0.5, dict(color="k"), "0.5: half the weights per GPU, nothing else")],
+                 (0.45, max(r["tp2_over_tp1"] for r in tp) * 1.03))
+        return
     timed = [r for r in rows if "graph_replay_ms" in r]
-    fig, ax = plt.subplots(figsize=(1.2 * len(timed) + 3, 4))
-    ax.bar([r["label"] for r in timed], [r["graph_replay_ms"] for r in timed], color="tab:blue")
-    if timed:
-        floor = timed[0]["floor_ms"]
-        ax.axhline(floor, color="k", lw=1, label=f"bandwidth floor {floor} ms")
-        ax.axhline(floor * 1.10, color="tab:red", ls="--", lw=1, label="1.10 x floor")
-        ax.set_ylim(floor * 0.95, max(r["graph_replay_ms"] for r in timed) * 1.01)
-    ax.set_ylabel("bs=1 decode step, graph replay (ms)")
-    ax.set_title(f"{timed[0]['device'] if timed else ''}: bs=1 decode")
+    floor = timed[0]["floor_ms"] if timed else None
+    bar_plot(out, plt, timed, "graph_replay_ms", "bs=1 decode step, graph replay (ms)",
+             f"{timed[0]['device'] if timed else ''}: bs=1 decode",
+             [(floor, dict(color="k"), f"bandwidth floor {floor} ms"),
+              (floor * 1.10, dict(color="tab:red", ls="--"), "1.10 x floor")] if timed else [],
+             (floor * 0.95, max(r["graph_replay_ms"] for r in timed) * 1.01) if timed else None)
+
+
+def bar_plot(out: Path, plt, rows: list[dict], key: str, ylabel: str, title: str, hlines: list, ylim) -> None:
+    """One bar per row (its ``key``), horizontal reference lines (value, style, label), written to ``out``.png."""
+    fig, ax = plt.subplots(figsize=(1.2 * len(rows) + 3, 4))
+    ax.bar([r["label"] for r in rows], [r[key] for r in rows], color="tab:blue")
+    for y, style, label in hlines:
+        ax.axhline(y, lw=1, label=label, **style)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(loc="lower right", fontsize=8)
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right", fontsize=8)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
-
 
 if __name__ == "__main__":
     main()

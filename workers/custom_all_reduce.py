@@ -1,24 +1,22 @@
 """One-shot all-reduce over NVLink for the small tensors of decode and verify: our own Triton kernel over buffers in
 PyTorch's symmetric memory.
 
-Every rank owns a buffer that its peers map directly (``torch.distributed._symmetric_memory``, CUDA backend). One
-kernel does it all: each program writes its slice of the local input into its rank's slot of every peer's buffer
-(stores over NVLink, which do not wait for an answer), tells each peer so (a flag it writes into the peer's flag
-array, release, system scope), waits for the peers' flags (acquire), then sums the slices in its own buffer in rank
-order. No ring and no protocol steps, so a decode-sized all-reduce (a few
-KiB) costs a few microseconds instead of NCCL's latency. All ranks sum in the same order, so they hold bit-identical
-results (they must: every rank samples the same tokens).
+Every rank owns a buffer that its peers map directly (``torch.distributed._symmetric_memory``, CUDA backend), one
+slot per rank. One kernel does it all: each program writes its slice of the local input into its rank's slot of
+every peer's buffer (stores over NVLink, which wait for no answer), then waits until the peers' slices have landed
+in its own buffer and sums them in rank order. No ring, no protocol steps and no flags, so a decode-sized all-reduce
+(8 KiB) costs about 2 us where NCCL takes 17 (``bench/results/tp_triton_all_reduce_h100x2.md``). All ranks sum in the
+same order, so they hold bit-identical results (they must: every rank samples the same tokens).
 
-- Flags count up: a program's n-th call waits for flags of at least n (int64, per program and peer), so nothing is
-  reset and the same kernel replays from CUDA graphs.
-- A rank can be one call ahead of a peer that is still reading the slot it writes, so the slots have two halves and
-  consecutive calls of a program alternate between them; a slice always belongs to the same program.
-- Pushing the data instead of reading the peers' (``bench/results/tp_triton_all_reduce_h100x2.md``) takes one
-  NVLink round trip off each call.
+- The data is its own signal: an empty slot holds -0.0 everywhere, and a rank sends -0.0 as +0.0, so a slice has
+  landed when none of its elements is -0.0 any more (each element is read again until then).
+- A rank can be one call ahead of a peer (the peer is still reading while the rank writes its next slice), so each
+  slot has three phases and a program's consecutive calls go round them; after reading a phase, a program empties
+  the phase of its previous call, which no peer writes again before two calls on. A slice always belongs to the
+  same program, and the programs count their calls, so the same kernel replays from CUDA graphs.
 - Inside ``fused_ops.pdl_launches`` (graph captures on Hopper) it launches with programmatic dependent launch like
   our other kernels: it becomes resident while the linear before it finishes and lets the next linear prefetch its
-  weights while the ranks meet. (PyTorch's own ``symm_mem::one_shot_all_reduce`` launches plainly: measured in
-  ``bench/results/tp_triton_all_reduce_h100x2.md``.)
+  weights while the ranks exchange.
 
 Larger tensors (prefill) go to NCCL: past a few hundred KiB the ring's bandwidth wins over one-shot reads.
 Creation is collective; any rank that cannot take part (no symmetric memory in this PyTorch build, peers it cannot
@@ -175,7 +173,7 @@ def create_custom_all_reduce(group, rank: int, world_size: int, dtype: torch.dty
     comm, reason = None, None
     try:
         comm = SymmMemAllReduce(group, dtype, device)
-        for i, numel in enumerate((4096, 3 * BLOCK + 5, 4096)):  # both halves of the buffer, a ragged slice
+        for i, numel in enumerate((4096, 3 * BLOCK + 5, 4096)):  # each of the three phases, a ragged slice
             y = comm.all_reduce(torch.full((numel,), float((rank + 1) * (i + 1)), dtype=dtype, device=device))
             expect = world_size * (world_size + 1) / 2 * (i + 1)
             if not torch.all(y == expect).item():
