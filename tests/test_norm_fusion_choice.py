@@ -95,6 +95,22 @@ def test_a_bucket_keeps_the_faster_fusion_choice(tiny_models, tmp_path):
     assert res.returncode == 0 and "norm fusion choice ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 
+def test_the_worker_keeps_the_tuning_cache_it_opened(tiny_models, tmp_path, monkeypatch):
+    """The tuning cache the start-up tuning opens is the one each bucket's fusion choice is then read from and saved
+    to: a worker that dropped it timed every bucket again at each start (and could choose otherwise, so its bf16
+    tokens could change between restarts). Run as on a GPU (no graph refusal); CPU weights are timed by nothing."""
+    from deployments.config import EngineConfig
+    from workers import small_m_linear as sml
+    from workers.worker import Worker
+
+    monkeypatch.setattr(Worker, "_graph_refusal", lambda self: None)
+    monkeypatch.setattr(sml, "tuning_environment", lambda device: "cpu")
+    worker = Worker(EngineConfig(model=str(tiny_models["llama"]), device="cpu", tuning_cache_dir=str(tmp_path)))
+    assert worker.tuning_cache is not None and worker.tuning_cache.path == tmp_path / "small_m_linear.json"
+    assert worker._norm_fusion_key(1) != worker._norm_fusion_key(2)
+    assert "| tp 1 |" in worker._norm_fusion_key(1)  # a TP=2 start of the same model times its own choice
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
     check(sys.argv[1], sys.argv[2])

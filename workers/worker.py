@@ -253,6 +253,7 @@ class Worker:
             self.lookahead = self.proposer.lookahead
             self.max_advance = self.proposer.max_depth + 1
         self.graph_refusal = self._graph_refusal()
+        self.tuning_cache = None  # the small-M tuning cache (TuningCache), when graphs are on and one is configured
         self._fold_norm_weights()
         if self.graph_refusal is None:
             self._tune_small_m_linears()
@@ -265,7 +266,6 @@ class Worker:
         self.graph_phases: dict[tuple[int, str, bool], list[str]] = {}
         # batch bucket → whether its graphs run the norms inside the linears (decided at its greedy capture)
         self.norm_fusion: dict[int, bool] = {}
-        self.tuning_cache = None  # the small-M tuning cache (TuningCache), when graphs are on and one is configured
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -452,14 +452,14 @@ class Worker:
                 m.norms_in_linears = True
 
     def _norm_fusion_key(self, bucket: int) -> str:
-        """The tuning cache's key of a bucket's fusion choice: what its graphs run (model shapes, speculation)."""
+        """The tuning cache's key of a bucket's fusion choice: what its graphs run (model shapes, speculation, TP)."""
         shapes = [(m.cfg.architecture, m.cfg.hidden_size, m.cfg.intermediate_size, m.cfg.num_layers,
                    m.cfg.num_heads, m.cfg.num_kv_heads, m.cfg.head_dim, m.cfg.vocab_size)
                   for m in self._folded_models()]
         spec = self.cfg.speculative_config
         spec_key = None if spec is None else (spec.method, spec.num_steps, spec.topk, spec.num_draft_tokens,
                                               self.cfg.fuse_speculative_round)
-        return f"norms in linears | {shapes} | {spec_key} | {self.dtype} | bucket {bucket}"
+        return f"norms in linears | {shapes} | {spec_key} | {self.dtype} | tp {self.tp.size} | bucket {bucket}"
 
     def _capture_faster_fusion(self, bucket: int, kind: str, top: bool) -> bool:
         """Capture the bucket's graphs with the norms inside the linears and with the norm kernels, time their
