@@ -10,7 +10,8 @@ from __future__ import annotations
 import socket
 
 import ray
-from ray.util.placement_group import PlacementGroup, get_current_placement_group, placement_group
+from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
+                                      remove_placement_group)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig
@@ -46,6 +47,7 @@ def worker_bundles(cfg: EngineConfig) -> list[dict]:
 class RayExecutor:
     def __init__(self, cfg: EngineConfig, pg: PlacementGroup, first_bundle: int, use_compiled_graph: bool = True):
         self.cfg = cfg
+        self.owned_placement_group: PlacementGroup | None = None  # made by ``start``: removed at shutdown
         tp = cfg.tensor_parallel_size
         on_gpu = cfg.resolved_device() == "cuda"
         addr = ("127.0.0.1", _free_port())  # STRICT_PACK: every rank is on this node
@@ -73,15 +75,22 @@ class RayExecutor:
 
     @classmethod
     def start(cls, cfg: EngineConfig, use_compiled_graph: bool = True) -> "RayExecutor":
-        """Outside Serve (CLI, tests): make a placement group for the ranks, then the workers."""
+        """Outside Serve (CLI, tests): make a placement group for the ranks, then the workers; ``shutdown`` removes
+        the group, so that the next executor of the process gets its GPUs."""
         if not ray.is_initialized():
             ray.init(num_cpus=max(2, cfg.tensor_parallel_size), include_dashboard=False, log_to_driver=False)
         pg = get_current_placement_group()
-        if pg is None:
-            pg = placement_group(worker_bundles(cfg), strategy="STRICT_PACK")
-            ray.get(pg.ready())
-            return cls(cfg, pg, 0, use_compiled_graph)
-        return cls(cfg, pg, 1, use_compiled_graph)
+        if pg is not None:  # inside a Serve replica, whose group's bundle 0 is the controller's
+            return cls(cfg, pg, 1, use_compiled_graph)
+        pg = placement_group(worker_bundles(cfg), strategy="STRICT_PACK")
+        ray.get(pg.ready())
+        try:
+            executor = cls(cfg, pg, 0, use_compiled_graph)
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        executor.owned_placement_group = pg
+        return executor
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens), failed where
@@ -108,3 +117,6 @@ class RayExecutor:
                 pass
             ray.kill(w)
         self.workers = []
+        if self.owned_placement_group is not None:
+            remove_placement_group(self.owned_placement_group)
+            self.owned_placement_group = None

@@ -65,6 +65,37 @@ def test_tp2_equals_tp1(ray_cluster, tp_models, spec):
     assert run(tp_models, 2, sc) == ref
 
 
+def test_shutdown_gives_back_the_placement_group(ray_cluster, tp_models):
+    """An executor started outside Serve makes its own placement group; shutting down must remove it, or the next
+    executor of the process (on GPUs: of the same GPUs) waits for its bundles forever."""
+    import time
+
+    import ray
+    from deployments.executor import RayExecutor
+
+    cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=2, page_size=4,
+                       max_model_len=256)
+    total = ray.cluster_resources()["CPU"]
+
+    def free_cpus_reach(target: float) -> bool:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if ray.available_resources().get("CPU", 0) == target:
+                return True
+            time.sleep(0.2)
+        return False
+
+    assert free_cpus_reach(total)  # nothing left over from the other tests
+    executor = RayExecutor.start(cfg)
+    try:
+        assert executor.owned_placement_group is not None
+        assert free_cpus_reach(total - 1)  # two bundles of half a CPU
+    finally:
+        executor.shutdown()
+    assert executor.owned_placement_group is None
+    assert free_cpus_reach(total)
+
+
 def test_bad_tp_size_is_refused(tp_models):
     from workers.layers import QKVParallelLinear, TPGroup
 

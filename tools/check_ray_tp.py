@@ -1,8 +1,16 @@
 """The served TP path on GPUs: an Engine over Ray worker actors (placement group, compiled graph, NCCL, custom
-all-reduce with widened GPU visibility) at tensor_parallel_size N, against the in-process TP=1 engine on the same
-checkpoint: greedy tokens and decode ms per token (steps after the first token, overlap schedule on).
+all-reduce with widened GPU visibility) at tensor_parallel_size N, with and without speculative decoding, against the
+in-process TP=1 engine without speculation on the same checkpoint: greedy tokens, accept length, and decode ms per
+token (steps after the first token, overlap schedule on).
+
+Speculative modes (``--spec``, comma-separated): ``none``; ``draft`` / ``draft-tp1`` (the target itself as the
+standalone draft, sharded over the TP ranks / replicated on each: every draft is accepted unless TP's rounding parts
+the two, so the accept path runs at full length); ``eagle3-tree`` (a random EAGLE-3 head, a tree of 3 steps x topk 2:
+almost every draft is rejected, so the reject path runs); ``eagle3-1step`` (the same head, one step, verify and
+draft-extend fused in one graph). In fp32 every mode's tokens must equal the TP=1 reference's.
 
     python tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json OUT.json
+    python tools/check_ray_tp.py --ckpt /tmp/l1 --tp 2 --dtype float32 --spec none,draft,eagle3-tree --json OUT.json
 """
 
 from __future__ import annotations
@@ -16,15 +24,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SPEC_MODES = ("none", "draft", "draft-tp1", "eagle3-tree", "eagle3-1step")
 
-def run(ckpt: str, tp: int, new_tokens: int, backend: str) -> dict:
+
+def spec_config(mode: str, ckpt: str, head: str | None, tp: int) -> tuple[dict | None, bool]:
+    """(speculative_config, fuse_speculative_round) of a ``--spec`` mode."""
+    if mode == "none":
+        return None, True
+    if mode in ("draft", "draft-tp1"):
+        return {"method": "draft", "model": ckpt, "num_steps": 3,
+                "draft_tensor_parallel_size": tp if mode == "draft" else 1}, True
+    if mode == "eagle3-tree":
+        return {"method": "eagle3", "model": head, "num_steps": 3, "topk": 2, "num_draft_tokens": 6}, False
+    if mode == "eagle3-1step":
+        return {"method": "eagle3", "model": head, "num_steps": 1}, True
+    raise ValueError(f"unknown --spec mode {mode!r}; one of {', '.join(SPEC_MODES)}")
+
+
+def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dict | None = None,
+        fuse_round: bool = True, device: str = "cuda") -> dict:
     from deployments.cli import build_engine
     from deployments.config import EngineConfig
     from deployments.request import SamplingParams
 
-    cfg = EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", tensor_parallel_size=tp, max_model_len=2048,
+    cfg = EngineConfig(model=ckpt, device=device, dtype=dtype, tensor_parallel_size=tp, max_model_len=2048,
                        max_num_seqs=8, kv_cache_tokens=16384, prefill_attention_backend=backend,
-                       decode_attention_backend=backend)
+                       decode_attention_backend=backend, speculative_config=spec, fuse_speculative_round=fuse_round)
     t0 = time.perf_counter()
     eng = build_engine(cfg)
     start_s = time.perf_counter() - t0
@@ -38,12 +63,18 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str) -> dict:
             if first is None and req.output_ids:
                 first = (time.perf_counter(), len(req.output_ids))
         end = time.perf_counter()
-        result = {"tokens": req.output_ids, "error": req.error, "start_s": round(start_s, 1)}
+        result = {"tokens": list(req.output_ids), "error": req.error, "start_s": round(start_s, 1)}
+        if spec is not None:
+            result["accept_length"] = round(req.spec.accept_length, 3)
         if first is not None and len(req.output_ids) > first[1]:
             result["decode_ms_per_token"] = round((end - first[0]) / (len(req.output_ids) - first[1]) * 1e3, 3)
         return result
     finally:
         eng.shutdown()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:
@@ -52,6 +83,10 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--backend", default="triton")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--spec", default="none", help=f"comma-separated, of: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--head", help="EAGLE-3 head for the eagle3 modes (default: a random one written next to --json)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same over gloo (a dry run)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
     import ray
@@ -59,20 +94,43 @@ def main() -> None:
 
     from bench.engine_vs_hf import commit, device_name
 
-    result = {"device": f"{torch.cuda.device_count()}x {device_name('cuda')}", "commit": commit(),
-              "command": " ".join(sys.argv), "checkpoint": args.ckpt}
-    ray_tp = run(args.ckpt, args.tp, args.new_tokens, args.backend)
-    ray.shutdown()
-    local = run(args.ckpt, 1, args.new_tokens, args.backend)
-    a, b = local["tokens"], ray_tp["tokens"]
-    result.update({f"ray_tp{args.tp}": {k: v for k, v in ray_tp.items() if k != "tokens"},
-                   "local_tp1": {k: v for k, v in local.items() if k != "tokens"}, "num_tokens": len(b),
-                   "first_difference": next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None),
-                   "tp_over_tp1": round(ray_tp["decode_ms_per_token"] / local["decode_ms_per_token"], 3)
-                   if "decode_ms_per_token" in ray_tp and "decode_ms_per_token" in local else None})
+    modes = args.spec.split(",")
+    head = args.head
+    if head is None and any(m.startswith("eagle3") for m in modes):
+        from tools.make_heads import make_head
+
+        vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
+        head = str(make_head("eagle3", args.ckpt, Path(args.json).with_suffix("").as_posix() + "_eagle3_head",
+                             seed=5, draft_vocab=min(32000, vocab)))
+    configs = {mode: spec_config(mode, args.ckpt, head, args.tp) for mode in modes}
+    device = f"{torch.cuda.device_count()}x {device_name('cuda')}" if args.device == "cuda" else "cpu"
+    result = {"device": device, "commit": commit(), "command": " ".join(sys.argv), "checkpoint": args.ckpt,
+              "dtype": args.dtype, "runs": {}}
+    runs = {}
+    for mode, (spec, fuse_round) in configs.items():
+        print(f"== ray tp{args.tp} {mode}", flush=True)
+        runs[mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
+    ray.shutdown()  # the in-process engine takes the first GPU
+    print("== local tp1 none", flush=True)
+    local = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, device=args.device)
+    failed = bool(local["error"]) or len(local["tokens"]) != args.new_tokens
+    for mode, r in runs.items():
+        row = {k: v for k, v in r.items() if k != "tokens"}
+        row["first_difference_from_tp1"] = first_difference(local["tokens"], r["tokens"])
+        if "none" in runs:
+            row["first_difference_from_tp_nospec"] = first_difference(runs["none"]["tokens"], r["tokens"])
+        if "decode_ms_per_token" in r and "decode_ms_per_token" in local:
+            row["ms_over_tp1_nospec"] = round(r["decode_ms_per_token"] / local["decode_ms_per_token"], 3)
+        result["runs"][f"ray_tp{args.tp}_{mode}"] = row
+        failed |= bool(r["error"]) or len(r["tokens"]) != args.new_tokens
+        if args.dtype == "float32":
+            failed |= row["first_difference_from_tp1"] is not None
+    result["local_tp1"] = {k: v for k, v in local.items() if k != "tokens"}
+    result["num_tokens"] = args.new_tokens
+    result["ok"] = not failed
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    if ray_tp["error"] or local["error"] or len(b) != args.new_tokens:
+    if failed:
         sys.exit(1)
 
 
