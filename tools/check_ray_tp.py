@@ -6,11 +6,15 @@ token (steps after the first token, overlap schedule on).
 Speculative modes (``--spec``, comma-separated): ``none``; ``draft`` / ``draft-tp1`` (the target itself as the
 standalone draft, sharded over the TP ranks / replicated on each: every draft is accepted unless TP's rounding parts
 the two, so the accept path runs at full length); ``eagle3-tree`` (a random EAGLE-3 head, a tree of 3 steps x topk 2:
-almost every draft is rejected, so the reject path runs); ``eagle3-1step`` (the same head, one step, verify and
-draft-extend fused in one graph). In fp32 every mode's tokens must equal the TP=1 reference's.
+almost every draft is rejected, so the reject path runs); ``eagle3-chain`` / ``eagle3-1step`` (the same head, a chain of
+3 / 1 steps, the round in one graph). In fp32 every mode's tokens must equal the TP=1 reference's. With
+``--simulated-accept-length`` the chains accept that many tokens per round on average whatever the drafts (a speed
+benchmark of speculation under TP; ``--tp1-spec`` runs the same modes at TP=1 for the ratio).
 
     python tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json OUT.json
     python tools/check_ray_tp.py --ckpt /tmp/l1 --tp 2 --dtype float32 --spec none,draft,eagle3-tree --json OUT.json
+    python tools/check_ray_tp.py --ckpt /tmp/l8 --spec none,eagle3-chain --simulated-accept-length 3 --tp1-spec \
+        --json OUT.json
 """
 
 from __future__ import annotations
@@ -26,21 +30,31 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SPEC_MODES = ("none", "draft", "draft-tp1", "eagle3-tree", "eagle3-1step")
+SPEC_MODES = ("none", "draft", "draft-tp1", "eagle3-tree", "eagle3-chain", "eagle3-1step")
 
 
-def spec_config(mode: str, ckpt: str, head: str | None, tp: int) -> tuple[dict | None, bool]:
-    """(speculative_config, fuse_speculative_round) of a ``--spec`` mode."""
+def spec_config(mode: str, ckpt: str, head: str | None, tp: int,
+                simulated: float | None = None) -> tuple[dict | None, bool]:
+    """(speculative_config, fuse_speculative_round) of a ``--spec`` mode; ``simulated``: the chains' forced mean
+    accept length (a benchmark: the tokens are then the drafts forced through, not the model's)."""
     if mode == "none":
         return None, True
     if mode in ("draft", "draft-tp1"):
-        return {"method": "draft", "model": ckpt, "num_steps": 3,
-                "draft_tensor_parallel_size": tp if mode == "draft" else 1}, True
-    if mode == "eagle3-tree":
+        spec, fuse = {"method": "draft", "model": ckpt, "num_steps": 3,
+                      "draft_tensor_parallel_size": tp if mode == "draft" else 1}, True
+    elif mode == "eagle3-tree":
+        if simulated is not None:
+            raise ValueError("simulated acceptance works on chains; drop eagle3-tree or --simulated-accept-length")
         return {"method": "eagle3", "model": head, "num_steps": 3, "topk": 2, "num_draft_tokens": 6}, False
-    if mode == "eagle3-1step":
-        return {"method": "eagle3", "model": head, "num_steps": 1}, True
-    raise ValueError(f"unknown --spec mode {mode!r}; one of {', '.join(SPEC_MODES)}")
+    elif mode == "eagle3-chain":
+        spec, fuse = {"method": "eagle3", "model": head, "num_steps": 3}, True
+    elif mode == "eagle3-1step":
+        spec, fuse = {"method": "eagle3", "model": head, "num_steps": 1}, True
+    else:
+        raise ValueError(f"unknown --spec mode {mode!r}; one of {', '.join(SPEC_MODES)}")
+    if simulated is not None:
+        spec["simulated_accept_length"] = simulated
+    return spec, fuse
 
 
 def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dict | None = None,
@@ -75,6 +89,12 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
         eng.shutdown()
 
 
+def save_partial(path: str, runs: dict) -> None:
+    """Each run as it ends (a call cut short keeps what it measured)."""
+    Path(path).with_suffix(".partial.json").write_text(json.dumps(
+        {f"tp{tp}_{mode}": {k: v for k, v in r.items() if k != "tokens"} for (tp, mode), r in runs.items()}, indent=2))
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -87,6 +107,9 @@ def main() -> None:
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--spec", default="none", help=f"comma-separated, of: {', '.join(SPEC_MODES)}")
+    ap.add_argument("--simulated-accept-length", type=float, help="BENCHMARK: force this mean accept length on the "
+                    "chain modes (their tokens are then not compared)")
+    ap.add_argument("--tp1-spec", action="store_true", help="also run the speculative modes in-process at TP=1")
     ap.add_argument("--head", help="EAGLE-3 head for the eagle3 modes (default: a random one, in a temporary folder)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same over gloo (a dry run)")
     ap.add_argument("--json", required=True)
@@ -105,39 +128,48 @@ def main() -> None:
         vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
         head = str(make_head("eagle3", args.ckpt, Path(tempfile.mkdtemp(prefix="eagle3_head_")), seed=5,
                              draft_vocab=min(32000, vocab)))
-    configs = {mode: spec_config(mode, args.ckpt, head, args.tp) for mode in modes}
+    simulated = args.simulated_accept_length
+    configs = {mode: spec_config(mode, args.ckpt, head, args.tp, simulated) for mode in modes}
     device = f"{torch.cuda.device_count()}x {device_name('cuda')}" if args.device == "cuda" else "cpu"
     result = {"device": device, "commit": commit(), "command": " ".join(sys.argv), "checkpoint": args.ckpt,
-              "dtype": args.dtype, "runs": {}}
-    runs = {}
+              "dtype": args.dtype, "simulated_accept_length": simulated, "runs": {}}
+    runs = {}  # (TP size, mode) -> run
     for mode, (spec, fuse_round) in configs.items():
         print(f"== ray tp{args.tp} {mode}", flush=True)
-        runs[mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
+        runs[args.tp, mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round,
+                                  args.device)
+        save_partial(args.json, runs)
     ray.shutdown()  # the in-process engine takes the first GPU
+    local_modes = ["none"] + [m for m in modes if args.tp1_spec and m not in ("none", "draft-tp1")]
+    for mode in local_modes:
+        print(f"== local tp1 {mode}", flush=True)
+        spec, fuse_round = spec_config(mode, args.ckpt, head, 1, simulated)
+        if spec is not None and spec.get("draft_tensor_parallel_size"):
+            spec["draft_tensor_parallel_size"] = 1
+        runs[1, mode] = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
+        save_partial(args.json, runs)
     if made_head:
         shutil.rmtree(head)
-    print("== local tp1 none", flush=True)
-    local = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, device=args.device)
-    failed = bool(local["error"]) or len(local["tokens"]) != args.new_tokens
-    for mode, r in runs.items():
+    reference = runs[1, "none"]
+    failed = False
+    for (tp, mode), r in runs.items():
         row = {k: v for k, v in r.items() if k != "tokens"}
-        row["first_difference_from_tp1"] = first_difference(local["tokens"], r["tokens"])
-        if "none" in runs:
-            row["first_difference_from_tp_nospec"] = first_difference(runs["none"]["tokens"], r["tokens"])
-        if "decode_ms_per_token" in r and "decode_ms_per_token" in local:
-            row["ms_over_tp1_nospec"] = round(r["decode_ms_per_token"] / local["decode_ms_per_token"], 3)
-        result["runs"][f"ray_tp{args.tp}_{mode}"] = row
+        if simulated is None or mode == "none":  # forced drafts are not the model's tokens
+            row["first_difference_from_tp1"] = first_difference(reference["tokens"], r["tokens"])
+            if args.dtype == "float32":
+                failed |= row["first_difference_from_tp1"] is not None
+        for base_tp in sorted({1, tp}):
+            base = runs.get((base_tp, "none"))
+            if base is not None and "decode_ms_per_token" in r and "decode_ms_per_token" in base:
+                row[f"ms_over_tp{base_tp}_nospec"] = round(r["decode_ms_per_token"] / base["decode_ms_per_token"], 3)
+        result["runs"][f"{'ray' if tp > 1 else 'local'}_tp{tp}_{mode}"] = row
         failed |= bool(r["error"]) or len(r["tokens"]) != args.new_tokens
-        if args.dtype == "float32":
-            failed |= row["first_difference_from_tp1"] is not None
-    result["local_tp1"] = {k: v for k, v in local.items() if k != "tokens"}
     result["num_tokens"] = args.new_tokens
     result["ok"] = not failed
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     if failed:
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()
