@@ -1,7 +1,8 @@
 """The served TP path on GPUs: an Engine over Ray worker actors (placement group, compiled graph, NCCL, custom
 all-reduce with widened GPU visibility) at tensor_parallel_size N, with and without speculative decoding, against the
 in-process TP=1 engine without speculation on the same checkpoint: greedy tokens, accept length, and decode ms per
-token (steps after the first token, overlap schedule on).
+token (steps after the first token, overlap schedule on, the start-up heap frozen out of the garbage collector as
+the serving controller's is).
 
 Speculative modes (``--spec``, comma-separated): ``none``; ``draft`` / ``draft-tp1`` (the target itself as the
 standalone draft, sharded over the TP ranks / replicated on each: every draft is accepted unless TP's rounding parts
@@ -20,6 +21,7 @@ benchmark of speculation under TP; ``--tp1-spec`` runs the same modes at TP=1 fo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import shutil
 import sys
@@ -61,6 +63,7 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
         fuse_round: bool = True, device: str = "cuda") -> dict:
     from deployments.cli import build_engine
     from deployments.config import EngineConfig
+    from deployments.engine import freeze_startup_heap
     from deployments.request import SamplingParams
 
     cfg = EngineConfig(model=ckpt, device=device, dtype=dtype, tensor_parallel_size=tp, max_model_len=2048,
@@ -69,6 +72,7 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
     t0 = time.perf_counter()
     eng = build_engine(cfg)
     start_s = time.perf_counter() - t0
+    freeze_startup_heap()  # as the serving controller does: no full collection scans the start-up heap mid-decode
     prompt = list(range(1000, 1128))
     try:
         eng.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # warm-up
@@ -87,6 +91,7 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
         return result
     finally:
         eng.shutdown()
+        gc.unfreeze()  # the dropped engine's objects go back to the collector
 
 
 def save_partial(path: str, runs: dict) -> None:
