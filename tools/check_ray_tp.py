@@ -100,6 +100,35 @@ def save_partial(path: str, runs: dict) -> None:
         {f"tp{tp}_{mode}": {k: v for k, v in r.items() if k != "tokens"} for (tp, mode), r in runs.items()}, indent=2))
 
 
+def report(result: dict, out: Path) -> None:
+    """``out``.md (one row per run) and ``out``.png (decode ms per token per run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.compare_runs import bar_plot
+
+    sim = result.get("simulated_accept_length")
+    lines = [f"# Ray TP path, {result['dtype']}" + (f", simulated accept length {sim}" if sim else ""), "",
+             f"device: {result['device']}; commit: {result['commit']}; `{result['command']}`", "",
+             "| run | accept length | decode ms/token | vs TP=1 no-spec | vs same-TP no-spec | tokens vs TP=1 |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    for name, r in result["runs"].items():
+        tp = name.split("_")[1]
+        diff = r.get("first_difference_from_tp1", "n/a")
+        tokens = "equal" if diff is None else "n/a (forced drafts)" if diff == "n/a" else f"differ at {diff}"
+        lines.append(f"| {name} | {r.get('accept_length', '-')} | {r.get('decode_ms_per_token', '-')} | "
+                     f"{r.get('ms_over_tp1_nospec', '-')} | {r.get(f'ms_over_{tp}_nospec', '-')} | {tokens} |")
+        if "decode_ms_per_token" in r:
+            rows.append({"label": name, "ms": r["decode_ms_per_token"]})
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    tp1 = (result["runs"].get("local_tp1_none") or result.get("local_tp1") or {}).get("decode_ms_per_token")
+    bar_plot(out, plt, rows, "ms", "decode ms per token", f"{result['device']}: Ray TP path, bs=1",
+             [(tp1, dict(color="k", ls="--"), f"TP=1 no-spec {tp1} ms")] if tp1 else [], None)
+
+
 def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
 
@@ -118,7 +147,11 @@ def main() -> None:
     ap.add_argument("--head", help="EAGLE-3 head for the eagle3 modes (default: a random one, in a temporary folder)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: the same over gloo (a dry run)")
     ap.add_argument("--json", required=True)
+    ap.add_argument("--report", action="store_true", help="only rewrite the .md and .png of the --json result")
     args = ap.parse_args()
+    if args.report:
+        report(json.loads(Path(args.json).read_text()), Path(args.json))
+        return
     import ray
     import torch
 
@@ -172,6 +205,7 @@ def main() -> None:
     result["num_tokens"] = args.new_tokens
     result["ok"] = not failed
     Path(args.json).write_text(json.dumps(result, indent=2))
+    report(result, Path(args.json))
     print(json.dumps(result, indent=2))
     if failed:
         sys.exit(1)
