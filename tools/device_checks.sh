@@ -141,10 +141,15 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     # `bash .whl/ray/set1/install_wheels.sh .whl/ray && export PYTHONPATH=/tmp/site:$PYTHONPATH`
     run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
     run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
-    # speculative decoding through the same path, fp32 tokens equal to TP=1 (the 1B shape: two fp32 copies fit)
+    ;;
+  raytpspec)  # as raytp (Ray installed): speculative decoding through the served TP=2 path. fp32 tokens of every mode
+    # equal TP=1 (the 1B shape: two fp32 copies fit); then the 8B shape's speed at simulated 3.0 accepted, TP=2 and TP=1
     run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama1b-random
     run python3 tools/check_ray_tp.py --ckpt /tmp/llama1b-random --tp 2 --dtype float32 \
       --spec none,draft,draft-tp1,eagle3-tree,eagle3-1step --json "$R/ray_tp_spec_1b_fp32_${tag}x2.json"
+    run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random
+    run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --spec none,eagle3-chain,eagle3-1step \
+      --simulated-accept-length 3 --tp1-spec --json "$R/ray_tp_spec_8b_sim3_${tag}x2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;
 esac
