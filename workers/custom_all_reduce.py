@@ -78,9 +78,11 @@ if triton is not None:
                     v = tl.load(slot + offs, mask=mask, other=0.0, volatile=True)
                 acc += v.to(tl.float32)
                 # the slot of this program's previous call is empty again before this peer's next write to it,
-                # two calls on (it can already be writing the next call's slot, not that one)
+                # two calls on (it can already be writing the next call's slot, not that one). All of the program's
+                # slice, not only this call's n: a call larger than this one in that phase must not find an older
+                # call's elements there, taken for landed (every peer write to it has landed: the reads waited)
                 used = tl.multiple_of(own + (((phase + 2) % 3) * WORLD + r) * slot_numel, 16)
-                tl.store(used + offs, empty, mask=mask)
+                tl.store(used + offs, empty, mask=offs < slot_numel)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(calls_ptr + pid, calls + 1)
 
