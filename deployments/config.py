@@ -84,6 +84,9 @@ class EngineConfig(_Strict):
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
+    worker_step_timeout_s: float = Field(300.0, gt=0, description="TP worker actors: a step whose results take longer "
+                                         "marks the workers failed (the replica then fails its health check); "
+                                         "Ray's compiled-graph default is 10 s, shorter than a first-use capture")
     seed: int = 0
     tuning_cache_dir: str | None = Field(None, description="where the GPU kernel choices timed at start-up are kept "
                                          "for later starts (default: $SPECSERVE_CACHE_DIR, else "

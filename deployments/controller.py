@@ -22,6 +22,10 @@ from deployments.tokenizer import ChatTemplateError, chat_prompt_ids
 logger = logging.getLogger("specserve")
 
 
+class EngineStopped(RuntimeError):
+    """The engine can take no request: its loop failed, or its workers did (``Engine.failure``)."""
+
+
 class EngineLoop:
     """Runs ``engine.step()`` continuously in a thread and fans outputs out to per-request asyncio queues."""
 
@@ -45,8 +49,8 @@ class EngineLoop:
                arrival_time: float | None = None) -> asyncio.Queue:
         """Queue a request (called off the event loop: it waits for the current step to end); raises
         InvalidRequest / OverflowError synchronously, and then nothing is queued."""
-        if self.error is not None:
-            raise RuntimeError(f"the engine stopped: {self.error}")
+        if self.error is not None or self.engine.failure is not None:
+            raise EngineStopped(f"the engine stopped: {self.error or self.engine.failure}")
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             self.engine.add_request(prompt, params, rid, arrival_time)
@@ -166,9 +170,11 @@ class LLMController:
                 "speculative": self.engine.cfg.speculative_config is not None,
                 "sampling_defaults": self.engine.sampling_defaults}
 
-    def check_health(self) -> None:  # Serve calls this periodically
+    def check_health(self) -> None:  # Serve calls this periodically; a replica that fails it is replaced
         if self.loop.error is not None:
             raise RuntimeError(f"engine loop failed: {self.loop.error}")
+        if self.engine.failure is not None:
+            raise RuntimeError(f"engine workers failed: {self.engine.failure}")
 
     def stats(self) -> dict:
         return self.loop.stats()
@@ -187,12 +193,21 @@ class LLMController:
         """Stream dicts: one per step that produced tokens; the last has ``finished`` and usage. The first item is
         either {"accepted": rid} or {"error": ..., "status": ...} so the ingress can answer errors with a status."""
         rid = rid or uuid.uuid4().hex
+        event_loop = asyncio.get_running_loop()
+        # the engine lock is held for a whole step: wait for it in a thread, not on the event loop
+        arrival = time.time()  # before the wait for the engine lock (up to a step): TTFT counts it, as vLLM's
+        submitted = asyncio.ensure_future(asyncio.to_thread(
+            lambda: self.loop.submit(prompt, SamplingParams(**params), rid, event_loop, arrival)))
         try:
-            event_loop = asyncio.get_running_loop()
-            # the engine lock is held for a whole step: wait for it in a thread, not on the event loop
-            arrival = time.time()  # before the wait for the engine lock (up to a step): TTFT counts it, as vLLM's
-            queue = await asyncio.to_thread(self.loop.submit, prompt, SamplingParams(**params), rid, event_loop,
-                                            arrival)
+            queue = await asyncio.shield(submitted)
+        except asyncio.CancelledError:  # the client left while the request waited for the lock: the thread still
+            # queues it, so abort it once queued (else it decodes to max_tokens with its KV held)
+            submitted.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                        or event_loop.run_in_executor(None, self.loop.abort, rid))
+            raise
+        except EngineStopped as e:
+            yield {"error": str(e), "status": 503, "type": "server_unavailable", "code": None}
+            return
         except InvalidRequest as e:
             yield {"error": str(e), "status": 400, "type": "invalid_request_error",
                    "code": "context_length_exceeded" if "context length" in str(e) else None}

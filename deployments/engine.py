@@ -170,6 +170,11 @@ class Engine:
             self.metrics.record_load(self.step_stats())
         return req is not None
 
+    @property
+    def failure(self) -> str | None:
+        """Why the workers can no longer run steps (a Ray executor's ``WorkersFailed``), else None."""
+        return getattr(self.executor, "failure", None)
+
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.in_flight)
 

@@ -7,7 +7,9 @@ actor calls remain as a fallback (``use_compiled_graph=False``).
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 
 import ray
 from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
@@ -16,6 +18,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from deployments.config import EngineConfig
 from workers.worker import StepResult, Worker, WorkerStep
+
+logger = logging.getLogger("specserve")
+
+
+class WorkersFailed(RuntimeError):
+    """The worker actors can no longer run steps: one died or hung, or the TP ranks fell out of step. The executor
+    refuses every later step; a Serve replica then fails its health check and is replaced."""
 
 
 @ray.remote
@@ -48,6 +57,7 @@ class RayExecutor:
     def __init__(self, cfg: EngineConfig, pg: PlacementGroup, first_bundle: int, use_compiled_graph: bool = True):
         self.cfg = cfg
         self.owned_placement_group: PlacementGroup | None = None  # made by ``start``: removed at shutdown
+        self.failure: str | None = None  # why the workers can no longer run steps (``WorkersFailed``)
         tp = cfg.tensor_parallel_size
         on_gpu = cfg.resolved_device() == "cuda"
         addr = ("127.0.0.1", _free_port())  # STRICT_PACK: every rank is on this node
@@ -71,7 +81,7 @@ class RayExecutor:
 
             with InputNode() as call:  # (step or None, keep)
                 dag = MultiOutputNode([w.step.bind(call[0], call[1]) for w in self.workers])
-            self._dag = dag.experimental_compile()
+            self._dag = dag.experimental_compile(_submit_timeout=cfg.worker_step_timeout_s)
 
     @classmethod
     def start(cls, cfg: EngineConfig, use_compiled_graph: bool = True) -> "RayExecutor":
@@ -93,28 +103,50 @@ class RayExecutor:
         return executor
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
-        """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens), failed where
-        any rank's failed."""
-        if self._dag is not None:
-            per_rank = ray.get(self._dag.execute(step, keep))
-        else:
-            per_rank = ray.get([w.step.remote(step, keep) for w in self.workers])
+        """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens). A step that
+        failed on every rank alike fails its requests and the workers go on; one that failed on some ranks only (or
+        differently) left them out of step in their collectives, and Ray's own errors (a dead actor, a closed
+        channel, no answer within ``worker_step_timeout_s``) leave no workers to step: both raise
+        ``WorkersFailed``, as does every later call."""
+        if self.failure is not None:
+            raise WorkersFailed(self.failure)
+        timeout = self.cfg.worker_step_timeout_s
+        try:
+            if self._dag is not None:
+                per_rank = ray.get(self._dag.execute(step, keep), timeout=timeout)
+            else:
+                per_rank = ray.get([w.step.remote(step, keep) for w in self.workers], timeout=timeout)
+        except Exception as e:  # noqa: BLE001 - a worker's own errors come back in its results, never raised
+            self.failure = f"{type(e).__name__}: {e}"
+            raise WorkersFailed(self.failure) from e
         results = per_rank[0]
         for rank, other in enumerate(per_rank[1:], start=1):
             for res, theirs in zip(results, other):
-                if res.error is None and theirs.error is not None:
-                    res.error = f"rank {rank}: {theirs.error}"
+                if res.error != theirs.error:
+                    self.failure = (f"TP ranks 0 and {rank} ended step {res.step_id} differently "
+                                    f"({res.error or 'ok'} / {theirs.error or 'ok'})")
+                    raise WorkersFailed(self.failure)
         return results
 
+    TEARDOWN_WAIT_S = 45.0  # a compiled graph's teardown waits for every worker's loop: a stuck worker never ends it
+
     def shutdown(self) -> None:
+        stuck = False
         if self._dag is not None:
-            self._dag.teardown()
+            teardown = threading.Thread(target=self._dag.teardown, name="dag-teardown", daemon=True)
+            teardown.start()
+            teardown.join(self.TEARDOWN_WAIT_S)
+            stuck = teardown.is_alive()  # killing the workers below ends it
+            if stuck:
+                logger.warning("a worker did not leave its step within %.0f s: killing the workers",
+                               self.TEARDOWN_WAIT_S)
             self._dag = None
         for w in self.workers:
-            try:
-                ray.get(w.shutdown.remote(), timeout=30)
-            except Exception:  # noqa: BLE001 - teardown is best effort
-                pass
+            if not stuck:
+                try:
+                    ray.get(w.shutdown.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - teardown is best effort
+                    pass
             ray.kill(w)
         self.workers = []
         if self.owned_placement_group is not None:

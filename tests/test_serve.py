@@ -426,3 +426,43 @@ def test_stream_batching_interval_caps_sends(server):
         # (one send is possible: a fast machine can finish all 60 tokens before the stream's first send)
         assert 1 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
         assert len(chunks) < 60, texts  # tokens were gathered
+
+
+def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_models):
+    """The controller waits for the engine lock (held for a whole step) in a thread before a request is queued. A
+    client that leaves in that window cancels the wait, but the thread still queues the request: it must then be
+    aborted, not decoded to max_tokens with its KV held and nobody reading."""
+    import types
+
+    from deployments.config import EngineConfig
+    from deployments.controller import EngineLoop, LLMController
+    from deployments.engine import Engine
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256))
+    loop = EngineLoop(engine)
+    controller = types.SimpleNamespace(loop=loop, engine=engine, config=types.SimpleNamespace(
+        stream_batching_interval_ms=0, stream_interval=1))
+    generate = LLMController.func_or_class.generate
+
+    async def leave_while_waiting():
+        loop._lock.acquire()  # a step in progress
+        gen = generate(controller, [5, 6, 7, 8], {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}, "r1")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.2)
+        first.cancel()  # what Serve does when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        loop._lock.release()  # the step ends; the waiting thread queues the request
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine.has_work() and "r1" not in loop._queues:
+                break
+
+    try:
+        asyncio.run(leave_while_waiting())
+        assert not engine.has_work() and not loop._queues
+        assert engine.scheduler.kv_usage == 0.0
+        assert engine.step_time["steps"] < 50  # aborted after a step or two, not decoded to its 200 tokens
+    finally:
+        loop.shutdown()
+        engine.shutdown()

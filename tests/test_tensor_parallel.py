@@ -96,6 +96,85 @@ def test_shutdown_gives_back_the_placement_group(ray_cluster, tp_models):
     assert free_cpus_reach(total)
 
 
+def _on_rank(executor, rank: int, fn) -> None:
+    """Run ``fn(worker)`` inside rank ``rank``'s actor (to inject a fault there); this module's functions travel by
+    value, as the worker processes cannot import it."""
+    import sys
+
+    import ray
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    ray.get(executor.workers[rank].__ray_call__.remote(fn))
+
+
+def _fail_after_the_collectives(worker):
+    real = worker._launch
+
+    def launch(step):
+        real(step)  # (on a CPU the forward, its all-reduces included, runs here)
+        raise RuntimeError("injected: rank 1 alone")
+
+    worker._launch = launch
+
+
+def _fail_before_the_collectives(worker):
+    def launch(step):
+        raise RuntimeError("injected: rank 1 skips the step")
+
+    worker._launch = launch
+
+
+@pytest.mark.parametrize("fault", ["ranks_disagree", "rank_hangs", "worker_killed"])
+def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models, monkeypatch, fault):
+    """A step that failed on one TP rank only leaves the ranks out of step in their collectives (the other rank
+    waits in one its peer never joins, or joins the peer's next one); a dead worker cannot step at all. Either way
+    the executor refuses every later step, the controller's health check fails (Serve replaces the replica), new
+    requests are refused, and shutting down does not wait on the stuck rank."""
+    import asyncio
+    import time
+    import types
+
+    import ray
+    from deployments.controller import EngineLoop, EngineStopped, LLMController
+    from deployments.executor import RayExecutor, WorkersFailed
+
+    monkeypatch.setattr(RayExecutor, "TEARDOWN_WAIT_S", 3.0)
+    cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=2, page_size=4,
+                       max_model_len=256, worker_step_timeout_s=5.0)
+    executor = RayExecutor.start(cfg)
+    engine = Engine(cfg, executor)
+    try:
+        assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
+        if fault == "ranks_disagree":
+            _on_rank(executor, 1, _fail_after_the_collectives)
+        elif fault == "rank_hangs":
+            _on_rank(executor, 1, _fail_before_the_collectives)
+        else:
+            ray.kill(executor.workers[1])
+        lost = engine.generate(mixed_prompts(2), GREEDY)
+        assert all(o.finish_reason == "error" for o in lost)
+        assert engine.failure is not None and engine.allocator.num_free == engine.allocator.capacity_pages
+        if fault == "ranks_disagree":
+            assert "ended step" in engine.failure and "injected: rank 1 alone" in engine.failure
+        with pytest.raises(WorkersFailed):
+            executor.step(None, 0)
+        loop = EngineLoop(engine)
+        try:
+            controller = types.SimpleNamespace(loop=loop, engine=engine)
+            with pytest.raises(RuntimeError, match="engine workers failed"):
+                LLMController.func_or_class.check_health(controller)
+            with pytest.raises(EngineStopped):
+                loop.submit([5, 6, 7], GREEDY, "late", asyncio.new_event_loop())
+        finally:
+            loop.shutdown()
+    finally:
+        t0 = time.monotonic()
+        engine.shutdown()
+        assert time.monotonic() - t0 < 40  # a rank stuck in a collective is killed, not waited for
+    assert executor.owned_placement_group is None
+
+
 def test_bad_tp_size_is_refused(tp_models):
     from workers.layers import QKVParallelLinear, TPGroup
 
