@@ -44,6 +44,26 @@ def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
     return graph_replay_ms(graph, replays) * 1000 / reps
 
 
+def _ragged_sizes(custom, rank: int, world: int, iters: int = 20000) -> int:
+    """Sizes that leave the last program's slice partly used (4096, 3073, 3073 elements: its slice holds 1024, then 1,
+    then 1): a call must not take elements an older, larger call of its phase left in the slot for landed. Rank 1
+    starts each 4096-element call late (a spin), so rank 0 reads before rank 1's stores land. Returns how many
+    elements of the 4096-element calls were not the exact sum."""
+    wrong = torch.zeros((), dtype=torch.int64, device="cuda")
+    total = world * (world + 1) // 2
+    for i in range(iters):
+        v = float(i % 64 + 1)  # sums up to 64 * total: exact in bf16
+        for n in (4096, 3073, 3073):
+            x = torch.full((n,), (rank + 1) * v, dtype=torch.bfloat16, device="cuda")
+            if n == 4096 and rank == 1:
+                torch.cuda._sleep(3000)
+            y = custom.all_reduce(x)
+            if n == 4096:
+                wrong += (y != total * v).sum()
+    torch.cuda.synchronize()
+    return int(wrong)
+
+
 def _pdl_chain(custom, comm, rank: int, world: int, stream) -> str:
     """The one-shot all-reduce between PDL-launched Triton kernels (the residual output of the fused add + RMSNorm
     with a zero residual: the input itself), as in a layer, in a graph, alternating a one-row and a 64-row tensor (so
@@ -180,6 +200,10 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
         del graph
         result["checks"]["custom_pdl_chain"] = _pdl_chain(custom, comm, rank, world, stream)
         print(f"rank {rank}: custom all-reduce in a PDL chain ok", flush=True)
+        wrong = _ragged_sizes(custom, rank, world)
+        print(f"rank {rank}: custom all-reduce, ragged sizes: {wrong} wrong elements", flush=True)
+        assert wrong == 0, ("ragged sizes: wrong sums", wrong)
+        result["checks"]["custom_ragged_sizes"] = "ok"
 
     for kib in SIZES_KIB:
         t = torch.ones(kib * 512, device="cuda", dtype=torch.bfloat16)
