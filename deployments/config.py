@@ -154,5 +154,14 @@ class LLMConfig(_Strict):
                                                "serving_nospec_h100_graphs128_*)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
+    @model_validator(mode="after")
+    def _ranks_on_one_node(self):
+        tp = self.engine_kwargs.get("tensor_parallel_size", 1)
+        if isinstance(tp, int) and tp > 1 and self.placement_group_config.strategy != "STRICT_PACK":
+            raise ValueError(f"placement_group_config.strategy {self.placement_group_config.strategy!r} may place TP "
+                             "ranks on different nodes; they meet on one node (a loopback rendezvous, NVLink for the "
+                             "all-reduce): use STRICT_PACK")
+        return self
+
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model_loading_config.model_source, **self.engine_kwargs)

@@ -49,10 +49,10 @@ class EngineLoop:
                arrival_time: float | None = None) -> asyncio.Queue:
         """Queue a request (called off the event loop: it waits for the current step to end); raises
         InvalidRequest / OverflowError synchronously, and then nothing is queued."""
-        if self.error is not None or self.engine.failure is not None:
-            raise EngineStopped(f"the engine stopped: {self.error or self.engine.failure}")
         queue: asyncio.Queue = asyncio.Queue()
-        with self._lock:
+        with self._lock:  # (checked under the lock: a step that failed while we waited has fanned its error out)
+            if self.error is not None or self.engine.failure is not None:
+                raise EngineStopped(f"the engine stopped: {self.error or self.engine.failure}")
             self.engine.add_request(prompt, params, rid, arrival_time)
             self._queues[rid] = (loop, queue)
         self._wake.set()

@@ -152,6 +152,11 @@ def test_serve_config_parses_as_our_config(rayservice):
     args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
     engine = config.LLMConfig(**args).engine_config()
     assert engine.tensor_parallel_size == 2 and engine.speculative_config.method == "eagle3"
+    # TP ranks meet on one node: a strategy that may spread them is refused with the reason, not left to hang
+    spread = dict(args, placement_group_config={"strategy": "PACK"})
+    with pytest.raises(ValueError, match="use STRICT_PACK"):
+        config.LLMConfig(**spread)
+    assert config.LLMConfig(**dict(spread, engine_kwargs=dict(args["engine_kwargs"], tensor_parallel_size=1)))
 
 
 # ---------------------------------------------------------------- PodMonitor
