@@ -73,6 +73,19 @@ class SpecStats:
         }
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def sampler_seed(seed: int) -> int:
+    """The 32 bits of a request's seed that the sampler hashes: splitmix64's finaliser over the seed's 64-bit two's
+    complement (seeds are any int64, negative ones included, as vLLM's), low half. Nearby seeds no longer share them:
+    folding the halves together made -1 and 0, or 2**32 and 1, give the same tokens."""
+    z = seed & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -97,9 +110,7 @@ class Request:
     last_token_time: float | None = None
 
     def __post_init__(self):
-        # the sampler hashes 32 bits of seed; larger seeds are folded in
-        seed = self.params.seed if self.params.seed is not None else random.getrandbits(32)
-        self.seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+        self.seed = sampler_seed(self.params.seed if self.params.seed is not None else random.getrandbits(64))
 
     @property
     def all_ids(self) -> list[int]:

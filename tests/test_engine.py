@@ -81,6 +81,13 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
     assert a[0].token_ids == c[0].token_ids
     other = engine.generate(prompts[:1], [SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)])
     assert other[0].token_ids != a[0].token_ids
+
+    def seeded(seed):
+        return engine.generate(prompts[:1], [SamplingParams(max_tokens=16, temperature=1.0, seed=seed,
+                                                            ignore_eos=True)])[0].token_ids
+
+    # 64-bit seeds reach the sampler's 32 bits mixed, not folded: -1 and 0, 2**32 and 1 once gave the same tokens
+    assert seeded(-1) != seeded(0) and seeded(2**32) != seeded(1) and seeded(-1) == seeded(-1)
     assert all(len(o.logprobs) == 16 and all(lp <= 0 for lp in o.logprobs) for o in a)
 
 
