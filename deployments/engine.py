@@ -231,19 +231,24 @@ class Engine:
         outputs = []
         now = time.time()
         metrics, detoks = self.metrics, self._detok
-        for req, new_ids in self.scheduler.update(plan, result):
+        for req, new_ids, spec in self.scheduler.update(plan, result):
+            detok = detoks[req.rid]
+            new_text, hit_stop, used = self._detokenize(detok, new_ids, req.finished)
+            if used < len(new_ids):  # a stop string ended it inside a speculative round's run
+                self.scheduler.drop_newest(req, len(new_ids) - used)
+                new_ids = new_ids[:used]
+            if spec is not None:
+                self.scheduler.count_accepted(req, spec, len(new_ids))
+            if hit_stop and not req.finished:
+                self.scheduler.finish(req, "stop")
+            elif hit_stop and req.finish_reason == "length":  # the stop string came with the last allowed token
+                req.finish_reason = "stop"
             prev_token_time = req.last_token_time
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
             if metrics is not None:
                 metrics.record_tokens(req, len(new_ids), now, prev_token_time)
-            detok = detoks[req.rid]
-            new_text, hit_stop = detok.push(new_ids, final=req.finished)
-            if hit_stop and not req.finished:
-                self.scheduler.finish(req, "stop")
-            elif hit_stop and req.finish_reason == "length":  # the stop string came with the last allowed token
-                req.finish_reason = "stop"
             if req.finished:
                 req.text = detok.text
                 del detoks[req.rid]
@@ -259,6 +264,22 @@ class Engine:
                 if out.finished:
                     metrics.record_finish(out.request, now)
         return outputs
+
+    @staticmethod
+    def _detokenize(detok, new_ids: list[int], final: bool) -> tuple[str, bool, int]:
+        """(new text, whether a stop string was hit, how many of ``new_ids`` are output). With stop strings, a run of
+        several tokens (a speculative round's) goes in one token at a time: the tokens after the one that completes
+        a stop string are not output, as they never would have been without speculation."""
+        if not detok.stop or len(new_ids) < 2:
+            text, hit = detok.push(new_ids, final=final)
+            return text, hit, len(new_ids)
+        pieces = []
+        for k, tok in enumerate(new_ids, start=1):
+            text, hit = detok.push([tok], final=final and k == len(new_ids))
+            pieces.append(text)
+            if hit:
+                return "".join(pieces), True, k
+        return "".join(pieces), False, len(new_ids)
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
         """Every launched step fails; results the workers may still hold are dropped (they would be taken for a

@@ -304,8 +304,9 @@ class Scheduler:
                                          or req.num_tokens + ahead >= self.max_model_len)
 
     # ---- results ---------------------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int]]]:
-        """Apply sampled tokens; returns (request, new tokens) for every request that produced tokens."""
+    def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], tuple | None]]:
+        """Apply sampled tokens; returns (request, new tokens, its round's drafts: ``count_accepted``'s ``spec``, or
+        None) for every request that produced tokens."""
         produced = []
         self.landed(plan)
         extend = plan.mode == ForwardMode.EXTEND
@@ -321,15 +322,21 @@ class Scheduler:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
             new = self._append_tokens(req, result.tokens[i], result.logprobs[i], tops[i] if tops else None)
-            if specs:
-                self._count_accepted(req, specs[i], len(new))
-            produced.append((req, new))
+            produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
                 self.finish(req, req.finish_reason)
         return produced
 
+    def drop_newest(self, req: Request, num: int) -> None:
+        """A stop string ended ``req`` before the last ``num`` tokens its newest step appended: they are not output
+        (their ids, logprobs and alternatives go), as the tokens a stop id or EOS leaves behind never were."""
+        if num:
+            del req.output_ids[-num:], req.output_logprobs[-num:]
+            if req.params.top_logprobs and req.output_top_logprobs:
+                del req.output_top_logprobs[-num:]
+
     @staticmethod
-    def _count_accepted(req: Request, spec: tuple[int, list[int]], num_new: int) -> None:
+    def count_accepted(req: Request, spec: tuple[int, list[int]], num_new: int) -> None:
         """A speculative round's drafts and accepted positions; drafts cut by a stop condition do not count."""
         kept = min(len(spec[1]), num_new - 1)
         req.spec.num_drafts += 1

@@ -91,6 +91,30 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
     assert all(len(o.logprobs) == 16 and all(lp <= 0 for lp in o.logprobs) for o in a)
 
 
+def test_a_stop_string_inside_a_speculative_run_ends_the_tokens_there(tiny_models):
+    """A round can append several tokens at once. When a stop string ends inside them, the tokens after the one
+    that completes it are not output (ids, logprobs, usage): the output is the same as without speculation."""
+    from deployments.config import SpeculativeConfig
+
+    target = tiny_models["llama"]
+    plain = make_engine(target)
+    spec = make_engine(target, speculative_config=SpeculativeConfig(method="draft", model=str(target), num_steps=3))
+    prompt = mixed_prompts(1)[0]
+    free = plain.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0]
+    tok = plain.tokenizer
+    cut_inside_a_run = 0
+    for k in range(2, 14):  # the stop string: token k's own text (it may also occur earlier: then it ends there)
+        piece = tok.decode(free.token_ids[: k + 1])[len(tok.decode(free.token_ids[:k])):]
+        if not piece.strip():
+            continue
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=[piece], logprobs=2)
+        a, b = plain.generate([prompt], params)[0], spec.generate([prompt], params)[0]
+        assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), (k, piece)
+        assert len(b.logprobs) == len(b.token_ids) and b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        cut_inside_a_run += len(a.token_ids) % 4 != 1  # (rounds of 4 accepted tokens after the prefill's one)
+    assert cut_inside_a_run  # some stop strings did end inside a round's run
+
+
 def test_filters_that_leave_one_token_equal_greedy(tiny_models):
     engine = make_engine(tiny_models["qwen3"])
     prompts = mixed_prompts(3)
