@@ -85,5 +85,6 @@ def bar_plot(out: Path, plt, rows: list[dict], key: str, ylabel: str, title: str
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)
 
+
 if __name__ == "__main__":
     main()

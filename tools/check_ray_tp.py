@@ -182,8 +182,6 @@ def main() -> None:
     for mode in local_modes:
         print(f"== local tp1 {mode}", flush=True)
         spec, fuse_round = spec_config(mode, args.ckpt, head, 1, simulated)
-        if spec is not None and spec.get("draft_tensor_parallel_size"):
-            spec["draft_tensor_parallel_size"] = 1
         runs[1, mode] = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
         save_partial(args.json, runs)
     if made_head:
