@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.messages import ForwardMode
 
 
 @dataclass(frozen=True)

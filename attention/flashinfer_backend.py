@@ -48,7 +48,8 @@ import re
 import torch
 
 from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
-from workers.forward_batch import ForwardBatch, ForwardMode, mask_from_bits, to_device
+from workers.forward_batch import ForwardBatch, mask_from_bits, to_device
+from workers.messages import ForwardMode
 
 WORKSPACE_BYTES = 256 * 1024 * 1024
 XQA_ARCHS = (9, 10, 12)  # compute capability majors XQA runs on (flashinfer/xqa.py)

@@ -23,8 +23,9 @@ import triton
 import triton.language as tl
 
 from attention.base import AttentionBackend, AttentionLayerSpec
-from workers.forward_batch import ForwardBatch, ForwardMode
-from workers.fused_ops import pdl_launch, pdl_start
+from workers.forward_batch import ForwardBatch
+from workers.kernels.launch import pdl_launch, pdl_start
+from workers.messages import ForwardMode
 
 
 @triton.jit

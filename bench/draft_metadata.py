@@ -46,8 +46,9 @@ sys.path.insert(0, str(ROOT))
 
 from attention.registry import BACKENDS, _make  # noqa: E402
 from bench.engine_vs_hf import commit  # noqa: E402
-from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from workers.forward_batch import ForwardBatch  # noqa: E402
 from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from workers.messages import ForwardMode
 
 VARIANTS = ("per_step", "batches_once", "once_per_round")
 PARTS = ("batches", "tree", "backend")
@@ -176,7 +177,9 @@ def run_batches_once(s: Setup, t: Timer) -> None:
 def run_once_per_round(s: Setup, t: Timer) -> None:
     """The engine now: ModelRunner.build_steps (DraftSteps.build + init_backend), then per step the forward's
     init_forward_metadata and, after the step's choice, DraftSteps.advance (as proposers._expand_steps)."""
-    from workers.forward_batch import DraftSteps  # (lazily: the two old variants also run on older checkouts)
+    from workers.forward_batch import (
+        DraftSteps,  # (lazily: the two old variants also run on older checkouts)
+    )
 
     with t("batches"):
         base = s.seq_lens[0]  # step 0's lengths: m + k

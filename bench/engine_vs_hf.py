@@ -54,9 +54,9 @@ def device_name(device: str) -> str:
 
 
 def run_engine(model: str, device: str, prompts: list[list[int]], new_tokens: int, dtype: str, **engine_kw) -> float:
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
 
     engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max(64, len(prompts)),
                                  **engine_kw))
@@ -111,7 +111,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = args.model
     if model is None:
-        from tools.make_tiny import make_tiny
+        from deployments.make_tiny import make_tiny
 
         model = str(make_tiny(args.arch, Path(tempfile.mkdtemp()) / "model", layers=args.layers, hidden=args.hidden,
                               vocab=args.vocab, heads=max(4, args.hidden // 64), kv_heads=max(2, args.hidden // 256),

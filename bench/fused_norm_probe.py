@@ -38,8 +38,8 @@ def linear_shapes(shape: str) -> tuple[int, int, int]:
 
 
 def probe(rows: int, shape: str) -> dict:
-    from workers import small_m_linear as sml
-    from workers.fused_ops import rms_norm
+    from workers.kernels import small_m_linear as sml
+    from workers.kernels.norm_rope import rms_norm
 
     hidden, intermediate, qkv = linear_shapes(shape)
     dev, dt = torch.device("cuda"), torch.bfloat16

@@ -6,12 +6,24 @@ tree (``git worktree add /tmp/t 5df5b04 && cp bench/gemv_probe.py /tmp/t/bench/`
 
     python bench/gemv_probe.py bench/results/gemv_probe_h100.json
 """
-import itertools, json, sys, time
-import torch, triton, triton.language as tl
+import itertools
+import json
+import sys
+
+import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
 sys.path.insert(0, ".")
-from workers.small_m_linear import (CANDIDATES_M1, CANDIDATES, replayed_ms, small_m_linear, weight_copies)
-from workers.fused_ops import silu_and_mul
+from workers.kernels.norm_rope import silu_and_mul
+from workers.kernels.small_m_linear import (
+    CANDIDATES,
+    CANDIDATES_M1,
+    replayed_ms,
+    small_m_linear,
+    weight_copies,
+)
 
 
 @triton.jit

@@ -80,8 +80,8 @@ class Suite:
         return torch.randint(10, min(100000, self.vocab - 10), (n or self.args.prompt_len,), generator=g).tolist()
 
     def engine(self, spec=None, **kw):
-        from deployments.config import EngineConfig
-        from deployments.engine import Engine
+        from deployments.engine.engine import Engine
+        from workers.config import EngineConfig
 
         if self.dev == "cuda":
             kw = {"max_model_len": 4096, "max_num_seqs": 256, "cuda_graph_max_bs": 256, "gpu_memory_utilization": 0.8,
@@ -95,7 +95,7 @@ class Suite:
         if self.dev == "cuda":
             self.record_kernels(eng)
         if self.args.gc_freeze:  # as the server's controller does after start-up
-            from deployments.engine import freeze_startup_heap
+            from deployments.engine.engine import freeze_startup_heap
 
             freeze_startup_heap()
         return eng
@@ -103,7 +103,7 @@ class Suite:
     def record_kernels(self, eng) -> None:
         """The small-M kernels the engine's start-up tuning chose (per weight shape and row bucket: a tile config or
         cuBLAS): two runs of one commit can differ by these choices alone."""
-        from workers.small_m_linear import shape_key
+        from workers.kernels.small_m_linear import shape_key
 
         worker = eng.executor.worker
         runner = getattr(worker.proposer, "runner", None)
@@ -129,7 +129,7 @@ class Suite:
         by then, whose results are discarded: draining it delays no token, so it is not timed (timed, it cost a
         speculative run a whole round, 1/43 of a 130-token request's decode, and a plain one a step in 129).
         Greedy unless ``sampling`` (SamplingParams fields) says."""
-        from deployments.request import SamplingParams
+        from deployments.engine.request import SamplingParams
 
         for i in range(bs):
             params = SamplingParams(**{"max_tokens": self.args.new_tokens, "temperature": 0.0, "ignore_eos": True,
@@ -376,7 +376,7 @@ class Suite:
 
     # ---- 6. our engine with the same standalone draft ------------------------------------------------------------
     def draft_part(self) -> None:
-        from deployments.config import SpeculativeConfig
+        from workers.config import SpeculativeConfig
 
         a = self.args
         draft = str(self.draft_ckpt())
@@ -425,7 +425,7 @@ class Suite:
 
     # ---- 2-4. speculation ----------------------------------------------------------------------------------------
     def head(self) -> Path:
-        from tools.make_heads import make_head
+        from deployments.make_heads import make_head
 
         path = self.ckpt.parent / (self.ckpt.name + "-eagle3")
         if not (path / "config.json").is_file():
@@ -433,7 +433,7 @@ class Suite:
         return path
 
     def spec_cfg(self, method: str, steps: int, accept: float):
-        from deployments.config import SpeculativeConfig
+        from workers.config import SpeculativeConfig
 
         return SpeculativeConfig(method=method, model=str(self.head()), num_steps=steps, topk=1,
                                  simulated_accept_length=accept)

@@ -40,8 +40,8 @@ STEP_KEYS = ("schedule_s", "execute_s", "worker_s", "outputs_s")
 
 
 def make_engine(args, max_batch: int):
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
+    from deployments.engine.engine import Engine
+    from workers.config import EngineConfig
 
     kw = {"model": args.model, "max_num_seqs": max_batch,
           "max_model_len": args.max_model_len or args.prompt_len + args.new_tokens + 64}
@@ -52,12 +52,12 @@ def make_engine(args, max_batch: int):
         kw.update(device="cpu", kv_cache_tokens=max_batch * (args.prompt_len + args.new_tokens + 16))
     metrics = None
     if not args.no_metrics:
-        from deployments.metrics import EngineMetrics
+        from deployments.engine.metrics import EngineMetrics
 
         metrics = EngineMetrics("host-step")
     eng = Engine(EngineConfig(**kw), metrics=metrics)
     if args.gc_freeze:  # as the server's controller does after start-up
-        from deployments.engine import freeze_startup_heap
+        from deployments.engine.engine import freeze_startup_heap
 
         freeze_startup_heap()
     return eng
@@ -90,7 +90,7 @@ class GCTimer:
 
 def measure(eng, batch: int, args, profile: bool = False) -> dict:
     """``batch`` greedy requests; the steps after every request is decoding, timed per part."""
-    from deployments.request import SamplingParams
+    from deployments.engine.request import SamplingParams
 
     rng = random.Random(batch)
     vocab = eng.executor.model_config.vocab_size

@@ -44,7 +44,12 @@ def time_picks() -> None:
     import torch
     import torch.nn.functional as F
 
-    from workers.small_m_linear import TileConfig, replayed_ms, small_m_linear, weight_copies
+    from workers.kernels.small_m_linear import (
+        TileConfig,
+        replayed_ms,
+        small_m_linear,
+        weight_copies,
+    )
 
     w = torch.randn(16384, 2048, dtype=torch.bfloat16, device="cuda") * 0.02
     x = torch.randn(1, 2048, dtype=torch.bfloat16, device="cuda")

@@ -41,8 +41,8 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) 
     also launches a short PDL kernel before each call and takes its time off, ``_fastest``). The down projection
     runs gated, as in the models: its input is [gate | up] and silu(gate) * up is fused into the Triton kernel's
     loads, while cuBLAS runs after the separate silu_and_mul kernel."""
-    from workers import small_m_linear as sml
-    from workers.fused_ops import silu_and_mul
+    from workers.kernels import small_m_linear as sml
+    from workers.kernels.norm_rope import silu_and_mul
 
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
@@ -88,8 +88,8 @@ def activated_rows(h: int, inter: int, bw: float, rows_m: tuple[int, ...], side)
     against cuBLAS + silu_and_mul ("cuBLAS" column) and against the layer's own tuned kernel + silu_and_mul (the
     baseline the tuner compares with, "plain_then_silu_ms"); "chosen" is what ``tune_activated`` picks (the
     plain kernel + silu_and_mul when none beats it)."""
-    from workers import small_m_linear as sml
-    from workers.fused_ops import silu_and_mul
+    from workers.kernels import small_m_linear as sml
+    from workers.kernels.norm_rope import silu_and_mul
 
     n, k = 2 * inter, h
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
@@ -182,9 +182,9 @@ def linear_plot(res: dict, path: Path) -> None:
 def kernel_profile(ckpt: str, steps: int) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
 
     eng = Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,
                               disable_cuda_graph=True, prefill_attention_backend="triton",
@@ -318,9 +318,9 @@ def graph_profile(ckpt: str, head: str | None, steps: int, later_tokens: int = 0
     generated that many more tokens (what grows with the context)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from deployments.config import EngineConfig, SpeculativeConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig, SpeculativeConfig
 
     def decoding_engine(spec=None):  # one request past its prefill and a few steps (graphs captured, warm)
         eng = Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=8,

@@ -120,7 +120,7 @@ def main() -> None:
         write_checkpoint(out, args.shape)
     if args.eagle3_head and not (Path(args.eagle3_head) / "config.json").is_file():
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tools.make_heads import make_head
+        from deployments.make_heads import make_head
 
         make_head("eagle3", out, Path(args.eagle3_head), seed=0,
                   draft_vocab=min(args.draft_vocab, SHAPES[args.shape]["vocab_size"]))

@@ -32,8 +32,8 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers import small_m_linear as sml  # noqa: E402
-from workers.fused_ops import silu_and_mul  # noqa: E402
+from workers.kernels import small_m_linear as sml  # noqa: E402
+from workers.kernels.norm_rope import silu_and_mul  # noqa: E402
 
 
 @triton.jit

@@ -30,7 +30,7 @@ def _port() -> int:
 
 
 def decode_step_ms(engine, steps: int) -> list[float]:
-    from deployments.request import SamplingParams
+    from deployments.engine.request import SamplingParams
 
     engine.add_request([11, 12, 13, 14], SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True))
     engine.step()  # prefill
@@ -56,9 +56,9 @@ def main() -> None:
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
-    from deployments.executor import RayExecutor
+    from deployments.engine.engine import Engine
+    from deployments.engine.executor import RayExecutor
+    from workers.config import EngineConfig
 
     model = args.model or str(__import__("tools.make_tiny", fromlist=["make_tiny"]).make_tiny(
         "llama", Path(tempfile.mkdtemp()) / "m", layers=4, hidden=256, vocab=2048, max_position=2048))

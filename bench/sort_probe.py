@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.engine_vs_hf import commit  # noqa: E402
+
 out = {}
 V = 128256
 for B in (1, 16, 64):

@@ -23,7 +23,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_vs_hf import commit, device_name  # noqa: E402
-from workers import small_m_linear as sml  # noqa: E402
+from workers.kernels import small_m_linear as sml  # noqa: E402
 
 
 @triton.jit

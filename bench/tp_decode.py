@@ -27,9 +27,9 @@ from bench.random_llama import describe_checkpoint, write_checkpoint  # noqa: E4
 def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
              dtype: str = "bfloat16", cuda_graph: bool = True, custom_all_reduce: bool = True,
              profile_file: str | None = None, isolated: bool = False) -> None:
-    from deployments.config import EngineConfig
-    from workers.forward_batch import ForwardMode
-    from workers.worker import Worker, WorkerStep
+    from workers.config import EngineConfig
+    from workers.messages import ForwardMode, WorkerStep
+    from workers.worker import Worker
 
     if os.environ.get("SPECSERVE_HANG_DUMP_S"):  # diagnose a hang: every rank prints its Python stack, then exits
         import faulthandler

@@ -32,8 +32,9 @@ sys.path.insert(0, str(ROOT))
 from attention.base import AttentionLayerSpec  # noqa: E402
 from attention.registry import _make  # noqa: E402
 from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
-from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from workers.forward_batch import ForwardBatch  # noqa: E402
 from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from workers.messages import ForwardMode
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

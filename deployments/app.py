@@ -9,7 +9,7 @@ from ray.serve import Application
 
 from deployments.config import LLMConfig
 from deployments.controller import LLMController
-from deployments.executor import worker_bundles
+from deployments.engine.executor import worker_bundles
 from deployments.ingress import OpenAIIngress
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,8 +25,8 @@ def _absolute(path: str | None) -> str | None:
 
 def ensure_default_model(target: str, head: str | None) -> None:
     """Build the embedded default model (tiny Llama + EAGLE-3 head, random weights) if it is not there yet."""
-    from tools.make_heads import make_head
-    from tools.make_tiny import make_tiny
+    from deployments.make_heads import make_head
+    from deployments.make_tiny import make_tiny
 
     if not (Path(target) / "config.json").is_file():
         logger.warning("creating the embedded default model at %s", target)

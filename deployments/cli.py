@@ -34,7 +34,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace):
-    from deployments.config import EngineConfig, SpeculativeConfig
+    from workers.config import EngineConfig, SpeculativeConfig
 
     spec = None
     if args.spec:
@@ -53,18 +53,18 @@ def engine_config_from_args(args: argparse.Namespace):
 
 
 def build_engine(cfg):
-    from deployments.engine import Engine
+    from deployments.engine.engine import Engine
 
     if cfg.tensor_parallel_size > 1:
-        from deployments.executor import RayExecutor
+        from deployments.engine.executor import RayExecutor
 
         return Engine(cfg, RayExecutor.start(cfg))
     return Engine(cfg)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from deployments.request import SamplingParams
-    from deployments.tokenizer import chat_prompt_ids
+    from deployments.engine.request import SamplingParams
+    from deployments.engine.tokenizer import chat_prompt_ids
 
     cfg = engine_config_from_args(args)
     engine = build_engine(cfg)
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
     g.set_defaults(func=cmd_generate)
 
-    from tools import make_tiny
+    from deployments import make_tiny
 
     t = sub.add_parser("make-tiny", help="write a tiny random checkpoint in HF format")
     make_tiny.add_arguments(t)

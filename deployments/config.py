@@ -1,141 +1,26 @@
-"""Configuration models. ``EngineConfig`` is the engine_kwargs of a deployment (and what the CLI builds);
-``LLMConfig`` mirrors Ray Serve LLM's config shape: model_loading_config, engine_kwargs, deployment_config,
-placement_group_config."""
+"""The application's configuration: ``LLMConfig`` mirrors Ray Serve LLM's shape (model_loading_config, engine_kwargs,
+deployment_config, placement_group_config); its ``engine_kwargs`` are a ``workers.config.EngineConfig``."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from workers.forward_batch import MAX_TREE_BLOCK
-
-AttentionBackendName = Literal["torch_native", "triton", "flashinfer"]
-SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive"]
+from workers.config import EngineConfig, Strict
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-
-class SpeculativeConfig(_Strict):
-    method: SpecMethod
-    model: str | None = Field(None, description="draft model / EAGLE head directory (not used by ngram)")
-    num_steps: int = Field(3, ge=1, le=16, description="draft depth per round")
-    topk: int = Field(1, ge=1, le=16, description="branching per draft step (1 = chain)")
-    num_draft_tokens: int | None = Field(None, ge=2, description="verified tokens per round incl. the root; "
-                                         "default num_steps + 1 for chains")
-    draft_tensor_parallel_size: int | None = Field(None, ge=1, description="1 or the target's TP size")
-    ngram_min: int = Field(1, ge=1)
-    ngram_max: int = Field(4, ge=1)
-    simulated_accept_length: float | None = Field(
-        None, ge=1.0, description="BENCHMARK ONLY: force this mean accept length; outputs are not the model's")
-
-    @model_validator(mode="after")
-    def _check(self):
-        if self.method == "naive":
-            self.num_steps, self.topk = 1, 1
-            self.num_draft_tokens = 2
-        if self.num_draft_tokens is None:
-            self.num_draft_tokens = self.num_steps + 1 if self.topk == 1 else min(self.num_steps * self.topk + 1, 16)
-        if self.topk == 1 and self.num_draft_tokens > self.num_steps + 1:
-            raise ValueError(f"a chain of {self.num_steps} steps verifies at most {self.num_steps + 1} tokens")
-        if self.num_draft_tokens > self.num_steps * self.topk + 1:
-            raise ValueError("num_draft_tokens exceeds num_steps * topk + 1 tree nodes")
-        if self.simulated_accept_length is not None and (self.topk != 1 or self.num_draft_tokens != self.num_steps + 1):
-            raise ValueError("simulated_accept_length works on full chains (topk 1, num_draft_tokens = num_steps + 1)")
-        # tree masks are one int64 bitmask per token: a round's draft block (its steps' nodes plus the root) and
-        # the verified tokens must fit MAX_TREE_BLOCK positions
-        if self.topk > 1 and self.num_steps * self.topk + 1 > MAX_TREE_BLOCK:
-            raise ValueError(f"a tree round of num_steps * topk + 1 = {self.num_steps * self.topk + 1} draft "
-                             f"positions exceeds {MAX_TREE_BLOCK}; lower num_steps or topk")
-        if self.num_draft_tokens > MAX_TREE_BLOCK:
-            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} exceeds {MAX_TREE_BLOCK}")
-        if self.method in ("eagle", "eagle3", "draft") and not self.model:
-            raise ValueError(f"speculative method {self.method!r} needs `model` (the draft/head directory)")
-        return self
-
-
-class EngineConfig(_Strict):
-    model: str = Field(..., description="HF checkpoint directory of the target model")
-    tokenizer: str | None = None
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tensor_parallel_size: int = Field(1, ge=1)
-    page_size: int = Field(16, ge=1)
-    max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
-    max_num_seqs: int = Field(64, ge=1, description="running requests at most")
-    max_prefill_tokens: int = Field(2048, ge=16, description="chunked prefill: prompt tokens per step at most")
-    kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    prefill_attention_backend: AttentionBackendName = "torch_native"
-    decode_attention_backend: AttentionBackendName = "torch_native"
-    verify_attention_mode: Literal["decode", "prefill"] = "decode"
-    speculative_config: SpeculativeConfig | None = None
-    disable_cuda_graph: bool = False
-    disable_overlap_schedule: bool = Field(False, description="launch each step only after the previous one's tokens "
-                                           "were read (default: a DECODE step or speculative round is launched "
-                                           "first, so the host's work hides behind the device's; n-gram rounds, "
-                                           "drafted on the host from the tokens, never overlap)")
-    disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
-                                            "small ones go one-shot over NVLink through symmetric memory)")
-    cuda_graph_max_bs: int = Field(256, ge=1, description="larger batches run eagerly (graphs are captured up to "
-                                   "min(this, max_num_seqs))")
-    fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
-                                         "(False: draft, verify and draft-extend graphs replayed back to back)")
-    max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
-    worker_step_timeout_s: float = Field(300.0, gt=0, description="TP worker actors: a step whose results take longer "
-                                         "marks the workers failed (the replica then fails its health check); "
-                                         "Ray's compiled-graph default is 10 s, shorter than a first-use capture")
-    seed: int = 0
-    tuning_cache_dir: str | None = Field(None, description="where the GPU kernel choices timed at start-up are kept "
-                                         "for later starts (default: $SPECSERVE_CACHE_DIR, else "
-                                         "$XDG_CACHE_HOME/specserve or ~/.cache/specserve); '' times them at every "
-                                         "start")
-
-    def resolved_tuning_cache_dir(self) -> str | None:
-        """The directory of the tuning cache, or None when it is off."""
-        import os
-
-        if self.tuning_cache_dir is not None:
-            return self.tuning_cache_dir or None
-        if os.environ.get("SPECSERVE_CACHE_DIR"):
-            return os.environ["SPECSERVE_CACHE_DIR"]
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        return os.path.join(base, "specserve")
-
-    def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
-        import torch
-
-        # device_count asks NVML and leaves CUDA unstarted (is_available would start the driver, after which a TP
-        # worker could no longer widen its CUDA_VISIBLE_DEVICES: workers.worker.share_node_gpus)
-        return "cuda" if torch.cuda.device_count() > 0 else "cpu"
-
-    def resolved_dtype(self, checkpoint_dtype):
-        import torch
-
-        from workers.model_config import parse_dtype
-
-        if self.dtype != "auto":
-            return parse_dtype(self.dtype)
-        if self.resolved_device() == "cpu":
-            return torch.float32  # CPU half-precision matmuls are slow and inexact
-        return checkpoint_dtype if checkpoint_dtype != torch.float32 else torch.bfloat16
-
-
-class ModelLoadingConfig(_Strict):
+class ModelLoadingConfig(Strict):
     model_id: str = Field(..., description="the name clients pass as `model`")
     model_source: str = Field(..., description="checkpoint directory")
 
 
-class PlacementGroupConfig(_Strict):
+class PlacementGroupConfig(Strict):
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     bundles: list[dict[str, float]] | None = None
 
 
-class LLMConfig(_Strict):
+class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
     deployment_config: dict = Field(default_factory=dict)

@@ -16,8 +16,8 @@ import uuid
 from ray import serve
 
 from deployments.config import LLMConfig
-from deployments.request import InvalidRequest, RequestOutput, SamplingParams
-from deployments.tokenizer import ChatTemplateError, chat_prompt_ids
+from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from deployments.engine.tokenizer import ChatTemplateError, chat_prompt_ids
 
 logger = logging.getLogger("specserve")
 
@@ -149,9 +149,9 @@ def _merged(items: list[dict]) -> dict:
 @serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 class LLMController:
     def __init__(self, llm_config: dict):
-        from deployments.engine import Engine, freeze_startup_heap
-        from deployments.executor import RayExecutor
-        from deployments.metrics import EngineMetrics
+        from deployments.engine.engine import Engine, freeze_startup_heap
+        from deployments.engine.executor import RayExecutor
+        from deployments.engine.metrics import EngineMetrics
 
         self.config = LLMConfig(**llm_config)
         cfg = self.config.engine_config()

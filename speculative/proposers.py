@@ -23,8 +23,9 @@ import torch
 
 from speculative.tree import DraftTree, TreeCandidates, chain_tree
 from speculative.verify import Verdict
-from workers.forward_batch import ForwardBatch, ForwardMode, to_device
-from workers.fused_ops import argmax_logsumexp
+from workers.forward_batch import ForwardBatch, to_device
+from workers.kernels.argmax import argmax_logsumexp
+from workers.messages import ForwardMode
 from workers.sampling import SamplingTensors
 
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from speculative.tree import DraftTree, node_depths
-from workers.fused_ops import argmax_logsumexp, tree_verdict, uniform_noise
+from workers.kernels.argmax import argmax_logsumexp
+from workers.kernels.rng import uniform_noise
+from workers.kernels.verdict import tree_verdict
 from workers.sampling import SamplingTensors, draw
 
 

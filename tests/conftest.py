@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from tools.make_tiny import make_tiny  # noqa: E402
+from deployments.make_tiny import make_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session")

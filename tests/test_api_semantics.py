@@ -8,12 +8,16 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from conftest import llama3_style
-from deployments.config import EngineConfig
-from deployments.engine import Engine
-from deployments.request import SamplingParams
-from deployments.tokenizer import ChatTemplateError, chat_prompt_ids, load_tokenizer
+
+from deployments.engine.engine import Engine
+from deployments.engine.request import SamplingParams
+from deployments.engine.tokenizer import (
+    ChatTemplateError,
+    chat_prompt_ids,
+    load_tokenizer,
+)
+from workers.config import EngineConfig
 from workers.model_config import ModelConfig
 
 

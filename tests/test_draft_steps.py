@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from attention.torch_native import TorchNativeBackend
-from workers.forward_batch import DraftSteps, ForwardBatch, ForwardMode
+from workers.forward_batch import DraftSteps, ForwardBatch
 from workers.kv_cache import KVCache, PageTable
+from workers.messages import ForwardMode
 
 
 @pytest.mark.parametrize("lens", ["host", "device"])

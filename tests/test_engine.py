@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, hf_greedy, mixed_prompts, run_all
-from deployments.config import EngineConfig
-from deployments.engine import Engine
-from deployments.request import InvalidRequest, SamplingParams
+
+from deployments.engine.engine import Engine
+from deployments.engine.request import InvalidRequest, SamplingParams
+from workers.config import EngineConfig
 from workers.model_config import CheckpointError
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -94,7 +94,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_models):
 def test_a_stop_string_inside_a_speculative_run_ends_the_tokens_there(tiny_models):
     """A round can append several tokens at once. When a stop string ends inside them, the tokens after the one
     that completes it are not output (ids, logprobs, usage): the output is the same as without speculation."""
-    from deployments.config import SpeculativeConfig
+    from workers.config import SpeculativeConfig
 
     target = tiny_models["llama"]
     plain = make_engine(target)
@@ -229,8 +229,12 @@ def test_processed_distribution_matches_hf_warpers():
     survivors renormalised; an earlier version took top-p of the whole distribution, which keeps more tokens).
     Where top-p's last token is tied with others, HF keeps those of them its sort happens to put first; we keep
     every one of them (as a threshold on the value does, as FlashInfer's top-p does), and nothing else differs."""
-    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     from workers.sampling import SamplingTensors, processed_probs
 
@@ -365,10 +369,10 @@ def test_incremental_detokenizer_matches_full_decode(stream):
     window of ids decoded again (its fallback)."""
     import random
 
-    from deployments.tokenizer import Detokenizer, load_tokenizer
+    from deployments.engine.tokenizer import Detokenizer, load_tokenizer
 
     tok = load_tokenizer(str(ROOT / "models" / "specserve-tiny"))
-    text = (ROOT / "deployments" / "scheduler.py").read_text()[:2000] + "héllo wörld — ünïcode ✓ 日本語 🙂 end"
+    text = (ROOT / "deployments" / "engine" / "scheduler.py").read_text()[:2000] + "héllo wörld — ünïcode ✓ 日本語 🙂 end"
     ids = tok(text).input_ids
     full = tok.decode(ids, skip_special_tokens=True)
     if stream:
@@ -422,7 +426,7 @@ def test_freeze_startup_heap_keeps_collecting_new_garbage():
     import gc
     import weakref
 
-    from deployments.engine import freeze_startup_heap
+    from deployments.engine.engine import freeze_startup_heap
 
     class Node:
         pass

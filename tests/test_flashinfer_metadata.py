@@ -18,11 +18,18 @@ import torch
 
 import attention.flashinfer_backend as fbmod
 from attention.base import AttentionLayerSpec
-from attention.flashinfer_backend import block_mask, pack_xqa_mask, packed_tree_mask, paged_kv_metadata, xqa_mask_bits
+from attention.flashinfer_backend import (
+    block_mask,
+    pack_xqa_mask,
+    packed_tree_mask,
+    paged_kv_metadata,
+    xqa_mask_bits,
+)
 from attention.torch_native import TorchNativeBackend
 from tools.check_attention import _to_fp32_cpu, make_case
-from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.forward_batch import ForwardBatch
 from workers.kv_cache import KVCache, PageTable
+from workers.messages import ForwardMode
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])

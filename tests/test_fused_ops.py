@@ -15,10 +15,16 @@ pytest.importorskip("triton")
 def check() -> None:
     import torch
 
-    from workers import fused_ops
-    from workers.fused_ops import (apply_rope_qk, rms_norm, rms_norm_reference, rope_reference, silu_and_mul)
+    from workers.kernels import launch
+    from workers.kernels.norm_rope import (
+        apply_rope_qk,
+        rms_norm,
+        rms_norm_reference,
+        rope_reference,
+        silu_and_mul,
+    )
 
-    assert fused_ops._triton_for(torch.zeros(1))  # the Triton kernels run here, not the references
+    assert launch.use_triton(torch.zeros(1))  # the Triton kernels run here, not the references
     g = torch.Generator().manual_seed(0)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         x, r = (torch.randn(5, 96, generator=g).to(dtype) for _ in range(2))
@@ -75,7 +81,7 @@ def check_rms_norm_pair(g) -> None:
     the first input's rows gathered by index (an embedding lookup fused in), a strided second input, bf16 and fp32."""
     import torch
 
-    from workers.fused_ops import rms_norm, rms_norm_pair
+    from workers.kernels.norm_rope import rms_norm, rms_norm_pair
 
     for dtype in (torch.float32, torch.bfloat16):
         table, hidden = torch.randn(11, 80, generator=g).to(dtype), torch.randn(4, 160, generator=g).to(dtype)[:, :80]
@@ -101,8 +107,13 @@ def check_store_kv_and_argmax(g) -> None:
     shorter than one program)."""
     import torch
 
-    from workers.fused_ops import (apply_rope_qk, apply_rope_store_kv, argmax_logsumexp, greedy_with_logprob,
-                                   rope_reference, store_kv)
+    from workers.kernels.argmax import argmax_logsumexp, greedy_with_logprob
+    from workers.kernels.norm_rope import (
+        apply_rope_qk,
+        apply_rope_store_kv,
+        rope_reference,
+        store_kv,
+    )
 
     for dtype in (torch.float32, torch.bfloat16):
         qkv = torch.randn(5, (3 + 3 + 3) * 16, generator=g).to(dtype)
@@ -179,7 +190,8 @@ def check_filter_floor(g) -> None:
     nothing, bf16-valued logits with ties, -inf entries; and the race stays above each row's floor."""
     import torch
 
-    from workers.fused_ops import argmax_logsumexp, filter_floor, filter_floor_reference
+    from workers.kernels.argmax import argmax_logsumexp
+    from workers.kernels.top_filter import filter_floor, filter_floor_reference
 
     n = 9000  # three chunks of three blocks of 1024
     logits = torch.randn(8, n, generator=g) * torch.tensor([3.0, 3.0, 0.3, 0.05, 3.0, 1.0, 2.0, 3.0]).unsqueeze(1)
@@ -211,7 +223,7 @@ def check_one_shot_sum(g) -> None:
     leave the programs past the grid alone; sizes change between calls, a ragged last slice included."""
     import torch
 
-    from workers.custom_all_reduce import BLOCK, _one_shot_sum_kernel
+    from workers.kernels.all_reduce import BLOCK, _one_shot_sum_kernel
 
     world, slot = 2, 4 * BLOCK
 
@@ -257,7 +269,8 @@ def check_gumbel_argmax(g) -> None:
     and streams, rows longer than one program, -inf entries that never win."""
     import torch
 
-    from workers.fused_ops import argmax_logsumexp, gumbel_from_hash, hash32, uniform_noise
+    from workers.kernels.argmax import argmax_logsumexp
+    from workers.kernels.rng import gumbel_from_hash, hash32, uniform_noise
 
     for b, n in ((3, 50), (4, 9000)):
         logits = torch.randn(b, n, generator=g) * 3
@@ -292,7 +305,7 @@ def check_small_m_linear(g) -> None:
     holds a config for."""
     import torch
 
-    from workers import small_m_linear as sml
+    from workers.kernels import small_m_linear as sml
 
     gemv1, gemv2 = sml.TileConfig(1, 8, 32, 2, 1), sml.TileConfig(2, 8, 32, 2, 1)
     dot16 = sml.TileConfig(16, 16, 32, 4, 1)
@@ -308,7 +321,7 @@ def check_small_m_linear(g) -> None:
             got = sml.small_m_linear(x, w, b, cfg)
             ref = torch.nn.functional.linear(x, w, b)
             assert got.shape == (m, n) and torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (cfg, m, n, k)
-    from workers.fused_ops import silu_and_mul
+    from workers.kernels.norm_rope import silu_and_mul
 
     for cfg in (gemv1, gemv2, dot16, left16):  # silu(gate) * up fused in (weight on the left: activated first)
         for m, k in ((1, 64), (1, 70), (2, 70), (5, 70)):
@@ -364,8 +377,8 @@ def check_activated_output(g) -> None:
     gate/up layer has such a tile for the bucket and its down projection would otherwise run silu_and_mul first."""
     import torch
 
-    from workers import small_m_linear as sml
-    from workers.fused_ops import silu_and_mul
+    from workers.kernels import small_m_linear as sml
+    from workers.kernels.norm_rope import silu_and_mul
     from workers.layers import SINGLE
     from workers.models.llama import MLP
 
@@ -422,20 +435,20 @@ def check_uniform_token_metadata(g) -> None:
     programs per request) extends, int64 and int32 sequence lengths, pages scattered."""
     import torch
 
-    from workers import fused_ops
+    from workers.kernels import metadata
 
     page, pages_per = 4, 700
     table = (torch.randperm(6 * pages_per, generator=g) + 1).view(6, pages_per).to(torch.int32)
     for n, dtype in ((1, torch.int64), (4, torch.int32), (5, torch.int64), (2500, torch.int64)):  # 2500: 3 blocks
         slots = torch.tensor([5, 9, 0, 9, 3, 9], dtype=torch.int64)[::2]  # strided views, as callers may pass
         seq = torch.tensor([[n, 17 + n, 2790], [0, 0, 0]], dtype=dtype).T[:, 0]
-        got = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
-        real = fused_ops._triton_for
-        fused_ops._triton_for = lambda x: False
+        got = metadata.uniform_token_metadata(slots, seq, n, table, page)
+        real = metadata.use_triton
+        metadata.use_triton = lambda x: False
         try:
-            ref = fused_ops.uniform_token_metadata(slots, seq, n, table, page)
+            ref = metadata.uniform_token_metadata(slots, seq, n, table, page)
         finally:
-            fused_ops._triton_for = real
+            metadata.use_triton = real
         for a, b in zip(got, ref):
             assert a.dtype == b.dtype and torch.equal(a, b), (n, a, b)
         pos = torch.cat([torch.arange(s - n, s) for s in seq.tolist()])
@@ -445,14 +458,14 @@ def check_uniform_token_metadata(g) -> None:
         if n < 100:
             at = torch.randint(0, n, (3,), generator=g)
             kw = dict(seq_offset=1, steps=3, seq_step=2, logits_at=at)
-            got = fused_ops.uniform_token_metadata(slots, seq, n, table, page, **kw)
-            fused_ops._triton_for = lambda x: False
+            got = metadata.uniform_token_metadata(slots, seq, n, table, page, **kw)
+            metadata.use_triton = lambda x: False
             try:
-                ref = fused_ops.uniform_token_metadata(slots, seq, n, table, page, **kw)
-                plain = fused_ops.uniform_token_metadata(
+                ref = metadata.uniform_token_metadata(slots, seq, n, table, page, **kw)
+                plain = metadata.uniform_token_metadata(
                     slots.repeat(3), torch.cat([seq + 1 + 2 * i for i in range(3)]), n, table, page)
             finally:
-                fused_ops._triton_for = real
+                metadata.use_triton = real
             for a, b, c in zip(got, ref, plain[:3] + (plain[2] + at.repeat(3),) + plain[4:]):
                 assert a.dtype == b.dtype and torch.equal(a, b) and torch.equal(b, c), (n, a, b, c)
 
@@ -462,14 +475,14 @@ def check_overlap_step_inputs(g) -> None:
     only), roots gathered by slot; the same as the PyTorch ops."""
     import torch
 
-    from workers import fused_ops
+    from workers.kernels import metadata
 
     advance, last = torch.randint(1, 5, (40,), generator=g), torch.randint(0, 1000, (40,), generator=g)
     for b in (1, 7, 33):
         slots = torch.randperm(40, generator=g)[:b]
         pending = torch.randint(0, 2, (b,), generator=g)
         seq, ctr = torch.randint(1, 500, (b,), generator=g), torch.randint(0, 50, (b,), generator=g)
-        got = fused_ops.overlap_step_inputs(slots, pending, seq, ctr, advance, last)
+        got = metadata.overlap_step_inputs(slots, pending, seq, ctr, advance, last)
         ahead = pending * advance[slots]
         for a, ref in zip(got, (seq + ahead, last[slots], seq + ahead - 1, ctr + ahead)):
             assert a.dtype == torch.int64 and torch.equal(a, ref), (b, a, ref)
@@ -481,16 +494,16 @@ def check_tree_verdict(g) -> None:
     stopped), on chains (as their explicit parents), and with a forced accept count (the benchmark's)."""
     import torch
 
-    from workers import fused_ops
+    from workers.kernels import verdict
 
     def both(*args, **kwargs):
-        got = fused_ops.tree_verdict(*args, **kwargs)
-        real = fused_ops._triton_for
-        fused_ops._triton_for = lambda x: False
+        got = verdict.tree_verdict(*args, **kwargs)
+        real = verdict.use_triton
+        verdict.use_triton = lambda x: False
         try:
-            ref = fused_ops.tree_verdict(*args, **kwargs)
+            ref = verdict.tree_verdict(*args, **kwargs)
         finally:
-            fused_ops._triton_for = real
+            verdict.use_triton = real
         for a, r in zip(got, ref):
             assert a.dtype == r.dtype and torch.equal(a, r), (args[1].shape, a, r)
         return ref
@@ -512,7 +525,7 @@ def check_tree_verdict(g) -> None:
             assert torch.equal(logprob[i], logits[i * d + path[i], out[i]].float() - lse[i, path[i]])
         # a chain (parents None: node j's parent is j - 1) walks as its explicit parents do
         chain = both(None, tokens, choice, lse, logits, depth)
-        explicit = fused_ops.tree_verdict((torch.arange(d) - 1).expand(b, d).contiguous(), tokens, choice, lse,
+        explicit = verdict.tree_verdict((torch.arange(d) - 1).expand(b, d).contiguous(), tokens, choice, lse,
                                           logits, depth)
         assert all(torch.equal(a, e) for a, e in zip(chain, explicit))
         if d == depth + 1:  # forced: floor(u + offset) drafts, then the target's choice
@@ -529,13 +542,13 @@ def check_record_round(g) -> None:
     """A round's outcome into the per-request state: last_token[slot] = out[b, accept], advance[slot] = accept + 1."""
     import torch
 
-    from workers import fused_ops
+    from workers.kernels import verdict
 
     slots = torch.tensor([7, 2, 9, 4, 0, 5])[::2]  # strided
     accept = torch.tensor([0, 3, 1])
     out = torch.randint(0, 100, (3, 4), generator=g)
     last, adv = torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.int64)
-    fused_ops.record_round(slots, accept, out, last, adv)
+    verdict.record_round(slots, accept, out, last, adv)
     want_last, want_adv = torch.zeros(10, dtype=torch.int64), torch.ones(10, dtype=torch.int64)
     want_last[slots], want_adv[slots] = out[torch.arange(3), accept], accept + 1
     assert torch.equal(last, want_last) and torch.equal(adv, want_adv), (last, adv)
@@ -548,20 +561,20 @@ def test_pdl_only_inside_graph_scopes_and_never_on_cpu():
 
     import torch
 
-    from workers import fused_ops
+    from workers.kernels import launch
 
     x = torch.zeros(1)
     seen = {}
-    with fused_ops.pdl_launches():
-        with fused_ops.pdl_launches():
+    with launch.pdl_launches():
+        with launch.pdl_launches():
             pass
-        seen["inside"] = fused_ops._pdl_scope.on
-        worker = threading.Thread(target=lambda: seen.update(other=getattr(fused_ops._pdl_scope, "on", False)))
+        seen["inside"] = launch._pdl_scope.on
+        worker = threading.Thread(target=lambda: seen.update(other=getattr(launch._pdl_scope, "on", False)))
         worker.start()
         worker.join()
-        assert fused_ops.pdl_launch(x) == {}  # no CUDA here
-    assert seen == {"inside": True, "other": False} and not fused_ops._pdl_scope.on
-    assert not fused_ops.pdl_supported("cpu")
+        assert launch.pdl_launch(x) == {}  # no CUDA here
+    assert seen == {"inside": True, "other": False} and not launch._pdl_scope.on
+    assert not launch.pdl_supported("cpu")
 
 
 def test_fused_norms_match_reference_in_interpreter():

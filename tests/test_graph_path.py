@@ -5,11 +5,11 @@ leak into real ones, and the pad slot's writes stay on the reserved page 0."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import mixed_prompts
-from deployments.config import SpeculativeConfig
-from deployments.request import SamplingParams
 from test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
+
+from deployments.engine.request import SamplingParams
+from workers.config import SpeculativeConfig
 from workers.graph_runner import batch_buckets
 
 SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)

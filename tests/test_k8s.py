@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CRD = ROOT.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml"
 K8S = ROOT / "k8s"
 
-# The metric families the server exports (deployments/metrics.py), as Prometheus sees them through Ray's metrics
+# The metric families the server exports (deployments/engine/metrics.py), as Prometheus sees them through Ray's metrics
 # agent: Ray adds the `ray_` prefix, counters get `_total`, histograms `_bucket/_sum/_count`. The names are vLLM's
 # with `vllm:` written `vllm_` (Ray no longer accepts ':' in metric names).
 COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
@@ -273,9 +273,9 @@ def test_dashboard_variables(dashboard):
 
 
 def test_dashboard_names_match_exporter():
-    """FAMILIES above is what deployments/metrics.py registers (skipped where ray or deployments/ is missing)."""
+    """FAMILIES above is what deployments/engine/metrics.py registers (skipped where ray or deployments/ is missing)."""
     metrics = pytest.importorskip("ray.util.metrics")
-    engine_metrics = pytest.importorskip("deployments.metrics")
+    engine_metrics = pytest.importorskip("deployments.engine.metrics")
     names = set()
     for m in vars(engine_metrics.EngineMetrics("x")).values():
         if isinstance(m, metrics.Counter):

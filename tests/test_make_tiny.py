@@ -1,4 +1,4 @@
-"""tools.make_tiny: the checkpoints load with stock transformers, with the config, tokenizer and template we promise."""
+"""deployments.make_tiny: the checkpoints load with stock transformers, with the config, tokenizer and template we promise."""
 
 from __future__ import annotations
 
@@ -10,8 +10,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tools.make_tiny import (BOS, CHAT_TEMPLATE, EOS, SPECIAL_TOKENS, _train_bpe, add_arguments, llama3_rope_scaling,
-                             make_tiny, run, stdlib_corpus)
+from deployments.make_tiny import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    SPECIAL_TOKENS,
+    _train_bpe,
+    add_arguments,
+    llama3_rope_scaling,
+    make_tiny,
+    run,
+    stdlib_corpus,
+)
 
 SNIPPET = 'def greet(name: str) -> str:\n    """Say hello."""\n    return f"Hello, {name}! ✓ naïve"\n'
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},

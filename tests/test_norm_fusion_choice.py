@@ -19,9 +19,9 @@ TILES = {1: (1, 16, 32, 2, 1), 2: (2, 16, 32, 2, 1)}
 
 def start(model_dir: str, cache_path: Path, norms_in_linears: bool = True):
     """An engine on the CPU with its target's norms folded and small-M kernels in every projection's table."""
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
-    from workers import small_m_linear as sml
+    from deployments.engine.engine import Engine
+    from workers.kernels import small_m_linear as sml
+    from workers.config import EngineConfig
 
     eng = Engine(EngineConfig(model=model_dir, device="cpu", cuda_graph_max_bs=2, max_model_len=128))
     worker = eng.executor.worker
@@ -52,8 +52,8 @@ def norm_kernels_per_replay(worker, bucket: int) -> int:
 def check(model_dir: str, cache_dir: str) -> None:
     import torch
 
-    from deployments.request import SamplingParams
-    from workers import small_m_linear as sml
+    from deployments.engine.request import SamplingParams
+    from workers.kernels import small_m_linear as sml
     from workers import worker as worker_module
 
     worker_module.NORM_FUSION_PASSES = worker_module.NORM_FUSION_REPLAYS = 1  # interpreted forwards are slow
@@ -99,8 +99,8 @@ def test_the_worker_keeps_the_tuning_cache_it_opened(tiny_models, tmp_path, monk
     """The tuning cache the start-up tuning opens is the one each bucket's fusion choice is then read from and saved
     to: a worker that dropped it timed every bucket again at each start (and could choose otherwise, so its bf16
     tokens could change between restarts). Run as on a GPU (no graph refusal); CPU weights are timed by nothing."""
-    from deployments.config import EngineConfig
-    from workers import small_m_linear as sml
+    from workers.kernels import small_m_linear as sml
+    from workers.config import EngineConfig
     from workers.worker import Worker
 
     monkeypatch.setattr(Worker, "_graph_refusal", lambda self: None)

@@ -7,13 +7,12 @@ import contextlib
 import re
 import socket
 import time
-from pathlib import Path
 import urllib.request
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
-
 from conftest import mixed_prompts
 
 API_KEY = "test-key"
@@ -82,9 +81,9 @@ def test_models_and_auth(server, client):
 
 
 def test_completion_matches_offline_engine(server, client):
-    from deployments.config import EngineConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
 
     offline = Engine(EngineConfig(model=server["target"], device="cpu", max_model_len=256))
     ref = offline.generate(["def main():"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
@@ -331,7 +330,7 @@ def test_n_choices(client):
 def test_echo(server, client):
     """echo puts the prompt's text before the completion, streamed or not; with logprobs it is refused (the prompt's
     logprobs are not computed)."""
-    from deployments.tokenizer import load_tokenizer
+    from deployments.engine.tokenizer import load_tokenizer
 
     kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(prompt="import os\n", **kw).choices[0].text
@@ -351,7 +350,8 @@ def test_a_llama3_style_model(server, tmp_path):
     naming messages; generation_config.json's temperature 0 makes unset temperatures greedy; a KV cache of exactly
     the context serves a chat without max_tokens."""
     from conftest import llama3_style
-    from deployments.tokenizer import chat_prompt_ids, load_tokenizer
+
+    from deployments.engine.tokenizer import chat_prompt_ids, load_tokenizer
 
     path = llama3_style(Path(server["target"]), tmp_path / "llama3-style")
     ek = {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2, "kv_cache_tokens": 256}
@@ -434,9 +434,9 @@ def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_mode
     aborted, not decoded to max_tokens with its KV held and nobody reading."""
     import types
 
-    from deployments.config import EngineConfig
     from deployments.controller import EngineLoop, LLMController
-    from deployments.engine import Engine
+    from deployments.engine.engine import Engine
+    from workers.config import EngineConfig
 
     engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256))
     loop = EngineLoop(engine)

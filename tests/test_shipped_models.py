@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import ROOT
-from deployments.config import EngineConfig, SpeculativeConfig
-from deployments.engine import Engine
-from deployments.request import SamplingParams
+
+from deployments.engine.engine import Engine
+from deployments.engine.request import SamplingParams
+from workers.config import EngineConfig, SpeculativeConfig
 
 MODELS = ROOT / "models"
 TARGET, DRAFT, EAGLE3 = MODELS / "specserve-tiny", MODELS / "specserve-tiny-draft", MODELS / "specserve-tiny-eagle3"

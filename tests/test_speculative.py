@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, mixed_prompts, run_all
-from deployments.config import EngineConfig, SpeculativeConfig
-from deployments.engine import Engine
-from deployments.request import SamplingParams
-from tools.make_heads import make_head
-from tools.make_tiny import make_tiny
+
+from deployments.engine.engine import Engine
+from deployments.engine.request import SamplingParams
+from deployments.make_heads import make_head
+from deployments.make_tiny import make_tiny
+from workers.config import EngineConfig, SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -241,8 +241,7 @@ def test_simulated_acceptance_is_benchmark_only(spec_models):
 
 
 def test_tree_sizes_past_the_bitmask_are_refused_by_the_config():
-    from deployments.config import SpeculativeConfig
-    from workers.forward_batch import MAX_TREE_BLOCK
+    from workers.config import MAX_TREE_BLOCK, SpeculativeConfig
 
     SpeculativeConfig(method="eagle3", model="head", num_steps=6, topk=10, num_draft_tokens=20)  # 61 positions
     with pytest.raises(ValueError, match=f"exceeds {MAX_TREE_BLOCK}"):

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import mixed_prompts
-from deployments.config import EngineConfig, SpeculativeConfig
-from deployments.engine import Engine
-from deployments.request import SamplingParams
-from tools.make_heads import make_head
-from tools.make_tiny import make_tiny
+
+from deployments.engine.engine import Engine
+from deployments.engine.request import SamplingParams
+from deployments.make_heads import make_head
+from deployments.make_tiny import make_tiny
+from workers.config import EngineConfig, SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -37,7 +37,7 @@ def tp_models(tmp_path_factory):
 
 
 def run(tp_models, tp: int, spec: SpeculativeConfig | None):
-    from deployments.executor import RayExecutor
+    from deployments.engine.executor import RayExecutor
 
     cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=tp, page_size=4,
                        max_model_len=256, speculative_config=spec)
@@ -71,7 +71,8 @@ def test_shutdown_gives_back_the_placement_group(ray_cluster, tp_models):
     import time
 
     import ray
-    from deployments.executor import RayExecutor
+
+    from deployments.engine.executor import RayExecutor
 
     cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=2, page_size=4,
                        max_model_len=256)
@@ -136,8 +137,9 @@ def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models
     import types
 
     import ray
+
     from deployments.controller import EngineLoop, EngineStopped, LLMController
-    from deployments.executor import RayExecutor, WorkersFailed
+    from deployments.engine.executor import RayExecutor, WorkersFailed
 
     monkeypatch.setattr(RayExecutor, "TEARDOWN_WAIT_S", 3.0)
     cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=2, page_size=4,
@@ -185,7 +187,7 @@ def test_bad_tp_size_is_refused(tp_models):
 def test_gpu_visibility_is_widened_only_for_one_distinct_gpu_per_rank():
     """Ray gives each one-GPU actor CUDA_VISIBLE_DEVICES=<its id>; the custom all-reduce needs every rank's GPU
     visible, so the ranks join their ids (rank r then uses device r). Anything else stays as the launcher set it."""
-    from workers.custom_all_reduce import widened_visibility
+    from workers.kernels.all_reduce import widened_visibility
 
     assert widened_visibility(["3", "5"]) == "3,5"
     assert widened_visibility(["GPU-aa", "GPU-bb", "GPU-cc"]) == "GPU-aa,GPU-bb,GPU-cc"
@@ -197,8 +199,9 @@ def test_gpu_visibility_is_widened_only_for_one_distinct_gpu_per_rank():
 
 
 def test_custom_all_reduce_switch_reaches_the_config():
-    from deployments.cli import _engine_args, engine_config_from_args
     import argparse
+
+    from deployments.cli import _engine_args, engine_config_from_args
 
     p = argparse.ArgumentParser()
     _engine_args(p)
@@ -217,12 +220,13 @@ def _logits(path: str, tp, fold: bool) -> list:
     import torch
 
     from attention.torch_native import TorchNativeBackend
-    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.forward_batch import ForwardBatch
+    from workers.kernels.small_m_linear import MAX_ROWS
     from workers.kv_cache import KVCache, PageTable
     from workers.loader import load_weights
+    from workers.messages import ForwardMode
     from workers.model_config import ModelConfig
     from workers.models.llama import LlamaForCausalLM
-    from workers.small_m_linear import MAX_ROWS
 
     cfg = ModelConfig.from_pretrained(path)
     model = LlamaForCausalLM(cfg, torch.float32, tp)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytest.importorskip("triton")
@@ -32,8 +31,9 @@ def test_round_draft_extend_takes_the_split_kv_launch():
     import torch
 
     from attention.triton_backend import TritonBackend
-    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.forward_batch import ForwardBatch
     from workers.kv_cache import KVCache, PageTable
+    from workers.messages import ForwardMode
 
     kv = KVCache(1, 64, 16, 2, 16, torch.float32, "cpu")
     table = PageTable(2, 16, 16, "cpu")
@@ -60,7 +60,8 @@ PAGE_MAJOR_CHECK = """
 import torch
 from attention.base import AttentionLayerSpec
 from attention.triton_backend import TritonBackend
-from workers.forward_batch import ForwardBatch, ForwardMode
+from workers.forward_batch import ForwardBatch
+from workers.messages import ForwardMode
 from workers.kv_cache import KVCache, PageTable
 
 torch.manual_seed(0)

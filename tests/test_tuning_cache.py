@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from deployments.config import EngineConfig
-from workers.small_m_linear import ROW_BUCKETS, TileConfig, TuningCache
+from workers.config import EngineConfig
+from workers.kernels.small_m_linear import ROW_BUCKETS, TileConfig, TuningCache
 
 ENV = "NVIDIA H100 80GB HBM3 | torch 2.11 | triton 3.6"
 TABLE = {rows: (TileConfig(1, 16, 512, 4, 3) if rows == 1 else None if rows == 16 else
@@ -44,7 +44,7 @@ def test_incomplete_or_foreign_entries_are_timed_again(tmp_path):
 def test_an_unreadable_file_is_retuned_and_replaced(tmp_path, caplog, content):
     path = tmp_path / "c.json"
     path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="workers.small_m_linear"):
+    with caplog.at_level(logging.WARNING, logger="workers.kernels.small_m_linear"):
         cache = TuningCache(path, ENV)
     assert cache.get("k") is None
     assert any("unreadable" in r.getMessage() for r in caplog.records)
@@ -85,7 +85,7 @@ def test_cache_directory_setting(tmp_path, monkeypatch):
 def test_the_environment_names_the_candidates(monkeypatch):
     """A cache written while other tile configs were candidates (an older release) is timed again: the environment
     key carries a digest of the candidate set."""
-    from workers import small_m_linear as sml
+    from workers.kernels import small_m_linear as sml
 
     monkeypatch.setattr(sml.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     before = sml.tuning_environment("cuda")

@@ -37,8 +37,9 @@ from attention.base import AttentionLayerSpec  # noqa: E402
 from attention.flashinfer_backend import XQA_PAGE_SIZES  # noqa: E402
 from attention.registry import _make  # noqa: E402
 from speculative.tree import ancestor_mask  # noqa: E402
-from workers.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from workers.forward_batch import ForwardBatch  # noqa: E402
 from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from workers.messages import ForwardMode
 
 
 def random_tree_parents(b: int, d: int, g: torch.Generator) -> torch.Tensor:

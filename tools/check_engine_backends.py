@@ -19,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:
-    from deployments.config import EngineConfig, SpeculativeConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig, SpeculativeConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="models")

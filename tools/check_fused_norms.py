@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from workers import layers  # noqa: E402
-from workers import small_m_linear as sml  # noqa: E402
-from workers.fused_ops import rms_norm_reference, silu_and_mul  # noqa: E402
+from workers.kernels import small_m_linear as sml  # noqa: E402
+from workers.kernels.norm_rope import rms_norm_reference, silu_and_mul  # noqa: E402
 
 EPS = 1e-5
 
@@ -95,8 +95,9 @@ def check_kernels(device: str, dtype: torch.dtype, g: torch.Generator) -> int:
 def check_model(device: str, dtype: torch.dtype, g: torch.Generator) -> int:
     """The folded 2-layer model against the unfolded one (module docstring); returns how many forwards ran."""
     from attention.torch_native import TorchNativeBackend
-    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.forward_batch import ForwardBatch
     from workers.kv_cache import KVCache, PageTable
+    from workers.messages import ForwardMode
     from workers.model_config import ModelConfig
     from workers.models.llama import LlamaForCausalLM
 

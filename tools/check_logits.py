@@ -25,9 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from speculative.tree import ancestor_mask  # noqa: E402
 from tools.check_attention import random_tree_parents  # noqa: E402
-from workers.forward_batch import ForwardMode  # noqa: E402
 from workers.kv_cache import PageTable  # noqa: E402
 from workers.layers import TPGroup  # noqa: E402
+from workers.messages import ForwardMode  # noqa: E402
 from workers.model_runner import ModelRunner  # noqa: E402
 
 PROMPT_LENS = [300, 700, 1000, 120]

@@ -69,7 +69,8 @@ def _pdl_chain(custom, comm, rank: int, world: int, stream) -> str:
     with a zero residual: the input itself), as in a layer, in a graph, alternating a one-row and a 64-row tensor (so
     the programs count their calls apart) for 6 links; three replays of fresh random inputs must equal the same
     chain through NCCL (bit for bit with 2 ranks: a + b rounds once either way) and agree on every rank."""
-    from workers.fused_ops import pdl_launches, rms_norm
+    from workers.kernels.launch import pdl_launches
+    from workers.kernels.norm_rope import rms_norm
 
     gen = torch.Generator(device="cuda").manual_seed(99 + rank)
     ones = torch.ones(4096, device="cuda", dtype=torch.bfloat16)
@@ -117,10 +118,9 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
     import torch.distributed as dist
 
-    from workers.custom_all_reduce import create_custom_all_reduce
-    from workers.fused_ops import pdl_launches
+    from workers.kernels.all_reduce import create_custom_all_reduce
+    from workers.kernels.launch import pdl_launches
     from workers.nccl import NcclCommunicator
-
     from workers.worker import share_node_gpus
 
     faulthandler.dump_traceback_later(240, exit=True)

@@ -62,9 +62,9 @@ def spec_config(mode: str, ckpt: str, head: str | None, tp: int,
 def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dict | None = None,
         fuse_round: bool = True, device: str = "cuda") -> dict:
     from deployments.cli import build_engine
-    from deployments.config import EngineConfig
-    from deployments.engine import freeze_startup_heap
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import freeze_startup_heap
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
 
     cfg = EngineConfig(model=ckpt, device=device, dtype=dtype, tensor_parallel_size=tp, max_model_len=2048,
                        max_num_seqs=8, kv_cache_tokens=16384, prefill_attention_backend=backend,
@@ -161,7 +161,7 @@ def main() -> None:
     head = args.head
     made_head = head is None and any(m.startswith("eagle3") for m in modes)
     if made_head:
-        from tools.make_heads import make_head
+        from deployments.make_heads import make_head
 
         vocab = json.loads((Path(args.ckpt) / "config.json").read_text())["vocab_size"]
         head = str(make_head("eagle3", args.ckpt, Path(tempfile.mkdtemp(prefix="eagle3_head_")), seed=5,

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from workers.fused_ops import filter_floor  # noqa: E402
+from workers.kernels.top_filter import filter_floor  # noqa: E402
 from workers.sampling import SamplingTensors, draw, processed_probs  # noqa: E402
 
 

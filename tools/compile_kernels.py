@@ -41,12 +41,14 @@ WORKLOADS = (
     [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "float32", "--small", "--min-chunk",
      "64"],
 )
-KERNEL_MODULES = ("workers.fused_ops", "workers.small_m_linear", "attention.triton_backend",
-                  "workers.custom_all_reduce")  # every kernel is here
+KERNEL_MODULES = ("workers.kernels.launch", "workers.kernels.norm_rope", "workers.kernels.rng",
+                  "workers.kernels.argmax", "workers.kernels.top_filter", "workers.kernels.metadata",
+                  "workers.kernels.verdict", "workers.kernels.small_m_linear", "workers.kernels.all_reduce",
+                  "attention.triton_backend")  # every kernel is here
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
 # forward batch's metadata kernels) run
-LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.small_m_linear")
+LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_linear")
 
 
 def describe(value):
@@ -69,9 +71,10 @@ def model_shapes() -> None:
 
     from attention.base import AttentionLayerSpec
     from attention.triton_backend import TritonBackend
-    from workers import small_m_linear as sml
-    from workers.forward_batch import ForwardBatch, ForwardMode
+    from workers.kernels import small_m_linear as sml
+    from workers.forward_batch import ForwardBatch
     from workers.kv_cache import KVCache, PageTable
+    from workers.messages import ForwardMode
 
     page, capacity = 16, 8192
     for heads, kv_heads, dim in ((32, 8, 128), (32, 8, 64)):

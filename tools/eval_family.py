@@ -63,9 +63,9 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from deployments.config import EngineConfig, SpeculativeConfig
-    from deployments.engine import Engine
-    from deployments.request import SamplingParams
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig, SpeculativeConfig
 
     m = Path(args.models)
     target, draft, eagle = m / "specserve-tiny", m / "specserve-tiny-draft", m / "specserve-tiny-eagle3"

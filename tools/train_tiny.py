@@ -31,7 +31,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tools.make_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+from deployments.make_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 
 
 def stdlib_files() -> list[Path]:

@@ -1,14 +1,15 @@
-"""Forward modes and the per-forward batch description every layer and attention backend reads."""
+"""The per-forward batch description every layer and attention backend reads."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 
-from workers.fused_ops import uniform_token_metadata
+from workers.config import MAX_TREE_BLOCK
+from workers.kernels.metadata import uniform_token_metadata
 from workers.kv_cache import KVCache, PageTable
+from workers.messages import ForwardMode
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -20,18 +21,6 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
-
-
-class ForwardMode(enum.Enum):
-    EXTEND = "extend"  # prefill (possibly a chunk of it) of new tokens after a cached prefix
-    DECODE = "decode"  # one new token per request
-    TARGET_VERIFY = "target_verify"  # num_draft_tokens per request, tree mask over the draft block
-    DRAFT_EXTEND = "draft_extend"  # draft model catches up over accepted tokens (causal, like EXTEND)
-    IDLE = "idle"  # no tokens on this rank (keeps TP collectives in step)
-
-    @property
-    def is_extend_like(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
 
 
 @dataclass
@@ -175,7 +164,6 @@ class ForwardBatch:
         )
 
 
-MAX_TREE_BLOCK = 63  # positions a per-token int64 bitmask can cover
 
 
 def mask_from_bits(bits: torch.Tensor, length: int) -> torch.Tensor:

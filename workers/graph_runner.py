@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from workers.fused_ops import pdl_launches
+from workers.kernels.launch import pdl_launches
 from workers.sampling import SamplingTensors
 
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns

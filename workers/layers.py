@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from workers.fused_ops import rms_norm
-from workers.small_m_linear import activated_linear, linear
+from workers.kernels.norm_rope import rms_norm
+from workers.kernels.small_m_linear import activated_linear, linear
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.fused_ops import argmax_logsumexp, filter_floor, greedy_with_logprob
+from workers.kernels.argmax import argmax_logsumexp, greedy_with_logprob
+from workers.kernels.top_filter import filter_floor
 
 
 @dataclass

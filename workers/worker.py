@@ -11,23 +11,31 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from deployments.config import EngineConfig
-from workers.forward_batch import ForwardMode, to_device
-from workers.fused_ops import overlap_step_inputs, record_round
+from speculative.proposers import RoundInputs
+from workers.config import EngineConfig
+from workers.forward_batch import to_device
 from workers.graph_runner import GraphRunner, StaticInputs, batch_buckets
+from workers.kernels.metadata import overlap_step_inputs
+from workers.kernels.verdict import record_round
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
+from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
-from workers.sampling import TOP_LOGPROBS, SamplingTensors, sample, sampling_kind, top_logprobs
-from speculative.proposers import RoundInputs
+from workers.sampling import (
+    TOP_LOGPROBS,
+    SamplingTensors,
+    sample,
+    sampling_kind,
+    top_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,42 +44,6 @@ logger = logging.getLogger(__name__)
 NORM_FUSION_PASSES = 5
 NORM_FUSION_REPLAYS = 10
 NORM_FUSION_MARGIN = 0.01
-
-
-@dataclass
-class WorkerStep:
-    mode: ForwardMode
-    req_slots: list[int]
-    input_ids: list[int]  # EXTEND: the chunks' tokens. DECODE reads each request's last token on the device
-    seq_lens: list[int]
-    extend_lens: list[int]
-    page_updates: tuple[list[int], list[int], list[int]]
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    min_p: list[float]
-    seeds: list[int]
-    counters: list[int]
-    # DECODE under the overlap schedule: 1 where the request's previous step is still in flight. seq_lens and
-    # counters then leave out the tokens that step emits, which only the device knows (``Worker.advance``)
-    pending: list[int] | None = None
-    # speculative decoding
-    next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
-    draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
-    step_id: int = 0  # the engine's number for this step, echoed in its StepResult
-    top_logprobs: bool = False  # some request wants the most likely alternatives of each token (TOP_LOGPROBS)
-
-
-@dataclass
-class StepResult:
-    tokens: list[list[int]]  # per request: the tokens this step appends (1, or accepted + bonus when speculating)
-    logprobs: list[list[float]]
-    spec: list[tuple[int, list[int]]] | None = None  # per request: (draft tokens proposed, accepted positions)
-    timings: dict = field(default_factory=dict)
-    error: str | None = None  # the step failed (its requests fail; the worker goes on)
-    step_id: int = 0  # WorkerStep.step_id of the step this is the result of
-    # per request, per token: the TOP_LOGPROBS most likely (token, logprob) at its position (WorkerStep.top_logprobs)
-    top_logprobs: list[list[list[tuple[int, float]]]] | None = None
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str,
@@ -90,7 +62,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                                 world_size=world_size)
     nccl = custom = None
     if device == "cuda":
-        from workers.custom_all_reduce import create_custom_all_reduce
+        from workers.kernels.all_reduce import create_custom_all_reduce
         from workers.nccl import NcclCommunicator
 
         if index is not None and torch._C._cuda_getDeviceCount() != world_size:
@@ -117,7 +89,7 @@ def share_node_gpus(store, rank: int, world_size: int) -> int | None:
     all of them in rank order and uses device ``rank``, which is returned. None leaves the visibility as it is: some
     rank sees more or less than one GPU (e.g. a launcher that sets LOCAL_RANK), two ranks share one, or CUDA already
     started in this process."""
-    from workers.custom_all_reduce import widened_visibility
+    from workers.kernels.all_reduce import widened_visibility
 
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     store.set(f"specserve/gpu/{rank}", visible)
@@ -351,7 +323,11 @@ class Worker:
         tokens (each rank's own timing could pick a different kernel, whose rounding differs). Choices are kept in
         the tuning cache (``EngineConfig.tuning_cache_dir``): later starts read them, run the same kernels, and so
         give the same tokens."""
-        from workers.small_m_linear import TuningCache, tune_small_m_linears, tuning_environment
+        from workers.kernels.small_m_linear import (
+            TuningCache,
+            tune_small_m_linears,
+            tuning_environment,
+        )
 
         models = [self.target.model]
         runner = getattr(self.proposer, "runner", None)

@@ -19,8 +19,14 @@ import torch
 from torch import nn
 
 from workers.forward_batch import ForwardBatch
-from workers.fused_ops import rms_norm_pair
-from workers.layers import ColumnParallelLinear, ParallelLMHead, RMSNorm, TPGroup, VocabParallelEmbedding
+from workers.kernels.norm_rope import rms_norm_pair
+from workers.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RMSNorm,
+    TPGroup,
+    VocabParallelEmbedding,
+)
 from workers.model_config import CheckpointError, ModelConfig
 from workers.models.llama import MLP, Attention, DecoderLayer, load_into_submodule
 

@@ -7,6 +7,13 @@ from torch import nn
 
 from attention.base import AttentionLayerSpec
 from workers.forward_batch import ForwardBatch
+from workers.kernels.small_m_linear import (
+    MAX_ROWS,
+    activated_config,
+    fold_norm_weight,
+    linear,
+    row_bucket,
+)
 from workers.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -17,7 +24,6 @@ from workers.layers import (
     VocabParallelEmbedding,
     rope_cos_sin,
 )
-from workers.small_m_linear import MAX_ROWS, activated_config, fold_norm_weight, linear, row_bucket
 from workers.model_config import ModelConfig
 
 

@@ -41,13 +41,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from workers.fused_ops import l2_prefetch_bytes, pdl_launch, pdl_launches, pdl_supported, rms_norm, silu_and_mul
+from workers.kernels.launch import (
+    l2_prefetch_bytes,
+    pdl_launch,
+    pdl_launches,
+    pdl_supported,
+)
+from workers.kernels.norm_rope import rms_norm, silu_and_mul
 
 try:
     import triton
     import triton.language as tl
 
-    from workers.fused_ops import gdc_wait, pdl_release, prefetch_to_l2
+    from workers.kernels.launch import gdc_wait, pdl_release, prefetch_to_l2
 except ImportError:  # CPU-only install without triton
     triton = None
 
@@ -63,7 +69,7 @@ class TileConfig(NamedTuple):
     num_warps: int
     num_stages: int
     # tensor cores only: the weight tile is the dot's left operand (acc [BLOCK_N, 16]); a gated input is activated
-    # by fused_ops.silu_and_mul first (in this kernel's loads it would run on all 16 padded rows of every tile)
+    # by norm_rope.silu_and_mul first (in this kernel's loads it would run on all 16 padded rows of every tile)
     weight_left: bool = False
 
 
@@ -137,7 +143,7 @@ if triton is not None:
 
     @triton.jit
     def _silu_times(gate, up):
-        """silu(gate) * up of two tiles in their 16-bit dtype, rounded as fused_ops.silu_and_mul rounds."""
+        """silu(gate) * up of two tiles in their 16-bit dtype, rounded as norm_rope.silu_and_mul rounds."""
         g = gate.to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
         return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
@@ -176,7 +182,7 @@ if triton is not None:
     @triton.jit
     def _plus_stream(out, stream, ADD: tl.constexpr):
         """An output tile in its dtype; ADD: plus the residual stream's tile (``_stream_tile``), rounded once
-        more (as fused_ops.rms_norm rounds its residual add)."""
+        more (as norm_rope.rms_norm rounds its residual add)."""
         if ADD:
             out = (out.to(tl.float32) + stream).to(out.dtype)
         return out
@@ -353,7 +359,7 @@ def small_m_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """The Triton kernel of one tile config (the GEMV for block_m 1-2, else a tensor-core one, rows or weight on the
     left): x2d [M <= 16, K] (unit stride in K; M <= block_m), weight [N, K] contiguous.
     ``gated``: x2d is [M, 2K] (gate | up) and the input is silu(gate) * up, computed as it is loaded (weight on the
-    left: by fused_ops.silu_and_mul first). ``activated`` (weight on the left only): weight is [gate; up] [2N, K]
+    left: by norm_rope.silu_and_mul first). ``activated`` (weight on the left only): weight is [gate; up] [2N, K]
     and the output silu(gate) * up [M, N], in the kernel's epilogue.
     ``norm_eps``: the input is RMS-normalised without a weight (``fold_norm_weight`` put the norm's weight in this
     one): each row's sum of squares is taken from the kernel's own input loads and 1 / rms applied to the row's
@@ -667,10 +673,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            norm_eps: float | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, or the small-M Triton kernel where ``small_m`` (the layer's tuned table) says it is faster.
     ``gated``: x is [..., 2K] (gate | up) and the layer's input is silu(gate) * up — inside the Triton kernel's
-    loads when it runs (one kernel less per MLP), else through ``fused_ops.silu_and_mul`` first.
+    loads when it runs (one kernel less per MLP), else through ``norm_rope.silu_and_mul`` first.
     ``norm_eps``: the input is RMS-normalised without a weight (``fold_norm_weight``), ``add``: the output plus
     ``add`` (a residual stream): inside the Triton kernel when it runs (``small_m_linear``), else computed around
-    cuBLAS, rounded as ``fused_ops.rms_norm`` rounds."""
+    cuBLAS, rounded as ``norm_rope.rms_norm`` rounds."""
     width = x.shape[-1]
     if gated and width != 2 * weight.shape[1]:
         raise ValueError(f"a gated input is [..., 2 x {weight.shape[1]}] (gate | up), not [..., {width}]")
@@ -692,7 +698,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _normalised(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm without a weight, rounded as fused_ops.rms_norm rounds it (x * rsqrt(mean(x^2) + eps) in fp32, to x's
+    """RMSNorm without a weight, rounded as norm_rope.rms_norm rounds it (x * rsqrt(mean(x^2) + eps) in fp32, to x's
     dtype; the norm's weight, folded away, is then ones)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)

@@ -2,7 +2,7 @@
 controller actor, which drives ``step()`` in its loop.
 
 Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this process; the Ray executor
-(deployments/executor.py) drives one actor per TP rank.
+(deployments/engine/executor.py) drives one actor per TP rank.
 """
 
 from __future__ import annotations
@@ -17,13 +17,18 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from deployments.config import EngineConfig
-from deployments.request import InvalidRequest, Request, RequestOutput, SamplingParams
-from deployments.scheduler import Scheduler, StepPlan
-from deployments.tokenizer import Detokenizer, load_tokenizer
-from workers.forward_batch import ForwardMode
-from workers.kv_cache import PageAllocator
-from workers.worker import StepResult, Worker, WorkerStep
+from deployments.engine.pages import PageAllocator
+from deployments.engine.request import (
+    InvalidRequest,
+    Request,
+    RequestOutput,
+    SamplingParams,
+)
+from deployments.engine.scheduler import Scheduler, StepPlan
+from deployments.engine.tokenizer import Detokenizer, load_tokenizer
+from workers.config import EngineConfig
+from workers.messages import ForwardMode, StepResult, WorkerStep
+from workers.worker import Worker
 
 logger = logging.getLogger("specserve")
 

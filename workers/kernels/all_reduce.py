@@ -30,7 +30,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from workers.fused_ops import pdl_launch, triton
+from workers.kernels.launch import pdl_launch, triton
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ BLOCK = 1024  # elements per program: a slice of the tensor, always the same pro
 if triton is not None:
     import triton.language as tl
 
-    from workers.fused_ops import pdl_start
+    from workers.kernels.launch import pdl_start
 
     @triton.jit
     def _is_empty(v):

@@ -72,7 +72,15 @@ def _trained_bpe_json(vocab: int) -> str:
 
 def _train_bpe(vocab: int, corpus: list[str]):
     """Train the raw ``tokenizers`` byte-level BPE (specials first: ids 0..4)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab < len(alphabet) + len(SPECIAL_TOKENS):
@@ -268,7 +276,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     """Build what ``args`` asks for and print the output directory."""
     if args.kind != "model":
-        from tools.make_heads import make_head
+        from deployments.make_heads import make_head
 
         if not args.target:
             raise ValueError("--kind eagle/eagle3 needs --target")

@@ -12,12 +12,17 @@ import socket
 import threading
 
 import ray
-from ray.util.placement_group import (PlacementGroup, get_current_placement_group, placement_group,
-                                      remove_placement_group)
+from ray.util.placement_group import (
+    PlacementGroup,
+    get_current_placement_group,
+    placement_group,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from deployments.config import EngineConfig
-from workers.worker import StepResult, Worker, WorkerStep
+from workers.config import EngineConfig
+from workers.messages import StepResult, WorkerStep
+from workers.worker import Worker
 
 logger = logging.getLogger("specserve")
 

@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from deployments.request import InvalidRequest, Request, RequestStatus
-from workers.forward_batch import ForwardMode
-from workers.kv_cache import OutOfPages, PageAllocator
-from workers.worker import StepResult, WorkerStep
+from deployments.engine.pages import OutOfPages, PageAllocator
+from deployments.engine.request import InvalidRequest, Request, RequestStatus
+from workers.messages import ForwardMode, StepResult, WorkerStep
 
 
 @dataclass
