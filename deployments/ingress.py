@@ -1,120 +1,31 @@
 """OpenAI-compatible HTTP ingress (FastAPI inside Ray Serve): /v1/completions, /v1/chat/completions (SSE streaming
-with ``data: [DONE]``), /v1/models, /health, /v1/stats. Errors use OpenAI's JSON shape.
+with ``data: [DONE]``), /v1/models, /health, /v1/stats, and the API-key check. Errors use OpenAI's JSON shape. The
+request models, their validation and the error body are in deployments/protocol.py.
 
 No ``from __future__ import annotations`` here: FastAPI must see real annotations on Serve's class-based routes.
 """
-
 
 import asyncio
 import json
 import time
 import uuid
-from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    error_response,
+    logprobs_body,
+)
+
 app = FastAPI(title="specserve", version="0.1.0")
-
-
-# ---- protocol ------------------------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _SamplingFields(BaseModel):
-    """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
-    model's generation_config.json defaults where it has them, else OpenAI's."""
-
-    model_config = ConfigDict(extra="ignore")
-    model: str | None = None  # as vLLM: omitted means the served model
-    max_tokens: int | None = Field(None)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stream: bool | None = None
-    stream_options: StreamOptions | None = None
-    seed: int | None = None
-    user: str | None = None
-    # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    # extensions (vLLM / SGLang names)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-
-    def refuse_unsupported(self) -> None:
-        """A request for something this server does not do gets 400 naming the parameter, not a silent no-op."""
-        unsupported = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0),
-            "presence_penalty": self.presence_penalty not in (None, 0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1),
-            "logit_bias": bool(self.logit_bias),
-            "response_format": (self.response_format or {}).get("type", "text") != "text",
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-        }
-        for name, refused in unsupported.items():
-            if refused:
-                raise APIError(400, f"{name} is not supported by this server", param=name)
-        if self.stream_options is not None and not self.stream:
-            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
-
-    def sampling_params(self, default_max: int | None, defaults: dict, logprobs: bool, top: int = 0) -> dict:
-        def pick(name: str, fallback):
-            value = getattr(self, name)
-            return value if value is not None else defaults.get(name, fallback)
-
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max,
-                "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", 0),
-                "min_p": pick("min_p", 0.0), "seed": self.seed, "stop": stop,
-                "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": bool(self.ignore_eos),
-                "logprobs": logprobs, "top_logprobs": top}
-
-
-class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)  # most likely alternatives per token besides the sampled one
-    best_of: int | None = None
-    suffix: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = ""
-
-
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_response(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
 @app.exception_handler(APIError)
@@ -154,43 +65,6 @@ async def _validation_error(_: Request, e: RequestValidationError):
     loc = ".".join(str(x) for x in first.get("loc", [])[1:]) or None
     return error_response(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(e),
                           "invalid_request_error", loc)
-
-
-def _message_text(content) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.get("type") != "text":
-            raise APIError(400, f"unsupported content part type {part.get('type')!r}: only text", param="messages")
-        parts.append(part.get("text", ""))
-    return "".join(parts)
-
-
-def _logprobs(pairs: list, chat: bool, text_offset: int = 0, tops: list | None = None) -> dict | None:
-    """OpenAI's logprobs object for [(token text, logprob), ...] and, when asked for, each token's alternatives
-    [[(token text, logprob), ...], ...]: chat's ``content`` list, or the completions API's parallel lists
-    (``text_offset``: where the first token starts in the choice's text)."""
-    tops = tops or [[] for _ in pairs]
-    if chat:
-        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}  # noqa: E731
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
-                            for (t, lp), top in zip(pairs, tops)]}
-    offsets = []
-    for t, _ in pairs:
-        offsets.append(text_offset)
-        text_offset += len(t)
-    # a dict per token, text → logprob: its alternatives, likeliest first, then the sampled token itself (OpenAI's
-    # up to logprobs + 1 entries); tokens that decode to the same text keep the likelier one's logprob
-    top_dicts = []
-    for (token, token_lp), top in zip(pairs, tops):
-        top_dicts.append({})
-        for t, lp in (*top, (token, token_lp)):
-            top_dicts[-1].setdefault(t, lp)
-    return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
-            "top_logprobs": top_dicts, "text_offset": offsets}
 
 
 async def _collect(gen) -> tuple[str, list, list, dict]:
@@ -245,11 +119,7 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         self._check_model(body.model)
         body.refuse_unsupported()
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-            prompt = prompt[0]
+        prompt = body.single_prompt()
         echo = ""
         if body.echo:  # the prompt's text before each choice's (its logprobs would need the prompt's: not computed)
             if body.logprobs is not None:
@@ -268,15 +138,14 @@ class OpenAIIngress:
         body.refuse_unsupported()
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        messages = [{"role": m.role, "content": _message_text(m.content)} for m in body.messages]
-        prompt = await self.controller.render_chat.remote(messages)
+        prompt = await self.controller.render_chat.remote(body.message_dicts())
         if isinstance(prompt, dict):
             raise APIError(400, prompt["error"], param="messages")
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs), top=body.top_logprobs or 0)
 
-    async def _serve(self, body: _SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = "",
+    async def _serve(self, body: SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = "",
                      top: int = 0):
         """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
         with one response or one SSE stream; ``echo`` (completions) comes first in every choice's text."""
@@ -314,7 +183,7 @@ class OpenAIIngress:
             if last["finish_reason"] == "error":
                 raise APIError(500, last.get("error") or "generation failed", "internal_error")
             choice = {"index": i, "finish_reason": last["finish_reason"],
-                      "logprobs": _logprobs(pairs, chat, 0, tops) if logprobs else None}
+                      "logprobs": logprobs_body(pairs, chat, 0, tops) if logprobs else None}
             if chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
@@ -339,7 +208,7 @@ class OpenAIIngress:
 
         def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None,
                   tops=None) -> str:
-            lp = _logprobs(pairs or [], chat, sent[i], tops) if logprobs and not first else None
+            lp = logprobs_body(pairs or [], chat, sent[i], tops) if logprobs and not first else None
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (
                     {"content": delta_text} if delta_text else {})

@@ -1,0 +1,154 @@
+"""The OpenAI wire format: request models and their validation into the engine's sampling parameters, the logprobs
+object of a response, and the error body."""
+
+from typing import Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
+    model's generation_config.json defaults where it has them, else OpenAI's."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None  # as vLLM: omitted means the served model
+    max_tokens: int | None = Field(None)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    user: str | None = None
+    # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    # extensions (vLLM / SGLang names)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def refuse_unsupported(self) -> None:
+        """A request for something this server does not do gets 400 naming the parameter, not a silent no-op."""
+        unsupported = {
+            "frequency_penalty": self.frequency_penalty not in (None, 0),
+            "presence_penalty": self.presence_penalty not in (None, 0),
+            "repetition_penalty": self.repetition_penalty not in (None, 1),
+            "logit_bias": bool(self.logit_bias),
+            "response_format": (self.response_format or {}).get("type", "text") != "text",
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+        }
+        for name, refused in unsupported.items():
+            if refused:
+                raise APIError(400, f"{name} is not supported by this server", param=name)
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be set when stream is true", param="stream_options")
+
+    def sampling_params(self, default_max: int | None, defaults: dict, logprobs: bool, top: int = 0) -> dict:
+        """The keyword arguments of the engine's ``SamplingParams``: unset fields take ``defaults`` (the model's),
+        else OpenAI's."""
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {"max_tokens": self.max_tokens if self.max_tokens is not None else default_max,
+                "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", 0),
+                "min_p": pick("min_p", 0.0), "seed": self.seed, "stop": stop,
+                "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": bool(self.ignore_eos),
+                "logprobs": logprobs, "top_logprobs": top}
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)  # most likely alternatives per token besides the sampled one
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (a string or token ids): a batch of one is unwrapped, a larger batch refused."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        return prompt
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def message_dicts(self) -> list[dict]:
+        """The messages as the chat template takes them: {role, content} with the content as text."""
+        return [{"role": m.role, "content": message_text(m.content)} for m in self.messages]
+
+
+def message_text(content) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise APIError(400, f"unsupported content part type {part.get('type')!r}: only text", param="messages")
+        parts.append(part.get("text", ""))
+    return "".join(parts)
+
+
+def logprobs_body(pairs: list, chat: bool, text_offset: int = 0, tops: list | None = None) -> dict | None:
+    """OpenAI's logprobs object for [(token text, logprob), ...] and, when asked for, each token's alternatives
+    [[(token text, logprob), ...], ...]: chat's ``content`` list, or the completions API's parallel lists
+    (``text_offset``: where the first token starts in the choice's text)."""
+    tops = tops or [[] for _ in pairs]
+    if chat:
+        entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}  # noqa: E731
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}
+                            for (t, lp), top in zip(pairs, tops)]}
+    offsets = []
+    for t, _ in pairs:
+        offsets.append(text_offset)
+        text_offset += len(t)
+    # a dict per token, text → logprob: its alternatives, likeliest first, then the sampled token itself (OpenAI's
+    # up to logprobs + 1 entries); tokens that decode to the same text keep the likelier one's logprob
+    top_dicts = []
+    for (token, token_lp), top in zip(pairs, tops):
+        top_dicts.append({})
+        for t, lp in (*top, (token, token_lp)):
+            top_dicts[-1].setdefault(t, lp)
+    return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
+            "top_logprobs": top_dicts, "text_offset": offsets}
