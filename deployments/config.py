@@ -26,17 +26,12 @@ class LLMConfig(Strict):
     deployment_config: dict = Field(default_factory=dict)
     placement_group_config: PlacementGroupConfig = Field(default_factory=PlacementGroupConfig)
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <api_key>`")
-    stream_interval: int = Field(1, ge=1, description="as SGLang's: new tokens a request gathers before its stream "
-                                 "sends them (the first and the last go at once); each send through Serve costs "
-                                 "0.1-0.5 ms of controller time, so many requests in flight want a larger value")
-    stream_batching_interval_ms: float = Field(50.0, ge=0, description="as Ray Serve LLM's experimental "
-                                               "stream_batching_interval_ms, and its default: after a send, a "
-                                               "request's stream waits this long, gathering tokens, before its next "
-                                               "send (the first and the last go at once); 0: every step's tokens at "
-                                               "once (SGLang's and vLLM's way). Caps the sends per stream, whatever "
-                                               "the step rate: with 96 requests in flight, per-token sends through "
-                                               "Serve gave a third of the throughput (bench/results/"
-                                               "serving_nospec_h100_graphs128_*)")
+    stream_interval: int = Field(1, ge=1, description="new tokens a request gathers before its stream sends them "
+                                 "(the first and the last go at once); default 1, as SGLang's --stream-interval")
+    stream_batching_interval_ms: float = Field(50.0, ge=0, description="after a send, a request's stream waits this "
+                                               "long, gathering tokens, before its next send (the first and the last "
+                                               "go at once), capping the sends per stream whatever the step rate; 0 "
+                                               "sends every step's tokens; default 50, as Ray Serve LLM's")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     @model_validator(mode="after")

@@ -72,9 +72,9 @@ class EngineConfig(Strict):
     speculative_config: SpeculativeConfig | None = None
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = Field(False, description="launch each step only after the previous one's tokens "
-                                           "were read (default: a DECODE step or speculative round is launched "
-                                           "first, so the host's work hides behind the device's; n-gram rounds, "
-                                           "drafted on the host from the tokens, never overlap)")
+                                           "were read (default: a decode step or speculative round is launched "
+                                           "before, so host work hides behind the device's; n-gram rounds never "
+                                           "overlap)")
     disable_custom_all_reduce: bool = Field(False, description="TP on GPUs: NCCL for every all-reduce (default: "
                                             "small ones go one-shot over NVLink through symmetric memory)")
     cuda_graph_max_bs: int = Field(256, ge=1, description="larger batches run eagerly (graphs are captured up to "
@@ -83,8 +83,8 @@ class EngineConfig(Strict):
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
     worker_step_timeout_s: float = Field(300.0, gt=0, description="TP worker actors: a step whose results take longer "
-                                         "marks the workers failed (the replica then fails its health check); "
-                                         "Ray's compiled-graph default is 10 s, shorter than a first-use capture")
+                                         "marks the workers failed and the replica then fails its health check "
+                                         "(default long enough for a first-use graph capture)")
     seed: int = 0
     tuning_cache_dir: str | None = Field(None, description="where the GPU kernel choices timed at start-up are kept "
                                          "for later starts (default: $SPECSERVE_CACHE_DIR, else "

@@ -14,11 +14,12 @@ import logging
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Protocol
 
 from deployments.engine.pages import PageAllocator
 from deployments.engine.request import (
+    Completion,
     InvalidRequest,
     Request,
     RequestOutput,
@@ -36,11 +37,11 @@ logger = logging.getLogger("specserve")
 def freeze_startup_heap() -> None:
     """Once the engine is up: collect, then move every object alive into the garbage collector's permanent
     generation (``gc.freeze``), as vLLM's engine core does after start-up. The start-up heap (torch, transformers,
-    the tokenizer, the model's modules, the captured graphs) is a few hundred thousand objects; left in the oldest
-    generation, every full collection while serving scans all of it: a pause of 100 ms or more inside a step. Objects
-    created later are collected as before. For a process that keeps one engine for its life (the controller);
-    ``gc.unfreeze`` gives the frozen objects back to the collector, and runs at exit (frozen objects would outlive
-    the interpreter's final collections, and Triton's bindings report them as leaked)."""
+    the tokenizer, the model's modules, the captured graphs) is large; left in the oldest generation, every full
+    collection while serving scans all of it: a long pause inside a step. Objects created later are collected as
+    before. For a process that keeps one engine for its life (the controller); ``gc.unfreeze`` gives the frozen
+    objects back to the collector, and runs at exit (frozen objects would outlive the interpreter's final
+    collections, and Triton's bindings report them as leaked)."""
     gc.collect()
     gc.freeze()
     atexit.unregister(gc.unfreeze)  # once
@@ -80,32 +81,10 @@ class LocalExecutor:
         self.worker.shutdown()
 
 
-@dataclass
-class Completion:
-    rid: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    logprobs: list[float]
-    spec: dict | None = None
-    error: str | None = None
-    metrics: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-             "num_prompt_tokens": len(self.prompt_token_ids)}
-        if self.spec is not None:
-            d["spec"] = self.spec
-        if self.error:
-            d["error"] = self.error
-        return d
-
-
 class Engine:
     def __init__(self, cfg: EngineConfig, executor: Executor | None = None, metrics=None):
         self.cfg = cfg
-        self.metrics = metrics  # deployments.metrics.EngineMetrics, or None offline
+        self.metrics = metrics  # deployments.engine.metrics.EngineMetrics, or None offline
         self.executor = executor or LocalExecutor(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         mc = self.executor.model_config
@@ -143,7 +122,7 @@ class Engine:
         self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan) launched, results unread, oldest first
         self._step_ids = itertools.count(1)
         self.num_steps = 0
-        # host time of every step, cumulative (served at /v1/stats; bench/serving.py reports it per step)
+        # host time of every step, cumulative (served at /v1/stats)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
 
     # ---- requests --------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Worker actors: one per TP rank, placed in a placement group (one bundle per rank), driven every step.
 
 Per-step orchestration goes through a Ray Compiled Graph (``step`` bound to every worker, inputs and outputs
-over shared-memory channels), which costs tens of microseconds instead of a regular actor call's ~1 ms; plain
-actor calls remain as a fallback (``use_compiled_graph=False``).
+over shared-memory channels), far cheaper per step than a regular actor call; plain actor calls remain as a fallback
+(``use_compiled_graph=False``).
 """
 
 from __future__ import annotations

@@ -137,3 +137,27 @@ class RequestOutput:
     request: Request
     new_logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # their alternatives (asked for)
+
+
+@dataclass
+class Completion:
+    """A request run to completion by the offline API (``Engine.generate``)."""
+
+    rid: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[float]
+    spec: dict | None = None
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+             "num_prompt_tokens": len(self.prompt_token_ids)}
+        if self.spec is not None:
+            d["spec"] = self.spec
+        if self.error:
+            d["error"] = self.error
+        return d

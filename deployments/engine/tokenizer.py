@@ -81,8 +81,7 @@ class Detokenizer:
             self._pending = 0  # trailing ids the stream has not turned into text yet
         else:
             self._stream = None
-            # the fast tokenizer's own decoder, without transformers' per-call wrapping (half of a step's host time
-            # at 96 requests)
+            # the fast tokenizer's own decoder, without transformers' per-call wrapping (paid per request per step)
             backend = _fast_backend(tokenizer)
             if backend is not None:
                 self._decode = functools.partial(backend.decode, skip_special_tokens=True)
