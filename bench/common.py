@@ -1,12 +1,155 @@
-"""Random-weight checkpoints of real Llama shapes for GPU benchmarks (HF names, bf16 safetensors, one shard per layer,
-a word-level tokenizer covering the whole vocabulary), written from the GPU's random generator."""
+"""Shared helpers of the benchmark scripts: the stamp every result carries (device, commit, command), result files
+(``<out>.json`` / ``.md`` / ``.png``), timing helpers, and random-weight checkpoints of real Llama shapes.
+
+A random checkpoint from the command line (kept if ``--out`` already holds one), e.g. for a server:
+
+    python3 -m bench.common --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random [--eagle3-head DIR]
+"""
 
 from __future__ import annotations
 
+import gc
 import json
+import os
+import platform
+import subprocess
+import sys
+import time
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+# -- the stamp and result files -----------------------------------------------------------------------------------
+
+def commit() -> str:
+    """The checkout's commit (SPECSERVE_COMMIT when the tree was shipped without .git, e.g. to the GPU machine)."""
+    if os.environ.get("SPECSERVE_COMMIT"):
+        return os.environ["SPECSERVE_COMMIT"]
+    try:
+        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], cwd=ROOT) != 0
+        return sha + ("+dirty" if dirty else "")
+    except Exception:
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def command() -> str:
+    """The command line that ran this process, as it would be typed from the repository root."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        return " ".join(["python3 -m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
+    return "python " + " ".join(sys.argv)
+
+
+def out_path(out: str | Path) -> Path:
+    """A result prefix (``bench/results/<topic>/<name>``): relative to the repository root, its folder created."""
+    p = Path(out)
+    p = p if p.is_absolute() else ROOT / p
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def write_json(out: Path, obj) -> None:
+    out.with_suffix(".json").write_text(json.dumps(obj, indent=2))
+
+
+def write_markdown(out: Path, lines: list[str] | str) -> None:
+    out.with_suffix(".md").write_text(lines if isinstance(lines, str) else "\n".join(lines) + "\n")
+
+
+def pyplot():
+    """matplotlib's pyplot without a display (ImportError when the ``bench`` extra is not installed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- timing --------------------------------------------------------------------------------------------------------
+
+def graph_replay_ms(graph, iters: int) -> float:
+    """Milliseconds per replay of a captured CUDA graph, back to back, timed with CUDA events."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
+    """``fn`` captured in a CUDA graph, one replay timed (triton's do_bench: L2 flushed before every replay)."""
+    import torch
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile / warm outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep)
+    del graph
+    return ms
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy, bytes read + written per second: the best of three timings (a single timing can come
+    in low and would lower every ratio to the floor in that run)."""
+    import torch
+    import triton.testing
+
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = min(triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=100) for _ in range(3))
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+class GCTimer:
+    """Collections of the cyclic garbage collector and their time, per generation, while active."""
+
+    def __init__(self):
+        self._t0 = 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._t0
+
+
+# -- random-weight checkpoints -------------------------------------------------------------------------------------
+# Real Llama shapes for GPU benchmarks (HF names, bf16 safetensors, one shard per layer, a word-level tokenizer
+# covering the whole vocabulary), written from the GPU's random generator.
 
 _ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 8192}
@@ -64,6 +207,7 @@ def save_tokenizer(path: Path, vocab: int) -> None:
 
 
 def write_checkpoint(path: Path, shape: str = "llama-3.1-8b", layers: int | None = None) -> Path:
+    import torch
     from safetensors.torch import save_file
 
     cfg = dict(SHAPES[shape], architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype="bfloat16",
@@ -102,13 +246,10 @@ def write_checkpoint(path: Path, shape: str = "llama-3.1-8b", layers: int | None
 
 
 def main() -> None:
-    """Write a checkpoint (and optionally a random EAGLE-3 head for it) from the command line, e.g. for a server:
-    ``python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random --eagle3-head DIR``."""
+    """Write a random checkpoint (and optionally a random EAGLE-3 head for it) from the command line."""
     import argparse
-    import sys
-    import time
 
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description="write a random-weight checkpoint of a Llama shape")
     ap.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
     ap.add_argument("--out", required=True)
     ap.add_argument("--eagle3-head", default=None, help="also write a random EAGLE-3 head for it here")
@@ -119,7 +260,6 @@ def main() -> None:
     if not (out / "config.json").is_file():  # an existing checkpoint is kept
         write_checkpoint(out, args.shape)
     if args.eagle3_head and not (Path(args.eagle3_head) / "config.json").is_file():
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from deployments.make_heads import make_head
 
         make_head("eagle3", out, Path(args.eagle3_head), seed=0,
