@@ -1,9 +1,9 @@
-"""Side-by-side table and bar plot of ``bench/gpu_perf.py`` result files (A/B runs, variants of one tree): for each
+"""Side-by-side table and bar plot of ``bench.gpu_perf`` result files (A/B runs, variants of one tree): for each
 labelled JSON its device, commit and bs=1 decode (graph replay and engine, ms and x the bandwidth floor) or, for a
-``--parts spec`` file, EAGLE-3's speed-up over no-spec at bs=1; or of ``bench/tp_decode.py`` result files: TP=1 and
+``--parts spec`` file, EAGLE-3's speed-up over no-spec at bs=1; or of ``bench.tp_decode`` result files: TP=1 and
 TP=2 ms per decode step, launched as the engine runs them (overlapped), and TP=2 / TP=1.
 
-    python bench/compare_runs.py --out bench/results/NAME base=a.json new=b.json ...
+    python3 -m bench.compare_runs --out bench/results/<topic>/NAME base=a.json new=b.json ...
 
 Writes NAME.json (the rows), NAME.md and NAME.png.
 """
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from bench.common import out_path, pyplot, write_json, write_markdown
 
 
 def row(label: str, path: str) -> dict:
@@ -40,8 +42,8 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", metavar="LABEL=FILE")
     args = ap.parse_args()
     rows = [row(*r.split("=", 1)) for r in args.runs]
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    out = out_path(args.out)
+    write_json(out, rows)
     cols = [c for c in ("graph_replay_ms", "graph_replay_vs_floor", "engine_ms", "engine_vs_floor",
                         "eagle3_vs_no_spec_bs1", "dtype", "tp1_ms", "tp2_ms", "tp2_over_tp1",
                         "tp2_over_tp1_step_then_read") if any(c in r for r in rows)]
@@ -49,10 +51,8 @@ def main() -> None:
     lines += [f"| {r['label']} | {r['device']} | {r['commit']} | " + " | ".join(str(r.get(c, "")) for c in cols)
               + " |" for r in rows]
     lines += ["", "Commands:", ""] + [f"- {r['label']}: `{r['command']}` ({r['file']})" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    write_markdown(out, lines)
+    plt = pyplot()
 
     tp = [r for r in rows if "tp2_over_tp1" in r]
     if tp:  # TP=2 / TP=1 per run against the 0.6 goal

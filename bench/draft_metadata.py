@@ -1,10 +1,10 @@
 """Draft-round metadata cost: what a multi-step draft round spends on metadata besides the model, three ways.
 
-* ``per_step`` (the engine before 72eb868): every step builds its batch (``ForwardBatch.build``), concatenates its
+* ``per_step`` (the engine's first design): every step builds its batch (``ForwardBatch.build``), concatenates its
   tree mask from the scratch mask of the previous step, and the attention backend's ``init_forward_metadata`` turns
   that batch (and mask) into kernel metadata; after the step's choice the scratch mask is gathered to the new
   frontier's parents.
-* ``batches_once`` (the engine from 72eb868 to 681f8d2): the batches of all steps come from ONE stacked ``build``
+* ``batches_once`` (the engine's second design): the batches of all steps come from ONE stacked ``build``
   (views per step), but the tree mask and the backend metadata are still made per step as above.
 * ``once_per_round`` (the engine now, ``ModelRunner.build_steps``): ``DraftSteps.build`` (the stacked batches and
   the round's [steps, B, k] tree bitmask buffer, initialised with what is known at round start) and the backend's
@@ -25,8 +25,10 @@ replay of each variant's round (device lengths), i.e. the metadata kernels' GPU 
 
 On a CPU the Triton backend's metadata code (pure PyTorch) runs without its kernels:
 
-    python bench/draft_metadata.py --device cpu --backend triton --threads 1 --out bench/results/draft_metadata_cpu
-    python bench/draft_metadata.py --device cuda --backend triton --graph --out bench/results/draft_metadata_h100
+    python3 -m bench.draft_metadata --device cpu --backend triton --threads 1 \\
+        --out bench/results/speculation/draft_metadata_cpu
+    python3 -m bench.draft_metadata --device cuda --backend triton --graph \\
+        --out bench/results/speculation/draft_metadata_h100
 """
 
 from __future__ import annotations
@@ -35,19 +37,14 @@ import argparse
 import importlib
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from attention.registry import BACKENDS, _make  # noqa: E402
-from bench.engine_vs_hf import commit  # noqa: E402
-from workers.forward_batch import ForwardBatch  # noqa: E402
-from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from attention.registry import BACKENDS, _make
+from bench.common import command, commit, out_path, pyplot, write_json, write_markdown
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import KVCache, PageTable
 from workers.messages import ForwardMode
 
 VARIANTS = ("per_step", "batches_once", "once_per_round")
@@ -106,7 +103,7 @@ class Setup:
 
 
 def run_per_step(s: Setup, t: Timer) -> None:
-    """The engine before 72eb868 (proposers._expand_steps then), without the model."""
+    """The engine's first design (every step builds its own batch, mask and metadata), without the model."""
     b, k, device = s.b, s.k, s.m.device
     scratch = torch.zeros(b, k, 0, dtype=torch.bool, device=device)
     for i in range(s.steps):
@@ -137,7 +134,7 @@ def round_positions(s: Setup) -> torch.Tensor:
 
 
 def legacy_build_steps(s: Setup) -> list[ForwardBatch]:
-    """``ForwardBatch.build_steps`` as of 72eb868..681f8d2: one stacked build, views per step, no tree state."""
+    """``ForwardBatch.build_steps`` as the second design had it: one stacked build, views per step, no tree state."""
     b, k, steps, device = s.b, s.k, s.steps, s.m.device
     positions = round_positions(s)
     on_host = not isinstance(s.seq_lens, torch.Tensor)
@@ -158,7 +155,7 @@ def legacy_build_steps(s: Setup) -> list[ForwardBatch]:
 
 
 def run_batches_once(s: Setup, t: Timer) -> None:
-    """The engine from 72eb868 to 681f8d2: batches once, tree mask and backend metadata per step."""
+    """The engine's second design: batches once, tree mask and backend metadata per step."""
     b, k, device = s.b, s.k, s.m.device
     with t("batches"):
         batches = legacy_build_steps(s)
@@ -261,8 +258,8 @@ def render(meta: dict) -> list[str]:
     lines = [f"# Draft-round metadata, {meta['steps']} steps ({meta['backend']} backend, {meta['lens']} lengths)", "",
              f"device: {meta['device']} · commit: {meta['commit']} · command: `{meta['command']}`", "",
              "Host wall time per round (ms, device synchronised per round; median of interleaved blocks). "
-             "per step: everything per step (before 72eb868); batches once: batches once, tree mask and backend "
-             "metadata per step (72eb868..681f8d2); once per round: batches, tree-mask buffer and backend metadata "
+             "per step: everything per step (the first design); batches once: batches once, tree mask and backend "
+             "metadata per step (the second design); once per round: batches, tree-mask buffer and backend metadata "
              "once, per step only the parents' rows (now).", "",
              "| top-k | batch | " + " | ".join(names[v] for v in variants) +
              " | speedup (per step / once per round) | speedup (batches once / once per round) |",
@@ -286,12 +283,8 @@ def render(meta: dict) -> list[str]:
     return lines
 
 
-def plot(meta: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(meta: dict, path) -> None:
+    plt = pyplot()
     rows, variants = meta["rows"], meta["variants"]
     topks = sorted({r["topk"] for r in rows})
     fig, axes = plt.subplots(1, len(topks), figsize=(5.5 * len(topks), 4), squeeze=False)
@@ -369,13 +362,14 @@ def main() -> None:
     dev = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     meta = {"device": dev, "commit": commit(), "backend": args.backend, "steps": args.steps, "lens": args.lens,
             "variants": args.variants,
-            "threads": torch.get_num_threads(), "command": "python " + " ".join(sys.argv), "rows": rows}
+            "threads": torch.get_num_threads(), "command": command(), "rows": rows}
     lines = render(meta)
     print("\n".join(lines))
     if args.out:
-        Path(args.out + ".json").write_text(json.dumps(meta, indent=2))
-        Path(args.out + ".md").write_text("\n".join(lines) + "\n")
-        plot(meta, args.out + ".png")
+        out = out_path(args.out)
+        write_json(out, meta)
+        write_markdown(out, lines)
+        plot(meta, out.with_suffix(".png"))
 
 
 if __name__ == "__main__":

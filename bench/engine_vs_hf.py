@@ -1,6 +1,7 @@
 """Engine-only decode throughput vs HF transformers `generate` on the same checkpoint (same process, same weights).
 
-    python bench/engine_vs_hf.py --out bench/results/cpu_engine_vs_hf [--model DIR | --arch llama --hidden 256 ...]
+    python3 -m bench.engine_vs_hf --out bench/results/decode/cpu_engine_vs_hf \\
+        [--model DIR | --arch llama --hidden 256 ...]
 
 Writes <out>.json, <out>.md and <out>.png, each stamped with device, commit and command.
 """
@@ -8,49 +9,13 @@ Writes <out>.json, <out>.md and <out>.png, each stamped with device, commit and 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-
-def commit() -> str:
-    """The checkout's commit (SPECSERVE_COMMIT when the tree was shipped without .git, e.g. to the GPU machine)."""
-    import os
-
-    if os.environ.get("SPECSERVE_COMMIT"):
-        return os.environ["SPECSERVE_COMMIT"]
-    try:
-        sha = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-        dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"], cwd=ROOT) != 0
-        return sha + ("+dirty" if dirty else "")
-    except Exception:
-        return "unknown"
-
-
-def graph_replay_ms(graph, iters: int) -> float:
-    """Milliseconds per replay of a captured CUDA graph, back to back, timed with CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
-def device_name(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name()
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+from bench.common import command, commit, device_name, out_path, pyplot, write_json, write_markdown
 
 
 def run_engine(model: str, device: str, prompts: list[list[int]], new_tokens: int, dtype: str, **engine_kw) -> float:
@@ -106,7 +71,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--out", default="bench/results/cpu_engine_vs_hf")
+    ap.add_argument("--out", default="bench/results/decode/cpu_engine_vs_hf")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = args.model
@@ -124,25 +89,20 @@ def main() -> None:
         rows.append({"batch_size": bs, "specserve_tok_s": round(ours, 1), "hf_generate_tok_s": round(hf, 1),
                      "speedup": round(ours / hf, 2)})
         print(rows[-1], flush=True)
-    meta = {"device": device_name(args.device), "commit": commit(), "command": " ".join(sys.argv),
+    meta = {"device": device_name(args.device), "commit": commit(), "command": command(),
             "model": model if args.model else f"make_tiny {args.arch} layers={args.layers} hidden={args.hidden} "
                                               f"vocab={args.vocab}",
             "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "rows": rows}
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    out = out_path(args.out)
+    write_json(out, meta)
     md = [f"# Engine vs HF generate ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`, model {meta['model']}, {args.dtype}, "
           f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy", "",
           "| batch | specserve tok/s | HF generate tok/s | ratio |", "|---|---|---|---|"]
     md += [f"| {r['batch_size']} | {r['specserve_tok_s']} | {r['hf_generate_tok_s']} | {r['speedup']}x |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_markdown(out, md)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(5, 3.5))
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["specserve_tok_s"] for r in rows], 0.4, label="specserve")

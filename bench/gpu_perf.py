@@ -7,7 +7,7 @@
 4. decode throughput, speculation vs no-spec, over batch sizes (parts 2-4: each row the fastest of --spec-repeats runs);
 5. (part ``hf``) HF transformers baselines at bs=1 on the same checkpoint: eager ``generate``, static cache +
    ``torch.compile`` (transformers' own compile of the decoding forward), and assisted generation with a standalone
-   random draft (``bench.random_llama.DRAFT_SHAPES``: same vocabulary and tokenizer);
+   random draft (``bench.common.DRAFT_SHAPES``: same vocabulary and tokenizer);
 6. (part ``draft``) our engine with that same standalone draft (real acceptance and simulated), bs=1, beside no-spec;
 7. (part ``sampling``) decode throughput greedy, at a temperature only, and with top-k + top-p, per batch size.
 
@@ -17,9 +17,9 @@ timestamps after each request's first token (prefill excluded). HF assisted gene
 it and ``specserve_draft`` run at the real acceptance of two random models (about none), so their accept lengths say
 nothing about a trained pair; what they compare is the cost of a round.
 
-    python bench/gpu_perf.py --shape llama-3.1-8b --out bench/results/gpu_perf_8b_h100
-    python bench/gpu_perf.py --shape llama-3.2-1b --parts hf,draft --out bench/results/gpu_perf_llama1b_hf_h100
-    python bench/gpu_perf.py --device cpu --shape llama-smoke --parts hf,draft --new-tokens 16 --out /tmp/smoke
+    python3 -m bench.gpu_perf --shape llama-3.1-8b --out bench/results/decode/gpu_perf_llama8b_h100
+    python3 -m bench.gpu_perf --shape llama-3.2-1b --parts hf,draft --out bench/results/decode/gpu_perf_llama1b_hf_h100
+    python3 -m bench.gpu_perf --device cpu --shape llama-smoke --parts hf,draft --new-tokens 16 --out /tmp/smoke
     (the last one: a CPU smoke test of the HF and draft code paths, no result)
 """
 
@@ -28,19 +28,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
-from bench.host_step import GCTimer  # noqa: E402
-from bench.random_llama import DRAFT_SHAPES, weight_bytes_per_token, write_checkpoint  # noqa: E402
-from bench.verify_attention import copy_bandwidth  # noqa: E402
+from bench.common import (DRAFT_SHAPES, GCTimer, command, commit, copy_bandwidth, device_name, graph_replay_ms,
+                          out_path, pyplot, weight_bytes_per_token, write_checkpoint, write_json, write_markdown)
 
 
 class Suite:
@@ -50,16 +44,15 @@ class Suite:
         self.ckpt = Path(args.ckpt)
         on_gpu = self.dev == "cuda" and torch.cuda.is_available()  # (--report-only works without a GPU)
         self.results = {"device": device_name("cuda" if on_gpu else "cpu"), "commit": commit(),
-                        "command": "python " + " ".join(sys.argv),
+                        "command": command(),
                         "shape": args.shape, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
         if self.dev != "cuda":
             self.results["note"] = "CPU smoke test of the code paths: no result"
-        self.out = Path(args.out)
+        self.out = out_path(args.out)
         self.vocab = 0  # set once the checkpoint exists
-        self.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:  # after every measurement: a run cut short keeps what it measured
-        self.out.with_suffix(".json").write_text(json.dumps(self.results, indent=2))
+        write_json(self.out, self.results)
 
     def sync(self) -> None:
         if self.dev == "cuda":
@@ -167,8 +160,8 @@ class Suite:
 
     @staticmethod
     def fastest_run(runs: list[dict]) -> dict:
-        """The run with the fewest ms per step, with every run's ms per step (``ms_per_step_runs``): a stall (one
-        was about 70 ms, in the 80 rounds of a 1B row: bench/results/tuner_neighbours_h100.md) only adds time."""
+        """The run with the fewest ms per step, with every run's ms per step (``ms_per_step_runs``): a stall (a
+        host pause inside the timed rounds) only adds time."""
         best = min(runs, key=lambda r: r["ms_per_step"])
         return {**best, "ms_per_step_runs": [r["ms_per_step"] for r in runs]}
 
@@ -559,15 +552,11 @@ class Suite:
                 cells = [next((str(x["decode_tok_s"]) for x in r["sampling"][k] if x["batch_size"] == bs), "")
                          for k in kinds]
                 lines.append(f"| {bs} | " + " | ".join(cells) + " |")
-        self.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        write_markdown(self.out, lines)
         self.plot()
 
     def plot(self) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         r = self.results
         two = bool(r.get("throughput"))
         fig, axes = plt.subplots(1, 2 if two else 1, figsize=(11, 4) if two else (6.5, 4), squeeze=False)

@@ -5,36 +5,31 @@ With the overlap schedule these must hide behind the device's step; ``wall`` is 
 On a CPU the step itself (execute) is the model's own compute and is reported only for scale:
 
     specserve make-tiny --out /tmp/micro --layers 1 --hidden 64 --heads 4 --kv-heads 2 --vocab 2048 --max-position 2048
-    python bench/host_step.py --model /tmp/micro --out bench/results/cpu_host_step
+    python3 -m bench.host_step --model /tmp/micro --out bench/results/host_step/cpu_host_step
 
 On a GPU (bf16, Triton attention, CUDA graphs as ``gpu_perf`` runs them; ``--no-metrics`` there, Ray is not needed),
 ``--profile-batch N`` also records, at N requests, the kernels of the steady-state engine steps (wall vs busy time per
 step, per-kernel totals) and the host's functions by own time (cProfile), to tell a host-bound step from a
 device-bound one:
 
-    python bench/random_llama.py --shape llama-3.2-1b --out /tmp/l1
-    python bench/host_step.py --device cuda --model /tmp/l1 --no-metrics --prompt-len 128 --new-tokens 128 \\
-        --batch-sizes 64,128,256 --profile-batch 256 --out bench/results/gpu_host_step_1b_h100
+    python3 -m bench.common --shape llama-3.2-1b --out /tmp/l1
+    python3 -m bench.host_step --device cuda --model /tmp/l1 --no-metrics --prompt-len 128 --new-tokens 128 \\
+        --batch-sizes 64,128,256 --profile-batch 256 --out bench/results/host_step/gpu_host_step_1b_h100
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import gc
 import io
 import json
 import platform
 import pstats
 import random
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.common import GCTimer, command, commit, device_name, out_path, pyplot, write_json, write_markdown
 
 STEP_KEYS = ("schedule_s", "execute_s", "worker_s", "outputs_s")
 
@@ -61,31 +56,6 @@ def make_engine(args, max_batch: int):
 
         freeze_startup_heap()
     return eng
-
-
-class GCTimer:
-    """Collections of the cyclic garbage collector and their time, per generation, while active."""
-
-    def __init__(self):
-        self._t0 = 0.0
-        self.reset()
-
-    def reset(self) -> None:
-        self.count, self.seconds = [0, 0, 0], [0.0, 0.0, 0.0]
-
-    def __enter__(self):
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._t0 = time.perf_counter()
-        else:
-            self.count[info["generation"]] += 1
-            self.seconds[info["generation"]] += time.perf_counter() - self._t0
 
 
 def measure(eng, batch: int, args, profile: bool = False) -> dict:
@@ -202,7 +172,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = out_path(args.out)
     if args.report_only:
         meta = json.loads(out.with_suffix(".json").read_text())
     else:
@@ -218,24 +188,19 @@ def main() -> None:
         rows = [measure(eng, b, args, profile=b == args.profile_batch) for b in sizes]
         eng.shutdown()
         device = device_name("cuda") if args.device == "cuda" else f"CPU {platform.machine()}"
-        meta = {"device": device, "commit": commit(), "command": "python " + " ".join(sys.argv),
+        meta = {"device": device, "commit": commit(), "command": command(),
                 "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                 "no_metrics": args.no_metrics, "rows": rows,
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+        write_json(out, meta)
     md = markdown(meta)
-    out.with_suffix(".md").write_text(md)
+    write_markdown(out, md)
     plot(meta, out.with_suffix(".png"))
     print(md)
 
 
 def plot(meta: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = meta["rows"]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [r["batch_size"] for r in rows]

@@ -2,7 +2,7 @@
 the model's linear shapes at M = 1, 2, 4, 16 rows (cuBLAS, the small-M Triton kernel's tile configs, and what
 ``workers.small_m_linear.tune`` picks, each timed as the tuner times it) against its weight-read floor.
 
-    python bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --out bench/results/profile_decode_8b_h100
+    python3 -m bench.profile_decode --ckpt /tmp/llama-3.1-8b-random --out bench/results/profiles/profile_decode_8b_h100
 
 ``--graphs``: instead, the kernels of the bs=1 CUDA graphs as the engine runs them: the decode graph replayed back to
 back, and (with ``--head``, an EAGLE-3 head) whole speculative rounds at a simulated accept length. Per kernel name:
@@ -12,7 +12,7 @@ time with a kernel running, and the sum of gaps.
 ``--exposed A.json B.json ...``: from ``--graphs`` results, the wall time each kernel adds to one round replay when
 kernels overlap under PDL (``exposed_by_kernel``), and the verify forward's per-layer split (``verify_layers``):
 
-    python bench/profile_decode.py --exposed base.json new.json --out bench/results/NAME
+    python3 -m bench.profile_decode --exposed base.json new.json --out bench/results/profiles/NAME
 """
 
 from __future__ import annotations
@@ -20,18 +20,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
-from bench.verify_attention import copy_bandwidth  # noqa: E402
+from bench.common import command, commit, copy_bandwidth, device_name, out_path, pyplot, write_json, write_markdown
 
 
 def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
@@ -158,11 +153,7 @@ def linear_markdown(res: dict) -> str:
 
 def linear_plot(res: dict, path: Path) -> None:
     """Time over the weight-read floor per linear shape and row count: cuBLAS, the best Triton config, the chosen."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     rows = res["linears"]
     labels = [f"{r['linear']}\nM={r['m']}" for r in rows]
     xs = range(len(rows))
@@ -415,30 +406,31 @@ def main() -> None:
                     help="instead: the wall time each kernel adds to a round (exposed_by_kernel) in these --graphs "
                          "results, a markdown table to <out>.md")
     args = ap.parse_args()
+    out = out_path(args.out)
     if args.exposed:
-        Path(args.out + ".md").write_text(exposed_markdown(args.exposed))
+        write_markdown(out, exposed_markdown(args.exposed))
         return
     if args.report_only:
-        res = json.loads(Path(args.out + ".json").read_text())
-        Path(args.out + ".md").write_text(linear_markdown(res))
-        linear_plot(res, Path(args.out + ".png"))
+        res = json.loads(out.with_suffix(".json").read_text())
+        write_markdown(out, linear_markdown(res))
+        linear_plot(res, out.with_suffix(".png"))
         return
     if not args.ckpt:
         ap.error("--ckpt is required (except with --report-only or --exposed)")
     if args.graphs:
-        res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
+        res = {"device": device_name("cuda"), "commit": commit(), "command": command(),
                **graph_profile(args.ckpt, args.head, args.steps, args.later_tokens)}
-        Path(args.out + ".json").write_text(json.dumps(res, indent=2))
+        write_json(out, res)
         return
     cfg = json.loads((Path(args.ckpt) / "config.json").read_text())
     bw = copy_bandwidth()
-    res = {"device": device_name("cuda"), "commit": commit(), "command": "python " + " ".join(sys.argv),
+    res = {"device": device_name("cuda"), "commit": commit(), "command": command(),
            "copy_bandwidth_gb_s": round(bw / 1e9, 1), "linears": linear_table(cfg, bw)}
-    Path(args.out + ".md").write_text(linear_markdown(res))
-    linear_plot(res, Path(args.out + ".png"))
+    write_markdown(out, linear_markdown(res))
+    linear_plot(res, out.with_suffix(".png"))
     if not args.linears_only:
         res["kernels_bs1_eager"] = kernel_profile(args.ckpt, args.steps)
-    Path(args.out + ".json").write_text(json.dumps(res, indent=2))
+    write_json(out, res)
 
 
 if __name__ == "__main__":

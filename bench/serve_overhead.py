@@ -1,6 +1,6 @@
 """Serving overheads: cold start, controller↔worker per-step orchestration, ITL at bs=1 over HTTP vs engine-only.
 
-    python bench/serve_overhead.py --out bench/results/cpu_serve_overhead [--device cpu]
+    python3 -m bench.serve_overhead --out bench/results/serving/cpu_serve_overhead [--device cpu]
 
 Per-step orchestration = (step time through worker actors) − (step time of the same worker in-process), measured on
 the same decode steps; for Ray Compiled Graphs and for plain actor calls.
@@ -12,15 +12,11 @@ import argparse
 import json
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.common import command, commit, device_name, out_path, write_json, write_markdown
 
 
 def _port() -> int:
@@ -49,7 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", default="bench/results/cpu_serve_overhead")
+    ap.add_argument("--out", default="bench/results/serving/cpu_serve_overhead")
     args = ap.parse_args()
     import httpx
     import ray
@@ -103,14 +99,13 @@ def main() -> None:
     res["engine_itl_ms_median"] = res["local_step_ms"]
     serve.shutdown()
     ray.shutdown()
-    meta = {"device": device_name(args.device), "commit": commit(), "command": " ".join(sys.argv),
+    meta = {"device": device_name(args.device), "commit": commit(), "command": command(),
             "model": model if args.model else "make_tiny llama layers=4 hidden=256 vocab=2048", "results": res}
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    out = out_path(args.out)
+    write_json(out, meta)
     md = [f"# Serving overheads ({meta['device']})", "", f"commit `{meta['commit']}`, command `{meta['command']}`", "",
           "| measure | value |", "|---|---|"] + [f"| {k} | {v} |" for k, v in res.items()]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_markdown(out, md)
     print(json.dumps(res, indent=2))
 
 

@@ -5,9 +5,9 @@ request rate (inf = all at once), at most --max-concurrency in flight; each stre
 openai client. Per rate: request and output-token throughput, TTFT, TPOT (time per output token after the first) and
 ITL (gaps between streamed chunks; with speculation a chunk may carry several tokens), mean / median / p99.
 
-    python bench/serving.py --config configs/local.yaml --request-rates 2,8,inf --out bench/results/cpu_serving
-    python bench/serving.py --url http://HOST:8000/v1 --model-id M --vocab-size 128256 ...   # a running server
-    python bench/serving.py --server-config configs/gpu-bench-llama1b-random.yaml --wait-s 600 ...  # `serve run` of it
+    python3 -m bench.serving --config configs/local.yaml --request-rates 2,8,inf --out bench/results/serving/cpu_serving
+    python3 -m bench.serving --url http://HOST:8000/v1 --model-id M --vocab-size 128256 ...   # a running server
+    python3 -m bench.serving --server-config configs/gpu-bench-llama1b-random.yaml --wait-s 600 ...  # `serve run` of it
 
 With --server-config (a config already running under `serve run`), URL, model id and vocabulary come from the config
 and the config is recorded with the results. Results are rewritten after every rate; a failed request fails the run.
@@ -20,17 +20,13 @@ import asyncio
 import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit  # noqa: E402
-from deployments.config import LLMConfig  # noqa: E402
+from bench.common import ROOT, command, commit, out_path, pyplot, write_json, write_markdown
+from deployments.config import LLMConfig
 
 
 def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, str, int, str]:
@@ -196,8 +192,7 @@ def wait_healthy(base: str, timeout_s: float, server_pid: int | None = None, ser
 def write(meta: dict, rows: list[dict], out: Path) -> None:
     """<out>.json, .md and .png from the rows measured so far."""
     meta = {**meta, "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    write_json(out, meta)
     spec = any("accept_length" in r for r in rows)
     md = [f"# Serving benchmark ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
@@ -226,12 +221,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | "
                f"{p.get('lock_wait_ms', '')} |"
                for r in steps for p in [r["server_per_step"]]]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    write_markdown(out, md)
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     labels = [str(r["request_rate"]) for r in rows]
     axes[0].bar(labels, [r["output_tok_s"] for r in rows])
@@ -304,7 +295,7 @@ def main() -> None:
     import platform
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
-    meta = {"device": label, "commit": commit(), "command": "python " + " ".join(sys.argv),
+    meta = {"device": label, "commit": commit(), "command": command(),
             "config": args.config or args.server_config, "stream_interval": stream_interval,
             "stream_batching_interval_ms": None if app_args is None else app_args.get(
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
@@ -318,7 +309,7 @@ def main() -> None:
         rows.append(asyncio.run(run_rate(base, model, prompts, out_lens, rate, args.max_concurrency)))
         rows[-1]["server_per_step"] = per_step(before, server_stats(base))
         print(rows[-1], flush=True)
-        write(meta, rows, Path(args.out))
+        write(meta, rows, out_path(args.out))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs: TP=2 vs TP=1 on a Llama-3.1-8B-shaped random-weight checkpoint — greedy tokens over
 N decode steps must be equal, and the bs=1 decode step time is compared (goal TP=2 <= 0.6x TP=1).
 
-    python bench/tp_decode.py --out bench/results/tp_decode_h200x2 [--steps 64]
+    python3 -m bench.tp_decode --out bench/results/tensor_parallel/tp_decode_h200x2 [--steps 64]
 
 Workers are the engine's own (workers.worker.Worker), one process per rank, NCCL; every rank executes the same
 WorkerStep, as the controller sends it. The checkpoint (HF names, bf16 safetensors) is written to --ckpt first.
@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.random_llama import describe_checkpoint, write_checkpoint  # noqa: E402
+from bench.common import (command, commit, describe_checkpoint, device_name, out_path, write_checkpoint, write_json,
+                          write_markdown)
 
 
 def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str, result_file: str,
@@ -96,7 +93,7 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
 
 
 def markdown(meta: dict) -> str:
-    """The result table (``python bench/tp_decode.py --markdown RESULT.json`` rewrites it from a JSON)."""
+    """The result table (``python3 -m bench.tp_decode --markdown RESULT.json`` rewrites it from a JSON)."""
     text = (f"# TP=2 vs TP=1 decode ({meta['device']})\n\ncommit `{meta['commit']}`, command `{meta['command']}`; "
             f"{meta['model']}, {meta['dtype']}, bs=1, {meta['steps']} greedy steps, {meta['attention_backend']} "
             f"attention, {'CUDA graphs' if meta['cuda_graphs'] else 'eager'}\n\n"
@@ -136,20 +133,17 @@ def main() -> None:
                     help="tp1: one GPU; tp2: two, one-shot custom all-reduce for small tensors; tp2_nccl: NCCL only; "
                     "tp2_isolated: as tp2, each rank started seeing only its own GPU (as under Ray)")
     ap.add_argument("--profile", action="store_true", help="also write each variant's kernel table (.prof_*.txt)")
-    ap.add_argument("--out", default="bench/results/tp_decode_h200x2")
+    ap.add_argument("--out", default="bench/results/tensor_parallel/tp_decode_h200x2")
     ap.add_argument("--markdown", default=None, help="only rewrite the table of this result JSON next to it")
     args = ap.parse_args()
     if args.markdown:
         Path(args.markdown).with_suffix(".md").write_text(markdown(json.loads(Path(args.markdown).read_text())))
         return
-    from bench.engine_vs_hf import commit, device_name
-
     if not (Path(args.ckpt) / "config.json").is_file():
         t0 = time.time()
         write_checkpoint(Path(args.ckpt), "llama-3.1-8b", args.layers)
         print(f"checkpoint written in {time.time() - t0:.0f}s", flush=True)
-    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = out_path(args.out)
     # TP=1; TP=2 with every all-reduce on NCCL; TP=2 with the one-shot custom all-reduce for small tensors
     variants = {"tp1": (1, True, False), "tp2_nccl": (2, False, False), "tp2": (2, True, False),
                 "tp2_isolated": (2, True, True)}
@@ -175,7 +169,7 @@ def main() -> None:
     first_diff = next((i for i, (a, b) in enumerate(zip(results["tp1"]["tokens"], results["tp2"]["tokens"]))
                        if a != b), None)
     meta = {"device": f"{torch.cuda.device_count()}x {device_name('cuda')}", "commit": commit(),
-            "command": " ".join(sys.argv), "model": describe_checkpoint(args.ckpt),
+            "command": command(), "model": describe_checkpoint(args.ckpt),
             "attention_backend": args.backend, "dtype": args.dtype, "batch_size": 1, "prompt_len": 128, "steps": args.steps,
             "tp1_median_step_ms": round(med["tp1"], 3), "tp2_median_step_ms": round(med["tp2"], 3),
             "tp2_over_tp1": round(med["tp2"] / med["tp1"], 3),
@@ -197,9 +191,9 @@ def main() -> None:
         meta.update(tp2_nccl_only_median_step_ms=round(med["tp2_nccl"], 3),
                     tp2_nccl_only_over_tp1=round(med["tp2_nccl"] / med["tp1"], 3),
                     tp2_nccl_only_tokens_equal_tp2=results["tp2_nccl"]["tokens"] == results["tp2"]["tokens"])
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    write_json(out, meta)
     out.with_suffix(".partial.json").unlink()
-    out.with_suffix(".md").write_text(markdown(meta))
+    write_markdown(out, markdown(meta))
     print(json.dumps(meta, indent=2))
 
 

@@ -10,9 +10,9 @@ q_len_per_req = draft tokens (decode mode with host lengths, as without graphs).
 Each launch is timed two ways: called eagerly (Python launches of the split and merge kernels, as without CUDA
 graphs) and replayed from a CUDA graph, which is how the engine runs TARGET_VERIFY; the sweep tunes on graph replays.
 
-    python bench/verify_attention.py --out bench/results/verify_attention_h100
-    python bench/verify_attention.py --layers --backend flashinfer \
-        --out bench/results/verify_attention_flashinfer_layers_h100
+    python3 -m bench.verify_attention --out bench/results/attention/verify_attention_h100
+    python3 -m bench.verify_attention --layers --backend flashinfer \
+        --out bench/results/attention/verify_attention_flashinfer_layers_h100
 
 Writes <out>.json, <out>.md, <out>.png with device, commit and command.
 """
@@ -21,51 +21,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from attention.base import AttentionLayerSpec  # noqa: E402
-from attention.registry import _make  # noqa: E402
-from bench.engine_vs_hf import commit, device_name, graph_replay_ms  # noqa: E402
-from workers.forward_batch import ForwardBatch  # noqa: E402
-from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from attention.base import AttentionLayerSpec
+from attention.registry import _make
+from bench.common import (command, commit, copy_bandwidth, device_name, graph_ms, graph_replay_ms, out_path, pyplot,
+                          write_json, write_markdown)
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import KVCache, PageTable
 from workers.messages import ForwardMode
 
-
-def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy, bytes read + written per second: the best of three timings (one H100 run measured
-    2582 GB/s where the others measured 3003, which would have lowered every ratio to the floor in that run)."""
-    import triton.testing
-
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = min(triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=100) for _ in range(3))
-    return 2 * a.numel() / (ms * 1e-3)
-
-
 LAUNCH_KNOBS = ("block_n", "num_warps", "num_stages", "decode_launch")
-
-
-def graph_ms(fn, warmup: int = 10, rep: int = 100) -> float:
-    """``fn`` captured in a CUDA graph, one replay timed (triton's do_bench: L2 flushed before every replay)."""
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile / warm outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep)
-    del graph
-    return ms
 
 
 def verify_case(ctx: int, bs: int, nd: int, heads: int, kv_heads: int, dim: int, page: int, layers: int = 1):
@@ -218,7 +186,7 @@ def main() -> None:
     import triton.testing
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="bench/results/verify_attention_h100")
+    ap.add_argument("--out", default="bench/results/attention/verify_attention_h100")
     ap.add_argument("--backend", default="triton", choices=("triton", "flashinfer"),
                     help="whose kernels: our Triton split-KV family, or FlashInfer's (XQA, decode and prefill "
                          "wrappers)")
@@ -241,7 +209,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.backend != "triton" and (args.sweep or args.sweep_short or args.page_major or args.min_chunk is not None):
         ap.error("--sweep, --sweep-short, --page-major and --min-chunk tune the triton launch")
-    out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
+    out = out_path(args.out)
     if args.report_only:
         report(json.loads(out.with_suffix(".json").read_text()), out)
         return
@@ -252,10 +220,9 @@ def main() -> None:
     if args.min_chunk is not None:
         decode.min_chunk = prefill.min_chunk = args.min_chunk
     if args.sweep_short:
-        res = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv),
+        res = {"device": device_name("cuda"), "commit": commit(), "command": command(),
                "copy_bandwidth_GBps": round(bw / 1e9, 1), **sweep_short_contexts(decode, layer, bw)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+        write_json(out, res)
         return
     sweep = sweep_decode_launch(decode, layer, bw) if args.sweep else None
     if sweep:
@@ -330,11 +297,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
     launch = ({k: getattr(decode, k) for k in LAUNCH_KNOBS + ("min_chunk",)} if args.backend == "triton"
               else rows[0]["kernels"] if rows else {})
-    meta = {"device": device_name("cuda"), "commit": commit(), "command": " ".join(sys.argv), "backend": args.backend,
+    meta = {"device": device_name("cuda"), "commit": commit(), "command": command(), "backend": args.backend,
             "copy_bandwidth_GBps": round(bw / 1e9, 1), "shape": "32 q heads, 8 KV heads, dim 128, bf16, page 16",
             "decode_style_launch": launch, "sweep": sweep, "rows": rows}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    write_json(out, meta)
     report(meta, out)
 
 
@@ -374,13 +340,9 @@ def report(meta: dict, out: Path) -> None:
            + (f" {r['decode_style_wrapper_graph_ms']} | {r['decode_style_wrapper_graph_vs_floor']}x |"
               + (f" {r['decode_style_wrapper_layers_ms']} | {r['decode_style_wrapper_layers_vs_floor']}x |"
                  if ly_head else "") if wr_head else "") for r in rows]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_markdown(out, md)
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, nd in zip(axes, sorted({r["draft_tokens"] for r in rows})):
             for bs in sorted({r["batch_size"] for r in rows}):

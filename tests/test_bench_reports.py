@@ -69,7 +69,7 @@ def test_a_result_names_the_checkpoint_it_ran(tmp_path):
     """tp_decode labels its JSON from the checkpoint's config (it once said "Llama-3.1-8B shape" of a 1B run)."""
     import json
 
-    from bench.random_llama import describe_checkpoint, write_checkpoint
+    from bench.common import describe_checkpoint, write_checkpoint
 
     write_checkpoint(tmp_path / "smoke", "llama-smoke")
     assert describe_checkpoint(tmp_path / "smoke") == "llama-smoke shape, 2 layers, random bfloat16 weights"

@@ -14,7 +14,7 @@ pytest.importorskip("triton")
 
 
 def test_every_kernel_compiles_for_sm90():
-    res = subprocess.run([sys.executable, "tools/compile_kernels.py"], cwd=ROOT, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "tools.compile_kernels"], cwd=ROOT, capture_output=True, text=True,
                          timeout=1200)
     summary = [ln for ln in res.stdout.splitlines() if ln.startswith("SUMMARY")]
     assert res.returncode == 0 and summary, res.stdout[-4000:] + res.stderr[-3000:]

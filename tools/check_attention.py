@@ -199,7 +199,7 @@ def main() -> None:
     print(f"SUMMARY: {len(checked) - len(failed)} ok, {len(failed)} FAIL, "
           f"{sum(r.get('pass') is None for r in results + graph_rows)} n/a -> {'PASS' if ok else 'FAIL'}", flush=True)
     if args.json:
-        from bench.engine_vs_hf import commit
+        from bench.common import commit
 
         meta = {"commit": commit(), "command": " ".join(["python3", "tools/check_attention.py"] + sys.argv[1:]),
                 "device": str(device),

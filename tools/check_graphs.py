@@ -65,7 +65,7 @@ def main() -> None:
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]
     if args.json:
-        from bench.engine_vs_hf import commit, device_name
+        from bench.common import commit, device_name
 
         Path(args.json).write_text(json.dumps({"device": device_name("cuda"), "commit": commit(),
                                                "command": " ".join(["python3"] + sys.argv), "dtype": args.dtype,

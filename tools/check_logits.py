@@ -125,7 +125,7 @@ def main() -> None:
                 print(f"{prefill:12s} {decode:12s} verify={verify:7s} {case:13s} top1={top1:.4f} decisive={top1_decisive:.4f} "
                       f"rel_err={err:.2e} {'ok' if passed else 'FAIL'}", flush=True)
     if args.json:
-        from bench.engine_vs_hf import commit
+        from bench.common import commit
 
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                                                "commit": commit(), "command": " ".join(["python3"] + sys.argv),

@@ -27,7 +27,7 @@ SIZES_KIB = [8, 32, 128, 512, 1024]  # bf16: 8 KiB is one token of an 8B model's
 
 def _graph_time_us(fn, reps: int = 64, replays: int = 20) -> float:
     """Microseconds per call of ``fn``, captured ``reps`` times in one graph and replayed."""
-    from bench.engine_vs_hf import graph_replay_ms
+    from bench.common import graph_replay_ms
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -225,7 +225,7 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
 if __name__ == "__main__":
     import torch.multiprocessing as mp
 
-    from bench.engine_vs_hf import commit
+    from bench.common import commit
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=2)

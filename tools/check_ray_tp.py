@@ -155,7 +155,7 @@ def main() -> None:
     import ray
     import torch
 
-    from bench.engine_vs_hf import commit, device_name
+    from bench.common import commit, device_name
 
     modes = args.spec.split(",")
     head = args.head

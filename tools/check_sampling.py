@@ -75,7 +75,7 @@ def main() -> None:
                      "floors_differing_from_cpu_of_64": floors_differ, "kept_tokens_most_off": kept_off, "ok": passed})
         print(rows[-1], flush=True)
     if args.json:
-        from bench.engine_vs_hf import commit, device_name
+        from bench.common import commit, device_name
 
         Path(args.json).write_text(json.dumps({"device": device_name(args.device), "commit": commit(),
                                                "command": "python " + " ".join(sys.argv), "rows": rows}, indent=2))

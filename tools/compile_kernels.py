@@ -9,8 +9,8 @@ CUDA graphs), and reports each one's registers and stack bytes per thread (``cuo
 lists the launches that spill). Those are what this machine's Triton makes of the kernels: another Triton version
 (the GPU machine's) allocates registers differently, so a spill here is a lead to check there, not a verdict.
 
-    python tools/compile_kernels.py                     # the default workloads, report on stdout
-    python tools/compile_kernels.py --json out.json
+    python3 -m tools.compile_kernels                     # the default workloads, report on stdout
+    python3 -m tools.compile_kernels --json out.json
 
 Workloads: the fused-op checks of ``tests/test_fused_ops.py`` (norms, RoPE, KV store, sampling, small-M linears)
 and ``tools/check_attention.py --small`` (the split-KV attention in every forward mode), run; then the launches of
@@ -255,15 +255,14 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)  # the interpreter half
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     if args.record_only:
         record(WORKLOADS, args.record_only)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         launches = os.path.join(tmp, "launches.json")
         env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-        rec = subprocess.run([sys.executable, __file__, "--record-only", launches], env=env, capture_output=True,
-                             text=True)
+        rec = subprocess.run([sys.executable, "-m", "tools.compile_kernels", "--record-only", launches], cwd=ROOT,
+                             env=env, capture_output=True, text=True)
         if rec.returncode != 0:
             print(rec.stdout[-3000:], rec.stderr[-3000:], sep="\n")
             print("recording the launches failed")

@@ -2,7 +2,7 @@
 training data): our engine (no speculation, EAGLE-3, standalone draft, n-gram; greedy) beside HF transformers
 (`generate` and assisted generation with the same draft).
 
-    python tools/eval_family.py --models models --out bench/results/family_cpu [--device cpu] [--prompts 8]
+    python3 -m tools.eval_family --models models --out bench/results/family/family_cpu [--device cpu] [--prompts 8]
 
 Accept length = 1 + accepted / rounds from the engine's own per-request metrics. HF assisted generation exposes no
 counter, so its accept length is new tokens / target forward passes (counted with a hook).
@@ -11,17 +11,12 @@ counter, so its accept length is new tokens / target forward passes (counted wit
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.engine_vs_hf import commit, device_name  # noqa: E402
+from bench.common import command, commit, device_name, out_path, write_json, write_markdown
 
 
 def held_out_package() -> str:
@@ -59,7 +54,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--num-steps", type=int, default=4)
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
-    ap.add_argument("--out", default="bench/results/family_cpu")
+    ap.add_argument("--out", default="bench/results/family/family_cpu")
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -122,20 +117,19 @@ def main() -> None:
                      "accept_length": round(new / calls["n"], 3) if extra else None,
                      "tokens_per_s": round(new / dt, 1), "greedy_equal_to_no_spec": same})
         print(rows[-1], flush=True)
-    meta = {"device": device_name(args.device), "commit": commit(), "command": " ".join(sys.argv),
+    meta = {"device": device_name(args.device), "commit": commit(), "command": command(),
             "held_out": f"first {len(prompts)} {held_out_package()} source files with >= {args.prompt_len + 64} tokens",
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "num_steps": args.num_steps,
             "batch_size": 1, "dtype": dtype, "rows": rows}
-    out = ROOT / args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(meta, indent=2))
+    out = out_path(args.out)
+    write_json(out, meta)
     md = [f"# Trained tiny family on held-out code ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`; {meta['held_out']}, prompt {args.prompt_len}, "
           f"{args.new_tokens} new tokens, greedy, bs=1, {dtype}, chain of {args.num_steps} drafts", "",
           "| system | method | accept length | tokens/s | greedy == no-spec |", "|---|---|---|---|---|"]
     md += [f"| {r['system']} | {r['method']} | {r['accept_length'] or '-'} | {r['tokens_per_s']} | "
            f"{r['greedy_equal_to_no_spec']} |" for r in rows]
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    write_markdown(out, md)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Compile FlashInfer's XQA JIT modules for several query lengths in parallel (each is a separate nvcc build of about
 a minute; used one by one they would compile one after another on first use).
 
-    python tools/prebuild_flashinfer.py --group 4 --head-dim 64 --page-size 16 --q 1,4,5,8,12
+    python3 -m tools.prebuild_flashinfer --group 4 --head-dim 64 --page-size 16 --q 1,4,5,8,12
 """
 
 from __future__ import annotations

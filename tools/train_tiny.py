@@ -8,7 +8,7 @@
 Draft and head are distilled on a mix of data windows and the target's own greedy continuations of data prompts,
 the sequences they are judged against at inference.
 
-    python tools/train_tiny.py --out /tmp/family [--minutes-target 4 --minutes-draft 1.5 --minutes-eagle 2]
+    python3 -m tools.train_tiny --out /tmp/family [--minutes-target 4 --minutes-draft 1.5 --minutes-eagle 2]
 
 Deterministic seeds; data order from a seeded generator. Writes HF-format directories target/, draft/, eagle3/ and
 train_log.json (losses, timings).
@@ -28,10 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from deployments.make_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
+from deployments.make_tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 
 def stdlib_files() -> list[Path]:
