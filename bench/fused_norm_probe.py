@@ -39,6 +39,7 @@ def linear_shapes(shape: str) -> tuple[int, int, int]:
 
 def probe(rows: int, shape: str) -> dict:
     from workers.kernels import small_m_linear as sml
+    from workers.kernels import tuning
     from workers.kernels.norm_rope import rms_norm
 
     hidden, intermediate, qkv = linear_shapes(shape)
@@ -50,10 +51,10 @@ def probe(rows: int, shape: str) -> dict:
               ("down_proj", hidden, intermediate))
     for name, n, k in shapes:
         w = torch.randn(n, k, dtype=dt, device=dev) / k ** 0.5
-        weights = sml.weight_copies(w)
+        weights = tuning.weight_copies(w)
         gated = name == "down_proj"
-        cfg = sml.tune(w, None, rows, gated=gated, side=side)
-        act = sml.tune_activated(w, None, rows, cfg, side) if name == "gate_up_proj" else None
+        cfg = tuning.tune(w, None, rows, gated=gated, side=side)
+        act = tuning.tune_activated(w, None, rows, cfg, side) if name == "gate_up_proj" else None
         if cfg is None:
             out[name] = {"tile": "cuBLAS"}
             continue
@@ -64,16 +65,16 @@ def probe(rows: int, shape: str) -> dict:
         tile, activated = (act, True) if act is not None else (cfg, False)
         fused = ({"norm_eps": EPS} if name in ("qkv_proj", "gate_up_proj") else
                  {"add": torch.randn(rows, n // (2 if activated else 1), dtype=dt, device=dev)})
-        plain_us = 1e3 * sml.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated),
+        plain_us = 1e3 * tuning.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated),
                                          weights, side)
-        fused_us = 1e3 * sml.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated, **fused),
+        fused_us = 1e3 * tuning.replayed_ms(lambda w: sml.small_m_linear(x, w, None, tile, gated, activated, **fused),
                                          weights, side)
         out[name] = {"tile": list(tile), "activated": activated, "fused": next(iter(fused)),
                      "plain_us": round(plain_us, 2), "fused_us": round(fused_us, 2),
                      "delta_us": round(fused_us - plain_us, 2)}
     gamma = torch.ones(hidden, dtype=dt, device=dev)
     residual = torch.randn(rows, hidden, dtype=dt, device=dev)
-    norm_us = 1e3 * sml.replayed_ms(lambda w: rms_norm(stream, gamma, EPS, residual=residual), [gamma] * 8, side)
+    norm_us = 1e3 * tuning.replayed_ms(lambda w: rms_norm(stream, gamma, EPS, residual=residual), [gamma] * 8, side)
     deltas = sum(v.get("delta_us", 0.0) for v in out.values())
     return {"linears": out, "add_rms_norm_us": round(norm_us, 2),
             "saving_per_layer_us": round(2 * norm_us - deltas, 2)}

@@ -33,6 +33,8 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from workers.kernels import small_m_linear as sml  # noqa: E402
+
+from workers.kernels import tuning  # noqa: E402
 from workers.kernels.norm_rope import silu_and_mul  # noqa: E402
 
 
@@ -212,15 +214,15 @@ def main():
     t0 = time.time()
     for name, (n, k, gated) in shapes.items():
         w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-        ws = sml.weight_copies(w)
+        ws = tuning.weight_copies(w)
         floor_us = n * k * 2 / 3.0e12 * 1e6
         for m in ((4,) if second else (1, 4)):
             x = torch.randn(m, k * (2 if gated else 1), dtype=torch.bfloat16, device="cuda")
             ref = F.linear(silu_and_mul(x) if gated else x, w).float()
-            t = {"cublas": sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
+            t = {"cublas": tuning.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
                                            else (lambda ww: F.linear(x, ww)), ws, side) * 1e3}
             for cfg in filter(None, sml.candidates(sml.row_bucket(m))):  # (None: cuBLAS, timed above)
-                t[f"cur{tuple(cfg)}"] = sml.replayed_ms(lambda ww, c=cfg: sml.small_m_linear(x, ww, None, c, gated),
+                t[f"cur{tuple(cfg)}"] = tuning.replayed_ms(lambda ww, c=cfg: sml.small_m_linear(x, ww, None, c, gated),
                                                         ws, side) * 1e3
             errs = {}
             bm = 1 if m == 1 else 4
@@ -239,7 +241,7 @@ def main():
                 try:
                     y = fn(x, w, cfg, gated).float()
                     errs[key] = float(((y - ref).norm() / ref.norm()).item())
-                    t[key] = sml.replayed_ms(lambda ww, c=cfg, f=fn: f(x, ww, c, gated), ws, side) * 1e3
+                    t[key] = tuning.replayed_ms(lambda ww, c=cfg, f=fn: f(x, ww, c, gated), ws, side) * 1e3
                 except Exception as e:  # noqa: BLE001 - a tile this GPU cannot run is not a candidate
                     torch.cuda.synchronize()
                     print(name, m, key, type(e).__name__, str(e)[:100], flush=True)

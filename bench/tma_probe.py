@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.engine_vs_hf import commit, device_name  # noqa: E402
 from workers.kernels import small_m_linear as sml  # noqa: E402
+from workers.kernels import tuning  # noqa: E402
 
 
 @triton.jit
@@ -76,17 +77,17 @@ def main() -> None:
                    "its activated input (no silu)", "rows": []}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        ws = sml.weight_copies(w)
+        ws = tuning.weight_copies(w)
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, w).float()
             row = {"linear": name, "m": m, "n": n, "k": k, "floor_us_3tbs": round(n * k * 2 / 3.0e12 * 1e6, 2),
-                   "cublas": sml.replayed_ms(lambda ww: F.linear(x, ww), ws, side) * 1e3}
+                   "cublas": tuning.replayed_ms(lambda ww: F.linear(x, ww), ws, side) * 1e3}
             if m <= 2:
                 g = sml.GEMV_CANDIDATES[m][0]
-                row[f"gemv{tuple(g)}"] = sml.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, g), ws, side) * 1e3
+                row[f"gemv{tuple(g)}"] = tuning.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, g), ws, side) * 1e3
             inc = sml.TENSOR_CORE_INCUMBENT
-            row[f"incumbent{tuple(inc)}"] = sml.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, inc), ws,
+            row[f"incumbent{tuple(inc)}"] = tuning.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, inc), ws,
                                                             side) * 1e3
             tma, errs = {}, {}
             for cfg in GRID:
@@ -94,7 +95,7 @@ def main() -> None:
                     continue
                 try:
                     err = ((tma_linear(x, w, cfg).float() - ref).abs().max() / ref.abs().max()).item()
-                    tma[str(cfg)] = round(sml.replayed_ms(lambda ww, c=cfg: tma_linear(x, ww, c), ws, side) * 1e3, 2)
+                    tma[str(cfg)] = round(tuning.replayed_ms(lambda ww, c=cfg: tma_linear(x, ww, c), ws, side) * 1e3, 2)
                     errs[str(cfg)] = err
                 except Exception as e:  # noqa: BLE001 - a config that does not compile is no result
                     torch.cuda.synchronize()
