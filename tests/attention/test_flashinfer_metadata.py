@@ -26,7 +26,7 @@ from attention.flashinfer_backend import (
     xqa_mask_bits,
 )
 from attention.torch_native import TorchNativeBackend
-from tools.check_attention import _to_fp32_cpu, make_case
+from tests.gpu.check_attention import _to_fp32_cpu, make_case
 from workers.forward_batch import ForwardBatch
 from workers.kv_cache import KVCache, PageTable
 from workers.messages import ForwardMode
@@ -87,7 +87,7 @@ def test_packed_mask_is_segment_packbits_of_the_reference_mask(case):
 # The XQA kernel's contract as read from flashinfer 0.7.2.post1 (data/csrc/xqa/mha.cu, applyMaskFromInput and its
 # call site; xqa_wrapper.cu; decode.py xqa_batch_decode_with_kv_cache), emulated on the CPU: the backend's whole
 # XQA path (metadata builder, query padding, the call) runs against it here, and the real kernel against the same
-# reference on the GPU (tools/check_attention.py).
+# reference on the GPU (tests/gpu/check_attention.py).
 
 
 def _xqa_emulator(query, kv_cache, workspace, block_tables, seq_lens, max_seq_len, bmm1_scale=1.0, bmm2_scale=1.0,

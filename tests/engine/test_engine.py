@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, hf_greedy, mixed_prompts, run_all
 
 from deployments.engine.engine import Engine
 from deployments.engine.request import InvalidRequest, SamplingParams
+from tests.helpers import ROOT, hf_greedy, mixed_prompts, run_all
 from workers.config import EngineConfig
 from workers.model_config import CheckpointError
 

@@ -1,7 +1,7 @@
 """Attention backends against the torch-native fp32 reference, on random paged KV, for every forward mode.
 
-    python tools/check_attention.py --device cuda --backends triton,flashinfer [--dtype bfloat16] [--json out.json]
-    TRITON_INTERPRET=1 python tools/check_attention.py --device cpu --backends triton --small --dtype float32
+    python -m tests.gpu.check_attention --device cuda --backends triton,flashinfer [--dtype bfloat16] [--json out.json]
+    TRITON_INTERPRET=1 python -m tests.gpu.check_attention --device cpu --backends triton --small --dtype float32
     # (CPU, Triton's interpreter: float32 only; in bfloat16 its outputs are wrong there)
 
 Cases: EXTEND (with a cached prefix, chunked), DRAFT_EXTEND, DECODE, TARGET_VERIFY (chain and tree, decode- and
@@ -30,15 +30,12 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from attention.base import AttentionLayerSpec  # noqa: E402
-from attention.flashinfer_backend import XQA_PAGE_SIZES  # noqa: E402
-from attention.registry import _make  # noqa: E402
-from speculative.tree import ancestor_mask  # noqa: E402
-from workers.forward_batch import ForwardBatch  # noqa: E402
-from workers.kv_cache import KVCache, PageTable  # noqa: E402
+from attention.base import AttentionLayerSpec
+from attention.flashinfer_backend import XQA_PAGE_SIZES
+from attention.registry import _make
+from speculative.tree import ancestor_mask
+from workers.forward_batch import ForwardBatch
+from workers.kv_cache import KVCache, PageTable
 from workers.messages import ForwardMode
 
 
@@ -201,7 +198,7 @@ def main() -> None:
     if args.json:
         from bench.engine_vs_hf import commit
 
-        meta = {"commit": commit(), "command": " ".join(["python3", "tools/check_attention.py"] + sys.argv[1:]),
+        meta = {"commit": commit(), "command": " ".join(["python3", "-m", "tests.gpu.check_attention"] + sys.argv[1:]),
                 "device": str(device),
                 "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "dtype": args.dtype,
                 "torch": torch.__version__, "flashinfer": _flashinfer_version(), "xqa": xqa_info}

@@ -1,7 +1,7 @@
 """Greedy tokens of the whole engine with each attention backend pair vs a reference pair (torch-native when it is in
 --backends, else the first pair), speculation off and on, and speculation on vs off on the same backend.
 
-    python tools/check_engine_backends.py --models models --dtype float32 --backends torch_native,triton [--json out]
+    python -m tests.gpu.check_engine_backends --models models --dtype float32 --backends torch_native,triton [--json F]
 
 In fp32 every comparison must be token-exact (the exit status says so); in bf16 they are reported (kernels that
 round differently may break near-ties, after which sequences diverge).
@@ -13,9 +13,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """The norms and residual adds inside the small-M linear kernels (``small_m_linear``: ``norm_eps``, ``add``) against
 references, kernel by kernel and through a Llama model with its norm weights folded.
 
-    python tools/check_fused_norms.py --device cuda --dtype bfloat16
-    TRITON_INTERPRET=1 python tools/check_fused_norms.py --device cpu --dtype float32   # (tests/test_fused_ops.py)
+    python -m tests.gpu.check_fused_norms --device cuda --dtype bfloat16
+    TRITON_INTERPRET=1 python -m tests.gpu.check_fused_norms --device cpu --dtype float32   # (tests/kernels)
 
 Kernels: the GEMV at 1 and 2 rows, the tensor-core tiles with the rows or the weight on the left and the activated
 one, each normalising its input (RMSNorm without a weight, the sums of squares from its own loads) and adding a
@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workers import layers  # noqa: E402
-from workers.kernels import small_m_linear as sml  # noqa: E402
-from workers.kernels.norm_rope import rms_norm_reference, silu_and_mul  # noqa: E402
+from workers import layers
+from workers.kernels import small_m_linear as sml
+from workers.kernels.norm_rope import rms_norm_reference, silu_and_mul
 
 EPS = 1e-5
 

@@ -1,7 +1,7 @@
 """CUDA graphs on the GPU: the engine's tokens with graphs (the round fused in one graph, and split into draft /
 verify / draft-extend graphs) against the same engine run eagerly, for every proposer, greedy and seeded sampling.
 
-    python tools/check_graphs.py --models models --dtype float32 [--json out.json]
+    python -m tests.gpu.check_graphs --models models --dtype float32 [--json out.json]
 
 fp32 must be token-exact (the exit status says so); the graph replays the very kernels the eager run launches.
 """
@@ -12,9 +12,6 @@ import argparse
 import json
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ Top-1 is reported over all rows and over the decisive rows, those whose referenc
 logits: bf16 arithmetic alone (torch-native in bf16 against itself in fp32) moves a logit by up to ~0.06 on this
 model, so rows closer than that are coin flips for any bf16 kernel. Pass: decisive top-1 >= 99%, rel. error < 3%.
 
-    python tools/check_logits.py --backends torch_native,triton,flashinfer --dtype bfloat16 --json out.json
+    python -m tests.gpu.check_logits --backends torch_native,triton,flashinfer --dtype bfloat16 --json out.json
 """
 
 from __future__ import annotations
@@ -20,15 +20,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from speculative.tree import ancestor_mask
+from tests.gpu.check_attention import random_tree_parents
+from workers.kv_cache import PageTable
+from workers.layers import TPGroup
+from workers.messages import ForwardMode
+from workers.model_runner import ModelRunner
 
-from speculative.tree import ancestor_mask  # noqa: E402
-from tools.check_attention import random_tree_parents  # noqa: E402
-from workers.kv_cache import PageTable  # noqa: E402
-from workers.layers import TPGroup  # noqa: E402
-from workers.messages import ForwardMode  # noqa: E402
-from workers.model_runner import ModelRunner  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPT_LENS = [300, 700, 1000, 120]
 PAGE = 16

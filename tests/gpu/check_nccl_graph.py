@@ -2,7 +2,7 @@
 gathers on every rank — the ctypes NCCL communicator and the one-shot custom all-reduce (symmetric memory) — and
 their latency per all-reduce, replayed from a graph, for decode-sized to prefill-sized tensors.
 
-    python tools/check_nccl_graph.py [--ranks 2] [--isolated] [--json out.json]
+    python -m tests.gpu.check_nccl_graph [--ranks 2] [--isolated] [--json out.json]
 
 ``--isolated`` starts each rank seeing only its own GPU (CUDA_VISIBLE_DEVICES, as Ray does for a one-GPU actor);
 the ranks then widen their visibility as the Worker does (workers.worker.share_node_gpus), so that the custom
@@ -19,8 +19,6 @@ import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES_KIB = [8, 32, 128, 512, 1024]  # bf16: 8 KiB is one token of an 8B model's hidden state
 

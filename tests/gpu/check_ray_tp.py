@@ -12,9 +12,9 @@ almost every draft is rejected, so the reject path runs); ``eagle3-chain`` / ``e
 ``--simulated-accept-length`` the chains accept that many tokens per round on average whatever the drafts (a speed
 benchmark of speculation under TP; ``--tp1-spec`` runs the same modes at TP=1 for the ratio).
 
-    python tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json OUT.json
-    python tools/check_ray_tp.py --ckpt /tmp/l1 --tp 2 --dtype float32 --spec none,draft,eagle3-tree --json OUT.json
-    python tools/check_ray_tp.py --ckpt /tmp/l8 --spec none,eagle3-chain --simulated-accept-length 3 --tp1-spec \
+    python -m tests.gpu.check_ray_tp --ckpt /tmp/llama8b-random --tp 2 --json OUT.json
+    python -m tests.gpu.check_ray_tp --ckpt /tmp/l1 --tp 2 --dtype float32 --spec none,draft,eagle3-tree --json OUT.json
+    python -m tests.gpu.check_ray_tp --ckpt /tmp/l8 --spec none,eagle3-chain --simulated-accept-length 3 --tp1-spec \
         --json OUT.json
 """
 
@@ -28,9 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 SPEC_MODES = ("none", "draft", "draft-tp1", "eagle3-tree", "eagle3-chain", "eagle3-1step")
 

@@ -1,7 +1,7 @@
 """The sampler on a device: draws against the distribution they must follow, and the device's draws against the
 PyTorch reference's on the CPU (the same counter-based noise, so the same tokens up to float rounding of near ties).
 
-    python tools/check_sampling.py --device cuda --json out.json
+    python -m tests.gpu.check_sampling --device cuda --json out.json
 
 Per kind ("sample": temperature only, the Gumbel race inside the argmax kernel; "filter": top-k / top-p / min-p,
 the race over the logits at or above each row's filter floor): a chi-square test of 50,000 draws from a 6-token
@@ -20,11 +20,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from workers.kernels.top_filter import filter_floor  # noqa: E402
-from workers.sampling import SamplingTensors, draw, processed_probs  # noqa: E402
+from workers.kernels.top_filter import filter_floor
+from workers.sampling import SamplingTensors, draw, processed_probs
 
 
 def main() -> None:

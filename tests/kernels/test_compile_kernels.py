@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
+
+from tests.helpers import ROOT
 
 pytest.importorskip("triton")
 

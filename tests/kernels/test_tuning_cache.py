@@ -9,7 +9,8 @@ import logging
 import pytest
 
 from workers.config import EngineConfig
-from workers.kernels.small_m_linear import ROW_BUCKETS, TileConfig, TuningCache
+from workers.kernels.small_m_linear import ROW_BUCKETS, TileConfig
+from workers.kernels.tuning import TuningCache
 
 ENV = "NVIDIA H100 80GB HBM3 | torch 2.11 | triton 3.6"
 TABLE = {rows: (TileConfig(1, 16, 512, 4, 3) if rows == 1 else None if rows == 16 else
@@ -44,7 +45,7 @@ def test_incomplete_or_foreign_entries_are_timed_again(tmp_path):
 def test_an_unreadable_file_is_retuned_and_replaced(tmp_path, caplog, content):
     path = tmp_path / "c.json"
     path.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="workers.kernels.small_m_linear"):
+    with caplog.at_level(logging.WARNING, logger="workers.kernels.tuning"):
         cache = TuningCache(path, ENV)
     assert cache.get("k") is None
     assert any("unreadable" in r.getMessage() for r in caplog.records)
@@ -86,9 +87,10 @@ def test_the_environment_names_the_candidates(monkeypatch):
     """A cache written while other tile configs were candidates (an older release) is timed again: the environment
     key carries a digest of the candidate set."""
     from workers.kernels import small_m_linear as sml
+    from workers.kernels import tuning
 
     monkeypatch.setattr(sml.torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    before = sml.tuning_environment("cuda")
-    assert before.startswith("NVIDIA H100 80GB HBM3 | torch ") and f"candidates {sml.candidates_digest()}" in before
+    before = tuning.tuning_environment("cuda")
+    assert before.startswith("NVIDIA H100 80GB HBM3 | torch ") and f"candidates {tuning.candidates_digest()}" in before
     monkeypatch.setitem(sml.GEMV_CANDIDATES, 1, sml.GEMV_CANDIDATES[1][:-1])
-    assert sml.tuning_environment("cuda") != before
+    assert tuning.tuning_environment("cuda") != before

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import ROOT
 
 from deployments.engine.engine import Engine
 from deployments.engine.request import SamplingParams
+from tests.helpers import ROOT
 from workers.config import EngineConfig, SpeculativeConfig
 
 MODELS = ROOT / "models"

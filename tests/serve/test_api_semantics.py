@@ -8,7 +8,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import llama3_style
 
 from deployments.engine.engine import Engine
 from deployments.engine.request import SamplingParams
@@ -17,6 +16,7 @@ from deployments.engine.tokenizer import (
     chat_prompt_ids,
     load_tokenizer,
 )
+from tests.helpers import llama3_style
 from workers.config import EngineConfig
 from workers.model_config import ModelConfig
 

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml"
 K8S = ROOT / "k8s"
 

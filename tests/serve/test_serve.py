@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import mixed_prompts
+
+from tests.helpers import mixed_prompts
 
 API_KEY = "test-key"
 
@@ -349,9 +350,8 @@ def test_a_llama3_style_model(server, tmp_path):
     """A tokenizer that prepends BOS with a template that starts with it: one BOS; a template's refusal is a 400
     naming messages; generation_config.json's temperature 0 makes unset temperatures greedy; a KV cache of exactly
     the context serves a chat without max_tokens."""
-    from conftest import llama3_style
-
     from deployments.engine.tokenizer import chat_prompt_ids, load_tokenizer
+    from tests.helpers import llama3_style
 
     path = llama3_style(Path(server["target"]), tmp_path / "llama3-style")
     ek = {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2, "kv_cache_tokens": 256}

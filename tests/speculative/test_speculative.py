@@ -9,12 +9,12 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, mixed_prompts, run_all
 
 from deployments.engine.engine import Engine
 from deployments.engine.request import SamplingParams
 from deployments.make_heads import make_head
 from deployments.make_tiny import make_tiny
+from tests.helpers import ROOT, mixed_prompts, run_all
 from workers.config import EngineConfig, SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

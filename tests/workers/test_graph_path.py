@@ -5,10 +5,10 @@ leak into real ones, and the pad slot's writes stay on the reserved page 0."""
 from __future__ import annotations
 
 import pytest
-from conftest import mixed_prompts
-from test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 
 from deployments.engine.request import SamplingParams
+from tests.helpers import mixed_prompts
+from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
 from workers.graph_runner import batch_buckets
 

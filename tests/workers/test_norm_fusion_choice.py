@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 PROMPT = [[5, 17, 99, 3, 42]]
 # GEMV tiles for 1 and 2 rows (what the GPU's tuner fills in; on the CPU nothing is tuned)
@@ -20,8 +20,9 @@ TILES = {1: (1, 16, 32, 2, 1), 2: (2, 16, 32, 2, 1)}
 def start(model_dir: str, cache_path: Path, norms_in_linears: bool = True):
     """An engine on the CPU with its target's norms folded and small-M kernels in every projection's table."""
     from deployments.engine.engine import Engine
-    from workers.kernels import small_m_linear as sml
     from workers.config import EngineConfig
+    from workers.kernels import small_m_linear as sml
+    from workers.kernels.tuning import TuningCache
 
     eng = Engine(EngineConfig(model=model_dir, device="cpu", cuda_graph_max_bs=2, max_model_len=128))
     worker = eng.executor.worker
@@ -31,7 +32,7 @@ def start(model_dir: str, cache_path: Path, norms_in_linears: bool = True):
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             proj.small_m.update({rows: sml.TileConfig(*tile) for rows, tile in TILES.items()})
     model.norms_in_linears = norms_in_linears
-    worker.tuning_cache = sml.TuningCache(cache_path, "interpreter")
+    worker.tuning_cache = TuningCache(cache_path, "interpreter")
     return eng, worker, model
 
 
@@ -53,8 +54,8 @@ def check(model_dir: str, cache_dir: str) -> None:
     import torch
 
     from deployments.engine.request import SamplingParams
-    from workers.kernels import small_m_linear as sml
     from workers import worker as worker_module
+    from workers.kernels.tuning import TuningCache
 
     worker_module.NORM_FUSION_PASSES = worker_module.NORM_FUSION_REPLAYS = 1  # interpreted forwards are slow
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -74,7 +75,7 @@ def check(model_dir: str, cache_dir: str) -> None:
     ref_eng, _, _ = start(model_dir, Path(cache_dir) / "unused.json", norms_in_linears=chosen[1])
     assert tokens == [o.token_ids for o in ref_eng.generate(PROMPT, params)]  # eager, the same choice
 
-    stored = sml.TuningCache(cache_path, "interpreter")
+    stored = TuningCache(cache_path, "interpreter")
     assert {b: stored.get_choice(worker._norm_fusion_key(b)) for b in chosen} == chosen
     for bucket, fused in chosen.items():  # a later start follows the cache, even against its own timing
         stored.put_choice(worker._norm_fusion_key(bucket), not fused)
@@ -99,12 +100,12 @@ def test_the_worker_keeps_the_tuning_cache_it_opened(tiny_models, tmp_path, monk
     """The tuning cache the start-up tuning opens is the one each bucket's fusion choice is then read from and saved
     to: a worker that dropped it timed every bucket again at each start (and could choose otherwise, so its bf16
     tokens could change between restarts). Run as on a GPU (no graph refusal); CPU weights are timed by nothing."""
-    from workers.kernels import small_m_linear as sml
     from workers.config import EngineConfig
+    from workers.kernels import tuning
     from workers.worker import Worker
 
     monkeypatch.setattr(Worker, "_graph_refusal", lambda self: None)
-    monkeypatch.setattr(sml, "tuning_environment", lambda device: "cpu")
+    monkeypatch.setattr(tuning, "tuning_environment", lambda device: "cpu")
     worker = Worker(EngineConfig(model=str(tiny_models["llama"]), device="cpu", tuning_cache_dir=str(tmp_path)))
     assert worker.tuning_cache is not None and worker.tuning_cache.path == tmp_path / "small_m_linear.json"
     assert worker._norm_fusion_key(1) != worker._norm_fusion_key(2)
@@ -112,5 +113,4 @@ def test_the_worker_keeps_the_tuning_cache_it_opened(tiny_models, tmp_path, monk
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     check(sys.argv[1], sys.argv[2])

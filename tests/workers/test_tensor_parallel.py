@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from conftest import mixed_prompts
 
 from deployments.engine.engine import Engine
 from deployments.engine.request import SamplingParams
 from deployments.make_heads import make_head
 from deployments.make_tiny import make_tiny
+from tests.helpers import mixed_prompts
 from workers.config import EngineConfig, SpeculativeConfig
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)

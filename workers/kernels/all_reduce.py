@@ -5,7 +5,8 @@ Every rank owns a buffer that its peers map directly (``torch.distributed._symme
 slot per rank. One kernel does it all: each program writes its slice of the local input into its rank's slot of
 every peer's buffer (stores over NVLink, which wait for no answer), then waits until the peers' slices have landed
 in its own buffer and sums them in rank order. No ring, no protocol steps and no flags, so a decode-sized all-reduce
-costs a fraction of NCCL's. All ranks sum in the same order, so they hold bit-identical results (they must: every rank samples the same tokens).
+costs a fraction of NCCL's. All ranks sum in the same order, so they hold bit-identical results (they must: every
+rank samples the same tokens).
 
 - The data is its own signal: an empty slot holds -0.0 everywhere, and a rank sends -0.0 as +0.0, so a slice has
   landed when none of its elements is -0.0 any more (each element is read again until then).

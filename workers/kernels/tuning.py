@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 # (timings stay noisy: this narrows run-to-run differences, it cannot rule them out).
 SWITCH_MARGIN = 0.03
 
+
 def weight_copies(weight: torch.Tensor) -> list[torch.Tensor]:
     """The weight and as many copies as it takes for all of them to be twice the GPU's L2 cache (at most 256), so
     that timed calls cycling over them stream their weight from memory, as every layer of a decode step does."""
