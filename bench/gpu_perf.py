@@ -96,7 +96,7 @@ class Suite:
     def record_kernels(self, eng) -> None:
         """The small-M kernels the engine's start-up tuning chose (per weight shape and row bucket: a tile config or
         cuBLAS): two runs of one commit can differ by these choices alone."""
-        from workers.kernels.small_m_linear import shape_key
+        from workers.kernels.tuning import shape_key
 
         worker = eng.executor.worker
         runner = getattr(worker.proposer, "runner", None)

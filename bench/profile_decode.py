@@ -37,6 +37,7 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) 
     runs gated, as in the models: its input is [gate | up] and silu(gate) * up is fused into the Triton kernel's
     loads, while cuBLAS runs after the separate silu_and_mul kernel."""
     from workers.kernels import small_m_linear as sml
+    from workers.kernels import tuning
     from workers.kernels.norm_rope import silu_and_mul
 
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
@@ -46,23 +47,23 @@ def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) 
     for name, (n, k, gated) in {"qkv": (h + 2 * kv, h, False), "o": (h, h, False), "gate_up": (2 * inter, h, False),
                                 "down": (h, inter, True), "lm_head": (v, h, False)}.items():
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        weights = sml.weight_copies(w)
+        weights = tuning.weight_copies(w)
         floor = n * k * 2 / bw * 1e3
         for m in rows_m:
             x = torch.randn(m, k * (2 if gated else 1), device="cuda", dtype=torch.bfloat16)
             ref = F.linear(silu_and_mul(x) if gated else x, w).float()
-            t_cublas = sml.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
+            t_cublas = tuning.replayed_ms((lambda ww: F.linear(silu_and_mul(x), ww)) if gated
                                        else (lambda ww: F.linear(x, ww)), weights, side)
             cands = [c for c in sml.candidates(sml.row_bucket(m)) if c is not None]  # None: cuBLAS, above
-            t_cfg = {str(tuple(c)): sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c, gated), weights,
+            t_cfg = {str(tuple(c)): tuning.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c, gated), weights,
                                                     side) for c in cands}
             # every config's output against cuBLAS: the worst relative error over the configs
             worst = max(((sml.small_m_linear(x, w, None, c, gated).float() - ref).abs().max()
                          / ref.abs().max()).item() for c in cands)
-            table = {sml.row_bucket(m): sml.tune(w, None, sml.row_bucket(m), gated, side)}
+            table = {sml.row_bucket(m): tuning.tune(w, None, sml.row_bucket(m), gated, side)}
             chosen = table[sml.row_bucket(m)]
             err = (sml.linear(x, w, None, table, gated).float() - ref).abs().max().item()
-            t_chosen = sml.replayed_ms(lambda ww: sml.linear(x, ww, None, table, gated), weights, side)
+            t_chosen = tuning.replayed_ms(lambda ww: sml.linear(x, ww, None, table, gated), weights, side)
             best = min(t_cfg, key=t_cfg.get)
             rows.append({"linear": name, "m": m, "n": n, "k": k, "gated": gated, "floor_ms": round(floor, 4),
                          "cublas_ms": round(t_cublas, 4), "best_triton_ms": round(t_cfg[best], 4),
@@ -84,32 +85,33 @@ def activated_rows(h: int, inter: int, bw: float, rows_m: tuple[int, ...], side)
     baseline the tuner compares with, "plain_then_silu_ms"); "chosen" is what ``tune_activated`` picks (the
     plain kernel + silu_and_mul when none beats it)."""
     from workers.kernels import small_m_linear as sml
+    from workers.kernels import tuning
     from workers.kernels.norm_rope import silu_and_mul
 
     n, k = 2 * inter, h
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    weights = sml.weight_copies(w)
+    weights = tuning.weight_copies(w)
     floor = n * k * 2 / bw * 1e3
     rows = []
     for m in rows_m:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         ref = silu_and_mul(F.linear(x, w)).float()
         bucket = sml.row_bucket(m)
-        plain = sml.tune(w, None, bucket, False, side)
-        t_cublas = sml.replayed_ms(lambda ww: silu_and_mul(F.linear(x, ww)), weights, side)
-        t_plain = sml.replayed_ms(lambda ww: silu_and_mul(sml.linear(x, ww, None, {bucket: plain})), weights, side)
+        plain = tuning.tune(w, None, bucket, False, side)
+        t_cublas = tuning.replayed_ms(lambda ww: silu_and_mul(F.linear(x, ww)), weights, side)
+        t_plain = tuning.replayed_ms(lambda ww: silu_and_mul(sml.linear(x, ww, None, {bucket: plain})), weights, side)
         t_cfg, worst = {}, 0.0
         for c in sml.ACTIVATED_CANDIDATES:
             try:
-                t_cfg[str(tuple(c))] = sml.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c,
+                t_cfg[str(tuple(c))] = tuning.replayed_ms(lambda ww, c=c: sml.small_m_linear(x, ww, None, c,
                                                                                            activated=True),
                                                        weights, side)
                 got = sml.small_m_linear(x, w, None, c, activated=True).float()
                 worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
             except Exception:  # noqa: BLE001 - as the tuner: a tile this GPU cannot run is no candidate
                 torch.cuda.synchronize()
-        chosen = sml.tune_activated(w, None, bucket, plain, side)
-        t_chosen = (sml.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, chosen, activated=True), weights,
+        chosen = tuning.tune_activated(w, None, bucket, plain, side)
+        t_chosen = (tuning.replayed_ms(lambda ww: sml.small_m_linear(x, ww, None, chosen, activated=True), weights,
                                     side) if chosen is not None else t_plain)
         best = min(t_cfg, key=t_cfg.get)
         rows.append({"linear": "gate_up_activated", "m": m, "n": inter, "k": k, "gated": False,

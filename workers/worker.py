@@ -323,7 +323,7 @@ class Worker:
         tokens (each rank's own timing could pick a different kernel, whose rounding differs). Choices are kept in
         the tuning cache (``EngineConfig.tuning_cache_dir``): later starts read them, run the same kernels, and so
         give the same tokens."""
-        from workers.kernels.small_m_linear import (
+        from workers.kernels.tuning import (
             TuningCache,
             tune_small_m_linears,
             tuning_environment,

@@ -109,7 +109,7 @@ def argmax_logsumexp(logits: torch.Tensor, gumbel: tuple | None = None, floor: t
                      remap: torch.Tensor | None = None, ids_out: torch.Tensor | None = None,
                      ids_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(argmax [B] int64, the first index on ties, as torch's; logsumexp [B] fp32) of logits [B, V]. On the GPU two
-    kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block, ~25 us).
+    kernels spread each row over many programs (PyTorch reduces a row of a 128k vocabulary in one block).
     ``gumbel = (temperature [B], seeds [B], counters [B], stream)``: of logits / temperature + Gumbel noise from the
     counter-based uniforms instead (``workers.sampling.draw``; the reference here is only for CPUs).
     ``floor`` [B] (with ``gumbel``): logits below their row's floor take no part (``filter_floor``).

@@ -35,8 +35,8 @@ def use_triton(x: torch.Tensor) -> bool:
 # next one start at once, and the linear layers pull the first weight tile of each of their programs into L2 before
 # they wait, so a layer's weight stream starts while the norm / RoPE / attention kernels before it run. Nothing is
 # read from an activation or written before the wait, so results are those of kernels run one after another.
-# Only launches inside ``pdl_launches()`` (CUDA-graph warm-ups and captures) take part: an eager decode step launched
-# this way took 35.0 ms instead of 25.3 on an H100 (not profiled; eager steps are bound by the host's launches).
+# Only launches inside ``pdl_launches()`` (CUDA-graph warm-ups and captures) take part: eager steps, bound by the
+# host's launches, were slower with it.
 # SPECSERVE_PDL=0 turns it off (A/B, debugging).
 _PDL_ALLOWED = os.environ.get("SPECSERVE_PDL", "1") != "0"
 _pdl_scope = threading.local()

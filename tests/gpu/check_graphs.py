@@ -1,0 +1,74 @@
+"""CUDA graphs on the GPU: the engine's tokens with graphs (the round fused in one graph, and split into draft /
+verify / draft-extend graphs) against the same engine run eagerly, for every proposer, greedy and seeded sampling.
+
+    python -m tests.gpu.check_graphs --models models --dtype float32 [--json out.json]
+
+fp32 must be token-exact (the exit status says so); the graph replays the very kernels the eager run launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig, SpeculativeConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="models")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    m = Path(args.models)
+    eagle3, draft = str(m / "specserve-tiny-eagle3"), str(m / "specserve-tiny-draft")
+    specs = {"none": None,
+             "eagle3-chain": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=4),
+             "eagle3-tree": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=3, topk=3, num_draft_tokens=8),
+             "draft-chain": SpeculativeConfig(method="draft", model=draft, num_steps=3),
+             "ngram": SpeculativeConfig(method="ngram", num_steps=3),
+             "naive": SpeculativeConfig(method="naive", model=eagle3, num_steps=1)}
+    prompts = ["def main(argv):\n", "class Config:\n    def __init__(self", "import os\nimport sys\n\n", "# utils\n",
+               "for i in range(", "    return self."]  # 6 requests: padded to the bucket of 8
+    sampling = {"greedy": SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
+                "sampled": SamplingParams(max_tokens=48, temperature=0.8, top_p=0.95, seed=3, ignore_eos=True)}
+    rows, ok = [], True
+    for spec_name, spec in specs.items():
+        for mode, kw in (("eager", {"disable_cuda_graph": True}), ("graphs_fused", {}),
+                         ("graphs_separate", {"fuse_speculative_round": False})):
+            if spec is None and mode == "graphs_separate":
+                continue
+            eng = Engine(EngineConfig(model=str(m / "specserve-tiny"), device="cuda", dtype=args.dtype,
+                                      max_model_len=1024, kv_cache_tokens=16384, prefill_attention_backend="triton",
+                                      decode_attention_backend="triton", speculative_config=spec, **kw))
+            for sname, params in sampling.items():
+                toks = [o.token_ids for o in eng.generate(prompts, params)]
+                if mode == "eager":
+                    rows.append({"spec": spec_name, "sampling": sname, "eager_tokens": toks})
+                    continue
+                ref = next(r for r in rows if r["spec"] == spec_name and r["sampling"] == sname and "eager_tokens" in r)
+                same = toks == ref["eager_tokens"]
+                ok &= same or args.dtype != "float32"
+                worker = eng.executor.worker
+                rows.append({"spec": spec_name, "sampling": sname, "mode": mode, "tokens_equal_eager": same,
+                             "graph_replays": worker.graphs.num_replays,
+                             # per batch bucket: whether its graphs run the norms inside the linears
+                             "norms_in_linears": {str(b): f for b, f in sorted(worker.norm_fusion.items())}})
+                print(rows[-1], flush=True)
+            del eng
+    rows = [r for r in rows if "eager_tokens" not in r]
+    if args.json:
+        from bench.common import commit, device_name
+
+        Path(args.json).write_text(json.dumps({"device": device_name("cuda"), "commit": commit(),
+                                               "command": " ".join(["python3"] + sys.argv), "dtype": args.dtype,
+                                               "rows": rows}, indent=2))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,468 @@
+"""End-to-end on loopback: Ray Serve app (ingress → controller → worker actors) with the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import socket
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import mixed_prompts
+
+API_KEY = "test-key"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(base: str) -> None:
+    for _ in range(240):
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"{base} did not become healthy")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models):
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    metrics_port, http_port = _port(), _port()
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    target = str(tiny_models["llama"])
+    args = {
+        "model_loading_config": {"model_id": "tiny", "model_source": target},
+        "api_key": API_KEY,
+        "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2,
+                          "max_queue_len": 2,
+                          # the target as its own draft: every draft token is accepted
+                          "speculative_config": {"method": "draft", "model": target, "num_steps": 2}},
+    }
+    serve.run(build_app(args), name="specserve", route_prefix="/", blocking=False)
+    base = f"http://127.0.0.1:{http_port}"
+    _wait_healthy(base)
+    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "target": target}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _stats(server) -> dict:
+    return httpx.get(server["base"] + "/v1/stats", headers={"Authorization": f"Bearer {API_KEY}"}).json()
+
+
+def test_models_and_auth(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    bad = openai.OpenAI(base_url=server["base"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.models.list()
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+def test_completion_matches_offline_engine(server, client):
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
+
+    offline = Engine(EngineConfig(model=server["target"], device="cpu", max_model_len=256))
+    ref = offline.generate(["def main():"], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    r = client.completions.create(model="tiny", prompt="def main():", max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    spec = r.model_extra["spec_decode_stats"]
+    assert spec["num_drafts"] > 0 and spec["accept_length"] > 1.0
+
+
+def test_streaming_equals_non_streaming(client):
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].choices == []
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_and_chat_streaming(client):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens <= 8
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_stop_and_max_tokens(client):
+    base = client.completions.create(model="tiny", prompt="x = 1", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base.strip()[1:3] if len(base.strip()) >= 3 else None
+    if stop:
+        r = client.completions.create(model="tiny", prompt="x = 1", max_tokens=16, temperature=0, stop=[stop],
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "stop" and r.choices[0].text == base[: base.index(stop)]
+    r = client.completions.create(model="tiny", prompt="x = 1", max_tokens=1, temperature=0)
+    assert r.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("kwargs,status,fragment", [
+    (dict(model="nope", prompt="hi"), 404, "does not exist"),
+    (dict(model="tiny", prompt="hi", max_tokens=0), 400, "max_tokens"),
+    (dict(model="tiny", prompt="hi", temperature=-1), 400, "temperature"),
+    (dict(model="tiny", prompt="hi", n=0), 400, "n"),
+    (dict(model="tiny", prompt="", max_tokens=4), 400, "empty"),
+    (dict(model="tiny", prompt=list(range(5, 300)), max_tokens=4), 400, "maximum context length"),
+])
+def test_bad_requests(client, kwargs, status, fragment):
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**kwargs)
+    assert e.value.status_code == status
+    err = e.value.body
+    assert fragment in err["message"] and "type" in err
+    # the server keeps serving
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_overload_returns_503_and_others_finish(server):
+    async def one(c: httpx.AsyncClient):
+        return await c.post("/v1/completions", json={"model": "tiny", "prompt": mixed_prompts(1)[0], "max_tokens": 60,
+                                                     "ignore_eos": True, "temperature": 0})
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server["base"], timeout=120,
+                                     headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            return await asyncio.gather(*[one(c) for _ in range(10)])
+
+    codes = [r.status_code for r in asyncio.run(burst())]
+    assert set(codes) <= {200, 503} and codes.count(503) >= 1 and codes.count(200) >= 2, codes
+    busy = [r for r in asyncio.run(burst()) if r.status_code == 503]
+    assert all(r.json()["error"]["type"] == "server_overloaded" for r in busy)
+
+
+def test_disconnect_frees_kv(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=server["base"], timeout=60, headers=headers) as c:
+        with c.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "def f():", "max_tokens": 200,
+                                                         "stream": True, "ignore_eos": True}) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert _stats(server)["running"] + _stats(server)["waiting"] == 1
+        # leaving the block closes the connection mid-stream
+    for _ in range(100):
+        s = _stats(server)
+        if s["running"] == 0 and s["waiting"] == 0 and s["kv_usage"] == 0:
+            break
+        time.sleep(0.1)
+    assert (s["running"], s["waiting"], s["kv_usage"]) == (0, 0, 0.0)
+    assert s["step_time"]["steps"] > 0 and s["step_time"]["execute_s"] > 0  # the server's own step timing
+
+
+def test_prometheus_has_spec_counters(server, client):
+    client.completions.create(model="tiny", prompt="class A:", max_tokens=12, temperature=0,
+                              extra_body={"ignore_eos": True})
+    wanted = ["ray_vllm_spec_decode_num_drafts_total", "ray_vllm_spec_decode_num_draft_tokens_total",
+              "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_vllm_spec_decode_num_accepted_tokens_per_pos_total",
+              "ray_vllm_time_to_first_token_seconds_count", "ray_vllm_inter_token_latency_seconds_count",
+              "ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_generation_tokens_total",
+              "ray_vllm_kv_cache_usage_perc", "ray_vllm_spec_decode_mean_accept_length"]
+    wanted.append("ray_vllm_request_time_per_output_token_seconds_count")
+    values: dict[str, float] = {}
+    reasons: dict[str, float] = {}
+    for _ in range(60):
+        text = urllib.request.urlopen(server["metrics"]).read().decode()
+        values, reasons = {}, {}
+        for line in text.splitlines():
+            m = re.match(r"^([a-zA-Z0-9_:]+)\{([^}]*)\} ([0-9.e+-]+)$", line)
+            if m and 'model_name="tiny"' in m.group(2):
+                values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(3))
+                reason = re.search(r'finished_reason="(\w+)"', m.group(2))
+                if m.group(1) == "ray_vllm_request_success_total" and reason:
+                    reasons[reason.group(1)] = float(m.group(3))
+        idle = values.get("ray_vllm_num_requests_running") == 0 == values.get("ray_vllm_num_requests_waiting")
+        if all(values.get(w, 0) > 0 for w in wanted if w != "ray_vllm_kv_cache_usage_perc") and "abort" in reasons \
+                and idle:  # (the agent exports what the engine set a report interval ago)
+            break
+        time.sleep(1)
+    for w in wanted:
+        assert w in values, f"{w} missing from the metrics agent's text: {sorted(values)}"
+        if w != "ray_vllm_kv_cache_usage_perc":
+            assert values[w] > 0, w
+    assert values["ray_vllm_spec_decode_num_accepted_tokens_total"] <= values["ray_vllm_spec_decode_num_draft_tokens_total"]
+    # test_disconnect_frees_kv's request ended by the client: counted, and the load gauges came back to zero
+    assert reasons.get("abort", 0) >= 1 and reasons.get("length", 0) >= 1, reasons
+    assert values["ray_vllm_num_requests_running"] == 0 and values["ray_vllm_num_requests_waiting"] == 0
+    # inter-token latency: one sample per step that gave a request tokens (a speculative round is one), as vLLM's;
+    # per-token samples would number every generated token but each request's first
+    later_tokens = values["ray_vllm_generation_tokens_total"] - values["ray_vllm_time_to_first_token_seconds_count"]
+    assert 0 < values["ray_vllm_inter_token_latency_seconds_count"] < later_tokens
+
+
+def test_null_fields_omitted_model_and_auth_before_the_body(server):
+    """OpenAI's optional fields accept null, ``model`` may be left out (the served one), and a bad key is refused
+    before the body is looked at."""
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "stop", "seed", "top_k", "min_p", "ignore_eos",
+                                 "stop_token_ids", "stream_options", "frequency_penalty", "logit_bias")}
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, **nulls}, headers=h,
+                   timeout=120)
+    assert r.status_code == 200 and r.json()["model"] == "tiny", r.text
+    r = httpx.post(server["base"] + "/v1/chat/completions", headers=h, timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **nulls})
+    assert r.status_code == 200, r.text
+    r = httpx.post(server["base"] + "/v1/completions", json={"prompt": 5, "temperature": "hot"},
+                   headers={"Authorization": "Bearer wrong"}, timeout=60)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server["base"] + "/v1/stats", timeout=60).status_code == 401
+    assert httpx.get(server["base"] + "/health", timeout=60).status_code == 200  # probes need no key
+
+
+@pytest.mark.parametrize("endpoint,extra,param", [
+    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"best_of": 2}, "best_of"),
+    ("completions", {"suffix": "x"}, "suffix"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
+    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),
+])
+def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra, param):
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "max_tokens": 2, **extra}
+    body.update({"prompt": "hi"} if endpoint == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(f"{server['base']}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", json=body,
+                   headers=h, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    # their no-op values are fine
+    ok = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0,
+          "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none"}
+    assert httpx.post(server["base"] + "/v1/chat/completions", json=ok, headers=h, timeout=120).status_code == 200
+
+
+def test_logprobs_of_the_sampled_tokens(client):
+    """The sampled token's logprob (from the verify step: this app speculates), streamed or not, in both APIs'
+    shapes, with the most likely alternatives when asked for; none when not asked for."""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    lp = client.completions.create(logprobs=0, **kw).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == 6
+    assert all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, logprobs=0, **kw) if c.choices]
+    streamed = [x for c in chunks if c.logprobs for x in c.logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert client.completions.create(**kw).choices[0].logprobs is None
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                          extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 5
+    assert all(c.logprob <= 0 and c.bytes == list(c.token.encode()) and c.top_logprobs == [] for c in content)
+    chunks = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                            stream=True, extra_body={"ignore_eos": True})
+    streamed = [x.logprob for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([c.logprob for c in content], abs=1e-5)
+    # alternatives: completions' logprobs=N (a dict per token), chat's top_logprobs=N (a list per token)
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs)]  # logprobs=0: the token only
+    lp3 = client.completions.create(logprobs=3, **kw).choices[0].logprobs
+    assert lp3.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-5)
+    for token, tlp, top in zip(lp3.tokens, lp3.token_logprobs, lp3.top_logprobs):
+        assert 1 <= len(top) <= 4 and max(top.values()) == pytest.approx(tlp, abs=1e-5)  # greedy: the best one
+    sampled = client.completions.create(**dict(kw, temperature=2.0, seed=3, logprobs=2)).choices[0].logprobs
+    for token, top in zip(sampled.tokens, sampled.top_logprobs):  # the sampled token is always among them
+        assert token in top and len(top) <= 3
+    chat3 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0, logprobs=True,
+                                           top_logprobs=3, extra_body={"ignore_eos": True})
+    for c in chat3.choices[0].logprobs.content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token
+        assert [a.logprob for a in c.top_logprobs] == sorted((a.logprob for a in c.top_logprobs), reverse=True)
+
+
+def test_n_choices(client):
+    """n choices, choice i sampled with seed ^ i (so choice 0 is the n=1 answer with the same seed), streamed
+    interleaved with their indices; usage counts every choice's tokens once and the prompt once. (This app queues
+    at most 2 requests: n=2.)"""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=6, temperature=1.0, seed=7,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(n=2, **kw)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == client.completions.create(**kw).usage.prompt_tokens
+    assert r.choices[0].text == client.completions.create(**kw).choices[0].text
+    assert r.choices[1].text == client.completions.create(**dict(kw, seed=7 ^ 1)).choices[0].text
+    chunks = list(client.completions.create(n=2, stream=True, stream_options={"include_usage": True}, **kw))
+    texts = {i: "".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(2)}
+    assert texts == {i: r.choices[i].text for i in range(2)}
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    msgs = [{"role": "user", "content": "hello"}]
+    stream = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, stream=True,
+                                                 temperature=0, extra_body={"ignore_eos": True}))
+    for i in range(2):
+        mine = [c.choices[0] for c in stream if c.choices and c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+    done = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, n=2, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert done.choices[0].message.content == done.choices[1].message.content  # greedy: the same twice
+
+
+def test_echo(server, client):
+    """echo puts the prompt's text before the completion, streamed or not; with logprobs it is refused (the prompt's
+    logprobs are not computed)."""
+    from deployments.engine.tokenizer import load_tokenizer
+
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="import os\n", **kw).choices[0].text
+    assert client.completions.create(prompt="import os\n", echo=True, **kw).choices[0].text == "import os\n" + plain
+    chunks = client.completions.create(prompt="import os\n", echo=True, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "import os\n" + plain
+    ids = [5, 6, 7]
+    text = client.completions.create(prompt=ids, echo=True, **kw).choices[0].text
+    assert text.startswith(load_tokenizer(server["target"]).decode(ids, skip_special_tokens=True))
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(prompt="hi", echo=True, logprobs=0, **kw)
+    assert e.value.body["param"] == "echo"
+
+
+def test_a_llama3_style_model(server, tmp_path):
+    """A tokenizer that prepends BOS with a template that starts with it: one BOS; a template's refusal is a 400
+    naming messages; generation_config.json's temperature 0 makes unset temperatures greedy; a KV cache of exactly
+    the context serves a chat without max_tokens."""
+    from deployments.engine.tokenizer import chat_prompt_ids, load_tokenizer
+    from tests.helpers import llama3_style
+
+    path = llama3_style(Path(server["target"]), tmp_path / "llama3-style")
+    ek = {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2, "kv_cache_tokens": 256}
+    with _second_app(server, "l3", {"engine_kwargs": ek}, model_source=str(path)) as client:
+        msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+        r = client.chat.completions.create(model="l3", messages=msgs)  # to the end of the context (or EOS)
+        assert r.usage.prompt_tokens == len(chat_prompt_ids(load_tokenizer(str(path)), msgs))
+        assert r.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="l3", messages=[{"role": "tool", "content": "x"}], max_tokens=2)
+        assert "tool messages are not supported" in e.value.body["message"] and e.value.body["param"] == "messages"
+        kw = dict(model="l3", prompt="def f(", max_tokens=8, extra_body={"ignore_eos": True})
+        texts = {client.completions.create(seed=seed, **kw).choices[0].text for seed in (1, 2)}
+        assert texts == {client.completions.create(temperature=0, **kw).choices[0].text}
+
+
+def test_stream_items_of_several_steps_merge_into_one():
+    """Under load the controller sends the steps that piled up for a request as one stream item."""
+    from deployments.controller import _merged
+
+    a = {"rid": "r", "token_ids": [1, 2], "text": "ab", "finished": False, "finish_reason": None}
+    b = {"rid": "r", "token_ids": [3], "text": "c", "finished": True, "finish_reason": "length",
+         "prompt_tokens": 4, "completion_tokens": 3, "spec": None, "error": None}
+    m = _merged([a, b])
+    assert m["token_ids"] == [1, 2, 3] and m["text"] == "abc" and m["finished"] and m["finish_reason"] == "length"
+    assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]
+
+
+@contextlib.contextmanager
+def _second_app(server, name: str, app_args: dict, model_source: str | None = None):
+    """Another application on the same Serve instance, at /<name>, serving the tiny target (or ``model_source``)
+    with ``app_args``; yields an openai client for it and deletes the application afterwards."""
+    from openai import OpenAI
+    from ray import serve
+
+    from deployments.app import build_app
+
+    args = {"model_loading_config": {"model_id": name, "model_source": model_source or server["target"]},
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}, **app_args}
+    serve.run(build_app(args), name=f"specserve-{name}", route_prefix=f"/{name}", blocking=False)
+    try:
+        _wait_healthy(f"{server['base']}/{name}")
+        yield OpenAI(base_url=f"{server['base']}/{name}/v1", api_key="none", max_retries=0)
+    finally:
+        serve.delete(f"specserve-{name}")
+
+
+def test_stream_interval_gathers_tokens(server):
+    """stream_interval (as SGLang's): the first tokens go at once, then a send carries at least that many new
+    tokens, the last one whatever is left; the streamed text still equals the non-streamed one."""
+    with _second_app(server, "si", {"stream_interval": 4, "stream_batching_interval_ms": 0}) as client:
+        kw = dict(model="si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(c.choices[0].text for c in chunks) == full.text and full.finish_reason == "length"
+        # one token first, then sends of >= 4 tokens: 1 + 4 + 4 + 1 (the last one goes when the request finishes)
+        assert 2 <= len(chunks) <= 4, [c.choices[0].text for c in chunks]
+
+
+def test_stream_batching_interval_caps_sends(server):
+    """stream_batching_interval_ms (as Ray Serve LLM's): after a send, a stream waits that long before the next one,
+    so a stream of T seconds sends at most 2 + T / interval items (first and last at once); text unchanged."""
+    interval_s = 0.1
+    with _second_app(server, "sb", {"stream_batching_interval_ms": interval_s * 1000}) as client:
+        kw = dict(model="sb", prompt="import os\n", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
+        full = client.completions.create(**kw).choices[0]
+        t0 = time.perf_counter()
+        chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+        took = time.perf_counter() - t0
+        texts = [c.choices[0].text for c in chunks]
+        assert "".join(texts) == full.text and full.finish_reason == "length", (texts, full)
+        # (one send is possible: a fast machine can finish all 60 tokens before the stream's first send)
+        assert 1 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
+        assert len(chunks) < 60, texts  # tokens were gathered
+
+
+def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_models):
+    """The controller waits for the engine lock (held for a whole step) in a thread before a request is queued. A
+    client that leaves in that window cancels the wait, but the thread still queues the request: it must then be
+    aborted, not decoded to max_tokens with its KV held and nobody reading."""
+    import types
+
+    from deployments.controller import EngineLoop, LLMController
+    from deployments.engine.engine import Engine
+    from workers.config import EngineConfig
+
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256))
+    loop = EngineLoop(engine)
+    controller = types.SimpleNamespace(loop=loop, engine=engine, config=types.SimpleNamespace(
+        stream_batching_interval_ms=0, stream_interval=1))
+    generate = LLMController.func_or_class.generate
+
+    async def leave_while_waiting():
+        loop._lock.acquire()  # a step in progress
+        gen = generate(controller, [5, 6, 7, 8], {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}, "r1")
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.2)
+        first.cancel()  # what Serve does when the client disconnects
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        loop._lock.release()  # the step ends; the waiting thread queues the request
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not engine.has_work() and "r1" not in loop._queues:
+                break
+
+    try:
+        asyncio.run(leave_while_waiting())
+        assert not engine.has_work() and not loop._queues
+        assert engine.scheduler.kv_usage == 0.0
+        assert engine.step_time["steps"] < 50  # aborted after a step or two, not decoded to its 200 tokens
+    finally:
+        loop.shutdown()
+        engine.shutdown()

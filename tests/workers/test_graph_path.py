@@ -1,0 +1,134 @@
+"""The CUDA-graph path (static input buffers, batches padded to a bucket, lengths only on the device, the round
+fused or split into phases) run eagerly on the CPU: the same tokens as the plain eager path, padding rows never
+leak into real ones, and the pad slot's writes stay on the reserved page 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.engine.request import SamplingParams
+from tests.helpers import mixed_prompts
+from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
+from workers.config import SpeculativeConfig
+from workers.graph_runner import batch_buckets
+
+SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+TEMPERATURE_ONLY = SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)
+KIND = {id(GREEDY): "greedy", id(SAMPLED): "filter", id(TEMPERATURE_ONLY): "sample"}
+
+
+def test_captures_pause_the_garbage_collector():
+    """No collection inside a capture (it could destroy a dropped engine's graphs there, which fails the capture);
+    the collector's state comes back after, also after an error, and a collector that was off stays off."""
+    import gc
+
+    from workers.graph_runner import gc_paused
+
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gc_paused():
+        raise RuntimeError("capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(64)[-3:] == [48, 56, 64]
+
+
+def _run(target, spec, params, prompts, graphs: bool, **kw):
+    eng = engine(target, spec, cuda_graph_max_bs=8, **kw)
+    worker = eng.executor.worker
+    if graphs:
+        worker.capture_graphs()
+    out = [o.token_ids for o in eng.generate(prompts, params)]
+    if graphs:  # every bucket greedy, the batch's sampling kind when used; the pad slot's page stays unused
+        phases = len(next(iter(worker.graph_phases.values())))
+        assert len(worker.graphs.graphs) == len(worker.graph_phases) * phases
+        greedy = {b for b, kind, _ in worker.graph_phases if kind == "greedy"}
+        sampled = {(b, kind) for b, kind, _ in worker.graph_phases if kind != "greedy"}
+        assert greedy == set(worker.graph_buckets)  # all captured at start
+        assert {kind for _, kind in sampled} == ({KIND[id(params)]} if params.temperature > 0 else set())
+        assert {b for b, _ in sampled} <= greedy  # sampling variants: on first use
+        assert int(worker.page_table.table[worker.pad_slot].abs().sum()) == 0
+        assert worker.graphs.num_replays >= 10
+    assert eng.allocator.num_free == eng.allocator.capacity_pages
+    return out
+
+
+CASES = [  # (method, steps, topk, draft tokens, fused round)
+    (None, 0, 0, None, True),
+    ("eagle3", 3, 1, None, True),
+    ("eagle", 3, 3, 6, False),
+    ("draft", 2, 2, 4, True),
+    ("ngram", 3, 1, None, False),
+    ("naive", 1, 1, None, False),
+]
+
+
+@pytest.mark.parametrize("method,steps,topk,ndt,fused", CASES, ids=[f"{c[0]}-fused{c[4]}" for c in CASES])
+def test_graph_path_matches_eager(spec_models, method, steps, topk, ndt, fused):  # noqa: F811
+    spec = None
+    if method is not None:
+        spec = SpeculativeConfig(method=method, model=None if method == "ngram" else str(spec_models[
+            "eagle" if method == "naive" else method]), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    prompts = mixed_prompts(6)  # 6 running requests, padded to the bucket of 8
+    for params in (GREEDY, SAMPLED, TEMPERATURE_ONLY):
+        eager = _run(spec_models["target"], spec, params, prompts, graphs=False)
+        static = _run(spec_models["target"], spec, params, prompts, graphs=True, fuse_speculative_round=fused)
+        assert static == eager
+
+
+TOP = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5)
+
+
+def _top_logprobs(eng, prompts, params):
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    return [r.output_ids for r in reqs], [r.output_top_logprobs for r in reqs], [r.output_logprobs for r in reqs]
+
+
+@pytest.mark.parametrize("method,steps,topk,ndt,fused", CASES[:4], ids=[f"{c[0]}-fused{c[4]}" for c in CASES[:4]])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_top_logprobs_match_plain_decode(spec_models, method, steps, topk, ndt, fused, graphs):  # noqa: F811
+    """Each token's 5 most likely alternatives: from the prefill, from plain decode steps, and (speculating) from
+    the verify logits at each emitted position, eager or through the graph path's variant with alternatives; all
+    equal to plain eager decoding's, the greedy token first with its own logprob."""
+    target = spec_models["target"]
+    prompts = mixed_prompts(3)
+    ref_ids, ref_top, ref_lp = _top_logprobs(engine(target), prompts, TOP)
+    for ids, tops, lps in zip(ref_ids, ref_top, ref_lp):
+        assert len(tops) == len(ids) == 10
+        for tok, top, lp in zip(ids, tops, lps):
+            assert len(top) == 5 and top[0][0] == tok and abs(top[0][1] - lp) < 1e-5
+            assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+    spec = None if method is None else SpeculativeConfig(
+        method=method, model=str(spec_models[method]), num_steps=steps, topk=topk, num_draft_tokens=ndt)
+    eng = engine(target, spec, cuda_graph_max_bs=8, fuse_speculative_round=fused)
+    if graphs:
+        eng.executor.worker.capture_graphs()
+    ids, top, _ = _top_logprobs(eng, prompts, TOP)
+    assert ids == ref_ids
+    for got, ref in zip(top, ref_top):
+        for g, r in zip(got, ref):
+            assert [t for t, _ in g] == [t for t, _ in r], (g, r)
+            assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, r))
+    if graphs:  # the variant with alternatives was captured and replayed
+        assert any(top_variant for _, _, top_variant in eng.executor.worker.graph_phases)
+    # in a batch where one request asks for alternatives, one that does not keeps none
+    asks = eng.add_request(prompts[0], TOP)
+    plain = eng.add_request(prompts[1], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    assert len(asks.output_top_logprobs) == 10 and plain.output_top_logprobs == [] and plain.output_ids == ref_ids[1]
