@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers.workload import THROUGHPUT_NEW, TINY_NEW, decode_ms, med, random_prompts
+from bench.peers.workload import THROUGHPUT_NEW, TINY_NEW, decode_ms, random_prompts
 
 
 class VLLMSide:
