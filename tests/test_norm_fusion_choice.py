@@ -54,7 +54,7 @@ def check(model_dir: str, cache_dir: str) -> None:
 
     from deployments.engine.request import SamplingParams
     from workers.kernels import small_m_linear as sml
-    from workers import worker as worker_module
+    from workers import graphs as worker_module
 
     worker_module.NORM_FUSION_PASSES = worker_module.NORM_FUSION_REPLAYS = 1  # interpreted forwards are slow
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -422,7 +422,7 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     ``between()``: launched before each call (its time is part of the result)."""
     import statistics
 
-    from workers.graph_runner import capturing
+    from workers.graphs import capturing
 
     calls = max(min_calls, len(weights))
     side.wait_stream(torch.cuda.current_stream())
@@ -561,7 +561,7 @@ class TuningCache:
 
     def put_choice(self, key: str, value: bool) -> None:
         """A yes / no choice timed once, such as whether a batch bucket's graphs run the norms inside the linears
-        (``Worker._capture``), so that later starts make the same one."""
+        (``DecodeGraphs._capture``), so that later starts make the same one."""
         self._entries[key] = self._new[key] = value
 
     def save(self) -> None:
