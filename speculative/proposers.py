@@ -17,16 +17,41 @@ EAGLE's draft position p holds the pair (token p+1, target feature p); the stand
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from speculative.tree import DraftTree, TreeCandidates, chain_tree
 from speculative.verify import Verdict
 from workers.forward_batch import ForwardBatch, to_device
 from workers.kernels.argmax import argmax_logsumexp
+from workers.kv_cache import PageTable
+from workers.layers import TPGroup
 from workers.messages import ForwardMode
 from workers.sampling import SamplingTensors
+
+
+@dataclass
+class DraftContext:
+    """What a proposer takes from its worker: where and how its draft model runs, the target model it may share
+    weights with, and the page table (set when the worker allocates the KV cache)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    tp: TPGroup  # the draft's TP group: the target's, or this rank alone
+    rope_len: int  # RoPE positions: past the context, where a round near the end drafts
+    max_requests: int  # request slots, the CUDA-graph padding slot included
+    target: nn.Module  # EAGLE shares its embedding (and LM head); a standalone draft must share its vocabulary
+    attention: dict = field(default_factory=dict)  # ModelRunner's attention backend keywords
+    page_table: PageTable | None = None
+
+    def runner(self, path: str, config, max_positions: int | None = None, build_model=None):
+        """A ModelRunner for the draft model at ``path``."""
+        from workers.model_runner import ModelRunner
+
+        return ModelRunner(path, device=self.device, dtype=self.dtype, tp=self.tp, config=config,
+                           max_positions=max_positions or self.rope_len, build_model=build_model, **self.attention)
 
 
 @dataclass
@@ -52,8 +77,12 @@ def _lookahead(num_steps: int, topk: int, num_draft_tokens: int) -> int:
 class Proposer:
     """Base: chain of drafts given by the host (n-gram); subclasses run a draft model on the device."""
 
-    def __init__(self, worker, spec_cfg):
-        self.worker = worker
+    # target layers whose input hidden states the proposer reads (``target_features``): the worker has the target
+    # capture them (``LlamaForCausalLM.capture_aux_hidden``)
+    target_aux_layers: tuple[int, ...] = ()
+
+    def __init__(self, ctx: DraftContext, spec_cfg):
+        self.ctx = ctx
         self.num_steps = spec_cfg.num_steps
         self.topk = spec_cfg.topk
         self.num_draft_tokens = spec_cfg.num_draft_tokens
@@ -74,6 +103,10 @@ class Proposer:
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         pass
 
+    def target_features(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """What the draft reads of a target forward (its final hidden states, unless a subclass says otherwise)."""
+        return hidden
+
     def after_extend(self, step, fb: ForwardBatch, features: torch.Tensor, sampled: torch.Tensor) -> None:
         pass
 
@@ -88,7 +121,7 @@ class Proposer:
         """A draft-side ForwardBatch over the round's request slots, with ``ext_len`` tokens each and KV lengths
         ``inp.seq_lens + seq_offset`` (``ForwardBatch.build``'s keywords pass through)."""
         return runner.new_batch(mode, ids, inp.req_slots, inp.seq_lens, [ext_len] * inp.batch_size,
-                                page_table=self.worker.page_table, seq_offset=seq_offset, **kwargs)
+                                page_table=self.ctx.page_table, seq_offset=seq_offset, **kwargs)
 
 
 class _ModelProposer(Proposer):
@@ -116,8 +149,8 @@ class _ModelProposer(Proposer):
     def chain(self) -> bool:
         """Top-1 drafting: the tree is the chain of each step's argmax. Its drafts need no scores, so the draft
         heads skip the log-softmax (``_draft_scores``) and each step takes one split-row argmax
-        (``fused_ops.argmax_logsumexp``: ``torch.topk`` runs a radix select of several kernels, and ``max``
-        reduces a row in one block, ~14 us for a 32k draft vocabulary on an H100)."""
+        (``kernels.argmax.argmax_logsumexp``: ``torch.topk`` runs a radix select of several kernels, and ``max``
+        reduces a row in one block)."""
         return self.topk == 1
 
     def _draft_scores(self, logits: torch.Tensor) -> torch.Tensor:
@@ -151,7 +184,7 @@ class _ModelProposer(Proposer):
         # root when it opens the block), and each step adds only its parents' rows (``advance``)
         rnd = self.runner.build_steps(ForwardMode.DECODE, inp.req_slots, inp.seq_lens, k, steps=num,
                                       seq_offset=seq_offset, positions=positions,
-                                      page_table=self.worker.page_table, tree_prefix=int(root_visible))
+                                      page_table=self.ctx.page_table, tree_prefix=int(root_visible))
         frontier_ids = cand.tokens[:1].t() if self.chain else cand.tokens.gather(1, cand.frontier)  # [B, k]
         for i, fb in enumerate(rnd):
             fb.input_ids = frontier_ids.reshape(-1)  # [B * k]
@@ -170,29 +203,22 @@ class _ModelProposer(Proposer):
 class EagleProposer(_ModelProposer):
     """EAGLE-1/2 and EAGLE-3 heads (``naive`` is EAGLE with one step, top-1, two verified tokens)."""
 
-    def __init__(self, worker, spec_cfg):
-        super().__init__(worker, spec_cfg)
-        from workers.model_runner import ModelRunner
+    def __init__(self, ctx: DraftContext, spec_cfg):
+        super().__init__(ctx, spec_cfg)
         from workers.models.eagle import EagleHead, load_eagle_config
 
         cfg, raw = load_eagle_config(spec_cfg.model)
-        target = worker.target.model
-        tp = worker.draft_tp
-        self.runner = ModelRunner(
-            spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=tp, config=cfg,
-            max_positions=worker.rope_len,
-            prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
-            verify_attention_mode=worker.cfg.verify_attention_mode,
-            build_model=lambda: EagleHead(cfg, raw, worker.dtype, tp, worker.rope_len, target.cfg.hidden_size),
-        )
+        target = ctx.target
+        self.runner = ctx.runner(spec_cfg.model, cfg, build_model=lambda: EagleHead(
+            cfg, raw, ctx.dtype, ctx.tp, ctx.rope_len, target.cfg.hidden_size))
         self.head: EagleHead = self.runner.model
         self.head.attach_target(target)
         if self.head.eagle3:
-            target.aux_hidden_layers = self.head.aux_layer_ids
-        n, k, h = worker.cfg.max_num_seqs + 1, self.topk, cfg.hidden_size  # + the CUDA-graph padding slot
-        self.state_ids = torch.zeros(n, k, dtype=torch.int64, device=worker.device)
-        self.state_logp = torch.zeros(n, k, dtype=torch.float32, device=worker.device)
-        self.state_feat = torch.zeros(n, h, dtype=worker.dtype, device=worker.device)
+            self.target_aux_layers = self.head.aux_layer_ids
+        n, k, h = ctx.max_requests, self.topk, cfg.hidden_size
+        self.state_ids = torch.zeros(n, k, dtype=torch.int64, device=ctx.device)
+        self.state_logp = torch.zeros(n, k, dtype=torch.float32, device=ctx.device)
+        self.state_feat = torch.zeros(n, h, dtype=ctx.dtype, device=ctx.device)
 
     def target_features(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.fuse_target_features(fb.aux["aux_hidden"]) if self.head.eagle3 else hidden
@@ -219,7 +245,7 @@ class EagleProposer(_ModelProposer):
         ids = torch.roll(fb.input_ids, -1)
         ids[fb.logits_indices] = nxt
         dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, step.req_slots, step.seq_lens, step.extend_lens,
-                                    page_table=self.worker.page_table)
+                                    page_table=self.ctx.page_table)
         (logp, d2t), feat = self._draft_forward(dfb, features)
         self._save_state(dfb.req_slots, logp, d2t, feat)
 
@@ -257,23 +283,15 @@ class DraftModelProposer(_ModelProposer):
 
     scratch_offset = 1
 
-    def __init__(self, worker, spec_cfg):
-        super().__init__(worker, spec_cfg)
-        from workers.model_config import ModelConfig
-        from workers.model_runner import ModelRunner
+    def __init__(self, ctx: DraftContext, spec_cfg):
+        super().__init__(ctx, spec_cfg)
+        from workers.model_config import CheckpointError, ModelConfig
 
         cfg = ModelConfig.from_pretrained(spec_cfg.model)
-        if cfg.vocab_size != worker.target.config.vocab_size:
-            from workers.model_config import CheckpointError
-
-            raise CheckpointError(f"draft vocab {cfg.vocab_size} != target vocab {worker.target.config.vocab_size}: "
+        if cfg.vocab_size != ctx.target.cfg.vocab_size:
+            raise CheckpointError(f"draft vocab {cfg.vocab_size} != target vocab {ctx.target.cfg.vocab_size}: "
                                   "a standalone draft must share the target's tokenizer")
-        self.runner = ModelRunner(
-            spec_cfg.model, device=worker.device, dtype=worker.dtype, tp=worker.draft_tp, config=cfg,
-            max_positions=max(cfg.max_position_embeddings, worker.rope_len),
-            prefill_backend=worker.cfg.prefill_attention_backend, decode_backend=worker.cfg.decode_attention_backend,
-            verify_attention_mode=worker.cfg.verify_attention_mode,
-        )
+        self.runner = ctx.runner(spec_cfg.model, cfg, max_positions=max(cfg.max_position_embeddings, ctx.rope_len))
 
     def _draft_forward(self, fb, features):
         hidden = self.runner.forward(fb)
@@ -282,7 +300,7 @@ class DraftModelProposer(_ModelProposer):
 
     def after_extend(self, step, fb, features, sampled):
         dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens,
-                                    step.extend_lens, page_table=self.worker.page_table)
+                                    step.extend_lens, page_table=self.ctx.page_table)
         self.runner.forward(dfb)
 
     def propose(self, inp):
@@ -320,9 +338,9 @@ def propose_ngram(tokens: list[int], num_tokens: int, n_min: int, n_max: int) ->
     return [tokens[-1]] * num_tokens
 
 
-def make_proposer(worker, spec_cfg) -> Proposer:
+def make_proposer(ctx: DraftContext, spec_cfg) -> Proposer:
     if spec_cfg.method in ("eagle", "eagle3", "naive"):
-        return EagleProposer(worker, spec_cfg)
+        return EagleProposer(ctx, spec_cfg)
     if spec_cfg.method == "draft":
-        return DraftModelProposer(worker, spec_cfg)
-    return NgramProposer(worker, spec_cfg)
+        return DraftModelProposer(ctx, spec_cfg)
+    return NgramProposer(ctx, spec_cfg)

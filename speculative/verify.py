@@ -61,6 +61,6 @@ def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: Sampli
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:
     """Walk each tree from the root along children equal to the target's choice, and gather what it emits
-    (``fused_ops.tree_verdict``: one kernel on the GPU). Fixed trip count, no sync."""
+    (``kernels.verdict.tree_verdict``: one kernel on the GPU). Fixed trip count, no sync."""
     choice, lse = target_choices(tree, logits, sampling)
     return Verdict(*tree_verdict(tree.parents, tree.tokens, choice, lse, logits, max_depth))

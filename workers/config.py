@@ -108,7 +108,7 @@ class EngineConfig(Strict):
         import torch
 
         # device_count asks NVML and leaves CUDA unstarted (is_available would start the driver, after which a TP
-        # worker could no longer widen its CUDA_VISIBLE_DEVICES: workers.worker.share_node_gpus)
+        # worker could no longer widen its CUDA_VISIBLE_DEVICES: workers.distributed.share_node_gpus)
         return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
     def resolved_dtype(self, checkpoint_dtype):

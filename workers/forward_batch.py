@@ -60,7 +60,6 @@ class ForwardBatch:
     step_metadata: dict | None = None
     step_index: int = 0
     attn_backend: object | None = None
-    capture_hidden: bool = False
     logits_all_tokens: bool = False  # every token gets logits, in order (``logits_rows``); logits_indices is None
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
@@ -101,7 +100,6 @@ class ForwardBatch:
         steps: int = 1,
         seq_step: int = 0,
         tree_mask: torch.Tensor | None = None,
-        capture_hidden: bool = False,
     ) -> "ForwardBatch":
         """The one metadata builder for model inputs: KV write slots and positions are derived on the device from
         the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers.
@@ -159,7 +157,6 @@ class ForwardBatch:
             seq_lens_cpu=lens_cpu,
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
-            capture_hidden=capture_hidden,
             logits_all_tokens=all_logits,
         )
 

@@ -47,7 +47,7 @@ class KVCache:
     def rope_and_store(self, layer_id: int, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE on q [T, Hq, D] and k [T, Hk, D], rotated k and v stored at ``slots``; returns the rotated q (one
-        kernel on the GPU: ``fused_ops.apply_rope_store_kv``). ``positions``: cos / sin are the whole tables."""
+        kernel on the GPU: ``kernels.norm_rope.apply_rope_store_kv``). ``positions``: cos / sin are the whole tables."""
         return apply_rope_store_kv(q, k, v, cos, sin, self.k[layer_id], self.v[layer_id], slots, positions)
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:

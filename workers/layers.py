@@ -25,8 +25,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object | None = None  # torch.distributed ProcessGroup when size > 1
-    nccl: object | None = None  # workers.nccl.NcclCommunicator on GPUs: collectives that CUDA graphs can capture
-    custom_all_reduce: object | None = None  # workers.custom_all_reduce.SymmMemAllReduce: small tensors over NVLink
+    nccl: object | None = None  # workers.distributed.NcclCommunicator on GPUs: collectives that CUDA graphs can capture
+    custom_all_reduce: object | None = None  # workers.kernels.all_reduce.SymmMemAllReduce: small tensors over NVLink
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
                 residual_out: torch.Tensor | None = None, rows: torch.Tensor | None = None):
         """Plain norm, or fused add-then-norm returning (normed, new_residual); ``out`` / ``residual_out``: where
-        to write them, ``rows``: only those rows (``fused_ops.rms_norm``)."""
+        to write them, ``rows``: only those rows (``kernels.norm_rope.rms_norm``)."""
         return rms_norm(x, self.weight, self.eps, residual, out, residual_out, rows)
 
 
@@ -106,7 +106,7 @@ class ColumnParallelLinear(nn.Module):
         local = sum(self.local_sizes)
         self.weight = _param((local, in_size), dtype)
         self.bias = _param((local,), dtype) if bias else None
-        self.small_m: dict = {}  # row bucket → tuned kernel (workers.small_m_linear)
+        self.small_m: dict = {}  # row bucket → tuned kernel (workers.kernels.small_m_linear)
         # [gate; up] of an MLP: the start-up tuning also times kernels writing silu(gate) * up (small_m_act)
         self.activated_output = False
         self.small_m_act: dict = {}

@@ -40,6 +40,14 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(prefill_backend, decode_backend, verify_attention_mode, device)
         self.kv_cache: KVCache | None = None
 
+    def fold_norm_weights(self) -> None:
+        """On GPUs with 16-bit weights, each decoder layer's norm weights go into the projections after them
+        (``LlamaForCausalLM.fold_norms``), with or without CUDA graphs, so that eager and graph runs use the same
+        weights; forwards that can (``fuses_norms``) then run the norms inside the linears."""
+        if (hasattr(self.model, "fold_norms") and self.device.type == "cuda"
+                and next(self.model.parameters()).dtype in (torch.float16, torch.bfloat16)):
+            self.model.fold_norms()
+
     @property
     def attention_specs(self) -> list:
         return [m.spec for m in self.model.modules() if isinstance(m, Attention)]

@@ -52,13 +52,6 @@ class SamplingTensors:
             kind=sampling_kind(temperature, top_k, top_p, min_p),
         )
 
-    def repeat_interleave(self, n: int) -> "SamplingTensors":
-        """Each row repeated ``n`` times (one per draft position), counters advanced per position."""
-        rep = lambda t: t.repeat_interleave(n)  # noqa: E731
-        steps = torch.arange(n, device=self.counters.device).repeat(self.counters.shape[0])
-        return SamplingTensors(rep(self.temperature), rep(self.top_k), rep(self.top_p), rep(self.min_p),
-                               rep(self.seeds), rep(self.counters) + steps, self.kind)
-
 
 def sampling_kind(temperature, top_k, top_p, min_p) -> str:
     """The batch's ``SamplingTensors.kind`` from its host lists (only sampled rows count: a greedy row's filters
@@ -95,7 +88,7 @@ def draw(logits: torch.Tensor, p: SamplingTensors, stream: int = 0) -> torch.Ten
     batch. Greedy rows (temperature 0) get a draw at T = 1 here; callers take their argmax."""
     temp = torch.where(p.temperature > 0, p.temperature, torch.ones_like(p.temperature))
     # the race: argmax_i x_i / T + G_i, G_i = -log(-log u_i) of the counter-based uniforms
-    # (``fused_ops.gumbel_from_hash``), an exact draw from softmax(x / T); one pass of the split-row argmax kernel
+    # (``kernels.rng.gumbel_from_hash``), an exact draw from softmax(x / T); one pass of the split-row argmax kernel
     floor = None
     if p.kind == "filter":  # one sort for the thresholds; no pass over [B, V] after it but the race itself
         # sorted in their own dtype (16-bit keys sort faster; the values are the same), read as fp32 after

@@ -5,7 +5,7 @@ their latency per all-reduce, replayed from a graph, for decode-sized to prefill
     python -m tests.gpu.check_nccl_graph [--ranks 2] [--isolated] [--json out.json]
 
 ``--isolated`` starts each rank seeing only its own GPU (CUDA_VISIBLE_DEVICES, as Ray does for a one-GPU actor);
-the ranks then widen their visibility as the Worker does (workers.worker.share_node_gpus), so that the custom
+the ranks then widen their visibility as the Worker does (workers.distributed.share_node_gpus), so that the custom
 all-reduce finds its peers.
 """
 
@@ -118,8 +118,7 @@ def rank_main(rank: int, world: int, port: int, isolated: bool, result_file: str
 
     from workers.kernels.all_reduce import create_custom_all_reduce
     from workers.kernels.launch import pdl_launches
-    from workers.nccl import NcclCommunicator
-    from workers.worker import share_node_gpus
+    from workers.distributed import NcclCommunicator, share_node_gpus
 
     faulthandler.dump_traceback_later(240, exit=True)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0)

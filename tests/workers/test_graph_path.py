@@ -10,7 +10,7 @@ from deployments.engine.request import SamplingParams
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
-from workers.graph_runner import batch_buckets
+from workers.graphs import batch_buckets
 
 SAMPLED = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
 TEMPERATURE_ONLY = SamplingParams(max_tokens=16, temperature=0.8, seed=9, ignore_eos=True)
@@ -22,7 +22,7 @@ def test_captures_pause_the_garbage_collector():
     the collector's state comes back after, also after an error, and a collector that was off stays off."""
     import gc
 
-    from workers.graph_runner import gc_paused
+    from workers.kernels.launch import gc_paused
 
     assert gc.isenabled()
     with gc_paused():

@@ -54,7 +54,7 @@ def check(model_dir: str, cache_dir: str) -> None:
     import torch
 
     from deployments.engine.request import SamplingParams
-    from workers import worker as worker_module
+    from workers import graphs as worker_module
     from workers.kernels.tuning import TuningCache
 
     worker_module.NORM_FUSION_PASSES = worker_module.NORM_FUSION_REPLAYS = 1  # interpreted forwards are slow

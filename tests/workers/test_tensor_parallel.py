@@ -258,7 +258,7 @@ def _folded_rank(rank: int, path: str, port: int, result: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from workers.worker import init_distributed
+    from workers.distributed import init_distributed
 
     tp = init_distributed(rank, 2, "127.0.0.1", port, "cpu")
     try:

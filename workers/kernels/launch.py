@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import threading
 
@@ -107,3 +108,25 @@ def l2_prefetch_bytes(weight: torch.Tensor, block_k: int) -> int:
     if weight.data_ptr() % 16 or row % 16:
         return 0
     return min(block_k, weight.shape[1]) * weight.element_size() // 16 * 16
+
+
+# ---- CUDA graph capture --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off inside (restored after, as it was). For CUDA graph captures: a
+    collection that lands in one can destroy unreachable CUDA graphs (a dropped engine's: its graphs and the
+    worker's closures form cycles), which is not permitted while a stream captures, and the capture fails."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
+    """``torch.cuda.graph(graph, **kwargs)`` with the garbage collector paused (``gc_paused``)."""
+    with gc_paused(), torch.cuda.graph(graph, **kwargs):
+        yield

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from workers.kernels.launch import pdl_launches, pdl_supported
+from workers.kernels.launch import capturing, pdl_launches, pdl_supported
 from workers.kernels.norm_rope import rms_norm, silu_and_mul
 from workers.kernels.small_m_linear import (
     ACTIVATED_CANDIDATES,
@@ -66,7 +66,6 @@ def replayed_ms(call, weights: list[torch.Tensor], side: torch.cuda.Stream, min_
     ``between()``: launched before each call (its time is part of the result)."""
     import statistics
 
-    from workers.graph_runner import capturing
 
     calls = max(min_calls, len(weights))
     side.wait_stream(torch.cuda.current_stream())
@@ -203,7 +202,7 @@ class TuningCache:
 
     def put_choice(self, key: str, value: bool) -> None:
         """A yes / no choice timed once, such as whether a batch bucket's graphs run the norms inside the linears
-        (``Worker._capture``), so that later starts make the same one."""
+        (``DecodeGraphs._capture``), so that later starts make the same one."""
         self._entries[key] = self._new[key] = value
 
     def save(self) -> None:

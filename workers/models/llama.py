@@ -173,10 +173,7 @@ def load_into_submodule(root: nn.Module, name: str, slice_) -> bool:
 
 
 class LlamaForCausalLM(nn.Module):
-    """Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (differences are config flags).
-
-    ``aux_hidden_layers``: layer indices whose input hidden states (residual stream) are captured for EAGLE-3.
-    """
+    """Covers LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM (differences are config flags)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: TPGroup, max_positions: int | None = None):
         super().__init__()
@@ -191,10 +188,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.aux_hidden_layers: tuple[int, ...] = ()
-        # whether forwards may run the norms inside the linears where the layers can (``fuses_norms``); the worker
-        # sets it per captured batch bucket, to whichever way its graphs replayed faster (``Worker._capture``)
+        self.aux_hidden_layers: tuple[int, ...] = ()  # ``capture_aux_hidden``
+        # whether forwards may run the norms inside the linears where the layers can (``fuses_norms``); set per
+        # captured batch bucket, to whichever way its graphs replayed faster (``workers.graphs.DecodeGraphs``)
         self.norms_in_linears = True
+
+    def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
+        """Have every forward also write the input hidden states (residual stream) of ``layers`` to
+        ``fb.aux["aux_hidden"]`` ([T, len(layers) * hidden]; what an EAGLE-3 head reads)."""
+        self.aux_hidden_layers = tuple(layers)
 
     def fold_norms(self) -> None:
         """Fold each layer's two norm weights into its q/k/v and gate/up weights (``DecoderLayer.fold_norms``):
@@ -216,12 +218,9 @@ class LlamaForCausalLM(nn.Module):
         return self.norms_in_linears and all(layer.fuses_norms(rows) for layer in self.layers)
 
     # ---- forward ---------------------------------------------------------------------------------------------
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(self, fb: ForwardBatch, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """Returns the final-norm hidden states [T, hidden]; aux hidden states go to ``fb.aux``."""
-        x = self.embed(fb.input_ids) if input_embeds is None else input_embeds
+        x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rope_cos, self.rope_sin  # the tables: each layer's RoPE reads the rows at fb.positions
         residual = None
         fused_norms = self.fuses_norms(x.shape[0])

@@ -1,0 +1,89 @@
+"""One speculative round, top-down: propose -> verify -> accept -> compact KV -> catch up.
+
+Everything stays on the device with fixed shapes (no host sync), so a whole round can be captured in one CUDA graph,
+or as three (``propose``, ``verify``, ``catch_up``) replayed back to back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from speculative.proposers import DraftContext, Proposer, RoundInputs
+from speculative.tree import DraftTree
+from speculative.verify import Verdict, simulated_acceptance, verify_tree
+from workers.kernels.verdict import record_round
+from workers.messages import ForwardMode
+from workers.sampling import TOP_LOGPROBS, top_logprobs
+
+
+class SpecRound:
+    """The round a speculative DECODE step runs: the proposer's draft tree, verified by the ``target`` runner.
+
+    ``last_token`` / ``advance`` (per request slot, owned by the worker) get each request's bonus token (the next
+    round's root) and how many tokens the round appended."""
+
+    def __init__(self, proposer: Proposer, target, ctx: DraftContext, last_token: torch.Tensor,
+                 advance: torch.Tensor, simulated_accept_length: float | None = None):
+        self.proposer = proposer
+        self.target = target
+        self.ctx = ctx  # its page table
+        self.last_token = last_token
+        self.advance = advance
+        self.simulated_accept_length = simulated_accept_length  # BENCHMARK ONLY (``simulated_acceptance``)
+
+    def run(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
+        """Returns (accept_len [B], out_tokens [B, S+1], out_logprobs [B, S+1]), and with ``top`` the TOP_LOGPROBS
+        most likely tokens at each emitted position (ids [B, S+1, K], logprobs [B, S+1, K])."""
+        tree = self.propose(inp)
+        verdict, features, alternatives = self.verify(inp, tree, top)
+        return self.catch_up(inp, tree, verdict, features, alternatives)
+
+    def propose(self, inp: RoundInputs) -> DraftTree:
+        return self.proposer.propose(inp)
+
+    def verify(self, inp: RoundInputs, tree: DraftTree, top: bool = False):
+        """The target scores every node (TARGET_VERIFY), the verdict accepts a path, and the accepted nodes' K/V move
+        to the positions they are kept at. Returns (verdict, the draft's target features, the alternatives or None)."""
+        b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
+        # the nodes at m .. m+D-1, RoPE at the root's position + depth (a chain's: its storage positions)
+        fb = self.target.new_batch(
+            ForwardMode.TARGET_VERIFY, tree.tokens.reshape(-1), inp.req_slots, inp.seq_lens, [d] * b,
+            page_table=self.ctx.page_table, seq_offset=d - 1, all_logits=True, tree_mask=tree.mask,
+            positions=None if tree.is_chain else (m.unsqueeze(1) + tree.depths).reshape(-1),
+        )
+        hidden = self.target.forward(fb)
+        logits = self.target.logits(hidden).view(b, d, -1)
+        verdict = self.accept(inp, tree, logits)
+        self.compact_kv(inp, verdict)
+        alternatives = None
+        if top:  # at each emitted token's position: the node whose logits chose it (verdict.path)
+            ids, lps = top_logprobs(logits, TOP_LOGPROBS)  # [B, D, K]
+            at = verdict.path.unsqueeze(2).expand(-1, -1, ids.shape[2])
+            alternatives = (ids.gather(1, at), lps.gather(1, at))
+        return verdict, self.proposer.target_features(fb, hidden), alternatives
+
+    def accept(self, inp: RoundInputs, tree: DraftTree, logits: torch.Tensor) -> Verdict:
+        if self.simulated_accept_length is None:
+            return verify_tree(tree, logits, inp.sampling, self.proposer.max_depth)
+        return simulated_acceptance(tree, logits, inp.sampling, self.proposer.max_depth, self.simulated_accept_length)
+
+    def compact_kv(self, inp: RoundInputs, verdict: Verdict) -> None:
+        """A tree's accepted nodes move to positions m, m+1, ... (a chain's already are there)."""
+        if self.proposer.topk == 1:
+            return
+        m = inp.root_pos
+        depth = torch.arange(verdict.path.shape[1], device=self.ctx.device)
+        slots = inp.req_slots.unsqueeze(1).expand_as(verdict.path)
+        src = self.ctx.page_table.slots(slots, m.unsqueeze(1) + verdict.path)
+        dst = self.ctx.page_table.slots(slots, m.unsqueeze(1) + depth)
+        keep = depth.unsqueeze(0) <= verdict.accept_len.unsqueeze(1)
+        self.target.kv_cache.move(torch.where(keep, src, dst).reshape(-1), dst.reshape(-1))
+
+    def catch_up(self, inp: RoundInputs, tree: DraftTree, verdict: Verdict, features: torch.Tensor,
+                 alternatives=None) -> tuple[torch.Tensor, ...]:
+        """The draft consumes the accepted tokens; the last token the round emits (the bonus token after the
+        accepted drafts) becomes the next round's root. Returns the round's outputs (``run``)."""
+        self.proposer.after_verify(inp, tree, verdict, features)
+        record_round(inp.req_slots, verdict.accept_len, verdict.out_tokens, self.last_token, self.advance)
+        outputs = (verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
+        return outputs + alternatives if alternatives is not None else outputs

@@ -1,0 +1,395 @@
+"""CUDA graphs of DECODE steps: the runner, what is captured when, and how (the norm-fusion choice).
+
+A captured callable reads only the static input buffers (``StaticInputs``: an int64 and a float32 table in one
+device buffer, filled with one host→device copy per step) and the worker's device state (each request's last token
+and last advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay.
+``DecodeGraphs`` captures, per batch-size bucket and sampling kind (greedy at start, "sample" / "filter" on first use:
+see ``workers.sampling``), and with or without top logprobs: the plain DECODE step (forward + sampling), and for
+speculative decoding either the whole round in ONE graph (``speculative.round.SpecRound``: draft loop + TARGET_VERIFY
++ acceptance + KV compaction + DRAFT_EXTEND) or its three phases as separate graphs replayed back to back. All graphs
+share one memory pool. Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
+Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are captured both ways, timed, and the
+faster kept (``DecodeGraphs._capture_faster_fusion``). ``graph_refusal`` says when graphs are off;
+``tune_for_graphs`` sets up the small-M kernels they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from speculative.proposers import RoundInputs
+from workers.kernels.launch import capturing, pdl_launches
+from workers.kernels.metadata import overlap_step_inputs
+from workers.outputs import PackedOutputs
+from workers.sampling import SamplingTensors
+
+logger = logging.getLogger(__name__)
+
+# choosing a bucket's graphs with or without the norms inside the linears (DecodeGraphs._capture_faster_fusion):
+# rounds of alternating timings, graph replays per timing, and how much faster the graphs with norm kernels must be
+# to be kept
+NORM_FUSION_PASSES = 5
+NORM_FUSION_REPLAYS = 10
+NORM_FUSION_MARGIN = 0.01
+
+INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+
+
+def batch_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256 (what a padded batch is rounded up to)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
+    return [b for b in sizes if b < max_bs] + [max_bs]
+
+
+class StaticInputs:
+    """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``.
+    Field-major ([fields, max_bs]): every column a graph reads is a contiguous view (no copy kernel in the graph).
+    The int64 and float32 tables are views of one byte buffer, so each step's values arrive in one whole-buffer
+    host→device copy."""
+
+    def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device):
+        self.pad_slot = pad_slot
+        self.max_bs = max_bs
+        self.num_int_fields = len(INT_FIELDS) + num_draft_cols
+        self.buffer = torch.zeros((self.num_int_fields * 8 + len(FLOAT_FIELDS) * 4) * max_bs, dtype=torch.uint8,
+                                  device=device)
+        self.ints, self.floats = self._tables(self.buffer)
+        self.reset()
+
+    def _tables(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``buffer``'s int64 [int fields, max_bs] and float32 [float fields, max_bs] views."""
+        split = self.num_int_fields * 8 * self.max_bs
+        return (buffer[:split].view(torch.int64).view(self.num_int_fields, self.max_bs),
+                buffer[split:].view(torch.float32).view(len(FLOAT_FIELDS), self.max_bs))
+
+    def reset(self) -> None:
+        """Every row a padding row (graphs are captured on these)."""
+        self._fill_rows(self.ints, self.floats, 0, self.max_bs)
+
+    def _fill_rows(self, ints, floats, lo, hi) -> None:
+        ints[:, lo:hi] = 0
+        ints[INT_FIELDS.index("req_slots"), lo:hi] = self.pad_slot
+        ints[INT_FIELDS.index("seq_lens"), lo:hi] = 1
+        floats[FLOAT_FIELDS.index("top_p"), lo:hi] = 1.0  # greedy (temperature 0), top_p and min_p off
+        floats[FLOAT_FIELDS.index("temperature"), lo:hi] = 0.0
+        floats[FLOAT_FIELDS.index("min_p"), lo:hi] = 0.0
+
+    def fill(self, step, bucket: int) -> None:
+        """Write the step's rows (and padding up to ``bucket``) into the buffers: one host→device copy of the
+        whole buffer (a few KB; the columns past ``bucket`` are not read), from pinned memory the copy holds until
+        it is done (PyTorch's caching host allocator)."""
+        b = len(step.req_slots)
+        cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters, step.pending or [0] * b]
+        pinned = self.buffer.device.type == "cuda"
+        host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
+        ints, floats = self._tables(host)
+        ints[: len(INT_FIELDS), :b] = torch.tensor(cols, dtype=torch.int64)
+        if step.draft_tokens is not None:
+            ints[len(INT_FIELDS):, :b] = torch.tensor(step.draft_tokens, dtype=torch.int64).T
+        floats[:, :b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32)
+        self._fill_rows(ints, floats, b, bucket)
+        self.buffer.copy_(host, non_blocking=pinned)
+
+    def column(self, name: str, bucket: int) -> torch.Tensor:
+        if name in INT_FIELDS:
+            return self.ints[INT_FIELDS.index(name), :bucket]
+        return self.floats[FLOAT_FIELDS.index(name), :bucket]
+
+    def sampling(self, bucket: int, kind: str, counters: torch.Tensor) -> SamplingTensors:
+        """The bucket's sampling columns, with the step's ``counters`` (moved ahead of the step in flight)."""
+        c = lambda n: self.column(n, bucket)  # noqa: E731
+        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), counters, kind=kind)
+
+    def drafts(self, bucket: int) -> torch.Tensor:
+        """[bucket, num_steps] host-proposed drafts (a transposed view)."""
+        return self.ints[len(INT_FIELDS):, :bucket].T
+
+    def round_inputs(self, bucket: int, kind: str, advance: torch.Tensor, last_token: torch.Tensor,
+                     drafts: bool) -> RoundInputs:
+        """The bucket's step inputs, moved ahead of the step in flight (overlap: one kernel on the GPU) by what it
+        appends (``advance``) and emits (``last_token``), both per request slot."""
+        slots = self.column("req_slots", bucket)
+        seq, root, root_pos, counters = overlap_step_inputs(
+            slots, self.column("pending", bucket), self.column("seq_lens", bucket), self.column("counters", bucket),
+            advance, last_token)
+        return RoundInputs(root=root, req_slots=slots, seq_lens=seq, root_pos=root_pos,
+                           sampling=self.sampling(bucket, kind, counters),
+                           drafts=self.drafts(bucket) if drafts else None)
+
+
+class GraphRunner:
+    """Captured graphs keyed by (name, bucket, sampling kind, top logprobs); one shared memory pool. On a CPU the
+    callables are kept and run as they are (the same static-buffer, padded path without graphs; the tests exercise
+    it that way)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.use_graphs = device.type == "cuda"
+        self.clear()
+
+    def clear(self) -> None:
+        """Drop every graph (and the memory pool)."""
+        self.pool = None
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph | None, object]] = {}
+        self.num_replays = 0
+
+    def capture(self, key: tuple, fn: Callable[[], object]) -> None:
+        if not self.use_graphs:
+            self.graphs[key] = (None, fn)
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # warm up (Triton compiles, cuBLAS picks kernels) outside the capture; graphs launch with PDL (kernels.launch)
+        with pdl_launches(), torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the NCCL watchdog thread keeps polling its events while a TP rank captures
+        with pdl_launches(), capturing(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = fn()
+        graph.replay()  # a capture computes nothing: fill the outputs, which the next phase's capture reads
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, out)
+
+    def replay_ms(self, keys: list[tuple], passes: int) -> float:
+        """Milliseconds per pass of replaying ``keys``' graphs in order, ``passes`` times back to back (CUDA
+        events; on a CPU the callables, by the wall clock)."""
+        if not self.use_graphs:
+            t0 = time.perf_counter()
+            for _ in range(passes):
+                for key in keys:
+                    self.graphs[key][1]()
+            return 1e3 * (time.perf_counter() - t0) / passes
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(passes):
+            for key in keys:
+                self.graphs[key][0].replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / passes
+
+    def keep(self, keys: list[tuple], as_keys: list[tuple], drop: list[tuple]) -> None:
+        """Keep the graphs of ``keys`` under ``as_keys`` and destroy those of ``drop`` (their pool memory goes
+        back to the pool for later captures)."""
+        kept = [self.graphs.pop(key) for key in keys]
+        for key in drop:
+            del self.graphs[key]
+        self.graphs.update(zip(as_keys, kept))
+
+    def replay(self, key: tuple):
+        graph, out = self.graphs[key]
+        self.num_replays += 1
+        if graph is None:
+            return out()
+        graph.replay()
+        return out
+
+
+def graph_refusal(runners: list, cfg, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why decode steps and speculative rounds will run eagerly (None: they are captured in CUDA graphs)."""
+    for runner in runners:  # first, so that CPU runs exercise it too
+        spec = runner.attention_specs[0]
+        refusal = runner.attn_backend.graph_refusal(cfg.page_size, dtype, spec.head_dim)
+        if refusal is not None:
+            return f"{refusal} (use triton, or flashinfer with XQA on sm90+ and verify_attention_mode=decode)"
+    if device.type != "cuda":
+        return "not on a CUDA device"
+    if cfg.disable_cuda_graph:
+        return "disable_cuda_graph is set"
+    return None
+
+
+def tune_for_graphs(models: list[torch.nn.Module], cache_dir: str | None, device: torch.device):
+    """Time the small-M linear kernel against cuBLAS for every layer of ``models`` and row bucket, once, before the
+    KV cache takes the memory. Only for graph runs: eagerly, Triton's Python launch cost outweighs what it saves.
+    Choices are kept in the tuning cache under ``cache_dir`` (``EngineConfig.tuning_cache_dir``): later starts read
+    them, run the same kernels, and so give the same tokens. Returns the cache (TuningCache), or None."""
+    from workers.kernels import (
+        tuning,  # (looked up now: tests replace its tuning_environment)
+    )
+
+    cache = (tuning.TuningCache(os.path.join(cache_dir, "small_m_linear.json"), tuning.tuning_environment(device))
+             if cache_dir else None)
+    t0 = time.perf_counter()
+    timed = sum(tuning.tune_small_m_linears(m, cache) for m in models)
+    torch.cuda.empty_cache()  # the timing buffers must not count as used when the KV cache is sized
+    if cache is not None:
+        cache.save()
+    logger.info("small-M linear kernels: %d (shape, rows) pairs timed in %.1fs%s", timed,
+                time.perf_counter() - t0, f" (the others from {cache.path})" if cache is not None else "")
+    return cache
+
+
+class DecodeGraphs(GraphRunner):
+    """The DECODE step's graphs, per batch bucket, sampling kind and top logprobs: a plain step (``decode``: forward
+    and sampling) or a speculative round (``spec_round``: in one graph, or its three phases), each returning its
+    outputs packed for the host. Per bucket, whether its graphs run the norms inside the linears (``norm_fusion``).
+
+    ``models``: the target's and the draft's modules; ``last_token`` / ``advance``: the worker's per-slot state that
+    moves a step's inputs ahead of the step in flight (``StaticInputs.round_inputs``)."""
+
+    def __init__(self, cfg, device: torch.device, dtype: torch.dtype, tp, models: list[torch.nn.Module],
+                 decode: Callable, spec_round, last_token: torch.Tensor, advance: torch.Tensor, rank: int = 0):
+        super().__init__(device)
+        self.cfg, self.dtype, self.tp, self.rank = cfg, dtype, tp, rank
+        self.models = models
+        self.decode = decode
+        self.spec_round = spec_round
+        self.last_token, self.advance = last_token, advance
+        self.static: StaticInputs | None = None
+        self.buckets: list[int] = []  # empty until ``capture_all``: every step then runs eagerly
+        self.phases: dict[tuple[int, str, bool], list[str]] = {}  # (bucket, kind, top) → graph names, replay order
+        self.norm_fusion: dict[int, bool] = {}  # bucket → its graphs run the norms inside the linears
+        self.tuning_cache = None  # where fusion choices are read and kept (TuningCache)
+
+    @torch.inference_mode()
+    def capture_all(self, tuning_cache=None) -> None:
+        """Capture the greedy graphs of every bucket now (largest first, so smaller graphs reuse its pool memory);
+        the sampling variants of a bucket ("sample": temperatures only; "filter": with the top-k/top-p sort, which
+        needs much more memory) and the variants with top logprobs on their first use."""
+        from tqdm import tqdm
+
+        self.clear()
+        self.tuning_cache = tuning_cache
+        buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
+        draft_cols = self.spec_round.proposer.num_steps if self.spec_round is not None else 0
+        self.static = StaticInputs(buckets[-1], draft_cols, self.cfg.max_num_seqs, self.device)
+        self.phases.clear()
+        self.norm_fusion.clear()
+        self.buckets = buckets
+        for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
+            self._capture(bucket, "greedy", top=False)
+        if self.tuning_cache is not None:
+            self.tuning_cache.save()
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        """The bucket a batch is padded to (None: no graphs, or a larger batch)."""
+        return next((x for x in self.buckets if x >= batch_size), None)
+
+    def replay_step(self, step, bucket: int, kind: str, top: bool) -> PackedOutputs:
+        """Run ``step`` through its bucket's graphs (captured now on first use); returns its rows' packed outputs,
+        valid until the next replay."""
+        if (bucket, kind, top) not in self.phases:
+            self._capture(bucket, kind, top)
+        self.static.fill(step, bucket)
+        for name in self.phases[(bucket, kind, top)]:  # the last phase returns the packed outputs
+            out = self.replay((name, bucket, kind, top))
+        return out.rows(len(step.req_slots))
+
+    def _callables(self, bucket: int, kind: str, top: bool) -> dict[str, Callable]:
+        """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
+        step's outputs packed for the host (``top``: with each token's top logprobs)."""
+        spec = self.spec_round
+
+        def inputs() -> RoundInputs:
+            return self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=spec is not None)
+
+        if spec is None:
+            return {"decode": lambda: PackedOutputs.pack(*self.decode(inputs(), top))}
+        if self.cfg.fuse_speculative_round:
+            return {"round": lambda: PackedOutputs.pack(*spec.run(inputs(), top))}
+        state: dict = {}  # tensors the phases hand to each other (outputs of the previous phase's graph)
+
+        def draft():
+            state["inp"] = inp = inputs()
+            state["tree"] = spec.propose(inp)
+
+        def verify():
+            state["verified"] = spec.verify(state["inp"], state["tree"], top)
+
+        return {"draft": draft, "verify": verify,
+                "draft_extend": lambda: PackedOutputs.pack(*spec.catch_up(state["inp"], state["tree"],
+                                                                          *state["verified"]))}
+
+    # ---- the norm-fusion choice --------------------------------------------------------------------------------
+    def _capture(self, bucket: int, kind: str, top: bool) -> None:
+        """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
+        forwards can run the norms inside the linears (``_norm_fusion_open``), the bucket's first capture takes
+        them both ways and keeps the faster (``_capture_faster_fusion``); its later captures follow that choice."""
+        if bucket not in self.norm_fusion and self._norm_fusion_open(bucket):
+            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top)
+        else:
+            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True))
+
+    def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = ()) -> list[tuple]:
+        """Capture the bucket's phases under their graph keys (plus ``variant``), their forwards running the norms
+        inside the linears where they can if ``fused``; returns the keys in order."""
+        self.static.reset()
+        phases = self._callables(bucket, kind, top)
+        keys = [(name, bucket, kind, top) + variant for name in phases]
+        for key, fn in zip(keys, phases.values()):
+            self.capture(key, self._norms_in_linears(fused)(fn))  # (on a CPU the callable runs each time)
+        self.phases[(bucket, kind, top)] = list(phases)
+        return keys
+
+    def _folded_models(self) -> list[torch.nn.Module]:
+        return [m for m in self.models if getattr(m, "norms_folded", False)]
+
+    def _norm_fusion_open(self, bucket: int) -> bool:
+        """Whether this bucket's graphs could run the norms inside the linears: a model's norm weights are folded
+        and its bucket-row forward runs small-M kernels in every layer (a verify has more rows than the bucket, never
+        fewer, so larger buckets never fuse)."""
+        return any(m.fuses_norms(bucket) for m in self._folded_models())
+
+    @contextlib.contextmanager
+    def _norms_in_linears(self, on: bool):
+        """Forwards inside run their norms inside the linears where they can (``on``) or as norm kernels; also a
+        decorator (``_capture_phases``)."""
+        models = self._folded_models()
+        for m in models:
+            m.norms_in_linears = on
+        try:
+            yield
+        finally:
+            for m in models:
+                m.norms_in_linears = True
+
+    def norm_fusion_key(self, bucket: int) -> str:
+        """The tuning cache's key of a bucket's fusion choice: what its graphs run (model shapes, speculation, TP)."""
+        shapes = [(m.cfg.architecture, m.cfg.hidden_size, m.cfg.intermediate_size, m.cfg.num_layers,
+                   m.cfg.num_heads, m.cfg.num_kv_heads, m.cfg.head_dim, m.cfg.vocab_size)
+                  for m in self._folded_models()]
+        spec = self.cfg.speculative_config
+        spec_key = None if spec is None else (spec.method, spec.num_steps, spec.topk, spec.num_draft_tokens,
+                                              self.cfg.fuse_speculative_round)
+        return f"norms in linears | {shapes} | {spec_key} | {self.dtype} | tp {self.tp.size} | bucket {bucket}"
+
+    def _capture_faster_fusion(self, bucket: int, kind: str, top: bool) -> bool:
+        """Capture the bucket's graphs with the norms inside the linears and with the norm kernels, time their
+        replays (alternating, NORM_FUSION_PASSES rounds of NORM_FUSION_REPLAYS, the median), keep the faster and
+        return whether it fuses. The fused graphs are kept unless the others are NORM_FUSION_MARGIN faster (which
+        way wins depends on the model's shape); a choice in the tuning cache is taken without timing, so that later
+        starts run the same kernels."""
+        key = self.norm_fusion_key(bucket)
+        cached = self.tuning_cache.get_choice(key) if self.tuning_cache is not None else None
+        if self.tp.size > 1:  # every rank takes the same path, and times (replays all-reduces) or none does
+            has, value = self.tp.all_reduce_host([cached is not None, bool(cached)], op=dist.ReduceOp.MIN)
+            cached = bool(value) if has else None
+        if cached is not None:
+            self._capture_phases(bucket, kind, top, cached)
+            return cached
+        keys = {fused: self._capture_phases(bucket, kind, top, fused, variant=(fused,)) for fused in (True, False)}
+        self.replay_ms(keys[True] + keys[False], 2)  # warm-up
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(NORM_FUSION_PASSES):
+            for fused in (True, False):
+                times[fused].append(self.replay_ms(keys[fused], NORM_FUSION_REPLAYS))
+        fused_ms, plain_ms = (sorted(times[f])[len(times[f]) // 2] for f in (True, False))
+        fused_ms, plain_ms = (t / self.tp.size for t in self.tp.all_reduce_host([fused_ms, plain_ms]))  # the mean
+        fused = plain_ms > fused_ms * (1 - NORM_FUSION_MARGIN)
+        self.keep(keys[fused], [k[:-1] for k in keys[fused]], drop=keys[not fused])
+        if self.tuning_cache is not None:
+            self.tuning_cache.put_choice(key, fused)
+        logger.info("bucket %d: norms %s the linears (graph replays %.3f ms fused, %.3f ms with norm kernels)",
+                    bucket, "inside" if fused else "outside", fused_ms, plain_ms)
+        return fused
