@@ -1,11 +1,16 @@
 """The attention-backend interface.
 
-A backend is bound to one model's KV cache. Per forward it builds its metadata once (``init_forward_metadata``: the
-single builder, used by eager runs and by CUDA-graph capture and replay; under a capture its fresh tensors come
-from the graph's private memory pool and keep their addresses across replays, and a backend may instead keep
-persistent buffers made by ``init_graph_state``), then each attention layer calls
-``forward``, which stores new K/V when it is given them (the models store theirs with RoPE in one kernel,
-``KVCache.rope_and_store``, and pass none) and runs the extend-style or the decode-style kernel for the batch's mode.
+A backend is bound to one model's KV cache. Per forward, ``init_forward_metadata(fb)`` builds the backend's typed
+metadata once for all layers and puts it on the batch (``fb.attn_metadata``). It is the single builder, used by eager
+runs and by CUDA-graph capture and replay alike: under a capture its fresh tensors come from the graph's private
+memory pool and keep their addresses across replays. A multi-step draft round may prepare every step's metadata once
+(``init_round_metadata``, leaving each step's part on its batch as ``fb.round_metadata``), which the step's
+``init_forward_metadata`` then finishes. Each attention layer calls ``forward``, which stores new K/V when it is
+given them (the models store theirs with RoPE in one kernel, ``KVCache.rope_and_store``, and pass none) and runs the
+extend-style or the decode-style kernel for the batch's mode.
+
+Every backend has: ``name``, ``verify_attention_mode``, ``supports_cuda_graph``, ``graph_refusal``,
+``init_forward_metadata``, ``init_round_metadata``, ``child``, ``forward``, ``forward_extend``, ``forward_decode``.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import DraftSteps, ForwardBatch
 from workers.messages import ForwardMode
 
 
@@ -28,9 +33,17 @@ class AttentionLayerSpec:
     scaling: float
 
 
-class AttentionBackend(ABC):
-    """Five methods: init_graph_state, init_forward_metadata, forward (concrete), forward_extend, forward_decode."""
+class AttentionMetadata:
+    """Base of the per-forward metadata a backend's ``init_forward_metadata`` puts on the batch."""
 
+    @property
+    def kernel(self) -> str:
+        """The kernel the forward runs (checks and benchmarks report it)."""
+        raise NotImplementedError
+
+
+class AttentionBackend(ABC):
+    name: str = "attention"
     #: which kernel family runs TARGET_VERIFY: "decode" (split-KV, the default) or "prefill"
     verify_attention_mode: str = "decode"
     #: whether forwards can be captured in CUDA graphs (launches depend on no host-side sequence length)
@@ -40,14 +53,19 @@ class AttentionBackend(ABC):
         """Why this backend's forwards cannot be captured in CUDA graphs over this KV layout (None: they can)."""
         if self.supports_cuda_graph:
             return None
-        return f"the {getattr(self, 'name', type(self).__name__)} backend's launches depend on host-side lengths"
-
-    def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
-        """Allocate persistent metadata buffers for CUDA graphs (backends without graph support keep none)."""
+        return f"the {self.name} backend's launches depend on host-side lengths"
 
     @abstractmethod
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Compute everything the kernels need for this batch, once for all layers."""
+        """Compute everything the kernels need for this batch, once for all layers, into ``fb.attn_metadata``."""
+
+    def init_round_metadata(self, steps: DraftSteps) -> None:
+        """Prepare every step's metadata of a multi-step draft round once (``fb.round_metadata`` of each step's
+        batch). Default: nothing; each step's ``init_forward_metadata`` builds its own from the step's batch."""
+
+    def child(self, fb: ForwardBatch) -> AttentionBackend:
+        """The backend that runs this forward (a hybrid's prefill or decode backend; otherwise itself)."""
+        return self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer: AttentionLayerSpec,
                 fb: ForwardBatch) -> torch.Tensor:

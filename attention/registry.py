@@ -7,13 +7,13 @@ import importlib
 import torch
 
 from attention.base import AttentionBackend, AttentionLayerSpec, uses_decode_kernel
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import DraftSteps, ForwardBatch
 
 # name → "module:Class"; imported lazily so GPU-only backends cost nothing on CPU
 BACKENDS = {
     "torch_native": "attention.torch_native:TorchNativeBackend",
     "triton": "attention.triton_backend:TritonBackend",
-    "flashinfer": "attention.flashinfer_backend:FlashInferBackend",
+    "flashinfer": "attention.flashinfer_wrappers:FlashInferBackend",
 }
 VERIFY_ATTENTION_MODES = ("decode", "prefill")
 
@@ -33,7 +33,7 @@ class HybridBackend(AttentionBackend):
     def __init__(self, prefill: AttentionBackend, decode: AttentionBackend, verify_attention_mode: str):
         self.prefill, self.decode = prefill, decode
         self.verify_attention_mode = verify_attention_mode
-        self.name = f"hybrid({getattr(prefill, 'name', '?')}+{getattr(decode, 'name', '?')})"
+        self.name = f"hybrid({prefill.name}+{decode.name})"
         self.supports_cuda_graph = prefill.supports_cuda_graph and decode.supports_cuda_graph
 
     def child(self, fb: ForwardBatch) -> AttentionBackend:
@@ -43,12 +43,11 @@ class HybridBackend(AttentionBackend):
         return (self.prefill.graph_refusal(page_size, kv_dtype, head_dim)
                 or self.decode.graph_refusal(page_size, kv_dtype, head_dim))
 
-    def init_graph_state(self, max_batch_size: int, max_num_tokens: int) -> None:
-        self.prefill.init_graph_state(max_batch_size, max_num_tokens)
-        self.decode.init_graph_state(max_batch_size, max_num_tokens)
-
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self.child(fb).init_forward_metadata(fb)
+
+    def init_round_metadata(self, steps: DraftSteps) -> None:
+        self.child(steps.stacked).init_round_metadata(steps)
 
     def forward(self, q, k, v, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         return self.child(fb).forward(q, k, v, layer, fb)

@@ -4,11 +4,30 @@ yardstick for the other backends."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from attention.base import AttentionBackend, AttentionLayerSpec
-from workers.forward_batch import ForwardBatch, mask_from_bits
+from attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from workers.forward_batch import DraftSteps, ForwardBatch, mask_from_bits
+
+
+@dataclass
+class TorchNativeMetadata(AttentionMetadata):
+    kv_slots: torch.Tensor  # [B, S] KV slot of every key position
+    mask: torch.Tensor  # [B, 1, n, S] bool: query i of request b sees key j
+    q_rows: torch.Tensor  # [T] row of each token in the padded [B * n] query batch
+    n_max: int
+    # a draft-round step's part (``init_round_metadata``): the round's [B, n, S + 1] mask buffer this step's ``mask``
+    # views, and where the step's tree rows go in it (None: a chain, nothing to write)
+    mask_buf: torch.Tensor | None = None
+    shifts: torch.Tensor | None = None
+    block_cols: torch.Tensor | None = None
+
+    @property
+    def kernel(self) -> str:
+        return "torch_native"
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -16,17 +35,15 @@ class TorchNativeBackend(AttentionBackend):
 
     def __init__(self, verify_attention_mode: str = "decode"):
         self.verify_attention_mode = verify_attention_mode
-        self._kv_slots = self._mask = self._q_rows = None
-        self._n_max = 0
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        if fb.step_metadata is not None and self in fb.step_metadata:  # a draft-round step: its precomputed slice
-            m = fb.step_metadata[self][fb.step_index]
-            if m["block_cols"] is not None:  # this step's tree rows, written into its block columns of the mask
-                b, n, length = fb.batch_size, m["n_max"], fb.tree_len
-                rows = ((fb.tree_bits.view(b, n, 1) >> m["shifts"][:length]) & 1) != 0  # [B, n, L]
-                m["mask_buf"].scatter_(2, m["block_cols"], rows)
-            self._kv_slots, self._mask, self._q_rows, self._n_max = m["kv_slots"], m["mask"], m["q_rows"], m["n_max"]
+        m = fb.round_metadata
+        if isinstance(m, TorchNativeMetadata):  # a draft-round step: its precomputed part
+            if m.block_cols is not None:  # this step's tree rows, written into its block columns of the mask
+                b, n, length = fb.batch_size, m.n_max, fb.tree_len
+                rows = ((fb.tree_bits.view(b, n, 1) >> m.shifts[:length]) & 1) != 0  # [B, n, L]
+                m.mask_buf.scatter_(2, m.block_cols, rows)
+            fb.attn_metadata = m
             return
         device = fb.input_ids.device
         n_max = max(fb.extend_lens_cpu)
@@ -36,8 +53,8 @@ class TorchNativeBackend(AttentionBackend):
         seq = fb.seq_lens.long().unsqueeze(1)  # [B, 1]
         ext = fb.extend_lens.long().unsqueeze(1)
         key_pos = torch.arange(s_max, device=device).unsqueeze(0)  # [1, S]
-        self._kv_slots = fb.page_table.slots(fb.req_slots.unsqueeze(1).expand(-1, s_max),
-                                             key_pos.clamp(max=s_max - 1).expand(fb.batch_size, -1))
+        kv_slots = fb.page_table.slots(fb.req_slots.unsqueeze(1).expand(-1, s_max),
+                                       key_pos.clamp(max=s_max - 1).expand(fb.batch_size, -1))
         q_pos = (seq - ext) + torch.arange(n_max, device=device).unsqueeze(0)  # [B, n] storage position of query i
         # query i sees key j iff j <= its own position (and j < seq_len); the speculative block follows tree_mask
         mask = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, S]
@@ -49,19 +66,18 @@ class TorchNativeBackend(AttentionBackend):
             in_block = (rel >= 0) & (key_pos < seq)
             tm = tree_mask.gather(2, rel.clamp(0, block - 1).unsqueeze(1).expand(-1, tree_mask.shape[1], -1))
             mask = torch.where(in_block.unsqueeze(1), tm, mask)
-        self._mask = mask.unsqueeze(1)  # [B, 1, n, S]
         tok = torch.arange(fb.num_tokens, device=device)
         b_of_tok = torch.repeat_interleave(torch.arange(fb.batch_size, device=device), fb.extend_lens.long(),
                                            output_size=fb.num_tokens)
-        self._q_rows = b_of_tok * n_max + (tok - fb.extend_start.long()[b_of_tok])
-        self._n_max = n_max
+        q_rows = b_of_tok * n_max + (tok - fb.extend_start.long()[b_of_tok])
+        fb.attn_metadata = TorchNativeMetadata(kv_slots, mask.unsqueeze(1), q_rows, n_max)
 
-    def init_round_metadata(self, steps) -> None:
+    def init_round_metadata(self, steps: DraftSteps) -> None:
         """Every step's metadata of a multi-step draft round (``workers.forward_batch.DraftSteps``), once, over the
         steps stacked as consecutive batches: KV slots, and the mask with every step's speculative block cleared
         (a [steps, B, n, S + 1] buffer). A step then only writes its tree rows (from its bits, which
-        ``DraftSteps.advance`` has filled in) into its block's columns. Same semantics as ``init_forward_metadata``
-        on each step's batch."""
+        ``DraftSteps.advance`` has filled in) into its block's columns. Same semantics as building each step's
+        metadata from its own batch."""
         fb, num, b, n = steps.stacked, steps.num_steps, steps.batch_size, steps.tokens_per_request
         device = fb.input_ids.device
         capacity = fb.page_table.table.shape[1] * fb.page_table.page_size
@@ -86,23 +102,23 @@ class TorchNativeBackend(AttentionBackend):
             cols = seq[0] - steps.tree_len(0) + shifts  # [B, L] the block's key positions
             block_cols = torch.where(cols >= 0, cols, s_max).unsqueeze(1).expand(b, n, length)
         q_rows = torch.arange(b * n, device=device)  # uniform lengths: query rows are the tokens in order
-        steps.metadata[self] = [
-            {"kv_slots": kv_slots[:, :s_step[i]], "mask": mask[i, :, None, :, :s_step[i]], "mask_buf": mask[i],
-             "n_max": n, "q_rows": q_rows, "shifts": shifts,
-             "block_cols": None if block_cols is None else block_cols[:, :, :steps.tree_len(i)]}
-            for i in range(num)]
+        for i, step in enumerate(steps.batches):
+            step.round_metadata = TorchNativeMetadata(
+                kv_slots[:, :s_step[i]], mask[i, :, None, :, :s_step[i]], q_rows, n, mask_buf=mask[i], shifts=shifts,
+                block_cols=None if block_cols is None else block_cols[:, :, :steps.tree_len(i)])
 
     def _attend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
-        b, n = fb.batch_size, self._n_max
-        k = fb.kv_cache.k[layer.layer_id][self._kv_slots].to(q.dtype)  # [B, S, Hkv, D]
-        v = fb.kv_cache.v[layer.layer_id][self._kv_slots].to(q.dtype)
+        m = fb.attn_metadata
+        b, n = fb.batch_size, m.n_max
+        k = fb.kv_cache.k[layer.layer_id][m.kv_slots].to(q.dtype)  # [B, S, Hkv, D]
+        v = fb.kv_cache.v[layer.layer_id][m.kv_slots].to(q.dtype)
         qp = q.new_zeros(b * n, *q.shape[1:])
-        qp[self._q_rows] = q
+        qp[m.q_rows] = q
         out = F.scaled_dot_product_attention(
-            qp.view(b, n, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=self._mask,
+            qp.view(b, n, *q.shape[1:]).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m.mask,
             scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
         )  # [B, H, n, D]
-        return out.transpose(1, 2).reshape(b * n, *q.shape[1:])[self._q_rows]
+        return out.transpose(1, 2).reshape(b * n, *q.shape[1:])[m.q_rows]
 
     forward_extend = _attend
     forward_decode = _attend

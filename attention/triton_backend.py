@@ -18,12 +18,14 @@ is what makes prefill kernels slow at long context: the parallelism is over quer
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from attention.base import AttentionBackend, AttentionLayerSpec
-from workers.forward_batch import ForwardBatch
+from attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from workers.forward_batch import DraftSteps, ForwardBatch
 from workers.kernels.launch import pdl_launch, pdl_start
 from workers.messages import ForwardMode
 
@@ -143,20 +145,41 @@ def tree_bits(tree_mask: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
     return bits[req * n + within]
 
 
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    bits: torch.Tensor | None  # [T] int64 per-token bitmask over the speculative block (None: causal)
+    tree_len: int  # positions of the speculative block
+    n_max: int  # most new tokens of a request
+    uniform: bool  # every request has the same number of new tokens
+    capacity: int  # KV positions the page table can hold per request
+
+    @property
+    def kernel(self) -> str:
+        return "triton"
+
+    @classmethod
+    def build(cls, fb: ForwardBatch) -> "TritonMetadata":
+        if fb.tree_bits is not None:  # already per token, in token order
+            bits, tree_len = fb.tree_bits, fb.tree_len
+        elif fb.tree_mask is not None:
+            bits, tree_len = tree_bits(fb.tree_mask, fb), int(fb.tree_mask.shape[2])
+        else:
+            bits, tree_len = None, 0
+        return cls(bits, tree_len, max(fb.extend_lens_cpu), len(set(fb.extend_lens_cpu)) == 1,
+                   fb.page_table.table.shape[1] * fb.page_table.page_size)
+
+
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
-    # Launch tuning: the values `bench/verify_attention.py --sweep` chose on an H100 (lowest mean time / KV-read
-    # floor over bs 1/4/8/32 x 4/8 draft tokens at 50k context, CUDA-graph replays: bench/results/
-    # verify_attention_h100_sweep_def6f87.json), and for one request `--sweep-short` (bs 1, 1 and 4 query tokens,
-    # contexts 256 to 50k: bench/results/decode_attention_short_sweep_h100.json); an instance may override them.
+    # Launch tuning chosen by ``bench/verify_attention.py --sweep`` / ``--sweep-short`` on an H100; an instance may
+    # override them.
     min_chunk = 32  # fewest KV positions a decode-style split takes (a short sequence still spreads over splits)
     # decode family: (largest batch, most query rows per program, (request, head, split) programs per SM, KV
     # positions per tile), the first entry whose bounds cover the launch (the last one beyond). A lone request
     # with one query tile (decode, or verify of up to 16 / GQA group tokens) wants many short splits of small KV
-    # tiles (its few KV heads must fill the GPU, and a short context is latency-bound: 10.5 us a layer at 256
-    # positions vs 14.1 with 128-position tiles, 89.6 vs 91.5 us at 50k); with 32 rows the small tiles are slower
-    # (0.135 vs 0.095 ms at 50k, 8 draft tokens); many requests fill the GPU by themselves and stream long tiles.
+    # tiles (its few KV heads must fill the GPU, and a short context is latency-bound); with 32 rows the small
+    # tiles are slower; many requests fill the GPU by themselves and stream long tiles.
     decode_launch: tuple[tuple[int, int, int, int], ...] = (
         (1, 16, 4, 32), (1, 64, 2, 128), (4, 64, 8, 128), (8, 64, 1, 128), (32, 64, 1, 128))
     block_n = 128  # KV positions per tile of the prefill family (16-bit KV)
@@ -171,38 +194,22 @@ class TritonBackend(AttentionBackend):
         self._num_sms = props.multi_processor_count if props else 16
         # shared memory a program may use (H100: 227 KB; A100: 163 KB; L40S / RTX 4090: 99 KB)
         self._smem = (getattr(props, "shared_memory_per_block_optin", 0) if props else 0) or 227 * 1024
-        self._meta: dict = {}
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Tree bits and launch shape, once per forward for all layers. Nothing here reads a sequence length on the
         host: the launch depends only on the batch's shape (tokens per request) and the page table's capacity.
-        A draft-round step picks the metadata ``init_round_metadata`` made for it."""
-        if fb.step_metadata is not None and self in fb.step_metadata:
-            self._meta = fb.step_metadata[self][fb.step_index]
+        A draft-round step takes the metadata ``init_round_metadata`` made for it."""
+        if isinstance(fb.round_metadata, TritonMetadata):
+            fb.attn_metadata = fb.round_metadata
             return
-        self._meta = self._metadata(fb)
+        fb.attn_metadata = TritonMetadata.build(fb)
 
-    def init_round_metadata(self, steps) -> None:
+    def init_round_metadata(self, steps: DraftSteps) -> None:
         """Every step's metadata of a multi-step draft round (``workers.forward_batch.DraftSteps``), once: the
         kernels read the steps' tree bits straight from the round's bitmask buffer (row i: step i's tokens in order),
         which ``DraftSteps.advance`` fills in before each step, so a step's forward computes nothing."""
-        steps.metadata[self] = [self._metadata(fb) for fb in steps.batches]
-
-    @staticmethod
-    def _metadata(fb: ForwardBatch) -> dict:
-        if fb.tree_bits is not None:  # already per token, in token order
-            bits, tree_len = fb.tree_bits, fb.tree_len
-        elif fb.tree_mask is not None:
-            bits, tree_len = tree_bits(fb.tree_mask, fb), int(fb.tree_mask.shape[2])
-        else:
-            bits, tree_len = None, 0
-        return {
-            "bits": bits,
-            "tree_len": tree_len,
-            "n_max": max(fb.extend_lens_cpu),
-            "uniform": len(set(fb.extend_lens_cpu)) == 1,
-            "capacity": fb.page_table.table.shape[1] * fb.page_table.page_size,
-        }
+        for fb in steps.batches:
+            fb.round_metadata = TritonMetadata.build(fb)
 
     def _block_n(self, block_n: int, head_dim: int, k_cache: torch.Tensor) -> int:
         """KV positions per tile: the tuned size (fp32: at most ``block_n_fp32``), halved until the pipelined K and
@@ -218,19 +225,19 @@ class TritonBackend(AttentionBackend):
         return next(((pps, bn) for max_batch, max_rows, pps, bn in self.decode_launch
                      if batch <= max_batch and rows <= max_rows), self.decode_launch[-1][2:])
 
-    def _decode_splits(self, per_sm: int, batch: int, kv_heads: int, qblocks: int) -> int:
+    def _decode_splits(self, per_sm: int, batch: int, kv_heads: int, qblocks: int, capacity: int) -> int:
         """Splits per (request, KV head): fill the GPU, never below ``min_chunk`` positions at full capacity."""
         fill = triton.cdiv(per_sm * self._num_sms, batch * kv_heads * qblocks)
-        return max(1, min(self.max_splits, triton.cdiv(self._meta["capacity"], self.min_chunk), fill))
+        return max(1, min(self.max_splits, triton.cdiv(capacity, self.min_chunk), fill))
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:
-        m = self._meta
+        m = fb.attn_metadata
         group = layer.num_heads // layer.num_kv_heads
-        block_m = max(16, triton.next_power_of_2(min(m["n_max"] * group, 64)))
-        num_qblocks = triton.cdiv(m["n_max"] * group, block_m)
+        block_m = max(16, triton.next_power_of_2(min(m.n_max * group, 64)))
+        num_qblocks = triton.cdiv(m.n_max * group, block_m)
         if decode_style:
             per_sm, block_n = self._decode_launch(fb.batch_size, block_m)
-            splits = self._decode_splits(per_sm, fb.batch_size, layer.num_kv_heads, num_qblocks)
+            splits = self._decode_splits(per_sm, fb.batch_size, layer.num_kv_heads, num_qblocks, m.capacity)
         else:
             block_n, splits = self.block_n, 1
         t = q.shape[0]
@@ -245,15 +252,15 @@ class TritonBackend(AttentionBackend):
         else:  # [slots, kv heads, dim] (KVCache): a token's heads together
             stride_kp, stride_kh, stride_kn = page_size * k_cache.stride(0), k_cache.stride(1), k_cache.stride(0)
         table = fb.page_table.table
-        bits = m["bits"] if m["bits"] is not None else part_lse  # unused when HAS_TREE is False
+        bits = m.bits if m.bits is not None else part_lse  # unused when HAS_TREE is False
         _split_kv_attention[(fb.batch_size, num_qblocks, layer.num_kv_heads * splits)](
             q, k_cache, v_cache, table, fb.req_slots, fb.seq_lens, fb.extend_lens, fb.extend_start, bits, part_o,
-            part_lse, layer.scaling, page_size, m["tree_len"], splits, self.min_chunk,
+            part_lse, layer.scaling, page_size, m.tree_len, splits, self.min_chunk,
             q.stride(0), q.stride(1), stride_kp, stride_kn, stride_kh, table.stride(0),
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
             GROUP=group, HEAD_DIM=layer.head_dim, BLOCK_M=block_m,
             BLOCK_N=self._block_n(block_n, layer.head_dim, k_cache),
-            HAS_TREE=m["bits"] is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
+            HAS_TREE=m.bits is not None, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
             num_stages=self.num_stages, **pdl_launch(q),
         )
         out = torch.empty_like(q)
@@ -271,9 +278,9 @@ class TritonBackend(AttentionBackend):
     DECODE_STYLE_EXTEND_MAX_TOKENS = 16
 
     def forward_extend(self, q, layer, fb):
-        m = self._meta
+        m = fb.attn_metadata
         verify_shaped = (fb.mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode"
-                         and m["uniform"] and m["n_max"] <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
+                         and m.uniform and m.n_max <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
         return self._run(q, layer, fb, decode_style=verify_shaped)
 
     def forward_decode(self, q, layer, fb):

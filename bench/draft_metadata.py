@@ -172,7 +172,7 @@ def run_batches_once(s: Setup, t: Timer) -> None:
 
 
 def run_once_per_round(s: Setup, t: Timer) -> None:
-    """The engine now: ModelRunner.build_steps (DraftSteps.build + init_backend), then per step the forward's
+    """The engine now: ModelRunner.build_steps (DraftSteps.build + the backend's init_round_metadata), then per step the forward's
     init_forward_metadata and, after the step's choice, DraftSteps.advance (as proposers._expand_steps)."""
     from workers.forward_batch import (
         DraftSteps,  # (lazily: the two old variants also run on older checkouts)
@@ -183,7 +183,7 @@ def run_once_per_round(s: Setup, t: Timer) -> None:
         rnd = DraftSteps.build(ForwardMode.DECODE, s.slots, base, s.k, s.kv, s.table, steps=s.steps, seq_offset=-s.k,
                                positions=round_positions(s))
     with t("backend"):
-        rnd.init_backend(s.backend)
+        s.backend.init_round_metadata(rnd)
     for i, fb in enumerate(rnd):
         with t("backend"):
             s.backend.init_forward_metadata(fb)

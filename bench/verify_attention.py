@@ -246,7 +246,7 @@ def main() -> None:
                 res, outs, kernels = {}, {}, {}
                 for name, be, batch in launches:
                     be.init_forward_metadata(batch)
-                    kernels[name] = getattr(be, "last_kernel", args.backend)
+                    kernels[name] = batch.attn_metadata.kernel
                     res[name] = triton.testing.do_bench(lambda: be.forward(q, None, None, layer, batch), warmup=10,
                                                         rep=100)
                     res[name + "_graph"] = graph_ms(lambda: be.forward(q, None, None, layer, batch))

@@ -55,11 +55,11 @@ class ForwardBatch:
     # positions), which is what the steps of a draft round carry (``DraftSteps``); backends read whichever is set.
     tree_bits: torch.Tensor | None = None
     tree_len: int = 0
-    # A draft-round step: the round's attention metadata (backend → per-step list, made once by the backend's
-    # ``init_round_metadata``) and this batch's index into it.
-    step_metadata: dict | None = None
-    step_index: int = 0
     attn_backend: object | None = None
+    # The attention backend's typed metadata for this forward (its ``init_forward_metadata`` builds it), and for a
+    # draft-round step the part its ``init_round_metadata`` prepared once for the whole round.
+    attn_metadata: object | None = None
+    round_metadata: object | None = None
     logits_all_tokens: bool = False  # every token gets logits, in order (``logits_rows``); logits_indices is None
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
@@ -161,8 +161,6 @@ class ForwardBatch:
         )
 
 
-
-
 def mask_from_bits(bits: torch.Tensor, length: int) -> torch.Tensor:
     """[..., n] int64 bitmasks → [..., n, length] bool (bit j → column j)."""
     return ((bits.unsqueeze(-1) >> torch.arange(length, device=bits.device)) & 1) != 0
@@ -182,14 +180,14 @@ class DraftSteps:
     prefix); ``advance`` ORs in a step's ancestors once the previous step has chosen its frontier: two small device
     ops, nothing else per step. Step ``i``'s batch carries ``tree_bits`` = a view of row ``i``.
 
-    ``init_backend``: an attention backend with ``init_round_metadata`` computes every step's metadata once for the
-    stacked round; each step's ``init_forward_metadata`` then only picks its slice (the torch-native reference
-    also writes the step's tree rows into its block's columns of the precomputed mask). A backend without it
-    (FlashInfer) builds each step's metadata in its ``init_forward_metadata`` from the step's ``tree_bits``.
+    The attention backend's ``init_round_metadata(steps)`` may compute every step's metadata once for the stacked
+    round (each step's ``round_metadata``); each step's ``init_forward_metadata`` then only picks it up (the
+    torch-native reference also writes the step's tree rows into its block's columns of the precomputed mask).
+    FlashInfer prepares nothing and builds each step's metadata from the step's ``tree_bits``.
     """
 
     def __init__(self, stacked: ForwardBatch, batches: list[ForwardBatch], tokens_per_request: int,
-                 tree_bits: torch.Tensor | None, tree_prefix: int, metadata: dict):
+                 tree_bits: torch.Tensor | None, tree_prefix: int):
         self.stacked = stacked
         self.batches = batches
         self.num_steps = len(batches)
@@ -197,7 +195,6 @@ class DraftSteps:
         self.tokens_per_request = tokens_per_request
         self.tree_bits = tree_bits  # [steps, B, k] int64, or None (a chain: plain causal)
         self.tree_prefix = tree_prefix
-        self.metadata = metadata  # attention backend → per-step metadata (the batches' ``step_metadata``)
 
     def __iter__(self):
         return iter(self.batches)
@@ -207,13 +204,6 @@ class DraftSteps:
 
     def tree_len(self, step: int) -> int:
         return self.tree_prefix + (step + 1) * self.tokens_per_request
-
-    def init_backend(self, backend) -> None:
-        """Let ``backend`` (or its child for this mode) build the round's attention metadata once."""
-        leaf = backend.child(self.stacked) if hasattr(backend, "child") else backend
-        init = getattr(leaf, "init_round_metadata", None)
-        if init is not None:
-            init(self)
 
     def advance(self, step: int, origin: torch.Tensor) -> None:
         """Step ``step``'s tree rows, once step ``step - 1`` has chosen its frontier: new frontier slot j of request b
@@ -267,13 +257,12 @@ class DraftSteps:
         lens_cpu = stacked.seq_lens_cpu
         bits = [None] * steps if tree_bits is None else tree_bits.view(steps, b * k).unbind(0)
         ext, start = stacked.extend_lens[:b], stacked.extend_start[:b]
-        metadata: dict = {}
         batches = [ForwardBatch(
             mode=mode, input_ids=per_tok[0][i], positions=per_tok[1][i], req_slots=stacked.req_slots,
             seq_lens=per_seq[i], extend_lens=ext, extend_start=start, out_cache_loc=per_tok[2][i],
             logits_indices=None, kv_cache=kv_cache, page_table=page_table,
             seq_lens_cpu=None if lens_cpu is None else lens_cpu[i * b:(i + 1) * b], extend_lens_cpu=[k] * b,
             tree_bits=bits[i], tree_len=0 if tree_bits is None else tree_prefix + (i + 1) * k,
-            step_metadata=metadata, step_index=i, logits_all_tokens=True,
+            logits_all_tokens=True,
         ) for i in range(steps)]
-        return cls(stacked, batches, k, tree_bits, tree_prefix, metadata)
+        return cls(stacked, batches, k, tree_bits, tree_prefix)

@@ -79,8 +79,8 @@ class ModelRunner:
         return ForwardBatch.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
 
     def build_steps(self, *args, page_table: PageTable, **kwargs) -> DraftSteps:
-        """A multi-step draft round's batches, tree masks and (for backends with ``init_round_metadata``) attention
-        metadata, all built once (``DraftSteps``); each step's ``forward`` then picks its slice."""
+        """A multi-step draft round's batches, tree masks and attention metadata, all built once (``DraftSteps``,
+        the backend's ``init_round_metadata``); each step's ``forward`` then picks its part."""
         steps = DraftSteps.build(*args, kv_cache=self.kv_cache, page_table=page_table, **kwargs)
-        steps.init_backend(self.attn_backend)
+        self.attn_backend.init_round_metadata(steps)
         return steps

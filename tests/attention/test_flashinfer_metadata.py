@@ -3,8 +3,8 @@
 Wrappers: page lists and the packed tree mask, against the page table and the mask TorchNativeBackend applies.
 XQA: the mask bits against TorchNativeBackend's rule (decode, chain verify, tree verify L == n, tree draft step
 L > n with padded queries, block shorter than the new tokens), the bit packing as the kernel reads it, and the
-backend's whole XQA path (metadata builder, persistent buffers, query padding, the call) against an emulation of the
-kernel's contract, with host lengths and without.
+backend's whole XQA path (metadata builder, query padding, the call) against an emulation of the kernel's contract,
+with host lengths and without.
 """
 
 from __future__ import annotations
@@ -16,15 +16,11 @@ import numpy as np
 import pytest
 import torch
 
-import attention.flashinfer_backend as fbmod
+import attention.flashinfer_wrappers as fimod
+import attention.flashinfer_xqa as xqamod
 from attention.base import AttentionLayerSpec
-from attention.flashinfer_backend import (
-    block_mask,
-    pack_xqa_mask,
-    packed_tree_mask,
-    paged_kv_metadata,
-    xqa_mask_bits,
-)
+from attention.flashinfer_wrappers import packed_tree_mask, paged_kv_metadata
+from attention.flashinfer_xqa import block_mask, pack_xqa_mask, xqa_mask_bits
 from attention.torch_native import TorchNativeBackend
 from tests.gpu.check_attention import _to_fp32_cpu, make_case
 from workers.forward_batch import ForwardBatch
@@ -51,9 +47,8 @@ def test_page_lists_address_every_stored_position(page_size):
 
 
 def _reference_mask(fb: ForwardBatch) -> torch.Tensor:
-    ref = TorchNativeBackend()
-    ref.init_forward_metadata(fb)
-    return ref._mask[:, 0]  # [B, n, S]
+    TorchNativeBackend().init_forward_metadata(fb)
+    return fb.attn_metadata.mask[:, 0]  # [B, n, S]
 
 
 def _short_block_case():
@@ -138,9 +133,9 @@ def xqa_backend(monkeypatch):
     fake = types.ModuleType("flashinfer")
     fake.__version__ = "0.7.2.post1"
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(fbmod, "xqa_kernel_for_device", lambda: (_xqa_emulator, None))
-    monkeypatch.setattr(fbmod, "XQA_WORKSPACE_BYTES", fbmod.XQA_SEMAPHORE_BYTES + 4096)
-    return lambda verify_mode="decode": fbmod.FlashInferBackend(verify_attention_mode=verify_mode)
+    monkeypatch.setattr(xqamod, "xqa_kernel_for_device", lambda: (_xqa_emulator, None))
+    monkeypatch.setattr(xqamod, "XQA_WORKSPACE_BYTES", xqamod.XQA_SEMAPHORE_BYTES + 4096)
+    return lambda verify_mode="decode": fimod.FlashInferBackend(verify_attention_mode=verify_mode)
 
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
@@ -232,9 +227,9 @@ def test_xqa_path_matches_torch_native(xqa_backend, case, lens):
     assert backend.supports_cuda_graph
     backend.init_forward_metadata(fb)
     if lens == "host":
-        assert backend.last_kernel != "xqa" and backend.last_kernel.endswith("wrapper"), backend.last_kernel
+        assert fb.attn_metadata.kernel != "xqa" and fb.attn_metadata.kernel.endswith("wrapper"), fb.attn_metadata
         return
-    assert backend.last_kernel == "xqa"
+    assert fb.attn_metadata.kernel == "xqa"
     out = backend.forward(q, None, None, LAYER, fb)
     assert out.shape == q.shape and out.dtype == q.dtype
     torch.testing.assert_close(out.float(), expected, atol=3e-3, rtol=3e-3)
@@ -263,35 +258,27 @@ def test_xqa_reads_draft_round_tree_bits(xqa_backend):
     fb.tree_len, fb.tree_mask, fb.seq_lens_cpu = length, None, None
     backend = xqa_backend()
     backend.init_forward_metadata(fb)
-    assert backend._meta["q_len"] == length
+    assert fb.attn_metadata.q_len == length
     torch.testing.assert_close(backend.forward(q, None, None, LAYER, fb).float(), expected, atol=3e-3, rtol=3e-3)
 
 
-def test_xqa_metadata_lands_in_the_graph_buffers(xqa_backend):
-    """With ``init_graph_state``, every forward's lengths, page-table rows and mask are written into the same
-    persistent buffers (what a captured graph reads on replay), and stay correct from one forward to the next."""
+def test_xqa_metadata_stays_with_its_batch(xqa_backend):
+    """Each forward's lengths, page-table rows and mask live on its own batch (``fb.attn_metadata``): forwards one
+    after the other on one backend each stay correct, and a later batch's metadata leaves an earlier one's intact."""
     backend = xqa_backend()
-    backend.init_graph_state(4, 64)
-    bufs = backend._buffers
+    done = []
     for case in ["verify_tree", "draft_step", "decode", "verify_chain"]:
         fb, q = _case(case, seed=7)
         expected = _reference(fb, q)
         fb.seq_lens_cpu = None  # device lengths only: the forwards XQA takes
         backend.init_forward_metadata(fb)
-        m = backend._meta
-        assert m["seq_lens"].data_ptr() == bufs["seq_lens"].data_ptr()
-        assert m["block_tables"].data_ptr() == bufs["block_tables"].data_ptr()
-        if m["q_len"] > 1:
-            assert m["mask"].data_ptr() == bufs["mask"].data_ptr()
+        assert fb.attn_metadata.kernel == "xqa"
         torch.testing.assert_close(backend.forward(q, None, None, LAYER, fb).float(), expected, atol=3e-3,
                                    rtol=3e-3)
-    fb, q = make_case("decode", 16, [5] * 6, [1] * 6, HEADS, KV_HEADS, DIM, torch.device("cpu"), torch.float16,
-                      torch.Generator().manual_seed(1))
-    expected = _reference(fb, q)
-    fb.seq_lens_cpu = None
-    backend.init_forward_metadata(fb)  # 6 requests > the buffers' 4: fresh tensors
-    assert backend._meta["seq_lens"].data_ptr() != bufs["seq_lens"].data_ptr()
-    torch.testing.assert_close(backend.forward(q, None, None, LAYER, fb).float(), expected, atol=3e-3, rtol=3e-3)
+        done.append((fb, q, expected))
+    for fb, q, expected in done:  # run again after the other batches' metadata was built
+        torch.testing.assert_close(backend.forward(q, None, None, LAYER, fb).float(), expected, atol=3e-3,
+                                   rtol=3e-3)
 
 
 def test_xqa_lengths_cover_the_query_window_on_padded_rows(xqa_backend):
@@ -301,7 +288,7 @@ def test_xqa_lengths_cover_the_query_window_on_padded_rows(xqa_backend):
     backend = xqa_backend()
     fb.seq_lens_cpu = None  # device lengths only: the forwards XQA takes
     backend.init_forward_metadata(fb)
-    assert backend._meta["seq_lens"].view(torch.int32).tolist() == [12, 20]
+    assert fb.attn_metadata.seq_lens.view(torch.int32).tolist() == [12, 20]
 
 
 def test_forwards_xqa_cannot_take_raise_without_host_lengths(xqa_backend):
@@ -318,7 +305,7 @@ def test_forwards_xqa_cannot_take_raise_without_host_lengths(xqa_backend):
              "query rows": batch("verify_chain", 16, [70, 90], [65, 65])}
     for words, fb in cases.items():
         backend.init_forward_metadata(fb)  # with host lengths: the wrappers' metadata
-        assert backend.last_kernel != "xqa"
+        assert fb.attn_metadata.kernel != "xqa"
         fb.seq_lens_cpu = None
         with pytest.raises(ValueError, match=words):
             backend.init_forward_metadata(fb)
@@ -331,7 +318,7 @@ def test_forwards_xqa_cannot_take_raise_without_host_lengths(xqa_backend):
     fb = batch("draft_extend", 16, [20, 30], [4, 4])
     fb.seq_lens_cpu = None
     prefill.init_forward_metadata(fb)  # DRAFT_EXTEND takes XQA in either verify mode
-    assert prefill.last_kernel == "xqa"
+    assert fb.attn_metadata.kernel == "xqa"
 
 
 def test_xqa_off_without_a_capable_gpu(monkeypatch):
@@ -339,7 +326,7 @@ def test_xqa_off_without_a_capable_gpu(monkeypatch):
     fake.__version__ = "0.7.2.post1"
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    backend = fbmod.FlashInferBackend()  # the real device check, on a machine without a CUDA device
+    backend = fimod.FlashInferBackend()  # the real device check, on a machine without a CUDA device
     assert not backend.xqa_available and not backend.supports_cuda_graph
     fb, _ = _case("decode")
     fb.seq_lens_cpu = None
@@ -349,7 +336,7 @@ def test_xqa_off_without_a_capable_gpu(monkeypatch):
 
 def test_xqa_workspace_holds_the_scratch_of_large_shapes():
     """132 SMs (H100), 64 query rows, 16 heads per KV head, head_dim 256: still inside the workspace."""
-    assert fbmod.xqa_scratch_bytes(132, 64, 16, 256) < fbmod.XQA_WORKSPACE_BYTES - fbmod.XQA_SEMAPHORE_BYTES
+    assert xqamod.xqa_scratch_bytes(132, 64, 16, 256) < xqamod.XQA_WORKSPACE_BYTES - xqamod.XQA_SEMAPHORE_BYTES
 
 
 def test_xqa_scratch_bound_guards_the_workspace(xqa_backend):
@@ -364,7 +351,7 @@ def test_xqa_scratch_bound_guards_the_workspace(xqa_backend):
 
 
 def test_flashinfer_version_floor():
-    from attention.flashinfer_backend import check_flashinfer_version
+    from attention.flashinfer_wrappers import check_flashinfer_version
 
     check_flashinfer_version("0.7.2.post1")
     check_flashinfer_version("0.8.0")

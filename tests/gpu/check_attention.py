@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from attention.base import AttentionLayerSpec
-from attention.flashinfer_backend import XQA_PAGE_SIZES
+from attention.flashinfer_xqa import XQA_PAGE_SIZES
 from attention.registry import _make
 from speculative.tree import ancestor_mask
 from workers.forward_batch import ForwardBatch
@@ -94,7 +94,7 @@ def expects_xqa(backend, mode: str, verify_mode: str, page_size: int, dtype, new
     """Whether the flashinfer backend must run this case on XQA (see the module docstring of its backend): XQA
     takes one count of new tokens per batch, so a ragged batch (a draft catch-up after prompts of different
     lengths, which the engine runs with host lengths) is not its."""
-    return (getattr(backend, "xqa_available", False) and page_size in XQA_PAGE_SIZES
+    return (backend.xqa_available and page_size in XQA_PAGE_SIZES
             and dtype in (torch.float16, torch.bfloat16) and mode != "extend" and len(set(news)) == 1
             and not (verify_mode == "prefill" and mode.startswith("verify")))
 
@@ -137,9 +137,9 @@ def main() -> None:
         for verify_mode in ("decode", "prefill"):
             backend = _make(backend_name, verify_mode, device) if device.type == "cuda" else _load_cpu(backend_name,
                                                                                                           verify_mode)
-            if args.min_chunk is not None and hasattr(backend, "min_chunk"):
+            if args.min_chunk is not None and backend_name == "triton":
                 backend.min_chunk = args.min_chunk
-            if hasattr(backend, "xqa_available") and verify_mode == "decode":
+            if backend_name == "flashinfer" and verify_mode == "decode":
                 xqa_info = {"available": backend.xqa_available, "unavailable_because": backend.xqa_unavailable}
                 print(f"# {backend_name}: XQA " + ("available" if backend.xqa_available else
                                                    f"unavailable ({backend.xqa_unavailable})")
@@ -167,7 +167,7 @@ def main() -> None:
                         kernel = None
                         try:
                             backend.init_forward_metadata(fb)
-                            kernel = getattr(backend, "last_kernel", backend_name)
+                            kernel = fb.attn_metadata.kernel
                             out = backend.forward(q, None, None, layer, fb)
                             if device.type == "cuda":
                                 torch.cuda.synchronize()
@@ -223,10 +223,9 @@ def graph_check(backend_name: str, device, dtype, layer, heads, kv_heads, dim, g
     backend at those lengths, and against the reference."""
     backend = _make(backend_name, "decode", device)
     if not backend.supports_cuda_graph:
-        why = getattr(backend, "xqa_unavailable", None) or "supports_cuda_graph is False"
+        why = backend.graph_refusal(GRAPH_PAGE_SIZE, dtype, dim) or "supports_cuda_graph is False"
         print(f"graph    {backend_name:8s} n/a (not graph-capable: {why})", flush=True)
         return [{"backend": backend_name, "graph": True, "pass": None, "refused": why}]
-    backend.init_graph_state(8, 64)  # persistent metadata buffers, as the engine's graph runner would
     rows = []
     for name, (mode, n) in GRAPH_CASES.items():
         try:
@@ -249,10 +248,13 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
     ids = torch.zeros(b * n, dtype=torch.int64, device=device)
     slots = torch.arange(b, device=device)
 
+    kernels = []
+
     def step():  # as the engine's graph runner: the batch is built inside the capture, from the static inputs
         fb = ForwardBatch.build(fmode, ids, slots, lens, [n] * b, kv, table, tree_mask=tree)
         assert fb.seq_lens_cpu is None
         backend.init_forward_metadata(fb)
+        kernels.append(fb.attn_metadata.kernel)
         return backend.forward(q, None, None, layer, fb)
 
     stream = torch.cuda.Stream()
@@ -264,7 +266,7 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step()
-    kernel = getattr(backend, "last_kernel", backend_name)
+    kernel = kernels[-1]
     graph.replay()
     torch.cuda.synchronize()
     at_capture = out.float().clone()
@@ -282,7 +284,7 @@ def _graph_case(backend, backend_name, name, mode, n, device, dtype, layer, head
                                                                                device=device), [n] * b, kv, table,
                                       tree_mask=None if tree is None else tree.clone())
         backend.init_forward_metadata(eager_fb)
-        eager_kernel = getattr(backend, "last_kernel", backend_name)
+        eager_kernel = eager_fb.attn_metadata.kernel
         eager = backend.forward(q, None, None, layer, eager_fb).float()
         torch.cuda.synchronize()
         ref_fb = ForwardBatch.build(fmode, ids, list(range(b)), new_lens, [n] * b, kv, table,

@@ -34,26 +34,27 @@ def test_draft_round_metadata_equals_per_step_build(lens, prefix, k):
     rnd = DraftSteps.build(ForwardMode.DECODE, slots, base, k, kv, table, steps=steps, seq_offset=5 + prefix,
                            positions=positions, tree_prefix=prefix)
     once = TorchNativeBackend()
-    rnd.init_backend(once)
+    once.init_round_metadata(rnd)
     eye = torch.eye(k, dtype=torch.bool).expand(b, k, k)
     scratch = torch.zeros(b, k, 0, dtype=torch.bool)
     per_step = TorchNativeBackend()
     for i, fb in enumerate(rnd):
         once.init_forward_metadata(fb)
-        new_mask, new_slots = once._mask.clone(), once._kv_slots.clone()
+        new_mask, new_slots = fb.attn_metadata.mask.clone(), fb.attn_metadata.kv_slots.clone()
         mask = torch.cat([scratch, eye], dim=2)
         if prefix:
             mask = torch.cat([torch.ones(b, k, 1, dtype=torch.bool), mask], dim=2)
         old = ForwardBatch.build(ForwardMode.DECODE, torch.zeros(b * k, dtype=torch.int64), slots, seq_lens[i],
                                  [k] * b, kv, table, positions=positions[i], tree_mask=mask if k > 1 else None)
         per_step.init_forward_metadata(old)
+        ref = old.attn_metadata
         assert torch.equal(fb.seq_lens, old.seq_lens) and torch.equal(fb.out_cache_loc, old.out_cache_loc)
         assert torch.equal(fb.positions, old.positions) and torch.equal(fb.req_slots, slots)
         assert fb.seq_lens_cpu == (seq_lens[i] if lens == "host" else None)
-        width = min(per_step._mask.shape[-1], new_mask.shape[-1])
-        assert torch.equal(per_step._mask[..., :width], new_mask[..., :width]), (i, lens, prefix, k)
-        assert torch.equal(per_step._kv_slots[:, :width], new_slots[:, :width])
-        assert not new_mask[..., width:].any() and not per_step._mask[..., width:].any()  # nothing visible past
+        width = min(ref.mask.shape[-1], new_mask.shape[-1])
+        assert torch.equal(ref.mask[..., :width], new_mask[..., :width]), (i, lens, prefix, k)
+        assert torch.equal(ref.kv_slots[:, :width], new_slots[:, :width])
+        assert not new_mask[..., width:].any() and not ref.mask[..., width:].any()  # nothing visible past
         if k > 1:
             assert new_mask.any(-1).all() and not new_mask.all()  # every row sees something, and the tree hides some
         scratch = torch.cat([scratch, eye], dim=2).gather(1, origins[i].unsqueeze(2).expand(b, k, scratch.shape[2] + k))
