@@ -77,6 +77,34 @@ def pyplot():
     return plt
 
 
+# -- workloads ------------------------------------------------------------------------------------------------
+
+def held_out_package() -> str:
+    import importlib.util
+
+    return next(n for n in ("pip", "setuptools", "torch._dynamo") if importlib.util.find_spec(n.split(".")[0]))
+
+
+def held_out_prompts(tok, n: int, prompt_len: int) -> list[list[int]]:
+    import importlib
+
+    for name in ("pip", "setuptools", "torch._dynamo"):  # pip when installed (it is not in the training data)
+        try:
+            pkg = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    files = sorted(Path(pkg.__file__).parent.rglob("*.py"))
+    prompts = []
+    for f in files:
+        ids = tok(f.read_text(encoding="utf-8", errors="replace")).input_ids
+        if len(ids) >= prompt_len + 64:
+            prompts.append(ids[:prompt_len])
+        if len(prompts) == n:
+            break
+    return prompts
+
+
 # -- timing --------------------------------------------------------------------------------------------------------
 
 def graph_replay_ms(graph, iters: int) -> float:

@@ -23,7 +23,7 @@ def write_tiny_prompts(tokenizer_dir: str, out: Path, n: int = 32) -> None:
     """Held-out prompts for the trained tiny family (the installed pip package's sources, never trained on)."""
     from transformers import AutoTokenizer
 
-    from tools.eval_family import held_out_package, held_out_prompts
+    from bench.common import held_out_package, held_out_prompts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     prompts = held_out_prompts(tok, n, TINY_PROMPT_LEN)
