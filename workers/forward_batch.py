@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from workers.config import MAX_TREE_BLOCK
 from workers.kernels.metadata import uniform_token_metadata
 from workers.kv_cache import KVCache, PageTable
 from workers.messages import ForwardMode
+
+if TYPE_CHECKING:  # the backends import this module
+    from attention.base import AttentionMetadata
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
@@ -58,8 +62,8 @@ class ForwardBatch:
     attn_backend: object | None = None
     # The attention backend's typed metadata for this forward (its ``init_forward_metadata`` builds it), and for a
     # draft-round step the part its ``init_round_metadata`` prepared once for the whole round.
-    attn_metadata: object | None = None
-    round_metadata: object | None = None
+    attn_metadata: AttentionMetadata | None = None
+    round_metadata: AttentionMetadata | None = None
     logits_all_tokens: bool = False  # every token gets logits, in order (``logits_rows``); logits_indices is None
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
