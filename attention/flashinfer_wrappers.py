@@ -178,8 +178,6 @@ class FlashInferBackend(AttentionBackend):
             return "EXTEND (prefill) runs on the prefill wrappers"
         if fb.mode == ForwardMode.TARGET_VERIFY and self.verify_attention_mode != "decode":
             return "verify_attention_mode 'prefill' runs TARGET_VERIFY on the prefill wrappers"
-        if fb.mode not in (ForwardMode.DECODE, ForwardMode.DRAFT_EXTEND, ForwardMode.TARGET_VERIFY):
-            return f"mode {fb.mode.name}"
         ext = fb.extend_lens_cpu
         if not ext:
             return "an empty batch"

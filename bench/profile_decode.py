@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: kernel time by name under torch.profiler (eager engine steps), and each of
 the model's linear shapes at M = 1, 2, 4, 16 rows (cuBLAS, the small-M Triton kernel's tile configs, and what
-``workers.small_m_linear.tune`` picks, each timed as the tuner times it) against its weight-read floor.
+``workers.kernels.tuning.tune`` picks, each timed as the tuner times it) against its weight-read floor.
 
     python3 -m bench.profile_decode --ckpt /tmp/llama-3.1-8b-random --out bench/results/profiles/profile_decode_8b_h100
 
@@ -31,7 +31,7 @@ from bench.common import command, commit, copy_bandwidth, device_name, out_path,
 
 def linear_table(cfg: dict, bw: float, rows_m: tuple[int, ...] = (1, 2, 4, 16)) -> list[dict]:
     """Each linear shape of the model at M rows: cuBLAS (F.linear), every small-M Triton tile config, and what
-    ``workers.small_m_linear.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``: a CUDA
+    ``workers.kernels.tuning.tune`` picks, against the weight-read floor. Every time is ``replayed_ms``: a CUDA
     graph of back-to-back calls over weight copies worth twice the L2, as a decode step runs its layers (the tuner
     also launches a short PDL kernel before each call and takes its time off, ``_fastest``). The down projection
     runs gated, as in the models: its input is [gate | up] and silu(gate) * up is fused into the Triton kernel's

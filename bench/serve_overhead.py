@@ -54,10 +54,11 @@ def main() -> None:
     from deployments.app import build_app
     from deployments.engine.engine import Engine
     from deployments.engine.executor import RayExecutor
+    from deployments.make_tiny import make_tiny
     from workers.config import EngineConfig
 
-    model = args.model or str(__import__("tools.make_tiny", fromlist=["make_tiny"]).make_tiny(
-        "llama", Path(tempfile.mkdtemp()) / "m", layers=4, hidden=256, vocab=2048, max_position=2048))
+    model = args.model or str(make_tiny("llama", Path(tempfile.mkdtemp()) / "m", layers=4, hidden=256, vocab=2048,
+                                        max_position=2048))
     cfg = EngineConfig(model=model, device=args.device, max_model_len=1024)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     local = statistics.median(decode_step_ms(Engine(cfg), args.steps))

@@ -78,7 +78,7 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
         Path(result_file).write_text(json.dumps({"tokens": tokens, "step_ms": times, "overlapped_step_ms": overlapped_ms,
                                                  "custom_all_reduce": w.tp.custom_all_reduce is not None,
                                                  "norms_in_linears": {str(b): f
-                                                                      for b, f in sorted(w.norm_fusion.items())},
+                                                                      for b, f in sorted(w.graphs.norm_fusion.items())},
                                                  "norms_folded": w.target.model.norms_folded}))
     if profile_file:  # GPU time per kernel over 8 more steps (kernels replayed from graphs included), rank 0's table
         from torch.profiler import ProfilerActivity, profile
@@ -178,7 +178,7 @@ def main() -> None:
                                              / results["tp1"]["overlapped_step_ms"], 3),
             "tp2_custom_all_reduce": results["tp2"]["custom_all_reduce"],
             # per variant: whether the norm weights were folded, and each batch bucket's choice of the norms inside
-            # the linears (Worker._capture_faster_fusion; empty: no bucket timed them, the fused forward where folded)
+            # the linears (DecodeGraphs._capture_faster_fusion; empty: no bucket timed them, the fused forward where folded)
             "norms": {name: {"folded": r.get("norms_folded"), "inside_linears_by_bucket": r.get("norms_in_linears")}
                       for name, r in results.items()},
             "greedy_tokens_equal": equal, "first_difference_at": first_diff, "cuda_graphs": not args.eager}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks, one stage per `device` call (see README "GPU checks"). Results go to $OUT/results.tgz
+# GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
 #   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp

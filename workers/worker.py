@@ -88,7 +88,6 @@ class Worker:
         if self.graph_refusal is None:
             self.tuning_cache = tune_for_graphs(self._tuned_models(), cfg.resolved_tuning_cache_dir(), self.device)
         self.page_table: PageTable | None = None
-        self.pad_slot = cfg.max_num_seqs  # the page-table row (all page 0) padded graph rows use
         # per request slot: the newest token, which the next DECODE step feeds (written on the device by every step,
         # so a step can be launched before the host has read the previous step's tokens)
         self.last_token = torch.zeros(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
@@ -165,22 +164,6 @@ class Worker:
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
     def capture_graphs(self) -> None:
         self.graphs.capture_all(self.tuning_cache)
-
-    # read-only views of the captured graphs, for tools and tests
-    @property
-    def graph_buckets(self) -> list[int]:
-        return self.graphs.buckets
-
-    @property
-    def graph_phases(self) -> dict[tuple[int, str, bool], list[str]]:
-        return self.graphs.phases
-
-    @property
-    def norm_fusion(self) -> dict[int, bool]:
-        return self.graphs.norm_fusion
-
-    def _norm_fusion_key(self, bucket: int) -> str:
-        return self.graphs.norm_fusion_key(bucket)
 
     # ---- stepping: launch now, results later ----------------------------------------------------------------------
     def step(self, step: WorkerStep | None, keep: int = 0) -> list[StepResult]:

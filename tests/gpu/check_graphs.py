@@ -57,7 +57,7 @@ def main() -> None:
                 rows.append({"spec": spec_name, "sampling": sname, "mode": mode, "tokens_equal_eager": same,
                              "graph_replays": worker.graphs.num_replays,
                              # per batch bucket: whether its graphs run the norms inside the linears
-                             "norms_in_linears": {str(b): f for b, f in sorted(worker.norm_fusion.items())}})
+                             "norms_in_linears": {str(b): f for b, f in sorted(worker.graphs.norm_fusion.items())}})
                 print(rows[-1], flush=True)
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]

@@ -53,14 +53,14 @@ def _run(target, spec, params, prompts, graphs: bool, **kw):
         worker.capture_graphs()
     out = [o.token_ids for o in eng.generate(prompts, params)]
     if graphs:  # every bucket greedy, the batch's sampling kind when used; the pad slot's page stays unused
-        phases = len(next(iter(worker.graph_phases.values())))
-        assert len(worker.graphs.graphs) == len(worker.graph_phases) * phases
-        greedy = {b for b, kind, _ in worker.graph_phases if kind == "greedy"}
-        sampled = {(b, kind) for b, kind, _ in worker.graph_phases if kind != "greedy"}
-        assert greedy == set(worker.graph_buckets)  # all captured at start
+        phases = len(next(iter(worker.graphs.phases.values())))
+        assert len(worker.graphs.graphs) == len(worker.graphs.phases) * phases
+        greedy = {b for b, kind, _ in worker.graphs.phases if kind == "greedy"}
+        sampled = {(b, kind) for b, kind, _ in worker.graphs.phases if kind != "greedy"}
+        assert greedy == set(worker.graphs.buckets)  # all captured at start
         assert {kind for _, kind in sampled} == ({KIND[id(params)]} if params.temperature > 0 else set())
         assert {b for b, _ in sampled} <= greedy  # sampling variants: on first use
-        assert int(worker.page_table.table[worker.pad_slot].abs().sum()) == 0
+        assert int(worker.page_table.table[worker.graphs.static.pad_slot].abs().sum()) == 0
         assert worker.graphs.num_replays >= 10
     assert eng.allocator.num_free == eng.allocator.capacity_pages
     return out
@@ -125,7 +125,7 @@ def test_top_logprobs_match_plain_decode(spec_models, method, steps, topk, ndt, 
             assert [t for t, _ in g] == [t for t, _ in r], (g, r)
             assert all(abs(a - b) < 1e-4 for (_, a), (_, b) in zip(g, r))
     if graphs:  # the variant with alternatives was captured and replayed
-        assert any(top_variant for _, _, top_variant in eng.executor.worker.graph_phases)
+        assert any(top_variant for _, _, top_variant in eng.executor.worker.graphs.phases)
     # in a batch where one request asks for alternatives, one that does not keeps none
     asks = eng.add_request(prompts[0], TOP)
     plain = eng.add_request(prompts[1], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))

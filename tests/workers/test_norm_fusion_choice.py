@@ -1,4 +1,4 @@
-"""A batch bucket's graphs with or without the norms inside the linears (``Worker._capture_faster_fusion``), run on
+"""A batch bucket's graphs with or without the norms inside the linears (``DecodeGraphs._capture_faster_fusion``), run on
 the CPU with the small-M kernels in Triton's interpreter: the worker captures both, keeps one under the plain graph
 keys (the kept one runs the forwards it was chosen for: counted norm kernels), generates the same tokens as an eager
 run of that choice, stores the choice in the tuning cache, and a later start follows the cache without timing."""
@@ -64,10 +64,10 @@ def check(model_dir: str, cache_dir: str) -> None:
     assert model.fuses_norms(1) and model.fuses_norms(2) and not model.fuses_norms(3)
     with torch.inference_mode():
         worker.capture_graphs()
-    chosen = dict(worker.norm_fusion)
+    chosen = dict(worker.graphs.norm_fusion)
     assert set(chosen) == {1, 2}, chosen
     assert all(len(key) == 4 for key in worker.graphs.graphs), list(worker.graphs.graphs)  # no variant left
-    assert len(worker.graphs.graphs) == len(worker.graph_phases)  # one decode graph per bucket
+    assert len(worker.graphs.graphs) == len(worker.graphs.phases)  # one decode graph per bucket
     layers = len(model.layers)
     for bucket, fused in chosen.items():
         assert norm_kernels_per_replay(worker, bucket) == (1 if fused else 1 + 2 * layers), (bucket, fused)
@@ -76,15 +76,15 @@ def check(model_dir: str, cache_dir: str) -> None:
     assert tokens == [o.token_ids for o in ref_eng.generate(PROMPT, params)]  # eager, the same choice
 
     stored = TuningCache(cache_path, "interpreter")
-    assert {b: stored.get_choice(worker._norm_fusion_key(b)) for b in chosen} == chosen
+    assert {b: stored.get_choice(worker.graphs.norm_fusion_key(b)) for b in chosen} == chosen
     for bucket, fused in chosen.items():  # a later start follows the cache, even against its own timing
-        stored.put_choice(worker._norm_fusion_key(bucket), not fused)
+        stored.put_choice(worker.graphs.norm_fusion_key(bucket), not fused)
     stored.save()
     eng, worker, model = start(model_dir, cache_path)
     with torch.inference_mode():
         worker.capture_graphs()
-    assert worker.norm_fusion == {b: not f for b, f in chosen.items()}
-    for bucket, fused in worker.norm_fusion.items():
+    assert worker.graphs.norm_fusion == {b: not f for b, f in chosen.items()}
+    for bucket, fused in worker.graphs.norm_fusion.items():
         assert norm_kernels_per_replay(worker, bucket) == (1 if fused else 1 + 2 * layers), (bucket, fused)
     print(f"norm fusion choice ok: {chosen}")
 
@@ -108,8 +108,8 @@ def test_the_worker_keeps_the_tuning_cache_it_opened(tiny_models, tmp_path, monk
     monkeypatch.setattr(tuning, "tuning_environment", lambda device: "cpu")
     worker = Worker(EngineConfig(model=str(tiny_models["llama"]), device="cpu", tuning_cache_dir=str(tmp_path)))
     assert worker.tuning_cache is not None and worker.tuning_cache.path == tmp_path / "small_m_linear.json"
-    assert worker._norm_fusion_key(1) != worker._norm_fusion_key(2)
-    assert "| tp 1 |" in worker._norm_fusion_key(1)  # a TP=2 start of the same model times its own choice
+    assert worker.graphs.norm_fusion_key(1) != worker.graphs.norm_fusion_key(2)
+    assert "| tp 1 |" in worker.graphs.norm_fusion_key(1)  # a TP=2 start of the same model times its own choice
 
 
 if __name__ == "__main__":

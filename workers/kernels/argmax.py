@@ -88,7 +88,7 @@ if triton is not None:
             tl.store(LogProb + row, best - lse)
 
 
-def _row_chunks(n: int, block: int) -> tuple[int, int]:
+def row_chunks(n: int, block: int) -> tuple[int, int]:
     """(programs, positions each) that spread a row of ``n`` over up to 64 programs of at least 4 blocks."""
     parts = max(1, min(64, triton.cdiv(n, 4 * block)))
     chunk = triton.cdiv(triton.cdiv(n, parts), block) * block
@@ -140,7 +140,7 @@ def _argmax_lse(logits, gumbel, floor, with_logprob: bool = False, remap: torch.
                 ids_out: torch.Tensor | None = None, ids_rows: torch.Tensor | None = None):
     b, n = logits.shape
     block = 1024
-    parts, chunk = _row_chunks(n, block)
+    parts, chunk = row_chunks(n, block)
     dev = logits.device
     part_max = torch.empty(b, parts, dtype=torch.float32, device=dev)
     part_arg = torch.empty(b, parts, dtype=torch.int32, device=dev)

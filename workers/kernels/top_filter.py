@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels.argmax import _row_chunks
+from workers.kernels.argmax import row_chunks
 from workers.kernels.launch import triton, use_triton
 
 if triton is not None:
@@ -119,7 +119,7 @@ def filter_floor(sorted_logits: torch.Tensor, temperature: torch.Tensor, top_k: 
         return filter_floor_reference(sorted_logits, temperature, top_k, top_p, min_p)
     b, n = sorted_logits.shape
     block = 1024
-    parts, chunk = _row_chunks(n, block)
+    parts, chunk = row_chunks(n, block)
     dev = sorted_logits.device
     mass = torch.empty(b, parts, dtype=torch.float32, device=dev)
     in_k = torch.empty(b, parts, dtype=torch.int32, device=dev)
