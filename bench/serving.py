@@ -1,8 +1,10 @@
 """Serving benchmark: an OpenAI-compatible endpoint under load, as vLLM's / SGLang's serving benchmarks drive one.
 
-Requests with random prompt and output lengths (uniform within ±range-ratio) arrive as a Poisson process at each
-request rate (inf = all at once), at most --max-concurrency in flight; each streams a completion with the official
-openai client. Per rate: request and output-token throughput, TTFT, TPOT (time per output token after the first) and
+Requests with random prompt and output lengths (uniform within ±range-ratio; 0: fixed) arrive as a Poisson process
+at each request rate (inf = all at once), at most --max-concurrency in flight; or, with --concurrencies, 2C requests
+all at once with C in flight, for each C (comparable with the engine's offline throughput at batch C). Each streams
+a completion over plain HTTP with ignore_eos, so every request produces exactly its output length. Per level:
+request and output-token throughput, TTFT, TPOT (time per output token after the first) and
 ITL (gaps between streamed chunks; with speculation a chunk may carry several tokens), mean / median / p99.
 
     python3 -m bench.serving --config configs/local.yaml --request-rates 2,8,inf --out bench/results/serving/cpu_serving
@@ -47,34 +49,46 @@ def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, st
     return base + "/v1", model, vocab_size(args), args.get("engine_kwargs", {}).get("device", "auto")
 
 
-async def one_request(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def one_request(http, url: str, headers: dict, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion over plain HTTP (SSE lines read as they come; the client must never be what limits the
+    figure): time to the first token, the gaps between chunks, the server's token count and speculation stats."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.perf_counter()
     stamps, tokens, spec = [], 0, None
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            stamps.append(time.perf_counter())
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-            spec = (chunk.model_extra or {}).get("spec_decode_stats")
+    async with http.stream("POST", url, json=body, headers=headers) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(now)
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+                spec = chunk.get("spec_decode_stats")
     end = time.perf_counter()
     stamps = stamps or [end]  # no visible text at all: the first token is taken to arrive with the end
     return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens, "asked": max_tokens, "spec": spec,
             "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
 
 
-async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int) -> dict:
-    from openai import AsyncOpenAI
+async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
+                   api_key: str | None = None) -> dict:
+    """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight."""
+    import httpx
 
-    client = AsyncOpenAI(base_url=base, api_key="unused", max_retries=0, timeout=600)
+    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     gate = asyncio.Semaphore(max_concurrency)
     rng = random.Random(0)
 
     async def limited(p, n):
         async with gate:
-            return await one_request(client, model, p, n)
+            return await one_request(http, base + "/completions", headers, model, p, n)
 
     tasks = []
     t0 = time.perf_counter()
@@ -84,7 +98,7 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
             await asyncio.sleep(rng.expovariate(rate))
     results = await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
-    await client.close()
+    await http.aclose()
 
     def stats(values: list[float]) -> dict:
         v = sorted(values) or [float("nan")]
@@ -96,7 +110,8 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     if short:
         raise RuntimeError(f"{short} of {len(results)} requests came back with fewer or more tokens than asked "
                            "(ignore_eos is set)")
-    row = {"request_rate": rate if rate != float("inf") else "inf", "num_requests": len(results),
+    row = {"request_rate": rate if rate != float("inf") else "inf", "concurrency": max_concurrency,
+           "num_requests": len(results),
            "duration_s": round(wall, 2), "request_throughput": round(len(results) / wall, 3),
            "output_tok_s": round(out_tokens / wall, 1), "ttft": stats([r["ttft"] for r in results]),
            "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]])}
@@ -107,15 +122,15 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     return row
 
 
-def server_stats(base: str) -> dict:
+def server_stats(base: str, api_key: str | None = None) -> dict:
     """The server's /v1/stats ({} from a server without it, e.g. another OpenAI-compatible one)."""
-    import urllib.error
-    import urllib.request
+    import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(f"{base}/stats", timeout=30) as resp:
-            return json.loads(resp.read())
-    except (urllib.error.URLError, ValueError):
+        resp = httpx.get(f"{base}/stats", headers=headers, timeout=30)
+        return resp.json() if resp.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
         return {}
 
 
@@ -192,22 +207,25 @@ def wait_healthy(base: str, timeout_s: float, server_pid: int | None = None, ser
 def write(meta: dict, rows: list[dict], out: Path) -> None:
     """<out>.json, .md and .png from the rows measured so far."""
     meta = {**meta, "rows": rows}
+    key, head = ("concurrency", "concurrency") if meta.get("concurrencies") else ("request_rate", "rate (req/s)")
     write_json(out, meta)
     spec = any("accept_length" in r for r in rows)
     md = [f"# Serving benchmark ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
           f"{meta['num_prompts']} requests per rate, input {meta['input_len']} / output {meta['output_len']} tokens "
-          f"(±{meta['range_ratio']:.0%}), at most {meta['max_concurrency']} in flight, greedy, streamed"]
+          f"(±{meta['range_ratio']:.0%}), " + ("2C requests at once with C in flight" if meta.get("concurrencies")
+                                                else f"at most {meta['max_concurrency']} in flight") +
+          ", greedy, streamed, ignore_eos"]
     if meta.get("engine_kwargs"):
         md += ["", f"server engine_kwargs: `{json.dumps(meta['engine_kwargs'])}`"]
     if meta.get("stream_interval") is not None:
         md += ["", f"stream_interval: {meta['stream_interval']}"
                + (f" · stream_batching_interval_ms: {meta['stream_batching_interval_ms']}"
                   if meta.get("stream_batching_interval_ms") is not None else "")]
-    md += ["", "| rate (req/s) | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
+    md += ["", f"| {head} | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
            "ITL median / p99 ms |" + (" accept length |" if spec else ""),
            "|---|---|---|---|---|---|" + ("---|" if spec else "")]
-    md += [f"| {r['request_rate']} | {r['request_throughput']} | {r['output_tok_s']} | {r['ttft']['median_ms']} / "
+    md += [f"| {r[key]} | {r['request_throughput']} | {r['output_tok_s']} | {r['ttft']['median_ms']} / "
            f"{r['ttft']['p99_ms']} | {r['tpot']['median_ms']} / {r['tpot']['p99_ms']} | {r['itl']['median_ms']} / "
            f"{r['itl']['p99_ms']} |" + (f" {r.get('accept_length', '')} |" if spec else "") for r in rows]
     steps = [r for r in rows if r.get("server_per_step", {}).get("steps")]
@@ -215,23 +233,23 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
         md += ["", "Server host time per engine step (from /v1/stats): schedule, execute (the workers' step, round "
                "trip; worker: rank 0's own part of it), outputs (detokenise, metrics), and the engine loop's wall time "
                "per step (with lock waits and the hand-off to the streams).", "",
-               "| rate (req/s) | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms | "
+               f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms | "
                "lock wait ms |", "|---|---|---|---|---|---|---|---|"]
-        md += [f"| {r['request_rate']} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | "
+        md += [f"| {r[key]} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | "
                f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | "
                f"{p.get('lock_wait_ms', '')} |"
                for r in steps for p in [r["server_per_step"]]]
     write_markdown(out, md)
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    labels = [str(r["request_rate"]) for r in rows]
+    labels = [str(r[key]) for r in rows]
     axes[0].bar(labels, [r["output_tok_s"] for r in rows])
-    axes[0].set_xlabel("request rate (req/s)")
+    axes[0].set_xlabel(head)
     axes[0].set_ylabel("output tokens/s")
     for key in ("ttft", "tpot"):
         axes[1].plot(labels, [r[key]["median_ms"] for r in rows], "o-", label=f"{key} median")
         axes[1].plot(labels, [r[key]["p99_ms"] for r in rows], "x--", label=f"{key} p99")
-    axes[1].set_xlabel("request rate (req/s)")
+    axes[1].set_xlabel(head)
     axes[1].set_ylabel("ms")
     axes[1].set_yscale("log")
     axes[1].legend(fontsize=7)
@@ -260,6 +278,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--range-ratio", type=float, default=0.5)
     ap.add_argument("--request-rates", default="2,8,inf")
+    ap.add_argument("--concurrencies", default=None, help="instead of rates: for each C, 2C requests at once, C in "
+                    "flight (e.g. 1,16,64,128,256)")
+    ap.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -290,6 +311,8 @@ def main() -> None:
     rng = random.Random(1)
     lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
                       for _ in range(args.num_prompts)]
+    levels = [int(c) for c in args.concurrencies.split(",")] if args.concurrencies else []
+    args.num_prompts = max([args.num_prompts] + [2 * c for c in levels])
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
     out_lens = lens(args.output_len)
     import platform
@@ -301,13 +324,15 @@ def main() -> None:
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency}
+            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels}
     rows = []
-    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4))  # warm-up
-    for rate in [float(r) for r in args.request_rates.split(",")]:
-        before = server_stats(base)
-        rows.append(asyncio.run(run_rate(base, model, prompts, out_lens, rate, args.max_concurrency)))
-        rows[-1]["server_per_step"] = per_step(before, server_stats(base))
+    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4, args.api_key))  # warm-up
+    runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
+            [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
+    for rate, concurrency, n in runs:
+        before = server_stats(base, args.api_key)
+        rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key)))
+        rows[-1]["server_per_step"] = per_step(before, server_stats(base, args.api_key))
         print(rows[-1], flush=True)
         write(meta, rows, out_path(args.out))
 

@@ -466,3 +466,20 @@ def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_mode
     finally:
         loop.shutdown()
         engine.shutdown()
+
+
+def test_the_serving_benchmark_client_counts_every_token(server):
+    """bench.serving's plain-HTTP client against the real server: at concurrency 2 (the server's max_num_seqs), every
+    request streams exactly its fixed length (ignore_eos), its first token comes before its end, and the server's
+    own step counters are read through the API key."""
+    from bench.serving import run_rate, server_stats
+
+    base = server["base"] + "/v1"
+    prompts = [[5 + i, 9, 11 + i] for i in range(4)]
+    before = server_stats(base, API_KEY)
+    row = asyncio.run(run_rate(base, "tiny", prompts, [6] * 4, float("inf"), 2, API_KEY))
+    after = server_stats(base, API_KEY)
+    assert row["num_requests"] == 4 and row["output_tok_s"] > 0 and row["concurrency"] == 2, row
+    assert 0 < row["ttft"]["median_ms"] <= row["ttft"]["p99_ms"], row
+    assert row["accept_length"] > 1.0, row  # the target drafts for itself: its drafts are accepted
+    assert after["step_time"]["steps"] > before["step_time"]["steps"], (before, after)
