@@ -212,7 +212,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     spec = any("accept_length" in r for r in rows)
     md = [f"# Serving benchmark ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"{meta['num_prompts']} requests per rate, input {meta['input_len']} / output {meta['output_len']} tokens "
+          ("2C requests per level" if meta.get("concurrencies") else f"{meta['num_prompts']} requests per rate") +
+          f", input {meta['input_len']} / output {meta['output_len']} tokens "
           f"(±{meta['range_ratio']:.0%}), " + ("2C requests at once with C in flight" if meta.get("concurrencies")
                                                 else f"at most {meta['max_concurrency']} in flight") +
           ", greedy, streamed, ignore_eos"]
