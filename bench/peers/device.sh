@@ -19,7 +19,10 @@ fi
 export PYTHONPATH=$PV/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [[ $stage == setup ]] && { echo "deps: $([[ -f $PV/.deps ]] && echo y || echo n), vllm: $([[ -f $PV/.vllm ]] && echo y || echo n)"; exit 0; }
-one() { echo "=== $*"; timeout "${T:-400}" python3 -m bench.peers.run "$@" 2>&1 | grep -v -E "INFO|WARN|it/s\]" | tail -n 12; }
+one() {  # the whole log goes with the runs (a failed engine start's root cause is far above its last lines)
+  local log=/tmp/peer_runs/$(basename "${@: -1}" .json).log
+  echo "=== $*"; timeout "${T:-400}" python3 -m bench.peers.run "$@" >"$log" 2>&1
+  echo "=== exit $?"; grep -v -E "INFO|WARN|it/s\]" "$log" | tail -n 12; }
 case $stage in
   decode8b|decode1b)
     shape=$([[ $stage == decode1b ]] && echo llama-3.2-1b || echo llama-3.1-8b)
