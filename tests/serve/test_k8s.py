@@ -277,7 +277,8 @@ def test_dashboard_names_match_exporter():
     metrics = pytest.importorskip("ray.util.metrics")
     engine_metrics = pytest.importorskip("deployments.engine.metrics")
     names = set()
-    for m in vars(engine_metrics.EngineMetrics("x")).values():
+    registered = {**vars(engine_metrics.EngineMetrics("x")), **vars(engine_metrics.RequestMetrics("x"))}
+    for m in registered.values():
         if isinstance(m, metrics.Counter):
             names.add(f"ray_{m._name}_total")
         elif isinstance(m, (metrics.Histogram, metrics.Gauge)):  # histograms: the family of _bucket/_sum/_count

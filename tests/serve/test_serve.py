@@ -368,18 +368,6 @@ def test_a_llama3_style_model(server, tmp_path):
         assert texts == {client.completions.create(temperature=0, **kw).choices[0].text}
 
 
-def test_stream_items_of_several_steps_merge_into_one():
-    """Under load the controller sends the steps that piled up for a request as one stream item."""
-    from deployments.controller import _merged
-
-    a = {"rid": "r", "token_ids": [1, 2], "text": "ab", "finished": False, "finish_reason": None}
-    b = {"rid": "r", "token_ids": [3], "text": "c", "finished": True, "finish_reason": "length",
-         "prompt_tokens": 4, "completion_tokens": 3, "spec": None, "error": None}
-    m = _merged([a, b])
-    assert m["token_ids"] == [1, 2, 3] and m["text"] == "abc" and m["finished"] and m["finish_reason"] == "length"
-    assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]
-
-
 @contextlib.contextmanager
 def _second_app(server, name: str, app_args: dict, model_source: str | None = None):
     """Another application on the same Serve instance, at /<name>, serving the tiny target (or ``model_source``)
@@ -426,46 +414,6 @@ def test_stream_batching_interval_caps_sends(server):
         # (one send is possible: a fast machine can finish all 60 tokens before the stream's first send)
         assert 1 <= len(chunks) <= 2 + took / interval_s, (len(chunks), took, texts)
         assert len(chunks) < 60, texts  # tokens were gathered
-
-
-def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_models):
-    """The controller waits for the engine lock (held for a whole step) in a thread before a request is queued. A
-    client that leaves in that window cancels the wait, but the thread still queues the request: it must then be
-    aborted, not decoded to max_tokens with its KV held and nobody reading."""
-    import types
-
-    from deployments.controller import EngineLoop, LLMController
-    from deployments.engine.engine import Engine
-    from workers.config import EngineConfig
-
-    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256))
-    loop = EngineLoop(engine)
-    controller = types.SimpleNamespace(loop=loop, engine=engine, config=types.SimpleNamespace(
-        stream_batching_interval_ms=0, stream_interval=1))
-    generate = LLMController.func_or_class.generate
-
-    async def leave_while_waiting():
-        loop._lock.acquire()  # a step in progress
-        gen = generate(controller, [5, 6, 7, 8], {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}, "r1")
-        first = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.2)
-        first.cancel()  # what Serve does when the client disconnects
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        loop._lock.release()  # the step ends; the waiting thread queues the request
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if not engine.has_work() and "r1" not in loop._queues:
-                break
-
-    try:
-        asyncio.run(leave_while_waiting())
-        assert not engine.has_work() and not loop._queues
-        assert engine.scheduler.kv_usage == 0.0
-        assert engine.step_time["steps"] < 50  # aborted after a step or two, not decoded to its 200 tokens
-    finally:
-        loop.shutdown()
-        engine.shutdown()
 
 
 def test_the_serving_benchmark_client_counts_every_token(server):
