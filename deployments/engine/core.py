@@ -56,14 +56,17 @@ class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
     CLIENT_TIMEOUT_S = 60.0  # a client that has not polled for this long is gone: its requests are aborted
 
-    def __init__(self, cfg: EngineConfig, model_id: str):
+    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None):
+        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing)."""
         from deployments.engine.executor import RayExecutor
         from deployments.engine.metrics import EngineMetrics
 
         t0 = time.time()
         self.cfg = cfg
-        self.engine = Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id), detokenize=False)
-        freeze_startup_heap()  # this process keeps the engine for its life
+        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id),
+                                       detokenize=False)
+        if engine is None:
+            freeze_startup_heap()  # this process keeps the engine for its life
         self.cold_start_s = time.time() - t0
         self._lock = threading.Lock()  # guards what the threads share below; never held across a step
         self._output_ready = threading.Condition(self._lock)
@@ -156,7 +159,8 @@ class EngineCore:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
-                    engine.metrics.record_load(engine.step_stats())
+                    if engine.metrics is not None:
+                        engine.metrics.record_load(engine.step_stats())
                     self._drop_gone_clients()
                     load_set = time.monotonic()
                 continue
