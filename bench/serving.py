@@ -122,6 +122,55 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     return row
 
 
+def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_file: str) -> None:
+    """The same workload through the in-process engine (``Engine.step`` in a loop, no HTTP, no Ray): for each C,
+    2C requests with C in flight, the next one added as soon as one finishes. Writes {C: row} to ``out_file``."""
+    from deployments.app import resolve_config
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+
+    cfg = resolve_config(dict(app_args)).engine_config()
+    if cfg.resolved_device() == "cpu":
+        import torch
+
+        torch.set_num_threads(1)  # as the server's worker actor (Ray gives an actor of < 1 CPU one thread)
+    engine = Engine(cfg)
+
+    def run(n: int, concurrency: int) -> dict:
+        todo = list(range(n))
+        added, first, last, count = {}, {}, {}, {}
+        t0 = time.perf_counter()
+
+        def add() -> None:
+            i = todo.pop(0)
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=out_lens[i], temperature=0.0,
+                                                                ignore_eos=True)).rid
+            added[rid] = time.perf_counter()
+
+        for _ in range(min(concurrency, n)):
+            add()
+        while engine.has_work():
+            for o in engine.step():
+                now = time.perf_counter()
+                if o.new_token_ids:
+                    first.setdefault(o.rid, now)
+                    last[o.rid] = now
+                    count[o.rid] = count.get(o.rid, 0) + len(o.new_token_ids)
+                if o.finished and todo:
+                    add()
+        wall = time.perf_counter() - t0
+        ttft = sorted(first[r] - added[r] for r in added)
+        tpot = sorted((last[r] - first[r]) / max(1, count[r] - 1) for r in added)
+        return {"concurrency": concurrency, "num_requests": n, "output_tok_s": round(sum(count.values()) / wall, 1),
+                "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
+                "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3)}
+
+    run(4, 4)  # warm-up
+    rows = {c: run(2 * c, c) for c in levels}
+    Path(out_file).write_text(json.dumps(rows))
+    engine.shutdown()
+
+
 def server_stats(base: str, api_key: str | None = None) -> dict:
     """The server's /v1/stats ({} from a server without it, e.g. another OpenAI-compatible one)."""
     import httpx
@@ -136,8 +185,7 @@ def server_stats(base: str, api_key: str | None = None) -> dict:
 
 def per_step(before: dict, after: dict) -> dict:
     """The server's own host time per engine step over one rate: schedule / execute (workers, round trip) /
-    outputs (detokenise, metrics) inside the step, and the engine loop's wall time per step (lock waits and
-    handing outputs to the event loop included)."""
+    outputs (reading the tokens, metrics) inside the step, and the engine loop's wall time per step."""
     a, b = after.get("step_time"), before.get("step_time")
     if not a or not b:
         return {}
@@ -149,7 +197,7 @@ def per_step(before: dict, after: dict) -> dict:
            "worker_ms": ms("worker_s"), "outputs_ms": ms("outputs_s")}
     if "loop" in after and "loop" in before:
         row["loop_wall_ms"] = ms("busy_s", after["loop"], before["loop"])
-        row["lock_wait_ms"] = ms("lock_wait_s", after["loop"], before["loop"])
+        # the engine core's wall time per step that ran (with handing its outputs to the polls)
     return row
 
 
@@ -229,16 +277,23 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     md += [f"| {r[key]} | {r['request_throughput']} | {r['output_tok_s']} | {r['ttft']['median_ms']} / "
            f"{r['ttft']['p99_ms']} | {r['tpot']['median_ms']} / {r['tpot']['p99_ms']} | {r['itl']['median_ms']} / "
            f"{r['itl']['p99_ms']} |" + (f" {r.get('accept_length', '')} |" if spec else "") for r in rows]
+    if any("offline" in r for r in rows):
+        md += ["", "The same workload through the in-process engine (offline: `Engine.step` in a loop, the next request "
+               "added as one finishes), measured first in the same run:", "",
+               f"| {head} | served tok/s | offline tok/s | served ÷ offline | TTFT p50 served / offline ms | "
+               "TPOT p50 served / offline ms |", "|---|---|---|---|---|---|"]
+        md += [f"| {r[key]} | {r['output_tok_s']} | {o['output_tok_s']} | {r['served_over_offline']} | "
+               f"{r['ttft']['median_ms']} / {o['ttft_median_ms']} | {r['tpot']['median_ms']} / {o['tpot_median_ms']} |"
+               for r in rows if "offline" in r for o in [r["offline"]]]
     steps = [r for r in rows if r.get("server_per_step", {}).get("steps")]
     if steps:
         md += ["", "Server host time per engine step (from /v1/stats): schedule, execute (the workers' step, round "
-               "trip; worker: rank 0's own part of it), outputs (detokenise, metrics), and the engine loop's wall time "
-               "per step (with lock waits and the hand-off to the streams).", "",
-               f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms | "
-               "lock wait ms |", "|---|---|---|---|---|---|---|---|"]
+               "trip; worker: rank 0's own part of it), outputs (reading the tokens, metrics), and the engine "
+               "loop's wall time per step (with handing the outputs to the ingress polls).", "",
+               f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms |",
+               "|---|---|---|---|---|---|---|"]
         md += [f"| {r[key]} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | "
-               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | "
-               f"{p.get('lock_wait_ms', '')} |"
+               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} |"
                for r in steps for p in [r["server_per_step"]]]
     write_markdown(out, md)
     plt = pyplot()
@@ -259,6 +314,37 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=100)
     plt.close(fig)
+
+
+def workload(args, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
+    """(concurrency levels, prompts, output lengths): the same for every engine given the same arguments."""
+    rng = random.Random(1)
+    levels = [int(c) for c in args.concurrencies.split(",")] if args.concurrencies else []
+    args.num_prompts = max([args.num_prompts] + [2 * c for c in levels])
+    lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
+                      for _ in range(args.num_prompts)]
+    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
+    return levels, prompts, lens(args.output_len)
+
+
+def measure_offline(config: Path, args) -> dict[int, dict]:
+    """``offline_levels`` in a child process, so that its device memory is free again before the server starts."""
+    import multiprocessing
+    import tempfile
+
+    app_args = server_config(config)[2]
+    levels, prompts, out_lens = workload(argparse.Namespace(**vars(args)), vocab_size(app_args))
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        child = multiprocessing.get_context("spawn").Process(
+            target=offline_levels, args=(app_args, prompts, out_lens, levels, f.name))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"the offline run failed (exit code {child.exitcode})")
+        rows = {int(c): row for c, row in json.loads(Path(f.name).read_text()).items()}
+    for c, row in rows.items():
+        print("offline", row, flush=True)
+    return rows
 
 
 def main() -> None:
@@ -282,10 +368,17 @@ def main() -> None:
     ap.add_argument("--concurrencies", default=None, help="instead of rates: for each C, 2C requests at once, C in "
                     "flight (e.g. 1,16,64,128,256)")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
+    ap.add_argument("--offline", action="store_true", help="with --config and --concurrencies: first the same "
+                    "workload through the in-process engine (in a child process), reported beside the served rows")
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     engine_kwargs = stream_interval = app_args = None
+    offline = {}
+    if args.offline:
+        if not (args.config and args.concurrencies):
+            ap.error("--offline needs --config and --concurrencies")
+        offline = measure_offline(Path(args.config), args)
     if args.config:
         base, model, vocab, device = start_app(Path(args.config), args.stream_interval)
         app_args = server_config(Path(args.config))[2]
@@ -309,13 +402,7 @@ def main() -> None:
     else:
         ap.error("one of --config, --server-config, --url")
     model = args.model_id or model
-    rng = random.Random(1)
-    lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
-                      for _ in range(args.num_prompts)]
-    levels = [int(c) for c in args.concurrencies.split(",")] if args.concurrencies else []
-    args.num_prompts = max([args.num_prompts] + [2 * c for c in levels])
-    prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
-    out_lens = lens(args.output_len)
+    levels, prompts, out_lens = workload(args, vocab)
     import platform
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
@@ -334,6 +421,9 @@ def main() -> None:
         before = server_stats(base, args.api_key)
         rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key)))
         rows[-1]["server_per_step"] = per_step(before, server_stats(base, args.api_key))
+        if concurrency in offline:
+            rows[-1]["offline"] = offline[concurrency]
+            rows[-1]["served_over_offline"] = round(rows[-1]["output_tok_s"] / offline[concurrency]["output_tok_s"], 3)
         print(rows[-1], flush=True)
         write(meta, rows, out_path(args.out))
 

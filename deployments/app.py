@@ -56,4 +56,6 @@ def build_app(args: dict) -> Application:
         placement_group_strategy=cfg.placement_group_config.strategy,
         **cfg.deployment_config,
     ).bind(cfg.model_dump())
-    return OpenAIIngress.bind(controller, cfg.model_loading_config.model_id, cfg.api_key)
+    return OpenAIIngress.options(**cfg.ingress_deployment_config).bind(
+        controller, cfg.model_loading_config.model_id, cfg.api_key, cfg.stream_interval,
+        cfg.stream_batching_interval_ms)

@@ -23,15 +23,19 @@ class PlacementGroupConfig(Strict):
 class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
-    deployment_config: dict = Field(default_factory=dict)
+    deployment_config: dict = Field(default_factory=dict, description="Serve options of the controller deployment "
+                                    "(one replica: it owns the engine core)")
+    ingress_deployment_config: dict = Field(default_factory=dict, description="Serve options of the ingress "
+                                            "deployment (HTTP, tokenizing, detokenizing): num_replicas, "
+                                            "autoscaling_config, max_ongoing_requests")
     placement_group_config: PlacementGroupConfig = Field(default_factory=PlacementGroupConfig)
     api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <api_key>`")
     stream_interval: int = Field(1, ge=1, description="new tokens a request gathers before its stream sends them "
                                  "(the first and the last go at once); default 1, as SGLang's --stream-interval")
-    stream_batching_interval_ms: float = Field(50.0, ge=0, description="after a send, a request's stream waits this "
+    stream_batching_interval_ms: float = Field(0.0, ge=0, description="after a send, a request's stream waits this "
                                                "long, gathering tokens, before its next send (the first and the last "
-                                               "go at once), capping the sends per stream whatever the step rate; 0 "
-                                               "sends every step's tokens; default 50, as Ray Serve LLM's")
+                                               "go at once); default 0: every step's tokens as they come (a stream "
+                                               "that falls behind gets the steps it missed together)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     @model_validator(mode="after")

@@ -16,6 +16,8 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.engine.tokenizer import ChatTemplateError
+from deployments.engine_client import Delta, EngineClient, RequestStream
 from deployments.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -67,33 +69,49 @@ async def _validation_error(_: Request, e: RequestValidationError):
                           "invalid_request_error", loc)
 
 
-async def _collect(gen) -> tuple[str, list, list, dict]:
-    """One choice's whole stream: (text, logprob pairs, their alternatives, its last item)."""
-    text, pairs, tops, last = [], [], [], None
-    async for item in gen:
-        if "error" in item and item.get("status"):
-            raise APIError(item["status"], item["error"], item["type"])
-        text.append(item["text"])
-        pairs += item.get("logprobs") or []
-        tops += item.get("top_logprobs") or []
-        last = item
-    return "".join(text), pairs, tops, last
+async def _collect(stream: RequestStream) -> Delta:
+    """One choice's whole stream as one delta."""
+    whole = Delta()
+    async for delta in stream:
+        whole.extend(delta)
+    return whole
+
+
+async def _interleave(gens: list):
+    """Items of several async generators in the order they come."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen) -> None:
+        try:
+            async for item in gen:
+                await queue.put(item)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        running = len(gens)
+        while running:
+            item = await queue.get()
+            if item is None:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, controller: DeploymentHandle, model_id: str, api_key: str | None = None):
+    def __init__(self, controller: DeploymentHandle, model_id: str, api_key: str | None = None,
+                 stream_interval: int = 1, stream_batching_interval_ms: float = 0.0):
         self.controller = controller
         self.model_id = model_id
         app.state.api_key = api_key  # one ingress per replica process: the middleware reads it
         self.created = int(time.time())
-        self._info = None
-
-    async def _model_info(self) -> dict:
-        if self._info is None:
-            self._info = await self.controller.info.remote()
-        return self._info
+        self.engine = EngineClient(controller, model_id, stream_interval, stream_batching_interval_ms)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
@@ -107,16 +125,17 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self):
-        info = await self._model_info()
+        info = await self.engine.model_info()
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                              "owned_by": "specserve", "max_model_len": info["max_model_len"]}]}
 
     @app.get("/v1/stats")
     async def stats(self):
-        return await self.controller.stats.remote()
+        return await self.engine.stats()
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
+        arrival = time.time()
         self._check_model(body.model)
         body.refuse_unsupported()
         prompt = body.single_prompt()
@@ -124,73 +143,77 @@ class OpenAIIngress:
         if body.echo:  # the prompt's text before each choice's (its logprobs would need the prompt's: not computed)
             if body.logprobs is not None:
                 raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-            echo = prompt if isinstance(prompt, str) else await self.controller.decode.remote(prompt)
+            await self.engine.core()
+            echo = prompt if isinstance(prompt, str) else self.engine.decode(prompt)
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        return await self._serve(body, prompt, chat=False, logprobs=body.logprobs is not None, echo=echo,
-                                 top=body.logprobs or 0)
+        prompt_ids = await self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        return await self._serve(body, prompt_ids, arrival, chat=False, logprobs=body.logprobs is not None,
+                                 echo=echo, top=body.logprobs or 0)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
+        arrival = time.time()
         self._check_model(body.model)
         body.refuse_unsupported()
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        prompt = await self.controller.render_chat.remote(body.message_dicts())
-        if isinstance(prompt, dict):
-            raise APIError(400, prompt["error"], param="messages")
+        try:
+            prompt_ids = await self.engine.render_chat(body.message_dicts())
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), param="messages") from None
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(body, prompt, chat=True, logprobs=bool(body.logprobs), top=body.top_logprobs or 0)
+        return await self._serve(body, prompt_ids, arrival, chat=True, logprobs=bool(body.logprobs),
+                                 top=body.top_logprobs or 0)
 
-    async def _serve(self, body: SamplingFields, prompt, chat: bool, logprobs: bool, echo: str = "",
-                     top: int = 0):
+    async def _serve(self, body: SamplingFields, prompt_ids: list[int], arrival: float, chat: bool, logprobs: bool,
+                     echo: str = "", top: int = 0):
         """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
         with one response or one SSE stream; ``echo`` (completions) comes first in every choice's text."""
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
-        info = await self._model_info()
+        info = await self.engine.model_info()
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs, top)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
-        gens = [self.controller.options(stream=True).generate.remote(
-            prompt, dict(params, seed=None if params["seed"] is None else params["seed"] ^ i),
-            rid if n == 1 else f"{rid}-{i}") for i in range(n)]
-        try:
-            firsts = await asyncio.gather(*(g.__anext__() for g in gens))
-        except BaseException:
-            for g in gens:
-                g.cancel()
-            raise
-        refused = next((f for f in firsts if "error" in f), None)
+        added = await asyncio.gather(*(self.engine.add(
+            rid if n == 1 else f"{rid}-{i}", prompt_ids,
+            dict(params, seed=None if params["seed"] is None else params["seed"] ^ i), arrival)
+            for i in range(n)), return_exceptions=True)
+        refused = next((a for a in added if isinstance(a, BaseException)), None)
         if refused is not None:
-            for g in gens:
-                g.cancel()
-            raise APIError(refused["status"], refused["error"], refused["type"], None, refused.get("code"))
+            for a in added:
+                if isinstance(a, RequestStream):
+                    self.engine.abort(a.rid)
+            raise refused
+        streams: list[RequestStream] = list(added)
         created = int(time.time())
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(gens, rid, created, chat, include_usage, logprobs, echo),
+            return StreamingResponse(self._sse(streams, rid, created, chat, include_usage, logprobs, echo),
                                      media_type="text/event-stream")
         try:
-            results = await asyncio.gather(*(_collect(g) for g in gens))
+            results = await asyncio.gather(*(_collect(s) for s in streams))
         finally:
-            for g in gens:
-                g.cancel()  # no-op when finished
+            for s in streams:
+                if not s.finished:
+                    s.finished = True
+                    self.engine.abort(s.rid)
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
-        for i, (text, pairs, tops, last) in enumerate(results):
-            if last["finish_reason"] == "error":
-                raise APIError(500, last.get("error") or "generation failed", "internal_error")
-            choice = {"index": i, "finish_reason": last["finish_reason"],
-                      "logprobs": logprobs_body(pairs, chat, 0, tops) if logprobs else None}
+        for i, r in enumerate(results):
+            if r.finish_reason == "error":
+                raise APIError(500, r.error or "generation failed", "internal_error")
+            choice = {"index": i, "finish_reason": r.finish_reason,
+                      "logprobs": logprobs_body(r.logprobs, chat, 0, r.top_logprobs) if logprobs else None}
             if chat:
-                choice["message"] = {"role": "assistant", "content": text}
+                choice["message"] = {"role": "assistant", "content": r.text}
             else:
-                choice["text"] = echo + text
+                choice["text"] = echo + r.text
             choices.append(choice)
-            prompt_tokens, completion_tokens = last["prompt_tokens"], completion_tokens + last["completion_tokens"]
-            spec = spec or last.get("spec")
+            prompt_tokens, completion_tokens = r.prompt_tokens, completion_tokens + r.completion_tokens
+            spec = spec or r.spec
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_id, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -199,12 +222,13 @@ class OpenAIIngress:
             resp["spec_decode_stats"] = spec
         return resp
 
-    async def _sse(self, gens: list, rid: str, created: int, chat: bool, include_usage: bool, logprobs: bool,
-                   echo: str = ""):
-        """The choices' items as SSE chunks in the order they come (each chunk names its choice's index); the usage
-        chunk (asked for) and [DONE] once every choice has finished."""
+    async def _sse(self, streams: list[RequestStream], rid: str, created: int, chat: bool, include_usage: bool,
+                   logprobs: bool, echo: str = ""):
+        """The choices' deltas as SSE chunks in the order they come (each chunk names its choice's index); the
+        usage chunk (asked for) and [DONE] once every choice has finished."""
         obj = "chat.completion.chunk" if chat else "text_completion"
-        sent = [0] * len(gens)  # characters streamed per choice: where its next tokens start (text_offset)
+        sent = [0] * len(streams)  # characters streamed per choice: where its next tokens start (text_offset)
+        head = {"id": rid, "object": obj, "created": created, "model": self.model_id}
 
         def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None,
                   tops=None) -> str:
@@ -215,54 +239,49 @@ class OpenAIIngress:
                 choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
             else:
                 choice = {"index": i, "text": delta_text or "", "finish_reason": finish, "logprobs": lp}
-            payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [choice]}
+            payload = {**head, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
-        items: asyncio.Queue = asyncio.Queue()
+        async def one(i: int, stream: RequestStream):  # a choice's chunks
+            async for d in stream:
+                if d.finish_reason == "error":
+                    err = {"error": {"message": d.error or "generation failed", "type": "internal_error",
+                                     "param": None, "code": None}}
+                    yield f"data: {json.dumps(err)}\n\n", d
+                    return
+                if d.text or d.finish_reason or (logprobs and d.logprobs):
+                    yield chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs), d
+                    sent[i] += len(d.text)
 
-        async def pump(i: int, gen) -> None:
-            try:
-                async for item in gen:
-                    await items.put((i, item))
-            except Exception as e:  # noqa: BLE001 - the controller went away: the stream ends with an error
-                await items.put((i, {"error": f"{type(e).__name__}: {e}", "status": 500, "type": "internal_error"}))
-            await items.put((i, None))
-
-        pumps = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+        if len(streams) == 1:
+            merged = one(0, streams[0])
+        else:
+            merged = _interleave([one(i, s) for i, s in enumerate(streams)])
         try:
-            for i in range(len(gens)) if chat or echo else ():
+            for i in range(len(streams)) if chat or echo else ():
                 yield chunk(i, echo, None, first=True)
-            running, prompt_tokens, completion_tokens, spec = len(gens), 0, 0, None
-            while running:
-                i, item = await items.get()
-                if item is None:
-                    running -= 1
-                    continue
-                if "error" in item and item.get("status"):
-                    err = {"error": {"message": item["error"], "type": item["type"], "param": None, "code": None}}
-                    yield f"data: {json.dumps(err)}\n\n"
+            prompt_tokens, completion_tokens, spec, failed = 0, 0, None, False
+            async for text, d in merged:
+                yield text
+                if d.finish_reason == "error":
+                    failed = True
                     break
-                finish = item["finish_reason"] if item["finished"] else None
-                if item["text"] or finish or (logprobs and item.get("logprobs")):
-                    yield chunk(i, item["text"], finish, pairs=item.get("logprobs"), tops=item.get("top_logprobs"))
-                    sent[i] += len(item["text"])
-                if item["finished"]:
-                    prompt_tokens, completion_tokens = item["prompt_tokens"], completion_tokens + item[
-                        "completion_tokens"]
-                    spec = spec or item.get("spec")
-            else:
-                if include_usage:
-                    payload = {"id": rid, "object": obj, "created": created, "model": self.model_id, "choices": [],
-                               "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                         "total_tokens": prompt_tokens + completion_tokens}}
-                    if spec:
-                        payload["spec_decode_stats"] = spec
-                    yield f"data: {json.dumps(payload)}\n\n"
+                if d.finish_reason:
+                    prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
+                    spec = spec or d.spec
+            if include_usage and not failed:
+                payload = {**head, "choices": [],
+                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                     "total_tokens": prompt_tokens + completion_tokens}}
+                if spec:
+                    payload["spec_decode_stats"] = spec
+                yield f"data: {json.dumps(payload)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            for task in pumps:
-                task.cancel()
-            for g in gens:
-                g.cancel()  # no-op when finished; on client disconnect this aborts the request in the controller
+            await merged.aclose()
+            for s in streams:  # on client disconnect: the engine drops what is still running
+                if not s.finished:
+                    s.finished = True
+                    self.engine.abort(s.rid)

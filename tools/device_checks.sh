@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|tp|tpfp32|raytp
+#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|tp|tpfp32|raytp
 # gpu: the correctness checks as pytest tests (tests/gpu: every check at its usual settings, the 2-GPU ones skipped
 # on one GPU), their JSON results beside the others. The other stages run the same checks (tests/gpu/check_*.py)
 # with their own options.
@@ -129,6 +129,27 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       "$cfg" "$nospec" || { echo "!!! cannot write $nospec"; exit 1; }
     for variant in ${SERVING_VARIANTS:-spec nospec}; do
       case $variant in spec) ((fail)) || serve_bench spec "$cfg" ;; nospec) ((fail)) || serve_bench nospec "$nospec" ;; esac
+    done
+    ;;
+  served)  # `served 1b|8b nospec|eagle3 [...]`: served vs offline (the same workload through the in-process engine,
+    # measured first in the same call), 2C requests with C in flight, input 256 / output 256, ignore_eos, every step
+    # streamed; EAGLE-3 at a simulated accept length of 3.0. About 4 minutes per variant.
+    case ${2:-1b} in 1b) shape=llama-3.2-1b ;; 8b) shape=llama-3.1-8b ;; *) echo "served: 1b or 8b"; exit 2 ;; esac
+    ck=/tmp/$shape-random
+    [[ -f $ck/config.json && -f $ck-eagle3/config.json ]] || \
+      run python3 -m bench.common --shape "$shape" --out "$ck" --eagle3-head "$ck-eagle3"
+    for variant in ${@:3}; do
+      cfg=$R/served_${2}_$variant.yaml
+      python3 -c "import sys, yaml; c = yaml.safe_load(open('configs/gpu-bench-llama1b-random.yaml')); \
+a = c['applications'][0]['args']; e = a['engine_kwargs']; a['model_loading_config'] = {'model_id': 'random', \
+'model_source': sys.argv[2]}; e.update(max_num_seqs=256, cuda_graph_max_bs=256); \
+e['speculative_config']['model'] = sys.argv[2] + '-eagle3'; \
+sys.argv[3] == 'eagle3' or e.pop('speculative_config'); yaml.safe_dump(c, open(sys.argv[1], 'w'))" \
+        "$cfg" "$ck" "$variant" || { echo "!!! cannot write $cfg"; exit 1; }
+      RAY_AUTH_MODE=disabled run python3 -m bench.serving --config "$cfg" --offline --concurrencies \
+          "${SERVED_C:-1,16,64,128,256}" --input-len 256 --output-len 256 --range-ratio 0 --device-label "$gpu" \
+          --out "$R/served_${2}_${variant}_$tag"
+      ray stop --force >/dev/null 2>&1
     done
     ;;
   tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and

@@ -26,7 +26,7 @@ from deployments.engine.request import (
     SamplingParams,
 )
 from deployments.engine.scheduler import Scheduler, StepPlan
-from deployments.engine.tokenizer import Detokenizer, load_tokenizer
+from deployments.engine.tokenizer import Detokenizer, detokenize_run, load_tokenizer
 from workers.config import EngineConfig
 from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.worker import Worker
@@ -82,9 +82,12 @@ class LocalExecutor:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, executor: Executor | None = None, metrics=None):
+    def __init__(self, cfg: EngineConfig, executor: Executor | None = None, metrics=None, detokenize: bool = True):
         self.cfg = cfg
-        self.metrics = metrics  # deployments.engine.metrics.EngineMetrics, or None offline
+        self.metrics = metrics  # deployments.engine.metrics.EngineMetrics (step and load figures), or None offline
+        # offline the engine detokenizes and ends requests on stop strings itself; served, the ingress does both
+        # (its replicas hold the tokenizer) and the engine deals in token ids only
+        self.detokenize = detokenize
         self.executor = executor or LocalExecutor(cfg)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
         mc = self.executor.model_config
@@ -129,6 +132,15 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
                     arrival_time: float | None = None) -> Request:
         """Validate and queue. Raises InvalidRequest (bad input) or OverflowError (queue full); nothing else changes."""
+        req = self.new_request(prompt, params, rid, arrival_time)
+        self.enqueue(req)
+        return req
+
+    def new_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
+                    arrival_time: float | None = None, queued: int = 0) -> Request:
+        """A validated request, not queued yet. Reads no state that a step changes (the queue length is only
+        compared, with ``queued`` requests accepted but not queued yet), so the engine core calls it from its submitting
+        thread while a step runs."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=True) if prompt else []
@@ -142,15 +154,19 @@ class Engine:
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
         if arrival_time is not None:  # when the server received it (TTFT and end-to-end latency start there)
             req.arrival_time = arrival_time
-        self.scheduler.add(req)
-        self._detok[req.rid] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.check(req, queued)
         return req
+
+    def enqueue(self, req: Request) -> None:
+        """Queue a request from ``new_request`` (on the thread that steps)."""
+        self.scheduler.add(req)
+        if self.detokenize:
+            self._detok[req.rid] = Detokenizer(self.tokenizer, req.params.stop)
 
     def abort(self, rid: str) -> bool:
         req = self.scheduler.abort(rid)
         self._drop_detokenizer(rid, req)
         if req is not None and self.metrics is not None:
-            self.metrics.record_finish(req, time.time())
             self.metrics.record_load(self.step_stats())
         return req is not None
 
@@ -211,59 +227,39 @@ class Engine:
         return outputs
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
-        """A finished step's tokens: requests, detokenizers, metrics."""
+        """A finished step's tokens: requests, detokenizers (offline), metrics."""
         outputs = []
         now = time.time()
-        metrics, detoks = self.metrics, self._detok
+        detoks = self._detok
         for req, new_ids, spec in self.scheduler.update(plan, result):
-            detok = detoks[req.rid]
-            new_text, hit_stop, used = self._detokenize(detok, new_ids, req.finished)
-            if used < len(new_ids):  # a stop string ended it inside a speculative round's run
-                self.scheduler.drop_newest(req, len(new_ids) - used)
-                new_ids = new_ids[:used]
+            new_text = ""
+            if self.detokenize:
+                detok = detoks[req.rid]
+                new_text, hit_stop, used = detokenize_run(detok, new_ids, req.finished)
+                if used < len(new_ids):  # a stop string ended it inside a speculative round's run
+                    self.scheduler.drop_newest(req, len(new_ids) - used)
+                    new_ids = new_ids[:used]
+                if hit_stop and not req.finished:
+                    self.scheduler.finish(req, "stop")
+                elif hit_stop and req.finish_reason == "length":  # the stop string came with the last allowed token
+                    req.finish_reason = "stop"
+                if req.finished:
+                    req.text = detok.text
+                    del detoks[req.rid]
             if spec is not None:
                 self.scheduler.count_accepted(req, spec, len(new_ids))
-            if hit_stop and not req.finished:
-                self.scheduler.finish(req, "stop")
-            elif hit_stop and req.finish_reason == "length":  # the stop string came with the last allowed token
-                req.finish_reason = "stop"
-            prev_token_time = req.last_token_time
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if metrics is not None:
-                metrics.record_tokens(req, len(new_ids), now, prev_token_time)
-            if req.finished:
-                req.text = detok.text
-                del detoks[req.rid]
             n, p = len(new_ids), req.params
             new_logprobs = req.output_logprobs[-n:] if p.logprobs and n else []
             new_top = req.output_top_logprobs[-n:] if p.top_logprobs and n else []
             outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
                                          new_logprobs, new_top))
-        if metrics is not None:
-            metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
-            metrics.record_step(self.step_stats(result))
-            for out in outputs:
-                if out.finished:
-                    metrics.record_finish(out.request, now)
+        if self.metrics is not None:
+            self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
+            self.metrics.record_step(self.step_stats(result))
         return outputs
-
-    @staticmethod
-    def _detokenize(detok, new_ids: list[int], final: bool) -> tuple[str, bool, int]:
-        """(new text, whether a stop string was hit, how many of ``new_ids`` are output). With stop strings, a run of
-        several tokens (a speculative round's) goes in one token at a time: the tokens after the one that completes
-        a stop string are not output, as they never would have been without speculation."""
-        if not detok.stop or len(new_ids) < 2:
-            text, hit = detok.push(new_ids, final=final)
-            return text, hit, len(new_ids)
-        pieces = []
-        for k, tok in enumerate(new_ids, start=1):
-            text, hit = detok.push([tok], final=final and k == len(new_ids))
-            pieces.append(text)
-            if hit:
-                return "".join(pieces), True, k
-        return "".join(pieces), False, len(new_ids)
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
         """Every launched step fails; results the workers may still hold are dropped (they would be taken for a
@@ -297,7 +293,6 @@ class Engine:
     def _failed_output(self, req: Request) -> RequestOutput:
         self._drop_detokenizer(req.rid, req)
         if self.metrics is not None:
-            self.metrics.record_finish(req, time.time())
             self.metrics.record_load(self.step_stats())
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 

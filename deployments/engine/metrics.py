@@ -1,4 +1,6 @@
-"""Engine metrics through ``ray.util.metrics`` (exported by Ray's metrics agent with a ``ray_`` prefix).
+"""Metrics through ``ray.util.metrics`` (exported by Ray's metrics agent with a ``ray_`` prefix), recorded where vLLM
+records them: the engine core's step and load figures (``EngineMetrics``), and each request's latencies and outcome
+in the ingress replica that serves it (``RequestMetrics``).
 
 Names are vLLM's with the ``vllm:`` prefix written ``vllm_`` (Ray no longer accepts ':' in metric names), so a
 vLLM query such as ``rate(vllm:spec_decode_num_accepted_tokens_total[1m])`` becomes
@@ -21,29 +23,22 @@ _TAGS = ("model_name",)
 
 
 class EngineMetrics:
+    """The engine core's figures: load gauges, generated tokens, speculation counters (one update per step)."""
+
     def __init__(self, model_name: str):
         self.tags = {"model_name": model_name}
         c = lambda name, desc, keys=_TAGS: Counter(f"vllm_{name}", desc, tag_keys=keys)  # noqa: E731
         g = lambda name, desc: Gauge(f"vllm_{name}", desc, tag_keys=_TAGS)  # noqa: E731
-        h = lambda name, desc, b: Histogram(f"vllm_{name}", desc, boundaries=b, tag_keys=_TAGS)  # noqa: E731
         self.num_drafts = c("spec_decode_num_drafts", "Speculative rounds (one per request per round)")
         self.num_draft_tokens = c("spec_decode_num_draft_tokens", "Draft tokens proposed")
         self.num_accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per position",
                                   _TAGS + ("position",))
         self.mean_accept_length = g("spec_decode_mean_accept_length", "1 + accepted / drafts over the last step")
-        self.prompt_tokens = c("prompt_tokens", "Prefilled prompt tokens")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
-        self.request_success = c("request_success", "Finished requests", _TAGS + ("finished_reason",))
         self.num_running = g("num_requests_running", "Requests in the running batch")
         self.num_waiting = g("num_requests_waiting", "Requests waiting for admission")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
-        self.ttft = h("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
-        self.itl = h("inter_token_latency_seconds", "Time between a request's steps that produced tokens",
-                     _ITL_BUCKETS)
-        self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
-                      "after the first", _ITL_BUCKETS)
-        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
         self._accept_length: float | None = None  # the gauge's last value, re-set while idle (see record_load)
         self.record_load({"running": 0, "waiting": 0, "kv_usage": 0.0})  # exported (as 0) before any request
 
@@ -73,27 +68,42 @@ class EngineMetrics:
             self._accept_length = 1.0 + spec["accepted"] / spec["drafts"]
             self.mean_accept_length.set(self._accept_length, tags=t)
 
-    def record_tokens(self, req, num_new: int, now: float, prev_token_time: float | None) -> None:
-        """TTFT for a request's first tokens, else one inter-token sample: the time since its previous step that
-        produced tokens, however many this one produced (vLLM's definition: a speculative round is one sample)."""
-        if num_new <= 0:
-            return
-        t = self.tags
-        if prev_token_time is None:
-            self.prompt_tokens.inc(len(req.prompt_ids), tags=t)
-            self.ttft.observe(now - req.arrival_time, tags=t)
-            return
-        self.itl.observe(now - prev_token_time, tags=t)
-
     def record_generated(self, num_tokens: int) -> None:
         """A step's new tokens, all requests together (one counter update per step)."""
         if num_tokens:
             self.generation_tokens.inc(num_tokens, tags=self.tags)
 
-    def record_finish(self, req, now: float) -> None:
+
+class RequestMetrics:
+    """Each request's latencies and outcome, recorded by the ingress replica that streams it (as vLLM's API server
+    does): TTFT and end-to-end latency start when the HTTP request arrived."""
+
+    def __init__(self, model_name: str):
+        self.tags = {"model_name": model_name}
+        h = lambda name, desc, b: Histogram(f"vllm_{name}", desc, boundaries=b, tag_keys=_TAGS)  # noqa: E731
+        self.prompt_tokens = Counter("vllm_prompt_tokens", "Prefilled prompt tokens", tag_keys=_TAGS)
+        self.request_success = Counter("vllm_request_success", "Finished requests",
+                                       tag_keys=_TAGS + ("finished_reason",))
+        self.ttft = h("time_to_first_token_seconds", "Time to first token", _TTFT_BUCKETS)
+        self.itl = h("inter_token_latency_seconds", "Time between a request's steps that produced tokens",
+                     _ITL_BUCKETS)
+        self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
+                      "after the first", _ITL_BUCKETS)
+        self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+
+    def record_tokens(self, num_prompt: int, arrival: float, now: float, prev_token_time: float | None) -> None:
+        """TTFT for a request's first tokens, else one inter-token sample: the time since its previous delivery of
+        tokens, however many it carried (vLLM's definition: a speculative round is one sample)."""
+        if prev_token_time is None:
+            self.prompt_tokens.inc(num_prompt, tags=self.tags)
+            self.ttft.observe(now - arrival, tags=self.tags)
+        else:
+            self.itl.observe(now - prev_token_time, tags=self.tags)
+
+    def record_finish(self, reason: str, arrival: float, now: float, first_token_time: float | None,
+                      num_output: int) -> None:
         """A request that ended, for whatever reason (stop, length, abort, error)."""
-        self.request_success.inc(1, tags={**self.tags, "finished_reason": req.finish_reason})
-        self.e2e.observe(now - req.arrival_time, tags=self.tags)
-        if req.first_token_time is not None and len(req.output_ids) > 1:
-            self.tpot.observe((req.last_token_time - req.first_token_time) / (len(req.output_ids) - 1),
-                              tags=self.tags)
+        self.request_success.inc(1, tags={**self.tags, "finished_reason": reason})
+        self.e2e.observe(now - arrival, tags=self.tags)
+        if first_token_time is not None and num_output > 1:
+            self.tpot.observe((now - first_token_time) / (num_output - 1), tags=self.tags)

@@ -116,13 +116,19 @@ class Scheduler:
             raise InvalidRequest(f"the request needs {need} KV pages but the whole cache has "
                                  f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens")
 
-    def add(self, req: Request) -> None:
-        """Queue a request. Raises InvalidRequest (nothing queued) for bad input, OverflowError when full."""
+    def check(self, req: Request, queued_elsewhere: int = 0) -> None:
+        """Raises InvalidRequest for bad input, OverflowError when the queue (with ``queued_elsewhere`` requests
+        accepted but not added yet) is full. Changes nothing."""
         self.validate(req)
         if req.rid in self._by_id:
             raise InvalidRequest(f"duplicate request id {req.rid!r}")
-        if len(self.waiting) >= self.max_queue_len:
-            raise OverflowError(f"the server is overloaded: {len(self.waiting)} requests are waiting")
+        waiting = len(self.waiting) + queued_elsewhere
+        if waiting >= self.max_queue_len:
+            raise OverflowError(f"the server is overloaded: {waiting} requests are waiting")
+
+    def add(self, req: Request) -> None:
+        """Queue a request. Raises InvalidRequest (nothing queued) for bad input, OverflowError when full."""
+        self.check(req)
         self._by_id[req.rid] = req
         self.waiting.append(req)
 

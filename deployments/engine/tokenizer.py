@@ -152,3 +152,19 @@ class Detokenizer:
         if delta:
             self._sent.append(delta)
         return delta, hit
+
+
+def detokenize_run(detok: Detokenizer, new_ids: list[int], final: bool) -> tuple[str, bool, int]:
+    """(new text, whether a stop string was hit, how many of ``new_ids`` are output). With stop strings, a run of
+    several tokens (a speculative round's) goes in one token at a time: the tokens after the one that completes a
+    stop string are not output, as they never would have been without speculation."""
+    if not detok.stop or len(new_ids) < 2:
+        text, hit = detok.push(new_ids, final=final)
+        return text, hit, len(new_ids)
+    pieces = []
+    for k, tok in enumerate(new_ids, start=1):
+        text, hit = detok.push([tok], final=final and k == len(new_ids))
+        pieces.append(text)
+        if hit:
+            return "".join(pieces), True, k
+    return "".join(pieces), False, len(new_ids)

@@ -126,7 +126,10 @@ def test_serve_config(rayservice):
     assert ek["tensor_parallel_size"] == 2 and ek["device"] == "cuda" and ek["dtype"] == "bfloat16"
     assert ek["speculative_config"] == {"method": "eagle3", "model": "/models/EAGLE3-LLaMA3.1-Instruct-8B",
                                         "num_steps": 3, "topk": 1, "num_draft_tokens": 4}
-    assert args["deployment_config"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 1}
+    # the ingress replicas (HTTP, tokenizing, detokenizing) scale; the one controller owns the engine core
+    assert args["ingress_deployment_config"]["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 2,
+                                                                       "target_ongoing_requests": 128}
+    assert "deployment_config" not in args
     assert args["placement_group_config"] == {"strategy": "STRICT_PACK"}
 
     worker = _worker(rayservice)
@@ -277,7 +280,8 @@ def test_dashboard_names_match_exporter():
     metrics = pytest.importorskip("ray.util.metrics")
     engine_metrics = pytest.importorskip("deployments.engine.metrics")
     names = set()
-    for m in vars(engine_metrics.EngineMetrics("x")).values():
+    registered = {**vars(engine_metrics.EngineMetrics("x")), **vars(engine_metrics.RequestMetrics("x"))}
+    for m in registered.values():
         if isinstance(m, metrics.Counter):
             names.add(f"ray_{m._name}_total")
         elif isinstance(m, (metrics.Histogram, metrics.Gauge)):  # histograms: the family of _bucket/_sum/_count

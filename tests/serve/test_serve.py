@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import socket
 import time
@@ -368,18 +369,6 @@ def test_a_llama3_style_model(server, tmp_path):
         assert texts == {client.completions.create(temperature=0, **kw).choices[0].text}
 
 
-def test_stream_items_of_several_steps_merge_into_one():
-    """Under load the controller sends the steps that piled up for a request as one stream item."""
-    from deployments.controller import _merged
-
-    a = {"rid": "r", "token_ids": [1, 2], "text": "ab", "finished": False, "finish_reason": None}
-    b = {"rid": "r", "token_ids": [3], "text": "c", "finished": True, "finish_reason": "length",
-         "prompt_tokens": 4, "completion_tokens": 3, "spec": None, "error": None}
-    m = _merged([a, b])
-    assert m["token_ids"] == [1, 2, 3] and m["text"] == "abc" and m["finished"] and m["finish_reason"] == "length"
-    assert m["completion_tokens"] == 3 and _merged([a]) is a and a["token_ids"] == [1, 2]
-
-
 @contextlib.contextmanager
 def _second_app(server, name: str, app_args: dict, model_source: str | None = None):
     """Another application on the same Serve instance, at /<name>, serving the tiny target (or ``model_source``)
@@ -428,46 +417,6 @@ def test_stream_batching_interval_caps_sends(server):
         assert len(chunks) < 60, texts  # tokens were gathered
 
 
-def test_a_client_gone_while_its_request_waits_for_the_lock_is_aborted(tiny_models):
-    """The controller waits for the engine lock (held for a whole step) in a thread before a request is queued. A
-    client that leaves in that window cancels the wait, but the thread still queues the request: it must then be
-    aborted, not decoded to max_tokens with its KV held and nobody reading."""
-    import types
-
-    from deployments.controller import EngineLoop, LLMController
-    from deployments.engine.engine import Engine
-    from workers.config import EngineConfig
-
-    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256))
-    loop = EngineLoop(engine)
-    controller = types.SimpleNamespace(loop=loop, engine=engine, config=types.SimpleNamespace(
-        stream_batching_interval_ms=0, stream_interval=1))
-    generate = LLMController.func_or_class.generate
-
-    async def leave_while_waiting():
-        loop._lock.acquire()  # a step in progress
-        gen = generate(controller, [5, 6, 7, 8], {"max_tokens": 200, "temperature": 0.0, "ignore_eos": True}, "r1")
-        first = asyncio.ensure_future(gen.__anext__())
-        await asyncio.sleep(0.2)
-        first.cancel()  # what Serve does when the client disconnects
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        loop._lock.release()  # the step ends; the waiting thread queues the request
-        for _ in range(100):
-            await asyncio.sleep(0.05)
-            if not engine.has_work() and "r1" not in loop._queues:
-                break
-
-    try:
-        asyncio.run(leave_while_waiting())
-        assert not engine.has_work() and not loop._queues
-        assert engine.scheduler.kv_usage == 0.0
-        assert engine.step_time["steps"] < 50  # aborted after a step or two, not decoded to its 200 tokens
-    finally:
-        loop.shutdown()
-        engine.shutdown()
-
-
 def test_the_serving_benchmark_client_counts_every_token(server):
     """bench.serving's plain-HTTP client against the real server: at concurrency 2 (the server's max_num_seqs), every
     request streams exactly its fixed length (ignore_eos), its first token comes before its end, and the server's
@@ -483,3 +432,100 @@ def test_the_serving_benchmark_client_counts_every_token(server):
     assert 0 < row["ttft"]["median_ms"] <= row["ttft"]["p99_ms"], row
     assert row["accept_length"] > 1.0, row  # the target drafts for itself: its drafts are accepted
     assert after["step_time"]["steps"] > before["step_time"]["steps"], (before, after)
+
+
+def test_a_stream_that_falls_behind_gets_the_missed_steps_together(server):
+    """A RequestStream whose consumer was away while three steps came in gives them as one delta (text decoded
+    once, in order); the last delta carries the totals. A consumer that keeps up gets each step on its own."""
+    from deployments.engine.tokenizer import load_tokenizer
+    from deployments.engine_client import EngineClient, RequestStream
+
+    client = EngineClient(None, "tiny")
+    client.tokenizer = load_tokenizer(server["target"])
+    ids = client.tokenizer.encode("def main():\n    return 1\n", add_special_tokens=False)
+
+    async def run(keep_up: bool) -> list:
+        stream = RequestStream(client, "r", 5, [], time.time(), 1, 0.0)
+        client._streams["r"] = stream
+        got = []
+        steps = [ids[:2], ids[2:5], ids[5:]]
+        if not keep_up:
+            for k, step in enumerate(steps):
+                stream.put(("r", step, "length" if k == 2 else None, None, None,
+                            {"spec": None, "error": None} if k == 2 else None))
+        it = stream.__aiter__()
+        for k, step in enumerate(steps):
+            if keep_up:
+                stream.put(("r", step, "length" if k == 2 else None, None, None, {} if k == 2 else None))
+            got.append(await it.__anext__())
+            if not keep_up:
+                break
+        return got
+
+    behind = asyncio.run(run(False))
+    assert len(behind) == 1 and behind[0].token_ids == ids and behind[0].finish_reason == "length"
+    assert behind[0].text == client.tokenizer.decode(ids, skip_special_tokens=True)
+    assert (behind[0].prompt_tokens, behind[0].completion_tokens) == (5, len(ids))
+    kept = asyncio.run(run(True))
+    assert [d.token_ids for d in kept] == [ids[:2], ids[2:5], ids[5:]]
+    assert "".join(d.text for d in kept) == behind[0].text and kept[-1].completion_tokens == len(ids)
+
+
+def test_a_stop_string_found_in_the_ingress_ends_the_request_in_the_engine(server, client):
+    """The ingress finds stop strings (the engine deals in token ids): the text ends before the stop, nothing after
+    it is sent, and the engine drops the request within a step or two instead of decoding to max_tokens."""
+    kw = dict(model="tiny", prompt="def main():", temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(max_tokens=24, **kw).choices[0].text
+    stop = full[8:11]
+    assert stop and full.index(stop) >= 1, full
+    before = _stats(server)
+    r = client.completions.create(max_tokens=200, stop=[stop], **kw)
+    streamed = [c for c in client.completions.create(max_tokens=200, stop=[stop], stream=True, **kw) if c.choices]
+    after = _stats(server)
+    assert r.choices[0].text == full[: full.index(stop)] and r.choices[0].finish_reason == "stop"
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "stop"
+    # two requests of about 24 tokens (rounds of up to 3), not of 200
+    assert after["step_time"]["steps"] - before["step_time"]["steps"] < 2 * 24, (before, after)
+    deadline = time.time() + 10
+    while _stats(server)["kv_usage"] > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _stats(server)["kv_usage"] == 0.0
+
+
+def test_300_concurrent_streams_get_every_token_once(server):
+    """300 streams at once (a queue deep enough for them): each streams exactly its 8 tokens, its text equals the
+    same prompt's non-streamed greedy text, usage counts 8, and the KV cache is empty afterwards."""
+    import httpx
+
+    app = {"engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 32,
+                             "max_queue_len": 512}, "ingress_deployment_config": {"max_ongoing_requests": 512}}
+    prompts = [f"import mod{i}\n" for i in range(10)]
+    with _second_app(server, "many", app) as client:
+        refs = [client.completions.create(model="many", prompt=p, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+        async def one(http, i: int) -> tuple[int, str, int]:
+            body = {"model": "many", "prompt": prompts[i % 10], "max_tokens": 8, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            text, usage = [], None
+            async with http.stream("POST", f"{server['base']}/many/v1/completions", json=body) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line[6:])
+                        text += [c["text"] for c in chunk["choices"]]
+                        usage = chunk.get("usage") or usage
+            return i, "".join(text), usage["completion_tokens"]
+
+        async def all_at_once():
+            limits = httpx.Limits(max_connections=300)
+            async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+                return await asyncio.gather(*(one(http, i) for i in range(300)))
+
+        results = asyncio.run(all_at_once())
+        assert all(n == 8 for _, _, n in results)
+        wrong = [(i, t) for i, t, _ in results if t != refs[i % 10]]
+        assert not wrong, wrong[:3]
+        stats = httpx.get(f"{server['base']}/many/v1/stats", timeout=30).json()
+        assert stats["kv_usage"] == 0.0 and stats["running"] == 0, stats

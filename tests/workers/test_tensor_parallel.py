@@ -132,13 +132,11 @@ def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models
     waits in one its peer never joins, or joins the peer's next one); a dead worker cannot step at all. Either way
     the executor refuses every later step, the controller's health check fails (Serve replaces the replica), new
     requests are refused, and shutting down does not wait on the stuck rank."""
-    import asyncio
     import time
-    import types
 
     import ray
 
-    from deployments.controller import EngineLoop, EngineStopped, LLMController
+    from deployments.engine.core import EngineCore
     from deployments.engine.executor import RayExecutor, WorkersFailed
 
     monkeypatch.setattr(RayExecutor, "TEARDOWN_WAIT_S", 3.0)
@@ -161,15 +159,12 @@ def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models
             assert "ended step" in engine.failure and "injected: rank 1 alone" in engine.failure
         with pytest.raises(WorkersFailed):
             executor.step(None, 0)
-        loop = EngineLoop(engine)
-        try:
-            controller = types.SimpleNamespace(loop=loop, engine=engine)
-            with pytest.raises(RuntimeError, match="engine workers failed"):
-                LLMController.func_or_class.check_health(controller)
-            with pytest.raises(EngineStopped):
-                loop.submit([5, 6, 7], GREEDY, "late", asyncio.new_event_loop())
-        finally:
-            loop.shutdown()
+        core = EngineCore(cfg, "tiny", engine=engine)  # what the controller's health check asks
+        with pytest.raises(RuntimeError, match="engine workers failed"):
+            core.check_health()
+        (refused,) = core.submit("client", [("late", [5, 6, 7], vars(GREEDY), time.time())])
+        assert refused["status"] == 503 and "the engine stopped" in refused["message"]
+        core._stop = True
     finally:
         t0 = time.monotonic()
         engine.shutdown()

@@ -1,0 +1,225 @@
+"""The engine core: the engine loop in a process of its own (a Ray actor), fed and drained in batches.
+
+Nothing in this process handles HTTP, runs an event loop or turns tokens into text: the ingress replicas do that. A
+thread steps the engine without pause while there is work; the actor's other threads only move data in and out:
+
+- ``submit(client, batch)``: every request an ingress replica received since its last call, validated at once (the
+  answer says which were refused and why) and queued; the loop adds them all before its next plan, so what arrives
+  together is admitted together.
+- ``poll(client)``: a long poll returning every step output for that client's requests since its last poll, as one
+  message. However many requests a replica streams, it costs one message per step (fewer when steps are quicker
+  than a round trip: the outputs of several steps then travel together).
+- ``abort(rids)``: requests whose client left or whose stop string the ingress found; freed before the next plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+
+from deployments.engine.engine import Engine, freeze_startup_heap
+from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from workers.config import EngineConfig
+
+logger = logging.getLogger("specserve")
+
+
+class EngineStopped(RuntimeError):
+    """The engine can take no request: its loop failed, or its workers did."""
+
+
+def refusal(e: Exception) -> dict:
+    """A refused request's answer: an OpenAI error's fields and the HTTP status."""
+    if isinstance(e, InvalidRequest):
+        code = "context_length_exceeded" if "context length" in str(e) else None
+        return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code}
+    if isinstance(e, OverflowError):
+        return {"status": 503, "type": "server_overloaded", "message": str(e), "code": None}
+    return {"status": 503, "type": "server_unavailable", "message": str(e), "code": None}
+
+
+def pack_output(out: RequestOutput) -> tuple:
+    """One request's share of a step, as plain data: (rid, new token ids, finish reason or None, logprobs or None,
+    top logprobs or None, at the end its totals)."""
+    final = None
+    if out.finished:
+        req = out.request
+        final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
+                 "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error}
+    return (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
+            out.new_top_logprobs or None, final)
+
+
+class EngineCore:
+    IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
+    CLIENT_TIMEOUT_S = 60.0  # a client that has not polled for this long is gone: its requests are aborted
+
+    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None):
+        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing)."""
+        from deployments.engine.executor import RayExecutor
+        from deployments.engine.metrics import EngineMetrics
+
+        t0 = time.time()
+        self.cfg = cfg
+        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id),
+                                       detokenize=False)
+        if engine is None:
+            freeze_startup_heap()  # this process keeps the engine for its life
+        self.cold_start_s = time.time() - t0
+        self._lock = threading.Lock()  # guards what the threads share below; never held across a step
+        self._output_ready = threading.Condition(self._lock)
+        self._wake = threading.Event()
+        self._inbox: list = []  # validated requests, not yet queued in the scheduler
+        self._aborts: list[str] = []
+        self._owner: dict[str, str] = {}  # rid -> the client streaming it
+        self._outbox: dict[str, list[tuple]] = defaultdict(list)  # client -> outputs not yet polled
+        self._last_poll: dict[str, float] = {}
+        self.error: BaseException | None = None
+        self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        logger.info("engine ready in %.1f s (%d KV pages)", self.cold_start_s, self.engine.allocator.capacity_pages)
+
+    # ---- called by the ingress replicas (any thread of the actor) -------------------------------------------
+    def info(self) -> dict:
+        e = self.engine
+        return {"max_model_len": e.max_model_len, "cold_start_s": self.cold_start_s,
+                "tokenizer": self.cfg.tokenizer or self.cfg.model, "vocab_size": e.executor.model_config.vocab_size,
+                "speculative": self.cfg.speculative_config is not None, "sampling_defaults": e.sampling_defaults}
+
+    def submit(self, client: str, batch: list[tuple]) -> list[dict | None]:
+        """Queue (rid, prompt token ids, sampling params as a dict, arrival time) requests; per request None
+        (accepted) or ``refusal``'s answer."""
+        answers: list[dict | None] = []
+        accepted = []
+        for rid, prompt_ids, params, arrival in batch:
+            try:
+                if self.error is not None or self.engine.failure is not None:
+                    raise EngineStopped(f"the engine stopped: {self.error or self.engine.failure}")
+                if rid in self._owner:
+                    raise InvalidRequest(f"duplicate request id {rid!r}")
+                accepted.append(self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
+                                                        queued=len(self._inbox) + len(accepted)))
+                answers.append(None)
+            except (InvalidRequest, OverflowError, EngineStopped, TypeError) as e:
+                answers.append(refusal(InvalidRequest(str(e)) if isinstance(e, TypeError) else e))
+        with self._lock:
+            for req in accepted:
+                self._owner[req.rid] = client
+            self._inbox.extend(accepted)
+            self._last_poll.setdefault(client, time.monotonic())
+        self._wake.set()
+        return answers
+
+    def abort(self, rids: list[str]) -> None:
+        with self._lock:
+            self._aborts.extend(rids)
+        self._wake.set()
+
+    def poll(self, client: str, timeout_s: float = 1.0) -> list[tuple]:
+        """Every output for ``client`` since its last poll (``pack_output`` tuples, oldest first); waits up to
+        ``timeout_s`` for one."""
+        deadline = time.monotonic() + timeout_s
+        with self._output_ready:
+            self._last_poll[client] = time.monotonic()
+            while not self._outbox.get(client):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._output_ready.wait(left)
+            return self._outbox.pop(client)
+
+    def stats(self) -> dict:
+        stats = self.engine.step_stats()
+        stats["loop"] = {"busy_s": self.busy_s}
+        return stats
+
+    def check_health(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"engine loop failed: {self.error}")
+        if self.engine.failure is not None:
+            raise RuntimeError(f"engine workers failed: {self.engine.failure}")
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+        self.engine.shutdown()
+
+    # ---- the loop (its own thread: the only one that touches the engine) -----------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        load_set = time.monotonic()
+        while not self._stop:
+            self._take_inbox()
+            if not engine.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
+                    if engine.metrics is not None:
+                        engine.metrics.record_load(engine.step_stats())
+                    self._drop_gone_clients()
+                    load_set = time.monotonic()
+                continue
+            t0 = time.perf_counter()
+            steps_before = engine.step_time["steps"]
+            try:
+                outputs = engine.step()
+            except BaseException as e:  # noqa: BLE001 - surface to every waiting request
+                logger.exception("engine step failed")
+                self.error = e
+                self._fail_everything(f"engine failure: {e}")
+                return
+            self._publish(outputs)
+            if engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
+                self.busy_s += time.perf_counter() - t0
+            if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
+                self._drop_gone_clients()
+                load_set = time.monotonic()
+
+    def _take_inbox(self) -> None:
+        with self._lock:
+            reqs, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+            for rid in aborts:
+                self._owner.pop(rid, None)
+        gone = set(aborts)
+        for req in reqs:
+            if req.rid not in gone:
+                self.engine.enqueue(req)
+        for rid in aborts:
+            self.engine.abort(rid)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if not outputs:
+            return
+        with self._lock:
+            for out in outputs:
+                client = self._owner.pop(out.rid, None) if out.finished else self._owner.get(out.rid)
+                if client is not None:
+                    self._outbox[client].append(pack_output(out))
+            self._output_ready.notify_all()
+
+    def _fail_everything(self, message: str) -> None:
+        with self._lock:
+            for rid, client in self._owner.items():
+                self._outbox[client].append((rid, [], "error", None, None, {"error": message}))
+            self._owner.clear()
+            self._output_ready.notify_all()
+
+    def _drop_gone_clients(self) -> None:
+        """Requests of a client that stopped polling (its replica died) are aborted, their outputs dropped."""
+        now = time.monotonic()
+        with self._lock:
+            gone = {c for c, t in self._last_poll.items() if now - t > self.CLIENT_TIMEOUT_S}
+            if not gone:
+                return
+            for c in gone:
+                del self._last_poll[c]
+                self._outbox.pop(c, None)
+            rids = [rid for rid, c in self._owner.items() if c in gone]
+        logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", len(rids), len(gone))
+        self.abort(rids)
