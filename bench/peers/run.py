@@ -10,6 +10,8 @@ decode: random weights (vLLM: load_format=dummy on the same config), bs=1 ms per
 (best of two after a warm-up). tiny: the trained family on held-out prompts, greedy, 32 requests at bs 1 and 16,
 tok/s and accept length (accepted drafts per round + 1), then the decode step alone as in decode mode.
 Every request runs to its token count (ignore_eos); a run that returns another count fails.
+--profile-batch-sizes 64,256 (decode mode): after the rows, the decode step's kernels at those batch sizes in the
+same process (bench.peers.profile.profile_steps; vLLM through its own torch profiler, ``profiler_config``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers.workload import THROUGHPUT_NEW, TINY_NEW, decode_ms, random_prompts
+from bench.peers.workload import (MAX_MODEL_LEN, SPECSERVE_GPU_KWARGS, THROUGHPUT_NEW, TINY_NEW, decode_ms,
+                                  random_prompts)
 
 
 class VLLMSide:
@@ -30,7 +33,10 @@ class VLLMSide:
 
         kw = dict(model=args.model, dtype="bfloat16", seed=0, disable_log_stats=False)
         if args.mode == "decode":
-            kw.update(load_format="dummy", max_model_len=4096)
+            kw.update(load_format="dummy", max_model_len=MAX_MODEL_LEN)
+        if args.profile_batch_sizes:  # vLLM's torch profiler in its engine core; idle until start_profile
+            kw["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": str(Path(args.profile_dir).resolve()),
+                                     "torch_profiler_with_stack": False, "torch_profiler_dump_cuda_time_total": False}
         if args.spec != "none":
             kw["speculative_config"] = {"method": {"draft": "draft_model"}.get(args.spec, args.spec),
                                         "model": args.spec_model, "num_speculative_tokens": args.num_spec}
@@ -53,6 +59,19 @@ class VLLMSide:
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def profiler(self, trace_dir: Path):
+        """start() / stop() of vLLM's profiler; stop returns the trace it wrote."""
+        before = set(trace_dir.glob("*.json*"))
+
+        def stop() -> Path:
+            self.llm.stop_profile()
+            new = sorted(set(trace_dir.glob("*.json*")) - before, key=lambda f: f.stat().st_mtime)
+            if not new:
+                raise RuntimeError(f"vLLM wrote no trace into {trace_dir}")
+            return new[-1]
+
+        return self.llm.start_profile, stop
+
     def spec_counts(self) -> tuple[float, float]:
         """(rounds, accepted draft tokens) so far, from vLLM's own counters."""
         rounds = accepted = 0.0
@@ -73,9 +92,7 @@ class SpecserveSide:
         if args.spec != "none":
             spec = SpeculativeConfig(method=args.spec, model=args.spec_model, num_steps=args.num_spec)
         if args.device == "cuda":
-            kw = dict(dtype="bfloat16", max_model_len=4096, max_num_seqs=256, cuda_graph_max_bs=256,
-                      gpu_memory_utilization=0.8, prefill_attention_backend="triton",
-                      decode_attention_backend="triton")
+            kw = dict(SPECSERVE_GPU_KWARGS)
         else:  # a smoke run of the code path, no figure
             kw = dict(dtype="float32", max_model_len=1024, kv_cache_tokens=32768, max_num_seqs=32)
         cfg = EngineConfig(model=args.model, device=args.device, speculative_config=spec, **kw)
@@ -96,6 +113,24 @@ class SpecserveSide:
                 self.rounds += o.spec["num_drafts"]
                 self.accepted += o.spec["num_accepted_tokens"]
         return [o.token_ids for o in outs]
+
+    def profiler(self, trace_dir: Path):
+        """start() / stop() of torch.profiler (GPU activity only) around this process's engine."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = self.settings["device"] == "cuda"
+        prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])  # CPU: a smoke run
+
+        def stop() -> Path:
+            if cuda:
+                torch.cuda.synchronize()
+            prof.stop()
+            path = trace_dir / "specserve.pt.trace.json"
+            prof.export_chrome_trace(str(path))
+            return path
+
+        return prof.start, stop
 
     def spec_counts(self) -> tuple[float, float]:
         return float(self.rounds), float(self.accepted)
@@ -122,6 +157,15 @@ def decode_mode(side, args, res: dict, save) -> None:
         timed(side, random_prompts(bs, 300 + bs), 64)  # warm-up at this batch size
         ts = [timed(side, random_prompts(bs, 400 + bs + r), THROUGHPUT_NEW)[0] for r in range(2)]
         res["throughput"][str(bs)] = {"times_s": ts, "output_tok_s": round(bs * THROUGHPUT_NEW / min(ts), 1)}
+        save()
+    if args.profile_batch_sizes:
+        from bench.peers.profile import profile_steps
+
+        trace_dir = Path(args.profile_dir)
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        start, stop = side.profiler(trace_dir)
+        res["profile"] = profile_steps(lambda p, n: timed(side, p, n), start, stop, random_prompts,
+                                       [int(x) for x in args.profile_batch_sizes.split(",")])
         save()
 
 
@@ -168,6 +212,8 @@ def main() -> None:
     ap.add_argument("--prompts", default=None, help="tiny mode: JSON written by bench.peers.report --tiny-prompts")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--batch-sizes", default="16,64,256")
+    ap.add_argument("--profile-batch-sizes", default="", help="decode mode: profile the decode step at these sizes")
+    ap.add_argument("--profile-dir", default="/tmp/peer_profile", help="where the profiler's traces go")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: specserve only, a smoke run")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -11,6 +11,11 @@ PROMPT_LEN = 128  # random-weight shapes: prompt tokens per request
 THROUGHPUT_NEW = 256  # new tokens per request in the throughput rows
 TINY_PROMPT_LEN = 200
 TINY_NEW = 128
+MAX_MODEL_LEN = 4096  # random-weight shapes, both engines
+# specserve's engine settings on the GPU for the random-weight shapes, offline and served (vLLM keeps its defaults)
+SPECSERVE_GPU_KWARGS = dict(dtype="bfloat16", max_model_len=MAX_MODEL_LEN, max_num_seqs=256, cuda_graph_max_bs=256,
+                            gpu_memory_utilization=0.8, prefill_attention_backend="triton",
+                            decode_attention_backend="triton")
 
 
 def random_prompts(n: int, seed: int, length: int = PROMPT_LEN) -> list[list[int]]:
