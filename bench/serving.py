@@ -50,55 +50,83 @@ def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, st
 
 
 async def one_request(http, url: str, headers: dict, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion over plain HTTP (SSE lines read as they come; the client must never be what limits the
-    figure): time to the first token, the gaps between chunks, the server's token count and speculation stats."""
+    """One streamed completion over plain HTTP (aiohttp; SSE lines read as raw bytes, only the usage chunk parsed: the
+    client must never be what limits the figure): time to the first token, the gaps between chunks that carry text,
+    the server's token count and speculation stats."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     t0 = time.perf_counter()
     stamps, tokens, spec = [], 0, None
-    async with http.stream("POST", url, json=body, headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        async for line in resp.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+    async with http.post(url, json=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
+        async for line in resp.content:
+            if not line.startswith(b"data: {"):
                 continue
             now = time.perf_counter()
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                stamps.append(now)
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-                spec = chunk.get("spec_decode_stats")
+            if b'"usage"' in line and b'"usage": null' not in line and b'"usage":null' not in line:
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                    spec = chunk.get("spec_decode_stats")
+                if not chunk.get("choices") or not chunk["choices"][0].get("text"):
+                    continue
+            elif b'"text":""' in line or b'"text": ""' in line:
+                continue  # a chunk without text (the finish reason alone)
+            stamps.append(now)
     end = time.perf_counter()
     stamps = stamps or [end]  # no visible text at all: the first token is taken to arrive with the end
     return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens, "asked": max_tokens, "spec": spec,
-            "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])]}
+            "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+            "start": t0, "end": end}
+
+
+async def requests_share(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
+                         api_key: str | None = None, seed: int = 0) -> list[dict]:
+    """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight."""
+    import aiohttp
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(max_concurrency)
+    rng = random.Random(seed)
+    connector = aiohttp.TCPConnector(limit=max_concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        async def limited(p, n):
+            async with gate:
+                return await one_request(http, base + "/completions", headers, model, p, n)
+
+        tasks = []
+        for p, n in zip(prompts, out_lens):
+            tasks.append(asyncio.create_task(limited(p, n)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        return await asyncio.gather(*tasks)
+
+
+def _share_in_process(args: tuple) -> list[dict]:
+    return asyncio.run(requests_share(*args))
 
 
 async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
-                   api_key: str | None = None) -> dict:
-    """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight."""
-    import httpx
+                   api_key: str | None = None, procs: int = 1) -> dict:
+    """One level: requests at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight; with
+    ``procs`` > 1 (all at once only), the requests and the in-flight limit are split over that many client
+    processes, so that many hundreds of streams do not wait on one client's event loop."""
+    if procs > 1 and rate == float("inf"):
+        import concurrent.futures
+        import multiprocessing
 
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    gate = asyncio.Semaphore(max_concurrency)
-    rng = random.Random(0)
-
-    async def limited(p, n):
-        async with gate:
-            return await one_request(http, base + "/completions", headers, model, p, n)
-
-    tasks = []
-    t0 = time.perf_counter()
-    for p, n in zip(prompts, out_lens):
-        tasks.append(asyncio.create_task(limited(p, n)))
-        if rate != float("inf"):
-            await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
-    wall = time.perf_counter() - t0
-    await http.aclose()
+        shares = [(base, model, prompts[i::procs], out_lens[i::procs], rate,
+                   max(1, max_concurrency // procs + (i < max_concurrency % procs)), api_key, i)
+                  for i in range(procs) if prompts[i::procs]]
+        with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) \
+                as pool:
+            loop = asyncio.get_running_loop()
+            results = [r for share in await asyncio.gather(*(loop.run_in_executor(pool, _share_in_process, a)
+                                                             for a in shares)) for r in share]
+    else:
+        results = await requests_share(base, model, prompts, out_lens, rate, max_concurrency, api_key)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
 
     def stats(values: list[float]) -> dict:
         v = sorted(values) or [float("nan")]
@@ -111,7 +139,7 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
         raise RuntimeError(f"{short} of {len(results)} requests came back with fewer or more tokens than asked "
                            "(ignore_eos is set)")
     row = {"request_rate": rate if rate != float("inf") else "inf", "concurrency": max_concurrency,
-           "num_requests": len(results),
+           "num_requests": len(results), "client_processes": procs if rate == float("inf") else 1,
            "duration_s": round(wall, 2), "request_throughput": round(len(results) / wall, 3),
            "output_tok_s": round(out_tokens / wall, 1), "ttft": stats([r["ttft"] for r in results]),
            "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]])}
@@ -371,6 +399,8 @@ def main() -> None:
     ap.add_argument("--offline", action="store_true", help="with --config and --concurrencies: first the same "
                     "workload through the in-process engine (in a child process), reported beside the served rows")
     ap.add_argument("--max-concurrency", type=int, default=64)
+    ap.add_argument("--client-procs", type=int, default=0, help="client processes for a level with all requests at "
+                    "once (default: one per 32 streams in flight, at most 8)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     engine_kwargs = stream_interval = app_args = None
@@ -419,7 +449,9 @@ def main() -> None:
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:
         before = server_stats(base, args.api_key)
-        rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key)))
+        procs = args.client_procs or min(8, max(1, concurrency // 32))
+        rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key,
+                                         procs)))
         rows[-1]["server_per_step"] = per_step(before, server_stats(base, args.api_key))
         if concurrency in offline:
             rows[-1]["offline"] = offline[concurrency]

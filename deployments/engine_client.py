@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -153,13 +154,15 @@ class RequestStream:
 class EngineClient:
     POLL_TIMEOUT_S = 1.0
 
-    def __init__(self, controller, model_id: str, stream_interval: int = 1, batching_ms: float = 0.0):
+    def __init__(self, controller, model_id: str, tokenizer_path: str | None = None, stream_interval: int = 1,
+                 batching_ms: float = 0.0):
         self.controller = controller  # the LLMController deployment: hands out the core's actor handle
         self.client_id = uuid.uuid4().hex
         self.metrics = RequestMetrics(model_id)
         self.stream_interval, self.batching_s = stream_interval, batching_ms / 1000
         self.info: dict | None = None
-        self.tokenizer = None
+        # loaded with the replica, not on its first request (seconds for a large vocabulary)
+        self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
         self._core = None
         self._connecting: asyncio.Future | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -186,11 +189,11 @@ class EngineClient:
             info = await core.info.remote()
         except Exception as e:  # noqa: BLE001 - the controller is (re)starting
             raise APIError(503, f"the engine is not available: {type(e).__name__}", "server_unavailable") from e
-        if self.tokenizer is None or info["tokenizer"] != self.info["tokenizer"]:
+        if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
-            self._token_text = {}
         self.info, self._core = info, core
-        asyncio.get_running_loop().create_task(self._poll_loop(core))
+        loop = asyncio.get_running_loop()
+        threading.Thread(target=self._poll_loop, args=(core, loop), name="engine-poll", daemon=True).start()
         return core
 
     async def model_info(self) -> dict:
@@ -270,20 +273,29 @@ class EngineClient:
         return await (await self.core()).stats.remote()
 
     # ---- outputs -------------------------------------------------------------------------------------------------
-    async def _poll_loop(self, core) -> None:
-        streams = self._streams
+    def _poll_loop(self, core, loop: asyncio.AbstractEventLoop) -> None:
+        """A thread: one blocking long poll after another (cheaper and quicker than awaiting each on the event loop);
+        each answer is handed to the event loop in one call."""
+        import ray
+
         while self._core is core:
             try:
-                items = await core.poll.remote(self.client_id, self.POLL_TIMEOUT_S)
+                items = ray.get(core.poll.remote(self.client_id, self.POLL_TIMEOUT_S))
             except Exception as e:  # noqa: BLE001 - the core went away: every stream ends with an error
-                self._lost(core, e)
+                loop.call_soon_threadsafe(self._lost, core, e)
                 return
-            for item in items:
-                stream = streams.get(item[0])
-                if stream is not None:
-                    stream.put(item)
-                    if item[2] is not None:
-                        del streams[item[0]]
+            if items:
+                loop.call_soon_threadsafe(self._deliver, items)
+
+    def _deliver(self, items: list[tuple]) -> None:
+        """On the event loop: each request its share of the steps."""
+        streams = self._streams
+        for item in items:
+            stream = streams.get(item[0])
+            if stream is not None:
+                stream.put(item)
+                if item[2] is not None:
+                    del streams[item[0]]
 
     def _lost(self, core, error: Exception) -> None:
         if self._core is not core:

@@ -106,12 +106,12 @@ async def _interleave(gens: list):
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key: str | None = None,
-                 stream_interval: int = 1, stream_batching_interval_ms: float = 0.0):
+                 stream_interval: int = 1, stream_batching_interval_ms: float = 0.0, tokenizer: str | None = None):
         self.controller = controller
         self.model_id = model_id
         app.state.api_key = api_key  # one ingress per replica process: the middleware reads it
         self.created = int(time.time())
-        self.engine = EngineClient(controller, model_id, stream_interval, stream_batching_interval_ms)
+        self.engine = EngineClient(controller, model_id, tokenizer, stream_interval, stream_batching_interval_ms)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
