@@ -116,8 +116,8 @@ class StepResult:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""
         return list(range(len(self.tokens) + 1)) if self.counts is None else [0, *accumulate(self.counts)]
 
-    def spec(self) -> list[tuple[int, list[int]]] | None:
+    def spec(self) -> list[tuple[int, range]] | None:
         """A speculative round's per request (draft tokens proposed, accepted positions); None for a plain step."""
         if self.counts is None:
             return None
-        return [(self.num_drafts, list(range(n - 1))) for n in self.counts]
+        return [(self.num_drafts, range(n - 1)) for n in self.counts]

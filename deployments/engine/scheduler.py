@@ -337,7 +337,7 @@ class Scheduler:
                 del req.output_top_logprobs[-num:]
 
     @staticmethod
-    def count_accepted(req: Request, spec: tuple[int, list[int]], num_new: int) -> None:
+    def count_accepted(req: Request, spec: tuple[int, range], num_new: int) -> None:
         """A speculative round's drafts and accepted positions; drafts cut by a stop condition do not count."""
         kept = min(len(spec[1]), num_new - 1)
         req.spec.num_drafts += 1
