@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain
 
 import numpy as np
 
@@ -70,9 +70,14 @@ class WorkerStep:
              step_id: int = 0, top_logprobs: bool = False) -> "WorkerStep":
         """A step from per-request sequences (``pending`` None: none in flight; ``next_ids`` None: all -1)."""
         b = len(req_slots)
-        ints = np.array([req_slots, seq_lens, top_k, seeds, counters, [0] * b if pending is None else pending,
-                         extend_lens, [-1] * b if next_ids is None else next_ids], dtype=np.int64).reshape(-1, b)
-        return cls(mode, ints, np.array([temperature, top_p, min_p], dtype=np.float32).reshape(-1, b),
+        ints = (req_slots, seq_lens, top_k, seeds, counters, [0] * b if pending is None else pending, extend_lens,
+                [-1] * b if next_ids is None else next_ids)
+        floats = (temperature, top_p, min_p)
+        if any(len(row) != b for row in ints + floats):
+            raise ValueError("every per-request sequence of a step needs one value per request")
+        # (fromiter over the chained rows: about half the time of np.array on the nested lists)
+        return cls(mode, np.fromiter(chain(*ints), np.int64, len(ints) * b).reshape(-1, b),
+                   np.fromiter(chain(*floats), np.float32, len(floats) * b).reshape(-1, b),
                    np.asarray(input_ids, dtype=np.int64), np.array(page_updates, dtype=np.int64).reshape(3, -1),
                    None if draft_tokens is None else np.array(draft_tokens, dtype=np.int64).reshape(b, -1),
                    step_id, top_logprobs)
