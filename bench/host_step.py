@@ -15,6 +15,14 @@ device-bound one:
     python3 -m bench.common --shape llama-3.2-1b --out /tmp/l1
     python3 -m bench.host_step --device cuda --model /tmp/l1 --no-metrics --prompt-len 128 --new-tokens 128 \\
         --batch-sizes 64,128,256 --profile-batch 256 --out bench/results/host_step/gpu_host_step_1b_h100
+
+``--messages`` (no model) times the controller<->worker step message on its own: building a DECODE step's
+``WorkerStep`` (``StepPlan.to_worker_step``), its pickling (dumps on the controller, loads on the worker),
+the worker filling the CUDA graphs' static inputs from it (``StaticInputs.fill``, here into host memory), the
+worker turning a step's copied outputs into the ``StepResult`` (plain decode and a speculative round of 3 drafts),
+that result's pickling, and the scheduler applying it (``Scheduler.update``):
+
+    python3 -m bench.host_step --messages --batch-sizes 1,64,128,256 --out bench/results/host_step/cpu_step_messages
 """
 
 from __future__ import annotations
@@ -120,6 +128,102 @@ def profile_steps(eng, steps: int) -> dict:
     return out
 
 
+MESSAGE_KEYS = ("build_step_us", "step_bytes", "step_dumps_us", "step_loads_us", "fill_static_us",
+                "read_result_us", "result_bytes", "result_dumps_us", "result_loads_us", "apply_result_us")
+SPEC_DRAFTS = 3  # the speculative shape: an n-gram round of 3 host drafts per request (an EAGLE round sends none)
+
+
+def per_call_us(fn, reps: int = 9, calls: int = 200) -> float:
+    """The fastest of ``reps`` runs of ``calls`` calls, in microseconds per call (the least disturbed by whatever
+    else the machine runs)."""
+    fn()
+    runs = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+    return round(min(runs), 2)
+
+
+def pickle_row(name: str, obj) -> dict:
+    """Its pickled size, and the time of ``pickle.dumps`` (the sender's) and of ``pickle.loads`` (the receiver's)."""
+    import pickle
+
+    data = pickle.dumps(obj, protocol=5)
+    return {f"{name}_bytes": len(data), f"{name}_dumps_us": per_call_us(lambda: pickle.dumps(obj, protocol=5)),
+            f"{name}_loads_us": per_call_us(lambda: pickle.loads(data))}
+
+
+def message_row(batch: int, spec: bool) -> dict:
+    """One DECODE step's message at ``batch`` requests, sampled with top-k/top-p, their previous step in flight,
+    one page grant per 16 requests; ``spec``: with SPEC_DRAFTS host drafts per request, and a round's result (0 to
+    SPEC_DRAFTS drafts accepted)."""
+    from functools import partial
+
+    import torch
+
+    from deployments.engine.pages import PageAllocator
+    from deployments.engine.request import Request, RequestStatus, SamplingParams
+    from deployments.engine.scheduler import Scheduler, StepPlan
+    from workers.graphs import StaticInputs, batch_buckets
+    from workers.messages import ForwardMode
+    from workers.outputs import HostCopy, Launched, PackedOutputs, round_result, token_result
+
+    rng = random.Random(batch)
+    params = SamplingParams(max_tokens=1 << 30, temperature=0.8, top_k=50, top_p=0.9, ignore_eos=True)
+    reqs = []
+    for i in range(batch):
+        req = Request(f"r{i}", [rng.randrange(32000) for _ in range(8)], params)
+        req.req_slot, req.status, req.output_ids = i, RequestStatus.RUNNING, [1] * rng.randrange(600)
+        reqs.append(req)
+    grants = range(0, batch, 16)
+    plan = StepPlan(
+        mode=ForwardMode.DECODE, requests=reqs, input_ids=[], seq_lens=[r.num_tokens for r in reqs],
+        extend_lens=[1] * batch, page_updates=([i for i in grants], [40] * len(grants), [7 + i for i in grants]),
+        counters=[len(r.output_ids) for r in reqs], pending=[1] * batch,
+        draft_tokens=[[rng.randrange(32000) for _ in range(SPEC_DRAFTS)] for _ in reqs] if spec else None)
+    step = plan.to_worker_step()
+    row = {"batch_size": batch, "shape": "spec" if spec else "decode",
+           "build_step_us": per_call_us(plan.to_worker_step),
+           **pickle_row("step", step)}
+    static = StaticInputs(256, SPEC_DRAFTS if spec else 0, 256, "cpu")
+    bucket = next(b for b in batch_buckets(256) if b >= batch)
+    row["fill_static_us"] = per_call_us(lambda: static.fill(step, bucket))
+
+    ids = torch.tensor([rng.randrange(32000) for _ in range(batch * (SPEC_DRAFTS + 1))])
+    logprobs = -torch.rand(batch * (SPEC_DRAFTS + 1))
+    if spec:
+        accept = torch.tensor([rng.randrange(SPEC_DRAFTS + 1) for _ in range(batch)])
+        packed = PackedOutputs.pack(accept, ids.view(batch, -1), logprobs.view(batch, -1))
+        finish = partial(round_result, tree_size=SPEC_DRAFTS + 1)
+    else:
+        packed, finish = PackedOutputs.pack(ids[:batch], logprobs[:batch]), token_result
+    read = lambda: Launched(0, HostCopy(packed), finish, 0.0).result()  # noqa: E731
+    result = read()
+    row["read_result_us"] = per_call_us(read)
+    row.update(pickle_row("result", result))
+    sched = Scheduler(PageAllocator(1024, 16), max_num_seqs=512, max_prefill_tokens=8192, max_model_len=1 << 31,
+                      eos_token_ids=(), vocab_size=32000)
+    sched.running = list(reqs)
+    row["apply_result_us"] = per_call_us(lambda: sched.update(plan, result), calls=50)  # (requests grow each call)
+    return row
+
+
+def message_markdown(meta: dict) -> str:
+    md = [f"# The controller<->worker step message ({meta['device']})", "",
+          f"commit `{meta['commit']}` · command `{meta['command']}`", "",
+          "Per DECODE step, microseconds (the fastest of 9 runs): build = ``StepPlan.to_worker_step``; dumps / "
+          "loads = ``pickle.dumps(x, protocol=5)`` / ``pickle.loads``; fill = ``StaticInputs.fill`` (host side of the graphs' "
+          "one host->device copy); read = the worker turning the step's copied outputs into its ``StepResult``; "
+          f"apply = ``Scheduler.update``. spec: {SPEC_DRAFTS} host drafts per request in the step, a round's "
+          "result (0-3 accepted + bonus).", "",
+          "| shape | batch | build µs | step bytes | step dumps µs | step loads µs | fill µs | read µs | "
+          "result bytes | result dumps µs | result loads µs | apply µs |", "|---" * 12 + "|"]
+    md += ["| " + " | ".join(str(r[k]) for k in ("shape", "batch_size") + MESSAGE_KEYS) + " |" for r in meta["rows"]]
+    return "\n".join(md) + "\n"
+
+
 def markdown(meta: dict) -> str:
     rows = meta["rows"]
     md = [f"# Engine host time per DECODE step ({meta['device']})", "",
@@ -153,7 +257,8 @@ def markdown(meta: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="a checkpoint (required unless --messages)")
+    ap.add_argument("--messages", action="store_true", help="time the step message alone (no model)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--batch-sizes", default="8,32,96,256")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -175,7 +280,14 @@ def main() -> None:
     out = out_path(args.out)
     if args.report_only:
         meta = json.loads(out.with_suffix(".json").read_text())
+    elif args.messages:
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "messages": True,
+                "rows": [message_row(b, spec) for spec in (False, True) for b in sizes]}
+        write_json(out, meta)
     else:
+        if args.model is None:
+            raise SystemExit("--model is required (or --messages)")
         if not args.no_metrics:
             import ray
 
@@ -193,6 +305,11 @@ def main() -> None:
                 "no_metrics": args.no_metrics, "rows": rows,
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         write_json(out, meta)
+    if meta.get("messages"):
+        md = message_markdown(meta)
+        write_markdown(out, md)
+        print(md)
+        return
     md = markdown(meta)
     write_markdown(out, md)
     plot(meta, out.with_suffix(".png"))

@@ -51,13 +51,13 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
     pages = list(range(1, 1 + -(-(len(prompt) + 2 * steps + 16) // 16)))
 
     def step(mode, ids, seq_len, ext, updates):
-        return WorkerStep(mode=mode, req_slots=[0], input_ids=ids, seq_lens=[seq_len], extend_lens=[ext],
-                          page_updates=updates, temperature=[0.0], top_k=[0], top_p=[1.0], min_p=[0.0], seeds=[0],
-                          counters=[0])
+        return WorkerStep.pack(mode, req_slots=[0], input_ids=ids, seq_lens=[seq_len], extend_lens=[ext],
+                              page_updates=updates, temperature=[0.0], top_k=[0], top_p=[1.0], min_p=[0.0], seeds=[0],
+                              counters=[0])
 
     res = w.execute(step(ForwardMode.EXTEND, prompt, len(prompt), len(prompt),
                          ([0] * len(pages), list(range(len(pages))), pages)))
-    tokens = [res.tokens[0][0]]
+    tokens = [res.tokens[0]]
     times = []
     for i in range(steps):
         torch.cuda.synchronize()
@@ -65,14 +65,14 @@ def run_rank(rank: int, tp: int, ckpt: str, steps: int, port: int, backend: str,
         res = w.execute(step(ForwardMode.DECODE, [], len(prompt) + i + 1, 1, ([], [], [])))
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000)
-        tokens.append(res.tokens[0][0])
+        tokens.append(res.tokens[0])
     # as the engine runs by default: each step launched before the previous one's token is read (overlap)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(steps, 2 * steps):
         for res in w.step(step(ForwardMode.DECODE, [], len(prompt) + i + 1, 1, ([], [], [])), keep=1):
-            tokens.append(res.tokens[0][0])
-    tokens += [res.tokens[0][0] for res in w.step(None, keep=0)]
+            tokens.append(res.tokens[0])
+    tokens += [res.tokens[0] for res in w.step(None, keep=0)]
     overlapped_ms = (time.perf_counter() - t0) * 1000 / steps
     if rank == 0:
         Path(result_file).write_text(json.dumps({"tokens": tokens, "step_ms": times, "overlapped_step_ms": overlapped_ms,

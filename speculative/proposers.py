@@ -244,8 +244,8 @@ class EagleProposer(_ModelProposer):
         nxt = torch.where(nxt >= 0, nxt, sampled)
         ids = torch.roll(fb.input_ids, -1)
         ids[fb.logits_indices] = nxt
-        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, step.req_slots, step.seq_lens, step.extend_lens,
-                                    page_table=self.ctx.page_table)
+        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, step.req_slots, step.seq_lens.tolist(),
+                                    step.extend_lens.tolist(), page_table=self.ctx.page_table)
         (logp, d2t), feat = self._draft_forward(dfb, features)
         self._save_state(dfb.req_slots, logp, d2t, feat)
 
@@ -299,8 +299,8 @@ class DraftModelProposer(_ModelProposer):
         return (self._draft_scores(logits), None), None
 
     def after_extend(self, step, fb, features, sampled):
-        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens,
-                                    step.extend_lens, page_table=self.ctx.page_table)
+        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens.tolist(),
+                                    step.extend_lens.tolist(), page_table=self.ctx.page_table)
         self.runner.forward(dfb)
 
     def propose(self, inp):

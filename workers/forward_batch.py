@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # the backends import this module
 
 
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
-    """Host list → device tensor without stalling the host: on CUDA the copy goes through pinned memory,
+    """Host list (or numpy array) → device tensor without stalling the host: on CUDA the copy goes through pinned memory,
     asynchronously (a plain ``torch.tensor(list, device="cuda")`` waits for the GPU to drain)."""
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=dtype, non_blocking=True)

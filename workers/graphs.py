@@ -21,12 +21,15 @@ import os
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from speculative.proposers import RoundInputs
 from workers.kernels.launch import capturing, pdl_launches
 from workers.kernels.metadata import overlap_step_inputs
+from workers.messages import FLOAT_FIELDS
+from workers.messages import INT_FIELDS as STEP_INT_FIELDS
 from workers.outputs import PackedOutputs
 from workers.sampling import SamplingTensors
 
@@ -39,8 +42,9 @@ NORM_FUSION_PASSES = 5
 NORM_FUSION_REPLAYS = 10
 NORM_FUSION_MARGIN = 0.01
 
-INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")  # then the n-gram draft columns
-FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# the int rows a graph reads (a WorkerStep's first six, in its order), then the n-gram draft columns; the floats
+INT_FIELDS = STEP_INT_FIELDS[:6]
+assert INT_FIELDS == ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -62,40 +66,40 @@ class StaticInputs:
         self.buffer = torch.zeros((self.num_int_fields * 8 + len(FLOAT_FIELDS) * 4) * max_bs, dtype=torch.uint8,
                                   device=device)
         self.ints, self.floats = self._tables(self.buffer)
+        # the host image of an all-padding buffer, which each step's fill starts from
+        self._padding = np.zeros(self.buffer.shape, dtype=np.uint8)
+        ints, floats = self._tables(self._padding)
+        ints[INT_FIELDS.index("req_slots")] = self.pad_slot
+        ints[INT_FIELDS.index("seq_lens")] = 1
+        floats[FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
         self.reset()
 
-    def _tables(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``buffer``'s int64 [int fields, max_bs] and float32 [float fields, max_bs] views."""
+    def _tables(self, buffer):
+        """``buffer``'s (a tensor's or a numpy array's) int64 [int fields, max_bs] and float32 [float fields,
+        max_bs] views."""
         split = self.num_int_fields * 8 * self.max_bs
-        return (buffer[:split].view(torch.int64).view(self.num_int_fields, self.max_bs),
-                buffer[split:].view(torch.float32).view(len(FLOAT_FIELDS), self.max_bs))
+        i64, f32 = (torch.int64, torch.float32) if isinstance(buffer, torch.Tensor) else (np.int64, np.float32)
+        return (buffer[:split].view(i64).reshape(self.num_int_fields, self.max_bs),
+                buffer[split:].view(f32).reshape(len(FLOAT_FIELDS), self.max_bs))
 
     def reset(self) -> None:
         """Every row a padding row (graphs are captured on these)."""
-        self._fill_rows(self.ints, self.floats, 0, self.max_bs)
-
-    def _fill_rows(self, ints, floats, lo, hi) -> None:
-        ints[:, lo:hi] = 0
-        ints[INT_FIELDS.index("req_slots"), lo:hi] = self.pad_slot
-        ints[INT_FIELDS.index("seq_lens"), lo:hi] = 1
-        floats[FLOAT_FIELDS.index("top_p"), lo:hi] = 1.0  # greedy (temperature 0), top_p and min_p off
-        floats[FLOAT_FIELDS.index("temperature"), lo:hi] = 0.0
-        floats[FLOAT_FIELDS.index("min_p"), lo:hi] = 0.0
+        self.buffer.copy_(torch.from_numpy(self._padding))
 
     def fill(self, step, bucket: int) -> None:
-        """Write the step's rows (and padding up to ``bucket``) into the buffers: one host→device copy of the
-        whole buffer (a few KB; the columns past ``bucket`` are not read), from pinned memory the copy holds until
-        it is done (PyTorch's caching host allocator)."""
-        b = len(step.req_slots)
-        cols = [step.req_slots, step.seq_lens, step.top_k, step.seeds, step.counters, step.pending or [0] * b]
+        """Write the step's rows (padding after them) into the buffers: numpy copies of the step's packed rows into
+        one host buffer, then one host→device copy of the whole buffer (a few KB; the columns past ``bucket`` are
+        not read), from pinned memory the copy holds until it is done (PyTorch's caching host allocator)."""
+        b = step.batch_size
         pinned = self.buffer.device.type == "cuda"
         host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
-        ints, floats = self._tables(host)
-        ints[: len(INT_FIELDS), :b] = torch.tensor(cols, dtype=torch.int64)
+        image = host.numpy()
+        image[:] = self._padding
+        ints, floats = self._tables(image)
+        ints[: len(INT_FIELDS), :b] = step.ints[: len(INT_FIELDS)]
         if step.draft_tokens is not None:
-            ints[len(INT_FIELDS):, :b] = torch.tensor(step.draft_tokens, dtype=torch.int64).T
-        floats[:, :b] = torch.tensor([step.temperature, step.top_p, step.min_p], dtype=torch.float32)
-        self._fill_rows(ints, floats, b, bucket)
+            ints[len(INT_FIELDS):, :b] = step.draft_tokens.T
+        floats[:, :b] = step.floats
         self.buffer.copy_(host, non_blocking=pinned)
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
@@ -284,7 +288,7 @@ class DecodeGraphs(GraphRunner):
         self.static.fill(step, bucket)
         for name in self.phases[(bucket, kind, top)]:  # the last phase returns the packed outputs
             out = self.replay((name, bucket, kind, top))
-        return out.rows(len(step.req_slots))
+        return out.rows(step.batch_size)
 
     def _callables(self, bucket: int, kind: str, top: bool) -> dict[str, Callable]:
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the

@@ -1,12 +1,17 @@
 """What crosses between the engine and the workers: a step's plan (``WorkerStep``) and its outcome (``StepResult``).
 
-Plain lists and enums, no torch: the host-side scheduler builds and reads these without importing the device code.
+No torch: the host-side scheduler builds and reads these without importing the device code. A step's per-request
+values travel packed in a few numpy arrays and a result's tokens as flat lists, so that a message costs what its
+bytes cost to pickle, not a Python object per request.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from itertools import accumulate, chain
+
+import numpy as np
 
 
 class ForwardMode(enum.Enum):
@@ -16,37 +21,108 @@ class ForwardMode(enum.Enum):
     DRAFT_EXTEND = "draft_extend"  # draft model catches up over accepted tokens (causal, like EXTEND)
 
 
-@dataclass
+# the rows of ``WorkerStep.ints`` and ``.floats``; the ints' first six are the rows a CUDA graph reads, in the
+# order of its static inputs (``workers.graphs.StaticInputs``)
+INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending", "extend_lens", "next_ids")
+FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+_ARRAYS = {"ints": np.int64, "floats": np.float32, "input_ids": np.int64, "page_updates": np.int64,
+           "draft_tokens": np.int64}
+
+
+def _row(table: str, name: str, fields: tuple[str, ...]) -> property:
+    i = fields.index(name)
+    return property(lambda self: getattr(self, table)[i], doc=f"[B] {name} (a row of ``{table}``)")
+
+
+@dataclass(eq=False)
 class WorkerStep:
+    """One step for every worker. Per request, field-major: ``ints`` [len(INT_FIELDS), B] int64 and ``floats``
+    [len(FLOAT_FIELDS), B] float32, each row also readable by its name (``step.seq_lens``). Build one with ``pack``.
+
+    DECODE under the overlap schedule: ``pending`` is 1 where the request's previous step is still in flight;
+    seq_lens and counters then leave out the tokens that step emits, which only the device knows (``Worker.advance``).
+    ``next_ids`` (speculative EXTEND): the token after each chunk, -1 where it is the one sampled now."""
+
     mode: ForwardMode
-    req_slots: list[int]
-    input_ids: list[int]  # EXTEND: the chunks' tokens. DECODE reads each request's last token on the device
-    seq_lens: list[int]
-    extend_lens: list[int]
-    page_updates: tuple[list[int], list[int], list[int]]
-    temperature: list[float]
-    top_k: list[int]
-    top_p: list[float]
-    min_p: list[float]
-    seeds: list[int]
-    counters: list[int]
-    # DECODE under the overlap schedule: 1 where the request's previous step is still in flight. seq_lens and
-    # counters then leave out the tokens that step emits, which only the device knows (``Worker.advance``)
-    pending: list[int] | None = None
-    # speculative decoding
-    next_ids: list[int] | None = None  # EXTEND: the token after each chunk (-1: the one sampled now)
-    draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts (n-gram): [B, num_steps]
+    ints: np.ndarray
+    floats: np.ndarray
+    input_ids: np.ndarray  # [T] EXTEND: the chunks' tokens. DECODE reads each request's last token on the device
+    page_updates: np.ndarray  # [3, P]: request slot, page position, page id of each page granted
+    draft_tokens: np.ndarray | None = None  # [B, num_steps] DECODE with host-side drafts (n-gram)
     step_id: int = 0  # the engine's number for this step, echoed in its StepResult
     top_logprobs: bool = False  # some request wants the most likely alternatives of each token (TOP_LOGPROBS)
+
+    req_slots = _row("ints", "req_slots", INT_FIELDS)
+    seq_lens = _row("ints", "seq_lens", INT_FIELDS)
+    top_k = _row("ints", "top_k", INT_FIELDS)
+    seeds = _row("ints", "seeds", INT_FIELDS)
+    counters = _row("ints", "counters", INT_FIELDS)
+    pending = _row("ints", "pending", INT_FIELDS)
+    extend_lens = _row("ints", "extend_lens", INT_FIELDS)
+    next_ids = _row("ints", "next_ids", INT_FIELDS)
+    temperature = _row("floats", "temperature", FLOAT_FIELDS)
+    top_p = _row("floats", "top_p", FLOAT_FIELDS)
+    min_p = _row("floats", "min_p", FLOAT_FIELDS)
+
+    @classmethod
+    def pack(cls, mode: ForwardMode, *, req_slots, input_ids, seq_lens, extend_lens, page_updates, temperature,
+             top_k, top_p, min_p, seeds, counters, pending=None, next_ids=None, draft_tokens=None,
+             step_id: int = 0, top_logprobs: bool = False) -> "WorkerStep":
+        """A step from per-request sequences (``pending`` None: none in flight; ``next_ids`` None: all -1)."""
+        b = len(req_slots)
+        ints = (req_slots, seq_lens, top_k, seeds, counters, [0] * b if pending is None else pending, extend_lens,
+                [-1] * b if next_ids is None else next_ids)
+        floats = (temperature, top_p, min_p)
+        if any(len(row) != b for row in ints + floats):
+            raise ValueError("every per-request sequence of a step needs one value per request")
+        # (fromiter over the chained rows: about half the time of np.array on the nested lists)
+        return cls(mode, np.fromiter(chain(*ints), np.int64, len(ints) * b).reshape(-1, b),
+                   np.fromiter(chain(*floats), np.float32, len(floats) * b).reshape(-1, b),
+                   np.asarray(input_ids, dtype=np.int64), np.array(page_updates, dtype=np.int64).reshape(3, -1),
+                   None if draft_tokens is None else np.array(draft_tokens, dtype=np.int64).reshape(b, -1),
+                   step_id, top_logprobs)
+
+    @property
+    def batch_size(self) -> int:
+        return self.ints.shape[1]
+
+    # each array pickles as (bytes, shape): numpy's own pickling costs microseconds per array (its dtype object)
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in _ARRAYS:
+            if state[name] is not None:
+                state[name] = (state[name].tobytes(), state[name].shape)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, dtype in _ARRAYS.items():
+            if state[name] is not None:  # (read-only views of the pickled bytes)
+                data, shape = state[name]
+                state[name] = np.frombuffer(data, dtype).reshape(shape)
+        self.__dict__.update(state)
 
 
 @dataclass
 class StepResult:
-    tokens: list[list[int]]  # per request: the tokens this step appends (1, or accepted + bonus when speculating)
-    logprobs: list[list[float]]
-    spec: list[tuple[int, list[int]]] | None = None  # per request: (draft tokens proposed, accepted positions)
+    """A step's tokens: every request's, one request after another, in the step's batch order (flat lists pickle
+    as one run of values, nested ones as a list per request)."""
+
+    tokens: list[int]  # per request the tokens this step appends: 1, or accepted drafts + 1 when speculating
+    logprobs: list[float]
+    counts: list[int] | None = None  # tokens per request (None: one each)
+    num_drafts: int = 0  # a speculative round: draft tokens proposed per request
     timings: dict = field(default_factory=dict)
     error: str | None = None  # the step failed (its requests fail; the worker goes on)
     step_id: int = 0  # WorkerStep.step_id of the step this is the result of
     # per request, per token: the TOP_LOGPROBS most likely (token, logprob) at its position (WorkerStep.top_logprobs)
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+
+    def offsets(self) -> list[int]:
+        """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""
+        return list(range(len(self.tokens) + 1)) if self.counts is None else [0, *accumulate(self.counts)]
+
+    def spec(self) -> list[tuple[int, range]] | None:
+        """A speculative round's per request (draft tokens proposed, accepted positions); None for a plain step."""
+        if self.counts is None:
+            return None
+        return [(self.num_drafts, range(n - 1)) for n in self.counts]

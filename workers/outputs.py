@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+import numpy as np
 import torch
 
 from workers.messages import StepResult
@@ -40,7 +41,7 @@ class PackedOutputs:
 
 class HostCopy:
     """A step's packed outputs on their way to the host: ONE device→host copy, started now (into pinned memory,
-    asynchronously) and waited for in ``lists()``."""
+    asynchronously) and waited for in ``columns()``."""
 
     def __init__(self, packed: PackedOutputs):
         self.widths, self.flat = packed.widths, packed.flat
@@ -53,12 +54,13 @@ class HostCopy:
         else:
             self.host = packed.data  # (on a CPU a "replay" runs the callable: new tensors every step)
 
-    def lists(self) -> list[list]:
+    def columns(self) -> list[np.ndarray]:
+        """The outputs as float64 host arrays ([B] or [B, W]; views of the copy)."""
         if self.event is not None:
             self.event.synchronize()
-        out, start = [], 0
+        host, out, start = self.host.numpy(), [], 0
         for width, flat in zip(self.widths, self.flat):
-            out.append((self.host[:, start] if flat else self.host[:, start:start + width]).tolist())
+            out.append(host[:, start] if flat else host[:, start:start + width])
             start += width
         return out
 
@@ -69,7 +71,7 @@ class Launched:
 
     step_id: int
     copy: HostCopy | None
-    finish: Callable[[list[list]], StepResult] | None
+    finish: Callable[[list[np.ndarray]], StepResult] | None
     launch_s: float
     error: str | None = None
 
@@ -78,7 +80,7 @@ class Launched:
         res = None
         if self.error is None:
             try:
-                res = self.finish(self.copy.lists())
+                res = self.finish(self.copy.columns())
             except Exception as e:  # noqa: BLE001 - e.g. a device fault surfacing at the copy: this step fails
                 logger.exception("reading a step's results failed")
                 self.error = f"{type(e).__name__}: {e}"
@@ -89,28 +91,26 @@ class Launched:
         return res
 
 
-def token_result(lists: list[list]) -> StepResult:
+def token_result(cols: list[np.ndarray]) -> StepResult:
     """A plain step's outputs: one token per request."""
-    ids, logprobs, *top = lists
-    res = StepResult(tokens=[[t] for t in map(int, ids)], logprobs=[[lp] for lp in logprobs])
+    ids, logprobs, *top = cols
+    res = StepResult(tokens=ids.astype(np.int64).tolist(), logprobs=logprobs.tolist())
     if top:  # [B, K] ids and logprobs
-        res.top_logprobs = [[list(zip(map(int, i), v))] for i, v in zip(*top)]
+        res.top_logprobs = [[list(zip(i, v))] for i, v in zip(top[0].astype(np.int64).tolist(), top[1].tolist())]
     return res
 
 
-def round_result(lists: list[list], tree_size: int) -> StepResult:
+def round_result(cols: list[np.ndarray], tree_size: int) -> StepResult:
     """A speculative round's outputs: each request's accepted drafts and bonus token."""
-    accept, tokens, logprobs, *top = lists
-    accept = [int(a) for a in accept]
-    res = StepResult(
-        tokens=[[int(x) for x in t[: a + 1]] for t, a in zip(tokens, accept)],
-        logprobs=[lp[: a + 1] for lp, a in zip(logprobs, accept)],
-        spec=[(tree_size - 1, list(range(a))) for a in accept],
-    )
+    accept, tokens, logprobs, *top = cols
+    accept = accept.astype(np.int64)
+    kept = np.arange(tokens.shape[1]) <= accept[:, None]  # [B, S+1]: the accepted drafts and the bonus token
+    res = StepResult(tokens=tokens[kept].astype(np.int64).tolist(), logprobs=logprobs[kept].tolist(),
+                     counts=(accept + 1).tolist(), num_drafts=tree_size - 1)
     if top:  # [B, S+1, K] ids and logprobs, each request's row flattened by the copy
         res.top_logprobs = []
-        for t, ti, tv, a in zip(tokens, *top, accept):
+        for t, ti, tv, a in zip(tokens, top[0].astype(np.int64).tolist(), top[1].tolist(), accept.tolist()):
             k = len(ti) // len(t)
-            res.top_logprobs.append([list(zip(map(int, ti[j * k:(j + 1) * k]), tv[j * k:(j + 1) * k]))
+            res.top_logprobs.append([list(zip(ti[j * k:(j + 1) * k], tv[j * k:(j + 1) * k]))
                                      for j in range(a + 1)])
     return res

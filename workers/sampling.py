@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from workers.kernels.argmax import argmax_logsumexp, greedy_with_logprob
@@ -54,14 +55,13 @@ class SamplingTensors:
 
 
 def sampling_kind(temperature, top_k, top_p, min_p) -> str:
-    """The batch's ``SamplingTensors.kind`` from its host lists (only sampled rows count: a greedy row's filters
-    are never applied)."""
-    sampled = [i for i, t in enumerate(temperature) if t > 0]
-    if not sampled:
+    """The batch's ``SamplingTensors.kind`` from its host values (lists or numpy arrays; only sampled rows count: a
+    greedy row's filters are never applied)."""
+    sampled = np.asarray(temperature) > 0
+    if not sampled.any():
         return "greedy"
-    if any(top_k[i] > 0 or top_p[i] < 1 or min_p[i] > 0 for i in sampled):
-        return "filter"
-    return "sample"
+    filters = (np.asarray(top_k) > 0) | (np.asarray(top_p) < 1) | (np.asarray(min_p) > 0)
+    return "filter" if filters[sampled].any() else "sample"
 
 
 def processed_probs(logits: torch.Tensor, p: SamplingTensors) -> torch.Tensor:

@@ -198,19 +198,19 @@ class Worker:
         return result
 
     def _apply_pages(self, step: WorkerStep) -> None:
-        if step.page_updates[0]:  # (most DECODE steps grant no page) one host→device copy for the three columns
+        if step.page_updates.shape[1]:  # (most DECODE steps grant no page) one host→device copy for the three rows
             slots, pos, ids = to_device(step.page_updates, torch.int64, self.device).unbind(0)
             self.page_table.apply(slots, pos, ids)
 
-    def _sampling(self, step: WorkerStep, counters: list[int] | None = None) -> SamplingTensors:
+    def _sampling(self, step: WorkerStep, counters=None) -> SamplingTensors:
         return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
                                           step.counters if counters is None else counters, self.device)
 
     def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
-        fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens, step.extend_lens,
-                                   page_table=self.page_table)
+        fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens.tolist(),
+                                   step.extend_lens.tolist(), page_table=self.page_table)
         sampling = self._sampling(step)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
@@ -224,7 +224,7 @@ class Worker:
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         kind, top = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p), step.top_logprobs
-        bucket = self.graphs.bucket_for(len(step.req_slots))
+        bucket = self.graphs.bucket_for(step.batch_size)
         if bucket is None:
             inp = self._eager_inputs(step)
             packed = PackedOutputs.pack(*(self._decode(inp, top) if self.spec_round is None
@@ -237,14 +237,13 @@ class Worker:
 
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
         slots = to_device(step.req_slots, torch.int64, self.device)
-        seq_lens, counters = list(step.seq_lens), list(step.counters)
-        if step.pending and any(step.pending):  # eager rounds need host lengths: wait for the step in flight
-            ahead = [1] * len(seq_lens) if self.proposer is None else self.advance[slots].tolist()
-            seq_lens = [s + p * a for s, p, a in zip(seq_lens, step.pending, ahead)]
-            counters = [c + p * a for c, p, a in zip(counters, step.pending, ahead)]
+        seq_lens, counters = step.seq_lens, step.counters
+        if step.pending.any():  # eager rounds need host lengths: wait for the step in flight
+            ahead = 1 if self.proposer is None else self.advance[slots].cpu().numpy()
+            seq_lens, counters = seq_lens + step.pending * ahead, counters + step.pending * ahead
         seq = to_device(seq_lens, torch.int64, self.device)
         drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
-        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens,
+        return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens.tolist(),
                            root_pos=seq - 1, sampling=self._sampling(step, counters), drafts=drafts)
 
     def _decode(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:

@@ -302,13 +302,14 @@ class Engine:
         stats = {"running": len(self.scheduler.running) + prefilling,
                  "waiting": len(self.scheduler.waiting) - prefilling,
                  "kv_usage": self.scheduler.kv_usage, "step_time": dict(self.step_time)}
-        if result is not None and result.spec:
-            per_pos = [0] * (max((len(acc) for _, acc in result.spec), default=0))
-            for _, acc in result.spec:
+        spec = result.spec() if result is not None else None
+        if spec:
+            per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))
+            for _, acc in spec:
                 for p in acc:
                     per_pos[p] += 1
-            stats["spec"] = {"drafts": len(result.spec), "draft_tokens": sum(n for n, _ in result.spec),
-                             "accepted": sum(len(a) for _, a in result.spec), "per_pos": per_pos}
+            stats["spec"] = {"drafts": len(spec), "draft_tokens": sum(n for n, _ in spec),
+                             "accepted": sum(len(a) for _, a in spec), "per_pos": per_pos}
         return stats
 
     # ---- offline API -----------------------------------------------------------------------------------------

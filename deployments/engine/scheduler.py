@@ -41,23 +41,24 @@ class StepPlan:
     def to_worker_step(self) -> WorkerStep:
         """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
         reqs = self.requests
-        return WorkerStep(
-            mode=self.mode,
+        params = [r.params for r in reqs]
+        return WorkerStep.pack(
+            self.mode,
             req_slots=[r.req_slot for r in reqs],
             input_ids=self.input_ids,
             seq_lens=self.seq_lens,
             extend_lens=self.extend_lens,
             page_updates=self.page_updates,
-            temperature=[r.params.temperature for r in reqs],
-            top_k=[r.params.top_k for r in reqs],
-            top_p=[r.params.top_p for r in reqs],
-            min_p=[r.params.min_p for r in reqs],
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            min_p=[p.min_p for p in params],
             seeds=[r.seed for r in reqs],
             counters=self.counters,
             pending=self.pending,
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
-            top_logprobs=any(r.params.top_logprobs for r in reqs),
+            top_logprobs=any(p.top_logprobs for p in params),
         )
 
 
@@ -315,7 +316,7 @@ class Scheduler:
         produced = []
         self.landed(plan)
         extend = plan.mode == ForwardMode.EXTEND
-        tops, specs = result.top_logprobs, result.spec
+        tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
         for i, req in enumerate(plan.requests):
             if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
@@ -326,7 +327,8 @@ class Scheduler:
                 self.waiting.remove(req)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
-            new = self._append_tokens(req, result.tokens[i], result.logprobs[i], tops[i] if tops else None)
+            a, b = at[i], at[i + 1]
+            new = self._append_tokens(req, result.tokens[a:b], result.logprobs[a:b], tops[i] if tops else None)
             produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
                 self.finish(req, req.finish_reason)
@@ -341,7 +343,7 @@ class Scheduler:
                 del req.output_top_logprobs[-num:]
 
     @staticmethod
-    def count_accepted(req: Request, spec: tuple[int, list[int]], num_new: int) -> None:
+    def count_accepted(req: Request, spec: tuple[int, range], num_new: int) -> None:
         """A speculative round's drafts and accepted positions; drafts cut by a stop condition do not count."""
         kept = min(len(spec[1]), num_new - 1)
         req.spec.num_drafts += 1
