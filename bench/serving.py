@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -379,6 +380,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
     ap.add_argument("--stream-interval", type=int, default=None, help="with --config: override its stream_interval")
+    ap.add_argument("--client-url", default=None, help="with --config: send the requests here instead (e.g. an ingress "
+                    "replica's own port under Ray Serve's direct ingress)")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running "
                     "(`serve run` of it): URL, model id and vocabulary are read from it")
     ap.add_argument("--url", default=None, help="or an OpenAI base URL of a running server")
@@ -432,12 +435,16 @@ def main() -> None:
     else:
         ap.error("one of --config, --server-config, --url")
     model = args.model_id or model
+    if args.client_url:
+        base = args.client_url
+        wait_healthy(base.removesuffix("/v1"), 120)
     levels, prompts, out_lens = workload(args, vocab)
     import platform
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
     meta = {"device": label, "commit": commit(), "command": command(),
-            "config": args.config or args.server_config, "stream_interval": stream_interval,
+            "config": args.config or args.server_config, "stream_interval": stream_interval, "url": base,
+            "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
             "stream_batching_interval_ms": None if app_args is None else app_args.get(
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
             "model_id": model, "engine_kwargs": engine_kwargs,
