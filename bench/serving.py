@@ -194,7 +194,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
                 "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
                 "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3)}
 
-    run(4, 4)  # warm-up
+    run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
+    run(8, 8)
     rows = {c: run(2 * c, c) for c in levels}
     Path(out_file).write_text(json.dumps(rows))
     engine.shutdown()
@@ -451,7 +452,9 @@ def main() -> None:
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels}
     rows = []
-    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4, args.api_key))  # warm-up
+    # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
+    asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
+    asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key))
     runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:
