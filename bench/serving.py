@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -193,7 +194,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
                 "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
                 "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3)}
 
-    run(4, 4)  # warm-up
+    run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
+    run(8, 8)
     rows = {c: run(2 * c, c) for c in levels}
     Path(out_file).write_text(json.dumps(rows))
     engine.shutdown()
@@ -379,6 +381,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
     ap.add_argument("--stream-interval", type=int, default=None, help="with --config: override its stream_interval")
+    ap.add_argument("--client-url", default=None, help="with --config: send the requests here instead (e.g. an ingress "
+                    "replica's own port under Ray Serve's direct ingress)")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running "
                     "(`serve run` of it): URL, model id and vocabulary are read from it")
     ap.add_argument("--url", default=None, help="or an OpenAI base URL of a running server")
@@ -432,19 +436,25 @@ def main() -> None:
     else:
         ap.error("one of --config, --server-config, --url")
     model = args.model_id or model
+    if args.client_url:
+        base = args.client_url
+        wait_healthy(base.removesuffix("/v1"), 120)
     levels, prompts, out_lens = workload(args, vocab)
     import platform
 
     label = args.device_label or (f"CPU {platform.machine()}" if device == "cpu" else device)
     meta = {"device": label, "commit": commit(), "command": command(),
-            "config": args.config or args.server_config, "stream_interval": stream_interval,
+            "config": args.config or args.server_config, "stream_interval": stream_interval, "url": base,
+            "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
             "stream_batching_interval_ms": None if app_args is None else app_args.get(
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels}
     rows = []
-    asyncio.run(run_rate(base, model, prompts[:4], [8] * 4, float("inf"), 4, args.api_key))  # warm-up
+    # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
+    asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
+    asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key))
     runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:
