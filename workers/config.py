@@ -68,8 +68,8 @@ class EngineConfig(Strict):
     mixed_decode_rows: int | None = Field(
         None, ge=0, description="a step that prefills also carries the running requests' decode rows (one EXTEND "
         "forward instead of an EXTEND and a DECODE step) when there are at most this many (0: never). Default: "
-        "any number where decode steps run eagerly anyway (CPU, disable_cuda_graph), none where they replay CUDA "
-        "graphs (docs/design.md, Scheduling). Never with speculation")
+        "any number where decode steps run eagerly anyway (CPU, CUDA graphs off or refused), none where they replay "
+        "CUDA graphs (docs/design.md, Scheduling). Never with speculation")
     kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     prefill_attention_backend: AttentionBackendName = "torch_native"

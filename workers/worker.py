@@ -216,9 +216,9 @@ class Worker:
         logits = self.target.logits(hidden[fb.logits_indices])
         ids, logprobs = sample(logits, sampling)
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
-        if self.proposer is not None:  # a DECODE step after this one, launched before it is read, adds 1 token
-            self.advance[fb.req_slots] = 1
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
+            # a round launched before this step is read adds the one token it samples (not the slot's last round's)
+            self.advance[fb.req_slots] = 1
             self.proposer.after_extend(step, fb, self.proposer.target_features(fb, hidden), ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
         return HostCopy(PackedOutputs.pack(ids, logprobs, *top)), token_result
@@ -227,7 +227,8 @@ class Worker:
         """The EXTEND step's token ids on the device. A decode row riding in it (-1, one token) feeds its request's
         newest token, read on the device as a DECODE step does (the host may not have read it yet)."""
         ids = to_device(step.input_ids, torch.int64, self.device)
-        if min(step.input_ids) >= 0:
+        host = step.input_ids  # (a list, or an array: its own min, not a Python loop over it)
+        if (min(host) if isinstance(host, list) else int(host.min())) >= 0:
             return ids
         if self.proposer is not None:  # (its lengths would be the device's, and the draft's catch-up needs ids)
             raise ValueError("decode rows ride in EXTEND steps only without speculation")

@@ -53,6 +53,7 @@ class Executor(Protocol):
     max_model_len: int
     lookahead: int
     max_advance: int
+    decode_graphs: bool  # DECODE steps replay CUDA graphs (else they run eagerly)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
@@ -71,6 +72,7 @@ class LocalExecutor:
         self.max_model_len = self.worker.max_model_len
         self.lookahead = self.worker.lookahead
         self.max_advance = self.worker.max_advance
+        self.decode_graphs = self.worker.graph_refusal is None
         self.num_pages = self.worker.kv_capacity_pages()
         self.worker.allocate_kv(self.num_pages)
 
@@ -113,7 +115,7 @@ class Engine:
             decode_max_advance=self.executor.max_advance,
             max_queue_len=cfg.max_queue_len,
             host_drafter=host_drafter,
-            mixed_decode_rows=self._mixed_decode_rows(cfg),
+            mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
         )
         self._detok: dict[str, Detokenizer] = {}
         # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
@@ -127,12 +129,12 @@ class Engine:
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
 
     @staticmethod
-    def _mixed_decode_rows(cfg: EngineConfig) -> int:
+    def _mixed_decode_rows(cfg: EngineConfig, executor: Executor) -> int:
         """Where DECODE steps run eagerly, a mixed step saves a whole forward; where they replay CUDA graphs, it
         trades a graph replay for eager rows in the prefill's forward, which is off until measured on a GPU."""
         if cfg.mixed_decode_rows is not None:
             return cfg.mixed_decode_rows
-        return cfg.max_num_seqs if cfg.resolved_device() == "cpu" or cfg.disable_cuda_graph else 0
+        return 0 if getattr(executor, "decode_graphs", True) else cfg.max_num_seqs
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,

@@ -81,6 +81,7 @@ def test_a_step_admits_what_arrived_together_with_the_decode_rows(tiny_models):
     device) and the three prompts, under one token budget (the rest of the last prompt waits for the next step)."""
     engine = make_engine(tiny_models["qwen3"])
     sched = engine.scheduler
+    assert not engine.executor.decode_graphs and sched.mixed_decode_rows == 64  # the default: decode runs eagerly
     for p in PROMPTS[:2]:
         engine.add_request(p, SamplingParams(max_tokens=20, temperature=0.0))
     engine.step()
