@@ -210,8 +210,10 @@ class Scheduler:
         return (0 < n <= self.mixed_decode_rows and n < self.max_prefill_tokens and self.host_drafter is None
                 and self.decode_max_advance == 1 and self.decode_lookahead == 1)
 
-    def _schedule_extend(self, budget: int | None = None) -> StepPlan | None:
-        batch = self._extend_batch(self.max_prefill_tokens if budget is None else budget)
+    def _schedule_extend(self) -> StepPlan | None:
+        if not self.waiting:  # (a decode-only step: no pass over the running requests' reserves)
+            return None
+        batch = self._extend_batch(self.max_prefill_tokens)
         return self._plan(batch, []) if batch else None
 
     def _extend_batch(self, budget: int) -> list[tuple[Request, int]]:
