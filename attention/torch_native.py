@@ -24,6 +24,9 @@ class TorchNativeMetadata(AttentionMetadata):
     mask_buf: torch.Tensor | None = None
     shifts: torch.Tensor | None = None
     block_cols: torch.Tensor | None = None
+    # a batch attended in groups (one-token rows apart from longer chunks): (the group's token indices, its
+    # metadata); the fields above are then unused
+    groups: list[tuple[torch.Tensor, "TorchNativeMetadata"]] | None = None
 
     @property
     def kernel(self) -> str:
@@ -45,32 +48,63 @@ class TorchNativeBackend(AttentionBackend):
                 m.mask_buf.scatter_(2, m.block_cols, rows)
             fb.attn_metadata = m
             return
+        ext_cpu = fb.extend_lens_cpu
+        if not fb.has_tree and 1 in ext_cpu and max(ext_cpu) > 1:
+            # one-token rows (decode rows riding in a prefill step, one-token chunks) apart from the chunks: padded
+            # to the longest chunk, each would attend with that many query rows
+            fb.attn_metadata = self._split(fb)
+            return
+        fb.attn_metadata = self._metadata(fb, fb.seq_lens, fb.extend_lens, fb.extend_start, fb.req_slots,
+                                          ext_cpu, fb.seq_lens_cpu, fb.num_tokens)
+
+    def _split(self, fb: ForwardBatch) -> TorchNativeMetadata:
         device = fb.input_ids.device
-        n_max = max(fb.extend_lens_cpu)
+        ext_cpu, seq_cpu = fb.extend_lens_cpu, fb.seq_lens_cpu
+        starts = [0]
+        for n in ext_cpu:
+            starts.append(starts[-1] + n)
+        groups = []
+        for rows in ([b for b, n in enumerate(ext_cpu) if n == 1], [b for b, n in enumerate(ext_cpu) if n > 1]):
+            toks = [t for b in rows for t in range(starts[b], starts[b + 1])]
+            rows_t = torch.tensor(rows, device=device)
+            ext = [ext_cpu[b] for b in rows]
+            ext_t = fb.extend_lens[rows_t]
+            sub = self._metadata(fb, fb.seq_lens[rows_t], ext_t, torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t,
+                                 fb.req_slots[rows_t], ext, None if seq_cpu is None else [seq_cpu[b] for b in rows],
+                                 len(toks))
+            groups.append((torch.tensor(toks, device=device), sub))
+        return TorchNativeMetadata(None, None, None, 0, groups=groups)
+
+    @staticmethod
+    def _metadata(fb: ForwardBatch, seq_lens, extend_lens, extend_start, req_slots, ext_cpu, seq_cpu,
+                  num_tokens: int) -> TorchNativeMetadata:
+        """The padded batch of these requests (all of the forward's, or a group of them)."""
+        device = fb.input_ids.device
+        b = len(ext_cpu)
+        n_max = max(ext_cpu)
         # lengths known only on the device: attend over the page table's whole capacity (masked)
         capacity = fb.page_table.table.shape[1] * fb.page_table.page_size
-        s_max = max(fb.seq_lens_cpu) if fb.seq_lens_cpu is not None else capacity
-        seq = fb.seq_lens.long().unsqueeze(1)  # [B, 1]
-        ext = fb.extend_lens.long().unsqueeze(1)
+        s_max = max(seq_cpu) if seq_cpu is not None else capacity
+        seq = seq_lens.long().unsqueeze(1)  # [B, 1]
+        ext = extend_lens.long().unsqueeze(1)
         key_pos = torch.arange(s_max, device=device).unsqueeze(0)  # [1, S]
-        kv_slots = fb.page_table.slots(fb.req_slots.unsqueeze(1).expand(-1, s_max),
-                                       key_pos.clamp(max=s_max - 1).expand(fb.batch_size, -1))
+        kv_slots = fb.page_table.slots(req_slots.unsqueeze(1).expand(-1, s_max),
+                                       key_pos.clamp(max=s_max - 1).expand(b, -1))
         q_pos = (seq - ext) + torch.arange(n_max, device=device).unsqueeze(0)  # [B, n] storage position of query i
         # query i sees key j iff j <= its own position (and j < seq_len); the speculative block follows tree_mask
         mask = key_pos.unsqueeze(1) <= q_pos.unsqueeze(2)  # [B, n, S]
         if fb.has_tree:
             tree_mask = fb.tree_mask if fb.tree_mask is not None else \
-                mask_from_bits(fb.tree_bits.view(fb.batch_size, n_max), fb.tree_len)  # uniform lengths only
+                mask_from_bits(fb.tree_bits.view(b, n_max), fb.tree_len)  # uniform lengths only
             block = tree_mask.shape[2]
             rel = key_pos - (seq - block)  # position inside the block, [B, S]
             in_block = (rel >= 0) & (key_pos < seq)
             tm = tree_mask.gather(2, rel.clamp(0, block - 1).unsqueeze(1).expand(-1, tree_mask.shape[1], -1))
             mask = torch.where(in_block.unsqueeze(1), tm, mask)
-        tok = torch.arange(fb.num_tokens, device=device)
-        b_of_tok = torch.repeat_interleave(torch.arange(fb.batch_size, device=device), fb.extend_lens.long(),
-                                           output_size=fb.num_tokens)
-        q_rows = b_of_tok * n_max + (tok - fb.extend_start.long()[b_of_tok])
-        fb.attn_metadata = TorchNativeMetadata(kv_slots, mask.unsqueeze(1), q_rows, n_max)
+        tok = torch.arange(num_tokens, device=device)
+        b_of_tok = torch.repeat_interleave(torch.arange(b, device=device), extend_lens.long(), output_size=num_tokens)
+        q_rows = b_of_tok * n_max + (tok - extend_start.long()[b_of_tok])
+        return TorchNativeMetadata(kv_slots, mask.unsqueeze(1), q_rows, n_max)
 
     def init_round_metadata(self, steps: DraftSteps) -> None:
         """Every step's metadata of a multi-step draft round (``workers.forward_batch.DraftSteps``), once, over the
@@ -109,7 +143,17 @@ class TorchNativeBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         m = fb.attn_metadata
-        b, n = fb.batch_size, m.n_max
+        if m.groups is None:
+            return self._attend_padded(q, layer, fb, m)
+        out = torch.empty_like(q)
+        for toks, sub in m.groups:
+            out[toks] = self._attend_padded(q[toks], layer, fb, sub)
+        return out
+
+    @staticmethod
+    def _attend_padded(q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch,
+                       m: TorchNativeMetadata) -> torch.Tensor:
+        b, n = m.kv_slots.shape[0], m.n_max
         k = fb.kv_cache.k[layer.layer_id][m.kv_slots].to(q.dtype)  # [B, S, Hkv, D]
         v = fb.kv_cache.v[layer.layer_id][m.kv_slots].to(q.dtype)
         qp = q.new_zeros(b * n, *q.shape[1:])

@@ -63,7 +63,13 @@ class EngineConfig(Strict):
     page_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
-    max_prefill_tokens: int = Field(2048, ge=16, description="chunked prefill: prompt tokens per step at most")
+    max_prefill_tokens: int = Field(2048, ge=16, description="chunked prefill: prompt tokens per step at most "
+                                    "(decode rows included, in a step that mixes them: one token budget)")
+    mixed_decode_rows: int | None = Field(
+        None, ge=0, description="a step that prefills also carries the running requests' decode rows (one EXTEND "
+        "forward instead of an EXTEND and a DECODE step) when there are at most this many (0: never). Default: "
+        "any number where decode steps run eagerly anyway (CPU, CUDA graphs off or refused), none where they replay "
+        "CUDA graphs (docs/design.md, Scheduling). Never with speculation")
     kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     prefill_attention_backend: AttentionBackendName = "torch_native"

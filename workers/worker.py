@@ -209,7 +209,7 @@ class Worker:
     def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
-        fb = self.target.new_batch(step.mode, step.input_ids, step.req_slots, step.seq_lens.tolist(),
+        fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
                                    step.extend_lens.tolist(), page_table=self.page_table)
         sampling = self._sampling(step)
         hidden = self.target.forward(fb)
@@ -217,9 +217,25 @@ class Worker:
         ids, logprobs = sample(logits, sampling)
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
+            # a round launched before this step is read adds the one token it samples (not the slot's last round's)
+            self.advance[fb.req_slots] = 1
             self.proposer.after_extend(step, fb, self.proposer.target_features(fb, hidden), ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
         return HostCopy(PackedOutputs.pack(ids, logprobs, *top)), token_result
+
+    def _extend_ids(self, step: WorkerStep) -> torch.Tensor:
+        """The EXTEND step's token ids on the device. A decode row riding in it (-1, one token) feeds its request's
+        newest token, read on the device as a DECODE step does (the host may not have read it yet)."""
+        ids = to_device(step.input_ids, torch.int64, self.device)
+        host = step.input_ids  # (a list, or an array: its own min, not a Python loop over it)
+        if (min(host) if isinstance(host, list) else int(host.min())) >= 0:
+            return ids
+        if self.proposer is not None:  # (its lengths would be the device's, and the draft's catch-up needs ids)
+            raise ValueError("decode rows ride in EXTEND steps only without speculation")
+        slots = to_device(step.req_slots, torch.int64, self.device)
+        ext = to_device(step.extend_lens, torch.int64, self.device)
+        token_slots = torch.repeat_interleave(slots, ext, output_size=len(step.input_ids))
+        return torch.where(ids >= 0, ids, self.last_token[token_slots])
 
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:

@@ -28,7 +28,7 @@ from deployments.engine.request import (
 from deployments.engine.scheduler import Scheduler, StepPlan
 from deployments.engine.tokenizer import Detokenizer, detokenize_run, load_tokenizer
 from workers.config import EngineConfig
-from workers.messages import ForwardMode, StepResult, WorkerStep
+from workers.messages import StepResult, WorkerStep
 from workers.worker import Worker
 
 logger = logging.getLogger("specserve")
@@ -53,6 +53,7 @@ class Executor(Protocol):
     max_model_len: int
     lookahead: int
     max_advance: int
+    decode_graphs: bool  # DECODE steps replay CUDA graphs (else they run eagerly)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
@@ -71,6 +72,7 @@ class LocalExecutor:
         self.max_model_len = self.worker.max_model_len
         self.lookahead = self.worker.lookahead
         self.max_advance = self.worker.max_advance
+        self.decode_graphs = self.worker.graph_refusal is None
         self.num_pages = self.worker.kv_capacity_pages()
         self.worker.allocate_kv(self.num_pages)
 
@@ -116,6 +118,7 @@ class Engine:
             decode_max_advance=self.executor.max_advance,
             max_queue_len=cfg.max_queue_len,
             host_drafter=host_drafter,
+            mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
         )
         self._detok: dict[str, Detokenizer] = {}
         # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
@@ -127,6 +130,14 @@ class Engine:
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
+
+    @staticmethod
+    def _mixed_decode_rows(cfg: EngineConfig, executor: Executor) -> int:
+        """Where DECODE steps run eagerly, a mixed step saves a whole forward; where they replay CUDA graphs, it
+        trades a graph replay for eager rows in the prefill's forward, which is off until measured on a GPU."""
+        if cfg.mixed_decode_rows is not None:
+            return cfg.mixed_decode_rows
+        return 0 if getattr(executor, "decode_graphs", True) else cfg.max_num_seqs
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, rid: str | None = None,
@@ -190,8 +201,9 @@ class Engine:
         self.scheduler.failed.clear()
         if plan is None and not self.in_flight:
             return outputs
-        # a prefill's results are read at once: the next plan needs to know which prompts are done
-        keep = 1 if self.overlap and plan is not None and plan.mode == ForwardMode.DECODE else 0
+        # a prefill overlaps too: the scheduler counts its chunks as done when it plans them, and the next step reads
+        # a completed prompt's first token on the device
+        keep = 1 if self.overlap and plan is not None else 0
         step = None
         if plan is not None:
             step = plan.to_worker_step()

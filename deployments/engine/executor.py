@@ -38,7 +38,7 @@ class WorkerActor(Worker):
 
     def describe(self) -> dict:
         return {"model_config": self.model_config, "max_model_len": self.max_model_len, "lookahead": self.lookahead,
-                "max_advance": self.max_advance,
+                "max_advance": self.max_advance, "decode_graphs": self.graph_refusal is None,
                 "kv_pages": self.kv_capacity_pages()}
 
     def node_ip(self) -> str:
@@ -78,6 +78,7 @@ class RayExecutor:
         self.max_model_len = infos[0]["max_model_len"]
         self.lookahead = infos[0]["lookahead"]
         self.max_advance = infos[0]["max_advance"]
+        self.decode_graphs = infos[0]["decode_graphs"]
         self.num_pages = min(i["kv_pages"] for i in infos)
         ray.get([w.allocate_kv.remote(self.num_pages) for w in self.workers])
         self._dag = None

@@ -1,15 +1,17 @@
 """Continuous-batching scheduler: admission by KV budget, chunked prefill, preemption by retract-and-recompute.
 
-Each ``schedule()`` returns one ``StepPlan`` (an EXTEND step when prompts are waiting and fit, otherwise a DECODE
-step over every running request). ``update()`` applies the worker's sampled tokens, detects token-level stops and
+Each ``schedule()`` returns one ``StepPlan``: an EXTEND step when prompts are waiting and fit (with the running
+requests' decode rows in it too, one token each, when mixing is on: one token budget for both), otherwise a DECODE
+step over every running request. ``update()`` applies the worker's sampled tokens, detects token-level stops and
 frees the KV of finished requests. The scheduler owns the page allocator; workers only see page grants.
 
-Overlap: a DECODE step may be planned while the previous DECODE step still runs (its tokens unread). That step
-appends 1 token to a request, or up to ``decode_max_advance`` with speculation, and only the device knows how many:
-the plan marks the request ``pending`` and the worker adds them to the host's length and sampling counter. KV pages
-are granted for the most it can be; a request sits out a step that its in-flight tokens may already finish by
-length. Whether they ended it (EOS, a stop) is known only when they are read: the next step has by then computed
-for it, and that is dropped.
+Overlap: a step may be planned while the previous one still runs (its tokens unread). A plan counts as done when it
+is made: prompt chunks count as computed, and a request whose prompt an EXTEND step completes is running at once,
+its first token in flight like a decode's. A DECODE step appends 1 token to a request, or up to
+``decode_max_advance`` with speculation, and only the device knows how many: the plan marks the request ``pending``
+and the worker adds them to the host's length and sampling counter. KV pages are granted for the most it can be; a
+request sits out a step that its in-flight tokens may already finish by length. Whether they ended it (EOS, a stop)
+is known only when they are read: the next step has by then computed for it, and that is dropped.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class StepPlan:
     page_updates: tuple[list[int], list[int], list[int]]
     counters: list[int]  # per request: tokens sampled before this step (its sampling counter)
     pending: list[int] | None = None  # DECODE: 1 where the request's previous step is in flight, whose tokens
-    # seq_lens and counters leave out (the worker adds them)
-    next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled
+    # seq_lens and counters leave out (the worker adds them). An EXTEND step's decode rows count them on the host
+    next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled (a
+    # chunk that ends its prompt, or a decode row: those are -1 in input_ids too, read on the device)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
 
     def to_worker_step(self) -> WorkerStep:
@@ -76,6 +79,7 @@ class Scheduler:
         decode_max_advance: int = 1,
         max_queue_len: int = 1 << 30,
         host_drafter=None,
+        mixed_decode_rows: int = 0,
     ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -87,6 +91,7 @@ class Scheduler:
         self.decode_max_advance = decode_max_advance  # tokens a decode step appends per request at most
         self.max_queue_len = max_queue_len
         self.host_drafter = host_drafter  # tokens -> draft tokens (n-gram speculation), or None
+        self.mixed_decode_rows = mixed_decode_rows  # most running requests whose decode rows prefill chunks join
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -199,12 +204,27 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        if self.waiting and self._may_mix():
+            return self._schedule_mixed()
         return self._schedule_extend() or self._schedule_decode()
+
+    def _may_mix(self) -> bool:
+        """Whether this step's prefill chunks ride in a step with the running requests' decode rows: only without
+        speculation (a decode row then appends exactly one token, so the host knows its length even while its
+        previous step is in flight), for at most ``mixed_decode_rows`` rows, leaving some of the token budget to
+        the chunks."""
+        n = len(self.running)
+        return (0 < n <= self.mixed_decode_rows and n < self.max_prefill_tokens and self.host_drafter is None
+                and self.decode_max_advance == 1 and self.decode_lookahead == 1)
 
     def _schedule_extend(self) -> StepPlan | None:
         if not self.waiting:  # (a decode-only step: no pass over the running requests' reserves)
             return None
-        budget = self.max_prefill_tokens
+        batch = self._extend_batch(self.max_prefill_tokens)
+        return self._plan(batch, []) if batch else None
+
+    def _extend_batch(self, budget: int) -> list[tuple[Request, int]]:
+        """Waiting requests' prompt chunks under ``budget`` tokens, admitting requests (a slot, pages) in order."""
         batch: list[tuple[Request, int]] = []
         # pages kept free for what admitted requests still need (running ones' next steps, partially prefilled ones'
         # remaining prompt), so a new admission can neither force a preemption nor starve a half-done prefill
@@ -215,6 +235,8 @@ class Scheduler:
             if budget <= 0:
                 break
             if req.req_slot is None:
+                if req.num_inflight:  # retracted while its last step runs: recomputed once its tokens are read
+                    break
                 if len(self.running) + len(batch) >= self.max_num_seqs or not self._free_slots:
                     break
                 need_all = self.allocator.pages_for(req.num_tokens + self.decode_lookahead)
@@ -234,27 +256,57 @@ class Scheduler:
             batch.append((req, chunk))
             reserve -= len(req.pages) - pages_before  # these reserved pages are now in use
             budget -= chunk
-        if not batch:
-            return None
-        ids: list[int] = []
-        next_ids: list[int] = []
+        return batch
+
+    def _schedule_mixed(self) -> StepPlan | None:
+        """The running requests' decode rows first, then prompt chunks in the rest of the token budget, in one
+        EXTEND step; a plain DECODE step when no chunk fits."""
+        rows = self._decode_rows()
+        batch = self._extend_batch(self.max_prefill_tokens - len(rows))
+        if batch:
+            return self._plan(batch, rows)
+        return self._decode_plan(rows) if rows else None
+
+    def _plan(self, batch: list[tuple[Request, int]], rows: list[Request]) -> StepPlan:
+        """An EXTEND step: decode rows (``rows``: one token each, its id read on the device: -1 in ``input_ids``),
+        then prompt chunks. The plan is taken as done: chunks count as computed, and a request whose prompt this
+        step completes is running, with the token the step samples for it in flight, like a decode row's."""
+        ids: list[int] = [-1] * len(rows)
+        next_ids: list[int] = [-1] * len(rows)
+        seq_lens, counters = [], []
+        for r in rows:  # without speculation each step in flight appends one token: the host knows its lengths
+            seq_lens.append(r.num_tokens + r.num_inflight)
+            counters.append(len(r.output_ids) + r.num_inflight)
+            r.num_inflight += 1
         for req, chunk in batch:
             all_ids = req.all_ids
-            end = req.num_computed + chunk
-            ids.extend(all_ids[req.num_computed : end])
+            start, end = req.num_computed, req.num_computed + chunk
+            ids.extend(all_ids[start:end])
             next_ids.append(all_ids[end] if end < len(all_ids) else -1)
+            seq_lens.append(end)
+            counters.append(len(req.output_ids))
+            req.num_computed = end
+            if end == len(all_ids):
+                self.waiting.remove(req)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                req.num_inflight += 1
         return StepPlan(
             mode=ForwardMode.EXTEND,
-            requests=[r for r, _ in batch],
+            requests=rows + [r for r, _ in batch],
             input_ids=ids,
-            seq_lens=[r.num_computed + c for r, c in batch],
-            extend_lens=[c for _, c in batch],
+            seq_lens=seq_lens,
+            extend_lens=[1] * len(rows) + [c for _, c in batch],
             page_updates=self._take_page_updates(),
-            counters=[len(r.output_ids) for r, _ in batch],
+            counters=counters,
             next_ids=next_ids,
         )
 
     def _schedule_decode(self) -> StepPlan | None:
+        rows = self._decode_rows()
+        return self._decode_plan(rows) if rows else None
+
+    def _decode_rows(self) -> list[Request]:
         """Every running request whose in-flight tokens cannot have ended it, each with KV pages for the most this
         step appends; when pages run out, the newest running requests are preempted until they fit."""
         reqs: list[Request] = []
@@ -277,8 +329,9 @@ class Scheduler:
                     self.failed.append(req)
                     continue
                 self._preempt(victim)
-        if not reqs:
-            return None
+        return reqs
+
+    def _decode_plan(self, reqs: list[Request]) -> StepPlan:
         seq_lens, counters, pending = [], [], []
         for r in reqs:
             assert r.num_inflight <= 1, "one step in flight at most"
@@ -315,18 +368,12 @@ class Scheduler:
         None) for every request that produced tokens."""
         produced = []
         self.landed(plan)
-        extend = plan.mode == ForwardMode.EXTEND
         tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
         for i, req in enumerate(plan.requests):
             if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
-            if extend:
-                req.num_computed = plan.seq_lens[i]
-                if req.num_computed < req.num_tokens:
-                    continue  # more prompt chunks to go
-                self.waiting.remove(req)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
+            if plan.next_ids is not None and plan.next_ids[i] >= 0:
+                continue  # a prompt chunk with more to go: its sampled token is not output
             a, b = at[i], at[i + 1]
             new = self._append_tokens(req, result.tokens[a:b], result.logprobs[a:b], tops[i] if tops else None)
             produced.append((req, new, specs[i] if specs else None))
@@ -356,8 +403,9 @@ class Scheduler:
 
     def landed(self, plan: StepPlan) -> None:
         """The plan's step has finished (or failed): its tokens are no longer in flight."""
-        if plan.mode == ForwardMode.DECODE:
-            for req in plan.requests:
+        nxt = plan.next_ids
+        for i, req in enumerate(plan.requests):
+            if nxt is None or nxt[i] < 0:  # (a step samples for a request unless it prefills a chunk short of its end)
                 req.num_inflight -= 1
 
     def _append_tokens(self, req: Request, tokens: list[int], logprobs: list[float],

@@ -155,8 +155,9 @@ def test_eagle_state_matches_one_shot_recompute(spec_models):
     incremental = (proposer.state_ids[req.req_slot].clone(), proposer.state_logp[req.req_slot].clone())
     fresh = engine(spec_models["target"], spec, page_size=4)
     r2 = fresh.add_request(req.all_ids[:-1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
-    fresh.step()  # one prefill, in request slot 0 (the first free slot)
-    assert r2.finished
+    while fresh.has_work():  # one prefill, in request slot 0 (the first free slot); read on the next call
+        fresh.step()
+    assert r2.finished and fresh.num_steps == 1
     slot = 0
     p2 = fresh.executor.worker.proposer
     assert r2.output_ids == [req.all_ids[-1]]
