@@ -1,0 +1,84 @@
+"""The engine core's channels, driven in-process (its loop thread and an in-process worker; the actor adds only Ray's
+transport): requests submitted together are admitted together, refusals come back as HTTP answers, outputs reach
+their client's poll in order, and a client that stops polling has its requests aborted."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deployments.engine.core import EngineCore
+from deployments.engine.engine import Engine
+from workers.config import EngineConfig
+
+GREEDY = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture()
+def core(tiny_models):
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, max_queue_len=8)
+    core = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    yield core
+    core.shutdown()
+
+
+def _drain(core: EngineCore, client: str, rids: set[str], timeout_s: float = 60.0) -> list[list[tuple]]:
+    """The client's poll answers until every one of ``rids`` has finished."""
+    answers, open_ = [], set(rids)
+    deadline = time.monotonic() + timeout_s
+    while open_ and time.monotonic() < deadline:
+        items = core.poll(client, 0.5)
+        if items:
+            answers.append(items)
+            open_ -= {rid for rid, _, reason, *_ in items if reason is not None}
+    assert not open_, f"no end for {open_}"
+    return answers
+
+
+def test_requests_submitted_together_are_admitted_together(core):
+    prompts = [[5 + i, 6, 7, 8 + i] for i in range(4)]
+    answers = core.submit("c", [(f"r{i}", p, GREEDY, time.time()) for i, p in enumerate(prompts)])
+    assert answers == [None] * 4
+    polls = _drain(core, "c", {f"r{i}" for i in range(4)})
+    # one prefill step for all four: their first tokens come out of the same step, so in the first answer
+    assert {rid for rid, *_ in polls[0]} == {f"r{i}" for i in range(4)}, polls[0]
+    tokens: dict[str, list[int]] = {}
+    for items in polls:
+        for rid, ids, reason, _, _, final in items:
+            tokens.setdefault(rid, []).extend(ids)
+            if reason is not None:
+                assert reason == "length" and final["completion_tokens"] == 8 and final["prompt_tokens"] == 4
+    assert all(len(t) == 8 for t in tokens.values()), tokens
+    assert core.engine.scheduler.kv_usage == 0.0
+
+
+def test_refusals_are_answered_at_submit(core):
+    long_prompt = list(range(5, 260))
+    answers = core.submit("c", [("ok", [5, 6, 7], GREEDY, time.time()),
+                                ("long", long_prompt, GREEDY, time.time()),
+                                ("bad", [5, 6, 7], dict(GREEDY, temperature=-1.0), time.time())])
+    assert answers[0] is None
+    assert answers[1]["status"] == 400 and answers[1]["code"] == "context_length_exceeded"
+    assert answers[2]["status"] == 400 and "temperature" in answers[2]["message"]
+    (dup,) = core.submit("c", [("ok", [5, 6, 7], GREEDY, time.time())])
+    assert dup["status"] == 400 and "duplicate" in dup["message"]
+    _drain(core, "c", {"ok"})
+    full = core.submit("c", [(f"q{i}", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time()) for i in range(20)])
+    refused = [a for a in full if a is not None]
+    assert refused and all(a["status"] == 503 and a["type"] == "server_overloaded" for a in refused)
+    core.abort([f"q{i}" for i, a in enumerate(full) if a is None])
+
+
+def test_a_client_that_stops_polling_has_its_requests_aborted(core):
+    core.CLIENT_TIMEOUT_S = 0.05  # (the loop reads both on the instance)
+    core.IDLE_METRICS_INTERVAL_S = 0.02
+    core.poll("gone", 0.01)  # known to the core, then never polls again
+    assert core.submit("gone", [("long", [5, 6, 7], dict(GREEDY, max_tokens=240), time.time())]) == [None]
+    deadline = time.monotonic() + 30
+    while not (core.engine.num_steps and not core.engine.has_work()) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until it ran and the engine is idle again
+    assert 0 < core.engine.num_steps < 120  # aborted, not decoded to its 240 tokens
+    assert core.engine.scheduler.kv_usage == 0.0
+    assert "gone" not in core._outbox
