@@ -3,6 +3,7 @@ deployment_config, placement_group_config); its ``engine_kwargs`` are a ``worker
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -29,7 +30,11 @@ class LLMConfig(Strict):
                                             "deployment (HTTP, tokenizing, detokenizing): num_replicas, "
                                             "autoscaling_config, max_ongoing_requests")
     placement_group_config: PlacementGroupConfig = Field(default_factory=PlacementGroupConfig)
-    api_key: str | None = Field(None, description="if set, requests need `Authorization: Bearer <api_key>`")
+    api_key_env: str = Field("SPECSERVE_API_KEY", description="the environment variable that holds the API key (as "
+                             "vLLM's VLLM_API_KEY): when it is set where the ingress replicas run, requests need "
+                             "`Authorization: Bearer <key>`")
+    api_key_file: str | None = Field(None, description="or a file that holds the key (a mounted Kubernetes Secret); "
+                                     "it takes precedence over the environment variable")
     stream_interval: int = Field(1, ge=1, description="new tokens a request gathers before its stream sends them "
                                  "(the first and the last go at once); default 1, as SGLang's --stream-interval")
     stream_batching_interval_ms: float = Field(0.0, ge=0, description="after a send, a request's stream waits this "
@@ -37,6 +42,15 @@ class LLMConfig(Strict):
                                                "go at once); default 0: every step's tokens as they come (a stream "
                                                "that falls behind gets the steps it missed together)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_key_in_args(cls, data):
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError("api_key in the application args would be written to Serve's logs: put the key in the "
+                             "environment variable named by api_key_env (default SPECSERVE_API_KEY) or in a file "
+                             "named by api_key_file")
+        return data
 
     @model_validator(mode="after")
     def _ranks_on_one_node(self):
@@ -49,3 +63,15 @@ class LLMConfig(Strict):
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model_loading_config.model_source, **self.engine_kwargs)
+
+
+def read_api_key(env_name: str, file: str | None) -> str | None:
+    """The API key where this process runs: the file's content (surrounding whitespace dropped) if a file is named,
+    else the environment variable's value; None (no authentication) when neither holds one."""
+    if file:
+        with open(file, encoding="utf-8") as f:
+            key = f.read().strip()
+        if not key:
+            raise ValueError(f"api_key_file {file} is empty")
+        return key
+    return os.environ.get(env_name) or None

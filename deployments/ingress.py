@@ -6,6 +6,7 @@ No ``from __future__ import annotations`` here: FastAPI must see real annotation
 """
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -16,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from deployments.config import read_api_key
 from deployments.engine.tokenizer import ChatTemplateError
 from deployments.engine_client import Delta, EngineClient, RequestStream
 from deployments.protocol import (
@@ -49,9 +51,11 @@ class _Authenticate:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            key = getattr(scope["app"].state, "api_key", None)  # (Serve runs a copy of ``app``: ask the running one)
-            given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if key is not None and not scope["path"].rstrip("/").endswith("/health") and given != f"Bearer {key}":
+            # the expected header's bytes (Serve runs a copy of ``app``: ask the running one)
+            expected = getattr(scope["app"].state, "auth_header", None)
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if (expected is not None and not scope["path"].rstrip("/").endswith("/health")
+                    and not hmac.compare_digest(given, expected)):  # constant time: no timing oracle for the key
                 response = error_response(401, "invalid or missing API key", "authentication_error",
                                           code="invalid_api_key")
                 return await response(scope, receive, send)
@@ -105,11 +109,14 @@ async def _interleave(gens: list):
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, controller: DeploymentHandle, model_id: str, api_key: str | None = None,
-                 stream_interval: int = 1, stream_batching_interval_ms: float = 0.0, tokenizer: str | None = None):
+    def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
+                 api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
+                 tokenizer: str | None = None):
         self.controller = controller
         self.model_id = model_id
-        app.state.api_key = api_key  # one ingress per replica process: the middleware reads it
+        # read here, in the replica's own environment: the key never travels in (logged) arguments
+        key = read_api_key(api_key_env, api_key_file)
+        app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middleware reads it
         self.created = int(time.time())
         self.engine = EngineClient(controller, model_id, tokenizer, stream_interval, stream_batching_interval_ms)
 

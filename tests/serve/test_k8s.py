@@ -137,6 +137,13 @@ def test_serve_config(rayservice):
     (container,) = worker["template"]["spec"]["containers"]
     for kind in ("requests", "limits"):
         assert int(container["resources"][kind]["nvidia.com/gpu"]) == ek["tensor_parallel_size"] == 2
+    # the API key comes from a Secret in every Ray container (the ingress replicas may run on any node), never in
+    # the Serve config's args
+    head_container = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    for c in (container, head_container):
+        (key,) = [e for e in c["env"] if e["name"] == "SPECSERVE_API_KEY"]
+        assert key["valueFrom"]["secretKeyRef"]["name"] == "specserve-api-key"
+    assert "api_key" not in args and "api_key_file" not in args
     head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert all("nvidia.com/gpu" not in c.get("resources", {}).get(k, {})
                for c in head["template"]["spec"]["containers"] for k in ("requests", "limits"))

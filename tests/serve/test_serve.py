@@ -17,7 +17,8 @@ import pytest
 
 from tests.helpers import mixed_prompts
 
-API_KEY = "test-key"
+API_KEY = "test-key-0b6f2c"
+ENV_KEY = "env-key-7d41aa"  # the second application's, from an environment variable
 
 
 def _port() -> int:
@@ -38,12 +39,17 @@ def _wait_healthy(base: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models):
+def server(tiny_models, tmp_path_factory):
+    import os
+
     import ray
     from ray import serve
 
     from deployments.app import build_app
 
+    key_file = tmp_path_factory.mktemp("secret") / "api-key"
+    key_file.write_text(API_KEY + "\n")  # as a mounted Secret: surrounding whitespace is not part of the key
+    os.environ["SPECSERVE_TEST_KEY_ENV"] = ENV_KEY  # before Ray starts: its processes inherit it
     metrics_port, http_port = _port(), _port()
     ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False)
@@ -51,7 +57,7 @@ def server(tiny_models):
     target = str(tiny_models["llama"])
     args = {
         "model_loading_config": {"model_id": "tiny", "model_source": target},
-        "api_key": API_KEY,
+        "api_key_file": str(key_file),
         "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2,
                           "max_queue_len": 2,
                           # the target as its own draft: every draft token is accepted
@@ -529,3 +535,26 @@ def test_300_concurrent_streams_get_every_token_once(server):
         assert not wrong, wrong[:3]
         stats = httpx.get(f"{server['base']}/many/v1/stats", timeout=30).json()
         assert stats["kv_usage"] == 0.0 and stats["running"] == 0, stats
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment_and_never_reaches_the_logs(server):
+    """The key is read where the ingress runs (a file, or the environment variable api_key_env names), compared in
+    constant time, refused in the application args (Serve logs those), and absent from every log file of the Ray
+    session after requests with it and with wrong keys."""
+    from deployments.config import LLMConfig
+
+    with pytest.raises(ValueError, match="api_key in the application args would be written to Serve's logs"):
+        LLMConfig(model_loading_config={"model_id": "m", "model_source": "/x"}, api_key="k")
+    with _second_app(server, "envkey", {"api_key_env": "SPECSERVE_TEST_KEY_ENV"}):
+        url = f"{server['base']}/envkey/v1/models"
+        assert httpx.get(url, timeout=30).status_code == 401
+        assert httpx.get(url, headers={"Authorization": "Bearer " + ENV_KEY[:-1]}, timeout=30).status_code == 401
+        assert httpx.get(url, headers={"Authorization": f"Bearer {ENV_KEY}"}, timeout=30).status_code == 200
+    assert httpx.get(server["base"] + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                     timeout=30).status_code == 200
+    import ray
+
+    logs = [p for p in Path(ray._private.worker.global_worker.node.get_logs_dir_path()).rglob("*") if p.is_file()]
+    assert any(b"OpenAIIngress" in p.read_bytes() for p in logs)  # the replicas' logs are among those read
+    leaked = [str(p) for p in logs if any(k.encode() in p.read_bytes() for k in (API_KEY, ENV_KEY))]
+    assert not leaked, leaked
