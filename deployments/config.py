@@ -41,6 +41,8 @@ class LLMConfig(Strict):
                                                "long, gathering tokens, before its next send (the first and the last "
                                                "go at once); default 0: every step's tokens as they come (a stream "
                                                "that falls behind gets the steps it missed together)")
+    max_request_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get a 413 before "
+                                        "they are read (default 16 MiB)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     @model_validator(mode="before")

@@ -26,6 +26,15 @@ logger = logging.getLogger("specserve")
 LARGE_PROMPT_CHARS = 20_000  # longer prompts are tokenized in a thread, off the event loop
 
 
+def utf8_or_refuse(text: str, param: str) -> None:
+    """A 400 naming ``param`` for text that is not valid Unicode (a lone surrogate, which JSON's \\u escapes can
+    carry): the tokenizer cannot take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param} is not valid Unicode (it holds a lone surrogate)", param=param) from None
+
+
 @dataclass
 class Delta:
     """What a stream consumer gets: the tokens since its last take, with their text, and the end when there."""
@@ -203,6 +212,7 @@ class EngineClient:
     # ---- text ----------------------------------------------------------------------------------------------------
     async def encode(self, prompt: str) -> list[int]:
         await self.core()
+        utf8_or_refuse(prompt, "prompt")
         if not prompt:
             return []
         if len(prompt) > LARGE_PROMPT_CHARS:
@@ -212,6 +222,8 @@ class EngineClient:
     async def render_chat(self, messages: list[dict]) -> list[int]:
         """The chat prompt's token ids; raises ChatTemplateError when the template rejects the messages."""
         await self.core()
+        for m in messages:
+            utf8_or_refuse(m.get("content") or "", "messages")
         if sum(len(str(m.get("content") or "")) for m in messages) > LARGE_PROMPT_CHARS:
             return await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages)
         return chat_prompt_ids(self.tokenizer, messages)

@@ -8,6 +8,7 @@ No ``from __future__ import annotations`` here: FastAPI must see real annotation
 import asyncio
 import hmac
 import json
+import logging
 import time
 import uuid
 
@@ -15,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
 from deployments.config import read_api_key
@@ -30,6 +32,7 @@ from deployments.protocol import (
 )
 
 app = FastAPI(title="specserve", version="0.1.0")
+logger = logging.getLogger("specserve")
 
 
 @app.exception_handler(APIError)
@@ -38,8 +41,53 @@ async def _api_error(_: Request, e: APIError):
 
 
 @app.exception_handler(Exception)
-async def _unexpected_error(_: Request, e: Exception):  # a bug of ours: still an OpenAI-shaped answer
-    return error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
+async def _unexpected_error(request: Request, e: Exception):
+    """A bug of ours, or a failure below: logged with a reference; the body says only that and the reference (no
+    traceback, pid, address or path of the install)."""
+    ref = uuid.uuid4().hex[:12]
+    logger.error("internal error on %s (reference %s)", request.url.path, ref, exc_info=e)
+    return error_response(500, f"internal error (reference {ref})", "internal_error")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException):
+    """What Starlette refuses before our code runs (an unknown route, a method a route does not take)."""
+    message = {404: "no such route", 405: "method not allowed on this route"}.get(e.status_code, str(e.detail))
+    return error_response(e.status_code, message, "invalid_request_error" if e.status_code < 500 else "internal_error")
+
+
+class _LimitBody:
+    """Refuses a body over ``max_request_body_bytes`` with a 413: at once when its Content-Length says so; a body sent
+    without one (chunked) is read here up to the limit first, and refused as soon as its bytes pass it."""
+
+    def __init__(self, asgi_app):
+        self.asgi_app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        limit = getattr(scope["app"].state, "max_body_bytes", None) if scope["type"] == "http" else None
+        if limit is None:
+            return await self.asgi_app(scope, receive, send)
+        too_large = error_response(413, f"the request body is larger than {limit} bytes (max_request_body_bytes)",
+                                   "invalid_request_error", code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > limit:
+                return await too_large(scope, receive, send)
+            return await self.asgi_app(scope, receive, send)  # (the server holds the body to its Content-Length)
+        events, seen = [], 0
+        while True:
+            event = await receive()
+            events.append(event)
+            seen += len(event.get("body", b""))
+            if seen > limit:
+                return await too_large(scope, receive, send)
+            if event["type"] != "http.request" or not event.get("more_body"):
+                break
+
+        async def replay():
+            return events.pop(0) if events else await receive()
+
+        await self.asgi_app(scope, replay, send)
 
 
 class _Authenticate:
@@ -62,15 +110,19 @@ class _Authenticate:
         await self.asgi_app(scope, receive, send)
 
 
-app.add_middleware(_Authenticate)
+app.add_middleware(_LimitBody)
+app.add_middleware(_Authenticate)  # (added last: runs first, before any byte of the body is read)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, e: RequestValidationError):
     first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return error_response(400, f"the body is not valid JSON: {first.get('msg', '')}", "invalid_request_error")
     loc = ".".join(str(x) for x in first.get("loc", [])[1:]) or None
-    return error_response(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else str(e),
-                          "invalid_request_error", loc)
+    # the message names the field, never echoes its value (it may be megabytes)
+    return error_response(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else
+                          first.get("msg", "invalid request"), "invalid_request_error", loc)
 
 
 async def _collect(stream: RequestStream) -> Delta:
@@ -111,18 +163,20 @@ async def _interleave(gens: list):
 class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
                  api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, max_request_body_bytes: int | None = None):
         self.controller = controller
         self.model_id = model_id
         # read here, in the replica's own environment: the key never travels in (logged) arguments
         key = read_api_key(api_key_env, api_key_file)
-        app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middleware reads it
+        app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
+        app.state.max_body_bytes = max_request_body_bytes
         self.created = int(time.time())
         self.engine = EngineClient(controller, model_id, tokenizer, stream_interval, stream_batching_interval_ms)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_id:
-            raise APIError(404, f"The model `{model}` does not exist. Available: {self.model_id}",
+            # (the name as JSON escapes it: a lone surrogate in it must not break the answer)
+            raise APIError(404, f"The model {json.dumps(model)} does not exist. Available: {self.model_id}",
                            "invalid_request_error", "model", "model_not_found")
 
     @app.get("/health")

@@ -124,9 +124,14 @@ def message_text(content) -> str:
         return content
     parts = []
     for part in content:
+        if not isinstance(part, dict):
+            raise APIError(400, "a message's content parts must be objects", param="messages")
         if part.get("type") != "text":
             raise APIError(400, f"unsupported content part type {part.get('type')!r}: only text", param="messages")
-        parts.append(part.get("text", ""))
+        text = part.get("text", "")
+        if not isinstance(text, str):
+            raise APIError(400, "a text content part's text must be a string", param="messages")
+        parts.append(text)
     return "".join(parts)
 
 

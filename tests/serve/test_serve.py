@@ -558,3 +558,55 @@ def test_the_api_key_comes_from_a_file_or_the_environment_and_never_reaches_the_
     assert any(b"OpenAIIngress" in p.read_bytes() for p in logs)  # the replicas' logs are among those read
     leaked = [str(p) for p in logs if any(k.encode() in p.read_bytes() for k in (API_KEY, ENV_KEY))]
     assert not leaked, leaked
+
+
+def test_what_starlette_refuses_is_answered_in_openai_shape(server):
+    """Unknown routes (404), wrong methods (405), a body that is not JSON (400), and a body over
+    max_request_body_bytes (413, refused on its Content-Length before it is read, or as its bytes come in when it is
+    sent without one): every answer is OpenAI's error object, and none echoes the body."""
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    base = server["base"]
+
+    def error_of(r: httpx.Response, status: int) -> dict:
+        assert r.status_code == status, (r.status_code, r.text[:300])
+        body = r.json()
+        assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+        return body["error"]
+
+    assert "no such route" in error_of(httpx.get(base + "/v1/nothing", headers=h, timeout=30), 404)["message"]
+    assert "method" in error_of(httpx.get(base + "/v1/completions", headers=h, timeout=30), 405)["message"]
+    as_json = {**h, "Content-Type": "application/json"}
+    bad = error_of(httpx.post(base + "/v1/completions", content=b'{"prompt": "x", ', headers=as_json, timeout=30), 400)
+    assert "not valid JSON" in bad["message"] and bad["param"] is None
+    huge = b'{"prompt": "' + b"a" * (17 << 20) + b'"}'  # over the 16 MiB default
+    t0 = time.perf_counter()
+    big = error_of(httpx.post(base + "/v1/completions", content=huge, headers=h, timeout=60), 413)
+    assert big["code"] == "request_too_large" and time.perf_counter() - t0 < 10
+
+    def chunks():  # no Content-Length: the limit applies to the bytes as they come
+        for _ in range(20):
+            yield b"a" * (1 << 20)
+
+    error_of(httpx.post(base + "/v1/completions", content=chunks(), headers=h, timeout=60), 413)
+    long_value = "x" * 100_000  # a field's bad value is named, not echoed back
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "temperature": long_value}, headers=h, timeout=30)
+    assert error_of(r, 400)["param"] == "temperature" and len(r.text) < 2000
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "\\ud800 lone", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": null}]}]}',
+     "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [5]}]}', "messages"),
+    ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', "model"),
+])
+def test_inputs_that_used_to_give_500s_get_a_400_or_404_naming_the_parameter(server, path, body, param):
+    """Lone surrogates (which JSON's \\u escapes can carry) in a prompt, a chat message or the model name, and chat
+    content parts that are not text objects: an OpenAI-shaped 4xx naming the parameter, never a 500."""
+    r = httpx.post(server["base"] + path, content=body.encode(), timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code in (400, 404), (r.status_code, r.text[:300])
+    assert r.json()["error"]["param"].split(".")[0] == param, r.text  # (a field's path within it, if known)
