@@ -200,6 +200,10 @@ class OpenAIIngress:
         self._check_model(body.model)
         body.refuse_unsupported()
         prompt = body.single_prompt()
+        if isinstance(prompt, list):  # token ids: in range before anything decodes them (echo) or the engine sees them
+            vocab = (await self.engine.model_info())["vocab_size"]
+            if any(not 0 <= t < vocab for t in prompt):
+                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         echo = ""
         if body.echo:  # the prompt's text before each choice's (its logprobs would need the prompt's: not computed)
             if body.logprobs is not None:

@@ -602,6 +602,8 @@ def test_what_starlette_refuses_is_answered_in_openai_shape(server):
      "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [5]}]}', "messages"),
     ("/v1/completions", '{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", '{"prompt": [-1], "echo": true, "max_tokens": 1}', "prompt"),
+    ("/v1/completions", '{"prompt": [8589934592], "echo": true, "max_tokens": 1}', "prompt"),
 ])
 def test_inputs_that_used_to_give_500s_get_a_400_or_404_naming_the_parameter(server, path, body, param):
     """Lone surrogates (which JSON's \\u escapes can carry) in a prompt, a chat message or the model name, and chat
