@@ -24,7 +24,7 @@ CONFIGS = {
 }
 
 
-def drive(engine: Engine, params: list[SamplingParams]) -> tuple[list, dict]:
+def drive(engine: Engine, params: list[SamplingParams], prompts: list = PROMPTS) -> tuple[list, dict]:
     """Run the arrival pattern to completion; returns the requests and the steps launched, by kind, with how many
     of them were read in the call that launched them (nothing left running on the worker)."""
     worker, real_step = engine.executor.worker, engine.executor.step
@@ -39,11 +39,11 @@ def drive(engine: Engine, params: list[SamplingParams]) -> tuple[list, dict]:
         return results
 
     engine.executor.step = counting
-    reqs: list = [None] * len(PROMPTS)
+    reqs: list = [None] * len(prompts)
     call = 0
     while call <= max(ARRIVALS) or engine.has_work():
         for i in ARRIVALS.get(call, []):
-            reqs[i] = engine.add_request(PROMPTS[i], params[i])
+            reqs[i] = engine.add_request(prompts[i], params[i])
         engine.step()
         call += 1
     assert engine.allocator.num_free == engine.allocator.capacity_pages
