@@ -38,6 +38,8 @@ def main() -> None:
                 kv_cache_tokens=16384, max_prefill_tokens=24)
     ref_engine = Engine(EngineConfig(**base, prefill_attention_backend="torch_native",
                                      decode_attention_backend="torch_native", disable_cuda_graph=True))
+    if args.device == "cuda":
+        base.update(prefill_attention_backend="triton", decode_attention_backend="triton")
     reference = [ref_engine.generate([t], p)[0].token_ids for t, p in zip(texts, greedy)]  # each request alone
     del ref_engine
     eagle = SpeculativeConfig(method="eagle3", model=str(m / "specserve-tiny-eagle3"), num_steps=3)
