@@ -140,21 +140,25 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       run python3 -m bench.common --shape "$shape" --out "$ck" --eagle3-head "$ck-eagle3"
     for variant in ${@:3}; do  # nospec|eagle3, +to: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Ray Serve's own switch: gRPC
       # to the replicas, user code on the replica's main loop, direct ingress), +direct: requests to the ingress
-      # replica's own port (direct ingress) instead of the proxy's 8000
-      spec=${variant%%+*} client=()
+      # replica's own port (direct ingress) instead of the proxy's 8000, +ha: HAProxy as the proxy on 8000
+      # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
+      # ingress replicas
+      spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
       cfg=$R/served_${2}_$variant.yaml
       python3 -c "import sys, yaml; c = yaml.safe_load(open('configs/gpu-bench-llama1b-random.yaml')); \
 a = c['applications'][0]['args']; e = a['engine_kwargs']; a['model_loading_config'] = {'model_id': 'random', \
 'model_source': sys.argv[2]}; e.update(max_num_seqs=256, cuda_graph_max_bs=256); \
 e['speculative_config']['model'] = sys.argv[2] + '-eagle3'; \
-sys.argv[3] == 'eagle3' or e.pop('speculative_config'); yaml.safe_dump(c, open(sys.argv[1], 'w'))" \
-        "$cfg" "$ck" "$spec" || { echo "!!! cannot write $cfg"; exit 1; }
+sys.argv[3] == 'eagle3' or e.pop('speculative_config'); \
+sys.argv[4] and a.setdefault('ingress_deployment_config', {}).update(num_replicas=int(sys.argv[4])); \
+yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" || { echo "!!! cannot write $cfg"; exit 1; }
       offline=(--offline)
       [[ $variant == *+* && -z ${SERVED_OFFLINE_ALWAYS:-} ]] && offline=()  # measured with the plain variant
       (  # a subshell: the Serve switches stay with this variant
         export RAY_AUTH_MODE=disabled
-        [[ $variant == *+to* ]] && export RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+        [[ $variant == *+to* || $variant == *+ha* ]] && export RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+        [[ $variant == *+ha* ]] && export RAY_SERVE_ENABLE_HA_PROXY=1
         run python3 -m bench.serving --config "$cfg" "${offline[@]}" "${client[@]}" --concurrencies \
           "${SERVED_C:-1,16,64,128,256}" --input-len 256 --output-len 256 --range-ratio 0 --device-label "$gpu" \
           --out "$R/served_${2}_${variant}_$tag"
