@@ -28,7 +28,7 @@ class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
     deployment_config: dict = Field(default_factory=dict, description="Serve options of the controller deployment "
-                                    "(one replica: it owns the engine core); its health checks run every 2 s "
+                                    "(one replica: it owns the engine core); its health checks run every 1 s "
                                     "(health_check_period_s) with a 10 s timeout (health_check_timeout_s), so a "
                                     "replica whose engine failed is replaced within seconds")
     ingress_deployment_config: dict = Field(default_factory=dict, description="Serve options of the ingress "

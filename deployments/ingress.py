@@ -269,7 +269,8 @@ class OpenAIIngress:
                 if isinstance(a, RequestStream):
                     self.engine.abort(a.rid)
             if chat and isinstance(refused, APIError):  # the engine's names for what a chat request calls otherwise
-                tokens = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+                named = getattr(body, "max_completion_tokens", None) is not None
+                tokens = "max_completion_tokens" if named else "max_tokens"
                 refused.param = {"prompt": "messages", "max_tokens": tokens}.get(refused.param, refused.param)
             raise refused
         streams: list[RequestStream] = list(added)

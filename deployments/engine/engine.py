@@ -213,7 +213,7 @@ class Engine:
         try:
             results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
-            if self.failure is not None and str(e) == self.failure:  # known already (the executor's watcher): no trace
+            if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
                 logger.error("step failed: the workers failed (%s)", self.failure)
             else:
                 logger.exception("step failed")

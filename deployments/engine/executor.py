@@ -2,7 +2,7 @@
 
 Per-step orchestration goes through a Ray Compiled Graph (``step`` bound to every worker, inputs and outputs
 over shared-memory channels), far cheaper per step than a regular actor call; plain actor calls remain as a fallback
-(``use_compiled_graph=False``).
+(``use_compiled_graph=False``). A watcher thread learns of a worker's death the moment it happens, busy or idle.
 """
 
 from __future__ import annotations
@@ -109,7 +109,10 @@ class RayExecutor:
         """A thread: waits until some worker actor dies (a killed process, an OOM, a lost node), then fails the
         workers at once, not at the next step, which may be far off when idle (a compiled graph's step would also
         learn of it only through its channel's timeout)."""
-        done, _ = ray.wait(watched, num_returns=1)
+        try:
+            done, _ = ray.wait(watched, num_returns=1)
+        except Exception:  # noqa: BLE001 - Ray itself is shutting down in this process
+            return
         if self._closing:
             return
         rank = watched.index(done[0])

@@ -39,7 +39,8 @@ def _engine_pids() -> tuple[int, list[int]]:
         import os
 
         import ray
-        return os.getpid(), ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in core.engine.executor.workers])
+        workers = core.engine.executor.workers
+        return os.getpid(), ray.get([w.__ray_call__.remote(lambda _: os.getpid()) for w in workers])
 
     core = serve.get_deployment_handle("LLMController", app_name=APP).core_handle.remote().result()
     return ray.get(core.__ray_call__.remote(pids), timeout=30)
