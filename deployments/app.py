@@ -58,4 +58,5 @@ def build_app(args: dict) -> Application:
     ).bind(cfg.model_dump())
     return OpenAIIngress.options(**cfg.ingress_deployment_config).bind(
         controller, cfg.model_loading_config.model_id, cfg.api_key_env, cfg.api_key_file, cfg.stream_interval,
-        cfg.stream_batching_interval_ms, engine_cfg.tokenizer or engine_cfg.model, cfg.max_request_body_bytes)
+        cfg.stream_batching_interval_ms, engine_cfg.tokenizer or engine_cfg.model, cfg.max_request_body_bytes,
+        cfg.request_limits())

@@ -11,6 +11,9 @@ from pydantic import Field, model_validator
 from workers.config import EngineConfig, Strict
 
 
+LIMIT_FIELDS = ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_string_chars")
+
+
 class ModelLoadingConfig(Strict):
     model_id: str = Field(..., description="the name clients pass as `model`")
     model_source: str = Field(..., description="checkpoint directory")
@@ -25,7 +28,9 @@ class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
     deployment_config: dict = Field(default_factory=dict, description="Serve options of the controller deployment "
-                                    "(one replica: it owns the engine core)")
+                                    "(one replica: it owns the engine core); its health checks run every 1 s "
+                                    "(health_check_period_s) with a 10 s timeout (health_check_timeout_s), so a "
+                                    "replica whose engine failed is replaced within seconds")
     ingress_deployment_config: dict = Field(default_factory=dict, description="Serve options of the ingress "
                                             "deployment (HTTP, tokenizing, detokenizing): num_replicas, "
                                             "autoscaling_config, max_ongoing_requests")
@@ -43,6 +48,18 @@ class LLMConfig(Strict):
                                                "that falls behind gets the steps it missed together)")
     max_request_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get a 413 before "
                                         "they are read (default 16 MiB)")
+    # per-request limits: a request over one gets a 400 naming the parameter, before anything costly is done for it
+    max_prompt_chars: int | None = Field(None, ge=1, description="most characters of a completion's prompt, or of "
+                                         "a chat's message contents and roles together, counted before tokenizing; "
+                                         "default (null): 16 per token of the context length (max_model_len), "
+                                         "which real text (3-5 characters a token) never needs, so a prompt that "
+                                         "could not fit is refused before it costs seconds of tokenizing")
+    max_n: int = Field(16, ge=1, le=128, description="most choices (`n`) per request; each is an engine request of "
+                       "its own (default 16; OpenAI's own ceiling is 128)")
+    max_stop_strings: int = Field(16, ge=1, description="most stop strings (`stop`) a request may give, and most "
+                                  "`stop_token_ids` (default 16; every stop string is searched for in every "
+                                  "token's text)")
+    max_stop_string_chars: int = Field(256, ge=1, description="most characters of one stop string (default 256)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
 
     @model_validator(mode="before")
@@ -62,6 +79,9 @@ class LLMConfig(Strict):
                              "ranks on different nodes; they meet on one node (a loopback rendezvous, NVLink for the "
                              "all-reduce): use STRICT_PACK")
         return self
+
+    def request_limits(self) -> dict:
+        return {name: getattr(self, name) for name in LIMIT_FIELDS}
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(model=self.model_loading_config.model_source, **self.engine_kwargs)

@@ -19,10 +19,15 @@ from deployments.config import LLMConfig
 
 logger = logging.getLogger("specserve")
 
-HEALTH_TIMEOUT_S = 30.0  # a core that does not answer in this long is stuck: the replica fails its check
+# Serve's health checks of this replica (``deployment_config`` overrides them). The core fails its check the moment
+# its workers fail; Serve replaces a replica after 3 failed checks in a row, so the period sets how soon (Serve's
+# default of 10 s took half a minute). A check is one small actor call.
+HEALTH_CHECK_PERIOD_S = 1.0
+HEALTH_CHECK_TIMEOUT_S = 10.0  # a core that does not answer in this long is stuck
 
 
-@serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
+@serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
 class LLMController:
     def __init__(self, llm_config: dict):
         from deployments.engine.core import EngineCore
@@ -40,7 +45,7 @@ class LLMController:
         return self.core
 
     def check_health(self) -> None:  # Serve calls this periodically; a replica that fails it is replaced
-        ray.get(self.core.check_health.remote(), timeout=HEALTH_TIMEOUT_S)
+        ray.get(self.core.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
 
     def __del__(self):
         try:

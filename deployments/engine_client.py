@@ -24,6 +24,7 @@ from deployments.protocol import APIError
 logger = logging.getLogger("specserve")
 
 LARGE_PROMPT_CHARS = 20_000  # longer prompts are tokenized in a thread, off the event loop
+LARGE_CHAT_MESSAGES = 64  # chats of more messages are rendered in a thread, whatever their length
 
 
 def utf8_or_refuse(text: str, param: str) -> None:
@@ -45,6 +46,7 @@ class Delta:
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # set on the last delta
     error: str | None = None  # the engine failed this request
+    error_status: int | None = None  # with ``error``: 503 when the engine is gone or being replaced, else 500
     prompt_tokens: int = 0  # on the last delta
     completion_tokens: int = 0  # on the last delta: the tokens streamed in all
     spec: dict | None = None  # on the last delta, when the request speculated
@@ -54,7 +56,7 @@ class Delta:
         self.text += other.text
         self.logprobs += other.logprobs
         self.top_logprobs += other.top_logprobs
-        for name in ("finish_reason", "error", "prompt_tokens", "completion_tokens", "spec"):
+        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "spec"):
             value = getattr(other, name)
             if value:
                 setattr(self, name, value)
@@ -108,7 +110,8 @@ class RequestStream:
                 self.finished = True
                 final = final or {}
                 delta.finish_reason = reason
-                delta.error = final.get("error") if reason == "error" else None
+                if reason == "error":
+                    delta.error, delta.error_status = final.get("error"), final.get("status", 500)
                 delta.spec = final.get("spec")
         self.num_output += len(delta.token_ids)
         if self.finished:
@@ -162,6 +165,8 @@ class RequestStream:
 
 class EngineClient:
     POLL_TIMEOUT_S = 1.0
+    # while the controller is being replaced no replica answers: a request waits this long for it, then gets a 503
+    CONNECT_TIMEOUT_S = 5.0
 
     def __init__(self, controller, model_id: str, tokenizer_path: str | None = None, stream_interval: int = 1,
                  batching_ms: float = 0.0):
@@ -194,8 +199,8 @@ class EngineClient:
 
     async def _connect(self):
         try:
-            core = await self.controller.core_handle.remote()
-            info = await core.info.remote()
+            core = await asyncio.wait_for(self.controller.core_handle.remote(), self.CONNECT_TIMEOUT_S)
+            info = await asyncio.wait_for(core.info.remote(), self.CONNECT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - the controller is (re)starting
             raise APIError(503, f"the engine is not available: {type(e).__name__}", "server_unavailable") from e
         if self.tokenizer is None:
@@ -224,7 +229,8 @@ class EngineClient:
         await self.core()
         for m in messages:
             utf8_or_refuse(m.get("content") or "", "messages")
-        if sum(len(str(m.get("content") or "")) for m in messages) > LARGE_PROMPT_CHARS:
+        if (len(messages) > LARGE_CHAT_MESSAGES
+                or sum(len(str(m.get("content") or "")) for m in messages) > LARGE_PROMPT_CHARS):
             return await asyncio.to_thread(chat_prompt_ids, self.tokenizer, messages)
         return chat_prompt_ids(self.tokenizer, messages)
 
@@ -251,7 +257,8 @@ class EngineClient:
         refused = await done
         if refused is not None:
             self._streams.pop(rid, None)
-            raise APIError(refused["status"], refused["message"], refused["type"], None, refused.get("code"))
+            raise APIError(refused["status"], refused["message"], refused["type"], refused.get("param"),
+                           refused.get("code"))
         return stream
 
     def _flush(self, core) -> None:
@@ -316,4 +323,4 @@ class EngineClient:
         self._core = None
         streams, self._streams = self._streams, {}
         for rid, stream in streams.items():
-            stream.put((rid, [], "error", None, None, {"error": "the engine is not available"}))
+            stream.put((rid, [], "error", None, None, {"error": "the engine is not available", "status": 503}))

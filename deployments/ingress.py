@@ -19,9 +19,10 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import read_api_key
+from deployments.config import LIMIT_FIELDS, LLMConfig, read_api_key
 from deployments.engine.tokenizer import ChatTemplateError
 from deployments.engine_client import Delta, EngineClient, RequestStream
+from deployments.limits import RequestLimits
 from deployments.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -125,6 +126,11 @@ async def _validation_error(_: Request, e: RequestValidationError):
                           first.get("msg", "invalid request"), "invalid_request_error", loc)
 
 
+def _error_type(status: int | None) -> str:
+    """An engine failure's error type: 503s (the engine is gone or being replaced: retry) or internal errors."""
+    return "server_unavailable" if status == 503 else "internal_error"
+
+
 async def _collect(stream: RequestStream) -> Delta:
     """One choice's whole stream as one delta."""
     whole = Delta()
@@ -163,7 +169,7 @@ async def _interleave(gens: list):
 class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
                  api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
-                 tokenizer: str | None = None, max_request_body_bytes: int | None = None):
+                 tokenizer: str | None = None, max_request_body_bytes: int | None = None, limits: dict | None = None):
         self.controller = controller
         self.model_id = model_id
         # read here, in the replica's own environment: the key never travels in (logged) arguments
@@ -171,6 +177,7 @@ class OpenAIIngress:
         app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
         app.state.max_body_bytes = max_request_body_bytes
         self.created = int(time.time())
+        self.limits = RequestLimits(**(limits or {k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
         self.engine = EngineClient(controller, model_id, tokenizer, stream_interval, stream_batching_interval_ms)
 
     def _check_model(self, model: str | None) -> None:
@@ -181,7 +188,10 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        await self.controller.check_health.remote()
+        try:
+            await asyncio.wait_for(self.controller.check_health.remote(), EngineClient.CONNECT_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - failed, or being replaced: not an error of ours
+            raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -199,9 +209,12 @@ class OpenAIIngress:
         arrival = time.time()
         self._check_model(body.model)
         body.refuse_unsupported()
+        self.limits.check_fields(body)
         prompt = body.single_prompt()
+        info = await self.engine.model_info()
+        self.limits.check_prompt(prompt, info["max_model_len"])  # before tokenizing, or sending ids to the engine
         if isinstance(prompt, list):  # token ids: in range before anything decodes them (echo) or the engine sees them
-            vocab = (await self.engine.model_info())["vocab_size"]
+            vocab = info["vocab_size"]
             if any(not 0 <= t < vocab for t in prompt):
                 raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         echo = ""
@@ -225,8 +238,11 @@ class OpenAIIngress:
         body.refuse_unsupported()
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        self.limits.check_fields(body)
+        messages = body.message_dicts()
+        self.limits.check_messages(messages, (await self.engine.model_info())["max_model_len"])  # before the template
         try:
-            prompt_ids = await self.engine.render_chat(body.message_dicts())
+            prompt_ids = await self.engine.render_chat(messages)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         if body.max_completion_tokens is not None:
@@ -252,6 +268,10 @@ class OpenAIIngress:
             for a in added:
                 if isinstance(a, RequestStream):
                     self.engine.abort(a.rid)
+            if chat and isinstance(refused, APIError):  # the engine's names for what a chat request calls otherwise
+                named = getattr(body, "max_completion_tokens", None) is not None
+                tokens = "max_completion_tokens" if named else "max_tokens"
+                refused.param = {"prompt": "messages", "max_tokens": tokens}.get(refused.param, refused.param)
             raise refused
         streams: list[RequestStream] = list(added)
         created = int(time.time())
@@ -269,7 +289,7 @@ class OpenAIIngress:
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
         for i, r in enumerate(results):
             if r.finish_reason == "error":
-                raise APIError(500, r.error or "generation failed", "internal_error")
+                raise APIError(r.error_status or 500, r.error or "generation failed", _error_type(r.error_status))
             choice = {"index": i, "finish_reason": r.finish_reason,
                       "logprobs": logprobs_body(r.logprobs, chat, 0, r.top_logprobs) if logprobs else None}
             if chat:
@@ -312,7 +332,7 @@ class OpenAIIngress:
         async def one(i: int, stream: RequestStream):  # a choice's chunks
             async for d in stream:
                 if d.finish_reason == "error":
-                    err = {"error": {"message": d.error or "generation failed", "type": "internal_error",
+                    err = {"error": {"message": d.error or "generation failed", "type": _error_type(d.error_status),
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n", d
                     return

@@ -1,10 +1,14 @@
 """Helpers the tests share (the fixtures are in conftest.py): the repository root, transformers' greedy reference,
-mixed prompts, running an engine until idle, a Llama-3-style tokenizer copy of a tiny checkpoint."""
+mixed prompts, running an engine until idle, a Llama-3-style tokenizer copy of a tiny checkpoint, and starting a
+Serve application on a free loopback port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import socket
+import time
 from pathlib import Path
 
 import torch
@@ -66,3 +70,46 @@ def llama3_style(src, dst):
     gen.update(temperature=0.0, top_p=0.9, eos_token_id=[gen["eos_token_id"], 7])
     (dst / "generation_config.json").write_text(json.dumps(gen))
     return dst
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(base: str, timeout_s: float = 240.0) -> None:
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    pytest.fail(f"{base} did not become healthy")
+
+
+@contextlib.contextmanager
+def serve_app(args: dict, name: str = "specserve", num_cpus: int = 4):
+    """Ray, Serve on a free loopback port, and one application built from ``args`` (an LLMConfig) at /; yields the
+    base URL, and shuts both down afterwards."""
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+
+    port = free_port()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(args), name=name, route_prefix="/", blocking=False)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base)
+        yield base
+    finally:
+        serve.shutdown()
+        ray.shutdown()

@@ -33,8 +33,8 @@ class EngineStopped(RuntimeError):
 def refusal(e: Exception) -> dict:
     """A refused request's answer: an OpenAI error's fields and the HTTP status."""
     if isinstance(e, InvalidRequest):
-        code = "context_length_exceeded" if "context length" in str(e) else None
-        return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code}
+        code = e.code or ("context_length_exceeded" if "context length" in str(e) else None)
+        return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code, "param": e.param}
     if isinstance(e, OverflowError):
         return {"status": 503, "type": "server_overloaded", "message": str(e), "code": None}
     return {"status": 503, "type": "server_unavailable", "message": str(e), "code": None}
@@ -77,8 +77,11 @@ class EngineCore:
         self._outbox: dict[str, list[tuple]] = defaultdict(list)  # client -> outputs not yet polled
         self._last_poll: dict[str, float] = {}
         self.error: BaseException | None = None
+        self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
         self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
         self._stop = False
+        if hasattr(self.engine.executor, "on_failure"):  # a dead worker fails every request at once, not at a step
+            self.engine.executor.on_failure = self._workers_failed
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         logger.info("engine ready in %.1f s (%d KV pages)", self.cold_start_s, self.engine.allocator.capacity_pages)
@@ -98,7 +101,7 @@ class EngineCore:
         for rid, prompt_ids, params, arrival in batch:
             try:
                 if self.error is not None or self.engine.failure is not None:
-                    raise EngineStopped(f"the engine stopped: {self.error or self.engine.failure}")
+                    raise EngineStopped(self._stopped())
                 if rid in self._owner:
                     raise InvalidRequest(f"duplicate request id {rid!r}")
                 accepted.append(self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
@@ -107,6 +110,9 @@ class EngineCore:
             except (InvalidRequest, OverflowError, EngineStopped, TypeError) as e:
                 answers.append(refusal(InvalidRequest(str(e)) if isinstance(e, TypeError) else e))
         with self._lock:
+            if self._ended:  # it failed while these were validated: nothing would ever step them
+                stopped = refusal(EngineStopped(self._stopped()))
+                return [a or stopped for a in answers]
             for req in accepted:
                 self._owner[req.rid] = client
             self._inbox.extend(accepted)
@@ -154,6 +160,9 @@ class EngineCore:
         engine = self.engine
         load_set = time.monotonic()
         while not self._stop:
+            if engine.failure is not None:  # the workers failed (the watcher has told every request already)
+                self._workers_failed(engine.failure)
+                return
             self._take_inbox()
             if not engine.has_work():
                 self._wake.wait(0.05)
@@ -171,7 +180,7 @@ class EngineCore:
             except BaseException as e:  # noqa: BLE001 - surface to every waiting request
                 logger.exception("engine step failed")
                 self.error = e
-                self._fail_everything(f"engine failure: {e}")
+                self._fail_everything(f"engine failure: {e}", 500)
                 return
             self._publish(outputs)
             if engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
@@ -203,10 +212,25 @@ class EngineCore:
                     self._outbox[client].append(pack_output(out))
             self._output_ready.notify_all()
 
-    def _fail_everything(self, message: str) -> None:
+    def _stopped(self) -> str:
+        """Why no request can be served (the loop or the workers failed), for the clients."""
+        if self.engine.failure is not None:
+            return f"the engine's workers failed ({self.engine.failure}); its replica is being replaced"
+        return f"the engine stopped: {self.error}"
+
+    def _workers_failed(self, reason: str) -> None:
+        """The workers died or fell out of step (from the executor's watcher thread, or the loop): every request
+        ends now with a 503-type error, later submissions are refused, and ``check_health`` fails."""
+        self._fail_everything(self._stopped(), 503)
+        self._wake.set()
+
+    def _fail_everything(self, message: str, status: int) -> None:
+        """Every request (queued, running, or accepted but not yet queued) ends with ``message``; ``status``: the HTTP
+        status a request that has not answered yet gets (503: retry, the service is being restored)."""
         with self._lock:
+            self._ended = True
             for rid, client in self._owner.items():
-                self._outbox[client].append((rid, [], "error", None, None, {"error": message}))
+                self._outbox[client].append((rid, [], "error", None, None, {"error": message, "status": status}))
             self._owner.clear()
             self._output_ready.notify_all()
 

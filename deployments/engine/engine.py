@@ -213,7 +213,10 @@ class Engine:
         try:
             results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
-            logger.exception("step failed")
+            if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
+                logger.error("step failed: the workers failed (%s)", self.failure)
+            else:
+                logger.exception("step failed")
             return outputs + self._fail_in_flight(f"{type(e).__name__}: {e}")
         t2 = time.perf_counter()
         worker_s = 0.0
@@ -279,6 +282,8 @@ class Engine:
         outputs = []
         while self.in_flight:
             outputs += self._fail_plan(self.in_flight.popleft()[1], error)
+        if self.failure is not None:  # the workers are gone: nothing of theirs to drain
+            return outputs
         try:
             self.executor.step(None, 0)
         except Exception:  # noqa: BLE001 - still unreachable: nothing is held there either

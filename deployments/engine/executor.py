@@ -2,7 +2,7 @@
 
 Per-step orchestration goes through a Ray Compiled Graph (``step`` bound to every worker, inputs and outputs
 over shared-memory channels), far cheaper per step than a regular actor call; plain actor calls remain as a fallback
-(``use_compiled_graph=False``).
+(``use_compiled_graph=False``). A watcher thread learns of a worker's death the moment it happens, busy or idle.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from typing import Callable
 
 import ray
 from ray.util.placement_group import (
@@ -32,9 +33,16 @@ class WorkersFailed(RuntimeError):
     refuses every later step; a Serve replica then fails its health check and is replaced."""
 
 
-@ray.remote
+# "watch": a thread of its own for ``wait_until_dead``, beside the steps (default group) and the compiled graph's loop
+@ray.remote(concurrency_groups={"watch": 1})
 class WorkerActor(Worker):
     """A Worker in its own process (CUDA_VISIBLE_DEVICES set by Ray to its one GPU)."""
+
+    @ray.method(concurrency_group="watch")
+    def wait_until_dead(self) -> None:
+        """Never returns: its result becomes an error the moment the actor's process is gone, which the executor's
+        watcher waits for (Ray tells the owner of an actor of its death at once, whatever the actor was doing)."""
+        threading.Event().wait()
 
     def describe(self) -> dict:
         return {"model_config": self.model_config, "max_model_len": self.max_model_len, "lookahead": self.lookahead,
@@ -63,6 +71,9 @@ class RayExecutor:
         self.cfg = cfg
         self.owned_placement_group: PlacementGroup | None = None  # made by ``start``: removed at shutdown
         self.failure: str | None = None  # why the workers can no longer run steps (``WorkersFailed``)
+        # called once, from the watcher's thread, when a worker dies (the engine core fails its requests at once)
+        self.on_failure: Callable[[str], None] | None = None
+        self._closing = False
         tp = cfg.tensor_parallel_size
         on_gpu = cfg.resolved_device() == "cuda"
         addr = ("127.0.0.1", _free_port())  # STRICT_PACK: every rank is on this node
@@ -88,6 +99,39 @@ class RayExecutor:
             with InputNode() as call:  # (step or None, keep)
                 dag = MultiOutputNode([w.step.bind(call[0], call[1]) for w in self.workers])
             self._dag = dag.experimental_compile(_submit_timeout=cfg.worker_step_timeout_s)
+            # one empty step: every channel in use before the first request (tearing down a graph that never ran,
+            # after a worker died, crashes Ray's channel code in this process)
+            ray.get(self._dag.execute(None, 0), timeout=cfg.worker_step_timeout_s)
+        watched = [w.wait_until_dead.remote() for w in self.workers]
+        threading.Thread(target=self._watch, args=(watched,), name="worker-watch", daemon=True).start()
+
+    def _watch(self, watched: list) -> None:
+        """A thread: waits until some worker actor dies (a killed process, an OOM, a lost node), then fails the
+        workers at once, not at the next step, which may be far off when idle (a compiled graph's step would also
+        learn of it only through its channel's timeout)."""
+        try:
+            done, _ = ray.wait(watched, num_returns=1)
+        except Exception:  # noqa: BLE001 - Ray itself is shutting down in this process
+            return
+        if self._closing:
+            return
+        rank = watched.index(done[0])
+        try:
+            ray.get(done[0])
+            why = "returned"  # (it never does)
+        except Exception as e:  # noqa: BLE001 - RayActorError and kin: the actor is gone
+            why = type(e).__name__
+        self.fail(f"TP worker rank {rank} died ({why})")
+
+    def fail(self, reason: str) -> None:
+        """The workers can run no more steps: every later ``step`` raises WorkersFailed; ``on_failure`` hears of it
+        the first time."""
+        if self.failure is not None:
+            return
+        self.failure = reason
+        logger.error("engine workers failed: %s", reason)
+        if self.on_failure is not None:
+            self.on_failure(reason)
 
     @classmethod
     def start(cls, cfg: EngineConfig, use_compiled_graph: bool = True) -> "RayExecutor":
@@ -123,20 +167,26 @@ class RayExecutor:
             else:
                 per_rank = ray.get([w.step.remote(step, keep) for w in self.workers], timeout=timeout)
         except Exception as e:  # noqa: BLE001 - a worker's own errors come back in its results, never raised
-            self.failure = f"{type(e).__name__}: {e}"
+            if self.failure is None:  # (else the watcher said why first)
+                logger.error("a step failed in Ray: %s", e)  # the details (actor ids, pids, addresses) go to the log
+                self.fail(f"a step failed: {type(e).__name__}")
             raise WorkersFailed(self.failure) from e
         results = per_rank[0]
         for rank, other in enumerate(per_rank[1:], start=1):
             for res, theirs in zip(results, other):
                 if res.error != theirs.error:
-                    self.failure = (f"TP ranks 0 and {rank} ended step {res.step_id} differently "
-                                    f"({res.error or 'ok'} / {theirs.error or 'ok'})")
+                    self.fail(f"TP ranks 0 and {rank} ended step {res.step_id} differently "
+                              f"({res.error or 'ok'} / {theirs.error or 'ok'})")
                     raise WorkersFailed(self.failure)
         return results
 
     TEARDOWN_WAIT_S = 45.0  # a compiled graph's teardown waits for every worker's loop: a stuck worker never ends it
 
     def shutdown(self) -> None:
+        self._closing = True  # the watcher's wait ends as the workers go: not a failure
+        if self.failure is not None:  # nothing left to wait for: killed first, a teardown ends at once
+            for w in self.workers:
+                ray.kill(w)
         stuck = False
         if self._dag is not None:
             teardown = threading.Thread(target=self._dag.teardown, name="dag-teardown", daemon=True)

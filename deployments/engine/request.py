@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 
 class InvalidRequest(ValueError):
-    """A request that can never be served as given (maps to HTTP 400)."""
+    """A request that can never be served as given (maps to HTTP 400). ``param`` names the parameter at fault where
+    one is (the HTTP error's ``param``), ``code`` is OpenAI's code for the refusal where it has one."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 @dataclass
@@ -29,21 +34,22 @@ class SamplingParams:
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise InvalidRequest(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens",
+                                 "integer_below_min_value")
         if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}")
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature}", "temperature")
         if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+            raise InvalidRequest(f"top_k must be -1, 0 (off) or positive, got {self.top_k}", "top_k")
         if not 0 <= self.min_p <= 1:
-            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
-        if any(not s for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty")
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequest("stop strings must be non-empty strings", "stop")
         if not 0 <= self.top_logprobs <= 20:
-            raise InvalidRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+            raise InvalidRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}")
+            raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}", "seed")
 
 
 class RequestStatus(enum.Enum):

@@ -105,14 +105,19 @@ class Scheduler:
         req.params.validate()
         n = len(req.prompt_ids)
         if n == 0:
-            raise InvalidRequest("the prompt is empty")
+            raise InvalidRequest("the prompt is empty", "prompt")
         if req.params.top_k > self.vocab_size:
             req.params.top_k = 0  # keeping more tokens than the vocabulary has is no filter at all
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n >= self.max_model_len:
             raise InvalidRequest(
-                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens")
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",
+                "prompt", "context_length_exceeded")
+        if req.params.max_tokens >= self.max_model_len:  # too many whatever the prompt: the parameter is at fault
+            raise InvalidRequest(f"max_tokens must be less than this model's maximum context length "
+                                 f"({self.max_model_len} tokens), got {req.params.max_tokens}", "max_tokens",
+                                 "integer_above_max_value")
         if n + req.params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested {n} prompt "

@@ -100,10 +100,15 @@ class Detokenizer:
         """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
         hold = 0
         for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
+            # candidate suffixes start where the stop string's first character is (longest first): one C-level
+            # comparison each, instead of one slice and comparison per length
+            tail = text[len(text) - min(len(s) - 1, len(text)):]
+            i = tail.find(s[0])
+            while 0 <= i and len(tail) - i > hold:
+                if s.startswith(tail[i:]):
+                    hold = len(tail) - i
                     break
+                i = tail.find(s[0], i + 1)
         return hold
 
     def _decode(self, ids: list[int]) -> str:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import re
-import socket
 import time
 import urllib.request
 from pathlib import Path
@@ -15,27 +14,14 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import free_port as _port
 from tests.helpers import mixed_prompts
+from tests.helpers import wait_healthy as _wait_healthy
 
 API_KEY = "test-key-0b6f2c"
 ENV_KEY = "env-key-7d41aa"  # the second application's, from an environment variable
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(base: str) -> None:
-    for _ in range(240):
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"{base} did not become healthy")
 
 
 @pytest.fixture(scope="module")
