@@ -31,7 +31,8 @@ from deployments.protocol import (
     logprobs_body,
 )
 
-app = FastAPI(title="specserve", version="0.1.0")
+# (no redirect from /v1/completions/ to /v1/completions: an OpenAI-shaped 404, as for any other unknown path)
+app = FastAPI(title="specserve", version="0.1.0", redirect_slashes=False)
 logger = logging.getLogger("specserve")
 
 
@@ -215,6 +216,8 @@ class OpenAIIngress:
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompt_ids = await self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
         return await self._serve(body, prompt_ids, arrival, chat=False, logprobs=body.logprobs is not None,
                                  echo=echo, top=body.logprobs or 0)
 
