@@ -11,6 +11,7 @@ import asyncio
 import collections
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -149,6 +150,12 @@ def test_a_storm_of_dropped_streams_frees_every_request(fuzz_app):
     print(f"idle {time.perf_counter() - t0:.2f}s after 150 dropped streams")
     after = httpx.post(base + COMPLETIONS, json=greedy, headers=AUTH, timeout=120).json()["choices"][0]["text"]
     assert after == before
+    # a client that leaves is no internal error (each was logged as one, with Ray's traceback)
+    import ray
+
+    logs = [p for p in Path(ray._private.worker.global_worker.node.get_logs_dir_path()).rglob("*") if p.is_file()]
+    errors = [line for p in logs for line in p.read_text(errors="replace").splitlines() if "internal error on" in line]
+    assert not errors, errors[:3]
 
 
 def test_an_exhausted_kv_cache_preempts_and_every_answer_stays_exact(server, fuzz_app):
