@@ -565,25 +565,58 @@ async def _client(concurrency: int):
 
 # -- the benchmark --------------------------------------------------------------------------------------------------
 
-def rss_mib(app: str) -> dict[str, float]:
-    """Resident memory (MiB) of the application's processes on this machine, found by the titles Ray gives its
-    actors' processes (no psutil): the ingress replicas, the controller, the engine core, the HTTP proxy."""
-    wanted = {"ingress": f"ray::ServeReplica:{app}:OpenAIIngress", "controller": f"ray::ServeReplica:{app}:LLMController",
-              "engine_core": "ray::EngineCore", "proxy": "ray::ProxyActor"}
+def _listener_pid(port: int) -> int | None:
+    """The process listening on TCP ``port`` (from /proc: no psutil)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN on that port
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
+def _ppid(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def rss_mib(port: int, app: str) -> dict[str, float]:
+    """Resident memory (MiB) of the server's processes: the HTTP proxy listening on ``port`` and, among its node's
+    other Ray worker processes (the raylet's children, named by the titles Ray gives actors' processes), the
+    application's ingress replicas and controller and the engine core. Another Ray instance on the machine (its
+    processes have another raylet) is left out."""
+    proxy = _listener_pid(port)
+    if proxy is None:
+        return {}
+    raylet = _ppid(proxy)
+    wanted = {"proxy": "ray::ProxyActor", "ingress": f"ray::ServeReplica:{app}:OpenAIIngress",
+              "controller": f"ray::ServeReplica:{app}:LLMController", "engine_core": "ray::EngineCore"}
     found: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
+            if _ppid(int(proc.name)) != raylet:
+                continue
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             status = (proc / "status").read_text()
-        except OSError:
+        except (OSError, IndexError, ValueError):
             continue
         for name, prefix in wanted.items():
             if title.startswith(prefix):
                 kib = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))
-                key = name if name not in found else f"{name}_{proc.name}"
-                found[key] = round(kib / 1024, 1)
+                found[name if name not in found else f"{name}_{proc.name}"] = round(kib / 1024, 1)
     return found
 
 
@@ -621,11 +654,16 @@ async def timed_413(host: str, port: int, path: str, api_key: str | None, size: 
     try:
         status_line = await asyncio.wait_for(reader.readline(), 120)
         took = time.perf_counter() - t0
+        sent_by_status = written
         headers = {}
         while (line := await reader.readline()) not in (b"\r\n", b""):
             k, _, v = line.decode().partition(":")
             headers[k.strip().lower()] = v.strip()
         answer = await reader.readexactly(int(headers.get("content-length", 0)))
+        # the rest of the body: does the server stop reading it (closing the connection)?
+        await asyncio.wait_for(asyncio.gather(sending, return_exceptions=True), 10)
+    except asyncio.TimeoutError:
+        pass
     finally:
         sending.cancel()
         writer.close()
@@ -634,7 +672,7 @@ async def timed_413(host: str, port: int, path: str, api_key: str | None, size: 
     except Exception:  # noqa: BLE001
         code = None
     return {"chunked": chunked, "ms": round(took * 1e3, 2), "status": int(status_line.split()[1]), "code": code,
-            "sent_mib": round(written / 2**20, 1)}
+            "sent_mib": round(sent_by_status / 2**20, 1), "sent_total_mib": round(written / 2**20, 1)}
 
 
 async def _stream_stamps(http, url: str, headers: dict, body: dict, stamps: list[float]) -> None:
@@ -666,7 +704,7 @@ async def huge_body(base: str, model: str, api_key: str | None, size: int, round
     path = base.split("//", 1)[1].partition("/")[2]
     path = ("/" + path if path else "") + COMPLETIONS
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    rss_before = rss_mib(app)
+    rss_before = rss_mib(int(port), app)
     body = {"model": model, "prompt": "def main():", "max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True,
             "stream": True}
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=num_streams + 4)) as http:
@@ -681,6 +719,7 @@ async def huge_body(base: str, model: str, api_key: str | None, size: int, round
         for chunked in (False, True):
             for _ in range(rounds):
                 sends.append(await timed_413(host, int(port), path, api_key, size, chunked))
+                sends[-1]["rss_mib_after"] = rss_mib(int(port), app)
         t_end = time.perf_counter()
         await asyncio.sleep(1.0)
         broken = [str(s.exception()) for s in streams if s.done() and s.exception() is not None]
@@ -693,7 +732,7 @@ async def huge_body(base: str, model: str, api_key: str | None, size: int, round
         "body_bytes": size, "rounds": rounds, "sends": sends, "streams": num_streams, "streams_broken": broken,
         "gaps_before": _gaps(stamps, first + 1.0, t_big), "gaps_during": _gaps(stamps, t_big, t_end),
         "window_s": {"before": round(t_big - first - 1.0, 2), "during": round(t_end - t_big, 2)},
-        "rss_mib_before": rss_before, "rss_mib_after": rss_mib(app),
+        "rss_mib_before": rss_before, "rss_mib_after": rss_mib(int(port), app),
     }
 
 
@@ -771,10 +810,46 @@ def summarize_fuzz(outcomes: list[Outcome], seconds: float) -> dict:
             "problems": [{"problem": o.problem[:300], "request": repr(o.probe)[:600]} for o in problems[:10]]}
 
 
+def goals(meta: dict) -> list[str]:
+    """One line per goal of issue #37 that this run measures: met or not, with the figure."""
+    lines = []
+    f, h, m = meta.get("fuzz"), meta.get("huge_body"), meta.get("many_streams")
+    if f:
+        ok = f["5xx"] == f["non_openai_bodies"] == f["hangs"] == f["leaking_bodies"] == 0 and f["requests"] >= 2000
+        lines.append(f"- {'met' if ok else 'NOT met'}: >= 2,000 fuzzed requests, 0 5xx, 0 non-OpenAI bodies, 0 hangs "
+                     f"({f['requests']} requests: {f['5xx']} / {f['non_openai_bodies']} / {f['hangs']}; "
+                     f"{f['leaking_bodies']} leaking)")
+    if h:
+        for chunked in (False, True):
+            times = [s["ms"] for s in h["sends"] if s["chunked"] == chunked]
+            ok = all(s["status"] == 413 for s in h["sends"] if s["chunked"] == chunked) and max(times) < 100
+            lines.append(f"- {'met' if ok else 'NOT met'}: a {h['body_bytes'] / 1e6:.0f} MB body "
+                         f"({'chunked' if chunked else 'with Content-Length'}) is a 413 in < 100 ms "
+                         f"(max {max(times)} ms)")
+        b, d = h["gaps_before"], h["gaps_during"]
+        if b.get("count") and d.get("count"):
+            rise = max(d["p50_ms"] - b["p50_ms"], d["max_ms"] - b["max_ms"])
+            lines.append(f"- {'met' if rise <= 100 else 'NOT met'}: the other streams' inter-token gap not raised by "
+                         f"more than 100 ms (p50 {b['p50_ms']} -> {d['p50_ms']} ms, max {b['max_ms']} -> "
+                         f"{d['max_ms']} ms)")
+        grown = {k: round(h["rss_mib_after"].get(k, 0) - v, 1) for k, v in h["rss_mib_before"].items()}
+        ok = all(g < 16 for g in grown.values())
+        lines.append(f"- {'met' if ok else 'NOT met'}: RSS unchanged (growth, MiB: "
+                     + ", ".join(f"{k} {g:+}" for k, g in sorted(grown.items())) + ")")
+    if m:
+        ok = m["lost"] == m["text_differs"] == m["token_count_wrong"] == 0 and m["stats_after"]["kv_usage"] == 0
+        lines.append(f"- {'met' if ok else 'NOT met'}: {m['streams']} concurrent streams, 0 lost, every token once, "
+                     f"KV back to 0 ({m['lost']} lost, {m['text_differs']} texts differ, {m['token_count_wrong']} "
+                     f"token counts wrong, KV {m['stats_after']['kv_usage']} after {m['idle_after_s']} s)")
+    return lines
+
+
 def write_report(meta: dict, out: Path) -> None:
     write_json(out, meta)
     md = [f"# Reliability ({meta['device']})", "", f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"server: {meta.get('config') or meta['url']} · model `{meta['model_id']}`", ""]
+          f"server: {meta.get('config') or meta['url']} · model `{meta['model_id']}` · the machine's 1-minute load "
+          f"average at the start: {meta['load_avg_1m_at_start']} (a shared machine: timings are noisy)", ""]
+    md += ["## Against the issue's goals", "", *goals(meta), ""]
     f = meta.get("fuzz")
     if f:
         md += ["## Fuzzed requests", "",
@@ -792,9 +867,13 @@ def write_report(meta: dict, out: Path) -> None:
     h = meta.get("huge_body")
     if h:
         md += [f"## A {h['body_bytes'] / 1e6:.0f} MB body while {h['streams']} streams run", "",
-               "| body | status (code) | time to the status line ms | MiB sent by then |", "|---|---|---|---|"]
+               "| body | status (code) | time to the status line ms | MiB sent by then | MiB sent in all |",
+               "|---|---|---|---|---|"]
         md += [f"| {'chunked' if s['chunked'] else 'Content-Length'} | {s['status']} ({s['code']}) | {s['ms']} | "
-               f"{s['sent_mib']} |" for s in h["sends"]]
+               f"{s['sent_mib']} | {s['sent_total_mib']} |" for s in h["sends"]]
+        md += ["", "(The client sends its whole body, as clients do: the server answers first and reads the rest on the "
+               "kept-alive connection rather than closing it, which would reset the connection under the unread "
+               "body and could lose the answer.)"]
         b, d = h["gaps_before"], h["gaps_during"]
         md += ["", f"The streams' inter-token gaps (ms), {h['window_s']['before']} s before and "
                f"{h['window_s']['during']} s during the big bodies:", "",
@@ -858,7 +937,7 @@ def main() -> None:
                 if line.startswith("model name")), platform.machine())
     meta = {"device": f"CPU {cpu}, {os.cpu_count()} cores", "commit": commit(), "command": command(),
             "config": config, "url": base, "model_id": model, "concurrency": args.concurrency,
-            "timeout_s": args.timeout_s}
+            "timeout_s": args.timeout_s, "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
     out = out_path(args.out)
     parts = args.parts.split(",")
     if "fuzz" in parts:
