@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
@@ -32,7 +33,8 @@ from deployments.protocol import (
     logprobs_body,
 )
 
-app = FastAPI(title="specserve", version="0.1.0")
+# (no redirect from /v1/completions/ to /v1/completions: an OpenAI-shaped 404, as for any other unknown path)
+app = FastAPI(title="specserve", version="0.1.0", redirect_slashes=False)
 logger = logging.getLogger("specserve")
 
 
@@ -45,6 +47,9 @@ async def _api_error(_: Request, e: APIError):
 async def _unexpected_error(request: Request, e: Exception):
     """A bug of ours, or a failure below: logged with a reference; the body says only that and the reference (no
     traceback, pid, address or path of the install)."""
+    if isinstance(e, TaskCancelledError):  # the client went away mid-stream and Serve cancelled its request
+        logger.info("client disconnected on %s", request.url.path)
+        return error_response(499, "the client closed the request", "client_closed")  # (nobody reads it)
     ref = uuid.uuid4().hex[:12]
     logger.error("internal error on %s (reference %s)", request.url.path, ref, exc_info=e)
     return error_response(500, f"internal error (reference {ref})", "internal_error")
@@ -228,6 +233,8 @@ class OpenAIIngress:
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompt_ids = await self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
         return await self._serve(body, prompt_ids, arrival, chat=False, logprobs=body.logprobs is not None,
                                  echo=echo, top=body.logprobs or 0)
 

@@ -35,7 +35,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # (the engine takes any int64, as vLLM)
     user: str | None = None
     # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
     frequency_penalty: float | None = None

@@ -318,7 +318,8 @@ class Engine:
         prefilling = self.scheduler.num_admitted_waiting
         stats = {"running": len(self.scheduler.running) + prefilling,
                  "waiting": len(self.scheduler.waiting) - prefilling,
-                 "kv_usage": self.scheduler.kv_usage, "step_time": dict(self.step_time)}
+                 "kv_usage": self.scheduler.kv_usage, "preemptions": self.scheduler.num_preemptions,
+                 "step_time": dict(self.step_time)}
         spec = result.spec() if result is not None else None
         if spec:
             per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))

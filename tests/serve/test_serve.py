@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import time
@@ -14,47 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import free_port as _port
 from tests.helpers import mixed_prompts
-from tests.helpers import wait_healthy as _wait_healthy
-
-API_KEY = "test-key-0b6f2c"
-ENV_KEY = "env-key-7d41aa"  # the second application's, from an environment variable
-
-
-
-
-@pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
-    import os
-
-    import ray
-    from ray import serve
-
-    from deployments.app import build_app
-
-    key_file = tmp_path_factory.mktemp("secret") / "api-key"
-    key_file.write_text(API_KEY + "\n")  # as a mounted Secret: surrounding whitespace is not part of the key
-    os.environ["SPECSERVE_TEST_KEY_ENV"] = ENV_KEY  # before Ray starts: its processes inherit it
-    metrics_port, http_port = _port(), _port()
-    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 1000}, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    target = str(tiny_models["llama"])
-    args = {
-        "model_loading_config": {"model_id": "tiny", "model_source": target},
-        "api_key_file": str(key_file),
-        "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2,
-                          "max_queue_len": 2,
-                          # the target as its own draft: every draft token is accepted
-                          "speculative_config": {"method": "draft", "model": target, "num_steps": 2}},
-    }
-    serve.run(build_app(args), name="specserve", route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{http_port}"
-    _wait_healthy(base)
-    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "target": target}
-    serve.shutdown()
-    ray.shutdown()
+from tests.serve.conftest import API_KEY, ENV_KEY, second_app
 
 
 @pytest.fixture()
@@ -348,7 +308,7 @@ def test_a_llama3_style_model(server, tmp_path):
 
     path = llama3_style(Path(server["target"]), tmp_path / "llama3-style")
     ek = {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2, "kv_cache_tokens": 256}
-    with _second_app(server, "l3", {"engine_kwargs": ek}, model_source=str(path)) as client:
+    with second_app(server, "l3", {"engine_kwargs": ek}, model_source=str(path)) as client:
         msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
         r = client.chat.completions.create(model="l3", messages=msgs)  # to the end of the context (or EOS)
         assert r.usage.prompt_tokens == len(chat_prompt_ids(load_tokenizer(str(path)), msgs))
@@ -361,29 +321,10 @@ def test_a_llama3_style_model(server, tmp_path):
         assert texts == {client.completions.create(temperature=0, **kw).choices[0].text}
 
 
-@contextlib.contextmanager
-def _second_app(server, name: str, app_args: dict, model_source: str | None = None):
-    """Another application on the same Serve instance, at /<name>, serving the tiny target (or ``model_source``)
-    with ``app_args``; yields an openai client for it and deletes the application afterwards."""
-    from openai import OpenAI
-    from ray import serve
-
-    from deployments.app import build_app
-
-    args = {"model_loading_config": {"model_id": name, "model_source": model_source or server["target"]},
-            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 2}, **app_args}
-    serve.run(build_app(args), name=f"specserve-{name}", route_prefix=f"/{name}", blocking=False)
-    try:
-        _wait_healthy(f"{server['base']}/{name}")
-        yield OpenAI(base_url=f"{server['base']}/{name}/v1", api_key="none", max_retries=0)
-    finally:
-        serve.delete(f"specserve-{name}")
-
-
 def test_stream_interval_gathers_tokens(server):
     """stream_interval (as SGLang's): the first tokens go at once, then a send carries at least that many new
     tokens, the last one whatever is left; the streamed text still equals the non-streamed one."""
-    with _second_app(server, "si", {"stream_interval": 4, "stream_batching_interval_ms": 0}) as client:
+    with second_app(server, "si", {"stream_interval": 4, "stream_batching_interval_ms": 0}) as client:
         kw = dict(model="si", prompt="import os\n", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0]
         chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
@@ -396,7 +337,7 @@ def test_stream_batching_interval_caps_sends(server):
     """stream_batching_interval_ms (as Ray Serve LLM's): after a send, a stream waits that long before the next one,
     so a stream of T seconds sends at most 2 + T / interval items (first and last at once); text unchanged."""
     interval_s = 0.1
-    with _second_app(server, "sb", {"stream_batching_interval_ms": interval_s * 1000}) as client:
+    with second_app(server, "sb", {"stream_batching_interval_ms": interval_s * 1000}) as client:
         kw = dict(model="sb", prompt="import os\n", max_tokens=60, temperature=0, extra_body={"ignore_eos": True})
         full = client.completions.create(**kw).choices[0]
         t0 = time.perf_counter()
@@ -493,7 +434,7 @@ def test_300_concurrent_streams_get_every_token_once(server):
     app = {"engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 32,
                              "max_queue_len": 512}, "ingress_deployment_config": {"max_ongoing_requests": 512}}
     prompts = [f"import mod{i}\n" for i in range(10)]
-    with _second_app(server, "many", app) as client:
+    with second_app(server, "many", app) as client:
         refs = [client.completions.create(model="many", prompt=p, max_tokens=8, temperature=0,
                                           extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
 
@@ -531,7 +472,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment_and_never_reaches_the_
 
     with pytest.raises(ValueError, match="api_key in the application args would be written to Serve's logs"):
         LLMConfig(model_loading_config={"model_id": "m", "model_source": "/x"}, api_key="k")
-    with _second_app(server, "envkey", {"api_key_env": "SPECSERVE_TEST_KEY_ENV"}):
+    with second_app(server, "envkey", {"api_key_env": "SPECSERVE_TEST_KEY_ENV"}):
         url = f"{server['base']}/envkey/v1/models"
         assert httpx.get(url, timeout=30).status_code == 401
         assert httpx.get(url, headers={"Authorization": "Bearer " + ENV_KEY[:-1]}, timeout=30).status_code == 401
