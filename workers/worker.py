@@ -217,8 +217,10 @@ class Worker:
         ids, logprobs = sample(logits, sampling)
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
-            # a round launched before this step is read adds the one token it samples (not the slot's last round's)
-            self.advance[fb.req_slots] = 1
+            # a round launched before this step is read adds the one token it samples (not the slot's last round's);
+            # index_fill_, not ``advance[slots] = 1``: that copies the number over with a blocking copy, which waits
+            # for the device (with the overlap schedule, for the step in flight as well)
+            self.advance.index_fill_(0, fb.req_slots, 1)
             self.proposer.after_extend(step, fb, self.proposer.target_features(fb, hidden), ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
         return HostCopy(PackedOutputs.pack(ids, logprobs, *top)), token_result
