@@ -495,7 +495,7 @@ class Outcome:
             return None
         try:
             doc = strict_json(self.probe.body)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return None
         if isinstance(doc, dict) and strict_json(self.body)["error"]["param"] is None:
             return f"a 400 that names no param: {self.body[:300]!r}"

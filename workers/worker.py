@@ -248,6 +248,8 @@ class Worker:
                 rows.append((i, len(following), k))
             start += n
         kmax = max(k for _, _, k in rows)
+        if not index:  # (one-token prompts: nothing to compute, a placeholder to copy)
+            return rows, PackedOutputs.pack(torch.zeros(1, device=self.device))
         idx = to_device(index, torch.int64, self.device)
         tgt = to_device(targets, torch.int64, self.device)
         lps, top_ids, top_lps = [], [], []
@@ -259,10 +261,7 @@ class Worker:
                 vals, ids = logits.topk(min(kmax, logits.shape[-1]), dim=-1)
                 top_ids.append(ids)
                 top_lps.append(vals - lse[:, None])
-        parts = [torch.cat(lps)] + ([torch.cat(top_ids), torch.cat(top_lps)] if kmax else [])
-        if not index:  # (a one-token prompt: nothing to copy but an empty column)
-            parts = [torch.zeros(1, device=self.device)]
-        return rows, PackedOutputs.pack(*parts)
+        return rows, PackedOutputs.pack(torch.cat(lps), *([torch.cat(top_ids), torch.cat(top_lps)] if kmax else []))
 
     def _extend_ids(self, step: WorkerStep) -> torch.Tensor:
         """The EXTEND step's token ids on the device. A decode row riding in it (-1, one token) feeds its request's

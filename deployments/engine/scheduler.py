@@ -123,11 +123,12 @@ class Scheduler:
         if n + req.params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested {n} prompt "
-                f"tokens + {req.params.max_tokens} max_tokens = {n + req.params.max_tokens} tokens")
+                f"tokens + {req.params.max_tokens} max_tokens = {n + req.params.max_tokens} tokens", "prompt",
+                "context_length_exceeded")
         need = self.allocator.pages_for(n + req.params.max_tokens + self.decode_lookahead)
         if need > self.allocator.capacity_pages:
             raise InvalidRequest(f"the request needs {need} KV pages but the whole cache has "
-                                 f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens")
+                                 f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens", "prompt")
 
     def check(self, req: Request, queued_elsewhere: int = 0) -> None:
         """Raises InvalidRequest for bad input, OverflowError when the queue (with ``queued_elsewhere`` requests

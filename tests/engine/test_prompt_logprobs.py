@@ -68,3 +68,12 @@ def test_prompt_logprobs_are_validated():
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(prompt_logprobs=21).validate()
     assert e.value.param == "prompt_logprobs"
+
+
+def test_one_token_prompts_have_only_the_none(tiny_models):
+    engine = Engine(EngineConfig(model=str(tiny_models["llama"]), device="cpu", max_model_len=128))
+    out = engine.generate([[5], [6], [7, 8]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2))
+    assert [c.prompt_logprobs[0] for c in out] == [None] * 3
+    assert [len(c.prompt_logprobs) for c in out] == [1, 1, 2] and out[2].prompt_logprobs[1] is not None
+    alone = engine.generate([[5], [6]], SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0))
+    assert [c.prompt_logprobs for c in alone] == [[None], [None]]

@@ -26,7 +26,7 @@ GEN_DOCS = [{"question": q, "answer": "x"} for q in ("def f(a, b):", "import num
 def write_tasks(root) -> None:
     for name, docs in (("mc", MC_DOCS), ("gen", GEN_DOCS)):
         (root / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    common = f"dataset_path: json\ntest_split: test\ndoc_to_text: \"{{{{question}}}}\"\n"
+    common = "dataset_path: json\ntest_split: test\ndoc_to_text: \"{{question}}\"\n"
     (root / "specserve_mc.yaml").write_text(
         "task: specserve_mc\n" + common + f"dataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
         "output_type: multiple_choice\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\n"
