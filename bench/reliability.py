@@ -367,6 +367,19 @@ def _usage_problem(usage) -> str | None:
     return None
 
 
+def _first_echoed_as_number(doc: dict) -> dict:
+    """An echoed prompt's first token has no logprob: null in ``token_logprobs`` and ``top_logprobs`` (as OpenAI's
+    legacy API and vLLM answer), which the client's types (floats) do not declare; only that first entry may be."""
+    doc = json.loads(json.dumps(doc))
+    for c in doc.get("choices") or []:
+        lp = c.get("logprobs") if isinstance(c, dict) else None
+        if isinstance(lp, dict) and lp.get("token_logprobs") and lp["token_logprobs"][0] is None:
+            lp["token_logprobs"][0] = 0.0
+            if lp.get("top_logprobs") and lp["top_logprobs"][0] is None:
+                lp["top_logprobs"][0] = {}
+    return doc
+
+
 def response_problem(body: bytes, chat: bool) -> str | None:
     """None when ``body`` is a valid (non-streamed) completion or chat completion."""
     try:
@@ -396,7 +409,7 @@ def response_problem(body: bytes, chat: bool) -> str | None:
         from openai.types import Completion
         from openai.types.chat import ChatCompletion
 
-        (ChatCompletion if chat else Completion).model_validate(doc)
+        (ChatCompletion if chat else Completion).model_validate(doc if chat else _first_echoed_as_number(doc))
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError
         return f"openai's types refuse it: {str(e)[:300]}"
     return _usage_problem(doc.get("usage"))
