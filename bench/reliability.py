@@ -108,7 +108,7 @@ def fields(chat: bool, vocab: int) -> dict[str, tuple[st.SearchStrategy, st.Sear
     """Each optional field's (valid values, hostile values)."""
     token = st.integers(0, vocab - 1)
     return {
-        "max_tokens": (st.integers(1, 4), bad(0, -1, 5000, 2**31, 2**63, 10**30, 2.5, "3", math.nan, [4])),
+        "max_tokens": (st.integers(1 - (not chat), 4), bad(0, -1, 5000, 2**31, 2**63, 10**30, 2.5, "3", math.nan, [4])),
         "temperature": (st.one_of(st.floats(0, 2), st.sampled_from([0, 0.0, 2, 1e-30, 5e-324, 1e-6])),
                         bad(-1, 2.01, "0.5", *ODD_FLOATS[:5], [1.0])),
         "top_p": (st.one_of(st.floats(1e-6, 1), st.just(1)), bad(0, -0.5, 1.01, *ODD_FLOATS[:4])),
@@ -140,7 +140,7 @@ def fields(chat: bool, vocab: int) -> dict[str, tuple[st.SearchStrategy, st.Sear
             "top_logprobs": (st.integers(0, 5), bad(20, 21, -1, 2**63, 1.5)),
             "max_completion_tokens": (st.integers(1, 4), bad(0, -1, 2**63, "2", 10**30))} if chat else
            {"logprobs": (st.integers(0, 5), bad(20, 21, -1, True, 2**63, 10**30, 1.5, "1")),
-            "echo": (st.booleans(), bad(1, "true", [True])),
+            "echo": (st.booleans(), bad(1, "true", [True])),  # with logprobs: the prompt's logprobs too
             "best_of": (st.sampled_from([None, 1]), bad(2, 0, -1, 2**63, "1")),
             "suffix": (st.sampled_from([None, ""]), bad("x", 5, [""]))}),
     }
@@ -150,10 +150,15 @@ def fields(chat: bool, vocab: int) -> dict[str, tuple[st.SearchStrategy, st.Sear
 def prompts(vocab: int) -> tuple[st.SearchStrategy, st.SearchStrategy]:
     """(valid prompts, hostile prompts) of the completions API."""
     ids = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12)
-    good = st.one_of(good_text, good_text, ids, st.builds(lambda t: [t], good_text), st.builds(lambda t: [t], ids))
-    return good, bad("", [], [[]], [""], [-1], [vocab], [2**63], [10**30], [1.5], [True], [[1, 2], [3]], ["a", "b"],
-                     [["a"]], [None], {"text": "hi"}, lone, st.builds(lambda t: [t], lone), [vocab - 1] * 300,
-                     "a " * 2000, st.lists(st.integers(), min_size=1, max_size=4))
+    # batches: several strings or several token-id lists, each answered with its own n choices
+    good = st.one_of(good_text, good_text, ids, st.builds(lambda t: [t], good_text), st.builds(lambda t: [t], ids),
+                     st.lists(good_text, min_size=2, max_size=4), st.lists(ids, min_size=2, max_size=4))
+    return good, bad("", [], [[]], [""], [-1], [vocab], [2**63], [10**30], [1.5], [True], [["a"]], [None],
+                     {"text": "hi"}, lone, st.builds(lambda t: [t], lone), [vocab - 1] * 300, "a " * 2000,
+                     st.lists(st.integers(), min_size=1, max_size=4),
+                     # batches with a bad member, mixed kinds, too many prompts
+                     ["a", [1, 2]], [[1, 2], "a"], [[1], []], ["a", ""], [[1], [vocab]], [[1], [-1]], ["a", lone],
+                     [[1, 2], [[3]]], ["a", None], ["a"] * 1025)
 
 
 @functools.lru_cache
@@ -278,7 +283,9 @@ def probes(draw, model_id: str, vocab: int, api_key: str | None) -> Probe:
         method = draw(st.sampled_from(["GET", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]))
     if draw(st.integers(0, 24)) == 0:
         path = draw(st.sampled_from([path + "/", path + "?stream=true", "/v1//completions", "/v1/completions/x",
-                                     "/v1/%ff", "/v1/chat", "/v1/models", "/v1/stats", "/V1/completions"]))
+                                     "/v1/%ff", "/v1/chat", "/v1/models", "/v1/stats", "/V1/completions",
+                                     f"/v1/models/{model_id}", "/v1/models/other", "/v1/models/",
+                                     "/v1/models/a/b"]))
     value = draw(request_bodies(chat, model_id, vocab))
     body = _dump(value, draw(st.booleans()), draw(st.booleans()))
     if draw(st.integers(0, 7)) == 0:
@@ -360,6 +367,19 @@ def _usage_problem(usage) -> str | None:
     return None
 
 
+def _first_echoed_as_number(doc: dict) -> dict:
+    """An echoed prompt's first token has no logprob: null in ``token_logprobs`` and ``top_logprobs`` (as OpenAI's
+    legacy API and vLLM answer), which the client's types (floats) do not declare; only that first entry may be."""
+    doc = json.loads(json.dumps(doc))
+    for c in doc.get("choices") or []:
+        lp = c.get("logprobs") if isinstance(c, dict) else None
+        if isinstance(lp, dict) and lp.get("token_logprobs") and lp["token_logprobs"][0] is None:
+            lp["token_logprobs"][0] = 0.0
+            if lp.get("top_logprobs") and lp["top_logprobs"][0] is None:
+                lp["top_logprobs"][0] = {}
+    return doc
+
+
 def response_problem(body: bytes, chat: bool) -> str | None:
     """None when ``body`` is a valid (non-streamed) completion or chat completion."""
     try:
@@ -389,7 +409,7 @@ def response_problem(body: bytes, chat: bool) -> str | None:
         from openai.types import Completion
         from openai.types.chat import ChatCompletion
 
-        (ChatCompletion if chat else Completion).model_validate(doc)
+        (ChatCompletion if chat else Completion).model_validate(doc if chat else _first_echoed_as_number(doc))
     except Exception as e:  # noqa: BLE001 - pydantic's ValidationError
         return f"openai's types refuse it: {str(e)[:300]}"
     return _usage_problem(doc.get("usage"))
@@ -466,7 +486,7 @@ class Outcome:
         if self.status >= 300:
             if self.probe.method == "HEAD":
                 return None  # (no body)
-            problem = openai_error_problem(self.body)
+            problem = openai_error_problem(self.body) or self._unnamed_param()
             found = leaks(text)
             return problem or (f"leaks {found}: {text[:300]!r}" if found else None)
         chat = self.probe.path.startswith(CHAT)
@@ -479,6 +499,20 @@ class Outcome:
             if problem is None and self.probe.wants_stream:
                 problem = "no stream although asked for"
         return problem
+
+    def _unnamed_param(self) -> str | None:
+        """A 400 to a well-formed JSON object (sent as JSON) names the parameter at fault."""
+        if self.status != 400 or self.probe.method != "POST" or self.probe.body is None:
+            return None
+        if dict(self.probe.headers).get("Content-Type") != "application/json" or self.probe.body[:3] == b"\xef\xbb\xbf":
+            return None
+        try:
+            doc = strict_json(self.probe.body)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            return None
+        if isinstance(doc, dict) and strict_json(self.body)["error"]["param"] is None:
+            return f"a 400 that names no param: {self.body[:300]!r}"
+        return None
 
     @property
     def kind(self) -> str:

@@ -50,13 +50,15 @@ class Delta:
     prompt_tokens: int = 0  # on the last delta
     completion_tokens: int = 0  # on the last delta: the tokens streamed in all
     spec: dict | None = None  # on the last delta, when the request speculated
+    prompt_logprobs: list | None = None  # on the first delta, when asked: per prompt token None or (logprob, top)
 
     def extend(self, other: "Delta") -> None:
         self.token_ids += other.token_ids
         self.text += other.text
         self.logprobs += other.logprobs
         self.top_logprobs += other.top_logprobs
-        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "spec"):
+        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "spec",
+                     "prompt_logprobs"):
             value = getattr(other, name)
             if value:
                 setattr(self, name, value)
@@ -88,9 +90,11 @@ class RequestStream:
         self._ready.clear()
         delta = Delta()
         decode = self.client.token_text
-        for rid, token_ids, reason, logprobs, top, final in items:
+        for rid, token_ids, reason, logprobs, top, final, *prompt_lps in items:
             if self.finished:
                 break
+            if prompt_lps:  # (the first output of a request that asked for them)
+                delta.prompt_logprobs = prompt_lps[0]
             text, hit, used = detokenize_run(self.detok, token_ids, final=reason is not None)
             if hit:
                 if reason is None:

@@ -31,7 +31,10 @@ from deployments.protocol import (
     SamplingFields,
     error_response,
     logprobs_body,
+    prompt_logprobs_body,
 )
+
+MAX_BATCH_PROMPTS = 1024  # prompts in one completions request (lm-eval sends a batch of its --batch_size)
 
 # (no redirect from /v1/completions/ to /v1/completions: an OpenAI-shaped 404, as for any other unknown path)
 app = FastAPI(title="specserve", version="0.1.0", redirect_slashes=False)
@@ -131,6 +134,25 @@ async def _validation_error(_: Request, e: RequestValidationError):
                           first.get("msg", "invalid request"), "invalid_request_error", loc)
 
 
+class _Echo:
+    """What each completion choice starts with when the request echoes its prompt: the prompt's text and, with
+    logprobs, its tokens' (choice i is prompt i // n's)."""
+
+    def __init__(self, texts: list[str] | None, prompts: list[list[int]], n: int, top: int, prompt_logprobs: bool,
+                 echo_only: bool, token_text):
+        self.texts, self.prompts, self.n, self.top = texts, prompts, n, top
+        self.prompt_logprobs, self.echo_only, self.token_text = prompt_logprobs, echo_only, token_text
+
+    def text(self, i: int) -> str:
+        return self.texts[i // self.n] if self.texts else ""
+
+    def prompt_pairs(self, i: int, entries: list | None) -> tuple[list, list]:
+        if not self.prompt_logprobs:
+            return [], []
+        ids = self.prompts[i // self.n]
+        return prompt_logprobs_body(ids, entries or [None] * len(ids), self.token_text, self.top)
+
+
 def _error_type(status: int | None) -> str:
     """An engine failure's error type: 503s (the engine is gone or being replaced: retry) or internal errors."""
     return "server_unavailable" if status == 503 else "internal_error"
@@ -199,11 +221,19 @@ class OpenAIIngress:
             raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
 
+    async def _model_object(self) -> dict:
+        info = await self.engine.model_info()
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
+                "max_model_len": info["max_model_len"]}
+
     @app.get("/v1/models")
     async def models(self):
-        info = await self.engine.model_info()
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
-                                             "owned_by": "specserve", "max_model_len": info["max_model_len"]}]}
+        return {"object": "list", "data": [await self._model_object()]}
+
+    @app.get("/v1/models/{model_id:path}")  # (ids may hold slashes: org/name)
+    async def model(self, model_id: str):
+        self._check_model(model_id)
+        return await self._model_object()
 
     @app.get("/v1/stats")
     async def stats(self):
@@ -215,28 +245,35 @@ class OpenAIIngress:
         self._check_model(body.model)
         body.refuse_unsupported()
         self.limits.check_fields(body)
-        prompt = body.single_prompt()
+        prompts = body.prompt_list()
+        if len(prompts) > MAX_BATCH_PROMPTS:
+            raise APIError(400, f"prompt: at most {MAX_BATCH_PROMPTS} prompts per request, got {len(prompts)}",
+                           param="prompt", code="array_above_max_length")
         info = await self.engine.model_info()
-        self.limits.check_prompt(prompt, info["max_model_len"])  # before tokenizing, or sending ids to the engine
-        if isinstance(prompt, list):  # token ids: in range before anything decodes them (echo) or the engine sees them
-            vocab = info["vocab_size"]
-            if any(not 0 <= t < vocab for t in prompt):
-                raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        echo = ""
-        if body.echo:  # the prompt's text before each choice's (its logprobs would need the prompt's: not computed)
-            if body.logprobs is not None:
-                raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-            await self.engine.core()
-            echo = prompt if isinstance(prompt, str) else self.engine.decode(prompt)
+        for prompt in prompts:
+            self.limits.check_prompt(prompt, info["max_model_len"])  # before tokenizing, or sending ids to the engine
+            if isinstance(prompt, list):  # token ids: in range before anything decodes them (echo) or the engine sees them
+                vocab = info["vocab_size"]
+                if any(not 0 <= t < vocab for t in prompt):
+                    raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompt_ids = await self.engine.encode(prompt) if isinstance(prompt, str) else prompt
-        if not prompt_ids:
+        # max_tokens 0 with echo (as vLLM): the prompt alone, with its logprobs if asked; the engine samples one token,
+        # which is not sent
+        echo_only = body.max_tokens == 0 and bool(body.echo)
+        if echo_only:
+            body.max_tokens = 1
+        prompt_ids = [await self.engine.encode(p) if isinstance(p, str) else p for p in prompts]
+        if not all(prompt_ids):
             raise APIError(400, "the prompt is empty", param="prompt")
+        echo = None
+        if body.echo:  # the prompt's text before each choice's, and with logprobs the prompt's (from the prefill)
+            echo = [p if isinstance(p, str) else self.engine.decode(p) for p in prompts]
         return await self._serve(body, prompt_ids, arrival, chat=False, logprobs=body.logprobs is not None,
-                                 echo=echo, top=body.logprobs or 0)
+                                 echo=echo, top=body.logprobs or 0,
+                                 prompt_logprobs=bool(body.echo) and body.logprobs is not None, echo_only=echo_only)
 
     @app.post("/v1/chat/completions")
     async def chat(self, body: ChatCompletionRequest):
@@ -254,22 +291,28 @@ class OpenAIIngress:
             raise APIError(400, str(e), param="messages") from None
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await self._serve(body, prompt_ids, arrival, chat=True, logprobs=bool(body.logprobs),
+        return await self._serve(body, [prompt_ids], arrival, chat=True, logprobs=bool(body.logprobs),
                                  top=body.top_logprobs or 0)
 
-    async def _serve(self, body: SamplingFields, prompt_ids: list[int], arrival: float, chat: bool, logprobs: bool,
-                     echo: str = "", top: int = 0):
-        """Generate ``n`` choices (one engine request each; with a seed, choice i samples with seed ^ i) and answer
-        with one response or one SSE stream; ``echo`` (completions) comes first in every choice's text."""
+    async def _serve(self, body: SamplingFields, prompts: list[list[int]], arrival: float, chat: bool,
+                     logprobs: bool, echo: list[str] | None = None, top: int = 0, prompt_logprobs: bool = False,
+                     echo_only: bool = False):
+        """Generate ``n`` choices per prompt (one engine request each; with a seed, a prompt's choice j samples with
+        seed ^ j; prompt i's choices are indices i*n .. i*n+n-1, as OpenAI orders them) and answer with one response
+        or one SSE stream. Completions: ``echo`` (per prompt) comes first in every choice's text, with the prompt's
+        logprobs when ``prompt_logprobs``; ``echo_only`` sends no generated token (max_tokens 0)."""
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
         info = await self.engine.model_info()
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs, top)
+        if prompt_logprobs:
+            params["prompt_logprobs"] = top
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
+        total = n * len(prompts)
         added = await asyncio.gather(*(self.engine.add(
-            rid if n == 1 else f"{rid}-{i}", prompt_ids,
-            dict(params, seed=None if params["seed"] is None else params["seed"] ^ i), arrival)
-            for i in range(n)), return_exceptions=True)
+            rid if total == 1 else f"{rid}-{i}", prompts[i // n],
+            dict(params, seed=None if params["seed"] is None else params["seed"] ^ (i % n)), arrival)
+            for i in range(total)), return_exceptions=True)
         refused = next((a for a in added if isinstance(a, BaseException)), None)
         if refused is not None:
             for a in added:
@@ -282,9 +325,10 @@ class OpenAIIngress:
             raise refused
         streams: list[RequestStream] = list(added)
         created = int(time.time())
+        echo_view = _Echo(echo, prompts, n, top, prompt_logprobs, echo_only, self.engine.token_text)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(streams, rid, created, chat, include_usage, logprobs, echo),
+            return StreamingResponse(self._sse(streams, rid, created, chat, include_usage, logprobs, echo_view),
                                      media_type="text/event-stream")
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
@@ -297,14 +341,22 @@ class OpenAIIngress:
         for i, r in enumerate(results):
             if r.finish_reason == "error":
                 raise APIError(r.error_status or 500, r.error or "generation failed", _error_type(r.error_status))
-            choice = {"index": i, "finish_reason": r.finish_reason,
-                      "logprobs": logprobs_body(r.logprobs, chat, 0, r.top_logprobs) if logprobs else None}
+            if echo_only:
+                r.text, r.logprobs, r.top_logprobs, r.completion_tokens = "", [], [], 0
+            lp = None
+            if logprobs:
+                pairs, tops = echo_view.prompt_pairs(i, r.prompt_logprobs)
+                pairs, tops = pairs + r.logprobs, tops + (r.top_logprobs or [[] for _ in r.logprobs])
+                lp = logprobs_body(pairs, chat, 0, tops)
+            choice = {"index": i, "finish_reason": r.finish_reason, "logprobs": lp}
             if chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
             else:
-                choice["text"] = echo + r.text
+                choice["text"] = echo_view.text(i) + r.text
             choices.append(choice)
-            prompt_tokens, completion_tokens = r.prompt_tokens, completion_tokens + r.completion_tokens
+            if i % n == 0:  # each prompt counts once, whatever its n
+                prompt_tokens += r.prompt_tokens
+            completion_tokens += r.completion_tokens
             spec = spec or r.spec
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_id, "choices": choices,
@@ -315,9 +367,10 @@ class OpenAIIngress:
         return resp
 
     async def _sse(self, streams: list[RequestStream], rid: str, created: int, chat: bool, include_usage: bool,
-                   logprobs: bool, echo: str = ""):
+                   logprobs: bool, echo: _Echo):
         """The choices' deltas as SSE chunks in the order they come (each chunk names its choice's index); the
-        usage chunk (asked for) and [DONE] once every choice has finished."""
+        usage chunk (asked for) and [DONE] once every choice has finished. An echoed prompt goes first in each
+        choice, at once, or with its logprobs when they come (with the choice's first tokens)."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(streams)  # characters streamed per choice: where its next tokens start (text_offset)
         head = {"id": rid, "object": obj, "created": created, "model": self.model_id}
@@ -334,26 +387,33 @@ class OpenAIIngress:
             payload = {**head, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
+            sent[i] += len(delta_text or "")
             return f"data: {json.dumps(payload)}\n\n"
 
         async def one(i: int, stream: RequestStream):  # a choice's chunks
+            echoed = not echo.prompt_logprobs
             async for d in stream:
                 if d.finish_reason == "error":
                     err = {"error": {"message": d.error or "generation failed", "type": _error_type(d.error_status),
                                      "param": None, "code": None}}
                     yield f"data: {json.dumps(err)}\n\n", d
                     return
+                if not echoed:  # the prompt and its logprobs, which came with this first delta
+                    echoed = True
+                    pairs, tops = echo.prompt_pairs(i, d.prompt_logprobs)
+                    yield chunk(i, echo.text(i), None, pairs=pairs, tops=tops), Delta()
+                if echo.echo_only:  # (max_tokens 0: the token sampled is not sent)
+                    d.text, d.logprobs, d.top_logprobs, d.completion_tokens = "", [], [], 0
                 if d.text or d.finish_reason or (logprobs and d.logprobs):
                     yield chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs), d
-                    sent[i] += len(d.text)
 
         if len(streams) == 1:
             merged = one(0, streams[0])
         else:
             merged = _interleave([one(i, s) for i, s in enumerate(streams)])
         try:
-            for i in range(len(streams)) if chat or echo else ():
-                yield chunk(i, echo, None, first=True)
+            for i in range(len(streams)) if chat or (echo.texts and not echo.prompt_logprobs) else ():
+                yield chunk(i, echo.text(i), None, first=True)
             prompt_tokens, completion_tokens, spec, failed = 0, 0, None, False
             async for text, d in merged:
                 yield text
@@ -361,9 +421,11 @@ class OpenAIIngress:
                     failed = True
                     break
                 if d.finish_reason:
-                    prompt_tokens, completion_tokens = d.prompt_tokens, completion_tokens + d.completion_tokens
+                    completion_tokens += d.completion_tokens
                     spec = spec or d.spec
             if include_usage and not failed:
+                # each prompt counts once, whatever its n
+                prompt_tokens = sum(len(p) for p in echo.prompts)
                 payload = {**head, "choices": [],
                            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                                      "total_tokens": prompt_tokens + completion_tokens}}

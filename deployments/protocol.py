@@ -83,6 +83,16 @@ class SamplingFields(BaseModel):
                 "logprobs": logprobs, "top_logprobs": top}
 
 
+def prompt_logprobs_body(prompt_ids: list[int], entries: list, token_text, k: int) -> tuple[list, list]:
+    """An echoed prompt's (token text, logprob) pairs and each token's ``k`` alternatives, for ``logprobs_body``:
+    ``entries`` per prompt token None (the first) or (logprob, [(id, logprob), ...])."""
+    pairs, tops = [], []
+    for t, e in zip(prompt_ids, entries):
+        pairs.append((token_text(t), None if e is None else e[0]))
+        tops.append(None if e is None else [(token_text(a), lp) for a, lp in e[1][:k]])
+    return pairs, tops
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool | None = None
@@ -90,14 +100,15 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (a string or token ids): a batch of one is unwrapped, a larger batch refused."""
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts (a string or token ids each): one, or a batch (a list of strings or of token-id lists), each
+        answered with its own ``n`` choices."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-            prompt = prompt[0]
-        return prompt
+            if any(not isinstance(p, type(prompt[0])) for p in prompt):
+                raise APIError(400, "a batch of prompts is all strings or all token-id lists", param="prompt")
+            return list(prompt)
+        return [prompt]
 
 
 class ChatMessage(BaseModel):
@@ -152,6 +163,9 @@ def logprobs_body(pairs: list, chat: bool, text_offset: int = 0, tops: list | No
     # up to logprobs + 1 entries); tokens that decode to the same text keep the likelier one's logprob
     top_dicts = []
     for (token, token_lp), top in zip(pairs, tops):
+        if token_lp is None:  # an echoed prompt's first token: no logprob (as vLLM)
+            top_dicts.append(None)
+            continue
         top_dicts.append({})
         for t, lp in (*top, (token, token_lp)):
             top_dicts[-1].setdefault(t, lp)

@@ -51,6 +51,9 @@ class WorkerStep:
     draft_tokens: np.ndarray | None = None  # [B, num_steps] DECODE with host-side drafts (n-gram)
     step_id: int = 0  # the engine's number for this step, echoed in its StepResult
     top_logprobs: bool = False  # some request wants the most likely alternatives of each token (TOP_LOGPROBS)
+    # EXTEND: per request, -1, or the alternatives (0..20) of the prompt logprobs its chunk's positions give (the
+    # logprob of each next prompt token under the raw distribution); None: no request asked
+    prompt_logprobs: list[int] | None = None
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)
@@ -67,7 +70,8 @@ class WorkerStep:
     @classmethod
     def pack(cls, mode: ForwardMode, *, req_slots, input_ids, seq_lens, extend_lens, page_updates, temperature,
              top_k, top_p, min_p, seeds, counters, pending=None, next_ids=None, draft_tokens=None,
-             step_id: int = 0, top_logprobs: bool = False) -> "WorkerStep":
+             step_id: int = 0, top_logprobs: bool = False, prompt_logprobs: list[int] | None = None,
+             ) -> "WorkerStep":
         """A step from per-request sequences (``pending`` None: none in flight; ``next_ids`` None: all -1)."""
         b = len(req_slots)
         ints = (req_slots, seq_lens, top_k, seeds, counters, [0] * b if pending is None else pending, extend_lens,
@@ -80,7 +84,7 @@ class WorkerStep:
                    np.fromiter(chain(*floats), np.float32, len(floats) * b).reshape(-1, b),
                    np.asarray(input_ids, dtype=np.int64), np.array(page_updates, dtype=np.int64).reshape(3, -1),
                    None if draft_tokens is None else np.array(draft_tokens, dtype=np.int64).reshape(b, -1),
-                   step_id, top_logprobs)
+                   step_id, top_logprobs, prompt_logprobs)
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +120,9 @@ class StepResult:
     step_id: int = 0  # WorkerStep.step_id of the step this is the result of
     # per request, per token: the TOP_LOGPROBS most likely (token, logprob) at its position (WorkerStep.top_logprobs)
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    # per request (WorkerStep.prompt_logprobs): None, or its chunk's prompt logprobs (the tokens after each of its
+    # positions, the token after the chunk too where it is a prompt token) and each one's alternatives
+    prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None] | None = None
 
     def offsets(self) -> list[int]:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""

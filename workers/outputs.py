@@ -114,3 +114,21 @@ def round_result(cols: list[np.ndarray], tree_size: int) -> StepResult:
             res.top_logprobs.append([list(zip(ti[j * k:(j + 1) * k], tv[j * k:(j + 1) * k]))
                                      for j in range(a + 1)])
     return res
+
+
+def with_prompt_logprobs(cols: list[np.ndarray], prompt: HostCopy, rows: list[tuple[int, int, int]],
+                         batch: int) -> StepResult:
+    """An EXTEND step's tokens (``token_result``) and the prompt logprobs of the requests that asked: ``rows`` is
+    (request index, values, alternatives) per asking request, in the order of ``prompt``'s packed rows."""
+    res = token_result(cols)
+    lps, *top = prompt.columns()
+    lps = lps.tolist()
+    top_ids = top[0].astype(np.int64).tolist() if top else None
+    top_lps = top[1].tolist() if top else None
+    res.prompt_logprobs = [None] * batch
+    at = 0
+    for i, n, k in rows:
+        tops = [list(zip(top_ids[j][:k], top_lps[j][:k])) for j in range(at, at + n)] if k and top else []
+        res.prompt_logprobs[i] = (lps[at:at + n], tops)
+        at += n
+    return res

@@ -32,6 +32,7 @@ from workers.outputs import (
     PackedOutputs,
     round_result,
     token_result,
+    with_prompt_logprobs,
 )
 from workers.sampling import (
     TOP_LOGPROBS,
@@ -223,7 +224,44 @@ class Worker:
             self.advance.index_fill_(0, fb.req_slots, 1)
             self.proposer.after_extend(step, fb, self.proposer.target_features(fb, hidden), ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
-        return HostCopy(PackedOutputs.pack(ids, logprobs, *top)), token_result
+        copy = HostCopy(PackedOutputs.pack(ids, logprobs, *top))
+        if step.prompt_logprobs is None or max(step.prompt_logprobs) < 0:
+            return copy, token_result
+        rows, packed = self._prompt_logprobs(step, hidden)
+        return copy, partial(with_prompt_logprobs, prompt=HostCopy(packed), rows=rows, batch=step.batch_size)
+
+    PROMPT_LOGITS_ROWS = 1024  # prompt positions whose [rows, vocab] logits exist at once (bounded memory)
+
+    def _prompt_logprobs(self, step: WorkerStep, hidden: torch.Tensor) -> tuple[list[tuple[int, int, int]], PackedOutputs]:
+        """Prompt logprobs of the requests that asked: at each position of a request's chunk, the log_softmax of the
+        target's logits (no temperature or filter) at the next prompt token, which the host knows (the next chunk's
+        first token is ``next_ids``; the position that ends the prompt predicts an output token: none there). Returns
+        (request index, values, alternatives) per asking request and the values packed [N, 1 + 2K]."""
+        want, lens, nxt = step.prompt_logprobs, step.extend_lens.tolist(), step.next_ids.tolist()
+        host_ids = step.input_ids.tolist() if hasattr(step.input_ids, "tolist") else list(step.input_ids)
+        index, targets, rows, start = [], [], [], 0
+        for i, (k, n) in enumerate(zip(want, lens)):
+            if k >= 0:
+                following = host_ids[start + 1:start + n] + ([nxt[i]] if nxt[i] >= 0 else [])
+                index.extend(range(start, start + len(following)))
+                targets.extend(following)
+                rows.append((i, len(following), k))
+            start += n
+        kmax = max(k for _, _, k in rows)
+        if not index:  # (one-token prompts: nothing to compute, a placeholder to copy)
+            return rows, PackedOutputs.pack(torch.zeros(1, device=self.device))
+        idx = to_device(index, torch.int64, self.device)
+        tgt = to_device(targets, torch.int64, self.device)
+        lps, top_ids, top_lps = [], [], []
+        for a in range(0, len(index), self.PROMPT_LOGITS_ROWS):
+            logits = self.target.logits(hidden[idx[a:a + self.PROMPT_LOGITS_ROWS]]).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            lps.append(logits.gather(1, tgt[a:a + self.PROMPT_LOGITS_ROWS, None]).squeeze(1) - lse)
+            if kmax:
+                vals, ids = logits.topk(min(kmax, logits.shape[-1]), dim=-1)
+                top_ids.append(ids)
+                top_lps.append(vals - lse[:, None])
+        return rows, PackedOutputs.pack(torch.cat(lps), *([torch.cat(top_ids), torch.cat(top_lps)] if kmax else []))
 
     def _extend_ids(self, step: WorkerStep) -> torch.Tensor:
         """The EXTEND step's token ids on the device. A decode row riding in it (-1, one token) feeds its request's

@@ -42,14 +42,16 @@ def refusal(e: Exception) -> dict:
 
 def pack_output(out: RequestOutput) -> tuple:
     """One request's share of a step, as plain data: (rid, new token ids, finish reason or None, logprobs or None,
-    top logprobs or None, at the end its totals)."""
+    top logprobs or None, at the end its totals[, prompt logprobs])."""
     final = None
     if out.finished:
         req = out.request
         final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                  "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error}
-    return (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
-            out.new_top_logprobs or None, final)
+    packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
+              out.new_top_logprobs or None, final)
+    # the prompt's logprobs, on the first output of a request that asked: a 7th item
+    return packed if out.prompt_logprobs is None else (*packed, out.prompt_logprobs)
 
 
 class EngineCore:

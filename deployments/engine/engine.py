@@ -269,8 +269,10 @@ class Engine:
             n, p = len(new_ids), req.params
             new_logprobs = req.output_logprobs[-n:] if p.logprobs and n else []
             new_top = req.output_top_logprobs[-n:] if p.top_logprobs and n else []
+            # the prompt's logprobs go with its first output (its tokens: this step's)
+            first = p.prompt_logprobs is not None and len(req.output_ids) == n
             outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
-                                         new_logprobs, new_top))
+                                         new_logprobs, new_top, req.prompt_logprobs if first else None))
         if self.metrics is not None:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
             self.metrics.record_step(self.step_stats(result))
@@ -354,7 +356,8 @@ class Engine:
             if spec is not None and self.cfg.speculative_config.simulated_accept_length is not None:
                 spec["simulated"] = True  # the tokens are drafts forced through, not the model's output
             out.append(Completion(req.rid, req.prompt_ids, req.output_ids, req.text, req.finish_reason,
-                                  req.output_logprobs, spec=spec, error=req.error))
+                                  req.output_logprobs, spec=spec, error=req.error,
+                                  prompt_logprobs=req.prompt_logprobs))
         return out
 
     def shutdown(self) -> None:

@@ -31,6 +31,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # most likely alternatives returned per token (0..TOP_LOGPROBS), with their logprobs
+    # the prompt's logprobs (vLLM's name): None off, else that many alternatives per prompt token (0..20) besides
+    # each token's own logprob under the model's raw distribution; computed in the prefill, sent with the first output
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -48,6 +51,8 @@ class SamplingParams:
             raise InvalidRequest("stop strings must be non-empty strings", "stop")
         if not 0 <= self.top_logprobs <= 20:
             raise InvalidRequest(f"top_logprobs must be in [0, 20], got {self.top_logprobs}", "top_logprobs")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise InvalidRequest(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}", "seed")
 
@@ -101,6 +106,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.top_logprobs
+    # params.prompt_logprobs: per prompt token None (the first, and until computed) or (logprob, [(id, logprob)...])
+    prompt_logprobs: list | None = None
+    prompt_logprobs_done: bool = False  # the chunk that ends the prompt has landed (recomputes ask for none)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
@@ -143,6 +151,7 @@ class RequestOutput:
     request: Request
     new_logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # their alternatives (asked for)
+    prompt_logprobs: list | None = None  # on the request's first output, when it asked (Request.prompt_logprobs)
 
 
 @dataclass
@@ -158,6 +167,7 @@ class Completion:
     spec: dict | None = None
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt token (Request.prompt_logprobs)
 
     def as_dict(self) -> dict:
         d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

@@ -40,6 +40,7 @@ class StepPlan:
     next_ids: list[int] | None = None  # EXTEND: token after each chunk, -1 when it is the one to be sampled (a
     # chunk that ends its prompt, or a decode row: those are -1 in input_ids too, read on the device)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
+    prompt_logprobs: list[int] | None = None  # EXTEND: WorkerStep.prompt_logprobs (None: no request asks)
 
     def to_worker_step(self) -> WorkerStep:
         """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
@@ -62,6 +63,7 @@ class StepPlan:
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
             top_logprobs=any(p.top_logprobs for p in params),
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 
@@ -121,11 +123,12 @@ class Scheduler:
         if n + req.params.max_tokens > self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; you requested {n} prompt "
-                f"tokens + {req.params.max_tokens} max_tokens = {n + req.params.max_tokens} tokens")
+                f"tokens + {req.params.max_tokens} max_tokens = {n + req.params.max_tokens} tokens", "prompt",
+                "context_length_exceeded")
         need = self.allocator.pages_for(n + req.params.max_tokens + self.decode_lookahead)
         if need > self.allocator.capacity_pages:
             raise InvalidRequest(f"the request needs {need} KV pages but the whole cache has "
-                                 f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens")
+                                 f"{self.allocator.capacity_pages}; shorten the prompt or max_tokens", "prompt")
 
     def check(self, req: Request, queued_elsewhere: int = 0) -> None:
         """Raises InvalidRequest for bad input, OverflowError when the queue (with ``queued_elsewhere`` requests
@@ -279,6 +282,7 @@ class Scheduler:
         ids: list[int] = [-1] * len(rows)
         next_ids: list[int] = [-1] * len(rows)
         seq_lens, counters = [], []
+        prompt_lps: list[int] = [-1] * len(rows)
         for r in rows:  # without speculation each step in flight appends one token: the host knows its lengths
             seq_lens.append(r.num_tokens + r.num_inflight)
             counters.append(len(r.output_ids) + r.num_inflight)
@@ -288,6 +292,8 @@ class Scheduler:
             start, end = req.num_computed, req.num_computed + chunk
             ids.extend(all_ids[start:end])
             next_ids.append(all_ids[end] if end < len(all_ids) else -1)
+            k = req.params.prompt_logprobs
+            prompt_lps.append(-1 if k is None or req.prompt_logprobs_done else k)
             seq_lens.append(end)
             counters.append(len(req.output_ids))
             req.num_computed = end
@@ -305,6 +311,7 @@ class Scheduler:
             page_updates=self._take_page_updates(),
             counters=counters,
             next_ids=next_ids,
+            prompt_logprobs=prompt_lps if max(prompt_lps, default=-1) >= 0 else None,
         )
 
     def _schedule_decode(self) -> StepPlan | None:
@@ -374,9 +381,12 @@ class Scheduler:
         produced = []
         self.landed(plan)
         tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
+        prompt_lps = result.prompt_logprobs
         for i, req in enumerate(plan.requests):
             if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
+            if prompt_lps is not None and prompt_lps[i] is not None:
+                self._place_prompt_logprobs(req, plan.seq_lens[i] - plan.extend_lens[i], *prompt_lps[i])
             if plan.next_ids is not None and plan.next_ids[i] >= 0:
                 continue  # a prompt chunk with more to go: its sampled token is not output
             a, b = at[i], at[i + 1]
@@ -385,6 +395,17 @@ class Scheduler:
             if req.status == RequestStatus.FINISHED:
                 self.finish(req, req.finish_reason)
         return produced
+
+    @staticmethod
+    def _place_prompt_logprobs(req: Request, start: int, lps: list[float], tops: list) -> None:
+        """A chunk's prompt logprobs (of the prompt tokens after its positions ``start``...) into the request's list;
+        a recomputed chunk writes the same values again."""
+        if req.prompt_logprobs is None:
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
+        for j, lp in enumerate(lps):
+            req.prompt_logprobs[start + 1 + j] = (lp, tops[j] if tops else [])
+        if start + 1 + len(lps) >= len(req.prompt_ids):
+            req.prompt_logprobs_done = True
 
     def drop_newest(self, req: Request, num: int) -> None:
         """A stop string ended ``req`` before the last ``num`` tokens its newest step appended: they are not output
