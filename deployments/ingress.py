@@ -214,8 +214,7 @@ def _announce_ready(models: list[_Served], timeout_s: float = 3600.0) -> None:
         pass
     line = (f"specserve ready: {url} serving {', '.join(m.model_id for m in models)}; Prometheus metrics of this "
             f"node at {metrics}")
-    logger.info(line)
-    print(line, flush=True)  # (serve run shows replicas' stdout whatever the logging set-up)
+    print(line, flush=True)  # stdout: serve run shows the replicas' stdout, whatever the logging set-up
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
