@@ -4,6 +4,7 @@ vLLM-style engine_kwargs its users write, and a two-model application routed by 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import openai
@@ -122,6 +123,7 @@ def test_builder_args_are_checked(tmp_path):
 def test_two_models_in_one_app_routed_by_model(server, tiny_models):
     """build_openai_app with two tiny checkpoints (Llama, Qwen3), each its own controller and engine, behind one
     ingress: the official client reaches each by name; each answers as its own offline engine does."""
+    import ray
     from ray import serve
 
     from deployments.app import build_openai_app
@@ -164,5 +166,12 @@ def test_two_models_in_one_app_routed_by_model(server, tiny_models):
             client.completions.create(model="m-none", prompt="x", max_tokens=1)
         assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
         assert "m-llama, m-qwen3" in e.value.body["message"]
+        # the ready line, once both engines are up: the URL and the node's Prometheus port
+        logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        want = f"specserve ready: {server['base']}/multi/v1 serving m-llama, m-qwen3; Prometheus metrics"
+        deadline = time.monotonic() + 20
+        while not any(want in p.read_text(errors="replace") for p in logs.glob("worker-*.out")):
+            assert time.monotonic() < deadline, "no ready line in the replicas' output"
+            time.sleep(0.5)
     finally:
         serve.delete("multi")
