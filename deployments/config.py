@@ -100,10 +100,10 @@ class LLMConfig(Strict):
         if data.get("engine_kwargs"):
             data["engine_kwargs"] = translate_engine_kwargs(data["engine_kwargs"])
         kind = (data.get("accelerator_config") or {}).get("kind", "gpu")
-        if data.get("accelerator_type") and kind == "gpu" and data.get("engine_kwargs", {}).get("device") in (
+        if data.get("accelerator_type") and kind == "gpu" and (data.get("engine_kwargs") or {}).get("device") in (
                 None, "auto"):
             # a GPU type means GPU bundles, even where the builder runs on a node without one (a KubeRay head)
-            data["engine_kwargs"] = {**data.get("engine_kwargs", {}), "device": "cuda"}
+            data["engine_kwargs"] = {**(data.get("engine_kwargs") or {}), "device": "cuda"}
         if data.get("lora_config"):
             raise ValueError("lora_config: LoRA adapters are not supported")
         if kind not in ("gpu", "cpu"):
