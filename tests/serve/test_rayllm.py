@@ -168,10 +168,13 @@ def test_two_models_in_one_app_routed_by_model(server, tiny_models):
         assert "m-llama, m-qwen3" in e.value.body["message"]
         # the ready line, once both engines are up: the URL and the node's Prometheus port
         logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        port = server["metrics"].rsplit(":", 1)[1]  # (":<port>/metrics": the port Ray was started with)
         want = f"specserve ready: {server['base']}/multi/v1 serving m-llama, m-qwen3; Prometheus metrics"
         deadline = time.monotonic() + 20
-        while not any(want in p.read_text(errors="replace") for p in logs.glob("worker-*.out")):
+        while not (lines := [line for p in logs.glob("worker-*.out")
+                             for line in p.read_text(errors="replace").splitlines() if want in line]):
             assert time.monotonic() < deadline, "no ready line in the replicas' output"
             time.sleep(0.5)
+        assert lines[0].endswith(f":{port}")
     finally:
         serve.delete("multi")
