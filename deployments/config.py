@@ -125,6 +125,19 @@ class LLMConfig(Strict):
         return data
 
     @model_validator(mode="after")
+    def _one_controller_replica(self):
+        d = self.deployment_config
+        auto = d.get("autoscaling_config")
+        if d.get("num_replicas", 1) != 1 or (auto is not None and (
+                not isinstance(auto, dict) or auto.get("max_replicas", 1) != 1)):
+            # (Ray Serve LLM's sample configs autoscale their engine deployment; several engines of one model are
+            # not supported here)
+            raise ValueError("deployment_config: a model's controller runs one replica (it owns the engine core); "
+                             "num_replicas and autoscaling_config have no mapping there. Scale the HTTP side with "
+                             "ingress_deployment_config")
+        return self
+
+    @model_validator(mode="after")
     def _ranks_on_one_node(self):
         tp = self.engine_kwargs.get("tensor_parallel_size", 1)
         if isinstance(tp, int) and tp > 1 and self.placement_group_config.strategy != "STRICT_PACK":

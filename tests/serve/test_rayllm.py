@@ -111,6 +111,9 @@ def test_builder_args_are_checked(tmp_path):
     with pytest.raises(ValueError, match="api_key_env"):
         other = {"model_loading_config": {"model_id": "b", "model_source": "/m"}, "api_key_env": "OTHER"}
         build_openai_app({"llm_configs": [one, other]})
+    with pytest.raises(ValueError, match="autoscaling_config"):  # one engine per model
+        build_openai_app({"llm_configs": [{**one, "deployment_config": {"autoscaling_config": {
+            "min_replicas": 1, "max_replicas": 2}}}]})
     path = tmp_path / "b.yaml"  # an entry may be a YAML file's path, as Ray Serve LLM allows
     path.write_text(yaml.safe_dump({**one, "model_loading_config": {"model_id": "b", "model_source": "/m"},
                                     "accelerator_type": "L4", "accelerator_config": {"kind": "cpu"}}))
