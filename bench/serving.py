@@ -37,15 +37,20 @@ def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, st
     ``stream_interval`` overrides the application's."""
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.app import build_app, build_openai_app
+    from deployments.rayllm import load_llm_configs
 
     base, model, args = server_config(config)
     app = yaml.safe_load(config.read_text())["applications"][0]
+    several = "llm_configs" in app["args"]
+    if several:
+        app["args"]["llm_configs"] = load_llm_configs(app["args"]["llm_configs"])
     if stream_interval is not None:
-        app["args"]["stream_interval"] = stream_interval
+        for a in app["args"]["llm_configs"] if several else [app["args"]]:
+            a["stream_interval"] = stream_interval
     host, port = base.removeprefix("http://").rsplit(":", 1)
     serve.start(http_options={"host": host, "port": int(port)})
-    serve.run(build_app(app["args"]), name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"))
+    serve.run((build_openai_app if several else build_app)(app["args"]), name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"))
     wait_healthy(base, 600)
     return base + "/v1", model, vocab_size(args), args.get("engine_kwargs", {}).get("device", "auto")
 
@@ -236,6 +241,10 @@ def server_config(path: Path) -> tuple[str, str, dict]:
     spec = yaml.safe_load(path.read_text())
     http = spec.get("http_options", {})
     args = spec["applications"][0]["args"]
+    if "llm_configs" in args:  # Ray Serve LLM's shape (deployments.app:build_openai_app): its first model
+        from deployments.rayllm import load_llm_configs
+
+        args = load_llm_configs(args["llm_configs"])[0]
     return (f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}",
             args["model_loading_config"]["model_id"], args)
 

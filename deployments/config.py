@@ -3,12 +3,16 @@ deployment_config, placement_group_config); its ``engine_kwargs`` are a ``worker
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Literal
 
 from pydantic import Field, model_validator
 
+from deployments.rayllm import translate_engine_kwargs
 from workers.config import EngineConfig, Strict
+
+logger = logging.getLogger("specserve")
 
 
 LIMIT_FIELDS = ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_string_chars")
@@ -17,11 +21,14 @@ LIMIT_FIELDS = ("max_prompt_chars", "max_n", "max_stop_strings", "max_stop_strin
 class ModelLoadingConfig(Strict):
     model_id: str = Field(..., description="the name clients pass as `model`")
     model_source: str = Field(..., description="checkpoint directory")
+    tokenizer_source: str | None = Field(None, description="tokenizer directory (default: model_source)")
 
 
 class PlacementGroupConfig(Strict):
     strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     bundles: list[dict[str, float]] | None = None
+    bundle_per_worker: dict[str, float] | None = Field(None, description="as Ray Serve LLM's: one such bundle per "
+                                                       "TP rank, after the controller's")
 
 
 class LLMConfig(Strict):
@@ -61,6 +68,18 @@ class LLMConfig(Strict):
                                   "token's text)")
     max_stop_string_chars: int = Field(256, ge=1, description="most characters of one stop string (default 256)")
     create_default_model_if_missing: bool = Field(False, description="build the embedded tiny model on first start")
+    # Ray Serve LLM's LLMConfig fields (docs/ray-serve-llm.md)
+    accelerator_type: str | None = Field(None, description="as Ray Serve LLM's: every bundle of the controller's "
+                                         "placement group asks for 0.001 of the Ray resource accelerator_type:<X>, "
+                                         "so the engine lands on a node with that accelerator (for example H100)")
+    runtime_env: dict | None = Field(None, description="Ray runtime_env of the controller replica; the engine core "
+                                     "and the TP worker actors inherit it")
+    accelerator_config: dict | None = Field(None, description="Ray Serve LLM's; kind gpu or cpu only")
+    llm_engine: str | None = Field(None, description="Ray Serve LLM's engine name; accepted and ignored")
+    lora_config: dict | None = Field(None, description="Ray Serve LLM's LoRA settings; LoRA is not supported")
+    log_engine_metrics: bool = Field(True, description="Ray Serve LLM's; the engine's metrics are always exported")
+    experimental_configs: dict = Field(default_factory=dict, description="Ray Serve LLM's: stream_batching_"
+                                       "interval_ms and num_ingress_replicas are read")
 
     @model_validator(mode="before")
     @classmethod
@@ -70,6 +89,53 @@ class LLMConfig(Strict):
                              "environment variable named by api_key_env (default SPECSERVE_API_KEY) or in a file "
                              "named by api_key_file")
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_serve_llm_fields(cls, data):
+        """Ray Serve LLM's shapes as ours: vLLM-style engine_kwargs, experimental_configs, tokenizer_source."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("engine_kwargs"):
+            data["engine_kwargs"] = translate_engine_kwargs(data["engine_kwargs"])
+        kind = (data.get("accelerator_config") or {}).get("kind", "gpu")
+        if data.get("accelerator_type") and kind == "gpu" and (data.get("engine_kwargs") or {}).get("device") in (
+                None, "auto"):
+            # a GPU type means GPU bundles, even where the builder runs on a node without one (a KubeRay head)
+            data["engine_kwargs"] = {**(data.get("engine_kwargs") or {}), "device": "cuda"}
+        if data.get("lora_config"):
+            raise ValueError("lora_config: LoRA adapters are not supported")
+        if kind not in ("gpu", "cpu"):
+            raise ValueError(f"accelerator_config.kind {kind!r}: only gpu and cpu")
+        if data.get("llm_engine") not in (None, "vLLM", "VLLM", "specserve"):
+            raise ValueError(f"llm_engine {data['llm_engine']!r}: this server's engine is specserve's own")
+        if data.get("log_engine_metrics") is False:
+            logger.warning("log_engine_metrics: false is ignored; the engine's metrics are always exported")
+        experimental = dict(data.get("experimental_configs") or {})
+        if "stream_batching_interval_ms" in experimental:
+            data.setdefault("stream_batching_interval_ms", experimental.pop("stream_batching_interval_ms"))
+        if "num_ingress_replicas" in experimental:
+            ingress = dict(data.get("ingress_deployment_config") or {})
+            ingress.setdefault("num_replicas", experimental.pop("num_ingress_replicas"))
+            data["ingress_deployment_config"] = ingress
+        if experimental:
+            raise ValueError(f"experimental_configs: {', '.join(sorted(experimental))} has no mapping here")
+        data["experimental_configs"] = {}
+        return data
+
+    @model_validator(mode="after")
+    def _one_controller_replica(self):
+        d = self.deployment_config
+        auto = d.get("autoscaling_config")
+        if d.get("num_replicas", 1) != 1 or (auto is not None and (
+                not isinstance(auto, dict) or auto.get("max_replicas", 1) != 1)):
+            # (Ray Serve LLM's sample configs autoscale their engine deployment; several engines of one model are
+            # not supported here)
+            raise ValueError("deployment_config: a model's controller runs one replica (it owns the engine core); "
+                             "num_replicas and autoscaling_config have no mapping there. Scale the HTTP side with "
+                             "ingress_deployment_config")
+        return self
 
     @model_validator(mode="after")
     def _ranks_on_one_node(self):
@@ -84,7 +150,10 @@ class LLMConfig(Strict):
         return {name: getattr(self, name) for name in LIMIT_FIELDS}
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(model=self.model_loading_config.model_source, **self.engine_kwargs)
+        kwargs = dict(self.engine_kwargs)
+        if self.model_loading_config.tokenizer_source and not kwargs.get("tokenizer"):
+            kwargs["tokenizer"] = self.model_loading_config.tokenizer_source
+        return EngineConfig(model=self.model_loading_config.model_source, **kwargs)
 
 
 def read_api_key(env_name: str, file: str | None) -> str | None:

@@ -6,9 +6,11 @@ No ``from __future__ import annotations`` here: FastAPI must see real annotation
 """
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
+import threading
 import time
 import uuid
 
@@ -20,6 +22,7 @@ from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from ray.serve.handle import DeploymentHandle
 
+from deployments import rayllm
 from deployments.config import LIMIT_FIELDS, LLMConfig, read_api_key
 from deployments.engine.tokenizer import ChatTemplateError
 from deployments.engine_client import Delta, EngineClient, RequestStream
@@ -191,49 +194,127 @@ async def _interleave(gens: list):
             t.cancel()
 
 
+@dataclasses.dataclass
+class _Served:
+    """One model behind this ingress: its controller, its engine client and its request limits."""
+    model_id: str
+    controller: DeploymentHandle
+    engine: EngineClient
+    limits: RequestLimits
+
+
+def _announce_ready(models: list[_Served], timeout_s: float = 3600.0) -> None:
+    """Log one line once every model's engine is up: the URL and where Prometheus scrapes the metrics. (A thread of
+    its own: the replica's event loop is not held by the wait.)"""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    for m in models:
+        while True:
+            try:
+                m.controller.check_health.remote().result(timeout_s=60)
+                break
+            except Exception:  # noqa: BLE001 - still starting (or being replaced): ask again
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(1.0)
+    url = metrics = "?"
+    try:
+        from ray.serve.context import _get_global_client
+
+        client = _get_global_client()
+        app_name = serve.get_replica_context().app_name
+        prefix = client.get_serve_details()["applications"][app_name].get("route_prefix") or "/"
+        url = client.root_url.rstrip("/") + prefix.rstrip("/") + "/v1"
+    except Exception:  # noqa: BLE001 - the line is a convenience: never fail the replica for it
+        pass
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        info = next(n for n in ray.nodes() if n["NodeID"] == node)
+        metrics = f"http://{info['NodeManagerAddress']}:{info['MetricsExportPort']}/metrics"
+    except Exception:  # noqa: BLE001
+        pass
+    line = (f"specserve ready: {url} serving {', '.join(m.model_id for m in models)}; Prometheus metrics of this "
+            f"node at {metrics}")
+    print(line, flush=True)  # stdout: serve run shows the replicas' stdout, whatever the logging set-up
+
+
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
                  api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
-                 tokenizer: str | None = None, max_request_body_bytes: int | None = None, limits: dict | None = None):
-        self.controller = controller
-        self.model_id = model_id
+                 tokenizer: str | None = None, max_request_body_bytes: int | None = None, limits: dict | None = None,
+                 more_models: list[dict] | None = None):
         # read here, in the replica's own environment: the key never travels in (logged) arguments
         key = read_api_key(api_key_env, api_key_file)
         app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
         app.state.max_body_bytes = max_request_body_bytes
         self.created = int(time.time())
-        self.limits = RequestLimits(**(limits or {k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
-        self.engine = EngineClient(controller, model_id, tokenizer, stream_interval, stream_batching_interval_ms)
+        first = dict(controller=controller, model_id=model_id, stream_interval=stream_interval,
+                     stream_batching_interval_ms=stream_batching_interval_ms, tokenizer=tokenizer, limits=limits)
+        # every model this ingress serves (build_openai_app: several), by name; the first answers a request naming none
+        self.models: dict[str, _Served] = {}
+        for m in [first, *(more_models or [])]:
+            limits_m = RequestLimits(**(m["limits"] or {k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
+            engine = EngineClient(m["controller"], m["model_id"], m["tokenizer"], m["stream_interval"],
+                                  m["stream_batching_interval_ms"])
+            self.models[m["model_id"]] = _Served(m["model_id"], m["controller"], engine, limits_m)
+        self.default = self.models[model_id]
+        threading.Thread(target=_announce_ready, args=(list(self.models.values()),), daemon=True).start()
+
+    # The request's model (set by _check_model) is a context variable, so a handler's self.engine, self.model_id,
+    # self.limits and self.controller are its model's without passing it around.
+    @property
+    def served(self) -> "_Served":
+        return rayllm.CURRENT_MODEL.get(None) or self.default
+
+    @property
+    def engine(self) -> EngineClient:
+        return self.served.engine
+
+    @property
+    def model_id(self) -> str:
+        return self.served.model_id
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self.served.limits
+
+    @property
+    def controller(self) -> DeploymentHandle:
+        return self.served.controller
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_id:
+        served = self.default if model is None else self.models.get(model)
+        if served is None:
             # (the name as JSON escapes it: a lone surrogate in it must not break the answer)
-            raise APIError(404, f"The model {json.dumps(model)} does not exist. Available: {self.model_id}",
-                           "invalid_request_error", "model", "model_not_found")
+            raise APIError(404, f"The model {json.dumps(model)} does not exist. Available: "
+                           f"{', '.join(self.models)}", "invalid_request_error", "model", "model_not_found")
+        rayllm.CURRENT_MODEL.set(served)
 
     @app.get("/health")
     async def health(self):
         try:
-            await asyncio.wait_for(self.controller.check_health.remote(), EngineClient.CONNECT_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.gather(*(m.controller.check_health.remote() for m in self.models.values())),
+                                   EngineClient.CONNECT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - failed, or being replaced: not an error of ours
             raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
 
-    async def _model_object(self) -> dict:
-        info = await self.engine.model_info()
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
+    async def _model_object(self, served) -> dict:
+        info = await served.engine.model_info()
+        return {"id": served.model_id, "object": "model", "created": self.created, "owned_by": "specserve",
                 "max_model_len": info["max_model_len"]}
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [await self._model_object()]}
+        return {"object": "list", "data": list(await asyncio.gather(*map(self._model_object, self.models.values())))}
 
     @app.get("/v1/models/{model_id:path}")  # (ids may hold slashes: org/name)
     async def model(self, model_id: str):
         self._check_model(model_id)
-        return await self._model_object()
+        return await self._model_object(self.models[model_id])
 
     @app.get("/v1/stats")
     async def stats(self):
