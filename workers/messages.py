@@ -26,7 +26,7 @@ class ForwardMode(enum.Enum):
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending", "extend_lens", "next_ids")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 _ARRAYS = {"ints": np.int64, "floats": np.float32, "input_ids": np.int64, "page_updates": np.int64,
-           "draft_tokens": np.int64}
+           "draft_tokens": np.int64, "token_mask": np.int32}
 
 
 def _row(table: str, name: str, fields: tuple[str, ...]) -> property:
@@ -51,6 +51,10 @@ class WorkerStep:
     draft_tokens: np.ndarray | None = None  # [B, num_steps] DECODE with host-side drafts (n-gram)
     step_id: int = 0  # the engine's number for this step, echoed in its StepResult
     top_logprobs: bool = False  # some request wants the most likely alternatives of each token (TOP_LOGPROBS)
+    # structured output: [B, R, ceil(V / 32)] packed allowed-token bits (bit t % 32 of word t // 32), -1 = all; R is
+    # 1, or a speculative round's tree nodes (the verify of a ``propose_only`` step's drafts). Runs eagerly
+    token_mask: np.ndarray | None = None
+    propose_only: bool = False  # a speculative round's drafts only, returned for the host's masks; kept for verify
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)
@@ -116,6 +120,7 @@ class StepResult:
     step_id: int = 0  # WorkerStep.step_id of the step this is the result of
     # per request, per token: the TOP_LOGPROBS most likely (token, logprob) at its position (WorkerStep.top_logprobs)
     top_logprobs: list[list[list[tuple[int, float]]]] | None = None
+    draft_parents: list[int] | None = None  # a ``propose_only`` step: the tree's parents (``tokens``: its nodes)
 
     def offsets(self) -> list[int]:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""

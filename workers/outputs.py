@@ -114,3 +114,11 @@ def round_result(cols: list[np.ndarray], tree_size: int) -> StepResult:
             res.top_logprobs.append([list(zip(ti[j * k:(j + 1) * k], tv[j * k:(j + 1) * k]))
                                      for j in range(a + 1)])
     return res
+
+
+def proposal_result(cols: list[np.ndarray]) -> StepResult:
+    """A ``propose_only`` step's draft trees: every node's token ([B, D], row-major) and parent (-2: a chain)."""
+    tokens, parents = cols
+    d = tokens.shape[1]
+    return StepResult(tokens=tokens.astype(np.int64).reshape(-1).tolist(), logprobs=[],
+                      counts=[d] * tokens.shape[0], draft_parents=parents.astype(np.int64).reshape(-1).tolist())

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # most likely alternatives returned per token (0..TOP_LOGPROBS), with their logprobs
+    guided: object | None = None  # structured output: a ``deployments.engine.grammar.GuidedSpec``
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -114,6 +115,7 @@ class Request:
     text: str = ""
     first_token_time: float | None = None
     last_token_time: float | None = None
+    matcher: object | None = None  # structured output: the grammar matcher, advanced along the output
 
     def __post_init__(self):
         self.seed = sampler_seed(self.params.seed if self.params.seed is not None else random.getrandbits(64))
