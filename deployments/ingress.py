@@ -264,6 +264,7 @@ class OpenAIIngress:
         # OpenAI defaults: 16 tokens for completions; chat runs to the end of the context
         info = await self.engine.model_info()
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs, top)
+        params["guided"] = body.guided_spec()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
         added = await asyncio.gather(*(self.engine.add(
