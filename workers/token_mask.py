@@ -14,7 +14,8 @@ def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | None) -> torch.Ten
     if mask is None:
         return logits
     v = logits.shape[-1]
-    words = torch.from_numpy(np.ascontiguousarray(mask)).to(logits.device, non_blocking=True)
+    # (a copy: the step's arrays are read-only views of the pickled message)
+    words = torch.from_numpy(np.array(mask, dtype=np.int32)).to(logits.device, non_blocking=True)
     words = words.reshape(*logits.shape[:-1], -1)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :v].bool()
