@@ -387,6 +387,7 @@ class OpenAIIngress:
         params = body.sampling_params(None if chat else 16, info.get("sampling_defaults", {}), logprobs, top)
         if prompt_logprobs:
             params["prompt_logprobs"] = top
+        params["guided"] = body.guided_spec()
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
         total = n * len(prompts)

@@ -1,10 +1,13 @@
 """The OpenAI wire format: request models and their validation into the engine's sampling parameters, the logprobs
 object of a response, and the error body."""
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.engine.grammar import GuidedSpec
 
 
 class APIError(Exception):
@@ -50,6 +53,55 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # structured output, vLLM's extra fields besides OpenAI's response_format
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def guided_spec(self) -> GuidedSpec | None:
+        """What the output must match (one of response_format / guided_* / structured_outputs), or None. A
+        malformed one is a 400 naming its field; a schema or regex the grammar engine refuses is one from the
+        engine (also naming the field)."""
+        found = []
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(GuidedSpec("json_object", None, "response_format"))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+                if not isinstance(schema, (dict, bool)):
+                    raise APIError(400, "response_format json_schema needs a json_schema object with a 'schema'",
+                                   param="response_format")
+                found.append(GuidedSpec("json_schema", json.dumps(schema), "response_format"))
+            else:
+                raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+                               "json_schema)", param="response_format")
+        if self.guided_json is not None:
+            gj = self.guided_json
+            found.append(GuidedSpec("json_schema", gj if isinstance(gj, str) else json.dumps(gj), "guided_json"))
+        if self.guided_regex is not None:
+            found.append(GuidedSpec("regex", self.guided_regex, "guided_regex"))
+        if self.guided_choice is not None:
+            found.append(GuidedSpec("choice", tuple(self.guided_choice), "guided_choice"))
+        so = self.structured_outputs
+        if so:
+            keys = [k for k in ("json", "regex", "choice", "json_object") if so.get(k) not in (None, False)]
+            if len(keys) != 1 or set(so) - {"json", "regex", "choice", "json_object"}:
+                raise APIError(400, "structured_outputs takes exactly one of json, regex, choice, json_object",
+                               param="structured_outputs")
+            v = so[keys[0]]
+            found.append({"json": lambda: GuidedSpec("json_schema", v if isinstance(v, str) else json.dumps(v),
+                                                     "structured_outputs"),
+                          "regex": lambda: GuidedSpec("regex", v, "structured_outputs"),
+                          "choice": lambda: GuidedSpec("choice", tuple(v), "structured_outputs"),
+                          "json_object": lambda: GuidedSpec("json_object", None, "structured_outputs")}[keys[0]]())
+        if len(found) > 1:
+            raise APIError(400, "only one of response_format, guided_json, guided_regex, guided_choice and "
+                           "structured_outputs may be set", param=found[1].param)
+        return found[0] if found else None
 
     def refuse_unsupported(self) -> None:
         """A request for something this server does not do gets 400 naming the parameter, not a silent no-op."""
@@ -58,7 +110,6 @@ class SamplingFields(BaseModel):
             "presence_penalty": self.presence_penalty not in (None, 0),
             "repetition_penalty": self.repetition_penalty not in (None, 1),
             "logit_bias": bool(self.logit_bias),
-            "response_format": (self.response_format or {}).get("type", "text") != "text",
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
         }

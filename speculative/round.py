@@ -13,6 +13,7 @@ from speculative.tree import DraftTree
 from speculative.verify import Verdict, simulated_acceptance, verify_tree
 from workers.kernels.verdict import record_round
 from workers.messages import ForwardMode
+from workers.token_mask import apply_token_mask
 from workers.sampling import TOP_LOGPROBS, top_logprobs
 
 
@@ -31,17 +32,18 @@ class SpecRound:
         self.advance = advance
         self.simulated_accept_length = simulated_accept_length  # BENCHMARK ONLY (``simulated_acceptance``)
 
-    def run(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
+    def run(self, inp: RoundInputs, top: bool = False, tree: DraftTree | None = None,
+            token_mask=None) -> tuple[torch.Tensor, ...]:
         """Returns (accept_len [B], out_tokens [B, S+1], out_logprobs [B, S+1]), and with ``top`` the TOP_LOGPROBS
         most likely tokens at each emitted position (ids [B, S+1, K], logprobs [B, S+1, K])."""
-        tree = self.propose(inp)
-        verdict, features, alternatives = self.verify(inp, tree, top)
+        tree = self.propose(inp) if tree is None else tree  # (a tree proposed earlier, verified under token_mask)
+        verdict, features, alternatives = self.verify(inp, tree, top, token_mask)
         return self.catch_up(inp, tree, verdict, features, alternatives)
 
     def propose(self, inp: RoundInputs) -> DraftTree:
         return self.proposer.propose(inp)
 
-    def verify(self, inp: RoundInputs, tree: DraftTree, top: bool = False):
+    def verify(self, inp: RoundInputs, tree: DraftTree, top: bool = False, token_mask=None):
         """The target scores every node (TARGET_VERIFY), the verdict accepts a path, and the accepted nodes' K/V move
         to the positions they are kept at. Returns (verdict, the draft's target features, the alternatives or None)."""
         b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
@@ -52,7 +54,9 @@ class SpecRound:
             positions=None if tree.is_chain else (m.unsqueeze(1) + tree.depths).reshape(-1),
         )
         hidden = self.target.forward(fb)
-        logits = self.target.logits(hidden).view(b, d, -1)
+        # structured output: each node's allowed tokens (the host's matcher along the node's path), so a draft
+        # the grammar refuses has target probability 0 and the target's own choice is a masked draw
+        logits = apply_token_mask(self.target.logits(hidden).view(b, d, -1), token_mask)
         verdict = self.accept(inp, tree, logits)
         self.compact_kv(inp, verdict)
         alternatives = None

@@ -26,7 +26,7 @@ class ForwardMode(enum.Enum):
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending", "extend_lens", "next_ids")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
 _ARRAYS = {"ints": np.int64, "floats": np.float32, "input_ids": np.int64, "page_updates": np.int64,
-           "draft_tokens": np.int64}
+           "draft_tokens": np.int64, "token_mask": np.int32}
 
 
 def _row(table: str, name: str, fields: tuple[str, ...]) -> property:
@@ -54,6 +54,10 @@ class WorkerStep:
     # EXTEND: per request, -1, or the alternatives (0..20) of the prompt logprobs its chunk's positions give (the
     # logprob of each next prompt token under the raw distribution); None: no request asked
     prompt_logprobs: list[int] | None = None
+    # structured output: [B, R, ceil(V / 32)] packed allowed-token bits (bit t % 32 of word t // 32), -1 = all; R is
+    # 1, or a speculative round's tree nodes (the verify of a ``propose_only`` step's drafts). Runs eagerly
+    token_mask: np.ndarray | None = None
+    propose_only: bool = False  # a speculative round's drafts only, returned for the host's masks; kept for verify
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)
@@ -123,6 +127,7 @@ class StepResult:
     # per request (WorkerStep.prompt_logprobs): None, or its chunk's prompt logprobs (the tokens after each of its
     # positions, the token after the chunk too where it is a prompt token) and each one's alternatives
     prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None] | None = None
+    draft_parents: list[int] | None = None  # a ``propose_only`` step: the tree's parents (``tokens``: its nodes)
 
     def offsets(self) -> list[int]:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""

@@ -30,10 +30,12 @@ from workers.outputs import (
     HostCopy,
     Launched,
     PackedOutputs,
+    proposal_result,
     round_result,
     token_result,
     with_prompt_logprobs,
 )
+from workers.token_mask import apply_token_mask
 from workers.sampling import (
     TOP_LOGPROBS,
     SamplingTensors,
@@ -101,6 +103,7 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank)
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
+        self._proposed = None  # (RoundInputs, DraftTree) of a ``propose_only`` step, for the verify step after it
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
@@ -215,7 +218,7 @@ class Worker:
         sampling = self._sampling(step)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
-        ids, logprobs = sample(logits, sampling)
+        ids, logprobs = sample(apply_token_mask(logits, step.token_mask), sampling)
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             # a round launched before this step is read adds the one token it samples (not the slot's last round's);
@@ -280,10 +283,21 @@ class Worker:
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         kind, top = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p), step.top_logprobs
-        bucket = self.graphs.bucket_for(step.batch_size)
-        if bucket is None:
+        # structured output runs eagerly: a round's drafts go to the host for their masks, then come back verified
+        grammar = step.token_mask is not None or step.propose_only
+        bucket = None if grammar else self.graphs.bucket_for(step.batch_size)
+        if self.spec_round is not None and step.propose_only:
             inp = self._eager_inputs(step)
-            packed = PackedOutputs.pack(*(self._decode(inp, top) if self.spec_round is None
+            tree = self.spec_round.propose(inp)
+            self._proposed = (inp, tree)
+            parents = tree.parents if tree.parents is not None else torch.full_like(tree.tokens, -2)
+            return HostCopy(PackedOutputs.pack(tree.tokens, parents)), proposal_result
+        if self.spec_round is not None and step.token_mask is not None:
+            (inp, tree), self._proposed = self._proposed, None
+            packed = PackedOutputs.pack(*self.spec_round.run(inp, top, tree, step.token_mask))
+        elif bucket is None:
+            inp = self._eager_inputs(step)
+            packed = PackedOutputs.pack(*(self._decode(inp, top, step.token_mask) if self.spec_round is None
                                           else self.spec_round.run(inp, top)))
         else:
             packed = self.graphs.replay_step(step, bucket, kind, top)
@@ -302,14 +316,14 @@ class Worker:
         return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens.tolist(),
                            root_pos=seq - 1, sampling=self._sampling(step, counters), drafts=drafts)
 
-    def _decode(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
+    def _decode(self, inp: RoundInputs, top: bool = False, token_mask=None) -> tuple[torch.Tensor, ...]:
         """One DECODE forward and sampling: (ids [B], logprobs [B]), and with ``top`` the TOP_LOGPROBS most likely
         tokens' (ids [B, K], logprobs [B, K])."""
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
         hidden = self.target.forward(fb)
         logits = self.target.logits(fb.logits_rows(hidden))
-        ids, logprobs = sample(logits, inp.sampling)
+        ids, logprobs = sample(apply_token_mask(logits, token_mask), inp.sampling)
         self.last_token[inp.req_slots] = ids
         return (ids, logprobs, *top_logprobs(logits, TOP_LOGPROBS)) if top else (ids, logprobs)
 

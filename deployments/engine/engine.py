@@ -11,12 +11,16 @@ import atexit
 import gc
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import replace
 from typing import Protocol
 
+import numpy as np
+
+from deployments.engine import grammar
 from deployments.engine.pages import PageAllocator
 from deployments.engine.request import (
     Completion,
@@ -28,7 +32,7 @@ from deployments.engine.request import (
 from deployments.engine.scheduler import Scheduler, StepPlan
 from deployments.engine.tokenizer import Detokenizer, detokenize_run, load_tokenizer
 from workers.config import EngineConfig
-from workers.messages import StepResult, WorkerStep
+from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.worker import Worker
 
 logger = logging.getLogger("specserve")
@@ -121,6 +125,9 @@ class Engine:
             mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
         )
         self._detok: dict[str, Detokenizer] = {}
+        self._eos = sorted(eos)
+        self._grammar: grammar.GrammarEngine | None = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()  # (requests are validated on the core's submitting thread)
         # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
         # previous one's tokens are read, so the host's work (reading tokens, detokenizing, planning) hides behind
         # the device's. Host-drafted n-grams need the tokens first: those rounds run one at a time.
@@ -129,7 +136,8 @@ class Engine:
         self._step_ids = itertools.count(1)
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats)
-        self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0}
+        self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0,
+                          "grammar_s": 0.0}
 
     @staticmethod
     def _mixed_decode_rows(cfg: EngineConfig, executor: Executor) -> int:
@@ -163,10 +171,19 @@ class Engine:
             cache_tokens = self.allocator.capacity_pages * self.cfg.page_size - self.executor.lookahead
             params = replace(params, max_tokens=max(1, min(self.max_model_len, cache_tokens) - len(prompt_ids)))
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=prompt_ids, params=params)
+        if params.guided is not None:
+            req.matcher = self.grammar_engine().matcher(params.guided)
         if arrival_time is not None:  # when the server received it (TTFT and end-to-end latency start there)
             req.arrival_time = arrival_time
         self.scheduler.check(req, queued)
         return req
+
+    def grammar_engine(self) -> grammar.GrammarEngine:
+        with self._grammar_lock:
+            if self._grammar is None:
+                self._grammar = grammar.GrammarEngine(self.tokenizer, self.executor.model_config.vocab_size,
+                                                      self._eos)
+            return self._grammar
 
     def enqueue(self, req: Request) -> None:
         """Queue a request from ``new_request`` (on the thread that steps)."""
@@ -205,13 +222,22 @@ class Engine:
         # a completed prompt's first token on the device
         keep = 1 if self.overlap and plan is not None else 0
         step = None
+        earlier: list[StepResult] = []  # results of steps in flight that a structured-output round had to read
         if plan is not None:
             step = plan.to_worker_step()
             step.step_id = next(self._step_ids)
+            if any(r.matcher is not None for r in plan.requests):
+                # the masks need each request's newest token on the host: this step is read before the next plan
+                keep = 0
+                try:
+                    earlier = self._add_token_masks(plan, step)
+                except Exception as e:  # noqa: BLE001 - as a failed launch
+                    logger.exception("step failed")
+                    return outputs + self._fail_in_flight(f"{type(e).__name__}: {e}") + self._fail_plan(plan, str(e))
             self.in_flight.append((step.step_id, plan))
         t1 = time.perf_counter()
         try:
-            results = self.executor.step(step, keep)
+            results = earlier + self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
             if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
                 logger.error("step failed: the workers failed (%s)", self.failure)
@@ -241,12 +267,37 @@ class Engine:
         st["outputs_s"] += time.perf_counter() - t2
         return outputs
 
+    def _add_token_masks(self, plan: StepPlan, step: WorkerStep) -> list[StepResult]:
+        """``step.token_mask`` for a plan with structured-output requests. A speculative round first runs its
+        proposal alone (``propose_only``), whose drafts the matchers walk for every node's mask; the verify is
+        ``step`` itself. Returns the results of the earlier steps that this read."""
+        t0 = time.perf_counter()
+        matchers = [r.matcher for r in plan.requests]
+        words = grammar.mask_words(self.executor.model_config.vocab_size)
+        earlier: list[StepResult] = []
+        if self.cfg.speculative_config is not None and plan.mode == ForwardMode.DECODE:
+            probe = replace(step, propose_only=True, step_id=next(self._step_ids))
+            *earlier, proposal = self.executor.step(probe, 0)
+            if proposal.error is not None:
+                raise RuntimeError(proposal.error)
+            t0 = time.perf_counter()
+            b = step.batch_size
+            tokens = np.asarray(proposal.tokens, dtype=np.int64).reshape(b, -1)
+            parents = np.asarray(proposal.draft_parents, dtype=np.int64).reshape(b, -1)
+            step.token_mask = grammar.tree_masks(matchers, tokens, None if parents[0, 0] == -2 else parents, words)
+        else:
+            step.token_mask = grammar.step_masks(matchers, words)
+        self.step_time["grammar_s"] += time.perf_counter() - t0
+        return earlier
+
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """A finished step's tokens: requests, detokenizers (offline), metrics."""
         outputs = []
         now = time.time()
         detoks = self._detok
         for req, new_ids, spec in self.scheduler.update(plan, result):
+            if req.matcher is not None:
+                grammar.advance(req.matcher, new_ids)
             new_text = ""
             if self.detokenize:
                 detok = detoks[req.rid]

@@ -34,6 +34,7 @@ class SamplingParams:
     # the prompt's logprobs (vLLM's name): None off, else that many alternatives per prompt token (0..20) besides
     # each token's own logprob under the model's raw distribution; computed in the prefill, sent with the first output
     prompt_logprobs: int | None = None
+    guided: object | None = None  # structured output: a ``deployments.engine.grammar.GuidedSpec``
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -122,6 +123,7 @@ class Request:
     text: str = ""
     first_token_time: float | None = None
     last_token_time: float | None = None
+    matcher: object | None = None  # structured output: the grammar matcher, advanced along the output
 
     def __post_init__(self):
         self.seed = sampler_seed(self.params.seed if self.params.seed is not None else random.getrandbits(64))

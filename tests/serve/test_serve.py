@@ -198,7 +198,11 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "x"}, "suffix"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format"),  # no schema
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format"),  # a schema the grammar engine refuses (the engine's 400)
+    ("completions", {"guided_regex": "a["}, "guided_regex"),
+    ("completions", {"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),  # two at once
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
     ("chat", {"presence_penalty": 1.0}, "presence_penalty"),

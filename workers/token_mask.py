@@ -1,0 +1,22 @@
+"""Structured output on the device: a step's packed allowed-token bits (``WorkerStep.token_mask``) applied to its
+logits before sampling or verification (-inf where a token is not allowed), so every draw and every verified draft
+comes from the masked distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
+    """``logits`` [N, V] (or [B, D, V]); ``mask`` [N, ceil(V / 32)] int32 words (or [B, D, W]), one row per logits
+    row. Returns the masked logits (a new tensor; the input is left as it is)."""
+    if mask is None:
+        return logits
+    v = logits.shape[-1]
+    # (a copy: the step's arrays are read-only views of the pickled message)
+    words = torch.from_numpy(np.array(mask, dtype=np.int32)).to(logits.device, non_blocking=True)
+    words = words.reshape(*logits.shape[:-1], -1)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :v].bool()
+    return logits.masked_fill(~allowed, float("-inf"))
