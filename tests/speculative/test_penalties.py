@@ -68,15 +68,16 @@ def plain(spec_models):  # noqa: F811
     eos = min(eng.scheduler.eos_token_ids)
     params = cases(eos)
     prompts = mixed_prompts(len(params))
-    greedy = [o.token_ids for o in eng.generate(prompts, params)]
-    sampled_params = [replace(p, temperature=0.9, seed=i, top_k=50 if i % 2 else 0) for i, p in enumerate(params)]
-    sampled = [o.token_ids for o in eng.generate(prompts, sampled_params)]
+    # greedy and seeded sampling (every other row with top-k) in one batch
+    sampled = [replace(p, temperature=0.9, seed=i, top_k=50 if i % 2 else 0) for i, p in enumerate(params)]
+    out = [o.token_ids for o in eng.generate(prompts + prompts, params + sampled)]
     assert eng.scheduler.num_preemptions > 0
-    return eos, prompts, params, greedy, sampled_params, sampled
+    return eos, prompts, params, sampled, out
 
 
 def test_greedy_equals_reference_loop(spec_models, plain, hf_models):  # noqa: F811
-    eos, prompts, params, greedy, *_ = plain
+    eos, prompts, params, _, out = plain
+    greedy = out[:len(params)]
     hf = hf_models["llama"]
     assert [reference(hf, pr, p, eos) for pr, p in zip(prompts, params)] == greedy
     # the processing changed something: without it the outputs differ (and min_tokens held EOS back exactly)
@@ -89,21 +90,21 @@ def test_greedy_equals_reference_loop(spec_models, plain, hf_models):  # noqa: F
 
 SPEC_CASES = [  # (method, num_steps, topk, num_draft_tokens); "self": the target drafts for itself, without the
     # processing, so its drafts are accepted until the processing changes the target's choice
-    ("eagle", 3, 3, 6), ("eagle3", 3, 1, None), ("eagle3", 2, 3, 5), ("draft", 3, 1, None), ("self", 3, 1, None),
-    ("self", 3, 2, 5), ("ngram", 3, 1, None),
+    ("eagle", 3, 3, 6), ("eagle3", 3, 1, None), ("eagle3", 2, 3, 5), ("self", 3, 1, None), ("self", 3, 2, 5),
+    ("ngram", 3, 1, None),
 ]
 
 
 @pytest.mark.parametrize("method,steps,topk,ndt", SPEC_CASES, ids=[f"{c[0]}-s{c[1]}k{c[2]}" for c in SPEC_CASES])
 def test_speculation_equals_no_speculation(spec_models, plain, method, steps, topk, ndt):  # noqa: F811
-    eos, prompts, params, greedy, sampled_params, sampled = plain
+    eos, prompts, params, sampled, ref = plain
     model = {"ngram": None, "self": str(spec_models["target"])}.get(method, str(spec_models.get(method)))
     spec = SpeculativeConfig(method="draft" if method == "self" else method, model=model, num_steps=steps, topk=topk,
                              num_draft_tokens=ndt)
     eng = engine(spec_models["target"], spec, kv_cache_tokens=128, max_prefill_tokens=32)
-    out = eng.generate(prompts, params)
-    assert [o.token_ids for o in out] == greedy
+    out = eng.generate(prompts + prompts, params + sampled)
+    assert [o.token_ids for o in out] == ref  # greedy token-exact, seeded sampling equal
+    assert all(o.spec["num_drafts"] > 0 for o in out)
     if method == "self":  # drafts both accepted and rejected under the processing
         accepted = sum(o.spec["num_accepted_tokens"] for o in out)
         assert 0 < accepted < sum(o.spec["num_draft_tokens"] for o in out)
-    assert [o.token_ids for o in eng.generate(prompts, sampled_params)] == sampled
