@@ -40,10 +40,10 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # (the engine takes any int64, as vLLM)
     user: str | None = None
-    # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI parameters this server does not implement: refused when set to anything but their no-op value
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -51,6 +51,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = None
+    min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     # structured output, vLLM's extra fields besides OpenAI's response_format
@@ -106,10 +107,6 @@ class SamplingFields(BaseModel):
     def refuse_unsupported(self) -> None:
         """A request for something this server does not do gets 400 naming the parameter, not a silent no-op."""
         unsupported = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0),
-            "presence_penalty": self.presence_penalty not in (None, 0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1),
-            "logit_bias": bool(self.logit_bias),
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
         }
@@ -131,7 +128,19 @@ class SamplingFields(BaseModel):
                 "temperature": pick("temperature", 1.0), "top_p": pick("top_p", 1.0), "top_k": pick("top_k", 0),
                 "min_p": pick("min_p", 0.0), "seed": self.seed, "stop": stop,
                 "stop_token_ids": list(self.stop_token_ids or []), "ignore_eos": bool(self.ignore_eos),
-                "logprobs": logprobs, "top_logprobs": top}
+                "logprobs": logprobs, "top_logprobs": top,
+                "frequency_penalty": pick("frequency_penalty", 0.0), "presence_penalty": pick("presence_penalty", 0.0),
+                "repetition_penalty": pick("repetition_penalty", 1.0), "min_tokens": self.min_tokens or 0,
+                "logit_bias": self._logit_bias()}
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's string keys as token ids (the engine checks the ranges)."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
 
 
 def prompt_logprobs_body(prompt_ids: list[int], entries: list, token_text, k: int) -> tuple[list, list]:

@@ -12,6 +12,7 @@ from speculative.proposers import DraftContext, Proposer, RoundInputs
 from speculative.tree import DraftTree
 from speculative.verify import Verdict, simulated_acceptance, verify_tree
 from workers.kernels.verdict import record_round
+from workers.logits_processing import record_tokens
 from workers.messages import ForwardMode
 from workers.token_mask import apply_token_mask
 from workers.sampling import TOP_LOGPROBS, top_logprobs
@@ -89,5 +90,7 @@ class SpecRound:
         accepted drafts) becomes the next round's root. Returns the round's outputs (``run``)."""
         self.proposer.after_verify(inp, tree, verdict, features)
         record_round(inp.req_slots, verdict.accept_len, verdict.out_tokens, self.last_token, self.advance)
+        emitted = torch.arange(verdict.out_tokens.shape[1], device=verdict.out_tokens.device)
+        record_tokens(inp.sampling, verdict.out_tokens, emitted.unsqueeze(0) <= verdict.accept_len.unsqueeze(1))
         outputs = (verdict.accept_len, verdict.out_tokens, verdict.out_logprobs)
         return outputs + alternatives if alternatives is not None else outputs

@@ -19,6 +19,7 @@ from speculative.tree import DraftTree, node_depths
 from workers.kernels.argmax import argmax_logsumexp
 from workers.kernels.rng import uniform_noise
 from workers.kernels.verdict import tree_verdict
+from workers.logits_processing import process_logits
 from workers.sampling import SamplingTensors, draw
 
 
@@ -33,10 +34,14 @@ class Verdict:
 def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
     """The token the target emits after each node ([B, D]): argmax, or a sample with counter = output position;
-    and the log-normaliser (logsumexp) of each node's logits ([B, D], fp32)."""
+    and the log-normaliser (logsumexp) of each node's raw logits ([B, D], fp32). With logits processing, each node
+    chooses from its logits processed as if the drafts on its path had been generated (``process_logits``)."""
     b, d, v = logits.shape
     greedy, lse = argmax_logsumexp(logits.reshape(b * d, v))
     greedy, lse = greedy.view(b, d), lse.view(b, d)
+    if sampling.logits_state is not None:
+        logits = process_logits(logits, sampling, tree)
+        greedy = argmax_logsumexp(logits.reshape(b * d, v))[0].view(b, d)
     if sampling.all_greedy:
         return greedy, lse
     per_node = SamplingTensors(

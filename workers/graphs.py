@@ -47,6 +47,10 @@ INT_FIELDS = STEP_INT_FIELDS[:6]
 assert INT_FIELDS == ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending")
 
 
+# appended to a sampling kind: the variant whose rows may use penalties / logit_bias / min_tokens
+LOGITS_VARIANT = "+logits"
+
+
 def batch_buckets(max_bs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to 64, every 16 up to 256 (what a padded batch is rounded up to)."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16))
@@ -107,17 +111,21 @@ class StaticInputs:
             return self.ints[INT_FIELDS.index(name), :bucket]
         return self.floats[FLOAT_FIELDS.index(name), :bucket]
 
-    def sampling(self, bucket: int, kind: str, counters: torch.Tensor) -> SamplingTensors:
-        """The bucket's sampling columns, with the step's ``counters`` (moved ahead of the step in flight)."""
+    def sampling(self, bucket: int, kind: str, counters: torch.Tensor, logits_state=None) -> SamplingTensors:
+        """The bucket's sampling columns, with the step's ``counters`` (moved ahead of the step in flight); a kind
+        with LOGITS_VARIANT reads ``logits_state`` at the rows' slots."""
         c = lambda n: self.column(n, bucket)  # noqa: E731
-        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), counters, kind=kind)
+        base = kind.removesuffix(LOGITS_VARIANT)
+        processing = logits_state if base != kind else None
+        return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), counters, kind=base,
+                               logits_state=processing, req_slots=c("req_slots") if processing else None)
 
     def drafts(self, bucket: int) -> torch.Tensor:
         """[bucket, num_steps] host-proposed drafts (a transposed view)."""
         return self.ints[len(INT_FIELDS):, :bucket].T
 
     def round_inputs(self, bucket: int, kind: str, advance: torch.Tensor, last_token: torch.Tensor,
-                     drafts: bool) -> RoundInputs:
+                     drafts: bool, logits_state=None) -> RoundInputs:
         """The bucket's step inputs, moved ahead of the step in flight (overlap: one kernel on the GPU) by what it
         appends (``advance``) and emits (``last_token``), both per request slot."""
         slots = self.column("req_slots", bucket)
@@ -125,7 +133,7 @@ class StaticInputs:
             slots, self.column("pending", bucket), self.column("seq_lens", bucket), self.column("counters", bucket),
             advance, last_token)
         return RoundInputs(root=root, req_slots=slots, seq_lens=seq, root_pos=root_pos,
-                           sampling=self.sampling(bucket, kind, counters),
+                           sampling=self.sampling(bucket, kind, counters, logits_state),
                            drafts=self.drafts(bucket) if drafts else None)
 
 
@@ -243,13 +251,15 @@ class DecodeGraphs(GraphRunner):
     moves a step's inputs ahead of the step in flight (``StaticInputs.round_inputs``)."""
 
     def __init__(self, cfg, device: torch.device, dtype: torch.dtype, tp, models: list[torch.nn.Module],
-                 decode: Callable, spec_round, last_token: torch.Tensor, advance: torch.Tensor, rank: int = 0):
+                 decode: Callable, spec_round, last_token: torch.Tensor, advance: torch.Tensor, rank: int = 0,
+                 logits_state=None):
         super().__init__(device)
         self.cfg, self.dtype, self.tp, self.rank = cfg, dtype, tp, rank
         self.models = models
         self.decode = decode
         self.spec_round = spec_round
         self.last_token, self.advance = last_token, advance
+        self.logits_state = logits_state  # (``workers.logits_processing.LogitsState``: the LOGITS_VARIANT graphs read it)
         self.static: StaticInputs | None = None
         self.buckets: list[int] = []  # empty until ``capture_all``: every step then runs eagerly
         self.phases: dict[tuple[int, str, bool], list[str]] = {}  # (bucket, kind, top) → graph names, replay order
@@ -296,7 +306,8 @@ class DecodeGraphs(GraphRunner):
         spec = self.spec_round
 
         def inputs() -> RoundInputs:
-            return self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=spec is not None)
+            return self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=spec is not None,
+                                            logits_state=self.logits_state)
 
         if spec is None:
             return {"decode": lambda: PackedOutputs.pack(*self.decode(inputs(), top))}

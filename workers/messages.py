@@ -25,6 +25,9 @@ class ForwardMode(enum.Enum):
 # order of its static inputs (``workers.graphs.StaticInputs``)
 INT_FIELDS = ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pending", "extend_lens", "next_ids")
 FLOAT_FIELDS = ("temperature", "top_p", "min_p")
+# per request: the most logit_bias entries (OpenAI's limit), and the most stop ids min_tokens holds back
+MAX_LOGIT_BIAS = 300
+MAX_MIN_TOKENS_STOP_IDS = 64
 _ARRAYS = {"ints": np.int64, "floats": np.float32, "input_ids": np.int64, "page_updates": np.int64,
            "draft_tokens": np.int64, "token_mask": np.int32}
 
@@ -32,6 +35,57 @@ _ARRAYS = {"ints": np.int64, "floats": np.float32, "input_ids": np.int64, "page_
 def _row(table: str, name: str, fields: tuple[str, ...]) -> property:
     i = fields.index(name)
     return property(lambda self: getattr(self, table)[i], doc=f"[B] {name} (a row of ``{table}``)")
+
+
+@dataclass(eq=False)
+class LogitsSetup:
+    """The logits-processing state of the request slots a step starts (``workers.logits_processing``): ``slots``
+    [E] of requests that use it, with frequency / presence / repetition penalties ``floats`` [3, E], ``min_tokens``
+    [E], the ids min_tokens holds back ``stop_ids`` [E, MAX_MIN_TOKENS_STOP_IDS] (padded with a repeat of a real id),
+    ``bias_ids`` / ``bias_vals`` [E, MAX_LOGIT_BIAS] (padded with token 0, bias 0), the prompt's distinct tokens
+    (``prompt_rows`` indexing ``slots``, ``prompt_ids``) and the outputs so far of a recomputed request
+    (``output_rows``, ``output_ids``); ``reset_slots``: requests that use none (neutral parameters)."""
+
+    slots: np.ndarray
+    floats: np.ndarray
+    min_tokens: np.ndarray
+    stop_ids: np.ndarray
+    bias_ids: np.ndarray
+    bias_vals: np.ndarray
+    prompt_rows: np.ndarray
+    prompt_ids: np.ndarray
+    output_rows: np.ndarray
+    output_ids: np.ndarray
+    reset_slots: np.ndarray
+
+    @classmethod
+    def build(cls, entries: list[tuple], reset_slots: list[int]) -> "LogitsSetup":
+        """``entries``: per request using processing, (slot, frequency, presence, repetition, min_tokens, stop ids,
+        logit_bias {id: bias}, prompt ids, output ids)."""
+        e = len(entries)
+        floats = np.zeros((3, e), np.float32)
+        min_tokens = np.zeros(e, np.int64)
+        stop_ids = np.zeros((e, MAX_MIN_TOKENS_STOP_IDS), np.int64)
+        bias_ids = np.zeros((e, MAX_LOGIT_BIAS), np.int64)
+        bias_vals = np.zeros((e, MAX_LOGIT_BIAS), np.float32)
+        prompt_rows, prompt_ids, output_rows, output_ids = [], [], [], []
+        for i, (_, freq, pres, rep, min_tok, stops, bias, prompt, outputs) in enumerate(entries):
+            floats[:, i] = freq, pres, rep
+            stops = list(dict.fromkeys(stops))[:MAX_MIN_TOKENS_STOP_IDS]
+            min_tokens[i] = min_tok if stops else 0
+            stop_ids[i] = (stops + stops[:1] * MAX_MIN_TOKENS_STOP_IDS)[:MAX_MIN_TOKENS_STOP_IDS] if stops else 0
+            bias_ids[i, :len(bias)] = list(bias)
+            bias_vals[i, :len(bias)] = list(bias.values())
+            if rep != 1:
+                distinct = set(prompt)
+                prompt_rows.extend([i] * len(distinct))
+                prompt_ids.extend(distinct)
+            if freq or pres or rep != 1:
+                output_rows.extend([i] * len(outputs))
+                output_ids.extend(outputs)
+        i64 = lambda x: np.asarray(x, np.int64)  # noqa: E731
+        return cls(i64([en[0] for en in entries]), floats, min_tokens, stop_ids, bias_ids, bias_vals,
+                   i64(prompt_rows), i64(prompt_ids), i64(output_rows), i64(output_ids), i64(reset_slots))
 
 
 @dataclass(eq=False)
@@ -58,6 +112,8 @@ class WorkerStep:
     # 1, or a speculative round's tree nodes (the verify of a ``propose_only`` step's drafts). Runs eagerly
     token_mask: np.ndarray | None = None
     propose_only: bool = False  # a speculative round's drafts only, returned for the host's masks; kept for verify
+    logits_processing: bool = False  # some request uses penalties / logit_bias / min_tokens (workers.logits_processing)
+    logits_setup: LogitsSetup | None = None  # EXTEND: the slots of the requests whose prefill starts now
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)
@@ -75,7 +131,7 @@ class WorkerStep:
     def pack(cls, mode: ForwardMode, *, req_slots, input_ids, seq_lens, extend_lens, page_updates, temperature,
              top_k, top_p, min_p, seeds, counters, pending=None, next_ids=None, draft_tokens=None,
              step_id: int = 0, top_logprobs: bool = False, prompt_logprobs: list[int] | None = None,
-             ) -> "WorkerStep":
+             logits_processing: bool = False, logits_setup: LogitsSetup | None = None) -> "WorkerStep":
         """A step from per-request sequences (``pending`` None: none in flight; ``next_ids`` None: all -1)."""
         b = len(req_slots)
         ints = (req_slots, seq_lens, top_k, seeds, counters, [0] * b if pending is None else pending, extend_lens,
@@ -88,7 +144,8 @@ class WorkerStep:
                    np.fromiter(chain(*floats), np.float32, len(floats) * b).reshape(-1, b),
                    np.asarray(input_ids, dtype=np.int64), np.array(page_updates, dtype=np.int64).reshape(3, -1),
                    None if draft_tokens is None else np.array(draft_tokens, dtype=np.int64).reshape(b, -1),
-                   step_id, top_logprobs, prompt_logprobs)
+                   step_id, top_logprobs, prompt_logprobs, logits_processing=logits_processing,
+                   logits_setup=logits_setup)
 
     @property
     def batch_size(self) -> int:

@@ -19,6 +19,7 @@ import torch
 
 from workers.kernels.argmax import argmax_logsumexp, greedy_with_logprob
 from workers.kernels.top_filter import filter_floor
+from workers.logits_processing import process_logits
 
 
 @dataclass
@@ -34,6 +35,10 @@ class SamplingTensors:
     # known on the host when the batch is built (and a CUDA graph variant each): "greedy" (every row: no sampling
     # kernels), "sample" (temperatures only: no filtering), "filter" (some row has top-k / top-p / min-p)
     kind: str = "filter"
+    # penalties / logit_bias / min_tokens (``workers.logits_processing``): the per-slot state and the rows' slots;
+    # None where no row of the batch uses them (a graph variant of its own)
+    logits_state: object | None = None
+    req_slots: torch.Tensor | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -106,7 +111,15 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (token ids [B], logprob of each sampled token under the model's raw distribution [B])."""
+    """Returns (token ids [B], logprob of each sampled token under the model's raw distribution [B]); with logits
+    processing, the token is chosen from the processed logits."""
+    if p.logits_state is not None:
+        x = process_logits(logits, p)
+        ids = argmax_logsumexp(x)[0]
+        if not p.all_greedy:
+            ids = torch.where(p.temperature <= 0, ids, draw(x, p))
+        lse = argmax_logsumexp(logits)[1]
+        return ids, logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - lse
     if p.all_greedy:  # the argmax kernels write its log-probability too
         return greedy_with_logprob(logits)
     greedy_ids, lse = argmax_logsumexp(logits)

@@ -20,9 +20,10 @@ from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import to_device
-from workers.graphs import DecodeGraphs, graph_refusal, tune_for_graphs
+from workers.graphs import LOGITS_VARIANT, DecodeGraphs, graph_refusal, tune_for_graphs
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
+from workers.logits_processing import LogitsState, record_tokens
 from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
@@ -97,11 +98,13 @@ class Worker:
         # per request slot: how many tokens its last DECODE step appended (1, or accepted drafts + 1), which the next
         # step adds to the host's lengths and counters where the host has not read them yet (``WorkerStep.pending``)
         self.advance = torch.ones(cfg.max_num_seqs + 1, dtype=torch.int64, device=self.device)
+        # penalties / logit_bias / min_tokens per request slot (allocated when a request first uses them)
+        self.logits_state = LogitsState(cfg.max_num_seqs + 1, model_cfg.vocab_size, self.device)
         self.spec_round = None if spec is None else SpecRound(
             self.proposer, self.target, self.draft_ctx, self.last_token, self.advance, spec.simulated_accept_length)
         self.graphs: DecodeGraphs | None = DecodeGraphs(
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
-            self.last_token, self.advance, rank)
+            self.last_token, self.advance, rank, logits_state=self.logits_state)
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         self._proposed = None  # (RoundInputs, DraftTree) of a ``propose_only`` step, for the verify step after it
 
@@ -206,19 +209,27 @@ class Worker:
             slots, pos, ids = to_device(step.page_updates, torch.int64, self.device).unbind(0)
             self.page_table.apply(slots, pos, ids)
 
-    def _sampling(self, step: WorkerStep, counters=None) -> SamplingTensors:
-        return SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
-                                          step.counters if counters is None else counters, self.device)
+    def _sampling(self, step: WorkerStep, counters=None, slots=None) -> SamplingTensors:
+        p = SamplingTensors.from_lists(step.temperature, step.top_k, step.top_p, step.min_p, step.seeds,
+                                       step.counters if counters is None else counters, self.device)
+        if step.logits_processing:
+            p.logits_state = self.logits_state
+            p.req_slots = to_device(step.req_slots, torch.int64, self.device) if slots is None else slots
+        return p
 
     def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
         fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
                                    step.extend_lens.tolist(), page_table=self.page_table)
-        sampling = self._sampling(step)
+        if step.logits_setup is not None:
+            self.logits_state.setup(step.logits_setup)
+        sampling = self._sampling(step, slots=fb.req_slots)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
         ids, logprobs = sample(apply_token_mask(logits, step.token_mask), sampling)
+        if sampling.logits_state is not None:  # a chunk that does not end its prompt samples a token nobody keeps
+            record_tokens(sampling, ids.unsqueeze(1), to_device(step.next_ids < 0, torch.bool, self.device)[:, None])
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
         if self.proposer is not None:  # prefill: the draft catches up on the same tokens
             # a round launched before this step is read adds the one token it samples (not the slot's last round's);
@@ -283,6 +294,8 @@ class Worker:
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
     def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         kind, top = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p), step.top_logprobs
+        if step.logits_processing:
+            kind += LOGITS_VARIANT
         # structured output runs eagerly: a round's drafts go to the host for their masks, then come back verified
         grammar = step.token_mask is not None or step.propose_only
         bucket = None if grammar else self.graphs.bucket_for(step.batch_size)
@@ -314,7 +327,7 @@ class Worker:
         seq = to_device(seq_lens, torch.int64, self.device)
         drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
         return RoundInputs(root=self.last_token[slots], req_slots=slots, seq_lens=seq_lens.tolist(),
-                           root_pos=seq - 1, sampling=self._sampling(step, counters), drafts=drafts)
+                           root_pos=seq - 1, sampling=self._sampling(step, counters, slots), drafts=drafts)
 
     def _decode(self, inp: RoundInputs, top: bool = False, token_mask=None) -> tuple[torch.Tensor, ...]:
         """One DECODE forward and sampling: (ids [B], logprobs [B]), and with ``top`` the TOP_LOGPROBS most likely
@@ -325,6 +338,7 @@ class Worker:
         logits = self.target.logits(fb.logits_rows(hidden))
         ids, logprobs = sample(apply_token_mask(logits, token_mask), inp.sampling)
         self.last_token[inp.req_slots] = ids
+        record_tokens(inp.sampling, ids.unsqueeze(1))
         return (ids, logprobs, *top_logprobs(logits, TOP_LOGPROBS)) if top else (ids, logprobs)
 
     def shutdown(self) -> None:

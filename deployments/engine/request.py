@@ -8,6 +8,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from workers.messages import MAX_LOGIT_BIAS, MAX_MIN_TOKENS_STOP_IDS
+
 
 class InvalidRequest(ValueError):
     """A request that can never be served as given (maps to HTTP 400). ``param`` names the parameter at fault where
@@ -35,6 +37,19 @@ class SamplingParams:
     # each token's own logprob under the model's raw distribution; computed in the prefill, sent with the first output
     prompt_logprobs: int | None = None
     guided: object | None = None  # structured output: a ``deployments.engine.grammar.GuidedSpec``
+    # logits processing (``workers.logits_processing``): OpenAI's penalties over the generated tokens, vLLM's
+    # repetition penalty over prompt and output, OpenAI's logit_bias {token id: bias}, vLLM's min_tokens
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+
+    @property
+    def logits_processing(self) -> bool:
+        """Whether any of the logits-processing parameters is set (a row of a step that applies them)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     def validate(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
@@ -56,6 +71,31 @@ class SamplingParams:
             raise InvalidRequest(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}", "prompt_logprobs")
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             raise InvalidRequest(f"seed must fit in 64 bits, got {self.seed}", "seed")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and -2 <= value <= 2):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value!r}", name)
+        if not (isinstance(self.repetition_penalty, (int, float)) and 0 < self.repetition_penalty <= 100):
+            raise InvalidRequest(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}",
+                                 "repetition_penalty")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise InvalidRequest(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got "
+                                     f"{len(self.logit_bias)}", "logit_bias")
+            for token, bias in self.logit_bias.items():
+                if not isinstance(token, int) or token < 0:
+                    raise InvalidRequest(f"logit_bias keys must be token ids, got {token!r}", "logit_bias")
+                if not (isinstance(bias, (int, float)) and -100 <= bias <= 100):
+                    raise InvalidRequest(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}",
+                                         "logit_bias")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
+                                 "min_tokens")
+        if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS - 8:
+            raise InvalidRequest(f"with min_tokens, at most {MAX_MIN_TOKENS_STOP_IDS - 8} stop_token_ids",
+                                 "stop_token_ids")
 
 
 class RequestStatus(enum.Enum):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from deployments.engine.pages import OutOfPages, PageAllocator
 from deployments.engine.request import InvalidRequest, Request, RequestStatus
-from workers.messages import ForwardMode, StepResult, WorkerStep
+from workers.messages import ForwardMode, LogitsSetup, StepResult, WorkerStep
 
 
 @dataclass
@@ -41,6 +41,7 @@ class StepPlan:
     # chunk that ends its prompt, or a decode row: those are -1 in input_ids too, read on the device)
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
     prompt_logprobs: list[int] | None = None  # EXTEND: WorkerStep.prompt_logprobs (None: no request asks)
+    logits_setup: LogitsSetup | None = None  # EXTEND: the logits-processing state of the requests it starts
 
     def to_worker_step(self) -> WorkerStep:
         """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
@@ -64,6 +65,8 @@ class StepPlan:
             draft_tokens=self.draft_tokens,
             top_logprobs=any(p.top_logprobs for p in params),
             prompt_logprobs=self.prompt_logprobs,
+            logits_processing=any(p.logits_processing for p in params),
+            logits_setup=self.logits_setup,
         )
 
 
@@ -110,6 +113,8 @@ class Scheduler:
             raise InvalidRequest("the prompt is empty", "prompt")
         if req.params.top_k > self.vocab_size:
             req.params.top_k = 0  # keeping more tokens than the vocabulary has is no filter at all
+        if req.params.logit_bias and any(t >= self.vocab_size for t in req.params.logit_bias):
+            raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         if n >= self.max_model_len:
@@ -287,9 +292,12 @@ class Scheduler:
             seq_lens.append(r.num_tokens + r.num_inflight)
             counters.append(len(r.output_ids) + r.num_inflight)
             r.num_inflight += 1
+        starting = []
         for req, chunk in batch:
             all_ids = req.all_ids
             start, end = req.num_computed, req.num_computed + chunk
+            if start == 0:
+                starting.append(req)
             ids.extend(all_ids[start:end])
             next_ids.append(all_ids[end] if end < len(all_ids) else -1)
             k = req.params.prompt_logprobs
@@ -312,7 +320,21 @@ class Scheduler:
             counters=counters,
             next_ids=next_ids,
             prompt_logprobs=prompt_lps if max(prompt_lps, default=-1) >= 0 else None,
+            logits_setup=self._logits_setup(starting) if starting else None,
         )
+
+    def _logits_setup(self, starting: list[Request]) -> LogitsSetup:
+        """The slots of the requests whose prefill starts (or restarts, after a preemption, with its outputs)."""
+        entries, reset = [], []
+        for r in starting:
+            p = r.params
+            if not p.logits_processing:
+                reset.append(r.req_slot)
+                continue
+            stops = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+            entries.append((r.req_slot, p.frequency_penalty, p.presence_penalty, p.repetition_penalty, p.min_tokens,
+                            stops, p.logit_bias or {}, r.prompt_ids, r.output_ids))
+        return LogitsSetup.build(entries, reset)
 
     def _schedule_decode(self) -> StepPlan | None:
         rows = self._decode_rows()

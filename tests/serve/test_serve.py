@@ -192,8 +192,12 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
 
 
 @pytest.mark.parametrize("endpoint,extra,param", [
-    ("completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
-    ("completions", {"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),  # out of range: penalties are supported
+    ("completions", {"logit_bias": {"5": 101.0}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 1.0}}, "logit_bias"),
+    ("completions", {"logit_bias": {str(i): 1.0 for i in range(301)}}, "logit_bias"),
+    ("completions", {"logit_bias": {"99999999": 1.0}}, "logit_bias"),  # not in the vocabulary
+    ("completions", {"min_tokens": 3}, "min_tokens"),  # more than max_tokens
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "x"}, "suffix"),
@@ -205,8 +209,9 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
     ("completions", {"guided_choice": ["a"], "guided_regex": "a"}, "guided_choice"),  # two at once
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
-    ("chat", {"presence_penalty": 1.0}, "presence_penalty"),
-    ("chat", {"repetition_penalty": 1.2}, "repetition_penalty"),
+    ("chat", {"presence_penalty": -2.5}, "presence_penalty"),
+    ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"min_tokens": -1}, "min_tokens"),
 ])
 def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra, param):
     h = {"Authorization": f"Bearer {API_KEY}"}
@@ -219,6 +224,17 @@ def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra,
     ok = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0,
           "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none"}
     assert httpx.post(server["base"] + "/v1/chat/completions", json=ok, headers=h, timeout=120).status_code == 200
+
+
+def test_penalties_and_logit_bias_apply(client):
+    """Through the HTTP layer (this app speculates): a +100 logit_bias makes greedy emit that token every time, and
+    the penalties are taken."""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=4, temperature=0, logprobs=0)
+    lp = client.completions.create(logit_bias={"42": 100}, extra_body={"ignore_eos": True}, **kw).choices[0].logprobs
+    assert len(lp.tokens) == 4 and len(set(lp.tokens)) == 1
+    r = client.completions.create(frequency_penalty=1.0, presence_penalty=0.5, extra_body={
+        "repetition_penalty": 1.3, "min_tokens": 2}, **kw)
+    assert r.usage.completion_tokens >= 2
 
 
 def test_logprobs_of_the_sampled_tokens(client):

@@ -88,7 +88,10 @@ def test_launches_never_wait_for_the_device(spec_models, method):  # noqa: F811
                  mixed_decode_rows=0)
     eng.executor.worker.capture_graphs()
     lint, modes = _lint_launches(eng)
-    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+    # every third request with penalties, logit_bias and min_tokens (their set-up and the +logits graph variant)
+    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                             **({} if i % 3 else dict(frequency_penalty=0.5, repetition_penalty=1.2,
+                                                      logit_bias={5: 2.0}, min_tokens=2, stop_token_ids=[7])))
               for i in range(10)]
     _, counts = drive(eng, params, mixed_prompts(10, seed=3))
     assert modes.get("extend", 0) >= 6 and modes.get("decode", 0) >= 10, modes
