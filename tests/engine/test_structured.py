@@ -110,7 +110,9 @@ def test_speculation_under_a_schema_changes_no_token(models, greedy_reference, n
     out = run(eng, greedy_schemas)
     check_valid(out, greedy_schemas)
     assert [o.token_ids for o in out] == greedy[:len(greedy_schemas)]
-    assert sum(o.spec["num_accepted_tokens"] for o in out) > 0  # drafts were verified under the masks
+    assert sum(o.spec["num_drafts"] for o in out) > 0  # drafts were verified under the masks
+    if name == "draft":  # the target as its own draft: accepted drafts too (a random head's may all be rejected)
+        assert sum(o.spec["num_accepted_tokens"] for o in out) > 0
     if sampled_schemas:
         out = run(eng, sampled_schemas, temperature=1.0)
         check_valid(out, sampled_schemas)
