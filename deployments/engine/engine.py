@@ -226,7 +226,8 @@ class Engine:
         if plan is not None:
             step = plan.to_worker_step()
             step.step_id = next(self._step_ids)
-            if any(r.matcher is not None for r in plan.requests):
+            # (no pass over the batch until a structured-output request has been seen)
+            if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
                 # the masks need each request's newest token on the host: this step is read before the next plan
                 keep = 0
                 try:
