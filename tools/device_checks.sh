@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|tp|tpfp32|raytp
+#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|rayllm|tp|tpfp32|raytp
 # gpu: the correctness checks as pytest tests (tests/gpu: every check at its usual settings, the 2-GPU ones skipped
 # on one GPU), their JSON results beside the others. The other stages run the same checks (tests/gpu/check_*.py)
 # with their own options.
@@ -130,6 +130,17 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     for variant in ${SERVING_VARIANTS:-spec nospec}; do
       case $variant in spec) ((fail)) || serve_bench spec "$cfg" ;; nospec) ((fail)) || serve_bench nospec "$nospec" ;; esac
     done
+    ;;
+  rayllm)  # Ray Serve LLM's YAML as its docs write it (configs/ray-serve-llm-llama8b-eagle3.yaml): only the model paths
+    # point at a random-weight 8B and EAGLE-3 head made here; served and measured like `serving` (small load)
+    ck=/tmp/llama-3.1-8b-random
+    [[ -f $ck/config.json && -f $ck-eagle3/config.json ]] || \
+      run python3 -m bench.common --shape llama-3.1-8b --out "$ck" --eagle3-head "$ck-eagle3"
+    cfg=$R/ray-serve-llm-llama8b-eagle3.yaml
+    sed -e "s#/models/Meta-Llama-3.1-8B-Instruct#$ck#" -e "s#/models/EAGLE3-LLaMA3.1-Instruct-8B#$ck-eagle3#" \
+      configs/ray-serve-llm-llama8b-eagle3.yaml >"$cfg"
+    diff configs/ray-serve-llm-llama8b-eagle3.yaml "$cfg"
+    SERVING_PROMPTS=${SERVING_PROMPTS:-64} SERVING_RATES=${SERVING_RATES:-16,inf} serve_bench rayllm "$cfg"
     ;;
   served)  # `served 1b|8b nospec|eagle3 [...]`: served vs offline (the same workload through the in-process engine,
     # measured first in the same call), 2C requests with C in flight, input 256 / output 256, ignore_eos, every step
