@@ -202,7 +202,7 @@ if triton is not None:
         k_rem = topk
         prefix = 0
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p
             hist = tl.zeros([256], tl.int32)
             for start in range(0, row_len, BLOCK):
                 t = start + tl.arange(0, BLOCK)
