@@ -375,7 +375,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     return scores
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, out=None):
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them."""
     rows = scores.shape[0]
@@ -385,19 +385,21 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
     slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
     if rows:
         _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
-                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=8, **pdl_launch(scores))
+                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps,
+                              **pdl_launch(scores))
     return slots
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024):
+                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, scores_out=None,
+                 out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
     q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
     page_table [B, P] int32, row_req / row_len [R] int32 (device). Graph-safe: nothing read on the host."""
     scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
-                            tree_len=tree_len, num_splits=num_splits, block_n=block_n)
-    return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block)
+                            tree_len=tree_len, num_splits=num_splits, block_n=block_n, out=scores_out)
+    return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block, out=out)
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
@@ -408,7 +410,7 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=32, num_warps=None, num_stages=None, out=None):
+               block_n=32, programs_per_sm=2, num_warps=None, num_stages=None, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly."""
@@ -427,7 +429,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         block_h = 16 if (fp32 or heads <= 16) else 32
     block_h = min(block_h, _p2(heads))
     if num_splits is None:
-        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent))
+        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm)
     out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
