@@ -140,10 +140,12 @@ def timer(device: str):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block and warps, the MLA's head block, slot tile and programs per SM."""
+    tile and programs per SM, the top-k's block, warps and splits (1: a program per row; None: split from the
+    shapes), the MLA's head block, slot tile and programs per SM."""
     grids = {
         "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
-        "topk": [dict(block=b, num_warps=w) for b, w in itertools.product((1024, 4096), (4, 8, 16))],
+        "topk": [dict(block=b, num_warps=w, num_splits=sp)
+                 for b, w, sp in itertools.product((1024, 4096), (4, 8, 16), (1, None))],
         "mla": [dict(block_h=bh, block_n=bn, programs_per_sm=p)
                 for (bh, bn), p in itertools.product(((16, 32), (32, 32), (32, 16), (64, 16), (16, 64)), (1, 2))],
     }

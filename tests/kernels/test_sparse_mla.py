@@ -61,23 +61,23 @@ def check_topk(g) -> None:
         scores[5, ::3] = float("-inf")  # masked positions (a tree row's invisible nodes)
         scores[8, :] = 1.0  # all equal
         scores[:, :] = torch.where(torch.arange(cap)[None, :] < row_len[:, None], scores, torch.nan)  # not read
-        got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64)
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), table, row_req, page_size)
-        assert got.dtype == torch.int32 and got.shape == (r, topk)
-        assert torch.equal(sorted_rows(got), sorted_rows(ref)), (page_size, got, ref)
-        n = (got >= 0).sum(1)
-        assert n.tolist() == [40, 40, 17, 40, 40, 40, 0, 40, 39, 1], n
-        # the valid ones come first, then -1 padding
-        assert torch.equal(got < 0, torch.arange(topk)[None, :] >= n[:, None])
+        for splits in (1, 3):  # one program a row; rows split over programs (their slots in position order too)
+            got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64, num_splits=splits)
+            assert got.dtype == torch.int32 and got.shape == (r, topk)
+            assert torch.equal(got, ref), (page_size, splits, got, ref)
+            n = (got >= 0).sum(1)
+            assert n.tolist() == [40, 40, 17, 40, 40, 40, 0, 40, 39, 1], n
     # against torch.topk on a long row with no ties, several blocks and k over a block
     scores = torch.randn(2, 5000, generator=g)
     table = torch.arange(1, 5000 // 50 + 1, dtype=torch.int32).view(1, -1)
     row_req, row_len = torch.zeros(2, dtype=torch.int32), torch.tensor([5000, 3333], dtype=torch.int32)
-    got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512)
-    for i in range(2):
-        idx = torch.topk(scores[i, :row_len[i]], 700).indices
-        want = positions_to_slots(idx[None], table, row_req[:1], 50)
-        assert torch.equal(got[i].sort().values, want[0].sort().values), i
+    for splits in (1, 4):
+        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits)
+        for i in range(2):
+            idx = torch.topk(scores[i, :row_len[i]], 700).indices
+            want = positions_to_slots(idx[None], table, row_req[:1], 50)
+            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, i)
 
 
 def check_indexer(g) -> None:

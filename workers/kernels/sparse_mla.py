@@ -189,6 +189,83 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
+        """Histogram of digit P (8 bits, most significant first) of the finite keys in [lo, hi) whose higher digits
+        are ``prefix``'s."""
+        shift = 24 - 8 * P
+        hist = tl.zeros([256], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            valid = s > float("-inf")  # also drops NaN
+            key = _ordered_key(s)
+            if P > 0:
+                valid = valid & (((key ^ prefix) >> (shift + 8)) == 0)
+            digit = (key >> shift) & 0xFF
+            if P == 0:  # the top digit of a signed key: flip its sign bit for unsigned order
+                digit = digit ^ 0x80
+            hist += tl.histogram(digit, 256, mask=valid)
+        return hist
+
+    @triton.jit
+    def _choose_digit(hist, k_rem, prefix, P: tl.constexpr):
+        """The digit where the k_rem-th largest key lies: (digit, keys still to take at or below it, new prefix)."""
+        bins = tl.arange(0, 256)
+        total = tl.sum(hist, 0)
+        above = total - tl.cumsum(hist, 0)  # keys with a higher digit
+        hit = (above < k_rem) & (above + hist >= k_rem)
+        d = tl.max(tl.where(hit, bins, -1), 0)
+        k_rem -= tl.sum(tl.where(bins == d, above, 0), 0)
+        signed = d
+        if P == 0:
+            signed = d ^ 0x80
+        return d, k_rem, prefix | (signed << (24 - 8 * P))
+
+    @triton.jit
+    def _row_state(HistTot, r, topk, P: tl.constexpr):
+        """(prefix, keys still to take, last digit, keys selectable) after passes 0..P-1, from the row's total
+        histograms."""
+        bins = tl.arange(0, 256)
+        k_rem = topk
+        prefix = 0
+        d = -1
+        n_valid = 0
+        for p in tl.static_range(P):
+            hist = tl.load(HistTot + (r * 4 + p) * 256 + bins)
+            if p == 0:
+                n_valid = tl.sum(hist, 0)
+                k_rem = tl.minimum(k_rem, n_valid)
+            d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+        return prefix, k_rem, d, n_valid
+
+    @triton.jit
+    def _write_selected(row, table_row, out_row, lo, hi, threshold, k_rem, written, eq_seen, page_size,
+                        BLOCK: tl.constexpr):
+        """Slots of the keys above ``threshold`` in [lo, hi), and of those equal to it while fewer than k_rem
+        were taken (lowest positions first), from ``written`` on in position order."""
+        written = written + tl.zeros([], tl.int32)
+        eq_seen = eq_seen + tl.zeros([], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            valid = s > float("-inf")
+            key = _ordered_key(s)
+            eq = valid & (key == threshold)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+            take = (valid & (key > threshold)) | (eq & (eq_rank < k_rem))
+            dest = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            page = tl.load(table_row + t // page_size, mask=take, other=0)
+            tl.store(out_row + dest, page * page_size + t % page_size, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
+
+    @triton.jit
+    def _pad(out_row, n, topk, BLOCK: tl.constexpr):
+        for start in range(0, topk, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n) & (j < topk))
+
+    @triton.jit
     def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
@@ -198,55 +275,77 @@ if triton is not None:
         r = tl.program_id(0)
         row_len = tl.load(RowLen + r)
         row = Scores + r.to(tl.int64) * stride_sr
-        bins = tl.arange(0, 256)
         k_rem = topk
         prefix = 0
+        n_valid = 0
         for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            for start in range(0, row_len, BLOCK):
-                t = start + tl.arange(0, BLOCK)
-                s = tl.load(row + t, mask=t < row_len, other=float("-inf"))
-                valid = s > float("-inf")  # also drops NaN
-                key = _ordered_key(s)
-                if p > 0:  # only keys whose higher digits are the prefix chosen so far
-                    valid = valid & (((key ^ prefix) >> (shift + 8)) == 0)
-                digit = (key >> shift) & 0xFF
-                if p == 0:  # the top digit of a signed key: flip its sign bit for unsigned order
-                    digit = digit ^ 0x80
-                hist += tl.histogram(digit, 256, mask=valid)
-            total = tl.sum(hist, 0)
+            hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
             if p == 0:
-                k_rem = tl.minimum(k_rem, total)
-            above = total - tl.cumsum(hist, 0)  # keys with a higher digit
-            hit = (above < k_rem) & (above + hist >= k_rem)
-            d_star = tl.max(tl.where(hit, bins, -1), 0)
-            k_rem -= tl.sum(tl.where(bins == d_star, above, 0), 0)
-            if p == 0:
-                d_star = d_star ^ 0x80
-            prefix = prefix | (d_star << shift)
-        # prefix is now the k-th largest key; k_rem of the keys equal to it are taken
+                n_valid = tl.sum(hist, 0)
+                k_rem = tl.minimum(k_rem, n_valid)
+            d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
         table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
         out_row = Out + r.to(tl.int64) * stride_or
-        written = 0
-        eq_seen = 0
-        for start in range(0, row_len, BLOCK):
-            t = start + tl.arange(0, BLOCK)
-            ok = t < row_len
-            s = tl.load(row + t, mask=ok, other=float("-inf"))
-            valid = s > float("-inf")
-            key = _ordered_key(s)
-            eq = valid & (key == prefix)
-            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
-            take = (valid & (key > prefix)) | (eq & (eq_rank < k_rem))
-            dest = written + tl.cumsum(take.to(tl.int32), 0) - 1
-            page = tl.load(table_row + t // page_size, mask=take, other=0)
-            tl.store(out_row + dest, page * page_size + t % page_size, mask=take)
-            written += tl.sum(take.to(tl.int32), 0)
-            eq_seen += tl.sum(eq.to(tl.int32), 0)
-        for start in range(0, topk, BLOCK):
-            j = start + tl.arange(0, BLOCK)
-            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= written) & (j < topk))
+        _write_selected(row, table_row, out_row, 0, row_len, prefix, k_rem, 0, 0, page_size, BLOCK)
+        _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
+    def _topk_split_pass(Scores, RowLen, HistTot, HistLoc, GtPart, topk, num_splits, stride_sr,
+                         P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Pass P of the split radix select, program (row, split): the split's histogram of digit P among the keys
+        matching the digits chosen by passes < P (from the row's totals), stored for the split and added to the
+        row's total; and the split's count of keys above the digit pass P-1 chose (they are above the k-th)."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        prefix, k_rem, d_prev, n_valid = _row_state(HistTot, r, topk, P)
+        hist = _pass_histogram(Scores + r.to(tl.int64) * stride_sr, lo, hi, prefix, P, BLOCK)
+        bins = tl.arange(0, 256)
+        loc = HistLoc + ((r * num_splits + sp) * 4).to(tl.int64) * 256
+        tl.store(loc + P * 256 + bins, hist)
+        tl.atomic_add(HistTot + (r * 4 + P) * 256 + bins, hist, mask=hist > 0)
+        if P > 0:
+            prev = tl.load(loc + (P - 1) * 256 + bins)
+            tl.store(GtPart + (r * num_splits + sp) * 4 + P - 1, tl.sum(tl.where(bins > d_prev, prev, 0), 0))
+
+    @triton.jit
+    def _topk_split_write(Scores, PageTable, RowReq, RowLen, HistTot, HistLoc, GtPart, Out, topk, page_size,
+                          num_splits, stride_sr, stride_pt, stride_or, SPLITS_P2: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, split): the split's selected slots, at the offset the splits before it fill (their keys
+        above the k-th, and their share of the equal ones, lowest positions first), so the row's slots come out in
+        position order whatever the split count; split 0 pads with -1."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        threshold, k_rem, d3, n_valid = _row_state(HistTot, r, topk, 4)
+        bins = tl.arange(0, 256)
+        before = tl.arange(0, SPLITS_P2)
+        earlier = before < sp
+        base = (r * num_splits + before) * 4
+        gt = tl.load(GtPart + base[:, None] + tl.arange(0, 4)[None, :], mask=earlier[:, None]
+                     & (tl.arange(0, 4)[None, :] < 3), other=0)
+        h3 = tl.load(HistLoc + (base + 3).to(tl.int64)[:, None] * 256 + bins[None, :], mask=earlier[:, None],
+                     other=0)
+        above = tl.sum(gt, 1) + tl.sum(tl.where(bins[None, :] > d3, h3, 0), 1)  # [splits]
+        eq = tl.sum(tl.where(bins[None, :] == d3, h3, 0), 1)
+        eq_before = tl.cumsum(eq, 0) - eq
+        taken_eq = tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
+        written = tl.sum(above + taken_eq, 0)
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        out_row = Out + r.to(tl.int64) * stride_or
+        _write_selected(Scores + r.to(tl.int64) * stride_sr, table_row, out_row, lo, hi, threshold, k_rem, written,
+                        tl.sum(eq, 0), page_size, BLOCK)
+        if sp == 0:
+            _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
     def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, scale, heads, topk, num_splits,
@@ -375,31 +474,57 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     return scores
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, out=None):
+def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per_sm: int = 2,
+                max_splits: int = 32) -> int:
+    """Splits of each row for the top-k: enough (row, split) programs to fill the GPU, at most one per block."""
+    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1))
+    return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
+
+
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, num_splits=None,
+               programs_per_sm=2, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
-    lower position), in position order, -1 after them."""
-    rows = scores.shape[0]
+    lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
+    it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
+    each a launch, the histograms summed through atomics."""
+    rows, cap = scores.shape
     if not use_triton(scores):
         pos = topk_positions_reference(scores, row_len, topk)
         return positions_to_slots(pos, page_table, row_req, page_size)
     slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
-    if rows:
+    if rows == 0:
+        return slots
+    if num_splits is None:
+        num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
+    pdl = pdl_launch(scores)
+    if num_splits == 1:
         _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
-                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps,
-                              **pdl_launch(scores))
+                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
+        return slots
+    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+    hist_loc = torch.empty(rows, num_splits, 4, 256, dtype=torch.int32, device=scores.device)
+    gt_part = torch.empty(rows, num_splits, 4, dtype=torch.int32, device=scores.device)
+    for p in range(4):
+        _topk_split_pass[(rows, num_splits)](scores, row_len, hist_tot, hist_loc, gt_part, topk, num_splits,
+                                             scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
+    _topk_split_write[(rows, num_splits)](
+        scores, page_table, row_req, row_len, hist_tot, hist_loc, gt_part, slots, topk, page_size, num_splits,
+        scores.stride(0), page_table.stride(0), slots.stride(0), SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK=block, num_warps=num_warps, **pdl)
     return slots
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, scores_out=None,
-                 out=None):
+                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, topk_splits=None,
+                 scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
     q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
     page_table [B, P] int32, row_req / row_len [R] int32 (device). Graph-safe: nothing read on the host."""
     scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
                             tree_len=tree_len, num_splits=num_splits, block_n=block_n, out=scores_out)
-    return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block, out=out)
+    return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block,
+                      num_splits=topk_splits, out=out)
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
