@@ -120,13 +120,19 @@ class Case:
         return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
 
 
-def timer(device: str):
-    """(graph ms, eager ms) functions for this device; on the CPU both are eager wall time (no graphs)."""
+def timer(device: str, rep: int = 50):
+    """(graph ms, eager ms) functions for this device; on the CPU both are eager wall time (no graphs). Graphs are
+    captured with PDL on, as the engine captures them; eager launches run without it, as the engine's do."""
     if device == "cuda":
         import triton.testing
 
-        return (lambda fn: graph_ms(fn, warmup=5, rep=50),
-                lambda fn: triton.testing.do_bench(fn, warmup=5, rep=50))
+        from workers.kernels.launch import pdl_launches
+
+        def graph(fn):
+            with pdl_launches():
+                return graph_ms(fn, warmup=5, rep=rep)
+
+        return graph, lambda fn: triton.testing.do_bench(fn, warmup=5, rep=rep)
 
     def wall(fn, n=2):
         fn()
@@ -140,12 +146,14 @@ def timer(device: str):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block, warps and splits (1: a program per row; None: split from the
-    shapes), the MLA's head block, slot tile and programs per SM."""
+    tile and programs per SM, the top-k's block, warps and splits (1: a program per row, or from the shapes at
+    2 or 8 programs per SM), the MLA's head block, slot tile and programs per SM."""
     grids = {
         "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
-        "topk": [dict(block=b, num_warps=w, num_splits=sp)
-                 for b, w, sp in itertools.product((1024, 4096), (4, 8, 16), (1, None))],
+        "topk": [dict(block=b, num_warps=w, **split)
+                 for b, w, split in itertools.product((1024, 4096), (4, 8), (dict(num_splits=1),
+                                                                           dict(programs_per_sm=2),
+                                                                           dict(programs_per_sm=8)))],
         "mla": [dict(block_h=bh, block_n=bn, programs_per_sm=p)
                 for (bh, bn), p in itertools.product(((16, 32), (32, 32), (32, 16), (64, 16), (16, 64)), (1, 2))],
     }
@@ -272,10 +280,12 @@ def main() -> None:
         bw, bw_note = H100_SXM_TBPS * 1e12, f"nominal H100 SXM {H100_SXM_TBPS} TB/s (CPU smoke run)"
     meta = {"device": device_name(device), "commit": commit(), "command": command(), "shape": shape,
             "keys": args.keys, "draft_tokens": nd, "bandwidth_GBps": round(bw / 1e9, 1), "bandwidth": bw_note,
-            "timing": "graph: CUDA graph replay, L2 flushed before each (do_bench); eager: Python launches"
+            "timing": "graph: CUDA graph replay (captured with PDL), L2 flushed before each (do_bench); eager: "
+                      "Python launches"
             if device == "cuda" else "CPU interpreter wall time (smoke: not a measurement)"}
     print(meta, flush=True)
-    meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, graph)
+    meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
+                                                     timer(device, rep=20)[0])
     chosen = meta["sweep"]["chosen"] if meta["sweep"] else {}
     rows = meta["rows"] = []
     for ctx in contexts:
