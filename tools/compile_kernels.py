@@ -38,18 +38,19 @@ ROOT = Path(__file__).resolve().parents[1]
 # (module run as ``__main__``, its arguments): each kernel family's interpreter check, then the attention check
 WORKLOADS = (
     *((f"tests.kernels.test_{family}", []) for family in ("norm_rope", "rng", "argmax", "top_filter", "metadata",
-                                                         "verdict", "small_m_linear", "all_reduce")),
+                                                         "verdict", "small_m_linear", "all_reduce",
+                                                         "sparse_mla")),
     ("tests.gpu.check_attention", ["--device", "cpu", "--dtype", "bfloat16", "--small", "--min-chunk", "64"]),
     ("tests.gpu.check_attention", ["--device", "cpu", "--dtype", "float32", "--small", "--min-chunk", "64"]),
 )
 KERNEL_MODULES = ("workers.kernels.launch", "workers.kernels.norm_rope", "workers.kernels.rng",
                   "workers.kernels.argmax", "workers.kernels.top_filter", "workers.kernels.metadata",
                   "workers.kernels.verdict", "workers.kernels.small_m_linear", "workers.kernels.all_reduce",
-                  "attention.triton_backend")  # every kernel is here
+                  "workers.kernels.sparse_mla", "attention.triton_backend")  # every kernel is here
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
 # forward batch's metadata kernels) run
-LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_linear")
+LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_linear", "workers.kernels.sparse_mla")
 
 
 def describe(value):
@@ -114,6 +115,32 @@ def model_shapes() -> None:
                     sml.small_m_linear(torch.empty(rows, 2 * k, dtype=torch.bfloat16), weight, None, cfg, gated=True)
                 else:
                     sml.small_m_linear(x, weight, None, cfg, activated=True)
+    sparse_shapes()
+
+
+def sparse_shapes() -> None:
+    """The sparse attention kernels at DeepSeek-V3.2's shapes (indexer 64 heads x 128 over bf16 and FP8 keys,
+    top-k 2048, MLA 128 heads, latent 512 + rope 64, bf16) for decode and a 5-row verify, as an H100 launches them."""
+    import torch
+
+    from workers.kernels import sparse_mla as sm
+
+    page, pages, topk = 64, 4, 2048
+    keys = torch.empty(pages * page, 128, dtype=torch.bfloat16)
+    packed = torch.empty(pages, page * 132, dtype=torch.uint8)
+    cache = torch.empty(pages * page, 576, dtype=torch.bfloat16)
+    table = torch.zeros(1, 2048, dtype=torch.int32)  # a 128k context's page table row
+    for rows in (1, 5, 40):
+        req, ln = torch.zeros(rows, dtype=torch.int32), torch.full((rows,), 1000, dtype=torch.int32)
+        q, w = torch.empty(rows, 64, 128, dtype=torch.bfloat16), torch.empty(rows, 64)
+        scores = torch.empty(rows, 4096)
+        for k, fp8 in ((keys, False), (packed, True)):
+            sm.indexer_scores(q, w, k, table, req, ln, page, fp8=fp8, num_splits=8, out=scores)
+        sm.topk_slots(scores, table, req, ln, page, topk)
+        slots = torch.zeros(rows, topk, dtype=torch.int32)
+        ql, qr = torch.empty(rows, 128, 512, dtype=torch.bfloat16), torch.empty(rows, 128, 64, dtype=torch.bfloat16)
+        for splits in (1, 16):
+            sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits)
 
 
 def record(workloads, out_path: str) -> None:

@@ -1,0 +1,406 @@
+"""DeepSeek-V3.2 sparse attention on the GPU, one layer, synthetic tensors (no model code): the lightning indexer
+(64 heads x 128 over FP8 keys with a per-token scale, or bf16 keys), the exact top-k (2048) and the sparse MLA
+(128 heads, latent 512 + rope 64, bf16) of ``workers/kernels/sparse_mla.py``, for DECODE (one query row a request)
+and TARGET_VERIFY (4 draft tokens: 5 query rows a request, each with its own causal length and its own top-k), at
+16k / 64k / 128k context and batch 1 / 8 / 32.
+
+Reported per case: each kernel's time and the layer's (indexer + top-k + sparse MLA) replayed from one CUDA graph
+and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
+rows selected (their union per request, 576 bf16 values each), each read once at the device's copy bandwidth
+(measured in the same run, ``--bandwidth-tbps`` to give one instead). Also: sparse vs dense MLA verify at 64k
+(dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata built once
+(``SparseDraftRows``) vs per step (host time), and a small launch sweep whose choices the table uses.
+
+    python3 -m bench.sparse_attention --out bench/results/sparse_attention/sparse_attention_h100
+    python3 -m bench.sparse_attention --cpu --out /tmp/sparse_smoke   # tiny shapes through Triton's interpreter
+
+Timing: ``graph``: one replay of the captured launches with the L2 flushed before it (triton's do_bench), ``eager``:
+Python launches, also do_bench. The synthetic indexer queries of one request's verify rows are one query plus 10%
+noise each, so their selections overlap as consecutive tokens' do; the floor counts the union of what they select.
+Writes <out>.json (after every case), <out>.md, <out>.png with device, commit and command.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--cpu" in sys.argv:  # Triton's interpreter must be on before triton is first imported
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import argparse  # noqa: E402
+import itertools  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from bench.common import (command, commit, copy_bandwidth, device_name, graph_ms, out_path, pyplot,  # noqa: E402
+                          write_json, write_markdown)
+from workers.kernels import sparse_mla as sm  # noqa: E402
+
+H100_SXM_TBPS = 3.35
+
+SHAPES = {
+    "gpu": dict(mla_heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page=64),
+    "cpu": dict(mla_heads=4, latent=32, rope=16, index_heads=4, index_dim=16, topk=64, page=64),
+}
+
+
+class Case:
+    """One (context, batch, mode) layer: paged caches of ``bs`` requests at ``ctx`` positions (scattered pages),
+    the query rows (decode: 1 a request at ctx; verify: 1 + draft tokens at ctx - draft .. ctx), and preallocated
+    outputs, so the layer captures into a CUDA graph."""
+
+    def __init__(self, shape: dict, ctx: int, bs: int, rows_per_req: int, fp8: bool, device: str, seed: int = 0):
+        s = shape
+        torch.manual_seed(seed)
+        self.shape, self.ctx, self.bs, self.fp8 = s, ctx, bs, fp8
+        page = s["page"]
+        pages_per = -(-ctx // page)
+        num_pages = bs * pages_per + 1
+        self.table = (torch.randperm(num_pages - 1, device=device)[:bs * pages_per] + 1).view(bs, pages_per).to(
+            torch.int32)
+        slots = num_pages * page
+        dt = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 dot is unreliable
+        keys = torch.randn(slots, s["index_dim"], device=device, dtype=dt)
+        self.keys = sm.quantize_index_keys(keys, page) if fp8 else keys
+        self.keys_bf16 = keys
+        self.cache = torch.randn(slots, s["latent"] + s["rope"], device=device, dtype=dt)
+        r = bs * rows_per_req
+        self.rows = r
+        self.row_req = torch.arange(bs, device=device, dtype=torch.int32).repeat_interleave(rows_per_req)
+        self.row_len = (ctx - rows_per_req + 1 + torch.arange(rows_per_req, device=device)).repeat(bs).to(
+            torch.int32)
+        base = torch.randn(bs, 1, s["index_heads"], s["index_dim"], device=device)
+        noise = torch.randn(bs, rows_per_req, s["index_heads"], s["index_dim"], device=device)
+        self.q_idx = (base + 0.1 * noise).view(r, s["index_heads"], s["index_dim"]).to(dt)
+        self.w = torch.randn(r, s["index_heads"], device=device) * s["index_heads"] ** -0.5
+        self.ql = torch.randn(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
+        self.qr = torch.randn(r, s["mla_heads"], s["rope"], device=device, dtype=dt)
+        self.scale = (s["latent"] + s["rope"]) ** -0.5
+        self.scores = torch.empty(r, pages_per * page, device=device)
+        self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
+        self.out = torch.empty(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
+
+    def indexer(self, knobs: dict, bf16_keys: bool = False):
+        keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
+        return sm.indexer_scores(self.q_idx, self.w, keys, self.table, self.row_req, self.row_len,
+                                 self.shape["page"], fp8=fp8, out=self.scores, **knobs.get("indexer", {}))
+
+    def topk(self, knobs: dict):
+        return sm.topk_slots(self.scores, self.table, self.row_req, self.row_len, self.shape["page"],
+                             self.shape["topk"], out=self.slots, **knobs.get("topk", {}))
+
+    def mla(self, knobs: dict, slots=None):
+        return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
+                             out=self.out, **knobs.get("mla", {}))
+
+    def layer(self, knobs: dict):
+        self.indexer(knobs)
+        self.topk(knobs)
+        return self.mla(knobs)
+
+    def floor_bytes(self) -> tuple[int, int]:
+        """(indexer key bytes, selected latent bytes): every request's keys up to its longest row, and the union of
+        its rows' selected slots' latents, each read once."""
+        keys = self.bs * int(self.row_len.max()) * sm.index_key_bytes(self.shape["index_dim"], self.fp8)
+        per_req = self.slots.view(self.bs, -1).sort(1).values
+        uniq = ((per_req[:, 1:] != per_req[:, :-1]) & (per_req[:, 1:] >= 0)).sum() + (per_req[:, 0] >= 0).sum()
+        width = self.cache.shape[1] * 2  # bf16 on the GPU
+        return keys, int(uniq) * width
+
+    def all_slots(self) -> torch.Tensor:
+        """Every visible slot of each row (dense attention through the sparse kernel), -1 past the row's length."""
+        cap = self.table.shape[1] * self.shape["page"]
+        pos = torch.arange(cap, device=self.table.device).expand(self.rows, cap)
+        pos = torch.where(pos < self.row_len[:, None], pos, -1)
+        return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
+
+
+def timer(device: str, rep: int = 50):
+    """(graph ms, eager ms) functions for this device; on the CPU both are eager wall time (no graphs). Graphs are
+    captured with PDL on, as the engine captures them; eager launches run without it, as the engine's do."""
+    if device == "cuda":
+        import triton.testing
+
+        from workers.kernels.launch import pdl_launches
+
+        def graph(fn):
+            with pdl_launches():
+                return graph_ms(fn, warmup=5, rep=rep)
+
+        return graph, lambda fn: triton.testing.do_bench(fn, warmup=5, rep=rep)
+
+    def wall(fn, n=2):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n * 1e3
+
+    return wall, wall
+
+
+def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
+    """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
+    tile and programs per SM, the top-k's block, warps and splits (1: a program per row, or from the shapes at
+    2 or 8 programs per SM), the MLA's head block, slot tile and programs per SM."""
+    grids = {
+        "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
+        "topk": [dict(block=b, num_warps=w, **split)
+                 for b, w, split in itertools.product((1024, 4096), (4, 8), (dict(num_splits=1),
+                                                                           dict(programs_per_sm=2),
+                                                                           dict(programs_per_sm=8)))],
+        "mla": [dict(block_h=bh, block_n=bn, programs_per_sm=p)
+                for (bh, bn), p in itertools.product(((16, 32), (32, 32), (32, 16), (64, 16), (16, 64)), (1, 2))],
+    }
+    if device != "cuda":
+        grids = {k: v[:2] for k, v in grids.items()}
+    chosen, results = {}, []
+    for bs in batch_sizes:
+        case = Case(shape, ctx, bs, nd + 1, fp8, device)
+        case.layer({})
+        best = {}
+        for comp, grid in grids.items():
+            for knobs in grid:
+                kn = {comp: knobs}
+                fn = {"indexer": lambda: case.indexer(kn), "topk": lambda: case.topk(kn),
+                      "mla": lambda: case.mla(kn)}[comp]
+                try:
+                    ms, err = graph(fn), None
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is recorded, not fatal
+                    ms, err = float("inf"), f"{type(e).__name__}: {str(e)[:160]}"
+                results.append({"batch_size": bs, "component": comp, **knobs, "ms": round(ms, 4), "error": err})
+                if ms < best.get(comp, (float("inf"),))[0]:
+                    best[comp] = (ms, knobs)
+        chosen[bs] = {comp: kn for comp, (_, kn) in best.items()}
+        print(f"sweep bs={bs}: {chosen[bs]}", flush=True)
+        case = None  # free its tensors before the next case
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return {"context": ctx, "chosen": chosen, "results": results}
+
+
+def knobs_for(chosen: dict, bs: int) -> dict:
+    if not chosen:
+        return {}
+    near = min(chosen, key=lambda b: (abs(b - bs), b))
+    return chosen[near]
+
+
+def draft_metadata(device: str, batch_sizes, steps: int, k: int, ctx: int, page: int, rounds: int) -> list[dict]:
+    """Host time per draft round of the rows' metadata: ``SparseDraftRows`` filled once per round (one add and one
+    page-row gather into static buffers; each step takes views) vs every step built from scratch
+    (``draft_rows_per_step``: row_req, row_len, expanded page rows). The device is synchronised after each round."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = []
+    for bs in batch_sizes:
+        pages = -(-(ctx + steps * k) // page)
+        table = torch.randint(1, 1 << 20, (bs, pages), dtype=torch.int32, device=device)
+        base = torch.full((bs,), ctx, dtype=torch.int32, device=device)
+        rows = sm.SparseDraftRows(bs, k, steps, device, page_table=table)
+
+        def once():
+            rows.fill(base)
+            return [rows.step(i) for i in range(steps)]
+
+        def per_step():
+            return [sm.draft_rows_per_step(base, k, i, page_table=table) for i in range(steps)]
+
+        for i in range(steps):  # the same rows either way
+            a, b = once()[i], per_step()[i]
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(rows.pages, b[2])
+        times = {}
+        for name, fn in (("once_per_round", once), ("per_step", per_step)) * 2:  # interleaved, second pass counts
+            blocks = []
+            for _ in range(5):
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(rounds):
+                    fn()
+                    sync()
+                blocks.append((time.perf_counter() - t0) / rounds * 1e6)
+            times[name] = statistics.median(blocks)
+        captured = None
+        if device == "cuda":  # the once-per-round fill replays from a graph with new base lengths
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                rows.fill(base)
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                rows.fill(base)
+            base.add_(7)
+            g.replay()
+            torch.cuda.synchronize()
+            captured = bool(torch.equal(rows.step(steps - 1)[1], sm.draft_rows_per_step(base, k, steps - 1)[1]))
+        out.append({"batch_size": bs, "steps": steps, "tokens_per_step": k,
+                    "once_per_round_us": round(times["once_per_round"], 1), "per_step_us": round(times["per_step"], 1),
+                    "speedup": round(times["per_step"] / times["once_per_round"], 2),
+                    "graph_replay_equal": captured})
+        print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/sparse_attention/sparse_attention_h100")
+    ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU through Triton's interpreter (smoke)")
+    ap.add_argument("--contexts", default=None, help="default 16384,65536,131072 (--cpu: 200,300)")
+    ap.add_argument("--batch-sizes", default=None, help="default 1,8,32 (--cpu: 1,2)")
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--keys", choices=("fp8", "bf16"), default="fp8", help="indexer key cache of the main table")
+    ap.add_argument("--dense-context", type=int, default=None, help="sparse vs dense verify here (default 65536)")
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--bandwidth-tbps", type=float, default=None,
+                    help="HBM bandwidth for the floor instead of measuring a device copy")
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
+    args = ap.parse_args()
+    out = out_path(args.out)
+    if args.report_only:
+        report(json.loads(out.with_suffix(".json").read_text()), out)
+        return
+    device = "cpu" if args.cpu else "cuda"
+    shape = SHAPES["cpu" if args.cpu else "gpu"]
+    contexts = [int(x) for x in (args.contexts or ("200,300" if args.cpu else "16384,65536,131072")).split(",")]
+    batch_sizes = [int(x) for x in (args.batch_sizes or ("1,2" if args.cpu else "1,8,32")).split(",")]
+    dense_ctx = args.dense_context or (contexts[-1] if args.cpu else 65536)
+    fp8, nd = args.keys == "fp8", args.draft_tokens
+    graph, eager = timer(device)
+    if args.bandwidth_tbps:
+        bw, bw_note = args.bandwidth_tbps * 1e12, f"given: {args.bandwidth_tbps} TB/s"
+    elif device == "cuda":
+        bw = copy_bandwidth()
+        bw_note = "measured: device copy, bytes read + written per second"
+    else:
+        bw, bw_note = H100_SXM_TBPS * 1e12, f"nominal H100 SXM {H100_SXM_TBPS} TB/s (CPU smoke run)"
+    meta = {"device": device_name(device), "commit": commit(), "command": command(), "shape": shape,
+            "keys": args.keys, "draft_tokens": nd, "bandwidth_GBps": round(bw / 1e9, 1), "bandwidth": bw_note,
+            "timing": "graph: CUDA graph replay (captured with PDL), L2 flushed before each (do_bench); eager: "
+                      "Python launches"
+            if device == "cuda" else "CPU interpreter wall time (smoke: not a measurement)"}
+    print(meta, flush=True)
+    meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
+                                                     timer(device, rep=20)[0])
+    chosen = meta["sweep"]["chosen"] if meta["sweep"] else {}
+    rows = meta["rows"] = []
+    for ctx in contexts:
+        for bs in batch_sizes:
+            for mode, per_req in (("decode", 1), ("verify", nd + 1)):
+                knobs = knobs_for(chosen, bs)
+                case = Case(shape, ctx, bs, per_req, fp8, device)
+                ref_check = None
+                case.layer(knobs)
+                if ctx == contexts[0] and bs == batch_sizes[0]:  # the kernels against the references once per mode
+                    ref = sm.indexer_topk_reference(case.q_idx, case.w, case.keys, case.table, case.row_req,
+                                                    case.row_len, shape["page"], shape["topk"], fp8=fp8)
+                    got = case.slots.sort(1).values
+                    overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(got, ref)) / ref.numel()
+                    mla_ref = sm.sparse_mla_reference(case.ql.float(), case.qr.float(), case.cache.float(),
+                                                      case.slots, case.scale)
+                    ref_check = {"topk_overlap_vs_reference": round(overlap, 4),
+                                 "mla_max_abs_diff_vs_fp32_reference": float((case.out.float() - mla_ref).abs().max())}
+                t = {"indexer": graph(lambda: case.indexer(knobs)), "topk": graph(lambda: case.topk(knobs)),
+                     "mla": graph(lambda: case.mla(knobs)), "layer": graph(lambda: case.layer(knobs)),
+                     "layer_eager": eager(lambda: case.layer(knobs))}
+                if fp8:
+                    t["indexer_bf16_keys"] = graph(lambda: case.indexer(knobs, bf16_keys=True))
+                key_b, lat_b = case.floor_bytes()
+                floor_ms = (key_b + lat_b) / bw * 1e3
+                row = {"context": ctx, "batch_size": bs, "mode": mode, "rows": case.rows,
+                       **{f"{k}_ms": round(v, 4) for k, v in t.items()},
+                       "floor_ms": round(floor_ms, 5), "vs_floor": round(t["layer"] / floor_ms, 2),
+                       "graph_speedup_vs_eager": round(t["layer_eager"] / t["layer"], 2),
+                       "index_key_MB": round(key_b / 1e6, 2), "selected_latent_MB": round(lat_b / 1e6, 2),
+                       "knobs": knobs, **({"reference_check": ref_check} if ref_check else {})}
+                if ctx == dense_ctx and mode == "verify":
+                    dense_slots = case.all_slots()
+                    # the dense launch's own splits: the sparse launch's knobs are tuned for 2048 slots a row
+                    dense = graph(lambda: case.mla({}, slots=dense_slots))
+                    row.update({"dense_mla_ms": round(dense, 4),
+                                "sparse_vs_dense_layer": round(dense / t["layer"], 2),
+                                "sparse_vs_dense_mla_only": round(dense / t["mla"], 2)})
+                    del dense_slots
+                rows.append(row)
+                print(row, flush=True)
+                write_json(out, meta)
+                case = None  # free its tensors before the next case
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    meta["draft_metadata"] = draft_metadata(device, batch_sizes, steps=nd, k=1, ctx=contexts[-1], page=shape["page"],
+                                            rounds=50 if device == "cuda" else 5)
+    write_json(out, meta)
+    report(meta, out)
+
+
+def report(meta: dict, out: Path) -> None:
+    rows = meta["rows"]
+    md = [f"# DeepSeek-V3.2 sparse attention, one layer ({meta['device']})", "",
+          f"commit `{meta['commit']}`, command `{meta['command']}`", "",
+          f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
+          f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} GB/s "
+          f"({meta['bandwidth']}). Timing: {meta['timing']}.", "",
+          "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the union, "
+          "bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
+          "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
+          "layer (eager) | graph speedup | indexer, bf16 keys | key MB | latent MB |",
+          "|---" * 15 + "|"]
+    md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['rows']} | {r['indexer_ms']} | {r['topk_ms']} | "
+           f"{r['mla_ms']} | {r['layer_ms']} | {r['floor_ms']} | **{r['vs_floor']}x** | {r['layer_eager_ms']} | "
+           f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r['index_key_MB']} | "
+           f"{r['selected_latent_MB']} |" for r in rows]
+    dense = [r for r in rows if "dense_mla_ms" in r]
+    if dense:
+        md += ["", f"## Sparse vs dense MLA verify at {dense[0]['context']}", "",
+               "Dense: the same sparse MLA kernel given every slot of each row's context (no indexer, no top-k).", "",
+               "| bs | rows | dense MLA | sparse layer (indexer + top-k + MLA) | speedup | sparse MLA only | speedup |",
+               "|---|---|---|---|---|---|---|"]
+        md += [f"| {r['batch_size']} | {r['rows']} | {r['dense_mla_ms']} | {r['layer_ms']} | "
+               f"**{r['sparse_vs_dense_layer']}x** | {r['mla_ms']} | {r['sparse_vs_dense_mla_only']}x |" for r in dense]
+    dm = meta.get("draft_metadata") or []
+    if dm:
+        md += ["", "## Draft-round row metadata: once per round vs per step (host µs a round)", "",
+               "`SparseDraftRows.fill` (static buffers, every step's rows at once) vs `draft_rows_per_step` for each "
+               "step (row_req, row_len, expanded page rows); device synchronised after each round.", "",
+               "| bs | steps | once per round | per step | speedup | fill replayed from a graph equal |",
+               "|---|---|---|---|---|---|"]
+        md += [f"| {d['batch_size']} | {d['steps']} | {d['once_per_round_us']} | {d['per_step_us']} | "
+               f"**{d['speedup']}x** | {d['graph_replay_equal']} |" for d in dm]
+    checks = [r for r in rows if "reference_check" in r]
+    if checks:
+        md += ["", "Reference checks (first case of each mode): "
+               + "; ".join(f"{r['mode']}: {r['reference_check']}" for r in checks)]
+    if meta.get("sweep"):
+        md += ["", f"Launch knobs per batch size (swept at {meta['sweep']['context']} verify, each component "
+               f"alone): {meta['sweep']['chosen']}"]
+    write_markdown(out, md)
+    try:
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, mode in zip(axes, ("decode", "verify")):
+            for bs in sorted({r["batch_size"] for r in rows}):
+                sel = [r for r in rows if r["batch_size"] == bs and r["mode"] == mode]
+                xs = [r["context"] for r in sel]
+                line = ax.plot(xs, [r["layer_ms"] for r in sel], "o-", label=f"bs={bs} layer")[0]
+                ax.plot(xs, [r["floor_ms"] for r in sel], ":", color=line.get_color(), label=f"bs={bs} floor")
+                ax.plot(xs, [r["topk_ms"] for r in sel], "x--", color=line.get_color(), alpha=0.5,
+                        label=f"bs={bs} top-k")
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.set_xlabel("context")
+            ax.set_ylabel("ms per layer")
+            ax.set_title(f"{mode}: indexer + top-k + sparse MLA (graph replays)", fontsize=9)
+            ax.legend(fontsize=6)
+        fig.suptitle(f"{meta['device']} {meta['commit']}", fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out.with_suffix(".png"), dpi=100)
+    except ImportError:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""DeepSeek-V3.2 sparse attention kernels (``workers.kernels.sparse_mla``): the indexer scores, the exact top-k and
+the sparse MLA, run on the CPU through Triton's interpreter (in a subprocess), each against its PyTorch reference;
+and the draft round's rows built once against the per-step build."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+
+pytest.importorskip("triton")
+
+
+def paged_case(g, lens_per_req, page_size, dim, extra_pages=3):
+    """A page table over scattered pages (page 0 unused) for requests of the given lengths, and bf16-valued fp32
+    keys for every slot."""
+    import torch
+
+    pages_per = max(-(-n // page_size) for n in lens_per_req) + 1
+    b = len(lens_per_req)
+    num_pages = b * pages_per + 1 + extra_pages
+    perm = torch.randperm(num_pages - 1, generator=g)[:b * pages_per] + 1
+    table = perm.view(b, pages_per).to(torch.int32)
+    keys = torch.randn(num_pages * page_size, dim, generator=g).bfloat16().float()
+    return table, keys
+
+
+def rows_of(lens_per_req, rows_spec):
+    """row_req / row_len [R] int32 from (request, length) pairs."""
+    import torch
+
+    req = torch.tensor([r for r, _ in rows_spec], dtype=torch.int32)
+    ln = torch.tensor([n for _, n in rows_spec], dtype=torch.int32)
+    assert all(n <= lens_per_req[r] for r, n in rows_spec)
+    return req, ln
+
+
+def sorted_rows(x):
+    return x.sort(dim=1).values
+
+
+def check_topk(g) -> None:
+    """The radix top-k against the stable-sort reference on the same scores: rows shorter than, equal to and longer
+    than top-k, an empty row, heavy ties (values from a small set: the lower positions win), -inf (masked) entries,
+    negative scores, and page sizes 64 and 24."""
+    import torch
+
+    from workers.kernels.sparse_mla import positions_to_slots, topk_positions_reference, topk_slots
+
+    for page_size in (64, 24):
+        lens = [300, 200, 70]
+        table, _ = paged_case(g, lens, page_size, 16)
+        cap = table.shape[1] * page_size
+        topk = 40
+        spec = [(0, 300), (0, 40), (0, 17), (1, 200), (1, 41), (2, 70), (2, 0), (0, 299), (1, 39), (2, 1)]
+        row_req, row_len = rows_of(lens, spec)
+        r = len(spec)
+        scores = torch.randn(r, cap, generator=g) * 3
+        scores[3] = torch.randint(0, 5, (cap,), generator=g).float()  # ties across the threshold
+        scores[7] = -scores[7].abs()  # all negative
+        scores[5, ::3] = float("-inf")  # masked positions (a tree row's invisible nodes)
+        scores[8, :] = 1.0  # all equal
+        scores[:, :] = torch.where(torch.arange(cap)[None, :] < row_len[:, None], scores, torch.nan)  # not read
+        ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), table, row_req, page_size)
+        for splits in (1, 3):  # one program a row; rows split over programs (their slots in position order too)
+            got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64, num_splits=splits)
+            assert got.dtype == torch.int32 and got.shape == (r, topk)
+            assert torch.equal(got, ref), (page_size, splits, got, ref)
+            n = (got >= 0).sum(1)
+            assert n.tolist() == [40, 40, 17, 40, 40, 40, 0, 40, 39, 1], n
+    # against torch.topk on a long row with no ties, several blocks and k over a block
+    scores = torch.randn(2, 5000, generator=g)
+    table = torch.arange(1, 5000 // 50 + 1, dtype=torch.int32).view(1, -1)
+    row_req, row_len = torch.zeros(2, dtype=torch.int32), torch.tensor([5000, 3333], dtype=torch.int32)
+    for splits in (1, 4):
+        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits)
+        for i in range(2):
+            idx = torch.topk(scores[i, :row_len[i]], 700).indices
+            want = positions_to_slots(idx[None], table, row_req[:1], 50)
+            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, i)
+
+
+def check_indexer(g) -> None:
+    """Indexer scores vs the reference in fp32 (several splits, one split; tree-style rows: many rows of one
+    request with different lengths; a tree row's bitmask), FP8 keys vs the reference on the same FP8 values
+    (tight) and vs the bf16 keys (loose), and the whole indexer_topk: its slots are exactly the top-k of its own
+    scores and within tolerance of the reference's selection."""
+    import torch
+
+    from workers.kernels.sparse_mla import (dequantize_index_keys, indexer_scores, indexer_scores_reference,
+                                            indexer_topk, indexer_topk_reference, quantize_index_keys, topk_slots)
+
+    heads, dim = 4, 16
+    for page_size in (64, 24):
+        lens = [260, 90]
+        table, keys = paged_case(g, lens, page_size, dim)
+        # a decode row, a verify-style run of rows of request 0 (one per draft token), request 1's rows
+        spec = [(0, 256), (0, 257), (0, 258), (0, 259), (0, 260), (1, 90), (1, 5), (1, 1), (0, 0)]
+        row_req, row_len = rows_of(lens, spec)
+        r = len(spec)
+        q = torch.randn(r, heads, dim, generator=g)
+        w = torch.randn(r, heads, generator=g) * dim ** -0.5
+        ref = indexer_scores_reference(q, w, keys, table, row_req, row_len, page_size)
+        for splits in (None, 1, 3):
+            got = indexer_scores(q, w, keys, table, row_req, row_len, page_size, num_splits=splits, block_n=32)
+            vis = torch.arange(ref.shape[1])[None, :] < row_len[:, None]
+            torch.testing.assert_close(got[vis], ref[vis], rtol=1e-5, atol=1e-5)
+        # tree rows: the last 4 positions are a tree block, each row sees its own nodes
+        bits = torch.tensor([0b1, 0b11, 0b101, 0b1001, 0b1111, 0b1, 0b1, 0b1, 0b0], dtype=torch.int64)
+        got = indexer_scores(q, w, keys, table, row_req, row_len, page_size, tree_bits=bits, tree_len=4,
+                             block_n=32)
+        ref_t = indexer_scores_reference(q, w, keys, table, row_req, row_len, page_size, tree_bits=bits, tree_len=4)
+        vis = torch.arange(ref.shape[1])[None, :] < row_len[:, None]
+        assert torch.equal(torch.isinf(got[vis]), torch.isinf(ref_t[vis]))
+        assert torch.isinf(ref_t[vis]).sum() > 0
+        fin = vis & torch.isfinite(ref_t)
+        torch.testing.assert_close(got[fin], ref_t[fin], rtol=1e-5, atol=1e-5)
+        # FP8 keys with per-token scales
+        packed = quantize_index_keys(keys, page_size)
+        assert packed.shape == (keys.shape[0] // page_size, page_size * (dim + 4))
+        assert (dequantize_index_keys(packed, page_size, dim) - keys).abs().max() <= keys.abs().max() / 8
+        got8 = indexer_scores(q, w, packed, table, row_req, row_len, page_size, fp8=True, block_n=32)
+        ref8 = indexer_scores_reference(q, w, packed, table, row_req, row_len, page_size, fp8=True)
+        torch.testing.assert_close(got8[vis], ref8[vis], rtol=1e-5, atol=1e-5)
+        scale = ref[vis].abs().max()
+        assert (got8[vis] - ref[vis]).abs().max() < 0.1 * scale, (got8[vis] - ref[vis]).abs().max() / scale
+        # the whole selection
+        for topk in (16, 256, 300):
+            sl = indexer_topk(q, w, keys, table, row_req, row_len, page_size, topk, block_n=32, topk_block=64)
+            own = indexer_scores(q, w, keys, table, row_req, row_len, page_size, block_n=32)
+            assert torch.equal(sorted_rows(sl), sorted_rows(topk_slots(own, table, row_req, row_len, page_size,
+                                                                       topk)))
+            want = indexer_topk_reference(q, w, keys, table, row_req, row_len, page_size, topk)
+            assert torch.equal((sl >= 0).sum(1), (want >= 0).sum(1))
+            assert torch.equal((sl >= 0).sum(1), row_len.clamp(max=topk))
+            same = [len(set(a.tolist()) & set(b.tolist())) / max(1, len(set(b.tolist()))) for a, b in zip(sl, want)]
+            assert min(same) >= 0.95, same
+            if topk >= 260:  # every visible slot
+                assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(sl, want))
+
+
+def check_sparse_mla(g) -> None:
+    """Sparse MLA vs the reference: fp32 with one split (output written directly) and several (merged), heads not
+    a multiple of the head block, -1 slots scattered and a row with none, a latent cache row with padding. (Not
+    bf16: this Triton's interpreter computes bf16 ``tl.dot`` wrongly; the GPU check covers it.)"""
+    import torch
+
+    from workers.kernels.sparse_mla import sparse_mla, sparse_mla_reference
+
+    rows, heads, dl, dr, topk, slots_n = 5, 6, 32, 16, 40, 300
+    cache = torch.randn(slots_n, dl + dr, generator=g)
+    slots = torch.stack([torch.randperm(slots_n, generator=g)[:topk] for _ in range(rows)]).to(torch.int32)
+    slots[1, 30:] = -1  # a short selection padded at the end
+    slots[2, ::3] = -1  # holes
+    slots[3] = -1  # nothing selected
+    ql = torch.randn(rows, heads, dl, generator=g)
+    qr = torch.randn(rows, heads, dr, generator=g)
+    scale = (dl + dr) ** -0.5
+    ref = sparse_mla_reference(ql, qr, cache, slots, scale)
+    assert ref[3].abs().max() == 0
+    for splits in (1, 3, 8):
+        got = sparse_mla(ql, qr, cache, slots, scale, num_splits=splits, block_n=16)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # a latent cache row wider than latent + rope (padding), read through its stride
+    wide = torch.cat([cache, torch.full((slots_n, 16), float("nan"))], 1)
+    torch.testing.assert_close(sparse_mla(ql, qr, wide, slots, scale, num_splits=2, block_n=16), ref, rtol=1e-5,
+                               atol=1e-5)
+
+
+def check() -> None:
+    import torch
+
+    assert_interpreting()
+    g = torch.Generator().manual_seed(0)
+    check_topk(g)
+    check_indexer(g)
+    check_sparse_mla(g)
+    print("sparse_mla ok")
+
+
+def test_sparse_kernels_match_references_in_interpreter():
+    """Indexer scores (bf16-valued fp32 and FP8 keys), top-k and sparse MLA against their references."""
+    run_in_interpreter(__name__, "sparse_mla ok", timeout=600)
+
+
+def test_draft_rows_built_once_equal_per_step():
+    """SparseDraftRows' static buffers hold, after one fill, what building each step from scratch gives (chain and
+    tree steps, the expanded page rows); a second round's fill rewrites them in place."""
+    import torch
+
+    from workers.kernels.sparse_mla import SparseDraftRows, draft_rows_per_step
+
+    table = torch.randint(0, 100, (4, 7), dtype=torch.int32)
+    for causal in (True, False):
+        k, steps = (1, 3) if causal else (4, 2)
+        rows = SparseDraftRows(4, k, steps, "cpu", causal=causal, page_table=table)
+        ptrs = rows.row_len.data_ptr(), rows.pages.data_ptr()
+        for base in (torch.tensor([10, 3, 50], dtype=torch.int32), torch.tensor([7, 8, 9], dtype=torch.int32)):
+            rows.fill(base, offset=1)
+            for i in range(steps):
+                req, ln = rows.step(i, batch=3)
+                want_req, want_len, want_pages = draft_rows_per_step(base, k, i, offset=1, causal=causal,
+                                                                     page_table=table)
+                assert torch.equal(req, want_req) and torch.equal(ln, want_len), (causal, i)
+                assert torch.equal(rows.pages[:3 * k], want_pages)
+        assert (rows.row_len.data_ptr(), rows.pages.data_ptr()) == ptrs
+    rows = SparseDraftRows(2, 1, 2, "cpu")
+    rows.fill(torch.tensor([5, 9], dtype=torch.int32))
+    assert rows.row_len.tolist() == [[6, 10], [7, 11]]
+
+
+if __name__ == "__main__":
+    check()

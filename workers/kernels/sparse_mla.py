@@ -1,0 +1,639 @@
+"""DeepSeek-V3.2 sparse attention kernels: the lightning indexer's scores over paged keys, an exact top-k per query
+row, and multi-head latent attention (MLA, absorbed form) over each row's selected KV slots.
+
+Every query row is its own request row: ``row_req[r]`` names its request (a row of the page table) and
+``row_len[r]`` how many of that request's positions it sees (positions ``t < row_len``, slot of ``t`` =
+``page_table[row_req, t // page_size] * page_size + t % page_size``). DECODE (one row a request), TARGET_VERIFY and
+DRAFT_EXTEND (a row per draft token, each with its own causal length) and EXTEND all take the same kernels. A tree
+row may also carry a bitmask over the last ``tree_len`` positions it sees (as the dense Triton backend's), where
+only the set bits are visible.
+
+Launches depend only on shapes (rows, the page table's capacity, top-k) and read lengths on the device, so they
+replay inside CUDA graphs. On CUDA (or under Triton's CPU interpreter) each is a Triton kernel; elsewhere the
+PyTorch reference runs. Indexer keys are bf16 (or fp32) ``[slots, dim]``, or FP8 e4m3 with a per-token fp32 scale
+in SGLang's page layout (``quantize_index_keys``: a page's ``page_size * dim`` FP8 bytes, then its ``page_size``
+scales; 132 bytes a token at dim 128).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.kernels.launch import pdl_launch, triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from workers.kernels.launch import pdl_start
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+# ---- FP8 indexer keys (SGLang's page layout) --------------------------------------------------------------------
+def quantize_index_keys(k: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[slots, dim] keys -> uint8 [pages, page_size * (dim + 4)]: per page, every token's FP8 e4m3 key (scale =
+    the token's max |k| / 448), then every token's fp32 scale."""
+    slots, dim = k.shape
+    if slots % page_size:
+        raise ValueError(f"{slots} slots are not whole pages of {page_size}")
+    kf = k.float()
+    scale = (kf.abs().amax(-1) / FP8_MAX).clamp_min(1e-10)
+    q8 = (kf / scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(-1, page_size * dim)
+    sc = scale.view(-1, page_size).contiguous().view(torch.uint8)
+    return torch.cat([q8, sc], dim=1).contiguous()
+
+
+def dequantize_index_keys(packed: torch.Tensor, page_size: int, dim: int) -> torch.Tensor:
+    """The fp32 keys [slots, dim] an FP8 page buffer holds (value × scale)."""
+    pages = packed.shape[0]
+    q8 = packed[:, :page_size * dim].contiguous().view(torch.float8_e4m3fn).float().view(pages * page_size, dim)
+    scale = packed[:, page_size * dim:].contiguous().view(torch.float32).reshape(-1)
+    return q8 * scale[:, None]
+
+
+def index_key_bytes(dim: int, fp8: bool) -> int:
+    """Bytes one token's indexer key takes (bf16, or FP8 + its fp32 scale)."""
+    return dim + 4 if fp8 else 2 * dim
+
+
+# ---- references ---------------------------------------------------------------------------------------------------
+def _positions_and_slots(page_table, row_req, page_size):
+    cap = page_table.shape[1] * page_size
+    t = torch.arange(cap, device=page_table.device)
+    pages = page_table[row_req.long()].long()  # [R, P]
+    slots = pages[:, t // page_size] * page_size + t % page_size  # [R, cap]
+    return t, slots
+
+
+def _visible(t, row_len, tree_bits, tree_len):
+    vis = t[None, :] < row_len.long()[:, None]
+    if tree_bits is not None:
+        start = row_len.long()[:, None] - tree_len
+        rel = (t[None, :] - start).clamp(0, 62)
+        in_tree = ((tree_bits.long()[:, None] >> rel) & 1) != 0
+        vis = vis & torch.where(t[None, :] >= start, in_tree, True)
+    return vis
+
+
+def indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
+                             tree_len=0):
+    """[R, capacity] fp32: Σ_h w[r,h]·relu(q[r,h]·k[slot(t)]) for each visible position t, -inf elsewhere."""
+    keys = dequantize_index_keys(index_k, page_size, q.shape[-1]) if fp8 else index_k.float()
+    t, slots = _positions_and_slots(page_table, row_req, page_size)
+    k = keys[slots]  # [R, cap, D]
+    logits = torch.einsum("rhd,rtd->rht", q.float(), k).relu()
+    scores = (logits * w.float()[:, :, None]).sum(1)
+    return scores.masked_fill(~_visible(t, row_len, tree_bits, tree_len), float("-inf"))
+
+
+def topk_positions_reference(scores, row_len, topk):
+    """[R, topk] int64 positions of each row's ``topk`` highest finite scores among t < row_len (all of them if
+    fewer), ties to the lower position, -1 padding; in position order."""
+    r, cap = scores.shape
+    t = torch.arange(cap, device=scores.device)
+    valid = (t[None, :] < row_len.long()[:, None]) & (scores > float("-inf"))
+    s = scores.masked_fill(~valid, float("-inf"))
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :topk]
+    n = valid.sum(1).clamp(max=topk)
+    take = torch.arange(order.shape[1], device=scores.device)[None, :] < n[:, None]
+    pos = torch.where(take, order, cap).sort(dim=1).values
+    pos = torch.where(pos == cap, -1, pos)
+    if pos.shape[1] < topk:
+        pos = torch.cat([pos, pos.new_full((r, topk - pos.shape[1]), -1)], 1)
+    return pos
+
+
+def positions_to_slots(pos, page_table, row_req, page_size):
+    pages = page_table[row_req.long()].long()
+    p = pos.clamp_min(0)
+    slots = pages.gather(1, p // page_size) * page_size + p % page_size
+    return torch.where(pos >= 0, slots, -1).to(torch.int32)
+
+
+def indexer_topk_reference(q, w, index_k, page_table, row_req, row_len, page_size, topk, *, fp8=False,
+                           tree_bits=None, tree_len=0):
+    scores = indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
+                                      tree_bits=tree_bits, tree_len=tree_len)
+    return positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
+
+
+def sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale):
+    """out[r, h] = Σ_j softmax_j((q_latent·c_j + q_rope·k_rope_j)·sm_scale)·c_j over the row's slots j ≥ 0 (zeros for a
+    row with none)."""
+    dl = q_latent.shape[-1]
+    ok = slots >= 0
+    kv = latent_cache[slots.long().clamp_min(0)].float()  # [R, K, Dl + Dr]
+    s = (torch.einsum("rhd,rkd->rhk", q_latent.float(), kv[..., :dl])
+         + torch.einsum("rhd,rkd->rhk", q_rope.float(), kv[..., dl:])) * sm_scale
+    s = s.masked_fill(~ok[:, None, :], float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return torch.einsum("rhk,rkd->rhd", p, kv[..., :dl]).to(q_latent.dtype)
+
+
+# ---- Triton kernels -----------------------------------------------------------------------------------------------
+if triton is not None:
+
+    @triton.jit
+    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores,
+                        heads, page_size, tree_len, num_splits,
+                        stride_qr, stride_qh, stride_wr, stride_k, stride_pt, stride_sr,
+                        DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, split): scores of the split's share of the row's visible positions. Rows vary fastest, so
+        the rows of one request (a verify's) read each key tile at about the same time (once from HBM)."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        split = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, DIM)
+        h_ok = h < heads
+        q = tl.load(Q + r * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
+        w = tl.load(W + r * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
+        if HAS_TREE:
+            bits = tl.load(TreeBits + r)
+            block_start = row_len - tree_len
+        for start in range(lo, hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            ok = t < hi
+            page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
+            off = t % page_size
+            if FP8:  # page: page_size * DIM e4m3 bytes, then page_size fp32 scales
+                base = page * page_size * (DIM + 4)
+                kb = tl.load(K + base[:, None] + off[:, None] * DIM + d[None, :], mask=ok[:, None], other=0)
+                k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)
+                scale = tl.load(KScale + (base + page_size * DIM) // 4 + off, mask=ok, other=0.0)
+            else:
+                k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None],
+                            other=0.0)
+            if IEEE:  # fp32: no TF32 rounding
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k)).to(tl.float32)
+            if FP8:
+                s = s * scale[None, :]
+            score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+            if HAS_TREE:  # inside the row's tree block only its set bits are visible
+                rel = tl.maximum(t - block_start, 0).to(tl.int64)
+                score = tl.where((t >= block_start) & (((bits >> rel) & 1) == 0), float("-inf"), score)
+            tl.store(Scores + r * stride_sr + t, score, mask=ok)
+
+    @triton.jit
+    def _ordered_key(s):
+        """fp32 -> int32 whose signed order is the floats' order."""
+        bits = s.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
+        """Histogram of digit P (8 bits, most significant first) of the finite keys in [lo, hi) whose higher digits
+        are ``prefix``'s."""
+        shift = 24 - 8 * P
+        hist = tl.zeros([256], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            valid = s > float("-inf")  # also drops NaN
+            key = _ordered_key(s)
+            if P > 0:
+                valid = valid & (((key ^ prefix) >> (shift + 8)) == 0)
+            digit = (key >> shift) & 0xFF
+            if P == 0:  # the top digit of a signed key: flip its sign bit for unsigned order
+                digit = digit ^ 0x80
+            hist += tl.histogram(digit, 256, mask=valid)
+        return hist
+
+    @triton.jit
+    def _choose_digit(hist, k_rem, prefix, P: tl.constexpr):
+        """The digit where the k_rem-th largest key lies: (digit, keys still to take at or below it, new prefix)."""
+        bins = tl.arange(0, 256)
+        total = tl.sum(hist, 0)
+        above = total - tl.cumsum(hist, 0)  # keys with a higher digit
+        hit = (above < k_rem) & (above + hist >= k_rem)
+        d = tl.max(tl.where(hit, bins, -1), 0)
+        k_rem -= tl.sum(tl.where(bins == d, above, 0), 0)
+        signed = d
+        if P == 0:
+            signed = d ^ 0x80
+        return d, k_rem, prefix | (signed << (24 - 8 * P))
+
+    @triton.jit
+    def _row_state(HistTot, r, topk, P: tl.constexpr):
+        """(prefix, keys still to take, last digit, keys selectable) after passes 0..P-1, from the row's total
+        histograms."""
+        bins = tl.arange(0, 256)
+        k_rem = topk
+        prefix = 0
+        d = -1
+        n_valid = 0
+        for p in tl.static_range(P):
+            hist = tl.load(HistTot + (r * 4 + p) * 256 + bins)
+            if p == 0:
+                n_valid = tl.sum(hist, 0)
+                k_rem = tl.minimum(k_rem, n_valid)
+            d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+        return prefix, k_rem, d, n_valid
+
+    @triton.jit
+    def _write_selected(row, table_row, out_row, lo, hi, threshold, k_rem, written, eq_seen, page_size,
+                        BLOCK: tl.constexpr):
+        """Slots of the keys above ``threshold`` in [lo, hi), and of those equal to it while fewer than k_rem
+        were taken (lowest positions first), from ``written`` on in position order."""
+        written = written + tl.zeros([], tl.int32)
+        eq_seen = eq_seen + tl.zeros([], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            valid = s > float("-inf")
+            key = _ordered_key(s)
+            eq = valid & (key == threshold)
+            eq_rank = eq_seen + tl.cumsum(eq.to(tl.int32), 0) - 1
+            take = (valid & (key > threshold)) | (eq & (eq_rank < k_rem))
+            dest = written + tl.cumsum(take.to(tl.int32), 0) - 1
+            page = tl.load(table_row + t // page_size, mask=take, other=0)
+            tl.store(out_row + dest, page * page_size + t % page_size, mask=take)
+            written += tl.sum(take.to(tl.int32), 0)
+            eq_seen += tl.sum(eq.to(tl.int32), 0)
+
+    @triton.jit
+    def _pad(out_row, n, topk, BLOCK: tl.constexpr):
+        for start in range(0, topk, BLOCK):
+            j = start + tl.arange(0, BLOCK)
+            tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n) & (j < topk))
+
+    @triton.jit
+    def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
+        largest key T and how many keys equal to T to take (the lowest positions), then one pass writes the slots
+        of the keys above T and of those, in position order, and -1 after them."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        row_len = tl.load(RowLen + r)
+        row = Scores + r.to(tl.int64) * stride_sr
+        k_rem = topk
+        prefix = 0
+        n_valid = 0
+        for p in tl.static_range(4):
+            hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
+            if p == 0:
+                n_valid = tl.sum(hist, 0)
+                k_rem = tl.minimum(k_rem, n_valid)
+            d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        out_row = Out + r.to(tl.int64) * stride_or
+        _write_selected(row, table_row, out_row, 0, row_len, prefix, k_rem, 0, 0, page_size, BLOCK)
+        _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
+    def _topk_split_pass(Scores, RowLen, HistTot, HistLoc, GtPart, topk, num_splits, stride_sr,
+                         P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Pass P of the split radix select, program (row, split): the split's histogram of digit P among the keys
+        matching the digits chosen by passes < P (from the row's totals), stored for the split and added to the
+        row's total; and the split's count of keys above the digit pass P-1 chose (they are above the k-th)."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        prefix, k_rem, d_prev, n_valid = _row_state(HistTot, r, topk, P)
+        hist = _pass_histogram(Scores + r.to(tl.int64) * stride_sr, lo, hi, prefix, P, BLOCK)
+        bins = tl.arange(0, 256)
+        loc = HistLoc + ((r * num_splits + sp) * 4).to(tl.int64) * 256
+        tl.store(loc + P * 256 + bins, hist)
+        tl.atomic_add(HistTot + (r * 4 + P) * 256 + bins, hist, mask=hist > 0)
+        if P > 0:
+            prev = tl.load(loc + (P - 1) * 256 + bins)
+            tl.store(GtPart + (r * num_splits + sp) * 4 + P - 1, tl.sum(tl.where(bins > d_prev, prev, 0), 0))
+
+    @triton.jit
+    def _topk_split_write(Scores, PageTable, RowReq, RowLen, HistTot, HistLoc, GtPart, Out, topk, page_size,
+                          num_splits, stride_sr, stride_pt, stride_or, SPLITS_P2: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, split): the split's selected slots, at the offset the splits before it fill (their keys
+        above the k-th, and their share of the equal ones, lowest positions first), so the row's slots come out in
+        position order whatever the split count; split 0 pads with -1."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        threshold, k_rem, d3, n_valid = _row_state(HistTot, r, topk, 4)
+        bins = tl.arange(0, 256)
+        before = tl.arange(0, SPLITS_P2)
+        earlier = before < sp
+        base = (r * num_splits + before) * 4
+        gt = tl.load(GtPart + base[:, None] + tl.arange(0, 4)[None, :], mask=earlier[:, None]
+                     & (tl.arange(0, 4)[None, :] < 3), other=0)
+        h3 = tl.load(HistLoc + (base + 3).to(tl.int64)[:, None] * 256 + bins[None, :], mask=earlier[:, None],
+                     other=0)
+        above = tl.sum(gt, 1) + tl.sum(tl.where(bins[None, :] > d3, h3, 0), 1)  # [splits]
+        eq = tl.sum(tl.where(bins[None, :] == d3, h3, 0), 1)
+        eq_before = tl.cumsum(eq, 0) - eq
+        taken_eq = tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
+        written = tl.sum(above + taken_eq, 0)
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        out_row = Out + r.to(tl.int64) * stride_or
+        _write_selected(Scores + r.to(tl.int64) * stride_sr, table_row, out_row, lo, hi, threshold, k_rem, written,
+                        tl.sum(eq, 0), page_size, BLOCK)
+        if sp == 0:
+            _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
+    def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, scale, heads, topk, num_splits,
+                    stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
+                    stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
+                    DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                    DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, head block, split) over the split's share of the row's slot list: online softmax of
+        (q_latent·c + q_rope·k_rope)·scale, accumulating p·c. One split writes the output (DIRECT), else partial
+        (output, log-sum-exp) for ``_merge_mla``."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        hb = tl.program_id(1)
+        split = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, topk)
+        h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = h < heads
+        dl = tl.arange(0, DL)
+        dr = tl.arange(0, DR)
+        ql = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl[None, :], mask=h_ok[:, None], other=0.0)
+        qr = tl.load(QR + r * stride_qrr + h[:, None] * stride_qrh + dr[None, :], mask=h_ok[:, None], other=0.0)
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, DL], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            slot = tl.load(Slots + r * stride_sr + j, mask=j < hi, other=-1)
+            ok = slot >= 0
+            row = slot.to(tl.int64) * stride_c
+            c = tl.load(Cache + row[:, None] + dl[None, :], mask=ok[:, None], other=0.0)
+            kr = tl.load(Cache + row[:, None] + DL + dr[None, :], mask=ok[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
+            else:
+                s = tl.dot(ql, tl.trans(c)).to(tl.float32) + tl.dot(qr, tl.trans(kr)).to(tl.float32)
+            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(tl.float32)
+            m_i = m_new
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        if DIRECT:
+            tl.store(Out + r * stride_or + h[:, None] * stride_oh + dl[None, :], o.to(Out.dtype.element_ty),
+                     mask=h_ok[:, None])
+        else:
+            lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+            live = h_ok & (l_i > 0)  # a split that saw nothing writes only its -inf log-sum-exp
+            tl.store(PartO + r * stride_po_r + h[:, None] * stride_po_h + split * stride_po_s + dl[None, :], o,
+                     mask=live[:, None])
+            tl.store(PartLSE + r * stride_pl_r + h * stride_pl_h + split, lse, mask=h_ok)
+
+    @triton.jit
+    def _merge_mla(PartO, PartLSE, Out, num_splits, stride_po_r, stride_po_h, stride_po_s, stride_pl_r,
+                   stride_pl_h, stride_or, stride_oh, DL: tl.constexpr, SPLITS_P2: tl.constexpr,
+                   PDL: tl.constexpr = False):
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_P2)
+        d = tl.arange(0, DL)
+        sp_ok = sp < num_splits
+        lse = tl.load(PartLSE + r * stride_pl_r + h * stride_pl_h + sp, mask=sp_ok, other=float("-inf"))
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)
+        live = sp_ok & (lse > float("-inf"))
+        wt = tl.where(live, tl.exp(lse - m), 0.0)
+        o = tl.load(PartO + r * stride_po_r + h * stride_po_h + sp[:, None] * stride_po_s + d[None, :],
+                    mask=live[:, None], other=0.0)
+        out = tl.sum(o * wt[:, None], 0) / tl.maximum(tl.sum(wt, 0), 1e-30)
+        tl.store(Out + r * stride_or + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+# ---- launches -----------------------------------------------------------------------------------------------------
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(x: torch.Tensor) -> int:
+    if not x.is_cuda:
+        return 16
+    i = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    if i not in _NUM_SMS:
+        _NUM_SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _NUM_SMS[i]
+
+
+def _p2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
+                   tree_len=0, num_splits=None, block_n=64, programs_per_sm=4, out=None):
+    """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
+    top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
+    ``quantize_index_keys``. Splits per row from the shapes only (``num_splits`` overrides)."""
+    rows, heads, dim = q.shape
+    cap = page_table.shape[1] * page_size
+    if not use_triton(q):
+        return indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
+                                        tree_bits=tree_bits, tree_len=tree_len)
+    if dim & (dim - 1) or dim < 16:
+        raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
+    scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
+    if num_splits is None:
+        num_splits = max(1, min(triton.cdiv(cap, block_n),
+                                triton.cdiv(programs_per_sm * _num_sms(q), max(rows, 1))))
+    if fp8:
+        key, key_scale, stride_k = index_k, index_k.view(torch.float32), 0
+    else:
+        key, key_scale, stride_k = index_k, index_k, index_k.stride(0)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if rows:
+        _indexer_scores[(rows, num_splits)](
+            q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
+            scores, heads, page_size, tree_len, num_splits, q.stride(0), q.stride(1), w.stride(0), stride_k,
+            page_table.stride(0), scores.stride(0), DIM=dim, BLOCK_H=_p2(heads), BLOCK_N=block_n, FP8=fp8,
+            HAS_TREE=tree_bits is not None, IEEE=q.dtype == torch.float32, num_warps=4 if heads <= 32 else 8,
+            **pdl_launch(q))
+    return scores
+
+
+def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per_sm: int = 2,
+                max_splits: int = 32) -> int:
+    """Splits of each row for the top-k: enough (row, split) programs to fill the GPU, at most one per block."""
+    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1))
+    return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
+
+
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, num_splits=None,
+               programs_per_sm=2, out=None):
+    """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
+    lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
+    it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
+    each a launch, the histograms summed through atomics."""
+    rows, cap = scores.shape
+    if not use_triton(scores):
+        pos = topk_positions_reference(scores, row_len, topk)
+        return positions_to_slots(pos, page_table, row_req, page_size)
+    slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
+    if rows == 0:
+        return slots
+    if num_splits is None:
+        num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
+    pdl = pdl_launch(scores)
+    if num_splits == 1:
+        _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
+                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
+        return slots
+    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+    hist_loc = torch.empty(rows, num_splits, 4, 256, dtype=torch.int32, device=scores.device)
+    gt_part = torch.empty(rows, num_splits, 4, dtype=torch.int32, device=scores.device)
+    for p in range(4):
+        _topk_split_pass[(rows, num_splits)](scores, row_len, hist_tot, hist_loc, gt_part, topk, num_splits,
+                                             scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
+    _topk_split_write[(rows, num_splits)](
+        scores, page_table, row_req, row_len, hist_tot, hist_loc, gt_part, slots, topk, page_size, num_splits,
+        scores.stride(0), page_table.stride(0), slots.stride(0), SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK=block, num_warps=num_warps, **pdl)
+    return slots
+
+
+def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
+                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, topk_splits=None,
+                 scores_out=None, out=None):
+    """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
+
+    q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
+    page_table [B, P] int32, row_req / row_len [R] int32 (device). Graph-safe: nothing read on the host."""
+    scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
+                            tree_len=tree_len, num_splits=num_splits, block_n=block_n, out=scores_out)
+    return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block,
+                      num_splits=topk_splits, out=out)
+
+
+def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
+               programs_per_sm: int = 2) -> int:
+    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each."""
+    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h))
+    return max(1, min(triton.cdiv(topk, block_n), fill))
+
+
+def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
+               block_n=32, programs_per_sm=2, num_warps=None, num_stages=None, out=None):
+    """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
+    [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
+    list (from the shapes only) and a merge; one split writes the output directly."""
+    rows, heads, dl = q_latent.shape
+    dr = q_rope.shape[-1]
+    topk = slots.shape[1]
+    if not use_triton(q_latent):
+        return sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale)
+    for name, dim in (("latent", dl), ("rope", dr)):
+        if dim & (dim - 1) or dim < 16:
+            raise ValueError(f"MLA {name} dim {dim} must be a power of two >= 16")
+    if latent_cache.shape[1] < dl + dr or latent_cache.stride(1) != 1:
+        raise ValueError("latent cache rows must hold latent + rope contiguously")
+    fp32 = q_latent.dtype == torch.float32
+    if block_h is None:
+        block_h = 16 if (fp32 or heads <= 16) else 32
+    block_h = min(block_h, _p2(heads))
+    if num_splits is None:
+        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm)
+    out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
+    if rows == 0:
+        return out
+    direct = num_splits == 1
+    if direct:
+        part_o = part_lse = out
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    else:
+        part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
+        part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
+        po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
+    num_warps = num_warps or (8 if block_h >= 32 else 4)
+    _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
+        q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
+        slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
+        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, DIRECT=direct, IEEE=fp32, num_warps=num_warps,
+        num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
+    if not direct:
+        _merge_mla[(rows, heads)](
+            part_o, part_lse, out, num_splits, *po_strides, *pl_strides, out.stride(0), out.stride(1), DL=dl,
+            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4, **pdl_launch(q_latent))
+    return out
+
+
+# ---- multi-step draft rows, built once per round ------------------------------------------------------------------
+class SparseDraftRows:
+    """Every step's query rows of a multi-step draft round for the sparse kernels, built once per round into static
+    buffers (SGLang #14781's idea: the NSA metadata of all draft steps made once, not per step).
+
+    Step ``i`` feeds ``k`` tokens per request; row ``b * k + j`` of every step belongs to request ``b`` (``row_req``,
+    fixed by the shape). Its length is ``base[b] + offset + i * k + j + 1`` when ``causal`` (a chain: each token sees
+    itself and what precedes it), else ``base[b] + offset + (i + 1) * k`` for all ``k`` nodes (a tree step: the
+    node's tree bits say which of the step's block it sees). ``fill`` writes all steps' lengths with one device op
+    into the static [steps, B * k] buffer; ``step(i)`` returns views. ``expand_pages`` also keeps a per-row copy of
+    the page table's rows ([B * k, P], the same for every step) for kernels that take a page table row per query
+    row (ours index the shared table through ``row_req`` instead).
+    """
+
+    def __init__(self, max_batch: int, tokens_per_step: int, steps: int, device, *, causal: bool = True,
+                 page_table: torch.Tensor | None = None):
+        b, k = max_batch, tokens_per_step
+        self.k, self.steps, self.max_batch = k, steps, b
+        self.row_req = torch.arange(b, dtype=torch.int32, device=device).repeat_interleave(k)
+        i = torch.arange(steps, device=device)[:, None]
+        j = torch.arange(k, device=device).repeat(b)[None, :]
+        self._offsets = (i * k + j + 1 if causal else (i + 1) * k + 0 * j).to(torch.int32)  # [steps, B * k]
+        self.row_len = torch.empty(steps, b * k, dtype=torch.int32, device=device)
+        self._page_table = page_table
+        self.pages = None if page_table is None else page_table.new_empty(b * k, page_table.shape[1])
+
+    def fill(self, base_lens: torch.Tensor, offset: int = 0, req_slots: torch.Tensor | None = None) -> None:
+        """All steps' row lengths from the round's base lengths [B] (device), and the expanded page rows (of
+        ``req_slots``, default the first B rows)."""
+        b = base_lens.shape[0]
+        lens = self.row_len[:, :b * self.k].view(self.steps, b, self.k)
+        torch.add(self._offsets[:, :b * self.k].view(self.steps, b, self.k), (base_lens + offset).view(1, b, 1),
+                  out=lens)
+        if self.pages is not None:
+            idx = self.row_req[:b * self.k] if req_slots is None else req_slots.repeat_interleave(self.k)
+            torch.index_select(self._page_table, 0, idx, out=self.pages[:b * self.k])
+
+    def step(self, i: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row_req, row_len) of step ``i`` (views of the static buffers)."""
+        n = (batch if batch is not None else self.max_batch) * self.k
+        return self.row_req[:n], self.row_len[i, :n]
+
+
+def draft_rows_per_step(base_lens: torch.Tensor, k: int, step: int, offset: int = 0, causal: bool = True,
+                        page_table: torch.Tensor | None = None, req_slots: torch.Tensor | None = None):
+    """One step's (row_req, row_len[, expanded page rows]) built from scratch, as a per-step metadata pass would
+    (the baseline ``SparseDraftRows`` replaces)."""
+    b = base_lens.shape[0]
+    dev = base_lens.device
+    row_req = torch.arange(b, dtype=torch.int32, device=dev).repeat_interleave(k)
+    j = torch.arange(k, device=dev).repeat(b)
+    extra = step * k + j + 1 if causal else torch.full_like(j, (step + 1) * k)
+    row_len = (base_lens.repeat_interleave(k) + offset + extra).to(torch.int32)
+    if page_table is None:
+        return row_req, row_len
+    rows = page_table[(row_req if req_slots is None else req_slots.repeat_interleave(k)).long()]
+    return row_req, row_len, rows
