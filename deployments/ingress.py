@@ -296,8 +296,9 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self):
         try:
-            await asyncio.wait_for(asyncio.gather(*(m.controller.check_health.remote() for m in self.models.values())),
-                                   EngineClient.CONNECT_TIMEOUT_S)
+            # (serving: a core restarting its workers passes Serve's check, not this probe)
+            checks = [m.controller.check_health.remote(serving=True) for m in self.models.values()]
+            await asyncio.wait_for(asyncio.gather(*checks), EngineClient.CONNECT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - failed, or being replaced: not an error of ours
             raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
