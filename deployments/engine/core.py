@@ -261,22 +261,28 @@ class EngineCore:
         self._fail_everything(self._stopped(), 503, end=not restartable)
         self._wake.set()
 
+    def _may_restart(self, now: float) -> bool:
+        """Whether a restart at ``now`` (monotonic) keeps within MAX_RESTARTS per RESTART_WINDOW_S; if so, it counts."""
+        while self._restarts and now - self._restarts[0] > self.RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.MAX_RESTARTS:
+            return False
+        self._restarts.append(now)
+        return True
+
     def _restart_workers(self) -> bool:
         """On the loop's thread, after the workers failed: fresh workers and a fresh engine (scheduler, KV pages) over
         them, unless they failed too often; True once requests are taken again. Else the core has ended (every later
         request refused) and its health check fails, so that Serve replaces the replica."""
         old = self.engine
         now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > self.RESTART_WINDOW_S:
-            self._restarts.popleft()
-        if not hasattr(old.executor, "restart") or len(self._restarts) >= self.MAX_RESTARTS:
+        if not hasattr(old.executor, "restart") or not self._may_restart(now):
             self.error = EngineStopped(f"engine workers failed {len(self._restarts) + 1} time(s) within "
                                        f"{self.RESTART_WINDOW_S:.0f} s, more than it restarts them (last: "
                                        f"{old.failure})")
             logger.error("%s: not restarting them", self.error)
             self._fail_everything(self._stopped(), 503)
             return False
-        self._restarts.append(now)
         logger.warning("engine workers failed (%s): restarting them", old.failure)
         executor = None
         try:
