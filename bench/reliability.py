@@ -1097,6 +1097,8 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running")
     ap.add_argument("--wait-s", type=float, default=0, help="with --server-config: wait this long for /health")
+    ap.add_argument("--client-url", default=None, help="send the requests here instead (e.g. an ingress replica's own "
+                    "port under Ray Serve's direct ingress, RAY_SERVE_THROUGHPUT_OPTIMIZED=1)")
     ap.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                     help="the server's API key (default: $SPECSERVE_API_KEY)")
     ap.add_argument("--fuzz-requests", type=int, default=2000)
@@ -1126,6 +1128,8 @@ def main() -> None:
         vocab, config = vocab_size(app_args), args.server_config
     else:
         ap.error("one of --config, --server-config")
+    if args.client_url:
+        base = args.client_url.rstrip("/")
     import yaml
 
     app = yaml.safe_load(Path(config).read_text())["applications"][0].get("name", "default")
