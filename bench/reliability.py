@@ -11,6 +11,10 @@ running server.
    ingress, controller, engine core) before and after each.
 3. **500 concurrent streams**: none lost, every token once (the streamed text and token count equal the same
    prompt's non-streamed greedy answer), KV back to 0.
+4. **A worker's SIGKILL**, quiet and with 32 streams running (their clients start again when refused): the time
+   from the kill to the first successful completion and until every client streams again; how the cut streams
+   ended; whether the engine core's process stayed (no replica replacement). Last: it restarts the workers, at
+   most 3 times in 5 minutes before the engine gives up on its replica (so at most 3 kills a run).
 
     serve run configs/local.yaml &   # then:
     python3 -m bench.reliability --server-config configs/local.yaml --out bench/results/reliability/cpu_local
@@ -827,6 +831,141 @@ async def many_streams(base: str, model: str, api_key: str | None, num: int, max
             "stats_after": {k: s[k] for k in ("running", "waiting", "kv_usage")}}
 
 
+def actor_pids(port: int, title: str) -> list[int]:
+    """Pids of the Ray worker processes on the node of the HTTP proxy listening on ``port`` whose process title starts
+    with ``title`` (e.g. ``ray::WorkerActor``)."""
+    proxy = _listener_pid(port)
+    if proxy is None:
+        return []
+    raylet = _ppid(proxy)
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if _ppid(int(proc.name)) == raylet and (proc / "cmdline").read_bytes().split(b"\0")[0].decode(
+                    errors="replace").startswith(title):
+                pids.append(int(proc.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return sorted(pids)
+
+
+async def _kill_stream(http, url: str, headers: dict, body: dict, state: dict) -> None:
+    """One client's stream, started again whenever it ends (a 503 or a stream that ended with an error: after
+    ``RETRY_S``), as a client retrying would, until ``state["stop"]``: each stream's ending (error event then
+    [DONE], or not) and the time its first token came are recorded in ``state``."""
+    import httpx
+
+    while not state["stop"]:
+        started = time.perf_counter()
+        try:
+            async with http.stream("POST", url, json=body, headers=headers) as resp:
+                if resp.status_code != 200:
+                    state["statuses"][resp.status_code] += 1
+                    await resp.aread()
+                else:
+                    last, first = [], None
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: "):
+                            if first is None and line.startswith("data: {") and '"error"' not in line:
+                                first = time.perf_counter()
+                                state["first_tokens"].append((started, first))
+                            last = (last + [line[6:]])[-2:]
+                    state["statuses"][200] += 1
+                    if state["killed"] is not None and started < state["killed"]:  # a stream the kill cut short
+                        ended = (len(last) == 2 and last[1] == "[DONE]" and last[0].startswith("{")
+                                 and "error" in json.loads(last[0]))
+                        state["cut"].append({"error_then_done": ended, "s": time.perf_counter() - state["killed"],
+                                             "error": json.loads(last[0]).get("error", {}).get("type")
+                                             if ended else None})
+        except httpx.HTTPError as e:
+            state["statuses"][type(e).__name__] += 1
+        if time.perf_counter() - started < 1.0:
+            await asyncio.sleep(WorkerKill.RETRY_S)
+
+
+class WorkerKill:
+    RETRY_S = 0.2  # a refused client tries again after this long
+    PROBE_S = 0.1  # the prober's pause between requests
+
+
+async def worker_kill(base: str, model: str, api_key: str | None, port: int, loaded_streams: int,
+                      timeout_s: float = 120.0) -> dict:
+    """SIGKILL of a TP worker process (``ray::WorkerActor``), with ``loaded_streams`` streams running (0: quiet);
+    those clients keep streaming, starting again when refused. A prober sends a small non-streamed completion
+    every ``PROBE_S`` from the kill on: the time from the kill to its first 200, the statuses it saw; how the cut
+    streams ended; when every client streamed again; whether the engine core's process stayed (the replica was not
+    replaced), and whether the KV cache is empty afterwards."""
+    import signal
+
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    workers, core = actor_pids(port, "ray::WorkerActor"), actor_pids(port, "ray::EngineCore")
+    if not workers:
+        raise RuntimeError("no ray::WorkerActor process found on the proxy's node")
+    state = {"stop": False, "killed": None, "statuses": collections.Counter(), "first_tokens": [], "cut": []}
+    body = {"model": model, "prompt": "def main():", "max_tokens": 100_000, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    probe = {"model": model, "prompt": "def f(", "max_tokens": 4, "temperature": 0.0}
+    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=loaded_streams + 8)) as http:
+        info = (await http.get(base + "/v1/models", headers=headers)).json()["data"][0]
+        body["max_tokens"] = min(info.get("max_model_len", 2048) - 16, 1500)
+        clients = [asyncio.ensure_future(_kill_stream(http, base + COMPLETIONS, headers, body, state))
+                   for _ in range(loaded_streams)]
+        deadline = time.perf_counter() + 60
+        while len(state["first_tokens"]) < loaded_streams and time.perf_counter() < deadline:
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0 if loaded_streams else 0.0)
+        running_before = (await http.get(base + "/v1/stats", headers=headers)).json()["running"]
+        killed = state["killed"] = time.perf_counter()
+        os.kill(workers[0], signal.SIGKILL)
+        seen, recovered = collections.Counter(), None
+        while time.perf_counter() - killed < timeout_s:
+            try:
+                r = await http.post(base + COMPLETIONS, json=probe, headers=headers, timeout=30)
+                seen[r.status_code] += 1
+                if r.status_code == 200:
+                    recovered = time.perf_counter() - killed
+                    break
+            except httpx.HTTPError as e:
+                seen[type(e).__name__] += 1
+            await asyncio.sleep(WorkerKill.PROBE_S)
+        # every client streaming again: a first token of a stream started after the kill, per client
+        all_back = None
+        while loaded_streams and time.perf_counter() - killed < timeout_s:
+            after = [f for s, f in state["first_tokens"] if s > killed]
+            if len(after) >= loaded_streams:
+                all_back = sorted(after)[loaded_streams - 1] - killed
+                break
+            await asyncio.sleep(0.1)
+        state["stop"] = True
+        for c in clients:
+            c.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        t1 = time.perf_counter()
+        while True:
+            stats = (await http.get(base + "/v1/stats", headers=headers)).json()
+            if (stats["running"], stats["waiting"], stats["kv_usage"]) == (0, 0, 0.0) or time.perf_counter() - t1 > 30:
+                break
+            await asyncio.sleep(0.05)
+    cut = state["cut"]
+    return {"loaded_streams": loaded_streams, "running_at_kill": running_before,
+            "recovered_s": None if recovered is None else round(recovered, 2),
+            "all_streaming_again_s": None if all_back is None else round(all_back, 2),
+            "probe_statuses": {str(k): v for k, v in seen.items()},
+            "client_statuses": {str(k): v for k, v in state["statuses"].items()},
+            "streams_cut": len(cut), "cut_error_then_done": sum(c["error_then_done"] for c in cut),
+            "cut_error_types": sorted({str(c["error"]) for c in cut}),
+            "cut_ended_within_s": round(max((c["s"] for c in cut), default=0.0), 2),
+            "core_kept": actor_pids(port, "ray::EngineCore") == core, "worker_replaced": workers[0] not in
+            actor_pids(port, "ray::WorkerActor"), "kv_usage_after": stats["kv_usage"],
+            "stats_after": {k: stats[k] for k in ("running", "waiting", "kv_usage")},
+            "idle_after_s": round(time.perf_counter() - t1, 2),
+            "worker_restarts": stats.get("loop", {}).get("worker_restarts")}
+
+
 def summarize_fuzz(outcomes: list[Outcome], seconds: float) -> dict:
     kinds = collections.Counter(o.kind for o in outcomes)
     problems = [o for o in outcomes if o.problem]
@@ -847,6 +986,11 @@ def goals(meta: dict) -> list[str]:
     """One line per goal of issue #37 that this run measures: met or not, with the figure."""
     lines = []
     f, h, m = meta.get("fuzz"), meta.get("huge_body"), meta.get("many_streams")
+    for k in meta.get("worker_kill", []):
+        ok = k["recovered_s"] is not None and k["recovered_s"] < 15
+        lines.append(f"- {'met' if ok else 'NOT met'}: service answering again < 15 s after a worker SIGKILL, "
+                     f"{k['loaded_streams'] or 'no'} streams running ({k['recovered_s']} s; engine core kept: "
+                     f"{k['core_kept']})")
     if f:
         ok = f["5xx"] == f["non_openai_bodies"] == f["hangs"] == f["leaking_bodies"] == 0 and f["requests"] >= 2000
         lines.append(f"- {'met' if ok else 'NOT met'}: >= 2,000 fuzzed requests, 0 5xx, 0 non-OpenAI bodies, 0 hangs "
@@ -928,6 +1072,21 @@ def write_report(meta: dict, out: Path) -> None:
                "KV usage after |", "|---|---|---|---|---|---|",
                f"| {m['lost']} | {m['text_differs']} | {m['token_count_wrong']} | {m['tokens_streamed']} | "
                f"{m['idle_after_s']} | {m['stats_after']['kv_usage']} |", ""]
+    kills = meta.get("worker_kill")
+    if kills:
+        md += ["## A worker's SIGKILL", "",
+               "SIGKILL of the TP worker's process; a prober sends a 4-token completion every "
+               f"{WorkerKill.PROBE_S} s from the kill on. Under load, each of the streams' clients starts a new stream "
+               f"when its stream ends or is refused (after {WorkerKill.RETRY_S} s). The engine core restarts its "
+               "workers itself: the controller replica and the core actor stay.", "",
+               "| streams running | first 200 after the kill s | every client streaming again s | cut streams: "
+               "error event + [DONE] | cut streams ended within s | prober's statuses | engine core kept | "
+               "worker replaced | KV usage after |", "|---|---|---|---|---|---|---|---|---|"]
+        md += [f"| {k['loaded_streams']} | {k['recovered_s']} | {k['all_streaming_again_s']} | "
+               f"{k['cut_error_then_done']} / {k['streams_cut']} {k['cut_error_types'] if k['streams_cut'] else ''} | "
+               f"{k['cut_ended_within_s']} | {k['probe_statuses']} | {k['core_kept']} | {k['worker_replaced']} | "
+               f"{k['kv_usage_after']} |" for k in kills]
+        md += [""]
     write_markdown(out, md)
 
 
@@ -938,6 +1097,8 @@ def main() -> None:
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running")
     ap.add_argument("--wait-s", type=float, default=0, help="with --server-config: wait this long for /health")
+    ap.add_argument("--client-url", default=None, help="send the requests here instead (e.g. an ingress replica's own "
+                    "port under Ray Serve's direct ingress, RAY_SERVE_THROUGHPUT_OPTIMIZED=1)")
     ap.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                     help="the server's API key (default: $SPECSERVE_API_KEY)")
     ap.add_argument("--fuzz-requests", type=int, default=2000)
@@ -948,7 +1109,10 @@ def main() -> None:
     ap.add_argument("--gap-streams", type=int, default=8, help="streams running while the big bodies go")
     ap.add_argument("--streams", type=int, default=500)
     ap.add_argument("--stream-tokens", type=int, default=16)
-    ap.add_argument("--parts", default="fuzz,huge_body,many_streams")
+    ap.add_argument("--kills", default="quiet,loaded,loaded",
+                    help="worker kills, in order: quiet (no streams) or loaded (--kill-streams streams running)")
+    ap.add_argument("--kill-streams", type=int, default=32)
+    ap.add_argument("--parts", default="fuzz,huge_body,many_streams,worker_kill")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     from bench.serving import server_config, start_app, vocab_size, wait_healthy
@@ -964,6 +1128,8 @@ def main() -> None:
         vocab, config = vocab_size(app_args), args.server_config
     else:
         ap.error("one of --config, --server-config")
+    if args.client_url:
+        base = args.client_url.rstrip("/")
     import yaml
 
     app = yaml.safe_load(Path(config).read_text())["applications"][0].get("name", "default")
@@ -989,6 +1155,15 @@ def main() -> None:
         meta["many_streams"] = asyncio.run(many_streams(base, model, args.api_key, args.streams, args.stream_tokens))
         print(json.dumps(meta["many_streams"], indent=1), flush=True)
         write_report(meta, out)
+    if "worker_kill" in parts:
+        port = int(base.removeprefix("http://").split("/")[0].rsplit(":", 1)[1])
+        meta["worker_kill"] = []
+        for kind in args.kills.split(","):
+            loaded = {"quiet": 0, "loaded": args.kill_streams}[kind]
+            meta["worker_kill"].append(asyncio.run(worker_kill(base, model, args.api_key, port, loaded)))
+            print(json.dumps(meta["worker_kill"][-1], indent=1), flush=True)
+            write_report(meta, out)
+            time.sleep(2.0)
 
 
 if __name__ == "__main__":

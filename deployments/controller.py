@@ -44,8 +44,10 @@ class LLMController:
     def core_handle(self):
         return self.core
 
-    def check_health(self) -> None:  # Serve calls this periodically; a replica that fails it is replaced
-        ray.get(self.core.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
+    def check_health(self, serving: bool = False) -> None:
+        """Serve calls this periodically (a replica that fails it is replaced): it passes while the core restarts
+        its workers. ``serving`` (the /health route): fails then too."""
+        ray.get(self.core.check_health.remote(serving), timeout=HEALTH_CHECK_TIMEOUT_S)
 
     def __del__(self):
         try:

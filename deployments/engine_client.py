@@ -277,6 +277,10 @@ class EngineClient:
             answers = [{"status": 503, "type": "server_unavailable", "code": None,
                         "message": "the engine is not available"}] * len(batch)
         for item, answer in zip(batch, answers):
+            if item[4].cancelled():  # its client left while this was in flight: accepted, it would run unread
+                if answer is None:
+                    self.abort(item[0])
+                continue
             item[4].set_result(answer)
 
     def abort(self, rid: str) -> None:

@@ -68,6 +68,27 @@ async def _http_error(_: Request, e: StarletteHTTPException):
     return error_response(e.status_code, message, "invalid_request_error" if e.status_code < 500 else "internal_error")
 
 
+class _Streamed(StreamingResponse):
+    """An SSE response that aborts its requests in the engine however it ends. A client that leaves while the
+    response waits on ``send`` cancels it outside our generators, which then end only when collected, possibly much
+    later; until then their requests would run on, unread."""
+
+    def __init__(self, content, streams: list, engine):
+        super().__init__(content, media_type="text/event-stream")
+        self._streams, self._engine = streams, engine
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                if not s.finished:
+                    s.finished = True
+                    self._engine.abort(s.rid)
+                    self._engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time,
+                                                       s.num_output)
+
+
 class _LimitBody:
     """Refuses a body over ``max_request_body_bytes`` with a 413: at once when its Content-Length says so; a body sent
     without one (chunked) is read here up to the limit first, and refused as soon as its bytes pass it."""
@@ -296,8 +317,9 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self):
         try:
-            await asyncio.wait_for(asyncio.gather(*(m.controller.check_health.remote() for m in self.models.values())),
-                                   EngineClient.CONNECT_TIMEOUT_S)
+            # (serving: a core restarting its workers passes Serve's check, not this probe)
+            checks = [m.controller.check_health.remote(serving=True) for m in self.models.values()]
+            await asyncio.wait_for(asyncio.gather(*checks), EngineClient.CONNECT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - failed, or being replaced: not an error of ours
             raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
@@ -410,8 +432,8 @@ class OpenAIIngress:
         echo_view = _Echo(echo, prompts, n, top, prompt_logprobs, echo_only, self.engine.token_text)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(streams, rid, created, chat, include_usage, logprobs, echo_view),
-                                     media_type="text/event-stream")
+            return _Streamed(self._sse(streams, rid, created, chat, include_usage, logprobs, echo_view), streams,
+                             self.engine)
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
         finally:

@@ -10,6 +10,11 @@ thread steps the engine without pause while there is work; the actor's other thr
   message. However many requests a replica streams, it costs one message per step (fewer when steps are quicker
   than a round trip: the outputs of several steps then travel together).
 - ``abort(rids)``: requests whose client left or whose stop string the ingress found; freed before the next plan.
+
+When a TP worker dies, every request ends at once (streams with an error, new ones with a 503) and the loop starts
+fresh workers in the same placement group, then takes requests again: the replica, this actor and the ingress
+replicas' handles stay. Workers that fail too often, or a restart that fails, fail the health check instead, and
+Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from deployments.engine.engine import Engine, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
@@ -57,6 +62,11 @@ def pack_output(out: RequestOutput) -> tuple:
 class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
     CLIENT_TIMEOUT_S = 60.0  # a client that has not polled for this long is gone: its requests are aborted
+    # the workers are restarted in place at most this often; one more failure in the window fails the health check
+    # (workers that keep dying are better on a fresh replica, perhaps on another node)
+    MAX_RESTARTS = 3
+    RESTART_WINDOW_S = 300.0
+    RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
 
     def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None):
         """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing)."""
@@ -80,6 +90,10 @@ class EngineCore:
         self._last_poll: dict[str, float] = {}
         self.error: BaseException | None = None
         self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
+        self._restarting: float | None = None  # since when (monotonic) the workers are being restarted
+        self._generation = 0  # workers started so far, less one: a submission validated across a restart is refused
+        self._restarts: deque[float] = deque()  # when the workers were restarted (monotonic), within the window
+        self.restarts = 0  # in the actor's life (served at /v1/stats)
         self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
         self._stop = False
         if hasattr(self.engine.executor, "on_failure"):  # a dead worker fails every request at once, not at a step
@@ -100,9 +114,10 @@ class EngineCore:
         (accepted) or ``refusal``'s answer."""
         answers: list[dict | None] = []
         accepted = []
+        generation = self._generation
         for rid, prompt_ids, params, arrival in batch:
             try:
-                if self.error is not None or self.engine.failure is not None:
+                if self.error is not None or self._restarting is not None or self.engine.failure is not None:
                     raise EngineStopped(self._stopped())
                 if rid in self._owner:
                     raise InvalidRequest(f"duplicate request id {rid!r}")
@@ -112,7 +127,8 @@ class EngineCore:
             except (InvalidRequest, OverflowError, EngineStopped, TypeError) as e:
                 answers.append(refusal(InvalidRequest(str(e)) if isinstance(e, TypeError) else e))
         with self._lock:
-            if self._ended:  # it failed while these were validated: nothing would ever step them
+            # it failed (or its workers were replaced) while these were validated: nothing would ever step them
+            if self._ended or self._restarting is not None or generation != self._generation:
                 stopped = refusal(EngineStopped(self._stopped()))
                 return [a or stopped for a in answers]
             for req in accepted:
@@ -142,13 +158,21 @@ class EngineCore:
 
     def stats(self) -> dict:
         stats = self.engine.step_stats()
-        stats["loop"] = {"busy_s": self.busy_s}
+        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts}
         return stats
 
-    def check_health(self) -> None:
+    def check_health(self, serving: bool = False) -> None:
+        """Raises unless the engine can serve or is restarting its workers (Serve's check: a restart needs no new
+        replica). ``serving``: raises while restarting too (the /health probe: no request would be served now)."""
         if self.error is not None:
-            raise RuntimeError(f"engine loop failed: {self.error}")
-        if self.engine.failure is not None:
+            raise RuntimeError(f"engine stopped: {self.error}")
+        since = self._restarting
+        if since is not None:
+            if serving:
+                raise RuntimeError("engine workers restarting")
+            if time.monotonic() - since > self.RESTART_TIMEOUT_S:
+                raise RuntimeError(f"engine workers not restarted after {self.RESTART_TIMEOUT_S:.0f} s")
+        elif self.engine.failure is not None and not hasattr(self.engine.executor, "restart"):
             raise RuntimeError(f"engine workers failed: {self.engine.failure}")
 
     def shutdown(self) -> None:
@@ -164,7 +188,9 @@ class EngineCore:
         while not self._stop:
             if engine.failure is not None:  # the workers failed (the watcher has told every request already)
                 self._workers_failed(engine.failure)
-                return
+                if not self._restart_workers():
+                    return
+                engine = self.engine
             self._take_inbox()
             if not engine.has_work():
                 self._wake.wait(0.05)
@@ -216,21 +242,79 @@ class EngineCore:
 
     def _stopped(self) -> str:
         """Why no request can be served (the loop or the workers failed), for the clients."""
-        if self.engine.failure is not None:
-            return f"the engine's workers failed ({self.engine.failure}); its replica is being replaced"
-        return f"the engine stopped: {self.error}"
+        if self.error is not None:
+            return f"the engine stopped: {self.error}"
+        if self.engine.failure is not None or self._restarting is not None:
+            then = ("they are being restarted" if hasattr(self.engine.executor, "restart")
+                    else "its replica is being replaced")
+            return f"the engine's workers failed ({self.engine.failure or 'restarting'}); {then}"
+        return "the engine stopped"
 
     def _workers_failed(self, reason: str) -> None:
         """The workers died or fell out of step (from the executor's watcher thread, or the loop): every request
-        ends now with a 503-type error, later submissions are refused, and ``check_health`` fails."""
-        self._fail_everything(self._stopped(), 503)
+        ends now with a 503-type error and later submissions are refused until the loop has restarted them
+        (``_restart_workers``); without a restart, ``check_health`` fails."""
+        restartable = hasattr(self.engine.executor, "restart")
+        with self._lock:
+            if restartable and self._restarting is None:
+                self._restarting = time.monotonic()
+        self._fail_everything(self._stopped(), 503, end=not restartable)
         self._wake.set()
 
-    def _fail_everything(self, message: str, status: int) -> None:
-        """Every request (queued, running, or accepted but not yet queued) ends with ``message``; ``status``: the HTTP
-        status a request that has not answered yet gets (503: retry, the service is being restored)."""
+    def _may_restart(self, now: float) -> bool:
+        """Whether a restart at ``now`` (monotonic) keeps within MAX_RESTARTS per RESTART_WINDOW_S; if so, it counts."""
+        while self._restarts and now - self._restarts[0] > self.RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) >= self.MAX_RESTARTS:
+            return False
+        self._restarts.append(now)
+        return True
+
+    def _restart_workers(self) -> bool:
+        """On the loop's thread, after the workers failed: fresh workers and a fresh engine (scheduler, KV pages) over
+        them, unless they failed too often; True once requests are taken again. Else the core has ended (every later
+        request refused) and its health check fails, so that Serve replaces the replica."""
+        old = self.engine
+        now = time.monotonic()
+        if not hasattr(old.executor, "restart") or not self._may_restart(now):
+            self.error = EngineStopped(f"engine workers failed {len(self._restarts) + 1} time(s) within "
+                                       f"{self.RESTART_WINDOW_S:.0f} s, more than it restarts them (last: "
+                                       f"{old.failure})")
+            logger.error("%s: not restarting them", self.error)
+            self._fail_everything(self._stopped(), 503)
+            return False
+        logger.warning("engine workers failed (%s): restarting them", old.failure)
+        executor = None
+        try:
+            executor = old.executor.restart()
+            engine = Engine(self.cfg, executor, metrics=old.metrics, detokenize=False)
+        except BaseException as e:  # noqa: BLE001 - no workers: the replica must go
+            if executor is not None:
+                executor.shutdown()
+            logger.exception("restarting the engine's workers failed")
+            self.error = e
+            self._fail_everything(self._stopped(), 503)
+            return False
+        if hasattr(executor, "on_failure"):
+            executor.on_failure = self._workers_failed
         with self._lock:
-            self._ended = True
+            self.engine = engine
+            self._generation += 1
+            self._inbox.clear()  # (each was failed with the workers)
+            self._aborts.clear()
+            self._restarting = None
+        self.restarts += 1
+        if engine.metrics is not None:
+            engine.metrics.record_load(engine.step_stats())
+        logger.warning("engine workers restarted in %.1f s", time.monotonic() - now)
+        return True
+
+    def _fail_everything(self, message: str, status: int, end: bool = True) -> None:
+        """Every request (queued, running, or accepted but not yet queued) ends with ``message``; ``status``: the HTTP
+        status a request that has not answered yet gets (503: retry, the service is being restored). ``end``: no
+        request is accepted any more."""
+        with self._lock:
+            self._ended = self._ended or end
             for rid, client in self._owner.items():
                 self._outbox[client].append((rid, [], "error", None, None, {"error": message, "status": status}))
             self._owner.clear()

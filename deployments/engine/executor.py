@@ -30,7 +30,7 @@ logger = logging.getLogger("specserve")
 
 class WorkersFailed(RuntimeError):
     """The worker actors can no longer run steps: one died or hung, or the TP ranks fell out of step. The executor
-    refuses every later step; a Serve replica then fails its health check and is replaced."""
+    refuses every later step; the engine core then starts fresh workers (``restart``)."""
 
 
 # "watch": a thread of its own for ``wait_until_dead``, beside the steps (default group) and the compiled graph's loop
@@ -70,6 +70,7 @@ class RayExecutor:
     def __init__(self, cfg: EngineConfig, pg: PlacementGroup, first_bundle: int, use_compiled_graph: bool = True):
         self.cfg = cfg
         self.owned_placement_group: PlacementGroup | None = None  # made by ``start``: removed at shutdown
+        self._placement = (pg, first_bundle, use_compiled_graph)  # what ``restart`` starts the fresh workers with
         self.failure: str | None = None  # why the workers can no longer run steps (``WorkersFailed``)
         # called once, from the watcher's thread, when a worker dies (the engine core fails its requests at once)
         self.on_failure: Callable[[str], None] | None = None
@@ -152,6 +153,23 @@ class RayExecutor:
         executor.owned_placement_group = pg
         return executor
 
+    def restart(self) -> "RayExecutor":
+        """Fresh workers in the same placement group's bundles, for workers that failed: the old ones are killed and
+        their compiled graph torn down (their bundles free again once their processes are gone), then the new ones
+        load the weights, allocate the KV cache and run the first empty step, as at start. Returns the new executor,
+        which owns the group if this one did; this one is spent either way."""
+        pg, first_bundle, use_compiled_graph = self._placement
+        owned, self.owned_placement_group = self.owned_placement_group, None
+        self.shutdown()
+        try:
+            executor = type(self)(self.cfg, pg, first_bundle, use_compiled_graph)
+        except BaseException:
+            if owned is not None:
+                remove_placement_group(owned)
+            raise
+        executor.owned_placement_group = owned
+        return executor
+
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Every rank launches ``step``; rank 0's results come back (all ranks sample the same tokens). A step that
         failed on every rank alike fails its requests and the workers go on; one that failed on some ranks only (or
@@ -198,7 +216,7 @@ class RayExecutor:
                                self.TEARDOWN_WAIT_S)
             self._dag = None
         for w in self.workers:
-            if not stuck:
+            if not stuck and self.failure is None:  # (failed workers were killed above: nothing to ask them)
                 try:
                     ray.get(w.shutdown.remote(), timeout=30)
                 except Exception:  # noqa: BLE001 - teardown is best effort

@@ -82,3 +82,16 @@ def test_a_client_that_stops_polling_has_its_requests_aborted(core):
     assert 0 < core.engine.num_steps < 120  # aborted, not decoded to its 240 tokens
     assert core.engine.scheduler.kv_usage == 0.0
     assert "gone" not in core._outbox
+
+
+def test_workers_are_restarted_at_most_max_restarts_times_per_window(core):
+    """The restart budget: MAX_RESTARTS within RESTART_WINDOW_S, then none until the oldest leaves the window (the
+    restart itself, with a real worker killed, is tested in tests/serve_isolated and tests/workers)."""
+    window, limit = core.RESTART_WINDOW_S, core.MAX_RESTARTS
+    assert limit == 3 and window == 300.0
+    assert [core._may_restart(t) for t in (0.0, 10.0, 20.0)] == [True] * 3
+    assert not core._may_restart(30.0) and not core._may_restart(window)  # (a refusal does not count)
+    assert core._may_restart(window + 0.5)  # the first left the window
+    assert not core._may_restart(window + 1.0)
+    assert core._may_restart(2 * window + 30.0) and len(core._restarts) == 1
+

@@ -130,8 +130,9 @@ def _fail_before_the_collectives(worker):
 def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models, monkeypatch, fault):
     """A step that failed on one TP rank only leaves the ranks out of step in their collectives (the other rank
     waits in one its peer never joins, or joins the peer's next one); a dead worker cannot step at all. Either way
-    the executor refuses every later step, the controller's health check fails (Serve replaces the replica), new
-    requests are refused, and shutting down does not wait on the stuck rank."""
+    the executor refuses every later step and shutting down does not wait on the stuck rank. The engine core then
+    starts fresh workers, whose greedy tokens equal the first ones'; past its restart limit (here none), its health
+    check fails instead (Serve replaces the replica) and new requests are refused."""
     import time
 
     import ray
@@ -144,8 +145,10 @@ def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models
                        max_model_len=256, worker_step_timeout_s=5.0)
     executor = RayExecutor.start(cfg)
     engine = Engine(cfg, executor)
+    core = None
     try:
-        assert all(o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY))
+        first = [o.token_ids for o in engine.generate(mixed_prompts(2), GREEDY)]
+        assert all(first)
         if fault == "ranks_disagree":
             _on_rank(executor, 1, _fail_after_the_collectives)
         elif fault == "rank_hangs":
@@ -163,17 +166,42 @@ def test_failed_workers_fail_the_engine_not_just_the_step(ray_cluster, tp_models
             assert "ended step" in engine.failure and "injected: rank 1 alone" in engine.failure
         with pytest.raises(WorkersFailed):
             executor.step(None, 0)
+        if fault != "worker_killed":  # (a restart is tested once, on the killed worker)
+            monkeypatch.setattr(EngineCore, "MAX_RESTARTS", 0)
         core = EngineCore(cfg, "tiny", engine=engine)  # what the controller's health check asks
-        with pytest.raises(RuntimeError, match="engine workers failed"):
+        if fault == "worker_killed":
+            deadline = time.monotonic() + 60
+            while core.restarts == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert core.restarts == 1 and core.engine.executor is not executor
+            assert core.engine.executor.owned_placement_group is not None  # the group was kept, not remade
             core.check_health()
-        (refused,) = core.submit("client", [("late", [5, 6, 7], vars(GREEDY), time.time())])
-        assert refused["status"] == 503 and "workers failed" in refused["message"]
-        core._stop = True
+            core.check_health(serving=True)
+            rids = [f"again{i}" for i in range(2)]
+            assert core.submit("client", [(rid, p, vars(GREEDY), time.time())
+                                          for rid, p in zip(rids, mixed_prompts(2))]) == [None, None]
+            again: dict[str, list[int]] = {rid: [] for rid in rids}
+            while rids and time.monotonic() < deadline:
+                for rid, ids, reason, *_ in core.poll("client", 0.5):
+                    again[rid] += ids
+                    if reason is not None:
+                        rids.remove(rid)
+            assert list(again.values()) == first
+        else:
+            core._thread.join(10)  # it gave up on the workers
+            with pytest.raises(RuntimeError, match="engine workers failed 1 time"):
+                core.check_health()
+            (refused,) = core.submit("client", [("late", [5, 6, 7], vars(GREEDY), time.time())])
+            assert refused["status"] == 503 and "workers failed" in refused["message"]
     finally:
         t0 = time.monotonic()
-        engine.shutdown()
+        if core is not None:
+            core.shutdown()
+        else:
+            engine.shutdown()
         assert time.monotonic() - t0 < 40  # a rank stuck in a collective is killed, not waited for
     assert executor.owned_placement_group is None
+    assert (core.engine if core else engine).executor.owned_placement_group is None
 
 
 def test_bad_tp_size_is_refused(tp_models):
