@@ -184,9 +184,10 @@ def deepseek_v32_config(*, vocab: int, hidden: int, layers: int, heads: int, int
                         tie: bool, bos_token_id: int | None, eos_token_id: int | None, dtype: str, rope_theta: float,
                         index_topk: int = 8, index_n_heads: int = 16, index_head_dim: int = 32, kv_lora_rank: int = 32,
                         q_lora_rank: int = 32, qk_rope_head_dim: int = 16, qk_nope_head_dim: int = 16,
-                        v_head_dim: int = 16):
+                        v_head_dim: int = 16, num_nextn_predict_layers: int = 0):
     """A DeepSeek-V3.2 config with every MLP dense (``first_k_dense_replace`` = layers: MoE layers are refused by
-    the workers) and small MLA / indexer dims. The indexer's RoPE covers its first ``qk_rope_head_dim`` dims."""
+    the workers) and small MLA / indexer dims. The indexer's RoPE covers its first ``qk_rope_head_dim`` dims.
+    ``num_nextn_predict_layers``: 1 adds an MTP layer (written by ``make_tiny`` itself, after the model)."""
     from transformers import DeepseekV32Config
 
     if index_head_dim < qk_rope_head_dim:
@@ -271,7 +272,46 @@ def make_tiny(arch: str, out: str | os.PathLike, *, layers: int = 2, hidden: int
         save_kw["safe_serialization"] = True
     model.to(_DTYPES[dtype]).save_pretrained(out, **save_kw)
     _portable_config(out / "config.json", dtype)
+    if arch == "deepseek_v32" and (deepseek or {}).get("num_nextn_predict_layers"):
+        _write_mtp_layer(model, cfg, out, seed, init_std, _DTYPES[dtype])
     return out
+
+
+@torch.no_grad()
+def _write_mtp_layer(model, cfg, out: Path, seed: int, std: float, dtype: torch.dtype) -> None:
+    """DeepSeek-V3's MTP (NextN) layer, which transformers neither builds nor saves: as in the released checkpoints,
+    ``model.layers.{N}.`` holds enorm, hnorm, eh_proj, a decoder layer and shared_head (norm, head) plus a copy of
+    the embedding, in a safetensors file of its own (transformers loads only ``model.safetensors``)."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
+
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    layer = DeepseekV32DecoderLayer(cfg, 0).float()
+    head = torch.nn.Module()
+    head.layer = layer
+    head.enorm, head.hnorm = torch.nn.Parameter(torch.empty(h)), torch.nn.Parameter(torch.empty(h))
+    head.eh_proj = torch.nn.Parameter(torch.empty(h, 2 * h))
+    head.shared_norm = torch.nn.Parameter(torch.empty(h))
+    init_weights(head, seed + 1000, std)
+    for norm in (head.enorm, head.hnorm, head.shared_norm):  # (their names do not end in norm.weight)
+        norm.copy_(1.0 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(seed + 1001)))
+    prefix = f"model.layers.{n}."
+    tensors = {prefix + k: v for k, v in layer.state_dict().items()}
+    tensors.update({prefix + "enorm.weight": head.enorm, prefix + "hnorm.weight": head.hnorm,
+                    prefix + "eh_proj.weight": head.eh_proj, prefix + "shared_head.norm.weight": head.shared_norm,
+                    prefix + "shared_head.head.weight": model.get_output_embeddings().weight,
+                    prefix + "embed_tokens.weight": model.get_input_embeddings().weight})
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    path = out / "config.json"
+    raw = json.loads(path.read_text())
+    raw["num_nextn_predict_layers"] = 1
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
@@ -302,6 +342,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--tokenizer-from", default=None, help="copy this checkpoint's tokenizer instead of training one")
     p.add_argument("--index-topk", type=int, default=8, help="deepseek_v32: tokens the indexer keeps per query")
+    p.add_argument("--mtp", action="store_true", help="deepseek_v32: add an MTP (NextN) layer (speculative method mtp)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -318,4 +359,5 @@ def run(args: argparse.Namespace) -> None:
                     tie_embeddings=args.tie, dtype=args.dtype, seed=args.seed, rope_theta=args.rope_theta,
                     rope_scaling=llama3_rope_scaling(args.max_position) if args.llama3_rope else None,
                     max_shard_size=args.shard_size, tokenizer_from=args.tokenizer_from,
-                    deepseek={"index_topk": args.index_topk} if args.arch == "deepseek_v32" else None))
+                    deepseek={"index_topk": args.index_topk, "num_nextn_predict_layers": int(args.mtp)}
+                    if args.arch == "deepseek_v32" else None))

@@ -284,3 +284,82 @@ class DeepseekV32ForCausalLM(nn.Module):
             if idx >= len(self.layers):  # the MTP (NextN) layer: the draft's (``DeepseekV32MTP``)
                 return False
         return load_layer_weight(self, name, slice_)
+
+
+class DeepseekV32MTP(nn.Module):
+    """The checkpoint's MTP (NextN) layer as a draft head (``speculative.proposers.MTPProposer``), with the
+    EAGLE-1 head's interface: position p pairs token p+1 with the target's feature at p (its final normed hidden
+    state), h = eh_proj([enorm(embed(token)); hnorm(feature)]) → one decoder layer (sparse MLA over its own latent
+    cache) → the pre-norm output, which is the next draft step's feature; logits = shared_head.head(
+    shared_head.norm(output)). The embedding is the target's."""
+
+    attention_family = "sparse_mla"
+    eagle3 = False
+    aux_layer_ids = None
+
+    def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup, max_positions: int):
+        super().__init__()
+        raw = cfg.extra
+        if int(raw.get("num_nextn_predict_layers") or 0) < 1:
+            raise CheckpointError(f"{cfg.path or 'config'} has no MTP layer (num_nextn_predict_layers is "
+                                  f"{raw.get('num_nextn_predict_layers')}); speculative method mtp needs one")
+        self.cfg = cfg
+        self.tp = tp
+        self.dtype = dtype
+        self.prefix = f"model.layers.{cfg.num_layers}."
+        h = cfg.hidden_size
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.eh_proj = _linear(2 * h, h, dtype)
+        self.layer = DecoderLayer(cfg, 0, dtype, tp)
+        self.shared_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.shared_head = ParallelLMHead(cfg.vocab_size, h, dtype, tp)
+        self.draft_vocab = cfg.vocab_size
+        self.embed_tokens: VocabParallelEmbedding | None = None  # the target's (``attach_target``)
+        cos, sin = rope_tables(int(raw["qk_rope_head_dim"]), max_positions, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.norms_in_linears = True
+
+    latent_dim = DeepseekV32ForCausalLM.latent_dim
+    index_dim = DeepseekV32ForCausalLM.index_dim
+    rope_at = DeepseekV32ForCausalLM.rope_at
+
+    def kv_bytes_per_token(self, dtype) -> int:
+        return MLAKVCache.bytes_per_token(1, self.latent_dim, self.index_dim, dtype)
+
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype, device) -> MLAKVCache:
+        return MLAKVCache(1, num_pages, page_size, self.latent_dim, self.index_dim, dtype, device)
+
+    def attach_target(self, target: nn.Module) -> None:
+        self.embed_tokens = target.embed_tokens
+
+    def fuse_target_features(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+    def forward(self, fb: ForwardBatch, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (output, next-step feature) at the batch's logits rows (the same tensor)."""
+        cos, sin = self.rope_at(fb.positions)
+        x = self.eh_proj(torch.cat([self.enorm(self.embed_tokens(fb.input_ids)), self.hnorm(features)], dim=-1))
+        x, residual = self.layer(x, None, cos, sin, fb)
+        out = fb.logits_rows(x + residual)
+        return out, out
+
+    def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.shared_head(self.shared_norm(hidden)), None
+
+    def load_weight(self, name: str, slice_) -> bool:
+        if not name.startswith(self.prefix):
+            return False
+        name = name[len(self.prefix):]
+        if name == "embed_tokens.weight":
+            return True  # a copy of the target's
+        if name == "shared_head.head.weight":
+            self.shared_head.load_weight("weight", slice_)
+            return True
+        if name == "shared_head.norm.weight":
+            self.shared_norm.load_weight("weight", slice_)
+            return True
+        if name.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
+            return load_layer_weight(self, name, slice_)
+        return load_layer_weight(self.layer, name, slice_)
