@@ -20,7 +20,7 @@ import torch
 
 from attention import sparse_mla_ref
 from attention.base import AttentionBackend, AttentionMetadata
-from workers.forward_batch import ForwardBatch
+from workers.forward_batch import DraftSteps, ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -70,18 +70,48 @@ class SparseTorchNativeBackend(AttentionBackend):
         self.verify_attention_mode = verify_attention_mode
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if isinstance(fb.round_metadata, SparseMLAMetadata):  # a draft-round step: prepared with its round
+            fb.attn_metadata = fb.round_metadata
+            return
+        fb.attn_metadata = self._rows(fb)
+
+    def init_round_metadata(self, steps: DraftSteps) -> None:
+        """Every step of a multi-step draft round at once, over the stacked batch (one set of device ops per round
+        instead of per step): step i's rows are its slice; a tree step's bits are its view of the round's masks,
+        which ``DraftSteps.advance`` fills in before the step runs."""
+        row_req, storage_pos, seq = self._token_rows(steps.stacked)
+        per = steps.batch_size * steps.tokens_per_request
+        for i, fb in enumerate(steps.batches):
+            rows = slice(i * per, (i + 1) * per)
+            if fb.tree_bits is None:  # a chain: causal
+                m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None, None,
+                                      kernel_name=self.name)
+            else:  # the step's block: the last tree_len(i) positions, its rows' bits a view of the round's masks
+                m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32),
+                                      (seq[rows] - steps.tree_len(i)).to(torch.int32), fb.tree_bits,
+                                      kernel_name=self.name)
+            fb.round_metadata = m
+
+    @staticmethod
+    def _token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token: (page-table row [T] int32, storage position [T], its request's KV length [T]). A draft
+        round's stacked batch holds its B request slots once for its steps * B requests (``DraftSteps``)."""
         device = fb.input_ids.device
         t, b = fb.num_tokens, fb.batch_size
-        ext = fb.extend_lens.long()
+        tok = torch.arange(t, device=device)
         if len(set(fb.extend_lens_cpu)) == 1:  # uniform: request b's tokens are rows b*n .. b*n+n-1
             n = fb.extend_lens_cpu[0]
-            tok_b = torch.arange(t, device=device) // n
+            tok_b, offset, ext = tok // n, tok % n, n
         else:
-            tok_b = torch.repeat_interleave(torch.arange(b, device=device), ext, output_size=t)
+            lens = fb.extend_lens.long()
+            tok_b = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=t)
+            offset, ext = tok - fb.extend_start.long()[tok_b], lens[tok_b]
         seq = fb.seq_lens.long()[tok_b]
-        offset = torch.arange(t, device=device) - fb.extend_start.long()[tok_b]
-        storage_pos = seq - ext[tok_b] + offset
-        row_req = fb.req_slots[tok_b].to(torch.int32)
+        slots = fb.req_slots[tok_b % fb.req_slots.shape[0]]
+        return slots.to(torch.int32), seq - ext + offset, seq
+
+    def _rows(self, fb: ForwardBatch) -> SparseMLAMetadata:
+        row_req, storage_pos, seq = self._token_rows(fb)
         tree_start = tree_bits = None
         if fb.has_tree:  # the block is each sequence's last L positions; inside it the tree rows decide
             if fb.tree_bits is not None:
@@ -92,8 +122,7 @@ class SparseTorchNativeBackend(AttentionBackend):
             tree_start, tree_bits = (seq - length).to(torch.int32), bits
         else:
             row_len = storage_pos + 1
-        fb.attn_metadata = SparseMLAMetadata(row_req, row_len.to(torch.int32), tree_start, tree_bits,
-                                             kernel_name=self.name)
+        return SparseMLAMetadata(row_req, row_len.to(torch.int32), tree_start, tree_bits, kernel_name=self.name)
 
     def forward_sparse(self, q_latent: torch.Tensor, q_rope: torch.Tensor, index_q: torch.Tensor,
                        index_w: torch.Tensor, layer: SparseMLALayerSpec, fb: ForwardBatch) -> torch.Tensor:
