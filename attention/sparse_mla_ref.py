@@ -5,9 +5,10 @@ swaps one for the other.
 Every query row ``r`` belongs to request ``row_req[r]`` (its page-table row) and may see the tokens at positions
 ``t < row_len[r]`` of that request, a token at position ``t`` living in slot
 ``page_table[row_req[r], t // page_size] * page_size + t % page_size``. A speculative block (tree verify, tree
-draft steps) narrows that: with ``tree_start`` / ``tree_bits`` given, a position ``t >= tree_start[r]`` is visible
-only where bit ``t - tree_start[r]`` of ``tree_bits[r]`` is set (the node itself and its ancestors; the block holds
-at most 63 positions). Rows without a block have ``tree_start[r] = row_len[r]`` (nothing narrowed).
+draft steps) narrows that: with ``tree_bits`` given, the block is the row's last ``tree_len`` positions
+(``row_len[r] - tree_len .. row_len[r] - 1``), and a position in it is visible only where its bit (its index in
+the block) of ``tree_bits[r]`` is set: the node itself and its ancestors (at most 63 positions). The Triton kernels
+(``workers.kernels.sparse_mla``) take the same arguments.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 
 
 def visible_positions(page_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor, page_size: int,
-                      max_len: int, tree_start: torch.Tensor | None = None,
-                      tree_bits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      max_len: int, tree_bits: torch.Tensor | None = None,
+                      tree_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots [R, max_len] int64, visible [R, max_len] bool) of positions 0 .. max_len-1 of every row's request."""
     device = page_table.device
     t = torch.arange(max_len, device=device)
@@ -25,22 +26,22 @@ def visible_positions(page_table: torch.Tensor, row_req: torch.Tensor, row_len: 
     slots = pages.long() * page_size + (t % page_size)
     visible = t.unsqueeze(0) < row_len.long().unsqueeze(1)
     if tree_bits is not None:
-        rel = t.unsqueeze(0) - tree_start.long().unsqueeze(1)
+        rel = t.unsqueeze(0) - (row_len.long() - tree_len).unsqueeze(1)
         in_block = ((tree_bits.unsqueeze(1) >> rel.clamp(0, 62)) & 1) != 0
         visible &= (rel < 0) | in_block
     return slots, visible
 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, page_table: torch.Tensor,
-                 row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int,
-                 tree_start: torch.Tensor | None = None, tree_bits: torch.Tensor | None = None) -> torch.Tensor:
+                 row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int, *,
+                 tree_bits: torch.Tensor | None = None, tree_len: int = 0) -> torch.Tensor:
     """The lightning indexer's choice. q [R, Hi, Di], w [R, Hi] (the head weights with every scale folded in),
     index_k_cache [S, Di]; returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
     score_t = sum_h w[r, h] * relu(q[r, h] . k[slot(t)]) (all of them when fewer are visible), padded with -1.
-    Order within a row is unspecified. ``tree_start`` / ``tree_bits`` ([R] int32 / int64): the speculative block
-    (module docstring); None: no row has one."""
+    Order within a row is unspecified. ``tree_bits`` ([R] int64) / ``tree_len``: the speculative block (module
+    docstring); None: no row has one."""
     max_len = page_table.shape[1] * page_size
-    slots, visible = visible_positions(page_table, row_req, row_len, page_size, max_len, tree_start, tree_bits)
+    slots, visible = visible_positions(page_table, row_req, row_len, page_size, max_len, tree_bits, tree_len)
     k = index_k_cache[slots].float()  # [R, L, Di]
     scores = torch.relu(torch.einsum("rhd,rld->rhl", q.float(), k))
     score = torch.einsum("rh,rhl->rl", w.float(), scores).masked_fill(~visible, float("-inf"))

@@ -3,13 +3,13 @@ over those only, in the latent space (``attention.sparse_mla_ref`` states the tw
 
 Every forward mode runs the same way: each new token is a query row of its own, with its own visible set. EXTEND,
 DRAFT_EXTEND, chains: the positions up to its own. TARGET_VERIFY of a tree and tree draft steps: the positions
-before the speculative block plus, inside the block, the node itself and its ancestors (``tree_start`` /
-``tree_bits``). The draft nodes' latents and indexer keys are stored at their slots before attention, as the
-dense backends do. The per-row metadata is built once per forward for all layers (``init_forward_metadata``) from
+before the speculative block plus, inside the block, the node itself and its ancestors (``tree_bits``
+over the last ``tree_len`` positions). The draft nodes' latents and indexer keys are stored at their slots before
+attention, as the dense backends do. The per-row metadata is built once per forward for all layers (``init_forward_metadata``) from
 device tensors only, with one row per token, so its shapes are those of the batch (CUDA-graph buckets).
 
-``SparseTorchNativeBackend`` runs the PyTorch references; a Triton backend subclasses it and swaps
-``indexer_topk`` / ``sparse_mla``.
+``SparseTorchNativeBackend`` runs the PyTorch references; ``attention.sparse_triton.SparseTritonBackend``
+subclasses it and swaps in the Triton kernels (``indexer_topk`` / ``sparse_mla``, the same signatures).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class SparseMLALayerSpec:
 class SparseMLAMetadata(AttentionMetadata):
     row_req: torch.Tensor  # [T] int32, page-table row of each token's request
     row_len: torch.Tensor  # [T] int32, positions < row_len are visible (before the block's narrowing)
-    tree_start: torch.Tensor | None  # [T] int32, first position of the speculative block (None: no tree)
-    tree_bits: torch.Tensor | None  # [T] int64, bit j: block position j visible
+    tree_bits: torch.Tensor | None  # [T] int64, bit j: block position j visible (None: no tree)
+    tree_len: int = 0  # the block: each row's last tree_len positions
 
     kernel_name: str = "sparse_torch_native"
 
@@ -84,11 +84,10 @@ class SparseTorchNativeBackend(AttentionBackend):
         for i, fb in enumerate(steps.batches):
             rows = slice(i * per, (i + 1) * per)
             if fb.tree_bits is None:  # a chain: causal
-                m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None, None,
+                m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None,
                                       kernel_name=self.name)
             else:  # the step's block: the last tree_len(i) positions, its rows' bits a view of the round's masks
-                m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32),
-                                      (seq[rows] - steps.tree_len(i)).to(torch.int32), fb.tree_bits,
+                m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32), fb.tree_bits, steps.tree_len(i),
                                       kernel_name=self.name)
             fb.round_metadata = m
 
@@ -112,17 +111,13 @@ class SparseTorchNativeBackend(AttentionBackend):
 
     def _rows(self, fb: ForwardBatch) -> SparseMLAMetadata:
         row_req, storage_pos, seq = self._token_rows(fb)
-        tree_start = tree_bits = None
         if fb.has_tree:  # the block is each sequence's last L positions; inside it the tree rows decide
             if fb.tree_bits is not None:
                 bits, length = fb.tree_bits, fb.tree_len
             else:
                 bits, length = tree_bits_from_mask(fb.tree_mask), fb.tree_mask.shape[2]
-            row_len = seq
-            tree_start, tree_bits = (seq - length).to(torch.int32), bits
-        else:
-            row_len = storage_pos + 1
-        return SparseMLAMetadata(row_req, row_len.to(torch.int32), tree_start, tree_bits, kernel_name=self.name)
+            return SparseMLAMetadata(row_req, seq.to(torch.int32), bits, length, kernel_name=self.name)
+        return SparseMLAMetadata(row_req, (storage_pos + 1).to(torch.int32), None, kernel_name=self.name)
 
     def forward_sparse(self, q_latent: torch.Tensor, q_rope: torch.Tensor, index_q: torch.Tensor,
                        index_w: torch.Tensor, layer: SparseMLALayerSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -131,7 +126,8 @@ class SparseTorchNativeBackend(AttentionBackend):
         m = fb.attn_metadata
         cache = fb.kv_cache
         slots = self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table, m.row_req,
-                                  m.row_len, fb.page_table.page_size, layer.topk, m.tree_start, m.tree_bits)
+                                  m.row_len, fb.page_table.page_size, layer.topk, tree_bits=m.tree_bits,
+                                  tree_len=m.tree_len)
         return self.sparse_mla(q_latent, q_rope, cache.latent[layer.layer_id], slots, layer.scaling)
 
     def _dense_call(self, *args, **kwargs):

@@ -70,12 +70,13 @@ def test_moe_layers_refused(ds_models, tmp_path):
         DeepseekV32ForCausalLM(cfg, torch.float32, TPGroup())
 
 
-def _brute_indexer(q, w, kc, table, row_req, row_len, ps, topk, tree_start, tree_bits):
+def _brute_indexer(q, w, kc, table, row_req, row_len, ps, topk, tree_bits, tree_len):
     out = []
     for r in range(q.shape[0]):
         cand = []
         for t in range(int(row_len[r])):
-            if tree_start is not None and t >= tree_start[r] and not (int(tree_bits[r]) >> (t - int(tree_start[r]))) & 1:
+            start = int(row_len[r]) - tree_len
+            if tree_bits is not None and t >= start and not (int(tree_bits[r]) >> (t - start)) & 1:
                 continue
             slot = int(table[row_req[r], t // ps]) * ps + t % ps
             cand.append((float((w[r] * torch.relu(q[r] @ kc[slot])).sum()), slot))
@@ -94,13 +95,13 @@ def test_kernel_interface_reference(tree):
     row_req = torch.tensor([0, 0, 1, 1, 1], dtype=torch.int32)
     row_len = torch.tensor([3, 11, 16, 17, 17], dtype=torch.int32)
     q, w = torch.randn(5, hi, di, generator=g), torch.randn(5, hi, generator=g)
-    tree_start = tree_bits = None
-    if tree:  # request 1's last 3 positions are a block: node 0 (root), node 1 (child), node 2 (sibling of 1)
-        tree_start = torch.tensor([3, 11, 14, 14, 14], dtype=torch.int32)
-        tree_bits = torch.tensor([0, 0, 0b001, 0b011, 0b101], dtype=torch.int64)
+    tree_bits, tree_len = None, 0
+    if tree:  # every row's last 3 positions are a block: request 1's holds node 0 (root), node 1 (its child) and
+        # node 2 (the sibling of 1); request 0's rows see their whole block
+        tree_bits, tree_len = torch.tensor([0b111, 0b111, 0b001, 0b011, 0b101], dtype=torch.int64), 3
         row_len = torch.tensor([3, 11, 17, 17, 17], dtype=torch.int32)
-    got = indexer_topk(q, w, kc, table, row_req, row_len, ps, topk, tree_start, tree_bits)
-    want = _brute_indexer(q, w, kc, table, row_req, row_len, ps, topk, tree_start, tree_bits)
+    got = indexer_topk(q, w, kc, table, row_req, row_len, ps, topk, tree_bits=tree_bits, tree_len=tree_len)
+    want = _brute_indexer(q, w, kc, table, row_req, row_len, ps, topk, tree_bits, tree_len)
     assert got.shape == (5, topk) and got.dtype == torch.int32
     for r in range(5):
         assert {int(s) for s in got[r] if s >= 0} == want[r]
