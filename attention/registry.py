@@ -15,15 +15,22 @@ BACKENDS = {
     "triton": "attention.triton_backend:TritonBackend",
     "flashinfer": "attention.flashinfer_wrappers:FlashInferBackend",
 }
+# the same names for models with sparse MLA attention (DeepSeek-V3.2: indexer top-k + latent attention)
+SPARSE_BACKENDS = {
+    "torch_native": "attention.sparse_torch_native:SparseTorchNativeBackend",
+    "triton": "attention.sparse_triton:SparseTritonBackend",
+}
+FAMILIES = {"dense": BACKENDS, "sparse_mla": SPARSE_BACKENDS}
 VERIFY_ATTENTION_MODES = ("decode", "prefill")
 
 
-def _make(name: str, verify_attention_mode: str, device: torch.device) -> AttentionBackend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {sorted(BACKENDS)}")
+def _make(name: str, verify_attention_mode: str, device: torch.device, family: str = "dense") -> AttentionBackend:
+    backends = FAMILIES[family]
+    if name not in backends:
+        raise ValueError(f"unknown attention backend {name!r} for {family} attention; choose from {sorted(backends)}")
     if name != "torch_native" and torch.device(device).type != "cuda":
         raise ValueError(f"attention backend {name!r} needs a CUDA device; use torch_native on {device}")
-    module, cls = BACKENDS[name].split(":")
+    module, cls = backends[name].split(":")
     return getattr(importlib.import_module(module), cls)(verify_attention_mode=verify_attention_mode)
 
 
@@ -59,10 +66,14 @@ class HybridBackend(AttentionBackend):
         return self.decode.forward_decode(q, layer, fb)
 
 
-def create_attention_backend(prefill: str, decode: str, verify_attention_mode: str, device) -> AttentionBackend:
+def create_attention_backend(prefill: str, decode: str, verify_attention_mode: str, device,
+                             family: str = "dense") -> AttentionBackend:
+    """``family``: "dense" (paged K/V attention) or "sparse_mla" (the model's ``attention_family``)."""
     if verify_attention_mode not in VERIFY_ATTENTION_MODES:
         raise ValueError(f"verify_attention_mode must be one of {VERIFY_ATTENTION_MODES}, got {verify_attention_mode!r}")
+    if family == "sparse_mla" and "flashinfer" in (prefill, decode):  # (no sparse kernels there)
+        prefill, decode = ("triton" if x == "flashinfer" else x for x in (prefill, decode))
     if prefill == decode:
-        return _make(prefill, verify_attention_mode, device)
-    return HybridBackend(_make(prefill, verify_attention_mode, device), _make(decode, verify_attention_mode, device),
-                         verify_attention_mode)
+        return _make(prefill, verify_attention_mode, device, family)
+    return HybridBackend(_make(prefill, verify_attention_mode, device, family),
+                         _make(decode, verify_attention_mode, device, family), verify_attention_mode)

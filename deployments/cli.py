@@ -24,7 +24,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="TP: NCCL for every all-reduce")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="launch a step only after the previous one's tokens were read")
-    p.add_argument("--spec", choices=["eagle", "eagle3", "draft", "ngram", "naive"], default=None,
+    p.add_argument("--spec", choices=["eagle", "eagle3", "draft", "ngram", "naive", "mtp"], default=None,
                    help="speculative decoding method")
     p.add_argument("--draft", default=None, help="draft model / EAGLE head directory")
     p.add_argument("--num-steps", type=int, default=3)

@@ -4,6 +4,7 @@ tokenizer trained by ``tokenizers`` on the running interpreter's standard librar
     specserve make-tiny --arch llama --out /tmp/tiny [--layers 2 --hidden 64 --vocab 512 --llama3-rope]
     specserve make-tiny --arch qwen2 --out /tmp/tiny-q2 --shard-size 100KB     # sharded safetensors + index
     specserve make-tiny --kind eagle3 --target /tmp/tiny --out /tmp/tiny-eagle3
+    specserve make-tiny --arch deepseek_v32 --out /tmp/tiny-ds --index-topk 8   # MLA + lightning indexer, dense MLPs
 
 Checkpoints are written by whatever transformers is installed. With transformers >= 5 the rope settings live in
 ``rope_parameters`` and the dtype in ``dtype``; ``config.json`` additionally carries the legacy ``torch_dtype`` (and
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "deepseek_v32")
 BOS, EOS, IM_START, IM_END, UNK = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, UNK]  # ids 0..4 in a trained tokenizer
 CHAT_TEMPLATE = (
@@ -149,11 +150,16 @@ def _accepts(cls: type, name: str) -> bool:
 
 def build_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int,
                  max_position: int, tie: bool, bos_token_id: int | None, eos_token_id: int | None, dtype: str,
-                 rope_theta: float, rope_scaling: dict | None):
-    """The transformers config for ``arch`` (llama: no bias; qwen2: qkv bias; qwen3: q/k RMSNorm + head_dim)."""
+                 rope_theta: float, rope_scaling: dict | None, deepseek: dict | None = None):
+    """The transformers config for ``arch`` (llama: no bias; qwen2: qkv bias; qwen3: q/k RMSNorm + head_dim;
+    deepseek_v32: MLA + lightning indexer, ``deepseek`` overriding its small dims)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if arch == "deepseek_v32":
+        return deepseek_v32_config(vocab=vocab, hidden=hidden, layers=layers, heads=heads, intermediate=intermediate,
+                                   max_position=max_position, tie=tie, bos_token_id=bos_token_id,
+                                   eos_token_id=eos_token_id, dtype=dtype, rope_theta=rope_theta, **(deepseek or {}))
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
     if hidden % heads or heads % kv_heads:
@@ -172,6 +178,30 @@ def build_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int,
         kw.update(rope_theta=rope_theta, rope_scaling=rope_scaling)
     kw["dtype" if _accepts(cls, "dtype") else "torch_dtype"] = dtype
     return cls(**kw)
+
+
+def deepseek_v32_config(*, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, max_position: int,
+                        tie: bool, bos_token_id: int | None, eos_token_id: int | None, dtype: str, rope_theta: float,
+                        index_topk: int = 8, index_n_heads: int = 16, index_head_dim: int = 32, kv_lora_rank: int = 32,
+                        q_lora_rank: int = 32, qk_rope_head_dim: int = 16, qk_nope_head_dim: int = 16,
+                        v_head_dim: int = 16, num_nextn_predict_layers: int = 0):
+    """A DeepSeek-V3.2 config with every MLP dense (``first_k_dense_replace`` = layers: MoE layers are refused by
+    the workers) and small MLA / indexer dims. The indexer's RoPE covers its first ``qk_rope_head_dim`` dims.
+    ``num_nextn_predict_layers``: 1 adds an MTP layer (written by ``make_tiny`` itself, after the model)."""
+    from transformers import DeepseekV32Config
+
+    if index_head_dim < qk_rope_head_dim:
+        raise ValueError(f"index_head_dim ({index_head_dim}) must be >= qk_rope_head_dim ({qk_rope_head_dim})")
+    return DeepseekV32Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, moe_intermediate_size=intermediate,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        first_k_dense_replace=layers, mlp_layer_types=["dense"] * layers, n_routed_experts=4, n_group=1,
+        topk_group=1, num_experts_per_tok=2, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank,
+        qk_rope_head_dim=qk_rope_head_dim, qk_nope_head_dim=qk_nope_head_dim, v_head_dim=v_head_dim,
+        index_topk=index_topk, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
+        max_position_embeddings=max_position, rms_norm_eps=1e-6, tie_word_embeddings=tie,
+        bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, dtype=dtype)
 
 
 @torch.no_grad()
@@ -207,14 +237,15 @@ def make_tiny(arch: str, out: str | os.PathLike, *, layers: int = 2, hidden: int
               heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, max_position: int = 2048,
               tie_embeddings: bool | None = None, dtype: str = "float32", seed: int = 0,
               rope_scaling: dict | None = None, rope_theta: float = 10000.0, max_shard_size: str | None = None,
-              tokenizer_from: str | None = None, init_std: float = 0.08) -> Path:
+              tokenizer_from: str | None = None, init_std: float = 0.08, deepseek: dict | None = None) -> Path:
     """Write a random ``arch`` checkpoint (safetensors, sharded with an index when ``max_shard_size`` is small) and its
     tokenizer to ``out``; returns ``out``.
 
-    ``tie_embeddings`` defaults to untied for llama and tied for qwen2/qwen3. The tokenizer is trained to
+    ``tie_embeddings`` defaults to untied for llama and deepseek_v32 and tied for qwen2/qwen3. The tokenizer is trained to
     ``min(vocab, MAX_TRAINED_VOCAB)`` entries and the model vocab is ``vocab`` (ids past the tokenizer are never
     produced by text). ``tokenizer_from`` copies another checkpoint's tokenizer instead (a draft must share its
-    target's); then ``vocab`` may even be smaller than the tokenizer, for small-vocab sampling tests."""
+    target's); then ``vocab`` may even be smaller than the tokenizer, for small-vocab sampling tests. ``deepseek``:
+    ``deepseek_v32_config``'s keyword overrides (index_topk, MLA dims)."""
     from transformers import AutoModelForCausalLM, PreTrainedModel
 
     if dtype not in _DTYPES:
@@ -228,11 +259,11 @@ def make_tiny(arch: str, out: str | os.PathLike, *, layers: int = 2, hidden: int
         if len(tok) > vocab:
             raise ValueError(f"tokenizer has {len(tok)} entries but the model vocab is {vocab}")
         save_tokenizer(tok, out)
-    tie = arch != "llama" if tie_embeddings is None else tie_embeddings
+    tie = arch not in ("llama", "deepseek_v32") if tie_embeddings is None else tie_embeddings
     cfg = build_config(arch, vocab=vocab, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
                        intermediate=intermediate or 2 * hidden, max_position=max_position, tie=tie,
                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, dtype=dtype,
-                       rope_theta=rope_theta, rope_scaling=rope_scaling)
+                       rope_theta=rope_theta, rope_scaling=rope_scaling, deepseek=deepseek)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float()  # initialised in fp32, cast when saving
     init_weights(model, seed, init_std)
@@ -241,7 +272,46 @@ def make_tiny(arch: str, out: str | os.PathLike, *, layers: int = 2, hidden: int
         save_kw["safe_serialization"] = True
     model.to(_DTYPES[dtype]).save_pretrained(out, **save_kw)
     _portable_config(out / "config.json", dtype)
+    if arch == "deepseek_v32" and (deepseek or {}).get("num_nextn_predict_layers"):
+        _write_mtp_layer(model, cfg, out, seed, init_std, _DTYPES[dtype])
     return out
+
+
+@torch.no_grad()
+def _write_mtp_layer(model, cfg, out: Path, seed: int, std: float, dtype: torch.dtype) -> None:
+    """DeepSeek-V3's MTP (NextN) layer, which transformers neither builds nor saves: as in the released checkpoints,
+    ``model.layers.{N}.`` holds enorm, hnorm, eh_proj, a decoder layer and shared_head (norm, head) plus a copy of
+    the embedding, in a safetensors file of its own (transformers loads only ``model.safetensors``)."""
+    from safetensors.torch import save_file
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer
+
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    layer = DeepseekV32DecoderLayer(cfg, 0).float()
+    head = torch.nn.Module()
+    head.layer = layer
+    head.enorm, head.hnorm = torch.nn.Parameter(torch.empty(h)), torch.nn.Parameter(torch.empty(h))
+    head.eh_proj = torch.nn.Parameter(torch.empty(h, 2 * h))
+    head.shared_norm = torch.nn.Parameter(torch.empty(h))
+    init_weights(head, seed + 1000, std)
+    for norm in (head.enorm, head.hnorm, head.shared_norm):  # (their names do not end in norm.weight)
+        norm.copy_(1.0 + 0.1 * torch.randn(h, generator=torch.Generator().manual_seed(seed + 1001)))
+    prefix = f"model.layers.{n}."
+    tensors = {prefix + k: v for k, v in layer.state_dict().items()}
+    tensors.update({prefix + "enorm.weight": head.enorm, prefix + "hnorm.weight": head.hnorm,
+                    prefix + "eh_proj.weight": head.eh_proj, prefix + "shared_head.norm.weight": head.shared_norm,
+                    prefix + "shared_head.head.weight": model.get_output_embeddings().weight,
+                    prefix + "embed_tokens.weight": model.get_input_embeddings().weight})
+    tensors = {k: v.detach().to(dtype).contiguous().clone() for k, v in tensors.items()}
+    save_file(tensors, str(out / "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = out / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "model-mtp.safetensors" for k in tensors})
+        index.write_text(json.dumps(data, indent=2) + "\n")
+    path = out / "config.json"
+    raw = json.loads(path.read_text())
+    raw["num_nextn_predict_layers"] = 1
+    path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
 
 
 # --------------------------------------------------------------------------------------------------------- CLI
@@ -271,6 +341,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-size", default=None, help="e.g. 100KB: write sharded safetensors with an index")
     p.add_argument("--draft-vocab", type=int, default=None, help="EAGLE-3 draft vocabulary size")
     p.add_argument("--tokenizer-from", default=None, help="copy this checkpoint's tokenizer instead of training one")
+    p.add_argument("--index-topk", type=int, default=8, help="deepseek_v32: tokens the indexer keeps per query")
+    p.add_argument("--mtp", action="store_true", help="deepseek_v32: add an MTP (NextN) layer (speculative method mtp)")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -286,4 +358,6 @@ def run(args: argparse.Namespace) -> None:
                     kv_heads=args.kv_heads, intermediate=args.intermediate, max_position=args.max_position,
                     tie_embeddings=args.tie, dtype=args.dtype, seed=args.seed, rope_theta=args.rope_theta,
                     rope_scaling=llama3_rope_scaling(args.max_position) if args.llama3_rope else None,
-                    max_shard_size=args.shard_size, tokenizer_from=args.tokenizer_from))
+                    max_shard_size=args.shard_size, tokenizer_from=args.tokenizer_from,
+                    deepseek={"index_topk": args.index_topk, "num_nextn_predict_layers": int(args.mtp)}
+                    if args.arch == "deepseek_v32" else None))

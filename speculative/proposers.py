@@ -278,6 +278,27 @@ class EagleProposer(_ModelProposer):
         self._save_state(fb.req_slots, logp, d2t, feat)
 
 
+class MTPProposer(EagleProposer):
+    """DeepSeek-V3's MTP (NextN) layer of the target checkpoint (or of ``model``) drafting as an EAGLE-1 head:
+    position p pairs token p+1 with the target's final hidden state at p; later steps feed the layer's own output."""
+
+    def __init__(self, ctx: DraftContext, spec_cfg):
+        _ModelProposer.__init__(self, ctx, spec_cfg)
+        from workers.model_config import ModelConfig
+        from workers.models.deepseek_v32 import DeepseekV32MTP
+
+        target = ctx.target
+        path = spec_cfg.model or target.cfg.path
+        cfg = ModelConfig.from_pretrained(path)
+        self.runner = ctx.runner(path, cfg, build_model=lambda: DeepseekV32MTP(cfg, ctx.dtype, ctx.tp, ctx.rope_len))
+        self.head = self.runner.model
+        self.head.attach_target(target)
+        n, k, h = ctx.max_requests, self.topk, cfg.hidden_size
+        self.state_ids = torch.zeros(n, k, dtype=torch.int64, device=ctx.device)
+        self.state_logp = torch.zeros(n, k, dtype=torch.float32, device=ctx.device)
+        self.state_feat = torch.zeros(n, h, dtype=ctx.dtype, device=ctx.device)
+
+
 class DraftModelProposer(_ModelProposer):
     """A standalone smaller model with the target's tokenizer."""
 
@@ -343,4 +364,6 @@ def make_proposer(ctx: DraftContext, spec_cfg) -> Proposer:
         return EagleProposer(ctx, spec_cfg)
     if spec_cfg.method == "draft":
         return DraftModelProposer(ctx, spec_cfg)
+    if spec_cfg.method == "mtp":
+        return MTPProposer(ctx, spec_cfg)
     return NgramProposer(ctx, spec_cfg)

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 MAX_TREE_BLOCK = 63  # positions a per-token int64 bitmask can cover (tree masks)
 
 AttentionBackendName = Literal["torch_native", "triton", "flashinfer"]
-SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive"]
+SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive", "mtp"]
 
 
 class Strict(BaseModel):
@@ -18,7 +18,8 @@ class Strict(BaseModel):
 
 class SpeculativeConfig(Strict):
     method: SpecMethod
-    model: str | None = Field(None, description="draft model / EAGLE head directory (not used by ngram)")
+    model: str | None = Field(None, description="draft model / EAGLE head directory (not used by ngram; mtp: "
+                              "default the target's own MTP layer)")
     num_steps: int = Field(3, ge=1, le=16, description="draft depth per round")
     topk: int = Field(1, ge=1, le=16, description="branching per draft step (1 = chain)")
     num_draft_tokens: int | None = Field(None, ge=2, description="verified tokens per round incl. the root; "

@@ -64,3 +64,31 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class MLAKVCache:
+    """DeepSeek-V3.2's cache: per layer ONE compressed latent plus the shared rotated rope key per token
+    (``latent[layer]``: [num_pages * page_size, kv_lora_rank + rope_dim]) and the lightning indexer's key
+    (``index_k[layer]``: [slots, index_head_dim]). Both are indexed by the same slots, so one page table and one
+    page grant cover them; the indexer keys are kept in the model dtype (bf16 on GPUs, fp32 in CPU tests)."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, index_dim: int, dtype,
+                 device):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        slots = num_pages * page_size
+        self.latent = [torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.index_k = [torch.zeros(slots, index_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def store(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor) -> None:
+        self.latent[layer_id][slots] = latent.to(self.latent[layer_id].dtype)
+        self.index_k[layer_id][slots] = index_k.to(self.index_k[layer_id].dtype)
+
+    def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """Copy every layer's latents and indexer keys from ``src_slots`` to ``dst_slots`` (accepted tree nodes)."""
+        for buf in (*self.latent, *self.index_k):
+            buf[dst_slots] = buf[src_slots]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, latent_dim: int, index_dim: int, dtype) -> int:
+        return num_layers * (latent_dim + index_dim) * torch.empty((), dtype=dtype).element_size()

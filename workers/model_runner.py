@@ -13,6 +13,15 @@ from workers.model_config import ModelConfig
 from workers.models.llama import Attention, LlamaForCausalLM
 
 
+def decoder_class(cfg: ModelConfig):
+    """The module class of a target or draft decoder checkpoint."""
+    if cfg.architecture == "DeepseekV32ForCausalLM":
+        from workers.models.deepseek_v32 import DeepseekV32ForCausalLM
+
+        return DeepseekV32ForCausalLM
+    return LlamaForCausalLM
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -34,10 +43,12 @@ class ModelRunner:
         self.dtype = dtype
         self.tp = tp
         with torch.device(device):
-            self.model = build_model() if build_model else LlamaForCausalLM(self.config, dtype, tp, max_positions)
+            self.model = (build_model() if build_model
+                          else decoder_class(self.config)(self.config, dtype, tp, max_positions))
         load_weights(self.model, model_path)
         self.model.eval()
-        self.attn_backend = create_attention_backend(prefill_backend, decode_backend, verify_attention_mode, device)
+        self.attn_backend = create_attention_backend(prefill_backend, decode_backend, verify_attention_mode, device,
+                                                     getattr(self.model, "attention_family", "dense"))
         self.kv_cache: KVCache | None = None
 
     def fold_norm_weights(self) -> None:
@@ -50,14 +61,21 @@ class ModelRunner:
 
     @property
     def attention_specs(self) -> list:
-        return [m.spec for m in self.model.modules() if isinstance(m, Attention)]
+        """Each attention layer's spec (a model with a cache of its own, ``make_kv_cache``: its layers' specs)."""
+        return [m.spec for m in self.model.modules()
+                if isinstance(m, Attention) or (hasattr(self.model, "make_kv_cache") and hasattr(m, "spec"))]
 
     @property
     def kv_bytes_per_token(self) -> int:
+        if hasattr(self.model, "make_kv_cache"):  # a model with a cache of its own (MLA latents)
+            return self.model.kv_bytes_per_token(self.dtype)
         specs = self.attention_specs
         return KVCache.bytes_per_token(len(specs), specs[0].num_kv_heads, specs[0].head_dim, self.dtype)
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
+        if hasattr(self.model, "make_kv_cache"):
+            self.kv_cache = self.model.make_kv_cache(num_pages, page_size, self.dtype, self.device)
+            return
         specs = self.attention_specs
         self.kv_cache = KVCache(len(specs), num_pages, page_size, specs[0].num_kv_heads, specs[0].head_dim,
                                 self.dtype, self.device)

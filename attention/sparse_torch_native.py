@@ -1,0 +1,137 @@
+"""Sparse MLA backends (DeepSeek-V3.2): the lightning indexer picks each query row's top-k tokens, and MLA attends
+over those only, in the latent space (``attention.sparse_mla_ref`` states the two kernels' contract).
+
+Every forward mode runs the same way: each new token is a query row of its own, with its own visible set. EXTEND,
+DRAFT_EXTEND, chains: the positions up to its own. TARGET_VERIFY of a tree and tree draft steps: the positions
+before the speculative block plus, inside the block, the node itself and its ancestors (``tree_bits``
+over the last ``tree_len`` positions). The draft nodes' latents and indexer keys are stored at their slots before
+attention, as the dense backends do. The per-row metadata is built once per forward for all layers (``init_forward_metadata``) from
+device tensors only, with one row per token, so its shapes are those of the batch (CUDA-graph buckets).
+
+``SparseTorchNativeBackend`` runs the PyTorch references; ``attention.sparse_triton.SparseTritonBackend``
+subclasses it and swaps in the Triton kernels (``indexer_topk`` / ``sparse_mla``, the same signatures).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention import sparse_mla_ref
+from attention.base import AttentionBackend, AttentionMetadata
+from workers.forward_batch import DraftSteps, ForwardBatch
+
+
+@dataclass(frozen=True)
+class SparseMLALayerSpec:
+    layer_id: int
+    num_heads: int  # local (per TP rank)
+    kv_lora_rank: int
+    rope_dim: int
+    index_heads: int
+    index_dim: int
+    topk: int
+    scaling: float
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one cached token (latent + rope key), what graph checks read as a dense layer's head_dim."""
+        return self.kv_lora_rank + self.rope_dim
+
+
+@dataclass
+class SparseMLAMetadata(AttentionMetadata):
+    row_req: torch.Tensor  # [T] int32, page-table row of each token's request
+    row_len: torch.Tensor  # [T] int32, positions < row_len are visible (before the block's narrowing)
+    tree_bits: torch.Tensor | None  # [T] int64, bit j: block position j visible (None: no tree)
+    tree_len: int = 0  # the block: each row's last tree_len positions
+
+    kernel_name: str = "sparse_torch_native"
+
+    @property
+    def kernel(self) -> str:
+        return self.kernel_name
+
+
+def tree_bits_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """[B, n, L] bool → [B * n] int64 bitmasks (bit j: column j)."""
+    weights = torch.bitwise_left_shift(torch.ones(mask.shape[-1], dtype=torch.int64, device=mask.device),
+                                       torch.arange(mask.shape[-1], device=mask.device))
+    return (mask.long() * weights).sum(-1).reshape(-1)
+
+
+class SparseTorchNativeBackend(AttentionBackend):
+    name = "sparse_torch_native"
+    indexer_topk = staticmethod(sparse_mla_ref.indexer_topk)
+    sparse_mla = staticmethod(sparse_mla_ref.sparse_mla)
+
+    def __init__(self, verify_attention_mode: str = "decode"):
+        self.verify_attention_mode = verify_attention_mode
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        if isinstance(fb.round_metadata, SparseMLAMetadata):  # a draft-round step: prepared with its round
+            fb.attn_metadata = fb.round_metadata
+            return
+        fb.attn_metadata = self._rows(fb)
+
+    def init_round_metadata(self, steps: DraftSteps) -> None:
+        """Every step of a multi-step draft round at once, over the stacked batch (one set of device ops per round
+        instead of per step): step i's rows are its slice; a tree step's bits are its view of the round's masks,
+        which ``DraftSteps.advance`` fills in before the step runs."""
+        row_req, storage_pos, seq = self._token_rows(steps.stacked)
+        per = steps.batch_size * steps.tokens_per_request
+        for i, fb in enumerate(steps.batches):
+            rows = slice(i * per, (i + 1) * per)
+            if fb.tree_bits is None:  # a chain: causal
+                m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None,
+                                      kernel_name=self.name)
+            else:  # the step's block: the last tree_len(i) positions, its rows' bits a view of the round's masks
+                m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32), fb.tree_bits, steps.tree_len(i),
+                                      kernel_name=self.name)
+            fb.round_metadata = m
+
+    @staticmethod
+    def _token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per token: (page-table row [T] int32, storage position [T], its request's KV length [T]). A draft
+        round's stacked batch holds its B request slots once for its steps * B requests (``DraftSteps``)."""
+        device = fb.input_ids.device
+        t, b = fb.num_tokens, fb.batch_size
+        tok = torch.arange(t, device=device)
+        if len(set(fb.extend_lens_cpu)) == 1:  # uniform: request b's tokens are rows b*n .. b*n+n-1
+            n = fb.extend_lens_cpu[0]
+            tok_b, offset, ext = tok // n, tok % n, n
+        else:
+            lens = fb.extend_lens.long()
+            tok_b = torch.repeat_interleave(torch.arange(b, device=device), lens, output_size=t)
+            offset, ext = tok - fb.extend_start.long()[tok_b], lens[tok_b]
+        seq = fb.seq_lens.long()[tok_b]
+        slots = fb.req_slots[tok_b % fb.req_slots.shape[0]]
+        return slots.to(torch.int32), seq - ext + offset, seq
+
+    def _rows(self, fb: ForwardBatch) -> SparseMLAMetadata:
+        row_req, storage_pos, seq = self._token_rows(fb)
+        if fb.has_tree:  # the block is each sequence's last L positions; inside it the tree rows decide
+            if fb.tree_bits is not None:
+                bits, length = fb.tree_bits, fb.tree_len
+            else:
+                bits, length = tree_bits_from_mask(fb.tree_mask), fb.tree_mask.shape[2]
+            return SparseMLAMetadata(row_req, seq.to(torch.int32), bits, length, kernel_name=self.name)
+        return SparseMLAMetadata(row_req, (storage_pos + 1).to(torch.int32), None, kernel_name=self.name)
+
+    def forward_sparse(self, q_latent: torch.Tensor, q_rope: torch.Tensor, index_q: torch.Tensor,
+                       index_w: torch.Tensor, layer: SparseMLALayerSpec, fb: ForwardBatch) -> torch.Tensor:
+        """One layer's attention, its new latents and indexer keys already stored. q_latent [T, H, Dl], q_rope
+        [T, H, Dr], index_q [T, Hi, Di], index_w [T, Hi] (scales folded in). Returns the latent output [T, H, Dl]."""
+        m = fb.attn_metadata
+        cache = fb.kv_cache
+        slots = self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table, m.row_req,
+                                  m.row_len, fb.page_table.page_size, layer.topk, tree_bits=m.tree_bits,
+                                  tree_len=m.tree_len)
+        return self.sparse_mla(q_latent, q_rope, cache.latent[layer.layer_id], slots, layer.scaling)
+
+    def _dense_call(self, *args, **kwargs):
+        raise TypeError(f"the {self.name} backend serves MLA models through forward_sparse")
+
+    forward_extend = _dense_call
+    forward_decode = _dense_call
