@@ -47,7 +47,8 @@ def pack_output(out: RequestOutput) -> tuple:
     if out.finished:
         req = out.request
         final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                 "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error}
+                 "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error,
+                 "cached_tokens": out.num_cached_tokens}
     packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item
@@ -58,14 +59,16 @@ class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
     CLIENT_TIMEOUT_S = 60.0  # a client that has not polled for this long is gone: its requests are aborted
 
-    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None):
-        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing)."""
+    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
+        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing).
+        ``replica``: the engine deployment's replica this core serves (data parallel), in its stats and metrics."""
         from deployments.engine.executor import RayExecutor
         from deployments.engine.metrics import EngineMetrics
 
         t0 = time.time()
-        self.cfg = cfg
-        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id),
+        self.cfg, self.replica = cfg, replica
+        self.num_accepted = 0  # requests accepted by submit, ever (/v1/stats: which replica served how many)
+        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id, replica),
                                        detokenize=False)
         if engine is None:
             freeze_startup_heap()  # this process keeps the engine for its life
@@ -117,6 +120,7 @@ class EngineCore:
                 return [a or stopped for a in answers]
             for req in accepted:
                 self._owner[req.rid] = client
+            self.num_accepted += len(accepted)
             self._inbox.extend(accepted)
             self._last_poll.setdefault(client, time.monotonic())
         self._wake.set()
@@ -143,6 +147,7 @@ class EngineCore:
     def stats(self) -> dict:
         stats = self.engine.step_stats()
         stats["loop"] = {"busy_s": self.busy_s}
+        stats["replica"], stats["requests"] = self.replica, self.num_accepted
         return stats
 
     def check_health(self) -> None:
