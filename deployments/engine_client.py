@@ -192,6 +192,7 @@ class EngineClient:
         self.router = Router(RouterConfig(**(router or {})))
         self._cores: dict[str, object] = {}  # core name -> actor handle, for the cores that answered ``info``
         self._joining: set[str] = set()
+        self._stopped: set[str] = set()  # cores that refused as stopped (failed workers): not rejoined while listed
         self._refresher: asyncio.Task | None = None
         self._joined: asyncio.Event | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -225,7 +226,8 @@ class EngineClient:
 
                 names = {a["name"] for a in listed if a["namespace"] == CORE_NAMESPACE
                          and a["name"].startswith(self.prefix)}
-                for name in names - set(self._cores) - self._joining:
+                self._stopped &= names  # (a name listed again later is a new core)
+                for name in names - set(self._cores) - self._joining - self._stopped:
                     self._joining.add(name)
                     asyncio.ensure_future(self._join(name))
                 for name in set(self._cores) - names:
@@ -353,10 +355,17 @@ class EngineClient:
                     item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
                                         "message": "the engine is not available"})
             return
+        if any(a is not None and a.get("type") == "server_unavailable" for a in answers) and len(self._cores) > 1:
+            # its engine stopped (its workers failed; Serve replaces the replica): the others take its requests
+            self._stopped.add(name)
+            self._lost(name, RuntimeError("its engine stopped"))
         for item, answer in zip(batch, answers):
             self._unanswered.discard(item[0])
             if answer is not None:  # refused: it holds no place there
                 self._ended(item[0])
+                if name in self._stopped and answer.get("type") == "server_unavailable" and self._cores:
+                    self._route(item)  # (not counted as a resubmit: this core took no part of it)
+                    continue
             item[4].set_result(answer)
 
     def _ended(self, rid: str) -> None:

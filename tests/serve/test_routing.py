@@ -113,3 +113,23 @@ def test_tree_eviction_is_lru_and_leaves_first():
     assert tree.match(old, ["a"])[0] == 12 and tree.match(new, ["a"])[0] == 4
     tree.remove_replica("a")
     assert tree.match(old, ["a"]) == (0, set()) and not tree._holders
+
+
+def test_the_dp2_config_parses():
+    """configs/cpu-tiny-dp2.yaml: two engine replicas behind the prefix-aware router, accepted by our config."""
+    from pathlib import Path
+
+    import yaml
+
+    from deployments.config import LLMConfig
+
+    text = (Path(__file__).resolve().parents[2] / "configs" / "cpu-tiny-dp2.yaml").read_text()
+    (app,) = yaml.safe_load(text)["applications"]
+    cfg = LLMConfig(**app["args"])
+    assert cfg.deployment_config == {"num_replicas": 2}
+    assert (cfg.request_router.policy, cfg.request_router.imbalanced_threshold) == ("prefix_aware", 8)
+    for bad, match in [({"num_replicas": 0}, "num_replicas"), ({"num_replicas": "auto"}, "num_replicas"),
+                       ({"autoscaling_config": {"min_replicas": 0, "max_replicas": 2}}, "min_replicas"),
+                       ({"num_replicas": 2, "autoscaling_config": {"min_replicas": 1}}, "not both")]:
+        with pytest.raises(ValueError, match=match):
+            LLMConfig(**dict(app["args"], deployment_config=bad))
