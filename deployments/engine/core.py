@@ -48,7 +48,8 @@ def pack_output(out: RequestOutput) -> tuple:
         req = out.request
         final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                  "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error,
-                 "cached_tokens": out.num_cached_tokens}
+                 # (the output's figure, or the request's where the cache keeps it there)
+                 "cached_tokens": max(out.num_cached_tokens, getattr(req, "num_cached_tokens", 0) or 0)}
     packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item

@@ -1,7 +1,8 @@
-"""Data parallel on a real Ray Serve application over HTTP: two engine replicas (each its own core and worker) behind
-the ingress's prefix-aware router. Distinct prompts spread over both, prompts sharing a prefix land on one, load
-imbalance falls back to the least loaded, usage carries cached_tokens, and killing one replica's core keeps the
-service answering until Serve's replacement joins. The tests run in order (the kill is last)."""
+"""Data parallel on a real Ray Serve application over HTTP: engine replicas (each its own core and worker) behind the
+ingress's prefix-aware router, autoscaled from one to two on the engines' load. Then: distinct prompts spread over
+both, prompts sharing a prefix land on one, load imbalance falls back to the least loaded, usage carries
+cached_tokens, and killing one replica's core keeps the service answering until Serve's replacement joins. The
+tests run in order (the first scales up; the kill is last)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ SYSTEM = ("You are a careful assistant. Answer in one short sentence, cite no so
 def base(tiny_models):
     args = {"model_loading_config": {"model_id": "tiny", "model_source": str(tiny_models["llama"])},
             "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 512, "max_num_seqs": 8},
-            "deployment_config": {"num_replicas": 2},
+            # one engine replica, a second one when the engines carry more than 2 requests each; no downscaling
+            # within the test (deployments/autoscaling.py's policy, set by the builder)
+            "deployment_config": {"autoscaling_config": {
+                "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2, "upscale_delay_s": 0,
+                "downscale_delay_s": 600, "look_back_period_s": 2, "metrics_interval_s": 0.5}},
             "request_router": {"imbalanced_threshold": 2, "block_tokens": 4}}
     with serve_app(args, APP, num_cpus=6) as url:
-        deadline = time.monotonic() + 120
-        while len(_names(url)) < 2:  # the ingress lists the cores once a second
-            assert time.monotonic() < deadline, _stats(url)
-            time.sleep(0.5)
         yield url
 
 
@@ -55,6 +56,29 @@ def _complete(base: str, prompt: str, max_tokens: int = 2) -> dict:
                    timeout=60)
     assert r.status_code == 200, r.text[:300]
     return r.json()
+
+
+def test_autoscaling_adds_an_engine_replica_under_load(base):
+    """Eight long requests on the one engine (load 8 > target 2): Serve's controller adds the second replica, whose
+    core the ingress finds and routes to."""
+    assert len(_names(base)) == 1
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+            async def one(i):
+                r = await client.post("/v1/completions", json={"prompt": f"Load {i}:", "max_tokens": 480,
+                                                               "ignore_eos": True})
+                assert r.status_code == 200, r.text[:300]
+
+            load = asyncio.ensure_future(asyncio.gather(*(one(i) for i in range(8))))
+            t0 = time.monotonic()
+            while len(await asyncio.to_thread(_names, base)) < 2:
+                assert time.monotonic() - t0 < 180, "no second engine replica"
+                await asyncio.sleep(0.5)
+            print(f"the second engine replica joined {time.monotonic() - t0:.1f} s after the load started")
+            await load
+
+    asyncio.run(run())
 
 
 def test_distinct_prompts_spread_over_both_replicas(base):
