@@ -37,10 +37,14 @@ def core_prefix(app_name: str, deployment: str) -> str:
 # default of 10 s took half a minute). A check is one small actor call.
 HEALTH_CHECK_PERIOD_S = 1.0
 HEALTH_CHECK_TIMEOUT_S = 10.0  # a core that does not answer in this long is stuck
+# A replica being stopped (scaled down, updated) lets its engine finish the requests it runs for up to this long;
+# Serve kills the replica after graceful_shutdown_timeout_s, so that is set above it
+DRAIN_TIMEOUT_S = 60.0
 
 
 @serve.deployment(name="LLMController", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0},
-                  health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S)
+                  health_check_period_s=HEALTH_CHECK_PERIOD_S, health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S,
+                  graceful_shutdown_timeout_s=DRAIN_TIMEOUT_S + 15)
 class LLMController:
     def __init__(self, llm_config: dict):
         from deployments.engine.core import EngineCore
@@ -72,6 +76,11 @@ class LLMController:
         ray.get(self.core.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
 
     def __del__(self):
+        try:
+            # (a failed engine has nothing running: this returns at once)
+            ray.get(self.core.drain.remote(DRAIN_TIMEOUT_S), timeout=DRAIN_TIMEOUT_S + 5)
+        except Exception:  # noqa: BLE001 - the core may be gone already
+            pass
         try:
             ray.get(self.core.shutdown.remote(), timeout=60)
         except Exception:  # noqa: BLE001 - the core may be gone already

@@ -192,7 +192,7 @@ class EngineClient:
         self.router = Router(RouterConfig(**(router or {})))
         self._cores: dict[str, object] = {}  # core name -> actor handle, for the cores that answered ``info``
         self._joining: set[str] = set()
-        self._stopped: set[str] = set()  # cores that refused as stopped (failed workers): not rejoined while listed
+        self._stopped: set[str] = set()  # cores that refused as stopped or draining: not routed to while listed
         self._refresher: asyncio.Task | None = None
         self._joined: asyncio.Event | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -355,7 +355,11 @@ class EngineClient:
                     item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
                                         "message": "the engine is not available"})
             return
-        if any(a is not None and a.get("type") == "server_unavailable" for a in answers) and len(self._cores) > 1:
+        if any(a is not None and a.get("code") == "draining" for a in answers):
+            # its replica is stopping: no new requests go there, but it is polled until its streams finish
+            self._stopped.add(name)
+            self.router.remove_replica(name)
+        elif any(a is not None and a.get("type") == "server_unavailable" for a in answers) and len(self._cores) > 1:
             # its engine stopped (its workers failed; Serve replaces the replica): the others take its requests
             self._stopped.add(name)
             self._lost(name, RuntimeError("its engine stopped"))
@@ -363,7 +367,7 @@ class EngineClient:
             self._unanswered.discard(item[0])
             if answer is not None:  # refused: it holds no place there
                 self._ended(item[0])
-                if name in self._stopped and answer.get("type") == "server_unavailable" and self._cores:
+                if name in self._stopped and answer.get("type") == "server_unavailable" and self.router.replicas:
                     self._route(item)  # (not counted as a resubmit: this core took no part of it)
                     continue
             item[4].set_result(answer)

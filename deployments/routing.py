@@ -135,7 +135,9 @@ class Router:
         load = self.in_flight
         replicas = list(load)
         least = lambda rs: min(rs, key=lambda r: (load[r], self.routed[r], r))  # noqa: E731
-        keys = block_keys(prompt_ids, self.cfg.block_tokens) if self.cfg.policy == "prefix_aware" else []
+        # (one replica: no tree work on the request path; a replica that joins later starts both trees empty)
+        keys = (block_keys(prompt_ids, self.cfg.block_tokens)
+                if self.cfg.policy == "prefix_aware" and len(replicas) > 1 else [])
         if len(replicas) == 1:
             chosen = replicas[0]
         elif self.cfg.policy == "least_loaded":

@@ -30,6 +30,10 @@ class EngineStopped(RuntimeError):
     """The engine can take no request: its loop failed, or its workers did."""
 
 
+class Draining(EngineStopped):
+    """The engine's replica is being stopped (scaled down): it finishes what it runs and takes nothing new."""
+
+
 def refusal(e: Exception) -> dict:
     """A refused request's answer: an OpenAI error's fields and the HTTP status."""
     if isinstance(e, InvalidRequest):
@@ -37,7 +41,8 @@ def refusal(e: Exception) -> dict:
         return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code, "param": e.param}
     if isinstance(e, OverflowError):
         return {"status": 503, "type": "server_overloaded", "message": str(e), "code": None}
-    return {"status": 503, "type": "server_unavailable", "message": str(e), "code": None}
+    return {"status": 503, "type": "server_unavailable", "message": str(e),
+            "code": "draining" if isinstance(e, Draining) else None}
 
 
 def pack_output(out: RequestOutput) -> tuple:
@@ -86,6 +91,7 @@ class EngineCore:
         self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
         self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
         self._stop = False
+        self._draining = False  # (drain) new requests are refused, those running finish
         if hasattr(self.engine.executor, "on_failure"):  # a dead worker fails every request at once, not at a step
             self.engine.executor.on_failure = self._workers_failed
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -108,6 +114,8 @@ class EngineCore:
             try:
                 if self.error is not None or self.engine.failure is not None:
                     raise EngineStopped(self._stopped())
+                if self._draining:
+                    raise Draining("this engine replica is stopping")
                 if rid in self._owner:
                     raise InvalidRequest(f"duplicate request id {rid!r}")
                 accepted.append(self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
@@ -156,6 +164,18 @@ class EngineCore:
             raise RuntimeError(f"engine loop failed: {self.error}")
         if self.engine.failure is not None:
             raise RuntimeError(f"engine workers failed: {self.engine.failure}")
+
+    def drain(self, timeout_s: float) -> bool:
+        """Before the replica stops (scaled down, updated): refuse new requests (the ingress sends them to another
+        replica) and wait up to ``timeout_s`` for the accepted ones to finish; True if they all did."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._owner and not self._inbox:
+                    return True
+            time.sleep(0.05)
+        return False
 
     def shutdown(self) -> None:
         self._stop = True

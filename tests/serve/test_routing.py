@@ -88,16 +88,21 @@ def test_least_loaded_policy_ignores_prefixes():
 
 
 def test_replicas_come_and_go():
-    r = _router(2)
+    r = _router(3)
     home = r.choose(SYSTEM)
     r.remove_replica(home)
-    assert r.choose(SYSTEM) != home and home not in r.snapshot()["routed"]
+    second = r.choose(SYSTEM)
+    assert second != home and home not in r.snapshot()["routed"]
+    r.done(second)
     r.add_replica(home)  # a replacement starts with an empty tree: the prefix stays where it is now
-    assert r.choose(SYSTEM) != home
+    assert r.choose(SYSTEM) == second
     for rep in list(r.replicas):
         r.remove_replica(rep)
     with pytest.raises(LookupError):
         r.choose(SYSTEM)
+    # one replica: no tree is kept (nothing to choose between)
+    r.add_replica("only")
+    assert r.choose(SYSTEM) == "only" and r.tree.tokens("only") == 0
 
 
 def test_tree_eviction_is_lru_and_leaves_first():

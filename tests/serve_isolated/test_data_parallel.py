@@ -157,3 +157,37 @@ def test_killing_one_replicas_core_keeps_the_service_answering(base):
         _complete(base, f"{word} is a word of the spelling alphabet.")
     (new,) = replicas - {names[1]}
     assert _delta(before, _requests(base))[new] >= 1
+
+
+def test_a_draining_replica_finishes_its_streams_and_takes_no_new_requests(base):
+    """What a replica does when Serve stops it (scaled down, updated; LLMController.__del__): its core refuses new
+    requests as draining, the ingress sends them to the other replica, and the stream it runs completes."""
+    import ray
+
+    from deployments.controller import CORE_NAMESPACE
+
+    before = _requests(base)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=base, timeout=300) as client:
+            long = asyncio.ensure_future(client.post("/v1/completions", json={
+                "prompt": "Mike is a word of the spelling alphabet.", "max_tokens": 400, "ignore_eos": True}))
+            while True:  # until the long request is in an engine
+                got = {k: v for k, v in _delta(before, await asyncio.to_thread(_requests, base)).items() if v}
+                if got:
+                    break
+                await asyncio.sleep(0.05)
+            (busy,) = got
+            drained = ray.get_actor(busy, namespace=CORE_NAMESPACE).drain.remote(120)
+            mid = await asyncio.to_thread(_requests, base)
+            for word in ["November", "Oscar", "Papa", "Quebec"]:
+                r = await client.post("/v1/completions", json={"prompt": f"{word} is a word.", "max_tokens": 2})
+                assert r.status_code == 200, r.text[:300]
+            after = await asyncio.to_thread(_requests, base)
+            r = await long
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400, r.text[:300]
+            assert await asyncio.to_thread(ray.get, drained, timeout=60) is True
+            return busy, _delta(mid, after)
+
+    busy, new = asyncio.run(run())
+    assert new[busy] == 0 and sum(new.values()) == 4, new
