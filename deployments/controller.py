@@ -77,7 +77,8 @@ class LLMController:
 
     def __del__(self):
         try:
-            # (a failed engine has nothing running: this returns at once)
+            # only a healthy engine drains (a failed one has nothing running; a stuck one would hold the replacement)
+            ray.get(self.core.check_health.remote(), timeout=HEALTH_CHECK_TIMEOUT_S)
             ray.get(self.core.drain.remote(DRAIN_TIMEOUT_S), timeout=DRAIN_TIMEOUT_S + 5)
         except Exception:  # noqa: BLE001 - the core may be gone already
             pass
