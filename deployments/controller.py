@@ -2,12 +2,12 @@
 
 The engine core (deployments/engine/core.py) runs in a Ray actor of its own, placed in this replica's placement group
 (bundle 0, beside this replica; the TP workers take the bundles after it), and is owned by this replica: if either
-dies, both go, and Serve's replacement replica starts a fresh core. The ingress replicas ask for the core's handle
-once and then talk to it directly: requests in, step outputs out, never through this replica.
+dies, both go, and Serve's replacement replica starts a fresh core. The ingress replicas find the core by its name and
+talk to it directly: requests in, step outputs out, never through this replica.
 
 Data parallel: the deployment may run several replicas (``num_replicas``, or ``autoscaling_config`` with
 deployments/autoscaling.py's policy), each with its own core and workers in its own placement group. A replica's core
-is a named actor (``core_name``: the application, the deployment and the replica's id), owned by the replica as
+is a named actor (``core_prefix`` of the application and the deployment, then the replica's id), owned by the replica as
 before, so it lives and dies with it; the ingress replicas find the live cores by listing those names
 (deployments/engine_client.py) and route among them (deployments/routing.py).
 """
