@@ -92,12 +92,17 @@ def test_distinct_prompts_spread_over_both_replicas(base):
 
 def test_a_shared_prefix_lands_on_one_replica_and_usage_has_cached_tokens(base):
     before = _requests(base)
+    cached = []
     for i in range(6):
         body = _complete(base, SYSTEM + f"Question {i}: name a colour.")
         details = body["usage"]["prompt_tokens_details"]
         assert set(details) == {"cached_tokens"} and 0 <= details["cached_tokens"] < body["usage"]["prompt_tokens"]
+        cached.append(details["cached_tokens"])
     got = _delta(before, _requests(base))
     assert sorted(got.values()) == [0, 6], got
+    if "prefix_cache_hits" in next(iter(_stats(base)["replicas"].values())):  # an engine with a prefix cache
+        # every request after the first found the shared prefix on the replica it was routed to
+        assert all(c >= 32 for c in cached[1:]), cached
     # chat, streamed with include_usage: the usage chunk has the same shape
     with httpx.stream("POST", base + "/v1/chat/completions", timeout=60, json={
             "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}], "max_tokens": 3,
