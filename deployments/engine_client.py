@@ -192,7 +192,9 @@ class EngineClient:
         self.router = Router(RouterConfig(**(router or {})))
         self._cores: dict[str, object] = {}  # core name -> actor handle, for the cores that answered ``info``
         self._joining: set[str] = set()
-        self._stopped: set[str] = set()  # cores that refused as stopped or draining: not routed to while listed
+        # cores not routed to while listed: "draining" (their replica is stopping) or "failed" (they refused as
+        # stopped: their workers failed), which rejoin if their health check passes again (workers restarted)
+        self._stopped: dict[str, str] = {}
         self._refresher: asyncio.Task | None = None
         self._joined: asyncio.Event | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -226,22 +228,31 @@ class EngineClient:
 
                 names = {a["name"] for a in listed if a["namespace"] == CORE_NAMESPACE
                          and a["name"].startswith(self.prefix)}
-                self._stopped &= names  # (a name listed again later is a new core)
-                for name in names - set(self._cores) - self._joining - self._stopped:
+                self._stopped = {n: why for n, why in self._stopped.items() if n in names}
+                for name in names - set(self._cores) - self._joining:
+                    if self._stopped.get(name) == "draining":
+                        continue
                     self._joining.add(name)
-                    asyncio.ensure_future(self._join(name))
+                    asyncio.ensure_future(self._join(name, probe=name in self._stopped))
                 for name in set(self._cores) - names:
                     self._lost(name, RuntimeError("its replica is gone"))
             except Exception as e:  # noqa: BLE001 - the GCS is briefly unreachable: try again
                 logger.warning("listing the engine cores failed: %s", e)
             await asyncio.sleep(self.REFRESH_S)
 
-    async def _join(self, name: str) -> None:
+    async def _join(self, name: str, probe: bool = False) -> None:
+        """Connect a listed core once it answers (``probe``: one that failed rejoins only once healthy again)."""
         import ray
         from deployments.controller import CORE_NAMESPACE
 
         try:
             core = await asyncio.to_thread(ray.get_actor, name, CORE_NAMESPACE)
+            if probe:
+                try:
+                    await core.check_health.remote()
+                except Exception:  # noqa: BLE001 - still failed: asked again at the next listing
+                    return
+                self._stopped.pop(name, None)
             info = await core.info.remote()  # (waits while the core loads the model: it joins once it can serve)
             if self.tokenizer is None:
                 self.tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
@@ -357,11 +368,11 @@ class EngineClient:
             return
         if any(a is not None and a.get("code") == "draining" for a in answers):
             # its replica is stopping: no new requests go there, but it is polled until its streams finish
-            self._stopped.add(name)
+            self._stopped[name] = "draining"
             self.router.remove_replica(name)
         elif any(a is not None and a.get("type") == "server_unavailable" for a in answers) and len(self._cores) > 1:
             # its engine stopped (its workers failed; Serve replaces the replica): the others take its requests
-            self._stopped.add(name)
+            self._stopped[name] = "failed"
             self._lost(name, RuntimeError("its engine stopped"))
         for item, answer in zip(batch, answers):
             self._unanswered.discard(item[0])
