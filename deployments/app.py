@@ -75,12 +75,18 @@ def _controller(cfg: LLMConfig, name: str | None = None):
             options["ray_actor_options"].setdefault("runtime_env", cfg.runtime_env)
     if name is not None:
         options.setdefault("name", name)
+    if options.get("autoscaling_config") is not None:
+        # sized on the engines' own load (deployments/autoscaling.py): Serve sees no requests to these replicas
+        auto = options["autoscaling_config"] = dict(options["autoscaling_config"])
+        auto.setdefault("policy", {"policy_function": "deployments.autoscaling:engine_load_policy"})
+        auto.setdefault("target_ongoing_requests", engine_cfg.max_num_seqs)
     controller = LLMController.options(
         placement_group_bundles=_placement_bundles(cfg, engine_cfg),
         placement_group_strategy=cfg.placement_group_config.strategy, **options).bind(cfg.model_dump())
     return controller, {"model_id": cfg.model_loading_config.model_id, "stream_interval": cfg.stream_interval,
                         "stream_batching_interval_ms": cfg.stream_batching_interval_ms,
-                        "tokenizer": engine_cfg.tokenizer or engine_cfg.model, "limits": cfg.request_limits()}
+                        "tokenizer": engine_cfg.tokenizer or engine_cfg.model, "limits": cfg.request_limits(),
+                        "router": cfg.request_router.model_dump()}
 
 
 def build_app(args: dict) -> Application:
@@ -88,7 +94,8 @@ def build_app(args: dict) -> Application:
     controller, m = _controller(cfg)
     return OpenAIIngress.options(**cfg.ingress_deployment_config).bind(
         controller, m["model_id"], cfg.api_key_env, cfg.api_key_file, m["stream_interval"],
-        m["stream_batching_interval_ms"], m["tokenizer"], cfg.max_request_body_bytes, m["limits"])
+        m["stream_batching_interval_ms"], m["tokenizer"], cfg.max_request_body_bytes, m["limits"],
+        router=m["router"])
 
 
 APP_FIELDS = ("api_key_env", "api_key_file", "max_request_body_bytes", "ingress_deployment_config")
@@ -124,4 +131,4 @@ def build_openai_app(args: dict) -> Application:
     return OpenAIIngress.options(**ingress_options).bind(
         controller, m["model_id"], first.api_key_env, first.api_key_file, m["stream_interval"],
         m["stream_batching_interval_ms"], m["tokenizer"], first.max_request_body_bytes, m["limits"],
-        more_models=more)
+        more_models=more, router=m["router"])

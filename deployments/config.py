@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from deployments.rayllm import translate_engine_kwargs
+from deployments.routing import RouterConfig
 from workers.config import EngineConfig, Strict
 
 logger = logging.getLogger("specserve")
@@ -34,10 +35,15 @@ class PlacementGroupConfig(Strict):
 class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
-    deployment_config: dict = Field(default_factory=dict, description="Serve options of the controller deployment "
-                                    "(one replica: it owns the engine core); its health checks run every 1 s "
+    deployment_config: dict = Field(default_factory=dict, description="Serve options of the engine (controller) "
+                                    "deployment: each replica owns one engine core and its TP workers (data "
+                                    "parallel: num_replicas, or autoscaling_config with min_replicas >= 1, scaled "
+                                    "on the engines' running + waiting requests against target_ongoing_requests, "
+                                    "default max_num_seqs); its health checks run every 1 s "
                                     "(health_check_period_s) with a 10 s timeout (health_check_timeout_s), so a "
                                     "replica whose engine failed is replaced within seconds")
+    request_router: RouterConfig = Field(default_factory=RouterConfig, description="how each ingress replica "
+                                         "picks the engine replica of a request (deployments/routing.py)")
     ingress_deployment_config: dict = Field(default_factory=dict, description="Serve options of the ingress "
                                             "deployment (HTTP, tokenizing, detokenizing): num_replicas, "
                                             "autoscaling_config, max_ongoing_requests")
@@ -124,17 +130,54 @@ class LLMConfig(Strict):
         data["experimental_configs"] = {}
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _ray_serve_llm_router(cls, data):
+        """Ray Serve LLM's ``deployment_config.request_router_config`` (its PrefixCacheAffinityRouter, or Serve's
+        power-of-two router) as our ``request_router``: the ingress → engine hop is not a Serve handle call, so
+        Serve's request routers never see it (docs/design.md)."""
+        if not isinstance(data, dict) or not isinstance(data.get("deployment_config"), dict):
+            return data
+        deployment = dict(data["deployment_config"])
+        rrc = deployment.pop("request_router_config", None)
+        if rrc is None:
+            return data
+        rrc = dict(rrc)
+        cls_path = str(rrc.get("request_router_class", ""))
+        kwargs = dict(rrc.get("request_router_kwargs") or {})
+        if cls_path.endswith("PrefixCacheAffinityRouter"):
+            router = {"policy": "prefix_aware", **{k: kwargs.pop(k) for k in ("imbalanced_threshold",
+                                                                               "match_rate_threshold") if k in kwargs}}
+        elif cls_path.endswith("PowerOfTwoChoicesRequestRouter") or not cls_path:
+            router = {"policy": "least_loaded"}
+        else:
+            raise ValueError(f"deployment_config.request_router_config: {cls_path!r} has no mapping here (the "
+                             "ingress routes to the engine replicas itself: request_router.policy prefix_aware or "
+                             "least_loaded)")
+        if kwargs:
+            logger.warning("request_router_kwargs %s are not used (the router's tree is bounded by "
+                           "request_router.max_tree_tokens)", sorted(kwargs))
+        data = dict(data, deployment_config=deployment)
+        data["request_router"] = {**router, **(data.get("request_router") or {})}
+        return data
+
     @model_validator(mode="after")
-    def _one_controller_replica(self):
+    def _engine_replicas(self):
         d = self.deployment_config
+        n = d.get("num_replicas", 1)
         auto = d.get("autoscaling_config")
-        if d.get("num_replicas", 1) != 1 or (auto is not None and (
-                not isinstance(auto, dict) or auto.get("max_replicas", 1) != 1)):
-            # (Ray Serve LLM's sample configs autoscale their engine deployment; several engines of one model are
-            # not supported here)
-            raise ValueError("deployment_config: a model's controller runs one replica (it owns the engine core); "
-                             "num_replicas and autoscaling_config have no mapping there. Scale the HTTP side with "
-                             "ingress_deployment_config")
+        if n == "auto" or not isinstance(n, int) or n < 1:
+            raise ValueError(f"deployment_config.num_replicas {n!r}: give a number of engine replicas >= 1, or "
+                             "autoscaling_config with min_replicas and max_replicas")
+        if auto is not None:
+            if not isinstance(auto, dict):
+                raise ValueError("deployment_config.autoscaling_config must be a mapping")
+            if auto.get("min_replicas", 1) < 1:
+                # the engines' load is what scales them: with none running, nothing would ever scale one up
+                raise ValueError("deployment_config.autoscaling_config.min_replicas must be >= 1: requests go to the "
+                                 "engine replicas directly, so Serve sees no traffic that could scale one up from 0")
+            if "num_replicas" in d:
+                raise ValueError("deployment_config: give num_replicas or autoscaling_config, not both")
         return self
 
     @model_validator(mode="after")

@@ -49,6 +49,7 @@ class Delta:
     error_status: int | None = None  # with ``error``: 503 when the engine is gone or being replaced, else 500
     prompt_tokens: int = 0  # on the last delta
     completion_tokens: int = 0  # on the last delta: the tokens streamed in all
+    cached_tokens: int = 0  # on the last delta: prompt tokens the engine found in its prefix cache
     spec: dict | None = None  # on the last delta, when the request speculated
     prompt_logprobs: list | None = None  # on the first delta, when asked: per prompt token None or (logprob, top)
 
@@ -57,8 +58,8 @@ class Delta:
         self.text += other.text
         self.logprobs += other.logprobs
         self.top_logprobs += other.top_logprobs
-        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "spec",
-                     "prompt_logprobs"):
+        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "cached_tokens",
+                     "spec", "prompt_logprobs"):
             value = getattr(other, name)
             if value:
                 setattr(self, name, value)
@@ -117,6 +118,7 @@ class RequestStream:
                 if reason == "error":
                     delta.error, delta.error_status = final.get("error"), final.get("status", 500)
                 delta.spec = final.get("spec")
+                delta.cached_tokens = final.get("cached_tokens") or 0
         self.num_output += len(delta.token_ids)
         if self.finished:
             delta.prompt_tokens, delta.completion_tokens = self.num_prompt, self.num_output
@@ -169,54 +171,115 @@ class RequestStream:
 
 class EngineClient:
     POLL_TIMEOUT_S = 1.0
-    # while the controller is being replaced no replica answers: a request waits this long for it, then gets a 503
+    # while no engine replica is up (starting, or being replaced) a request waits this long for one, then gets a 503
     CONNECT_TIMEOUT_S = 5.0
+    REFRESH_S = 1.0  # how often the live engine cores are listed (replicas added, replaced or scaled away)
 
     def __init__(self, controller, model_id: str, tokenizer_path: str | None = None, stream_interval: int = 1,
-                 batching_ms: float = 0.0):
-        self.controller = controller  # the LLMController deployment: hands out the core's actor handle
+                 batching_ms: float = 0.0, router: dict | None = None):
+        from deployments.controller import core_prefix
+        from deployments.routing import Router, RouterConfig
+
+        self.controller = controller  # the LLMController deployment: each replica owns one engine core
+        # the cores are named actors under this prefix (deployments/controller.py); None: no discovery (tests)
+        self.prefix = None if controller is None else core_prefix(controller.app_name, controller.deployment_name)
         self.client_id = uuid.uuid4().hex
         self.metrics = RequestMetrics(model_id)
         self.stream_interval, self.batching_s = stream_interval, batching_ms / 1000
         self.info: dict | None = None
         # loaded with the replica, not on its first request (seconds for a large vocabulary)
         self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
-        self._core = None
-        self._connecting: asyncio.Future | None = None
+        self.router = Router(RouterConfig(**(router or {})))
+        self._cores: dict[str, object] = {}  # core name -> actor handle, for the cores that answered ``info``
+        self._joining: set[str] = set()
+        # cores not routed to while listed: "draining" (their replica is stopping) or "failed" (they refused as
+        # stopped: their workers failed), which rejoin if their health check passes again (workers restarted)
+        self._stopped: dict[str, str] = {}
+        self._refresher: asyncio.Task | None = None
+        self._joined: asyncio.Event | None = None
         self._streams: dict[str, RequestStream] = {}
-        self._pending: list[tuple] = []  # (rid, prompt ids, params, arrival, future) not yet submitted
-        self._aborts: list[str] = []
+        self._where: dict[str, str] = {}  # rid -> the core serving it
+        self._unanswered: set[str] = set()  # rids routed whose submit has not answered (a lost core's are re-routed)
+        self._pending: dict[str, list[tuple]] = {}  # core -> (rid, prompt ids, params, arrival, future) to submit
+        self._aborts: dict[str, list[str]] = {}
         self._token_text: dict[int, str] = {}
 
-    # ---- connection --------------------------------------------------------------------------------------------
+    # ---- the engine cores (data parallel: one per engine replica) ----------------------------------------------
     async def core(self):
-        """The core's handle, asked of the controller once (again after the core went away)."""
-        if self._core is not None:
-            return self._core
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
+        """Waits until at least one engine core is connected (up to CONNECT_TIMEOUT_S, else a 503)."""
+        if self._cores:
+            return
+        if self._refresher is None or self._refresher.done():
+            self._joined = asyncio.Event()
+            self._refresher = asyncio.ensure_future(self._refresh_loop())
         try:
-            return await asyncio.shield(self._connecting)
-        finally:
-            if self._connecting is not None and self._connecting.done():
-                self._connecting = None
+            await asyncio.wait_for(self._joined.wait(), self.CONNECT_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(503, "the engine is not available: no engine replica is up", "server_unavailable") from None
 
-    async def _connect(self):
+    async def _refresh_loop(self) -> None:
+        """Lists the live cores every REFRESH_S: new ones join once they answer, vanished ones are dropped."""
+        import ray
+
+        while True:
+            try:
+                listed = await asyncio.to_thread(ray.util.list_named_actors, True)
+                from deployments.controller import CORE_NAMESPACE
+
+                names = {a["name"] for a in listed if a["namespace"] == CORE_NAMESPACE
+                         and a["name"].startswith(self.prefix)}
+                self._stopped = {n: why for n, why in self._stopped.items() if n in names}
+                for name in names - set(self._cores) - self._joining:
+                    if self._stopped.get(name) == "draining":
+                        continue
+                    self._joining.add(name)
+                    asyncio.ensure_future(self._join(name, probe=name in self._stopped))
+                for name in set(self._cores) - names:
+                    self._lost(name, RuntimeError("its replica is gone"))
+            except Exception as e:  # noqa: BLE001 - the GCS is briefly unreachable: try again
+                logger.warning("listing the engine cores failed: %s", e)
+            await asyncio.sleep(self.REFRESH_S)
+
+    async def _join(self, name: str, probe: bool = False) -> None:
+        """Connect a listed core once it answers (``probe``: one that failed rejoins only once healthy again)."""
+        import ray
+        from deployments.controller import CORE_NAMESPACE
+
         try:
-            core = await asyncio.wait_for(self.controller.core_handle.remote(), self.CONNECT_TIMEOUT_S)
-            info = await asyncio.wait_for(core.info.remote(), self.CONNECT_TIMEOUT_S)
-        except Exception as e:  # noqa: BLE001 - the controller is (re)starting
-            raise APIError(503, f"the engine is not available: {type(e).__name__}", "server_unavailable") from e
-        if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
-        self.info, self._core = info, core
-        loop = asyncio.get_running_loop()
-        threading.Thread(target=self._poll_loop, args=(core, loop), name="engine-poll", daemon=True).start()
-        return core
+            core = await asyncio.to_thread(ray.get_actor, name, CORE_NAMESPACE)
+            if probe:
+                try:
+                    await core.check_health.remote(True)
+                except Exception:  # noqa: BLE001 - still failed: asked again at the next listing
+                    return
+                self._stopped.pop(name, None)
+            info = await core.info.remote()  # (waits while the core loads the model: it joins once it can serve)
+            if self.tokenizer is None:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, info["tokenizer"])
+        except Exception as e:  # noqa: BLE001 - it died while starting: the next listing no longer shows it
+            logger.warning("engine core %s did not come up: %s", name, e)
+            return
+        finally:
+            self._joining.discard(name)
+        self.info = self.info or info
+        self._cores[name] = core
+        self.router.add_replica(name)
+        logger.info("engine core %s joined (%d connected)", name, len(self._cores))
+        threading.Thread(target=self._poll_loop, args=(name, core, asyncio.get_running_loop()),
+                         name="engine-poll", daemon=True).start()
+        self._joined.set()
 
     async def model_info(self) -> dict:
         await self.core()
         return self.info
+
+    async def check_health(self) -> None:
+        """Healthy while at least one engine core is (the router sends nothing to one that failed: it is dropped)."""
+        await self.core()
+        answers = await asyncio.gather(*(c.check_health.remote(True) for c in list(self._cores.values())),
+                                       return_exceptions=True)
+        if all(isinstance(a, BaseException) for a in answers):
+            raise APIError(503, "the engine is not healthy", "server_unavailable")
 
     # ---- text ----------------------------------------------------------------------------------------------------
     async def encode(self, prompt: str) -> list[int]:
@@ -249,15 +312,13 @@ class EngineClient:
 
     # ---- requests ------------------------------------------------------------------------------------------------
     async def add(self, rid: str, prompt_ids: list[int], params: dict, arrival: float) -> RequestStream:
-        """Submit one request (with whatever else arrives in this turn of the event loop); raises APIError when the
-        engine refuses it."""
-        core = await self.core()
+        """Submit one request (with whatever else arrives in this turn of the event loop) to the core the router
+        picks; raises APIError when the engine refuses it."""
+        await self.core()
         stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval, self.batching_s)
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
-        if not self._pending:
-            asyncio.get_running_loop().call_soon(self._flush, core)
-        self._pending.append((rid, prompt_ids, params, arrival, done))
+        self._route((rid, prompt_ids, params, arrival, done, 0))
         refused = await done
         if refused is not None:
             self._streams.pop(rid, None)
@@ -265,51 +326,116 @@ class EngineClient:
                            refused.get("code"))
         return stream
 
-    def _flush(self, core) -> None:
-        batch, self._pending = self._pending, []
-        asyncio.ensure_future(self._submit(core, batch))
+    MAX_RESUBMITS = 2  # a batch whose core died before answering goes to another core this often
 
-    async def _submit(self, core, batch: list[tuple]) -> None:
+    def _route(self, item: tuple) -> None:
         try:
+            name = self.router.choose(item[1])
+        except LookupError:
+            self._where.pop(item[0], None)
+            self._unanswered.discard(item[0])
+            item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
+                                "message": "the engine is not available: no engine replica is up"})
+            return
+        self._where[item[0]] = name
+        self._unanswered.add(item[0])
+        pending = self._pending.setdefault(name, [])
+        if not pending:
+            asyncio.get_running_loop().call_soon(self._flush, name)
+        pending.append(item)
+
+    def _flush(self, name: str) -> None:
+        batch = self._pending.pop(name, [])
+        if batch:
+            asyncio.ensure_future(self._submit(name, batch))
+
+    async def _submit(self, name: str, batch: list[tuple]) -> None:
+        core = self._cores.get(name)
+        try:
+            if core is None:
+                raise RuntimeError("the engine core is gone")
             answers = await core.submit.remote(self.client_id, [item[:4] for item in batch])
-        except Exception as e:  # noqa: BLE001 - the core went away
-            self._lost(core, e)
-            answers = [{"status": 503, "type": "server_unavailable", "code": None,
-                        "message": "the engine is not available"}] * len(batch)
+        except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
+            self._lost(name, e)
+            for item in batch:
+                if item[5] < self.MAX_RESUBMITS and self._cores:
+                    self._route((*item[:5], item[5] + 1))
+                else:
+                    self._where.pop(item[0], None)
+                    self._unanswered.discard(item[0])
+                    item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
+                                        "message": "the engine is not available"})
+            return
+        if any(a is not None and a.get("code") == "draining" for a in answers):
+            # its replica is stopping: no new requests go there, but it is polled until its streams finish
+            self._stopped[name] = "draining"
+            self.router.remove_replica(name)
+        elif any(a is not None and a.get("type") == "server_unavailable" for a in answers) and len(self._cores) > 1:
+            # its engine stopped (its workers failed; Serve replaces the replica): the others take its requests
+            self._stopped[name] = "failed"
+            self._lost(name, RuntimeError("its engine stopped"))
         for item, answer in zip(batch, answers):
+            self._unanswered.discard(item[0])
             if item[4].cancelled():  # its client left while this was in flight: accepted, it would run unread
                 if answer is None:
                     self.abort(item[0])
+                else:
+                    self._ended(item[0])
                 continue
+            if answer is not None:  # refused: it holds no place there
+                self._ended(item[0])
+                if name in self._stopped and answer.get("type") == "server_unavailable" and self.router.replicas:
+                    self._route(item)  # (not counted as a resubmit: this core took no part of it)
+                    continue
             item[4].set_result(answer)
+
+    def _ended(self, rid: str) -> None:
+        name = self._where.pop(rid, None)
+        if name is not None:
+            self.router.done(name)
 
     def abort(self, rid: str) -> None:
         """Drop a request in the engine (batched with the other aborts of this turn of the event loop)."""
         self._streams.pop(rid, None)
-        if self._core is None:
+        name = self._where.get(rid)
+        self._ended(rid)
+        if name is None or name not in self._cores:
             return
-        if not self._aborts:
-            asyncio.get_running_loop().call_soon(self._flush_aborts, self._core)
-        self._aborts.append(rid)
+        aborts = self._aborts.setdefault(name, [])
+        if not aborts:
+            asyncio.get_running_loop().call_soon(self._flush_aborts, name)
+        aborts.append(rid)
 
-    def _flush_aborts(self, core) -> None:
-        rids, self._aborts = self._aborts, []
-        core.abort.remote(rids)  # fire and forget: nothing to wait for
+    def _flush_aborts(self, name: str) -> None:
+        rids = self._aborts.pop(name, [])
+        core = self._cores.get(name)
+        if core is not None and rids:
+            core.abort.remote(rids)  # fire and forget: nothing to wait for
 
     async def stats(self) -> dict:
-        return await (await self.core()).stats.remote()
+        """One core's stats as they are; with several, each by its replica's name, the load summed, and the
+        router's view."""
+        await self.core()
+        cores = dict(self._cores)
+        got = await asyncio.gather(*(c.stats.remote() for c in cores.values()), return_exceptions=True)
+        per = {name: s for name, s in zip(cores, got) if not isinstance(s, BaseException)}
+        if len(cores) == 1 and per:
+            return {**next(iter(per.values())), "router": self.router.snapshot()}
+        total = {k: sum(s.get(k, 0) for s in per.values()) for k in ("running", "waiting", "preemptions",
+                                                                         "requests")}
+        return {**total, "replicas": per, "router": self.router.snapshot()}
 
     # ---- outputs -------------------------------------------------------------------------------------------------
-    def _poll_loop(self, core, loop: asyncio.AbstractEventLoop) -> None:
-        """A thread: one blocking long poll after another (cheaper and quicker than awaiting each on the event loop);
-        each answer is handed to the event loop in one call."""
+    def _poll_loop(self, name: str, core, loop: asyncio.AbstractEventLoop) -> None:
+        """A thread per core: one blocking long poll after another (cheaper and quicker than awaiting each on the
+        event loop); each answer is handed to the event loop in one call."""
         import ray
 
-        while self._core is core:
+        while self._cores.get(name) is core:
             try:
                 items = ray.get(core.poll.remote(self.client_id, self.POLL_TIMEOUT_S))
-            except Exception as e:  # noqa: BLE001 - the core went away: every stream ends with an error
-                loop.call_soon_threadsafe(self._lost, core, e)
+            except Exception as e:  # noqa: BLE001 - the core went away: its streams end with an error
+                loop.call_soon_threadsafe(self._lost, name, e, core)
                 return
             if items:
                 loop.call_soon_threadsafe(self._deliver, items)
@@ -318,17 +444,27 @@ class EngineClient:
         """On the event loop: each request its share of the steps."""
         streams = self._streams
         for item in items:
+            if item[2] is not None:
+                self._ended(item[0])
             stream = streams.get(item[0])
             if stream is not None:
                 stream.put(item)
                 if item[2] is not None:
                     del streams[item[0]]
 
-    def _lost(self, core, error: Exception) -> None:
-        if self._core is not core:
+    def _lost(self, name: str, error: Exception, core=None) -> None:
+        """A core died or vanished: the router forgets it, and its requests end with a 503."""
+        if name not in self._cores or (core is not None and self._cores[name] is not core):
             return
-        logger.error("lost the engine core: %s", error)
-        self._core = None
-        streams, self._streams = self._streams, {}
-        for rid, stream in streams.items():
-            stream.put((rid, [], "error", None, None, {"error": "the engine is not available", "status": 503}))
+        logger.error("lost engine core %s: %s", name, error)
+        del self._cores[name]
+        if not self._cores and self._joined is not None:
+            self._joined.clear()  # requests wait (up to CONNECT_TIMEOUT_S) for a replica to join
+        self.router.remove_replica(name)
+        self._aborts.pop(name, None)
+        # (requests not yet answered are not failed here: their submit fails and sends them to another core)
+        for rid in [rid for rid, where in self._where.items() if where == name and rid not in self._unanswered]:
+            del self._where[rid]
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put((rid, [], "error", None, None, {"error": "the engine is not available", "status": 503}))

@@ -177,6 +177,13 @@ class _Echo:
         return prompt_logprobs_body(ids, entries or [None] * len(ids), self.token_text, self.top)
 
 
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the engine found in its prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def _error_type(status: int | None) -> str:
     """An engine failure's error type: 503s (the engine is gone or being replaced: retry) or internal errors."""
     return "server_unavailable" if status == 503 else "internal_error"
@@ -266,20 +273,21 @@ class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
                  api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
                  tokenizer: str | None = None, max_request_body_bytes: int | None = None, limits: dict | None = None,
-                 more_models: list[dict] | None = None):
+                 more_models: list[dict] | None = None, router: dict | None = None):
         # read here, in the replica's own environment: the key never travels in (logged) arguments
         key = read_api_key(api_key_env, api_key_file)
         app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
         app.state.max_body_bytes = max_request_body_bytes
         self.created = int(time.time())
         first = dict(controller=controller, model_id=model_id, stream_interval=stream_interval,
-                     stream_batching_interval_ms=stream_batching_interval_ms, tokenizer=tokenizer, limits=limits)
+                     stream_batching_interval_ms=stream_batching_interval_ms, tokenizer=tokenizer, limits=limits,
+                     router=router)
         # every model this ingress serves (build_openai_app: several), by name; the first answers a request naming none
         self.models: dict[str, _Served] = {}
         for m in [first, *(more_models or [])]:
             limits_m = RequestLimits(**(m["limits"] or {k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
             engine = EngineClient(m["controller"], m["model_id"], m["tokenizer"], m["stream_interval"],
-                                  m["stream_batching_interval_ms"])
+                                  m["stream_batching_interval_ms"], m.get("router"))
             self.models[m["model_id"]] = _Served(m["model_id"], m["controller"], engine, limits_m)
         self.default = self.models[model_id]
         threading.Thread(target=_announce_ready, args=(list(self.models.values()),), daemon=True).start()
@@ -317,9 +325,10 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self):
         try:
-            # (serving: a core restarting its workers passes Serve's check, not this probe)
-            checks = [m.controller.check_health.remote(serving=True) for m in self.models.values()]
-            await asyncio.wait_for(asyncio.gather(*checks), EngineClient.CONNECT_TIMEOUT_S)
+            # (each model's engine replicas, asked directly: healthy while one of them serves; a core restarting its
+            # workers passes Serve's check, not this probe)
+            await asyncio.wait_for(asyncio.gather(*(m.engine.check_health() for m in self.models.values())),
+                                   2 * EngineClient.CONNECT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - failed, or being replaced: not an error of ours
             raise APIError(503, "the engine is not healthy", "server_unavailable") from None
         return {"status": "ok"}
@@ -442,6 +451,7 @@ class OpenAIIngress:
                     s.finished = True
                     self.engine.abort(s.rid)
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
+        cached = [0] * len(prompts)  # per prompt: the most any of its choices found cached
         for i, r in enumerate(results):
             if r.finish_reason == "error":
                 raise APIError(r.error_status or 500, r.error or "generation failed", _error_type(r.error_status))
@@ -460,12 +470,12 @@ class OpenAIIngress:
             choices.append(choice)
             if i % n == 0:  # each prompt counts once, whatever its n
                 prompt_tokens += r.prompt_tokens
+            cached[i // n] = max(cached[i // n], r.cached_tokens)
             completion_tokens += r.completion_tokens
             spec = spec or r.spec
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_id, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": _usage(prompt_tokens, completion_tokens, sum(cached))}
         if spec is not None:
             resp["spec_decode_stats"] = spec
         return resp
@@ -494,6 +504,8 @@ class OpenAIIngress:
             sent[i] += len(delta_text or "")
             return f"data: {json.dumps(payload)}\n\n"
 
+        cached = [0] * len(echo.prompts)  # per prompt: the most any of its choices found cached
+
         async def one(i: int, stream: RequestStream):  # a choice's chunks
             echoed = not echo.prompt_logprobs
             async for d in stream:
@@ -508,6 +520,8 @@ class OpenAIIngress:
                     yield chunk(i, echo.text(i), None, pairs=pairs, tops=tops), Delta()
                 if echo.echo_only:  # (max_tokens 0: the token sampled is not sent)
                     d.text, d.logprobs, d.top_logprobs, d.completion_tokens = "", [], [], 0
+                if d.finish_reason:
+                    cached[i // echo.n] = max(cached[i // echo.n], d.cached_tokens)
                 if d.text or d.finish_reason or (logprobs and d.logprobs):
                     yield chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs), d
 
@@ -530,9 +544,7 @@ class OpenAIIngress:
             if include_usage and not failed:
                 # each prompt counts once, whatever its n
                 prompt_tokens = sum(len(p) for p in echo.prompts)
-                payload = {**head, "choices": [],
-                           "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens}}
+                payload = {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached))}
                 if spec:
                     payload["spec_decode_stats"] = spec
                 yield f"data: {json.dumps(payload)}\n\n"

@@ -35,6 +35,10 @@ class EngineStopped(RuntimeError):
     """The engine can take no request: its loop failed, or its workers did."""
 
 
+class Draining(EngineStopped):
+    """The engine's replica is being stopped (scaled down): it finishes what it runs and takes nothing new."""
+
+
 def refusal(e: Exception) -> dict:
     """A refused request's answer: an OpenAI error's fields and the HTTP status."""
     if isinstance(e, InvalidRequest):
@@ -42,7 +46,8 @@ def refusal(e: Exception) -> dict:
         return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code, "param": e.param}
     if isinstance(e, OverflowError):
         return {"status": 503, "type": "server_overloaded", "message": str(e), "code": None}
-    return {"status": 503, "type": "server_unavailable", "message": str(e), "code": None}
+    return {"status": 503, "type": "server_unavailable", "message": str(e),
+            "code": "draining" if isinstance(e, Draining) else None}
 
 
 def pack_output(out: RequestOutput) -> tuple:
@@ -52,7 +57,9 @@ def pack_output(out: RequestOutput) -> tuple:
     if out.finished:
         req = out.request
         final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
-                 "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error}
+                 "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error,
+                 # (the output's figure, or the request's where the cache keeps it there)
+                 "cached_tokens": max(out.num_cached_tokens, getattr(req, "num_cached_tokens", 0) or 0)}
     packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item
@@ -68,14 +75,16 @@ class EngineCore:
     RESTART_WINDOW_S = 300.0
     RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
 
-    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None):
-        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing)."""
+    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
+        """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing).
+        ``replica``: the engine deployment's replica this core serves (data parallel), in its stats and metrics."""
         from deployments.engine.executor import RayExecutor
         from deployments.engine.metrics import EngineMetrics
 
         t0 = time.time()
-        self.cfg = cfg
-        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id),
+        self.cfg, self.replica = cfg, replica
+        self.num_accepted = 0  # requests accepted by submit, ever (/v1/stats: which replica served how many)
+        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id, replica),
                                        detokenize=False)
         if engine is None:
             freeze_startup_heap()  # this process keeps the engine for its life
@@ -96,6 +105,7 @@ class EngineCore:
         self.restarts = 0  # in the actor's life (served at /v1/stats)
         self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
         self._stop = False
+        self._draining = False  # (drain) new requests are refused, those running finish
         if hasattr(self.engine.executor, "on_failure"):  # a dead worker fails every request at once, not at a step
             self.engine.executor.on_failure = self._workers_failed
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -119,6 +129,8 @@ class EngineCore:
             try:
                 if self.error is not None or self._restarting is not None or self.engine.failure is not None:
                     raise EngineStopped(self._stopped())
+                if self._draining:
+                    raise Draining("this engine replica is stopping")
                 if rid in self._owner:
                     raise InvalidRequest(f"duplicate request id {rid!r}")
                 accepted.append(self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
@@ -133,6 +145,7 @@ class EngineCore:
                 return [a or stopped for a in answers]
             for req in accepted:
                 self._owner[req.rid] = client
+            self.num_accepted += len(accepted)
             self._inbox.extend(accepted)
             self._last_poll.setdefault(client, time.monotonic())
         self._wake.set()
@@ -159,6 +172,7 @@ class EngineCore:
     def stats(self) -> dict:
         stats = self.engine.step_stats()
         stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts}
+        stats["replica"], stats["requests"] = self.replica, self.num_accepted
         return stats
 
     def check_health(self, serving: bool = False) -> None:
@@ -174,6 +188,18 @@ class EngineCore:
                 raise RuntimeError(f"engine workers not restarted after {self.RESTART_TIMEOUT_S:.0f} s")
         elif self.engine.failure is not None and not hasattr(self.engine.executor, "restart"):
             raise RuntimeError(f"engine workers failed: {self.engine.failure}")
+
+    def drain(self, timeout_s: float) -> bool:
+        """Before the replica stops (scaled down, updated): refuse new requests (the ingress sends them to another
+        replica) and wait up to ``timeout_s`` for the accepted ones to finish; True if they all did."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._owner and not self._inbox:
+                    return True
+            time.sleep(0.05)
+        return False
 
     def shutdown(self) -> None:
         self._stop = True

@@ -25,7 +25,7 @@ _TAGS = ("model_name",)
 class EngineMetrics:
     """The engine core's figures: load gauges, generated tokens, speculation counters (one update per step)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, replica: str = ""):
         self.tags = {"model_name": model_name}
         c = lambda name, desc, keys=_TAGS: Counter(f"vllm_{name}", desc, tag_keys=keys)  # noqa: E731
         g = lambda name, desc: Gauge(f"vllm_{name}", desc, tag_keys=_TAGS)  # noqa: E731
@@ -39,6 +39,13 @@ class EngineMetrics:
         self.num_running = g("num_requests_running", "Requests in the running batch")
         self.num_waiting = g("num_requests_waiting", "Requests waiting for admission")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
+        # vLLM's prefix cache counters (prompt tokens looked up / found), per engine replica (data parallel); fed
+        # from the engine's cumulative stats of the same names
+        self.prefix_cache_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      _TAGS + ("replica",))
+        self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache", _TAGS + ("replica",))
+        self._prefix_tags = {**self.tags, "replica": replica}
+        self._prefix_seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}  # the totals already counted
         self._accept_length: float | None = None  # the gauge's last value, re-set while idle (see record_load)
         self.record_load({"running": 0, "waiting": 0, "kv_usage": 0.0})  # exported (as 0) before any request
 
@@ -56,6 +63,11 @@ class EngineMetrics:
     def record_step(self, stats: dict) -> None:
         t = self.tags
         self.record_load(stats)
+        for name, seen in self._prefix_seen.items():
+            total = stats.get(name, 0)
+            if total > seen:
+                getattr(self, name).inc(total - seen, tags=self._prefix_tags)
+                self._prefix_seen[name] = total
         spec = stats.get("spec")
         if spec and spec["drafts"]:
             self.num_drafts.inc(spec["drafts"], tags=t)

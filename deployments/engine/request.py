@@ -194,6 +194,7 @@ class RequestOutput:
     new_logprobs: list[float] = field(default_factory=list)  # of new_token_ids, when the request asked for them
     new_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # their alternatives (asked for)
     prompt_logprobs: list | None = None  # on the request's first output, when it asked (Request.prompt_logprobs)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (Request.num_cached_tokens)
 
 
 @dataclass

@@ -13,14 +13,18 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-CRD = ROOT.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml"
+# beside the checkout (or, for a git worktree in <dir>/wt/<name>, beside <dir>)
+CRD = next((p for p in (base / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml" for base in (ROOT.parent,
+                                                                                               ROOT.parents[1]))
+            if p.is_file()), ROOT.parent / "shared" / "k8s-schemas" / "ray.io_rayservices.yaml")
 K8S = ROOT / "k8s"
 
 # The metric families the server exports (deployments/engine/metrics.py), as Prometheus sees them through Ray's metrics
 # agent: Ray adds the `ray_` prefix, counters get `_total`, histograms `_bucket/_sum/_count`. The names are vLLM's
 # with `vllm:` written `vllm_` (Ray no longer accepts ':' in metric names).
 COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-            "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success"}
+            "spec_decode_num_accepted_tokens_per_pos", "prompt_tokens", "generation_tokens", "request_success",
+            "prefix_cache_queries", "prefix_cache_hits"}
 GAUGES = {"spec_decode_mean_accept_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
 HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
               "e2e_request_latency_seconds"}
@@ -169,6 +173,29 @@ def test_serve_config_parses_as_our_config(rayservice):
     assert config.LLMConfig(**dict(spread, engine_kwargs=dict(args["engine_kwargs"], tensor_parallel_size=1)))
 
 
+def test_dp2_rayservice_matches_crd_and_runs_two_engine_replicas(validator, rayservice):
+    """k8s/rayservice-dp2.yaml: the same cluster with two engine replicas (data parallel), one GPU pod each, behind
+    the prefix-aware router; it validates against the CRD and parses as our config."""
+    dp2 = yaml.safe_load((K8S / "rayservice-dp2.yaml").read_text())
+    assert errors(validator, dp2) == []
+    assert dp2["metadata"]["name"] == "specserve-dp2"
+    args = yaml.safe_load(dp2["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["deployment_config"] == {"num_replicas": 2}
+    assert args["request_router"]["policy"] == "prefix_aware"
+    worker = _worker(dp2)
+    (container,) = worker["template"]["spec"]["containers"]
+    tp = args["engine_kwargs"]["tensor_parallel_size"]
+    # every engine replica's TP ranks fit in one pod (STRICT_PACK), and there is a pod per replica
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp
+    assert worker["replicas"] == worker["minReplicas"] == args["deployment_config"]["num_replicas"]
+    # the rest is the single-replica manifest's
+    assert dp2["spec"]["rayClusterConfig"]["headGroupSpec"] == rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert worker["template"] == _worker(rayservice)["template"]
+    config = pytest.importorskip("deployments.config")
+    cfg = config.LLMConfig(**args)
+    assert cfg.request_router.imbalanced_threshold == 16 and cfg.engine_config().tensor_parallel_size == tp
+
+
 # ---------------------------------------------------------------- PodMonitor
 
 
@@ -248,7 +275,7 @@ def test_dashboard_metrics(dashboard):
 def test_dashboard_queries(dashboard):
     exprs = {p["title"]: [t["expr"] for t in p.get("targets", [])] for p in all_panels(dashboard)}
     rows = [p["title"] for p in dashboard["panels"] if p["type"] == "row"]
-    assert rows == ["Speculative decoding", "Latency", "Throughput", "Load"]
+    assert rows == ["Speculative decoding", "Latency", "Throughput", "Load", "Prefix cache"]
     mal = " ".join(exprs["Mean accept length"])
     assert "1 + " in mal and "ray_vllm_spec_decode_mean_accept_length" in mal
     assert any("by (position)" in e and "spec_decode_num_drafts_total" in e
@@ -265,6 +292,11 @@ def test_dashboard_queries(dashboard):
             got.add(m.group(1))
         assert got == quantiles, title
     assert any("by (finished_reason)" in e for e in exprs["Finished requests/s"])
+    (hit_rate,) = exprs["Prefix cache hit rate"]
+    assert re.fullmatch(r"sum\(rate\(ray_vllm_prefix_cache_hits_total\{[^}]*\}\[1m\]\)\) / "
+                        r"sum\(rate\(ray_vllm_prefix_cache_queries_total\{[^}]*\}\[1m\]\)\)", hit_rate), hit_rate
+    (per_replica,) = exprs["Prefix cache hit rate per replica"]
+    assert per_replica.count("sum by (replica)") == 2, per_replica
 
 
 def test_dashboard_variables(dashboard):

@@ -111,9 +111,21 @@ def test_builder_args_are_checked(tmp_path):
     with pytest.raises(ValueError, match="api_key_env"):
         other = {"model_loading_config": {"model_id": "b", "model_source": "/m"}, "api_key_env": "OTHER"}
         build_openai_app({"llm_configs": [one, other]})
-    with pytest.raises(ValueError, match="autoscaling_config"):  # one engine per model
+    with pytest.raises(ValueError, match="min_replicas must be >= 1"):  # nothing could scale an engine up from 0
         build_openai_app({"llm_configs": [{**one, "deployment_config": {"autoscaling_config": {
-            "min_replicas": 1, "max_replicas": 2}}}]})
+            "min_replicas": 0, "max_replicas": 2}}}]})
+    # several engines of one model autoscale on their own load (deployments/autoscaling.py), and Ray Serve LLM's
+    # PrefixCacheAffinityRouter config becomes the ingress's router
+    scaled_app = build_openai_app({"llm_configs": [{**one, "deployment_config": {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 2},
+        "request_router_config": {"request_router_class": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+                                  "request_router_kwargs": {"imbalanced_threshold": 3}}}}]})
+    (scaled,) = _controllers(scaled_app)
+    router = scaled_app._bound_deployment.init_kwargs["router"]
+    assert (router["policy"], router["imbalanced_threshold"]) == ("prefix_aware", 3)
+    auto = scaled._deployment_config.autoscaling_config
+    assert (auto.min_replicas, auto.max_replicas, auto.target_ongoing_requests) == (1, 2, 64)  # max_num_seqs
+    assert auto.policy.policy_function == "deployments.autoscaling:engine_load_policy"
     path = tmp_path / "b.yaml"  # an entry may be a YAML file's path, as Ray Serve LLM allows
     path.write_text(yaml.safe_dump({**one, "model_loading_config": {"model_id": "b", "model_source": "/m"},
                                     "accelerator_type": "L4", "accelerator_config": {"kind": "cpu"}}))
