@@ -8,14 +8,17 @@ import numpy as np
 import torch
 
 
-def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | None) -> torch.Tensor:
+def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | torch.Tensor | None) -> torch.Tensor:
     """``logits`` [N, V] (or [B, D, V]); ``mask`` [N, ceil(V / 32)] int32 words (or [B, D, W]), one row per logits
-    row. Returns the masked logits (a new tensor; the input is left as it is)."""
+    row: a host array, or a device tensor (a CUDA graph's static mask buffer). Returns the masked logits (a new
+    tensor; the input is left as it is)."""
     if mask is None:
         return logits
     v = logits.shape[-1]
-    # (a copy: the step's arrays are read-only views of the pickled message)
-    words = torch.from_numpy(np.array(mask, dtype=np.int32)).to(logits.device, non_blocking=True)
+    if isinstance(mask, torch.Tensor):
+        words = mask
+    else:  # (a copy: the step's arrays are read-only views of the pickled message)
+        words = torch.from_numpy(np.array(mask, dtype=np.int32)).to(logits.device, non_blocking=True)
     words = words.reshape(*logits.shape[:-1], -1)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :v].bool()
