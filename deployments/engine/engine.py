@@ -293,7 +293,7 @@ class Engine:
         try:
             if not spec and not stale:
                 tg = time.perf_counter()
-                step.token_mask = grammar.step_masks(matchers, words)
+                step.token_mask = grammar.step_masks(matchers, words, self._grammar.batch)
                 st["grammar_s"] += time.perf_counter() - tg
                 t1 = time.perf_counter()
                 results = self.executor.step(step, keep)
@@ -318,9 +318,10 @@ class Engine:
                 b = step.batch_size
                 tokens = np.asarray(proposal.tokens, dtype=np.int64).reshape(b, -1)
                 parents = np.asarray(proposal.draft_parents, dtype=np.int64).reshape(b, -1)
-                mask = grammar.tree_masks(matchers, tokens, None if parents[0, 0] == -2 else parents, words)
+                mask = grammar.tree_masks(matchers, tokens, None if parents[0, 0] == -2 else parents, words,
+                                          self._grammar.batch)
             else:
-                mask = grammar.step_masks(matchers, words)
+                mask = grammar.step_masks(matchers, words, self._grammar.batch)
             st["grammar_s"] += time.perf_counter() - tg
             results = self.executor.step(WorkerStep.mask_message(step.step_id, mask), keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable, or the masks failed: every step fails
