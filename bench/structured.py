@@ -257,7 +257,8 @@ def report(res: dict, out: Path) -> None:
                      f"{u['tokens_per_s']:.1f} | {r['tokens_per_s'] / u['tokens_per_s']:.2f} | "
                      f"{r.get('accept_length', 1.0):.2f} | {r['mask_host_ms_per_step']:.3f} | "
                      f"{r['mask_host_us_per_row']:.1f} | {r['json_valid']}/{r['bs']} |")
-    lines += ["", "Overlap on vs off (guided tok/s):", "", "| spec | bs | on | off | on / off |", "|---|---|---|---|---|"]
+    lines += ["", "Overlap on vs off (guided tok/s):", "", "| spec | bs | on | off | on / off |",
+              "|---|---|---|---|---|"]
     for r in runs:
         if r["guided"] and r["overlap"]:
             off = next(x for x in runs if x["guided"] and not x["overlap"] and x["spec"] == r["spec"]
