@@ -123,13 +123,18 @@ def run_batch(eng, bs: int, guided: bool, args, vocab: int, seed: int) -> dict:
     ps = prompts(bs, args.prompt_len, vocab, seed)
     # warm: the graph variants this batch replays are captured
     eng.generate(ps, [SamplingParams(max_tokens=8, temperature=0.0, guided=g, ignore_eos=not guided)] * bs)
+    before = dict(eng.step_time)
     with MaskTimer() as masks:
         t0 = time.perf_counter()
         out = eng.generate(ps, params)
         wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in out)
-    row = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-           "finish": {r: sum(o.finish_reason == r for o in out) for r in {o.finish_reason for o in out}}}
+    steps = eng.step_time["steps"] - before["steps"]
+    row = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps,
+           "finish": {r: sum(o.finish_reason == r for o in out) for r in {o.finish_reason for o in out}},
+           # the engine's host time per step, by part (execute: launching and waiting for the workers)
+           "host_ms_per_step": {k.removesuffix("_s"): 1e3 * (eng.step_time[k] - before[k]) / max(steps, 1)
+                                for k in before if k.endswith("_s")}}
     if guided:
         valid = 0
         for o in out:
@@ -158,17 +163,28 @@ def apply_cost(device: str, vocab: int, rows: list[int]) -> list[dict]:
     for n in rows:
         logits = torch.randn(n, vocab, device=device, dtype=torch.float32)
         mask = torch.randint(-2**31, 2**31 - 1, (n, (vocab + 31) // 32), dtype=torch.int32, device=device)
+        row = {"rows": n}
         if device == "cuda":
             from bench.common import graph_ms
 
             ms = graph_ms(lambda: apply_token_mask(logits, mask))
+            # the masks' host→device copy from pinned memory (``DecodeGraphs._fill_mask``)
+            host = torch.empty(mask.shape, dtype=torch.int32, pin_memory=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            mask.copy_(host, non_blocking=True)
+            start.record()
+            for _ in range(20):
+                mask.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            row["copy_ms"] = start.elapsed_time(end) / 20
         else:
             apply_token_mask(logits, mask)
             t0 = time.perf_counter()
             for _ in range(5):
                 apply_token_mask(logits, mask)
             ms = 1e3 * (time.perf_counter() - t0) / 5
-        out.append({"rows": n, "device_ms": ms})
+        out.append(dict(row, device_ms=ms))
     return out
 
 
@@ -194,6 +210,7 @@ def main() -> None:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     if args.cpu:
         batch_sizes = sorted({min(b, 2) for b in batch_sizes})
+        args.max_tokens = min(args.max_tokens, 96)
     base = Path(args.ckpt or tempfile.mkdtemp(prefix="structured-"))
     t0 = time.time()
     target = checkpoint(base / shape, shape, layers)
@@ -266,8 +283,16 @@ def report(res: dict, out: Path) -> None:
             lines.append(f"| {r['spec']} | {r['bs']} | {r['tokens_per_s']:.1f} | {off['tokens_per_s']:.1f} | "
                          f"{r['tokens_per_s'] / off['tokens_per_s']:.2f} |")
     lines += ["", "Device time to apply the masks to the logits (`apply_token_mask`):", "",
-              "| logits rows | ms |", "|---|---|"]
-    lines += [f"| {a['rows']} | {a['device_ms']:.3f} |" for a in res["apply"]]
+              "| logits rows | apply ms | host→device copy ms |", "|---|---|---|"]
+    lines += [f"| {a['rows']} | {a['device_ms']:.3f} | {a.get('copy_ms', float('nan')):.3f} |" for a in res["apply"]]
+    lines += ["", "Engine host time per step, guided runs (ms; execute includes waiting for the device):", "",
+              "| spec | bs | overlap | schedule | execute | grammar | outputs | worker |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        if r["guided"]:
+            h = r["host_ms_per_step"]
+            lines.append(f"| {r['spec']} | {r['bs']} | {'on' if r['overlap'] else 'off'} | {h['schedule']:.2f} | "
+                         f"{h['execute']:.2f} | {h['grammar']:.2f} | {h['outputs']:.2f} | {h['worker']:.2f} |")
     write_markdown(out, lines)
     try:
         plt = pyplot()
