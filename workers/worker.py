@@ -109,6 +109,7 @@ class Worker:
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
         self._awaiting_mask: Callable | None = None
+        self._awaiting_s = 0.0  # the waiting step's launch time so far
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
@@ -191,8 +192,13 @@ class Worker:
                         # the page grants first: a step planned after this one counts on them even if this one fails
                         self._apply_pages(step)
                         launched = self._launch(step)
+                launch_s = time.perf_counter() - t0
+                if step.mask_for:  # the step's time before its masks came counts as its launch too
+                    launch_s += self._awaiting_s
+                elif step.mask_follows:
+                    self._awaiting_s = launch_s
                 if launched is not None:  # (None: a step now waiting for its masks)
-                    self._launched.append(Launched(step_id, *launched, time.perf_counter() - t0))
+                    self._launched.append(Launched(step_id, *launched, launch_s))
             except Exception as e:  # noqa: BLE001 - this step's requests fail; those before and after it go on
                 logger.exception("worker step failed")
                 self._awaiting_mask = None
