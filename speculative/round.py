@@ -47,6 +47,11 @@ class SpecRound:
     def verify(self, inp: RoundInputs, tree: DraftTree, top: bool = False, token_mask=None):
         """The target scores every node (TARGET_VERIFY), the verdict accepts a path, and the accepted nodes' K/V move
         to the positions they are kept at. Returns (verdict, the draft's target features, the alternatives or None)."""
+        return self.verify_accept(inp, tree, self.verify_forward(inp, tree), top, token_mask)
+
+    def verify_forward(self, inp: RoundInputs, tree: DraftTree) -> tuple:
+        """The target's forward over the tree: (its batch, hidden states, logits [B, D, V]). Structured output splits
+        the round here: the nodes' masks are computed on the host while this runs."""
         b, d, m = inp.batch_size, tree.num_nodes, inp.root_pos
         # the nodes at m .. m+D-1, RoPE at the root's position + depth (a chain's: its storage positions)
         fb = self.target.new_batch(
@@ -55,9 +60,14 @@ class SpecRound:
             positions=None if tree.is_chain else (m.unsqueeze(1) + tree.depths).reshape(-1),
         )
         hidden = self.target.forward(fb)
+        return fb, hidden, self.target.logits(hidden).view(b, d, -1)
+
+    def verify_accept(self, inp: RoundInputs, tree: DraftTree, forward: tuple, top: bool = False, token_mask=None):
+        """``verify`` after ``verify_forward``: the verdict under the masks, the KV compaction, the alternatives."""
+        fb, hidden, logits = forward
         # structured output: each node's allowed tokens (the host's matcher along the node's path), so a draft
         # the grammar refuses has target probability 0 and the target's own choice is a masked draw
-        logits = apply_token_mask(self.target.logits(hidden).view(b, d, -1), token_mask)
+        logits = apply_token_mask(logits, token_mask)
         verdict = self.accept(inp, tree, logits)
         self.compact_kv(inp, verdict)
         alternatives = None

@@ -49,6 +49,11 @@ assert INT_FIELDS == ("req_slots", "seq_lens", "top_k", "seeds", "counters", "pe
 
 # appended to a sampling kind: the variant whose rows may use penalties / logit_bias / min_tokens
 LOGITS_VARIANT = "+logits"
+# appended last: the structured-output variant, split where the logits wait for the host's masks, which it reads
+# from a static mask buffer (``DecodeGraphs.mask_buffer``)
+MASK_VARIANT = "+mask"
+# the phase of a MASK_VARIANT that ends at the logits: the phases after it wait for the masks
+MASK_WAITS_AFTER = ("decode_forward", "verify_forward")
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -115,6 +120,7 @@ class StaticInputs:
         """The bucket's sampling columns, with the step's ``counters`` (moved ahead of the step in flight); a kind
         with LOGITS_VARIANT reads ``logits_state`` at the rows' slots."""
         c = lambda n: self.column(n, bucket)  # noqa: E731
+        kind = kind.removesuffix(MASK_VARIANT)
         base = kind.removesuffix(LOGITS_VARIANT)
         processing = logits_state if base != kind else None
         return SamplingTensors(c("temperature"), c("top_k"), c("top_p"), c("min_p"), c("seeds"), counters, kind=base,
@@ -252,11 +258,13 @@ class DecodeGraphs(GraphRunner):
 
     def __init__(self, cfg, device: torch.device, dtype: torch.dtype, tp, models: list[torch.nn.Module],
                  decode: Callable, spec_round, last_token: torch.Tensor, advance: torch.Tensor, rank: int = 0,
-                 logits_state=None):
+                 logits_state=None, decode_phases: tuple[Callable, Callable] | None = None):
         super().__init__(device)
         self.cfg, self.dtype, self.tp, self.rank = cfg, dtype, tp, rank
         self.models = models
         self.decode = decode
+        self.decode_phases = decode_phases  # (forward to the logits, sampling under a mask): the MASK_VARIANT's
+        self.mask_buffer: torch.Tensor | None = None  # [max_bs, nodes, words] int32, allocated on the first use
         self.spec_round = spec_round
         self.last_token, self.advance = last_token, advance
         self.logits_state = logits_state  # (``workers.logits_processing.LogitsState``: the LOGITS_VARIANT graphs read it)
@@ -300,6 +308,56 @@ class DecodeGraphs(GraphRunner):
             out = self.replay((name, bucket, kind, top))
         return out.rows(step.batch_size)
 
+    # ---- structured output: the MASK_VARIANT, replayed in two parts around the host's masks ------------------------
+    def replay_until_mask(self, step, bucket: int, kind: str, top: bool) -> PackedOutputs | None:
+        """A MASK_VARIANT ``kind``'s phases up to the logits (a round: its drafts' phase, then the verify forward).
+        Returns a round's drafts packed (tokens, parents), valid until the next replay; None for a plain step."""
+        if (bucket, kind, top) not in self.phases:
+            self._capture(bucket, kind, top)
+        self.static.fill(step, bucket)
+        names = self.phases[(bucket, kind, top)]
+        drafts = None
+        for name in names[:self._mask_split(names)]:
+            out = self.replay((name, bucket, kind, top))
+            if name == "draft":
+                drafts = out.rows(step.batch_size)
+        return drafts
+
+    def replay_after_mask(self, mask: np.ndarray, batch_size: int, bucket: int, kind: str,
+                          top: bool) -> PackedOutputs:
+        """The rest of ``replay_until_mask``'s step once its masks ([B, nodes, words]) are here: one host→device
+        copy into the static mask buffer, then the phases that read it. Returns the step's packed outputs."""
+        self._fill_mask(mask, bucket)
+        names = self.phases[(bucket, kind, top)]
+        for name in names[self._mask_split(names):]:
+            out = self.replay((name, bucket, kind, top))
+        return out.rows(batch_size)
+
+    @staticmethod
+    def _mask_split(names: list[str]) -> int:
+        return next(i for i, n in enumerate(names) if n in MASK_WAITS_AFTER) + 1
+
+    def _mask_rows(self) -> int:
+        return 1 if self.spec_round is None else self.spec_round.proposer.tree_size
+
+    def _ensure_mask_buffer(self) -> torch.Tensor:
+        if self.mask_buffer is None:
+            words = (self.models[0].cfg.vocab_size + 31) // 32
+            self.mask_buffer = torch.full((self.static.max_bs, self._mask_rows(), words), -1, dtype=torch.int32,
+                                          device=self.device)
+        return self.mask_buffer
+
+    def _fill_mask(self, mask: np.ndarray, bucket: int) -> None:
+        """The step's masks, then all-allowed padding rows, in one host→device copy of the bucket's rows (from
+        pinned memory the copy holds until it is done, as ``StaticInputs.fill``)."""
+        buf = self.mask_buffer[:bucket]
+        pinned = buf.device.type == "cuda"
+        host = torch.empty(buf.shape, dtype=torch.int32, pin_memory=pinned)
+        image = host.numpy()
+        image[:len(mask)] = mask.reshape(len(mask), *buf.shape[1:])
+        image[len(mask):] = -1
+        buf.copy_(host, non_blocking=pinned)
+
     def _callables(self, bucket: int, kind: str, top: bool) -> dict[str, Callable]:
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
         step's outputs packed for the host (``top``: with each token's top logprobs)."""
@@ -309,6 +367,8 @@ class DecodeGraphs(GraphRunner):
             return self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=spec is not None,
                                             logits_state=self.logits_state)
 
+        if kind.endswith(MASK_VARIANT):
+            return self._mask_callables(bucket, inputs, top)
         if spec is None:
             return {"decode": lambda: PackedOutputs.pack(*self.decode(inputs(), top))}
         if self.cfg.fuse_speculative_round:
@@ -326,6 +386,38 @@ class DecodeGraphs(GraphRunner):
                 "draft_extend": lambda: PackedOutputs.pack(*spec.catch_up(state["inp"], state["tree"],
                                                                           *state["verified"]))}
 
+    def _mask_callables(self, bucket: int, inputs: Callable[[], RoundInputs], top: bool) -> dict[str, Callable]:
+        """The MASK_VARIANT's phases: up to the logits (a round: its drafts, returned for the host, then the target's
+        verify forward), then, once the host has copied the masks into the static buffer, sampling or the verdict
+        under them (and a round's catch-up)."""
+        spec, state = self.spec_round, {}
+        mask = self._ensure_mask_buffer()[:bucket]
+        if spec is None:
+            forward, sample = self.decode_phases
+
+            def decode_forward():
+                state["inp"] = inp = inputs()
+                state["logits"] = forward(inp)
+
+            return {"decode_forward": decode_forward,
+                    "decode_sample": lambda: PackedOutputs.pack(*sample(state["inp"], state["logits"], top, mask))}
+
+        def draft():
+            state["inp"] = inp = inputs()
+            state["tree"] = tree = spec.propose(inp)
+            return PackedOutputs.pack(tree.tokens, tree.parents if tree.parents is not None
+                                      else torch.full_like(tree.tokens, -2))
+
+        def verify_forward():
+            state["forward"] = spec.verify_forward(state["inp"], state["tree"])
+
+        def accept():
+            state["verified"] = spec.verify_accept(state["inp"], state["tree"], state["forward"], top, mask)
+
+        return {"draft": draft, "verify_forward": verify_forward, "accept": accept,
+                "draft_extend": lambda: PackedOutputs.pack(*spec.catch_up(state["inp"], state["tree"],
+                                                                          *state["verified"]))}
+
     # ---- the norm-fusion choice --------------------------------------------------------------------------------
     def _capture(self, bucket: int, kind: str, top: bool) -> None:
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
@@ -340,6 +432,8 @@ class DecodeGraphs(GraphRunner):
         """Capture the bucket's phases under their graph keys (plus ``variant``), their forwards running the norms
         inside the linears where they can if ``fused``; returns the keys in order."""
         self.static.reset()
+        if self.mask_buffer is not None:  # (captured on all-allowed masks)
+            self.mask_buffer.fill_(-1)
         phases = self._callables(bucket, kind, top)
         keys = [(name, bucket, kind, top) + variant for name in phases]
         for key, fn in zip(keys, phases.values()):

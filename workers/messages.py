@@ -109,9 +109,13 @@ class WorkerStep:
     # logprob of each next prompt token under the raw distribution); None: no request asked
     prompt_logprobs: list[int] | None = None
     # structured output: [B, R, ceil(V / 32)] packed allowed-token bits (bit t % 32 of word t // 32), -1 = all; R is
-    # 1, or a speculative round's tree nodes (the verify of a ``propose_only`` step's drafts). Runs eagerly
+    # 1, or a speculative round's tree nodes. Applied to the logits before sampling / verification
     token_mask: np.ndarray | None = None
-    propose_only: bool = False  # a speculative round's drafts only, returned for the host's masks; kept for verify
+    # structured output under overlap: the step runs up to its logits now and waits for its masks, which come in a
+    # later message (``mask_message``) once the host has them; a speculative round also returns its drafts now (this
+    # step's result), whose masks the host computes while the target's verify forward runs
+    mask_follows: bool = False
+    mask_for: int = 0  # a mask message: the id of the step waiting for ``token_mask`` (it has no rows of its own)
     logits_processing: bool = False  # some request uses penalties / logit_bias / min_tokens (workers.logits_processing)
     logits_setup: LogitsSetup | None = None  # EXTEND: the slots of the requests whose prefill starts now
 
@@ -146,6 +150,13 @@ class WorkerStep:
                    None if draft_tokens is None else np.array(draft_tokens, dtype=np.int64).reshape(b, -1),
                    step_id, top_logprobs, prompt_logprobs, logits_processing=logits_processing,
                    logits_setup=logits_setup)
+
+    @classmethod
+    def mask_message(cls, step_id: int, token_mask: np.ndarray) -> "WorkerStep":
+        """The masks of a ``mask_follows`` step (``step_id``: the result's id), which the worker then finishes."""
+        return cls(ForwardMode.DECODE, np.zeros((len(INT_FIELDS), 0), np.int64),
+                   np.zeros((len(FLOAT_FIELDS), 0), np.float32), np.zeros(0, np.int64), np.zeros((3, 0), np.int64),
+                   token_mask=np.ascontiguousarray(token_mask, dtype=np.int32), mask_for=step_id)
 
     @property
     def batch_size(self) -> int:
@@ -184,7 +195,7 @@ class StepResult:
     # per request (WorkerStep.prompt_logprobs): None, or its chunk's prompt logprobs (the tokens after each of its
     # positions, the token after the chunk too where it is a prompt token) and each one's alternatives
     prompt_logprobs: list[tuple[list[float], list[list[tuple[int, float]]]] | None] | None = None
-    draft_parents: list[int] | None = None  # a ``propose_only`` step: the tree's parents (``tokens``: its nodes)
+    draft_parents: list[int] | None = None  # a ``mask_follows`` round's drafts: tree parents (``tokens``: nodes)
 
     def offsets(self) -> list[int]:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""

@@ -135,7 +135,7 @@ def with_prompt_logprobs(cols: list[np.ndarray], prompt: HostCopy, rows: list[tu
 
 
 def proposal_result(cols: list[np.ndarray]) -> StepResult:
-    """A ``propose_only`` step's draft trees: every node's token ([B, D], row-major) and parent (-2: a chain)."""
+    """A ``mask_follows`` round's draft trees: every node's token ([B, D], row-major) and parent (-2: a chain)."""
     tokens, parents = cols
     d = tokens.shape[1]
     return StepResult(tokens=tokens.astype(np.int64).reshape(-1).tolist(), logprobs=[],

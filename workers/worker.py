@@ -20,7 +20,7 @@ from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import to_device
-from workers.graphs import LOGITS_VARIANT, DecodeGraphs, graph_refusal, tune_for_graphs
+from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, graph_refusal, tune_for_graphs
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.logits_processing import LogitsState, record_tokens
@@ -104,9 +104,12 @@ class Worker:
             self.proposer, self.target, self.draft_ctx, self.last_token, self.advance, spec.simulated_accept_length)
         self.graphs: DecodeGraphs | None = DecodeGraphs(
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
-            self.last_token, self.advance, rank, logits_state=self.logits_state)
+            self.last_token, self.advance, rank, logits_state=self.logits_state,
+            decode_phases=(self._decode_logits, self._decode_sample))
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
-        self._proposed = None  # (RoundInputs, DraftTree) of a ``propose_only`` step, for the verify step after it
+        # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
+        self._awaiting_mask: Callable | None = None
+        self._awaiting_s = 0.0  # the waiting step's launch time so far
 
     def _runners(self) -> list[ModelRunner]:
         return [self.target] + ([self.proposer.runner] if getattr(self.proposer, "runner", None) else [])
@@ -182,18 +185,34 @@ class Worker:
             t0 = time.perf_counter()
             try:
                 with torch.inference_mode():
-                    # the page grants first: a step planned after this one counts on them even if this one fails
-                    self._apply_pages(step)
-                    copy, finish = self._launch(step)
-                self._launched.append(Launched(step.step_id, copy, finish, time.perf_counter() - t0))
+                    if step.mask_for:  # the masks of the step waiting for them: it samples / verifies now
+                        step_id, launched = step.mask_for, self._finish_masked(step.token_mask)
+                    else:
+                        step_id, self._awaiting_mask = step.step_id, None
+                        # the page grants first: a step planned after this one counts on them even if this one fails
+                        self._apply_pages(step)
+                        launched = self._launch(step)
+                launch_s = time.perf_counter() - t0
+                if step.mask_for:  # the step's time before its masks came counts as its launch too
+                    launch_s += self._awaiting_s
+                elif step.mask_follows:
+                    self._awaiting_s = launch_s
+                if launched is not None:  # (None: a step now waiting for its masks)
+                    self._launched.append(Launched(step_id, *launched, launch_s))
             except Exception as e:  # noqa: BLE001 - this step's requests fail; those before and after it go on
                 logger.exception("worker step failed")
-                self._launched.append(Launched(step.step_id, None, None, time.perf_counter() - t0,
+                self._awaiting_mask = None
+                self._launched.append(Launched(step.mask_for or step.step_id, None, None, time.perf_counter() - t0,
                                                error=f"{type(e).__name__}: {e}"))
         results = []
         while len(self._launched) > keep:
             results.append(self._launched.popleft().result())
         return results
+
+    def _finish_masked(self, mask):
+        """A mask message: the waiting step runs on from its logits (None if it had failed: its error is queued)."""
+        awaiting, self._awaiting_mask = self._awaiting_mask, None
+        return None if awaiting is None else awaiting(mask)
 
     def execute(self, step: WorkerStep) -> StepResult:
         """One step, waited for (tools and benchmarks); raises RuntimeError if it failed."""
@@ -217,7 +236,9 @@ class Worker:
             p.req_slots = to_device(step.req_slots, torch.int64, self.device) if slots is None else slots
         return p
 
-    def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
+    def _launch(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]] | None:
+        """The step's device work queued, and what reads its outputs; None for a ``mask_follows`` step that waits
+        for its masks (``_awaiting_mask``)."""
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
         fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
@@ -227,7 +248,16 @@ class Worker:
         sampling = self._sampling(step, slots=fb.req_slots)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
-        ids, logprobs = sample(apply_token_mask(logits, step.token_mask), sampling)
+        sample_phase = partial(self._extend_sample, step, fb, sampling, hidden, logits)
+        if step.mask_follows:
+            self._awaiting_mask = sample_phase
+            return None
+        return sample_phase(step.token_mask)
+
+    def _extend_sample(self, step: WorkerStep, fb, sampling: SamplingTensors, hidden: torch.Tensor,
+                       logits: torch.Tensor, token_mask) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
+        """An EXTEND step from its logits on: sampling (under ``token_mask``), the draft's catch-up, outputs."""
+        ids, logprobs = sample(apply_token_mask(logits, token_mask), sampling)
         if sampling.logits_state is not None:  # a chunk that does not end its prompt samples a token nobody keeps
             record_tokens(sampling, ids.unsqueeze(1), to_device(step.next_ids < 0, torch.bool, self.device)[:, None])
         self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
@@ -292,23 +322,14 @@ class Worker:
         return torch.where(ids >= 0, ids, self.last_token[token_slots])
 
     # ---- DECODE: a plain step or a speculative round, eager or replayed from a CUDA graph -----------------------
-    def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
+    def _launch_decode(self, step: WorkerStep) -> tuple[HostCopy, Callable[[list[list]], StepResult]] | None:
         kind, top = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p), step.top_logprobs
         if step.logits_processing:
             kind += LOGITS_VARIANT
-        # structured output runs eagerly: a round's drafts go to the host for their masks, then come back verified
-        grammar = step.token_mask is not None or step.propose_only
-        bucket = None if grammar else self.graphs.bucket_for(step.batch_size)
-        if self.spec_round is not None and step.propose_only:
-            inp = self._eager_inputs(step)
-            tree = self.spec_round.propose(inp)
-            self._proposed = (inp, tree)
-            parents = tree.parents if tree.parents is not None else torch.full_like(tree.tokens, -2)
-            return HostCopy(PackedOutputs.pack(tree.tokens, parents)), proposal_result
-        if self.spec_round is not None and step.token_mask is not None:
-            (inp, tree), self._proposed = self._proposed, None
-            packed = PackedOutputs.pack(*self.spec_round.run(inp, top, tree, step.token_mask))
-        elif bucket is None:
+        bucket = self.graphs.bucket_for(step.batch_size)
+        if step.mask_follows or step.token_mask is not None:
+            return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
+        if bucket is None:
             inp = self._eager_inputs(step)
             packed = PackedOutputs.pack(*(self._decode(inp, top, step.token_mask) if self.spec_round is None
                                           else self.spec_round.run(inp, top)))
@@ -317,6 +338,41 @@ class Worker:
         # copied now: the next replay overwrites a graph's outputs
         finish = token_result if self.spec_round is None else partial(round_result, tree_size=self.proposer.tree_size)
         return HostCopy(packed), finish
+
+    def _launch_masked(self, step: WorkerStep, bucket: int | None, kind: str, top: bool):
+        """A DECODE step under structured-output masks, eagerly or through the bucket's ``+mask`` graphs (the masks
+        a static input). With ``mask_follows`` it runs up to its logits (a round: proposes its drafts, returned now,
+        and runs the target's verify forward) and waits for the masks; else its masks came with it (a plain step)."""
+        b = step.batch_size
+        spec = self.spec_round
+        finish = token_result if spec is None else partial(round_result, tree_size=self.proposer.tree_size)
+        if spec is not None and not step.mask_follows:
+            raise ValueError("a speculative round's masks follow its drafts (mask_follows)")
+        if bucket is not None:
+            proposal = self.graphs.replay_until_mask(step, bucket, kind, top)
+            rest = lambda mask: (HostCopy(self.graphs.replay_after_mask(mask, b, bucket, kind, top)), finish)  # noqa: E731
+        else:
+            inp = self._eager_inputs(step)
+            if spec is None:
+                logits = self._decode_logits(inp)
+                proposal = None
+                rest = lambda mask: (HostCopy(PackedOutputs.pack(  # noqa: E731
+                    *self._decode_sample(inp, logits, top, mask))), finish)
+            else:
+                tree = spec.propose(inp)
+                parents = tree.parents if tree.parents is not None else torch.full_like(tree.tokens, -2)
+                proposal = PackedOutputs.pack(tree.tokens, parents)
+                forward = spec.verify_forward(inp, tree)
+
+                def rest(mask):
+                    verdict, features, alternatives = spec.verify_accept(inp, tree, forward, top, mask)
+                    outs = spec.catch_up(inp, tree, verdict, features, alternatives)
+                    return HostCopy(PackedOutputs.pack(*outs)), finish
+        if not step.mask_follows:
+            return rest(step.token_mask)
+        self._awaiting_mask = rest
+        # a round's drafts now (copied before the verify forward runs), for the host's masks
+        return None if proposal is None else (HostCopy(proposal), proposal_result)
 
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
         slots = to_device(step.req_slots, torch.int64, self.device)
@@ -332,10 +388,15 @@ class Worker:
     def _decode(self, inp: RoundInputs, top: bool = False, token_mask=None) -> tuple[torch.Tensor, ...]:
         """One DECODE forward and sampling: (ids [B], logprobs [B]), and with ``top`` the TOP_LOGPROBS most likely
         tokens' (ids [B, K], logprobs [B, K])."""
+        return self._decode_sample(inp, self._decode_logits(inp), top, token_mask)
+
+    def _decode_logits(self, inp: RoundInputs) -> torch.Tensor:
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
-        hidden = self.target.forward(fb)
-        logits = self.target.logits(fb.logits_rows(hidden))
+        return self.target.logits(fb.logits_rows(self.target.forward(fb)))
+
+    def _decode_sample(self, inp: RoundInputs, logits: torch.Tensor, top: bool = False,
+                       token_mask=None) -> tuple[torch.Tensor, ...]:
         ids, logprobs = sample(apply_token_mask(logits, token_mask), inp.sampling)
         self.last_token[inp.req_slots] = ids
         record_tokens(inp.sampling, ids.unsqueeze(1))

@@ -222,34 +222,44 @@ class Engine:
         # a completed prompt's first token on the device
         keep = 1 if self.overlap and plan is not None else 0
         step = None
-        earlier: list[StepResult] = []  # results of steps in flight that a structured-output round had to read
         if plan is not None:
             step = plan.to_worker_step()
             step.step_id = next(self._step_ids)
+            self.in_flight.append((step.step_id, plan))
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
-                # the masks need each request's newest token on the host: this step is read before the next plan
-                keep = 0
-                try:
-                    earlier = self._add_token_masks(plan, step)
-                except Exception as e:  # noqa: BLE001 - as a failed launch
-                    logger.exception("step failed")
-                    return outputs + self._fail_in_flight(f"{type(e).__name__}: {e}") + self._fail_plan(plan, str(e))
-            self.in_flight.append((step.step_id, plan))
+                return outputs + self._guided_step(plan, step, keep, t0)
         t1 = time.perf_counter()
         try:
-            results = earlier + self.executor.step(step, keep)
+            results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
-            if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
-                logger.error("step failed: the workers failed (%s)", self.failure)
-            else:
-                logger.exception("step failed")
-            return outputs + self._fail_in_flight(f"{type(e).__name__}: {e}")
+            return outputs + self._workers_failed(e)
         t2 = time.perf_counter()
-        worker_s = 0.0
+        outputs += self._read(results)
+        self._count_step_time(t0, t1, t2, results)
+        return outputs
+
+    def _workers_failed(self, e: Exception) -> list[RequestOutput]:
+        if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
+            logger.error("step failed: the workers failed (%s)", self.failure)
+        else:
+            logger.exception("step failed")
+        return self._fail_in_flight(f"{type(e).__name__}: {e}")
+
+    def _count_step_time(self, t0: float, t1: float, t2: float, results: list[StepResult]) -> None:
+        st = self.step_time
+        st["steps"] += 1
+        st["schedule_s"] += t1 - t0
+        st["execute_s"] += t2 - t1
+        # rank 0's own time: execute minus this is transport (and, overlapped, waiting)
+        st["worker_s"] += sum(r.timings.get("worker_s", 0.0) for r in results)
+        st["outputs_s"] += time.perf_counter() - t2
+
+    def _read(self, results: list[StepResult]) -> list[RequestOutput]:
+        """Apply the results of the oldest steps in flight, in order."""
+        outputs: list[RequestOutput] = []
         for result in results:
             step_id, done = self.in_flight.popleft()
-            worker_s += result.timings.get("worker_s", 0.0)
             if result.step_id != step_id:  # the workers' queue and ours disagree: no result can be placed
                 logger.error("the workers returned step %d's result for step %d", result.step_id, step_id)
                 self.in_flight.appendleft((step_id, done))
@@ -260,36 +270,63 @@ class Engine:
             else:
                 self.num_steps += 1
                 outputs += self._apply(done, result)
-        st = self.step_time
-        st["steps"] += 1
-        st["schedule_s"] += t1 - t0
-        st["execute_s"] += t2 - t1
-        st["worker_s"] += worker_s  # rank 0's own time: execute minus this is transport (and, overlapped, waiting)
-        st["outputs_s"] += time.perf_counter() - t2
         return outputs
 
-    def _add_token_masks(self, plan: StepPlan, step: WorkerStep) -> list[StepResult]:
-        """``step.token_mask`` for a plan with structured-output requests. A speculative round first runs its
-        proposal alone (``propose_only``), whose drafts the matchers walk for every node's mask; the verify is
-        ``step`` itself. Returns the results of the earlier steps that this read."""
-        t0 = time.perf_counter()
+    def _guided_step(self, plan: StepPlan, step: WorkerStep, keep: int, t0: float) -> list[RequestOutput]:
+        """Launch a step with structured-output requests (already in flight on the host) and read what is due.
+
+        A step whose masks are known now (every grammar request's tokens on the host; no drafts to mask) carries them
+        and overlaps as any step. Otherwise the step is launched up to its logits (``mask_follows``): a round also
+        drafts, returning the drafts, and runs the target's verify forward. The older steps' results are read and
+        applied (the matchers advance), the masks computed on the host while the device runs that forward, and sent
+        (``WorkerStep.mask_message``); the step then samples / verifies and stays in flight under overlap, as vLLM's
+        async scheduling does with structured outputs (its bitmask computed while the forward runs)."""
         matchers = [r.matcher for r in plan.requests]
         words = grammar.mask_words(self.executor.model_config.vocab_size)
-        earlier: list[StepResult] = []
-        if self.cfg.speculative_config is not None and plan.mode == ForwardMode.DECODE:
-            probe = replace(step, propose_only=True, step_id=next(self._step_ids))
-            *earlier, proposal = self.executor.step(probe, 0)
-            if proposal.error is not None:
-                raise RuntimeError(proposal.error)
-            t0 = time.perf_counter()
-            b = step.batch_size
-            tokens = np.asarray(proposal.tokens, dtype=np.int64).reshape(b, -1)
-            parents = np.asarray(proposal.draft_parents, dtype=np.int64).reshape(b, -1)
-            step.token_mask = grammar.tree_masks(matchers, tokens, None if parents[0, 0] == -2 else parents, words)
-        else:
-            step.token_mask = grammar.step_masks(matchers, words)
-        self.step_time["grammar_s"] += time.perf_counter() - t0
-        return earlier
+        st = self.step_time
+        spec = self.cfg.speculative_config is not None and plan.mode == ForwardMode.DECODE
+        nxt = plan.next_ids
+        # a grammar request whose newest tokens are still in flight (this plan's own sampling counts one)
+        stale = any(m is not None and r.num_inflight > (1 if nxt is None or nxt[i] < 0 else 0)
+                    for i, (r, m) in enumerate(zip(plan.requests, matchers)))
+        outputs: list[RequestOutput] = []
+        try:
+            if not spec and not stale:
+                tg = time.perf_counter()
+                step.token_mask = grammar.step_masks(matchers, words, self._grammar.batch)
+                st["grammar_s"] += time.perf_counter() - tg
+                t1 = time.perf_counter()
+                results = self.executor.step(step, keep)
+                t2 = time.perf_counter()
+                outputs += self._read(results)
+                self._count_step_time(t0, t1, t2, results)
+                return outputs
+            probe_id = next(self._step_ids) if spec else step.step_id
+            t1 = time.perf_counter()
+            results = self.executor.step(replace(step, mask_follows=True, step_id=probe_id), 0)
+            proposal = results.pop() if spec and results and results[-1].step_id == probe_id else None
+            t2 = time.perf_counter()
+            outputs += self._read(results)  # (the older steps: this plan's requests' tokens reach their matchers)
+            self._count_step_time(t0, t1, t2, results)
+            if not self.in_flight or self.in_flight[-1][0] != step.step_id:  # its launch failed (read just now)
+                return outputs
+            if spec and (proposal is None or proposal.error is not None):
+                self.in_flight.pop()
+                return outputs + self._fail_plan(plan, proposal.error if proposal else "no drafts came back")
+            tg = time.perf_counter()
+            if spec:
+                b = step.batch_size
+                tokens = np.asarray(proposal.tokens, dtype=np.int64).reshape(b, -1)
+                parents = np.asarray(proposal.draft_parents, dtype=np.int64).reshape(b, -1)
+                mask = grammar.tree_masks(matchers, tokens, None if parents[0, 0] == -2 else parents, words,
+                                          self._grammar.batch)
+            else:
+                mask = grammar.step_masks(matchers, words, self._grammar.batch)
+            st["grammar_s"] += time.perf_counter() - tg
+            results = self.executor.step(WorkerStep.mask_message(step.step_id, mask), keep)
+        except Exception as e:  # noqa: BLE001 - the workers are unreachable, or the masks failed: every step fails
+            return outputs + self._workers_failed(e)
+        return outputs + self._read(results)
 
     def _apply(self, plan: StepPlan, result: StepResult) -> list[RequestOutput]:
         """A finished step's tokens: requests, detokenizers (offline), metrics."""

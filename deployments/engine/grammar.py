@@ -43,6 +43,8 @@ class GrammarEngine:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # fills a batch's masks on a pool of threads (half the host's cores), outside the GIL
+        self.batch = xgr.BatchGrammarMatcher()
 
     def compile(self, spec: GuidedSpec):
         """The compiled grammar, or InvalidRequest naming the field at fault."""
@@ -91,37 +93,58 @@ def fill(matcher, out: np.ndarray) -> None:
     matcher.fill_next_token_bitmask(t)
 
 
-def step_masks(matchers: list, words: int) -> np.ndarray | None:
+def fill_rows(matchers: list, rows: list[int], out: np.ndarray, batch=None) -> None:
+    """Row ``rows[k]`` of ``out`` [N, W] int32 gets ``matchers[k]``'s allowed next tokens (``fill``); with ``batch``
+    (an xgrammar ``BatchGrammarMatcher``), filled in one call on its threads."""
+    live = [(m, r) for m, r in zip(matchers, rows) if not m.is_terminated()]
+    for m, r in zip(matchers, rows):
+        if m.is_terminated():
+            out[r] = -1
+    if batch is None or len(live) < 2:
+        for m, r in live:
+            fill(m, out[r])
+        return
+    import torch
+
+    batch.batch_fill_next_token_bitmask([m for m, _ in live], torch.from_numpy(out), indices=[r for _, r in live])
+
+
+def step_masks(matchers: list, words: int, batch=None) -> np.ndarray | None:
     """[B, 1, W] masks for a plain step (None if no request has a grammar)."""
     if all(m is None for m in matchers):
         return None
     out = np.full((len(matchers), 1, words), -1, dtype=np.int32)
-    for i, m in enumerate(matchers):
-        if m is not None:
-            fill(m, out[i, 0])
+    rows = [i for i, m in enumerate(matchers) if m is not None]
+    fill_rows([matchers[i] for i in rows], rows, out.reshape(len(matchers), words), batch)
     return out
 
 
-def tree_masks(matchers: list, tokens: np.ndarray, parents: np.ndarray | None, words: int) -> np.ndarray:
+def tree_masks(matchers: list, tokens: np.ndarray, parents: np.ndarray | None, words: int,
+               batch=None) -> np.ndarray:
     """[B, D, W] masks for a round's draft tree (tokens [B, D], node 0 the root, already given to the matcher;
     parents [B, D] or None for a chain). Node j's mask is the matcher's after the drafts on the path to j; a node
     below a draft the grammar refuses can never be reached, so it is left all-allowed."""
     b, d = tokens.shape
     out = np.full((b, d, words), -1, dtype=np.int32)
+    if parents is None:  # a chain: the batch walks down it together, each depth's masks filled in one call
+        flat = out.reshape(b * d, words)
+        live = [i for i, m in enumerate(matchers) if m is not None]
+        taken = dict.fromkeys(live, 0)
+        for j in range(d):
+            if j:  # on along draft j where the grammar takes it (below a refused draft: unreachable, all-allowed)
+                live = [i for i in live if not matchers[i].is_terminated()
+                        and matchers[i].accept_token(int(tokens[i, j]))]
+                for i in live:
+                    taken[i] += 1
+            fill_rows([matchers[i] for i in live], [i * d + j for i in live], flat, batch)
+        for i, n in taken.items():
+            if n:
+                matchers[i].rollback(n)
+        return out
     for i, m in enumerate(matchers):
         if m is None:
             continue
         fill(m, out[i, 0])
-        if parents is None:  # a chain: one walk down it, each node's mask on the way
-            taken = 0
-            for j in range(1, d):
-                if m.is_terminated() or not m.accept_token(int(tokens[i, j])):
-                    break
-                taken += 1
-                fill(m, out[i, j])
-            if taken:
-                m.rollback(taken)
-            continue
         for j in range(1, d):
             path, k = [], j
             while k > 0:  # the drafts from the root's child down to node j

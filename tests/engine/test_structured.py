@@ -185,3 +185,38 @@ def test_device_unpacking_matches_xgrammar():
         got = apply_token_mask(logits, mask.numpy().reshape(3, 2, -1))
         assert torch.equal(got.reshape(6, v), ref)
         assert apply_token_mask(logits, None) is logits
+
+
+def test_batched_mask_fill_equals_one_by_one(models):
+    """The masks filled on xgrammar's batch matcher (one call per step, or per chain depth) equal those filled one
+    matcher at a time, for matchers mid-way through their schemas, terminated ones and rows without a grammar; the
+    matchers are left where they were."""
+    from deployments.engine.grammar import step_masks
+
+    eng = engine(models, "none")
+    g = eng.grammar_engine()
+    words = (g.vocab_size + 31) // 32
+    schemas = SCHEMAS[:6]
+    outs = run(eng, schemas)
+    matchers = []
+    for k, (o, s) in enumerate(zip(outs, schemas)):
+        m = g.matcher(GuidedSpec("json_schema", json.dumps(s)))
+        cut = len(o.token_ids) if k == 0 else k * len(o.token_ids) // 6  # (the first: to its end, terminated)
+        for t in o.token_ids[:cut]:
+            assert m.accept_token(t)
+        matchers.append((m, o.token_ids[cut:cut + 3]))
+    ms = [m for m, _ in matchers] + [None]
+    assert ms[0].is_terminated()
+    one, batched = step_masks(ms, words), step_masks(ms, words, g.batch)
+    assert np.array_equal(one, batched) and (one[-1] == -1).all()
+    # chains: each request's own next tokens (taken), with one refused draft in the middle of a chain
+    tokens = np.zeros((len(ms), 4), np.int64)
+    for i, (_, nxt) in enumerate(matchers):
+        tokens[i, 1:1 + len(nxt)] = nxt
+    tokens[2, 2] = 0  # (token 0 is a special: no grammar takes it)
+    ref = np.stack([tree_masks([m], tokens[i:i + 1], None, words)[0] if m is not None
+                    else np.full((4, words), -1, np.int32) for i, m in enumerate(ms)])
+    got = tree_masks(ms, tokens, None, words, g.batch)
+    assert np.array_equal(ref, got)
+    assert (got[2, 3] == -1).all() and not (got[1, 1] == -1).all()
+    assert np.array_equal(step_masks(ms, words), one)  # rolled back

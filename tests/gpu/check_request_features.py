@@ -1,6 +1,7 @@
 """The request features of the OpenAI layer on the GPU path (Triton backends, CUDA graphs, the ``+logits`` graph
-variant, eager grammar steps) against the torch-native backend run eagerly, in fp32: penalties, logit_bias and
-min_tokens, a JSON schema (xgrammar masks), prompt logprobs; without speculation and with an EAGLE-3 chain.
+variant, grammar steps through the ``+mask`` variant) against the torch-native backend run eagerly, in fp32:
+penalties, logit_bias and min_tokens, a JSON schema (xgrammar masks), prompt logprobs; without speculation and with
+an EAGLE-3 chain.
 
     python -m tests.gpu.check_request_features [--device cuda] [--json F]
 
