@@ -259,6 +259,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbps", type=float, default=None,
                     help="HBM bandwidth for the floor instead of measuring a device copy")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
+    ap.add_argument("--metadata-only", action="store_true",
+                    help="only the draft rows' host time (once per round vs per step), e.g. on a CPU")
     args = ap.parse_args()
     out = out_path(args.out)
     if args.report_only:
@@ -270,6 +272,13 @@ def main() -> None:
     batch_sizes = [int(x) for x in (args.batch_sizes or ("1,2" if args.cpu else "1,8,32")).split(",")]
     dense_ctx = args.dense_context or (contexts[-1] if args.cpu else 65536)
     fp8, nd = args.keys == "fp8", args.draft_tokens
+    if args.metadata_only:
+        meta = {"device": device_name(device), "commit": commit(), "command": command(), "rows": [],
+                "draft_metadata": draft_metadata(device, batch_sizes, steps=nd, k=1, ctx=contexts[-1],
+                                                 page=shape["page"], rounds=50)}
+        write_json(out, meta)
+        report(meta, out)
+        return
     graph, eager = timer(device)
     if args.bandwidth_tbps:
         bw, bw_note = args.bandwidth_tbps * 1e12, f"given: {args.bandwidth_tbps} TB/s"
@@ -340,15 +349,16 @@ def main() -> None:
 def report(meta: dict, out: Path) -> None:
     rows = meta["rows"]
     md = [f"# DeepSeek-V3.2 sparse attention, one layer ({meta['device']})", "",
-          f"commit `{meta['commit']}`, command `{meta['command']}`", "",
-          f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
-          f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} GB/s "
-          f"({meta['bandwidth']}). Timing: {meta['timing']}.", "",
-          "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the union, "
-          "bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
-          "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
-          "layer (eager) | graph speedup | indexer, bf16 keys | key MB | latent MB |",
-          "|---" * 15 + "|"]
+          f"commit `{meta['commit']}`, command `{meta['command']}`", ""]
+    if rows:
+        md += [f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
+               f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} "
+               f"GB/s ({meta['bandwidth']}). Timing: {meta['timing']}.", "",
+               "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the "
+               "union, bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
+               "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
+               "layer (eager) | graph speedup | indexer, bf16 keys | key MB | latent MB |",
+               "|---" * 15 + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['rows']} | {r['indexer_ms']} | {r['topk_ms']} | "
            f"{r['mla_ms']} | {r['layer_ms']} | {r['floor_ms']} | **{r['vs_floor']}x** | {r['layer_eager_ms']} | "
            f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r['index_key_MB']} | "
@@ -378,6 +388,8 @@ def report(meta: dict, out: Path) -> None:
         md += ["", f"Launch knobs per batch size (swept at {meta['sweep']['context']} verify, each component "
                f"alone): {meta['sweep']['chosen']}"]
     write_markdown(out, md)
+    if not rows:
+        return
     try:
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
