@@ -464,6 +464,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     else:
         key, key_scale, stride_k = index_k, index_k, index_k.stride(0)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
     if rows:
         _indexer_scores[(rows, num_splits)](
             q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
@@ -549,6 +550,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
             raise ValueError(f"MLA {name} dim {dim} must be a power of two >= 16")
     if latent_cache.shape[1] < dl + dr or latent_cache.stride(1) != 1:
         raise ValueError("latent cache rows must hold latent + rope contiguously")
+    q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None:
         block_h = 16 if (fp32 or heads <= 16) else 32
