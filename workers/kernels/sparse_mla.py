@@ -444,7 +444,7 @@ def _p2(n: int, lo: int = 16) -> int:
 
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, num_splits=None, block_n=64, programs_per_sm=4, out=None):
+                   tree_len=0, num_splits=None, block_n=None, programs_per_sm=4, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
     ``quantize_index_keys``. Splits per row from the shapes only (``num_splits`` overrides)."""
@@ -456,6 +456,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
+    if block_n is None:  # fp32 tiles at 64 keys spill registers at 64 heads x 128
+        block_n = 32 if q.dtype == torch.float32 else 64
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
                                 triton.cdiv(programs_per_sm * _num_sms(q), max(rows, 1))))
@@ -516,7 +518,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, topk_splits=None,
+                 tree_bits=None, tree_len=0, num_splits=None, block_n=None, topk_block=1024, topk_splits=None,
                  scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
