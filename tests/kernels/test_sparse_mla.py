@@ -213,3 +213,29 @@ def test_draft_rows_built_once_equal_per_step():
 
 if __name__ == "__main__":
     check()
+
+
+def test_launch_helpers_fall_back_to_the_references_off_cuda():
+    """Without CUDA or the interpreter the launch helpers run the references, into the given buffers (a caller's
+    static outputs stay the outputs)."""
+    import torch
+
+    from workers.kernels import launch
+    from workers.kernels import sparse_mla as sm
+
+    if launch.use_triton(torch.zeros(1)):
+        pytest.skip("the interpreter is on in this process")
+    g = torch.Generator().manual_seed(0)
+    table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    keys = torch.randn(9 * 16, 16, generator=g)
+    q, w = torch.randn(3, 4, 16, generator=g), torch.randn(3, 4, generator=g)
+    req, ln = torch.tensor([0, 1, 1], dtype=torch.int32), torch.tensor([60, 10, 33], dtype=torch.int32)
+    out = torch.empty(3, 8, dtype=torch.int32)
+    assert sm.indexer_topk(q, w, keys, table, req, ln, 16, 8, out=out) is out
+    assert torch.equal(out, sm.indexer_topk_reference(q, w, keys, table, req, ln, 16, 8))
+    assert ((out >= 0).sum(1) == torch.tensor([8, 8, 8])).all()
+    cache = torch.randn(9 * 16, 48, generator=g)
+    ql, qr = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 16, generator=g)
+    o = torch.empty(3, 2, 32)
+    assert sm.sparse_mla(ql, qr, cache, out, 0.1, out=o) is o
+    torch.testing.assert_close(o, sm.sparse_mla_reference(ql, qr, cache, out, 0.1))

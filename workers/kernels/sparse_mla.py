@@ -451,8 +451,9 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
-        return indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
-                                        tree_bits=tree_bits, tree_len=tree_len)
+        ref = indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
+                                       tree_bits=tree_bits, tree_len=tree_len)
+        return ref if out is None else out.copy_(ref)
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
@@ -492,8 +493,8 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
     each a launch, the histograms summed through atomics."""
     rows, cap = scores.shape
     if not use_triton(scores):
-        pos = topk_positions_reference(scores, row_len, topk)
-        return positions_to_slots(pos, page_table, row_req, page_size)
+        ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
+        return ref if out is None else out.copy_(ref)
     slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
     if rows == 0:
         return slots
@@ -546,7 +547,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
     if not use_triton(q_latent):
-        return sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale)
+        ref = sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale)
+        return ref if out is None else out.copy_(ref)
     for name, dim in (("latent", dl), ("rope", dr)):
         if dim & (dim - 1) or dim < 16:
             raise ValueError(f"MLA {name} dim {dim} must be a power of two >= 16")
