@@ -532,14 +532,16 @@ def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, to
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
-               programs_per_sm: int = 2) -> int:
-    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each."""
+               programs_per_sm: int = 2, max_splits: int | None = None) -> int:
+    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each,
+    at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many splits write
+    more than the selected latents they read)."""
     fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h))
-    return max(1, min(triton.cdiv(topk, block_n), fill))
+    return max(1, min(triton.cdiv(topk, block_n), fill, max_splits or fill))
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=32, programs_per_sm=2, num_warps=None, num_stages=None, out=None):
+               block_n=32, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly."""
@@ -560,7 +562,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         block_h = 16 if (fp32 or heads <= 16) else 32
     block_h = min(block_h, _p2(heads))
     if num_splits is None:
-        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm)
+        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
+                                max_splits)
     out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
