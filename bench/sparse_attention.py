@@ -4,8 +4,9 @@
 and TARGET_VERIFY (4 draft tokens: 5 query rows a request, each with its own causal length and its own top-k), at
 16k / 64k / 128k context and batch 1 / 8 / 32.
 
-Reported per case: each kernel's time and the layer's (indexer + top-k + sparse MLA) replayed from one CUDA graph
-and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
+Reported per case: each kernel's time alone (the top-k with its own first radix pass), and the layer's (indexer +
+top-k + sparse MLA, the top-k's first radix pass fused into the indexer as ``indexer_topk`` runs them) replayed
+from one CUDA graph and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
 rows selected (their union per request, 576 bf16 values each), each read once at the device's copy bandwidth
 (measured in the same run, ``--bandwidth-tbps`` to give one instead). Also: sparse vs dense MLA verify at 64k
 (dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata built once
@@ -83,24 +84,27 @@ class Case:
         self.scale = (s["latent"] + s["rope"]) ** -0.5
         self.scores = torch.empty(r, pages_per * page, device=device)
         self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
+        self.hist = torch.zeros(r, 4, 256, dtype=torch.int32, device=device)
         self.out = torch.empty(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
 
-    def indexer(self, knobs: dict, bf16_keys: bool = False):
+    def indexer(self, knobs: dict, bf16_keys: bool = False, hist=None):
         keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
         return sm.indexer_scores(self.q_idx, self.w, keys, self.table, self.row_req, self.row_len,
-                                 self.shape["page"], fp8=fp8, out=self.scores, **knobs.get("indexer", {}))
+                                 self.shape["page"], fp8=fp8, hist=hist, out=self.scores, **knobs.get("indexer", {}))
 
-    def topk(self, knobs: dict):
+    def topk(self, knobs: dict, hist=None):
         return sm.topk_slots(self.scores, self.table, self.row_req, self.row_len, self.shape["page"],
-                             self.shape["topk"], out=self.slots, **knobs.get("topk", {}))
+                             self.shape["topk"], hist=hist, out=self.slots, **knobs.get("topk", {}))
 
     def mla(self, knobs: dict, slots=None):
         return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
                              out=self.out, **knobs.get("mla", {}))
 
     def layer(self, knobs: dict):
-        self.indexer(knobs)
-        self.topk(knobs)
+        """As ``indexer_topk`` runs them: the top-k's first radix pass inside the indexer kernel."""
+        self.hist.zero_()
+        self.indexer(knobs, hist=self.hist)
+        self.topk(knobs, hist=self.hist)
         return self.mla(knobs)
 
     def floor_bytes(self) -> tuple[int, int]:

@@ -87,8 +87,9 @@ def check_indexer(g) -> None:
     scores and within tolerance of the reference's selection."""
     import torch
 
-    from workers.kernels.sparse_mla import (dequantize_index_keys, indexer_scores, indexer_scores_reference,
-                                            indexer_topk, indexer_topk_reference, quantize_index_keys, topk_slots)
+    from workers.kernels.sparse_mla import (dequantize_index_keys, first_digit_histogram, indexer_scores,
+                                            indexer_scores_reference, indexer_topk, indexer_topk_reference,
+                                            quantize_index_keys, topk_slots)
 
     heads, dim = 4, 16
     for page_size in (64, 24):
@@ -124,6 +125,16 @@ def check_indexer(g) -> None:
         torch.testing.assert_close(got8[vis], ref8[vis], rtol=1e-5, atol=1e-5)
         scale = ref[vis].abs().max()
         assert (got8[vis] - ref[vis]).abs().max() < 0.1 * scale, (got8[vis] - ref[vis]).abs().max() / scale
+        # the top-k's first radix pass fused into the indexer: the histogram of the scores' top digit, and the
+        # same selection from it (one program a row, and split) as from the top-k's own first pass
+        hist = torch.zeros(r, 4, 256, dtype=torch.int32)
+        own = indexer_scores(q, w, keys, table, row_req, row_len, page_size, block_n=32, hist=hist)
+        assert torch.equal(hist[:, 0], first_digit_histogram(own, row_len)) and hist[:, 1:].abs().sum() == 0
+        for splits in (1, 3):
+            want = topk_slots(own, table, row_req, row_len, page_size, 16, num_splits=splits)
+            h = hist.clone()
+            assert torch.equal(topk_slots(own, table, row_req, row_len, page_size, 16, num_splits=splits, hist=h),
+                               want), splits
         # the whole selection
         for topk in (16, 300):
             sl = indexer_topk(q, w, keys, table, row_req, row_len, page_size, topk, block_n=32, topk_block=64)
