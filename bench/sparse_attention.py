@@ -150,16 +150,15 @@ def timer(device: str, rep: int = 50):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block, warps and splits (1: a program per row, or from the shapes at
+    tile and programs per SM, the top-k's block and splits (1: a program per row, or from the shapes at
     2 or 8 programs per SM), the MLA's head block, slot tile and splits (1 or 2 programs per SM, or at most 8)."""
     grids = {
         "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
-        "topk": [dict(block=b, num_warps=w, **split)
-                 for b, w, split in itertools.product((1024, 4096), (4, 8), (dict(num_splits=1),
-                                                                           dict(programs_per_sm=2),
-                                                                           dict(programs_per_sm=8)))],
+        "topk": [dict(block=b, num_warps=8, **split)
+                 for b, split in itertools.product((1024, 4096), (dict(num_splits=1), dict(programs_per_sm=2),
+                                                                  dict(programs_per_sm=8)))],
         "mla": [dict(block_h=bh, block_n=bn, **split)
-                for (bh, bn), split in itertools.product(((16, 32), (32, 32), (32, 16), (64, 16), (16, 64)),
+                for (bh, bn), split in itertools.product(((16, 32), (32, 32), (32, 16)),
                                                          (dict(programs_per_sm=1), dict(programs_per_sm=2),
                                                           dict(max_splits=8)))],
     }
