@@ -4,8 +4,9 @@
 and TARGET_VERIFY (4 draft tokens: 5 query rows a request, each with its own causal length and its own top-k), at
 16k / 64k / 128k context and batch 1 / 8 / 32.
 
-Reported per case: each kernel's time and the layer's (indexer + top-k + sparse MLA) replayed from one CUDA graph
-and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
+Reported per case: each kernel's time alone (the top-k with its own first radix pass), and the layer's (indexer +
+top-k + sparse MLA, the top-k's first radix pass fused into the indexer as ``indexer_topk`` runs them) replayed
+from one CUDA graph and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
 rows selected (their union per request, 576 bf16 values each), each read once at the device's copy bandwidth
 (measured in the same run, ``--bandwidth-tbps`` to give one instead). Also: sparse vs dense MLA verify at 64k
 (dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata built once
@@ -83,24 +84,27 @@ class Case:
         self.scale = (s["latent"] + s["rope"]) ** -0.5
         self.scores = torch.empty(r, pages_per * page, device=device)
         self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
+        self.hist = torch.zeros(r, 4, 256, dtype=torch.int32, device=device)
         self.out = torch.empty(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
 
-    def indexer(self, knobs: dict, bf16_keys: bool = False):
+    def indexer(self, knobs: dict, bf16_keys: bool = False, hist=None):
         keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
         return sm.indexer_scores(self.q_idx, self.w, keys, self.table, self.row_req, self.row_len,
-                                 self.shape["page"], fp8=fp8, out=self.scores, **knobs.get("indexer", {}))
+                                 self.shape["page"], fp8=fp8, hist=hist, out=self.scores, **knobs.get("indexer", {}))
 
-    def topk(self, knobs: dict):
+    def topk(self, knobs: dict, hist=None):
         return sm.topk_slots(self.scores, self.table, self.row_req, self.row_len, self.shape["page"],
-                             self.shape["topk"], out=self.slots, **knobs.get("topk", {}))
+                             self.shape["topk"], hist=hist, out=self.slots, **knobs.get("topk", {}))
 
     def mla(self, knobs: dict, slots=None):
         return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
                              out=self.out, **knobs.get("mla", {}))
 
     def layer(self, knobs: dict):
-        self.indexer(knobs)
-        self.topk(knobs)
+        """As ``indexer_topk`` runs them: the top-k's first radix pass inside the indexer kernel."""
+        self.hist.zero_()
+        self.indexer(knobs, hist=self.hist)
+        self.topk(knobs, hist=self.hist)
         return self.mla(knobs)
 
     def floor_bytes(self) -> tuple[int, int]:
@@ -146,16 +150,17 @@ def timer(device: str, rep: int = 50):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block, warps and splits (1: a program per row, or from the shapes at
-    2 or 8 programs per SM), the MLA's head block, slot tile and programs per SM."""
+    tile and programs per SM, the top-k's block and splits (1: a program per row, or from the shapes at
+    2 or 8 programs per SM), the MLA's head block, slot tile and splits (1 or 2 programs per SM, or at most 8)."""
     grids = {
         "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
-        "topk": [dict(block=b, num_warps=w, **split)
-                 for b, w, split in itertools.product((1024, 4096), (4, 8), (dict(num_splits=1),
-                                                                           dict(programs_per_sm=2),
-                                                                           dict(programs_per_sm=8)))],
-        "mla": [dict(block_h=bh, block_n=bn, programs_per_sm=p)
-                for (bh, bn), p in itertools.product(((16, 32), (32, 32), (32, 16), (64, 16), (16, 64)), (1, 2))],
+        "topk": [dict(block=b, num_warps=8, **split)
+                 for b, split in itertools.product((1024, 4096), (dict(num_splits=1), dict(programs_per_sm=2),
+                                                                  dict(programs_per_sm=8)))],
+        "mla": [dict(block_h=bh, block_n=bn, **split)
+                for (bh, bn), split in itertools.product(((16, 32), (32, 32), (32, 16)),
+                                                         (dict(programs_per_sm=1), dict(programs_per_sm=2),
+                                                          dict(max_splits=8)))],
     }
     if device != "cuda":
         grids = {k: v[:2] for k, v in grids.items()}
@@ -259,6 +264,8 @@ def main() -> None:
     ap.add_argument("--bandwidth-tbps", type=float, default=None,
                     help="HBM bandwidth for the floor instead of measuring a device copy")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
+    ap.add_argument("--metadata-only", action="store_true",
+                    help="only the draft rows' host time (once per round vs per step), e.g. on a CPU")
     args = ap.parse_args()
     out = out_path(args.out)
     if args.report_only:
@@ -270,6 +277,13 @@ def main() -> None:
     batch_sizes = [int(x) for x in (args.batch_sizes or ("1,2" if args.cpu else "1,8,32")).split(",")]
     dense_ctx = args.dense_context or (contexts[-1] if args.cpu else 65536)
     fp8, nd = args.keys == "fp8", args.draft_tokens
+    if args.metadata_only:
+        meta = {"device": device_name(device), "commit": commit(), "command": command(), "rows": [],
+                "draft_metadata": draft_metadata(device, batch_sizes, steps=nd, k=1, ctx=contexts[-1],
+                                                 page=shape["page"], rounds=50)}
+        write_json(out, meta)
+        report(meta, out)
+        return
     graph, eager = timer(device)
     if args.bandwidth_tbps:
         bw, bw_note = args.bandwidth_tbps * 1e12, f"given: {args.bandwidth_tbps} TB/s"
@@ -340,15 +354,16 @@ def main() -> None:
 def report(meta: dict, out: Path) -> None:
     rows = meta["rows"]
     md = [f"# DeepSeek-V3.2 sparse attention, one layer ({meta['device']})", "",
-          f"commit `{meta['commit']}`, command `{meta['command']}`", "",
-          f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
-          f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} GB/s "
-          f"({meta['bandwidth']}). Timing: {meta['timing']}.", "",
-          "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the union, "
-          "bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
-          "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
-          "layer (eager) | graph speedup | indexer, bf16 keys | key MB | latent MB |",
-          "|---" * 15 + "|"]
+          f"commit `{meta['commit']}`, command `{meta['command']}`", ""]
+    if rows:
+        md += [f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
+               f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} "
+               f"GB/s ({meta['bandwidth']}). Timing: {meta['timing']}.", "",
+               "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the "
+               "union, bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
+               "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
+               "layer (eager) | graph speedup | indexer, bf16 keys | key MB | latent MB |",
+               "|---" * 15 + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['rows']} | {r['indexer_ms']} | {r['topk_ms']} | "
            f"{r['mla_ms']} | {r['layer_ms']} | {r['floor_ms']} | **{r['vs_floor']}x** | {r['layer_eager_ms']} | "
            f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r['index_key_MB']} | "
@@ -378,6 +393,8 @@ def report(meta: dict, out: Path) -> None:
         md += ["", f"Launch knobs per batch size (swept at {meta['sweep']['context']} verify, each component "
                f"alone): {meta['sweep']['chosen']}"]
     write_markdown(out, md)
+    if not rows:
+        return
     try:
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))

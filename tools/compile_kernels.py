@@ -136,6 +136,8 @@ def sparse_shapes() -> None:
         scores = torch.empty(rows, 4096)
         for k, fp8 in ((keys, False), (packed, True)):
             sm.indexer_scores(q, w, k, table, req, ln, page, fp8=fp8, num_splits=8, out=scores)
+            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, num_splits=8, topk_splits=1)
+            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, num_splits=8, topk_splits=16)
         sm.topk_slots(scores, table, req, ln, page, topk)
         slots = torch.zeros(rows, topk, dtype=torch.int32)
         ql, qr = torch.empty(rows, 128, 512, dtype=torch.bfloat16), torch.empty(rows, 128, 64, dtype=torch.bfloat16)

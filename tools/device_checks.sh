@@ -85,6 +85,10 @@ case $stage in
     run python3 -m tests.gpu.check_graphs --dtype bfloat16 --json "$R/graphs_bf16.json"
     run python3 -m bench.verify_attention --sweep --out "$R/verify_attention_$tag"
     ;;
+  sparse)  # DeepSeek-V3.2 sparse attention kernels (#40): the GPU check, then the per-layer benchmark (synthetic)
+    run python3 -m tests.gpu.check_sparse_mla
+    run python3 -m bench.sparse_attention --out "$R/sparse_attention_$tag"
+    ;;
   perf8b)
     run python3 -m tests.gpu.check_graphs --dtype float32 --json "$R/graphs_fp32.json"
     run python3 -m bench.gpu_perf --shape llama-3.1-8b --skip-hf --out "$R/gpu_perf_llama8b_h100"  # writes the ckpt

@@ -87,8 +87,9 @@ def check_indexer(g) -> None:
     scores and within tolerance of the reference's selection."""
     import torch
 
-    from workers.kernels.sparse_mla import (dequantize_index_keys, indexer_scores, indexer_scores_reference,
-                                            indexer_topk, indexer_topk_reference, quantize_index_keys, topk_slots)
+    from workers.kernels.sparse_mla import (dequantize_index_keys, first_digit_histogram, indexer_scores,
+                                            indexer_scores_reference, indexer_topk, indexer_topk_reference,
+                                            quantize_index_keys, topk_slots)
 
     heads, dim = 4, 16
     for page_size in (64, 24):
@@ -124,8 +125,18 @@ def check_indexer(g) -> None:
         torch.testing.assert_close(got8[vis], ref8[vis], rtol=1e-5, atol=1e-5)
         scale = ref[vis].abs().max()
         assert (got8[vis] - ref[vis]).abs().max() < 0.1 * scale, (got8[vis] - ref[vis]).abs().max() / scale
+        # the top-k's first radix pass fused into the indexer: the histogram of the scores' top digit, and the
+        # same selection from it (one program a row, and split) as from the top-k's own first pass
+        hist = torch.zeros(r, 4, 256, dtype=torch.int32)
+        own = indexer_scores(q, w, keys, table, row_req, row_len, page_size, block_n=32, hist=hist)
+        assert torch.equal(hist[:, 0], first_digit_histogram(own, row_len)) and hist[:, 1:].abs().sum() == 0
+        for splits in (1, 3):
+            want = topk_slots(own, table, row_req, row_len, page_size, 16, num_splits=splits)
+            h = hist.clone()
+            assert torch.equal(topk_slots(own, table, row_req, row_len, page_size, 16, num_splits=splits, hist=h),
+                               want), splits
         # the whole selection
-        for topk in (16, 256, 300):
+        for topk in (16, 300):
             sl = indexer_topk(q, w, keys, table, row_req, row_len, page_size, topk, block_n=32, topk_block=64)
             own = indexer_scores(q, w, keys, table, row_req, row_len, page_size, block_n=32)
             assert torch.equal(sorted_rows(sl), sorted_rows(topk_slots(own, table, row_req, row_len, page_size,
@@ -161,10 +172,12 @@ def check_sparse_mla(g) -> None:
     for splits in (1, 3, 8):
         got = sparse_mla(ql, qr, cache, slots, scale, num_splits=splits, block_n=16)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    # a latent cache row wider than latent + rope (padding), read through its stride
+    # a latent cache row wider than latent + rope (padding), read through its stride; q_latent and q_rope as views
+    # of one [R, H, Dl + Dr] query, as a model's absorbed projection leaves them
     wide = torch.cat([cache, torch.full((slots_n, 16), float("nan"))], 1)
-    torch.testing.assert_close(sparse_mla(ql, qr, wide, slots, scale, num_splits=2, block_n=16), ref, rtol=1e-5,
-                               atol=1e-5)
+    q = torch.cat([ql, qr], -1)
+    torch.testing.assert_close(sparse_mla(q[..., :dl], q[..., dl:], wide, slots, scale, num_splits=2, block_n=16),
+                               ref, rtol=1e-5, atol=1e-5)
 
 
 def check() -> None:
@@ -211,3 +224,29 @@ def test_draft_rows_built_once_equal_per_step():
 
 if __name__ == "__main__":
     check()
+
+
+def test_launch_helpers_fall_back_to_the_references_off_cuda():
+    """Without CUDA or the interpreter the launch helpers run the references, into the given buffers (a caller's
+    static outputs stay the outputs)."""
+    import torch
+
+    from workers.kernels import launch
+    from workers.kernels import sparse_mla as sm
+
+    if launch.use_triton(torch.zeros(1)):
+        pytest.skip("the interpreter is on in this process")
+    g = torch.Generator().manual_seed(0)
+    table = torch.arange(1, 9, dtype=torch.int32).view(2, 4)
+    keys = torch.randn(9 * 16, 16, generator=g)
+    q, w = torch.randn(3, 4, 16, generator=g), torch.randn(3, 4, generator=g)
+    req, ln = torch.tensor([0, 1, 1], dtype=torch.int32), torch.tensor([60, 10, 33], dtype=torch.int32)
+    out = torch.empty(3, 8, dtype=torch.int32)
+    assert sm.indexer_topk(q, w, keys, table, req, ln, 16, 8, out=out) is out
+    assert torch.equal(out, sm.indexer_topk_reference(q, w, keys, table, req, ln, 16, 8))
+    assert ((out >= 0).sum(1) == torch.tensor([8, 8, 8])).all()
+    cache = torch.randn(9 * 16, 48, generator=g)
+    ql, qr = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 16, generator=g)
+    o = torch.empty(3, 2, 32)
+    assert sm.sparse_mla(ql, qr, cache, out, 0.1, out=o) is o
+    torch.testing.assert_close(o, sm.sparse_mla_reference(ql, qr, cache, out, 0.1))

@@ -103,6 +103,18 @@ def topk_positions_reference(scores, row_len, topk):
     return pos
 
 
+def first_digit_histogram(scores, row_len):
+    """[R, 256] int32: the top-k's first radix digit (a score's top 8 order-preserving bits) over each row's finite
+    scores at t < row_len."""
+    bits = scores.contiguous().view(torch.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    digit = ((key >> 24) & 0xFF) ^ 0x80
+    t = torch.arange(scores.shape[1], device=scores.device)
+    valid = (t[None, :] < row_len.long()[:, None]) & (scores > float("-inf"))
+    hist = torch.zeros(scores.shape[0], 256, dtype=torch.int32, device=scores.device)
+    return hist.scatter_add_(1, digit.long() * valid + 0, valid.to(torch.int32))
+
+
 def positions_to_slots(pos, page_table, row_req, page_size):
     pages = page_table[row_req.long()].long()
     p = pos.clamp_min(0)
@@ -134,13 +146,20 @@ def sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale):
 if triton is not None:
 
     @triton.jit
-    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores,
+    def _ordered_key(s):
+        """fp32 -> int32 whose signed order is the floats' order."""
+        bits = s.to(tl.int32, bitcast=True)
+        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+    @triton.jit
+    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores, HistTot,
                         heads, page_size, tree_len, num_splits,
                         stride_qr, stride_qh, stride_wr, stride_k, stride_pt, stride_sr,
                         DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row, split): scores of the split's share of the row's visible positions. Rows vary fastest, so
-        the rows of one request (a verify's) read each key tile at about the same time (once from HBM)."""
+        the rows of one request (a verify's) read each key tile at about the same time (once from HBM). With HIST,
+        also the top-k's first radix pass: the histogram of the scores' top digit, added to the row's total."""
         pdl_start(PDL)
         r = tl.program_id(0)
         split = tl.program_id(1)
@@ -157,6 +176,7 @@ if triton is not None:
         if HAS_TREE:
             bits = tl.load(TreeBits + r)
             block_start = row_len - tree_len
+        hist = tl.zeros([256], tl.int32)
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
             ok = t < hi
@@ -181,12 +201,12 @@ if triton is not None:
                 rel = tl.maximum(t - block_start, 0).to(tl.int64)
                 score = tl.where((t >= block_start) & (((bits >> rel) & 1) == 0), float("-inf"), score)
             tl.store(Scores + r * stride_sr + t, score, mask=ok)
-
-    @triton.jit
-    def _ordered_key(s):
-        """fp32 -> int32 whose signed order is the floats' order."""
-        bits = s.to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            if HIST:
+                hist += tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
+                                     mask=ok & (score > float("-inf")))
+        if HIST:
+            bins = tl.arange(0, 256)
+            tl.atomic_add(HistTot + r * 1024 + bins, hist, mask=hist > 0)
 
     @triton.jit
     def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -231,7 +251,7 @@ if triton is not None:
         d = -1
         n_valid = 0
         for p in tl.static_range(P):
-            hist = tl.load(HistTot + (r * 4 + p) * 256 + bins)
+            hist = tl.load(HistTot + r * 1024 + p * 256 + bins)
             if p == 0:
                 n_valid = tl.sum(hist, 0)
                 k_rem = tl.minimum(k_rem, n_valid)
@@ -266,11 +286,12 @@ if triton is not None:
             tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n) & (j < topk))
 
     @triton.jit
-    def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _topk_select(Scores, PageTable, RowReq, RowLen, HistTot, Out, topk, page_size, stride_sr, stride_pt,
+                     stride_or, BLOCK: tl.constexpr, HIST0: tl.constexpr, PDL: tl.constexpr = False):
         """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
         largest key T and how many keys equal to T to take (the lowest positions), then one pass writes the slots
-        of the keys above T and of those, in position order, and -1 after them."""
+        of the keys above T and of those, in position order, and -1 after them. HIST0: the first pass's
+        histogram is the row's total the indexer made."""
         pdl_start(PDL)
         r = tl.program_id(0)
         row_len = tl.load(RowLen + r)
@@ -279,7 +300,10 @@ if triton is not None:
         prefix = 0
         n_valid = 0
         for p in tl.static_range(4):
-            hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
+            if HIST0 and p == 0:
+                hist = tl.load(HistTot + r * 1024 + tl.arange(0, 256))
+            else:
+                hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
             if p == 0:
                 n_valid = tl.sum(hist, 0)
                 k_rem = tl.minimum(k_rem, n_valid)
@@ -293,8 +317,8 @@ if triton is not None:
     def _topk_split_pass(Scores, RowLen, HistTot, HistLoc, GtPart, topk, num_splits, stride_sr,
                          P: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Pass P of the split radix select, program (row, split): the split's histogram of digit P among the keys
-        matching the digits chosen by passes < P (from the row's totals), stored for the split and added to the
-        row's total; and the split's count of keys above the digit pass P-1 chose (they are above the k-th)."""
+        matching the digits chosen by passes < P (from the row's totals), added to the row's total. The last pass
+        also keeps its histogram and its count of keys above the chosen prefix for the write."""
         pdl_start(PDL)
         r = tl.program_id(0)
         sp = tl.program_id(1)
@@ -303,14 +327,19 @@ if triton is not None:
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, row_len)
         prefix, k_rem, d_prev, n_valid = _row_state(HistTot, r, topk, P)
-        hist = _pass_histogram(Scores + r.to(tl.int64) * stride_sr, lo, hi, prefix, P, BLOCK)
+        row = Scores + r.to(tl.int64) * stride_sr
+        hist = _pass_histogram(row, lo, hi, prefix, P, BLOCK)
         bins = tl.arange(0, 256)
-        loc = HistLoc + ((r * num_splits + sp) * 4).to(tl.int64) * 256
-        tl.store(loc + P * 256 + bins, hist)
-        tl.atomic_add(HistTot + (r * 4 + P) * 256 + bins, hist, mask=hist > 0)
-        if P > 0:
-            prev = tl.load(loc + (P - 1) * 256 + bins)
-            tl.store(GtPart + (r * num_splits + sp) * 4 + P - 1, tl.sum(tl.where(bins > d_prev, prev, 0), 0))
+        tl.atomic_add(HistTot + r * 1024 + P * 256 + bins, hist, mask=hist > 0)
+        if P == 3:
+            tl.store(HistLoc + (r * num_splits + sp).to(tl.int64) * 256 + bins, hist)
+            above = tl.zeros([], tl.int32)
+            for start in range(lo, hi, BLOCK):  # keys whose top 24 bits are above the prefix's
+                t = start + tl.arange(0, BLOCK)
+                s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+                gt = (s > float("-inf")) & ((_ordered_key(s) >> 8) > (prefix >> 8))
+                above += tl.sum(gt.to(tl.int32), 0)
+            tl.store(GtPart + r * num_splits + sp, above)
 
     @triton.jit
     def _topk_split_write(Scores, PageTable, RowReq, RowLen, HistTot, HistLoc, GtPart, Out, topk, page_size,
@@ -330,12 +359,10 @@ if triton is not None:
         bins = tl.arange(0, 256)
         before = tl.arange(0, SPLITS_P2)
         earlier = before < sp
-        base = (r * num_splits + before) * 4
-        gt = tl.load(GtPart + base[:, None] + tl.arange(0, 4)[None, :], mask=earlier[:, None]
-                     & (tl.arange(0, 4)[None, :] < 3), other=0)
-        h3 = tl.load(HistLoc + (base + 3).to(tl.int64)[:, None] * 256 + bins[None, :], mask=earlier[:, None],
-                     other=0)
-        above = tl.sum(gt, 1) + tl.sum(tl.where(bins[None, :] > d3, h3, 0), 1)  # [splits]
+        base = r * num_splits + before
+        gt = tl.load(GtPart + base, mask=earlier, other=0)
+        h3 = tl.load(HistLoc + base.to(tl.int64)[:, None] * 256 + bins[None, :], mask=earlier[:, None], other=0)
+        above = gt + tl.sum(tl.where(bins[None, :] > d3, h3, 0), 1)  # [splits]
         eq = tl.sum(tl.where(bins[None, :] == d3, h3, 0), 1)
         eq_before = tl.cumsum(eq, 0) - eq
         taken_eq = tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
@@ -444,18 +471,24 @@ def _p2(n: int, lo: int = 16) -> int:
 
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, num_splits=None, block_n=64, programs_per_sm=4, out=None):
+                   tree_len=0, num_splits=None, block_n=None, programs_per_sm=4, hist=None, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
-    ``quantize_index_keys``. Splits per row from the shapes only (``num_splits`` overrides)."""
+    ``quantize_index_keys``. Splits per row from the shapes only (``num_splits`` overrides). ``hist``: a zeroed
+    int32 [R, 4, 256] the kernel adds the top-k's first radix histogram to (``topk_slots(hist=...)``)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
-        return indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
-                                        tree_bits=tree_bits, tree_len=tree_len)
+        ref = indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
+                                       tree_bits=tree_bits, tree_len=tree_len)
+        if hist is not None:
+            hist[:, 0] = first_digit_histogram(ref, row_len)
+        return ref if out is None else out.copy_(ref)
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
+    if block_n is None:  # fp32 tiles at 64 keys spill registers at 64 heads x 128
+        block_n = 32 if q.dtype == torch.float32 else 64
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
                                 triton.cdiv(programs_per_sm * _num_sms(q), max(rows, 1))))
@@ -464,12 +497,14 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     else:
         key, key_scale, stride_k = index_k, index_k, index_k.stride(0)
     q = q if q.stride(-1) == 1 else q.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
     if rows:
         _indexer_scores[(rows, num_splits)](
             q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
-            scores, heads, page_size, tree_len, num_splits, q.stride(0), q.stride(1), w.stride(0), stride_k,
+            scores, hist if hist is not None else row_len, heads, page_size, tree_len, num_splits, q.stride(0), q.stride(1), w.stride(0), stride_k,
             page_table.stride(0), scores.stride(0), DIM=dim, BLOCK_H=_p2(heads), BLOCK_N=block_n, FP8=fp8,
-            HAS_TREE=tree_bits is not None, IEEE=q.dtype == torch.float32, num_warps=4 if heads <= 32 else 8,
+            HAS_TREE=tree_bits is not None, IEEE=q.dtype == torch.float32, HIST=hist is not None,
+            num_warps=4 if heads <= 32 else 8,
             **pdl_launch(q))
     return scores
 
@@ -482,15 +517,16 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
 
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, num_splits=None,
-               programs_per_sm=2, out=None):
+               programs_per_sm=2, hist=None, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
     it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
-    each a launch, the histograms summed through atomics."""
+    each a launch, the histograms summed through atomics. ``hist``: the zeroed [R, 4, 256] int32 whose first pass
+    ``indexer_scores(hist=...)`` made (that pass is then skipped)."""
     rows, cap = scores.shape
     if not use_triton(scores):
-        pos = topk_positions_reference(scores, row_len, topk)
-        return positions_to_slots(pos, page_table, row_req, page_size)
+        ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
+        return ref if out is None else out.copy_(ref)
     slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
     if rows == 0:
         return slots
@@ -498,13 +534,14 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
         num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
     pdl = pdl_launch(scores)
     if num_splits == 1:
-        _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
-                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
+        _topk_select[(rows,)](scores, page_table, row_req, row_len, hist if hist is not None else row_len, slots,
+                              topk, page_size, scores.stride(0), page_table.stride(0), slots.stride(0), BLOCK=block,
+                              HIST0=hist is not None, num_warps=num_warps, **pdl)
         return slots
-    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
-    hist_loc = torch.empty(rows, num_splits, 4, 256, dtype=torch.int32, device=scores.device)
-    gt_part = torch.empty(rows, num_splits, 4, dtype=torch.int32, device=scores.device)
-    for p in range(4):
+    hist_tot = hist if hist is not None else torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+    hist_loc = torch.empty(rows, num_splits, 256, dtype=torch.int32, device=scores.device)
+    gt_part = torch.empty(rows, num_splits, dtype=torch.int32, device=scores.device)
+    for p in range(0 if hist is None else 1, 4):
         _topk_split_pass[(rows, num_splits)](scores, row_len, hist_tot, hist_loc, gt_part, topk, num_splits,
                                              scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
     _topk_split_write[(rows, num_splits)](
@@ -515,27 +552,30 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, num_splits=None, block_n=64, topk_block=1024, topk_splits=None,
+                 tree_bits=None, tree_len=0, num_splits=None, block_n=None, topk_block=1024, topk_splits=None,
                  scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
     q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
     page_table [B, P] int32, row_req / row_len [R] int32 (device). Graph-safe: nothing read on the host."""
+    hist = torch.zeros(q.shape[0], 4, 256, dtype=torch.int32, device=q.device)  # the first radix pass, fused
     scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
-                            tree_len=tree_len, num_splits=num_splits, block_n=block_n, out=scores_out)
+                            tree_len=tree_len, num_splits=num_splits, block_n=block_n, hist=hist, out=scores_out)
     return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block,
-                      num_splits=topk_splits, out=out)
+                      num_splits=topk_splits, hist=hist, out=out)
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
-               programs_per_sm: int = 2) -> int:
-    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each."""
+               programs_per_sm: int = 2, max_splits: int | None = None) -> int:
+    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each,
+    at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many splits write
+    more than the selected latents they read)."""
     fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h))
-    return max(1, min(triton.cdiv(topk, block_n), fill))
+    return max(1, min(triton.cdiv(topk, block_n), fill, max_splits or fill))
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=32, programs_per_sm=2, num_warps=None, num_stages=None, out=None):
+               block_n=32, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly."""
@@ -543,18 +583,21 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
     if not use_triton(q_latent):
-        return sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale)
+        ref = sparse_mla_reference(q_latent, q_rope, latent_cache, slots, sm_scale)
+        return ref if out is None else out.copy_(ref)
     for name, dim in (("latent", dl), ("rope", dr)):
         if dim & (dim - 1) or dim < 16:
             raise ValueError(f"MLA {name} dim {dim} must be a power of two >= 16")
     if latent_cache.shape[1] < dl + dr or latent_cache.stride(1) != 1:
         raise ValueError("latent cache rows must hold latent + rope contiguously")
+    q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None:
         block_h = 16 if (fp32 or heads <= 16) else 32
     block_h = min(block_h, _p2(heads))
     if num_splits is None:
-        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm)
+        num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
+                                max_splits)
     out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
