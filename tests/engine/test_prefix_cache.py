@@ -134,7 +134,7 @@ def reference(models):
     return prompts, run_twice(eng, prompts, GREEDY)[0]
 
 
-CASES = [("none", 1, 1, None), ("eagle", 3, 1, None), ("eagle", 3, 3, 6), ("eagle3", 3, 1, None),
+CASES = [("none", 1, 1, None), ("eagle", 3, 1, None), ("eagle3", 3, 1, None),
          ("eagle3", 2, 3, 5), ("draft", 3, 1, None), ("ngram", 3, 1, None), ("naive", 1, 1, None)]
 
 
