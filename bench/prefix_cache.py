@@ -251,7 +251,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu:
         args.shape = "llama-smoke"
-        for k, v in dict(prefix_len=256, questions=16, question_len=16, new_tokens=16, conversations=4, turns=3,
+        for k, v in dict(prefix_len=200, questions=8, question_len=8, new_tokens=8, conversations=3, turns=3,
                          max_prefill_tokens=256).items():
             if ap.get_default(k) == getattr(args, k):
                 setattr(args, k, v)

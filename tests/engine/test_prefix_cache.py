@@ -194,9 +194,13 @@ def test_abort_mid_share(models, reference):
     while not any(r.output_ids and not r.finished for r in reqs):
         eng.step()
     assert eng.abort(next(r for r in reqs if r.output_ids and not r.finished).rid)
+    firsts = {}
     while eng.has_work():
-        eng.step()
+        for o in eng.step():
+            firsts.setdefault(o.rid, o.num_cached_tokens)
     assert sum(r.finish_reason == "abort" for r in reqs) == 2
+    assert all(firsts[r.rid] == r.num_cached_tokens for r in reqs if r.rid in firsts)
+    assert any(r.num_cached_tokens for r in reqs if r.rid in firsts)
     for i, r in enumerate(reqs):
         if r.finish_reason != "abort":
             assert r.output_ids == ref[i]
