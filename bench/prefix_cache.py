@@ -29,6 +29,9 @@ import torch
 from bench.common import (DRAFT_SHAPES, command, commit, device_name, out_path, pyplot, write_checkpoint, write_json,
                           write_markdown)
 
+CPU_NOTE = ("CPU mode: a check of the code paths and of the hit rates, which do not depend on the device; the "
+            "timings of a tiny model on a shared CPU are not results")
+
 METHODS = {  # name: (method, num_steps, topk, num_draft_tokens)
     "none": None,
     "eagle3": ("eagle3", 3, 1, None),
@@ -51,7 +54,12 @@ class Bench:
                         "params": {k: getattr(args, k) for k in ("prefix_len", "questions", "question_len",
                                                                  "new_tokens", "conversations", "turns",
                                                                  "simulated_accept")}}
-        self.vocab = json.loads((self.ckpt / "config.json").read_text())["vocab_size"]
+        if args.cpu:
+            self.results["note"] = CPU_NOTE
+
+    @property
+    def vocab(self) -> int:
+        return json.loads((self.ckpt / "config.json").read_text())["vocab_size"]
 
     # ---- models and engines ----------------------------------------------------------------------------------
     def model(self, method: str) -> str | None:
@@ -190,6 +198,11 @@ class Bench:
         lines = [f"# Prefix caching under speculation — {r['shape']}", "",
                  f"device: {r['device']} · commit: {r['commit']} · page size {r['page_size']}", "",
                  f"command: `{r['command']}`", "", f"params: `{json.dumps(r['params'])}`", ""]
+        if r.get("note"):
+            lines += [f"note: {r['note']}", ""]
+        lines += ["Hit rate: prompt tokens served from the cache / shareable tokens (shared: the system prompt of each "
+                  "timed request; chat: the previous turn's prompt and answer). A page-granular cache reuses whole "
+                  "pages and always computes a prompt's last token.", ""]
         for wl, table in r["workloads"].items():
             lines += [f"## {wl}", "", "| drafter | hit rate (shareable), on | accept len off / on | TTFT p50 ms off / on "
                       "| TTFT speed-up | throughput tok/s off / on |", "|---|---|---|---|---|---|"]
@@ -256,7 +269,7 @@ def main() -> None:
             if ap.get_default(k) == getattr(args, k):
                 setattr(args, k, v)
     args.ckpt = args.ckpt or f"/tmp/{args.shape}-random"
-    if not (Path(args.ckpt) / "config.json").is_file():
+    if not args.report_only and not (Path(args.ckpt) / "config.json").is_file():
         write_checkpoint(Path(args.ckpt), args.shape)
     b = Bench(args)
     if args.report_only:
