@@ -77,6 +77,9 @@ class EngineConfig(Strict):
     decode_attention_backend: AttentionBackendName = "torch_native"
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
     speculative_config: SpeculativeConfig | None = None
+    enable_prefix_caching: bool = Field(True, description="reuse the KV pages of shared prompt prefixes (and of "
+                                        "earlier turns' answers) across requests; valid under every speculative "
+                                        "method")
     disable_cuda_graph: bool = False
     disable_overlap_schedule: bool = Field(False, description="launch each step only after the previous one's tokens "
                                            "were read (default: a decode step or speculative round is launched "

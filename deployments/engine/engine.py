@@ -22,6 +22,7 @@ import numpy as np
 
 from deployments.engine import grammar
 from deployments.engine.pages import PageAllocator
+from deployments.engine.prefix_cache import PrefixCache
 from deployments.engine.request import (
     Completion,
     InvalidRequest,
@@ -102,8 +103,11 @@ class Engine:
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
-        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size)
         spec = cfg.speculative_config
+        # an EAGLE head's KV at a page's last slot depends on the token after the page: the cache keys on it too
+        cache = PrefixCache(cfg.page_size, key_next_token=spec is not None and spec.method in (
+            "eagle", "eagle3", "naive")) if cfg.enable_prefix_caching else None
+        self.allocator = PageAllocator(self.executor.num_pages, cfg.page_size, cache)
         host_drafter = None
         if spec is not None and spec.method == "ngram":
             from speculative.proposers import propose_ngram
@@ -361,7 +365,8 @@ class Engine:
             # the prompt's logprobs go with its first output (its tokens: this step's)
             first = p.prompt_logprobs is not None and len(req.output_ids) == n
             outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
-                                         new_logprobs, new_top, req.prompt_logprobs if first else None))
+                                         new_logprobs, new_top, req.prompt_logprobs if first else None,
+                                         req.num_cached_tokens))
         if self.metrics is not None:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
             self.metrics.record_step(self.step_stats(result))
@@ -384,6 +389,7 @@ class Engine:
     def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The step failed: its requests fail, their KV is freed, the engine goes on."""
         self.scheduler.landed(plan)
+        self.scheduler.clear_prefix_cache()  # pages indexed when it was planned may hold garbage
         outputs = []
         for req in plan.requests:
             if not req.finished:
@@ -407,9 +413,12 @@ class Engine:
     def step_stats(self, result: StepResult | None = None) -> dict:
         # a request whose prompt is being prefilled in chunks counts as running, as in vLLM
         prefilling = self.scheduler.num_admitted_waiting
+        cache = self.allocator.cache
         stats = {"running": len(self.scheduler.running) + prefilling,
                  "waiting": len(self.scheduler.waiting) - prefilling,
                  "kv_usage": self.scheduler.kv_usage, "preemptions": self.scheduler.num_preemptions,
+                 "prefix_cache_queries": cache.queries if cache is not None else 0,
+                 "prefix_cache_hits": cache.hits if cache is not None else 0,
                  "step_time": dict(self.step_time)}
         spec = result.spec() if result is not None else None
         if spec:
@@ -446,7 +455,7 @@ class Engine:
                 spec["simulated"] = True  # the tokens are drafts forced through, not the model's output
             out.append(Completion(req.rid, req.prompt_ids, req.output_ids, req.text, req.finish_reason,
                                   req.output_logprobs, spec=spec, error=req.error,
-                                  prompt_logprobs=req.prompt_logprobs))
+                                  prompt_logprobs=req.prompt_logprobs, num_cached_tokens=req.num_cached_tokens))
         return out
 
     def shutdown(self) -> None:

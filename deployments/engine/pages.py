@@ -1,6 +1,10 @@
 """KV page allocation on the host: the scheduler hands out fixed-size pages and remembers which each request owns.
 
 Page 0 is never handed out: padded rows of a batch (CUDA-graph buckets) write their K/V there.
+
+With prefix caching (``deployments.engine.prefix_cache``) a full page may be held by several requests: the
+allocator counts each page's holders. A page whose count reaches 0 goes back to the free list, or, when the cache
+indexes it, stays cached and evictable; allocations evict such pages when the free list runs short.
 """
 
 from __future__ import annotations
@@ -11,22 +15,28 @@ class OutOfPages(RuntimeError):
 
 
 class PageAllocator:
-    """Free-list allocator of KV pages (host side)."""
+    """Free-list allocator of KV pages (host side), with per-page holder counts."""
 
-    def __init__(self, num_pages: int, page_size: int):
+    def __init__(self, num_pages: int, page_size: int, cache=None):
         if num_pages < 2:
             raise ValueError("the KV cache needs at least 2 pages (page 0 is reserved)")
         self.page_size = page_size
         self.num_pages = num_pages
+        self.cache = cache  # a PrefixCache, or None (prefix caching off)
         self._free: list[int] = list(range(num_pages - 1, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_pages
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages an allocation can have: free ones and cached ones that no request holds."""
+        return len(self._free) + (self.cache.num_evictable if self.cache is not None else 0)
 
     @property
     def capacity_pages(self) -> int:
         return self.num_pages - 1
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -37,18 +47,45 @@ class PageAllocator:
         need = self.pages_for(num_tokens) - len(pages)
         if need <= 0:
             return []
-        if need > len(self._free):
-            raise OutOfPages(f"need {need} pages, {len(self._free)} free")
+        short = need - len(self._free)
+        if short > 0:
+            if self.cache is None or short > self.cache.num_evictable:
+                raise OutOfPages(f"need {need} pages, {self.num_free} free")
+            self._free.extend(self.cache.evict(short))
         new = [self._free.pop() for _ in range(need)]
+        for p in new:
+            self._refs[p] = 1
         pages.extend(new)
         return new
+
+    def share(self, pages: list[int], page: int) -> None:
+        """Append a cached ``page`` to ``pages``, holding it."""
+        if self._refs[page] == 0:
+            self.cache.take(page)
+        self._refs[page] += 1
+        pages.append(page)
+
+    def _drop(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if self.cache is not None and self.cache.holds(page):
+                self.cache.release(page)
+            else:
+                self._free.append(page)
 
     def shrink(self, pages: list[int], num_tokens: int) -> None:
         """Free the pages of ``pages`` beyond what ``num_tokens`` tokens need (rejected draft tokens)."""
         keep = self.pages_for(num_tokens)
         while len(pages) > keep:
-            self._free.append(pages.pop())
+            self._drop(pages.pop())
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """Let go of every page of ``pages``, the last first (a cached prefix's tail is evicted before its head)."""
+        for p in reversed(pages):
+            self._drop(p)
         pages.clear()
+
+    def clear_cache(self) -> None:
+        """Forget every cached page (prefix caching keeps working from empty)."""
+        if self.cache is not None:
+            self._free.extend(self.cache.clear())

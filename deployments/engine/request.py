@@ -158,6 +158,10 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_inflight: int = 0  # DECODE steps launched for it whose tokens the host has not read yet (overlap: 0 or 1)
     num_preemptions: int = 0
+    # prefix caching: prompt tokens served from the cache (set when its prefill is first planned; usage reports it)
+    num_cached_tokens: int = 0
+    prefix_start: int = 0  # tokens matched in the cache at its current admission: where its prefill starts
+    cache_nodes: list[int] = field(default_factory=list)  # the cache's node id of each leading page indexed so far
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""
@@ -211,6 +215,7 @@ class Completion:
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: per prompt token (Request.prompt_logprobs)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     def as_dict(self) -> dict:
         d = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason,

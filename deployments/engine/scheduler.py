@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deployments.engine.pages import OutOfPages, PageAllocator
+from deployments.engine.prefix_cache import ROOT
 from deployments.engine.request import InvalidRequest, Request, RequestStatus
 from workers.messages import ForwardMode, LogitsSetup, StepResult, WorkerStep
 
@@ -160,6 +161,9 @@ class Scheduler:
         return req
 
     def finish(self, req: Request, reason: str) -> None:
+        if reason in ("stop", "length") and req.pages:  # (running: its prefill is done) every token but the last
+            req.num_computed = req.num_tokens - 1  # has its KV written, accepted drafts included: cache those pages
+            self._cache_pages(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         if req in self.running:
@@ -195,11 +199,53 @@ class Scheduler:
             ids.extend(new)
 
     def _release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
+        self.allocator.free(req.pages)  # (cached pages stay cached: a preempted request's recompute may reuse them)
         if req.req_slot is not None:
             self._free_slots.append(req.req_slot)
             req.req_slot = None
-        req.num_computed = 0
+        req.num_computed = req.prefix_start = 0
+        req.cache_nodes = []
+
+    # ---- prefix caching (deployments/engine/prefix_cache.py) -------------------------------------------------
+    def _match_prefix(self, req: Request) -> list[tuple[int, int]]:
+        """The cached pages a request being admitted can start from. Its last token is always computed (its logits
+        are needed, and no step writes into a shared page): a wholly cached prompt leaves its last page out. Prompt
+        logprobs need every position's logits: such requests match nothing."""
+        cache = self.allocator.cache
+        if cache is None or req.params.prompt_logprobs is not None:
+            return []
+        return cache.match(req.all_ids, req.num_tokens - 1)
+
+    def _share_prefix(self, req: Request, hit: list[tuple[int, int]]) -> None:
+        """Hold the matched pages, grant them to the request's slot, and start its prefill after them."""
+        if hit:
+            slots, pos, ids = self._page_updates
+            for page, _ in hit:
+                self.allocator.share(req.pages, page)
+                ids.append(page)
+            slots.extend([req.req_slot] * len(hit))
+            pos.extend(range(len(hit)))
+            req.cache_nodes = [node for _, node in hit]
+        req.num_computed = req.prefix_start = len(hit) * self.allocator.page_size
+
+    def _cache_pages(self, req: Request) -> None:
+        """Index the request's full pages whose KV (target and draft) every launched step has written: those before
+        ``num_computed``; no step writes below it again (a speculative round writes from its root's position on,
+        rejected drafts included), so no indexed page holds an unproven position."""
+        cache = self.allocator.cache
+        nodes = req.cache_nodes
+        if cache is None or (len(nodes) + 1) * cache.page_size > req.num_computed:
+            return
+        ids = req.all_ids
+        for k in range(len(nodes), req.num_computed // cache.page_size):
+            key = cache.key(nodes[-1] if nodes else ROOT, ids, k)
+            if key is None:  # the token after it is not known yet (an EAGLE head's KV at its last slot needs it)
+                break
+            nodes.append(cache.insert(key, req.pages[k]))
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every cached page: a failed step may have left garbage in pages indexed when it was planned."""
+        self.allocator.clear_cache()
 
     def _preempt(self, req: Request) -> None:
         """Retract a running request: free its KV; it is recomputed (prompt + outputs so far) when readmitted."""
@@ -252,24 +298,41 @@ class Scheduler:
                     break
                 if len(self.running) + len(batch) >= self.max_num_seqs or not self._free_slots:
                     break
-                need_all = self.allocator.pages_for(req.num_tokens + self.decode_lookahead)
-                if need_all > self.allocator.num_free - reserve:
+                hit = self._match_prefix(req)
+                # pages it still needs, and the cached ones it takes that nobody holds (they leave the free pool)
+                need_new = self.allocator.pages_for(req.num_tokens + self.decode_lookahead) - len(hit)
+                taken = sum(1 for page, _ in hit if self.allocator.refs(page) == 0)
+                if need_new + taken > self.allocator.num_free - reserve:
                     break
                 req.req_slot = self._free_slots.pop()
-                reserve += need_all
+                self._share_prefix(req, hit)
+                reserve += need_new
+                admitted = True
+            else:
+                admitted = False
             chunk = min(req.num_tokens - req.num_computed, budget)
             pages_before = len(req.pages)
             try:
                 self._grow(req, req.num_computed + chunk)
             except OutOfPages:
-                if not req.pages:
-                    self._free_slots.append(req.req_slot)
-                    req.req_slot = None
+                if admitted:
+                    self._release(req)
                 break
+            if admitted and req.num_preemptions == 0 and self.allocator.cache is not None:
+                self._count_prefix_hit(req)
             batch.append((req, chunk))
             reserve -= len(req.pages) - pages_before  # these reserved pages are now in use
             budget -= chunk
         return batch
+
+    def _count_prefix_hit(self, req: Request) -> None:
+        """A request's first admission: its prompt's cached tokens (final now: its prefill starts) and the cache's
+        query and hit counters (tokens, as vLLM counts them; a prompt-logprobs request does not look up)."""
+        if req.params.prompt_logprobs is None:
+            cache = self.allocator.cache
+            req.num_cached_tokens = min(req.prefix_start, len(req.prompt_ids))
+            cache.queries += len(req.prompt_ids)
+            cache.hits += req.num_cached_tokens
 
     def _schedule_mixed(self) -> StepPlan | None:
         """The running requests' decode rows first, then prompt chunks in the rest of the token budget, in one
@@ -296,7 +359,7 @@ class Scheduler:
         for req, chunk in batch:
             all_ids = req.all_ids
             start, end = req.num_computed, req.num_computed + chunk
-            if start == 0:
+            if start == req.prefix_start:  # (its prefill starts: after the cached pages it matched, if any)
                 starting.append(req)
             ids.extend(all_ids[start:end])
             next_ids.append(all_ids[end] if end < len(all_ids) else -1)
@@ -305,6 +368,7 @@ class Scheduler:
             seq_lens.append(end)
             counters.append(len(req.output_ids))
             req.num_computed = end
+            self._cache_pages(req)  # (a later plan reads them after this step writes them: steps run in order)
             if end == len(all_ids):
                 self.waiting.remove(req)
                 self.running.append(req)
@@ -484,6 +548,7 @@ class Scheduler:
         # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.
         if req.status == RequestStatus.RUNNING:
             req.num_computed = req.num_tokens - 1
+            self._cache_pages(req)
             in_flight = req.num_inflight * (self.decode_max_advance - 1 + self.decode_lookahead)
             self.allocator.shrink(req.pages, req.num_computed + in_flight)
         return new

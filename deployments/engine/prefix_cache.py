@@ -1,0 +1,117 @@
+"""Prefix caching: an index of full KV pages by what they hold, so a request whose tokens start the same way reuses
+them instead of recomputing them.
+
+A page is indexed by a chained key: (the key's node id of the page before it, the page's tokens, and, when the
+proposer is an EAGLE head, the token after the page). Node ids are handed out once and never reused, so a key names
+the whole prefix exactly (no hash collisions to trust). Why the token after: an EAGLE head's KV at position p is
+computed from the target's hidden state at p *and token p+1*, so the head's KV in a page's last slot is valid only
+for a request whose next token is the same. Target KV (and a standalone draft model's) at p depends on tokens
+[0, p] only, so without an EAGLE head the key is the tokens alone.
+
+Pages with no request holding them stay indexed and evictable, least recently released first (a request releases
+its pages tail first, so a prefix's tail goes before its head). The allocator evicts when its free list runs short.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+
+ROOT = 0  # the parent id of a sequence's first page
+
+
+class PrefixCache:
+    """The index (key → page, page → key) and the LRU of cached pages that no request holds. Reference counts are
+    the allocator's: it tells the cache when a cached page's count reaches 0 (``release``) or leaves 0 (``take``)."""
+
+    def __init__(self, page_size: int, key_next_token: bool):
+        self.page_size = page_size
+        self.key_next_token = key_next_token  # an EAGLE head's KV at a page's last slot depends on the next token
+        self._index: dict[tuple, tuple[int, int]] = {}  # key -> (page, node id)
+        self._keys: dict[int, tuple] = {}  # page -> its key
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no holder, oldest release first
+        self._ids = itertools.count(ROOT + 1)
+        self.queries = 0  # prompt tokens looked up (first admissions only, as vLLM counts)
+        self.hits = 0  # of those, tokens served from the cache
+        self.evictions = 0  # pages evicted
+
+    # ---- keys ------------------------------------------------------------------------------------------------
+    def key(self, parent: int, ids: list[int], k: int) -> tuple | None:
+        """The key of block ``k`` of ``ids`` under node ``parent``; None when ``ids`` cannot prove it (the block is
+        not full, or the token after it is needed and not known yet)."""
+        P = self.page_size
+        end = (k + 1) * P
+        if self.key_next_token:
+            return (parent, tuple(ids[k * P:end]), ids[end]) if end < len(ids) else None
+        return (parent, tuple(ids[k * P:end])) if end <= len(ids) else None
+
+    # ---- lookups ---------------------------------------------------------------------------------------------
+    def match(self, ids: list[int], max_tokens: int) -> list[tuple[int, int]]:
+        """(page, node id) of each leading block of ``ids`` that is cached, covering at most ``max_tokens`` tokens.
+        Takes no reference."""
+        out: list[tuple[int, int]] = []
+        parent = ROOT
+        for k in range(max_tokens // self.page_size):
+            key = self.key(parent, ids, k)
+            hit = self._index.get(key) if key is not None else None
+            if hit is None:
+                break
+            out.append(hit)
+            parent = hit[1]
+        if out:  # looked up: the most recently used among equals
+            for page, _ in out:
+                if page in self._lru:
+                    self._lru.move_to_end(page)
+        return out
+
+    def insert(self, key: tuple, page: int) -> int:
+        """Index ``page`` (held by a request, its KV final) under ``key``; returns the key's node id. When the key is
+        cached already (another request computed the same block), the page stays private and that node's id is
+        returned, so the chain goes on through it."""
+        hit = self._index.get(key)
+        if hit is not None:
+            return hit[1]
+        node = next(self._ids)
+        self._index[key] = (page, node)
+        self._keys[page] = key
+        return node
+
+    def holds(self, page: int) -> bool:
+        return page in self._keys
+
+    # ---- reference count changes (from the allocator) --------------------------------------------------------
+    def take(self, page: int) -> None:
+        """A request takes a cached page nobody held: it is no longer evictable."""
+        self._lru.pop(page, None)
+
+    def release(self, page: int) -> None:
+        """The last holder of a cached page let it go: it stays indexed, evictable."""
+        self._lru[page] = None
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._lru)
+
+    def evict(self, n: int) -> list[int]:
+        """Unindex the ``n`` least recently released pages and return them (to the free list). Blocks cached under
+        an evicted page can no longer be matched (their parent id is gone for good) and age out in turn."""
+        out = []
+        for _ in range(n):
+            page, _ = self._lru.popitem(last=False)
+            del self._index[self._keys.pop(page)]
+            out.append(page)
+        self.evictions += n
+        return out
+
+    def clear(self) -> list[int]:
+        """Forget every entry (their KV can no longer be trusted, e.g. after a failed step); returns the pages that
+        no request holds, for the free list. Held pages go to the free list when their holders release them."""
+        free = list(self._lru)
+        self._lru.clear()
+        self._index.clear()
+        self._keys.clear()
+        return free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._keys)
