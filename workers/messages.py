@@ -114,6 +114,9 @@ class WorkerStep:
     propose_only: bool = False  # a speculative round's drafts only, returned for the host's masks; kept for verify
     logits_processing: bool = False  # some request uses penalties / logit_bias / min_tokens (workers.logits_processing)
     logits_setup: LogitsSetup | None = None  # EXTEND: the slots of the requests whose prefill starts now
+    # speculative DECODE: the round's draft depth, 0 = a plain step (adaptive speculation); -1: num_steps. A
+    # structured-output round drafts num_steps
+    spec_depth: int = -1
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)
