@@ -165,3 +165,25 @@ def test_re_adapts_when_acceptance_drops_and_rises():
     assert low[first_plain:].count(0) >= len(low[first_plain:]) - 3  # plain, but for the probes
     back = _simulate(c, 4.0, 40, 64)
     assert back[-10:] == [3] * 10  # a probe saw acceptance rise
+
+
+def test_engine_re_adapts_to_simulated_acceptance(spec_models):
+    """The engine's loop end to end (verdicts observed with the overlap schedule's one-step lag): the simulated
+    accept length, changed mid-run on the device, moves the chosen depth from the deepest to plain steps within
+    20 rounds."""
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
+                             simulated_accept_length=4.0)
+    eng = engine(spec_models["target"], spec)
+    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000)
+    for p in mixed_prompts(4):
+        eng.add_request(p, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    depths = []
+    while eng.has_work() and len(depths) < 60:
+        if len(depths) == 25:
+            eng.executor.worker.spec_round.set_simulated_accept_length(1.0)
+            changed = len(depths)
+        eng.step()
+        depths.append(chooser.last_depth)
+    assert depths[15:25] == [3] * 10
+    assert 0 in depths[changed:changed + 20] and depths[-10:] == [0] * 10
+    assert chooser.estimate.p[0] < 0.2
