@@ -19,6 +19,7 @@ step runs at the deepest tier to refresh them (otherwise a rise in acceptance wo
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from typing import Protocol
 
 
@@ -61,13 +62,13 @@ class AcceptanceEstimate:
         1..a."""
         if depth <= 0 or not accepted:
             return
-        acc = [0] * depth
-        tried = [0] * depth
-        for a in accepted:
-            for i in range(min(a + 1, depth)):
-                tried[i] += 1
-                if i < a:
-                    acc[i] += 1
+        hist = Counter(accepted)  # (counted in C: a batch of 256 costs microseconds per step)
+        at_least = [0] * (depth + 2)  # at_least[i]: requests that accepted i drafts or more
+        for a, n in hist.items():
+            at_least[min(a, depth)] += n
+        for i in range(depth, -1, -1):
+            at_least[i] += at_least[i + 1]
+        tried, acc = at_least[:depth], at_least[1:depth + 1]  # position i + 1: reached by a >= i, passed by a > i
         for i in range(depth):
             if tried[i]:
                 self.accepted[i] = self.decay * self.accepted[i] + acc[i]

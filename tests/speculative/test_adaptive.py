@@ -86,8 +86,14 @@ def test_draft_keeps_in_step_across_plain_steps(spec_models):
 def test_adaptive_engine_chooses_from_measured_costs(spec_models, references):
     """adaptive: true on an eager engine: start-up eager timings, the chooser's depths, the same tokens, and the
     choice visible in the stats."""
+    from deployments.engine.engine import Engine
+    from deployments.engine.metrics import EngineMetrics
+    from workers.config import EngineConfig
+
     prompts, ref = references
-    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True), max_num_seqs=8)
+    eng = Engine(EngineConfig(model=str(spec_models["target"]), device="cpu", max_model_len=512, max_num_seqs=8,
+                              speculative_config=_spec(spec_models, "eagle3", adaptive=True)),
+                 metrics=EngineMetrics("adaptive-test"))  # (records steps by depth through ray.util.metrics)
     assert isinstance(eng.depth_policy, DepthChooser)
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     stats = eng.step_stats()["adaptive"]
