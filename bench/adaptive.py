@@ -10,10 +10,15 @@ emitted tokens are the drafts), set on the device between runs. Per shape:
    run), and each fixed depth 0..steps (``DepthSchedule``; depth 0 = plain steps with the draft's catch-up);
 3. a run whose acceptance changes halfway (``--change``, default 3.0 then 1.2): the chosen depth and tok/s per step.
 
+``--shapes`` may also name ``family``: the shipped trained tiny family (models/specserve-tiny and its EAGLE-3 head)
+at its real acceptance on held-out Python source prompts (no simulation, no change run). ``--merge`` adds the shapes
+run now to an existing result (one device call per shape when one call cannot hold them all).
+
 Decode tok/s counts the tokens after every request has its first token (prefill excluded), as bench.gpu_perf does.
 
     python3 -m bench.adaptive --out bench/results/adaptive/adaptive_h100            # 8B and 1B shapes, one H100
     python3 -m bench.adaptive --cpu --out bench/results/adaptive/cpu_smoke          # tiny shape on the CPU
+    python3 -m bench.adaptive --shapes family --merge --out bench/results/adaptive/adaptive_h100
     python3 -m bench.adaptive --report-only --out bench/results/adaptive/adaptive_h100
 """
 
@@ -27,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (SHAPES, command, commit, device_name, out_path, pyplot, write_checkpoint, write_json,
-                          write_markdown)
+from bench.common import (ROOT, SHAPES, command, commit, device_name, held_out_prompts, out_path, pyplot,
+                          write_checkpoint, write_json, write_markdown)
+
+FAMILY = "family"  # the shipped trained tiny family, at its real acceptance
 
 
 class Bench:
@@ -36,6 +43,7 @@ class Bench:
         self.args = args
         self.cuda = not args.cpu
         self.out = out_path(args.out)
+        self._text_prompts: list[list[int]] = []
         self.results = {"device": device_name("cuda" if self.cuda else "cpu"), "commit": commit(),
                         "command": command(), "steps": args.steps, "prompt_len": args.prompt_len,
                         "new_tokens": args.new_tokens, "batch_sizes": self.sizes,
@@ -62,6 +70,9 @@ class Bench:
     # ---- engines -------------------------------------------------------------------------------------------------
     def checkpoint(self, shape: str) -> tuple[Path, Path]:
         from deployments.make_heads import make_head
+
+        if shape == FAMILY:
+            return ROOT / "models" / "specserve-tiny", ROOT / "models" / "specserve-tiny-eagle3"
 
         ckpt = Path(self.args.ckpt_dir) / f"{shape}-random"
         if not (ckpt / "config.json").is_file():
@@ -93,6 +104,8 @@ class Bench:
         return eng
 
     def prompt(self, seed: int, vocab: int) -> list[int]:
+        if self._text_prompts:  # the family: real text, where its acceptance means something
+            return self._text_prompts[seed % len(self._text_prompts)]
         g = torch.Generator().manual_seed(seed)
         return torch.randint(10, min(100000, vocab - 10), (self.args.prompt_len,), generator=g).tolist()
 
@@ -136,7 +149,15 @@ class Bench:
 
         a = self.args
         res = self.results["shapes"].setdefault(shape, {})
+        res["stamp"] = {"device": self.results["device"], "commit": self.results["commit"],
+                        "command": self.results["command"]}
         ckpt, head = self.checkpoint(shape)
+        family = shape == FAMILY
+        self._text_prompts = []
+        if family:
+            from transformers import AutoTokenizer
+
+            self._text_prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(ckpt)), 64, a.prompt_len)
         if "no_spec" not in res:
             eng = self.engine(ckpt)
             self.decode_rate(eng, 1, 8)  # warm-up
@@ -148,15 +169,16 @@ class Bench:
             del eng
             self.free()
         spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=a.steps, topk=1, adaptive=True,
-                                 simulated_accept_length=self.accept_lengths[0])
+                                 simulated_accept_length=None if family else self.accept_lengths[0])
         eng = self.engine(ckpt, spec)
         costs = eng.executor.depth_costs
         res["cost_ms"] = {str(b): {str(d): round(ms, 4) for d, ms in row.items()} for b, row in costs.items()}
         rnd = eng.executor.worker.spec_round
         policies = ["adaptive"] + [f"depth{d}" for d in range(a.steps + 1)]
-        for length in self.accept_lengths:
-            rnd.set_simulated_accept_length(length)
-            runs = res.setdefault("spec", {}).setdefault(f"{length:g}", {})
+        for length in [None] if family else self.accept_lengths:
+            if length is not None:
+                rnd.set_simulated_accept_length(length)
+            runs = res.setdefault("spec", {}).setdefault("real" if length is None else f"{length:g}", {})
             for name in policies:
                 if name == "adaptive":
                     eng.depth_policy = DepthChooser(costs, a.steps)
@@ -165,10 +187,11 @@ class Bench:
                     eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
                 for bs in self.sizes:
                     runs.setdefault(name, {})[str(bs)] = self.decode_rate(eng, bs)
-                    print(shape, f"L={length:g}", name, runs[name][str(bs)], flush=True)
+                    print(shape, f"L={length}", name, runs[name][str(bs)], flush=True)
                     self.save()
-        res["change"] = self.change_run(eng, DepthChooser(costs, a.steps))
-        self.save()
+        if not family:
+            res["change"] = self.change_run(eng, DepthChooser(costs, a.steps))
+            self.save()
         del eng, rnd
         self.free()
 
@@ -252,7 +275,8 @@ class Bench:
                       f"**{s['min_vs_best_fixed']}x**.", ""]
             sizes = list(res.get("no_spec", {}))
             for length, runs in res.get("spec", {}).items():
-                lines += [f"### simulated accept length {length}", "",
+                title = "real acceptance (held-out text)" if length == "real" else f"simulated accept length {length}"
+                lines += [f"### {title}", "",
                           "| run | " + " | ".join(f"bs {b}" for b in sizes) + " |",
                           "|---|" + "---|" * len(sizes)]
                 lines.append("| no spec (tok/s) | " + " | ".join(f"{res['no_spec'][b]['decode_tok_s']:.0f}"
@@ -299,11 +323,16 @@ class Bench:
             return
         shapes = self.results["shapes"]
         lengths = [f"{x:g}" for x in self.results["accept_lengths"]]
+        if any(FAMILY == s for s in shapes):
+            lengths = lengths + ["real"]
         fig, axes = plt.subplots(len(shapes), len(lengths) + 1, figsize=(4.2 * (len(lengths) + 1), 3.6 * len(shapes)),
                                  squeeze=False)
         for row, (shape, res) in zip(axes, shapes.items()):
             sizes = list(res.get("no_spec", {}))
             for ax, length in zip(row, lengths):
+                if length not in res.get("spec", {}):
+                    ax.axis("off")
+                    continue
                 for name, rows in res.get("spec", {}).get(length, {}).items():
                     ys = [rows[b]["decode_tok_s"] / res["no_spec"][b]["decode_tok_s"] for b in sizes if b in rows]
                     ax.plot(range(len(ys)), ys, marker="o", lw=2.5 if name == "adaptive" else 1,
@@ -316,6 +345,8 @@ class Bench:
                 ax.legend(fontsize=7)
             ax = row[-1]
             ch = res.get("change")
+            if not ch:
+                ax.axis("off")
             if ch and ch["timeline"]:
                 tl = ch["timeline"]
                 steps = range(len(tl))
@@ -348,7 +379,7 @@ def main() -> None:
     ap.add_argument("--accept-lengths", default="1.5,2,3")
     ap.add_argument("--batch-sizes", default=None, help="default 1,16,64,128,256 (--cpu: 1,2,4,8)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (--cpu: 16)")
-    ap.add_argument("--new-tokens", type=int, default=None, help="default 40 (--cpu: 10)")
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (--cpu: 10)")
     ap.add_argument("--change", default="3.0,1.2", help="accept length before and after the change")
     ap.add_argument("--change-bs", type=int, default=None, help="default 64 (--cpu: 4)")
     ap.add_argument("--change-steps", type=int, default=None, help="decode steps of the change run (default 120, "
@@ -356,11 +387,13 @@ def main() -> None:
     ap.add_argument("--tuning-cache-dir", default=None, help="EngineConfig.tuning_cache_dir (default: the engine's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
+    ap.add_argument("--merge", action="store_true", help="add to <out>.json's shapes (the top stamp is this run's, "
+                    "each shape keeps its own)")
     args = ap.parse_args()
     cpu = args.cpu
     defaults = {"shapes": "llama-smoke" if cpu else "llama-3.1-8b,llama-3.2-1b",
                 "batch_sizes": "1,2,4,8" if cpu else "1,16,64,128,256", "prompt_len": 16 if cpu else 128,
-                "new_tokens": 10 if cpu else 40, "change_bs": 4 if cpu else 64, "change_steps": 60 if cpu else 120}
+                "new_tokens": 10 if cpu else 32, "change_bs": 4 if cpu else 64, "change_steps": 60 if cpu else 120}
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -369,6 +402,8 @@ def main() -> None:
         bench.results = json.loads(bench.out.with_suffix(".json").read_text())
         bench.report()
         return
+    if args.merge and bench.out.with_suffix(".json").is_file():
+        bench.results["shapes"] = json.loads(bench.out.with_suffix(".json").read_text())["shapes"]
     bench.run()
 
 
