@@ -374,10 +374,11 @@ class Suite:
         a = self.args
         draft = str(self.draft_ckpt())
         runs = {"specserve_no_spec": None,
-                "specserve_draft": SpeculativeConfig(method="draft", model=draft, num_steps=a.spec_steps, topk=1),
+                "specserve_draft": SpeculativeConfig(method="draft", model=draft, num_steps=a.spec_steps, topk=1,
+                                                     adaptive=False),
                 f"specserve_draft_sim{a.accept_length:g}": SpeculativeConfig(
                     method="draft", model=draft, num_steps=a.spec_steps, topk=1,
-                    simulated_accept_length=a.accept_length)}
+                    simulated_accept_length=a.accept_length, adaptive=False)}
         rows = self.results.setdefault("draft", {})
         for name, spec in runs.items():
             eng = self.engine(spec, max_num_seqs=8, cuda_graph_max_bs=8)
@@ -429,7 +430,7 @@ class Suite:
         from workers.config import SpeculativeConfig
 
         return SpeculativeConfig(method=method, model=str(self.head()), num_steps=steps, topk=1,
-                                 simulated_accept_length=accept)
+                                 simulated_accept_length=accept, adaptive=False)  # (a fixed chain's cost)
 
     def speculation(self) -> None:
         a = self.args

@@ -378,7 +378,7 @@ def graph_profile(ckpt: str, head: str | None, steps: int, later_tokens: int = 0
     release()
     if head:
         eng = decoding_engine(SpeculativeConfig(method="eagle3", model=head, num_steps=3, topk=1,
-                                                simulated_accept_length=3.0))
+                                                simulated_accept_length=3.0, adaptive=False))
         out["eagle3_chain3_engine_steps"] = timeline_summary(timeline(eng.step), steps)
         print(json.dumps(out["eagle3_chain3_engine_steps"], indent=1), flush=True)
         # every kernel of a round in order: which are the model's and which bookkeeping

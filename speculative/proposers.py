@@ -17,6 +17,7 @@ EAGLE's draft position p holds the pair (token p+1, target feature p); the stand
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -87,6 +88,27 @@ class Proposer:
         self.topk = spec_cfg.topk
         self.num_draft_tokens = spec_cfg.num_draft_tokens
         self.lookahead = _lookahead(self.num_steps, self.topk, self.num_draft_tokens)
+        self.full_steps = self.num_steps
+
+    @contextlib.contextmanager
+    def at_depth(self, depth: int | None):
+        """Rounds inside draft a chain of ``depth`` tokens (adaptive speculation's tiers; None: the configured
+        depth). Depth 0 verifies the root alone: the target's plain step, after which the draft catches up on the
+        one token as after any round, so its state stays in step whatever depth the next round drafts."""
+        if depth is None or depth == self.full_steps:
+            yield
+            return
+        if self.topk != 1 or not 0 <= depth <= self.full_steps:
+            raise ValueError(f"a round of depth {depth}: chains of 0..{self.full_steps} only")
+        saved = self.num_steps, self.num_draft_tokens
+        self.num_steps, self.num_draft_tokens = depth, depth + 1
+        try:
+            yield
+        finally:
+            self.num_steps, self.num_draft_tokens = saved
+
+    def _root_only(self, inp: "RoundInputs") -> DraftTree:
+        return chain_tree(inp.root, inp.root.new_empty(inp.batch_size, 0))
 
     @property
     def max_depth(self) -> int:
@@ -111,7 +133,7 @@ class Proposer:
         pass
 
     def propose(self, inp: RoundInputs) -> DraftTree:
-        return chain_tree(inp.root, inp.drafts)
+        return chain_tree(inp.root, inp.drafts[:, :self.num_steps])  # (a shallower round: the first drafts)
 
     def after_verify(self, inp: RoundInputs, tree: DraftTree, verdict: Verdict, features: torch.Tensor) -> None:
         pass
@@ -250,6 +272,8 @@ class EagleProposer(_ModelProposer):
         self._save_state(dfb.req_slots, logp, d2t, feat)
 
     def propose(self, inp):
+        if self.num_steps == 0:
+            return self._root_only(inp)
         slots = inp.req_slots
         cand = TreeCandidates(inp.batch_size, self.topk, self.num_steps, slots.device, chain=self.chain)
         if self.chain:  # gathered straight into the chain's first node
@@ -325,6 +349,8 @@ class DraftModelProposer(_ModelProposer):
         self.runner.forward(dfb)
 
     def propose(self, inp):
+        if self.num_steps == 0:
+            return self._root_only(inp)
         # step 1: the root itself at position m
         fb = self._batch(self.runner, ForwardMode.DECODE, inp.root, inp, 1)
         (logp, _), _ = self._draft_forward(fb, None)

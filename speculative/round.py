@@ -31,7 +31,14 @@ class SpecRound:
         self.ctx = ctx  # its page table
         self.last_token = last_token
         self.advance = advance
-        self.simulated_accept_length = simulated_accept_length  # BENCHMARK ONLY (``simulated_acceptance``)
+        # BENCHMARK ONLY (``simulated_acceptance``): a device scalar, so that a benchmark can change it between
+        # captured rounds (``set_simulated_accept_length``)
+        self.simulated_accept_length = None if simulated_accept_length is None else torch.full(
+            (), float(simulated_accept_length), dtype=torch.float32, device=ctx.device)
+
+    def set_simulated_accept_length(self, value: float) -> None:
+        """BENCHMARK ONLY: the mean accept length of the rounds launched from now on (captured ones too)."""
+        self.simulated_accept_length.fill_(value)
 
     def run(self, inp: RoundInputs, top: bool = False, tree: DraftTree | None = None,
             token_mask=None) -> tuple[torch.Tensor, ...]:

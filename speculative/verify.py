@@ -55,13 +55,13 @@ def target_choices(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTens
 
 
 def simulated_acceptance(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int,
-                         mean_accept_length: float) -> Verdict:
+                         mean_accept_length: float | torch.Tensor) -> Verdict:
     """BENCHMARK ONLY: accept floor(L - 1 + u) draft tokens of a chain (u uniform, so the mean accept length is L)
-    whatever the target says. The emitted tokens are the drafts, not the model's output."""
-    u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1)
+    whatever the target says. The emitted tokens are the drafts, not the model's output. L may be a device scalar,
+    which a benchmark changes between captured rounds."""
+    u = uniform_noise(sampling.seeds, sampling.counters, 1, stream=7).squeeze(1) + (mean_accept_length - 1.0)
     choice, lse = target_choices(tree, logits, sampling)
-    return Verdict(*tree_verdict(None, tree.tokens, choice, lse, logits, max_depth,
-                                 forced=(u, mean_accept_length - 1.0)))
+    return Verdict(*tree_verdict(None, tree.tokens, choice, lse, logits, max_depth, forced=(u, 0.0)))
 
 
 def verify_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingTensors, max_depth: int) -> Verdict:

@@ -53,9 +53,11 @@ def main() -> None:
     rows, reference, eng = [], None, None
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     for name, spec in [("none", None),
-                       ("eagle3", SpeculativeConfig(method="eagle3", model=str(eagle), num_steps=args.num_steps)),
-                       ("draft", SpeculativeConfig(method="draft", model=str(draft), num_steps=args.num_steps)),
-                       ("ngram", SpeculativeConfig(method="ngram", num_steps=args.num_steps))]:
+                       ("eagle3", SpeculativeConfig(method="eagle3", model=str(eagle), num_steps=args.num_steps,
+                                                         adaptive=False)),
+                       ("draft", SpeculativeConfig(method="draft", model=str(draft), num_steps=args.num_steps,
+                                                       adaptive=False)),
+                       ("ngram", SpeculativeConfig(method="ngram", num_steps=args.num_steps, adaptive=False))]:
         del eng  # free the previous engine's KV cache first
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -29,6 +29,13 @@ class SpeculativeConfig(Strict):
     ngram_max: int = Field(4, ge=1)
     simulated_accept_length: float | None = Field(
         None, ge=1.0, description="BENCHMARK ONLY: force this mean accept length; outputs are not the model's")
+    adaptive: bool | None = Field(
+        None, description="each step drafts the depth (0 = a plain step, up to num_steps) that maximises expected "
+        "tokens/s for its batch, from start-up step timings and live acceptance (speculative/adaptive.py). Default: "
+        "on for chains where decode steps replay CUDA graphs, off where they run eagerly; chains only (topk 1)")
+    depth_tiers: list[int] | None = Field(
+        None, description="adaptive: the depths whose graphs are captured at start-up and chosen among (default "
+        "every depth 0..num_steps); fewer tiers, fewer graphs")
 
     @model_validator(mode="after")
     def _check(self):
@@ -50,9 +57,25 @@ class SpeculativeConfig(Strict):
                              f"positions exceeds {MAX_TREE_BLOCK}; lower num_steps or topk")
         if self.num_draft_tokens > MAX_TREE_BLOCK:
             raise ValueError(f"num_draft_tokens {self.num_draft_tokens} exceeds {MAX_TREE_BLOCK}")
+        if self.adaptive and self.topk != 1:
+            raise ValueError("adaptive speculation chooses among chain depths: set topk 1, or adaptive false for a "
+                             "tree (a tree's depth tiers are not built)")
+        if self.depth_tiers is not None:
+            tiers = sorted(set(self.depth_tiers))
+            if not tiers or tiers[0] < 0 or tiers[-1] != self.num_steps:
+                raise ValueError(f"depth_tiers must lie in 0..num_steps and include num_steps ({self.num_steps})")
+            self.depth_tiers = tiers
         if self.method in ("eagle", "eagle3", "draft") and not self.model:
             raise ValueError(f"speculative method {self.method!r} needs `model` (the draft/head directory)")
         return self
+
+    def resolved_adaptive(self, decode_graphs: bool) -> bool:
+        """Whether steps choose their depth: as set, else on for chains whose decode steps replay CUDA graphs."""
+        return self.adaptive if self.adaptive is not None else (self.topk == 1 and decode_graphs)
+
+    def tiers(self) -> list[int]:
+        """The depths an adaptive engine chooses among."""
+        return self.depth_tiers or list(range(self.num_steps + 1))
 
 
 class EngineConfig(Strict):

@@ -273,6 +273,9 @@ class DecodeGraphs(GraphRunner):
         self.phases: dict[tuple[int, str, bool], list[str]] = {}  # (bucket, kind, top) → graph names, replay order
         self.norm_fusion: dict[int, bool] = {}  # bucket → its graphs run the norms inside the linears
         self.tuning_cache = None  # where fusion choices are read and kept (TuningCache)
+        # adaptive speculation: the draft depths besides num_steps whose greedy graphs are captured at start-up
+        # (others on first use); a phase key ends with its depth, none for num_steps
+        self.depth_tiers: list[int] = []
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -290,7 +293,9 @@ class DecodeGraphs(GraphRunner):
         self.norm_fusion.clear()
         self.buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
-            self._capture(bucket, "greedy", top=False)
+            self._capture(bucket, "greedy", top=False)  # (the full round first: it makes the norm-fusion choice)
+            for depth in self._other_depths(self.depth_tiers):
+                self._capture(bucket, "greedy", False, depth)
         if self.tuning_cache is not None:
             self.tuning_cache.save()
 
@@ -298,14 +303,15 @@ class DecodeGraphs(GraphRunner):
         """The bucket a batch is padded to (None: no graphs, or a larger batch)."""
         return next((x for x in self.buckets if x >= batch_size), None)
 
-    def replay_step(self, step, bucket: int, kind: str, top: bool) -> PackedOutputs:
+    def replay_step(self, step, bucket: int, kind: str, top: bool, depth: int | None = None) -> PackedOutputs:
         """Run ``step`` through its bucket's graphs (captured now on first use); returns its rows' packed outputs,
-        valid until the next replay."""
-        if (bucket, kind, top) not in self.phases:
-            self._capture(bucket, kind, top)
+        valid until the next replay. ``depth``: a speculative round's draft depth (None: num_steps)."""
+        at = (bucket, kind, top) + _depth_key(depth)
+        if at not in self.phases:
+            self._capture(bucket, kind, top, depth)
         self.static.fill(step, bucket)
-        for name in self.phases[(bucket, kind, top)]:  # the last phase returns the packed outputs
-            out = self.replay((name, bucket, kind, top))
+        for name in self.phases[at]:  # the last phase returns the packed outputs
+            out = self.replay((name,) + at)
         return out.rows(step.batch_size)
 
     # ---- structured output: the MASK_VARIANT, replayed in two parts around the host's masks ------------------------
@@ -358,9 +364,28 @@ class DecodeGraphs(GraphRunner):
         image[len(mask):] = -1
         buf.copy_(host, non_blocking=pinned)
 
-    def _callables(self, bucket: int, kind: str, top: bool) -> dict[str, Callable]:
+    def _other_depths(self, tiers: list[int]) -> list[int]:
+        """``tiers`` but num_steps (whose graphs are the plain round's)."""
+        return [d for d in tiers if d != self.spec_round.proposer.full_steps] if self.spec_round else []
+
+    def _callables(self, bucket: int, kind: str, top: bool, depth: int | None = None) -> dict[str, Callable]:
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
-        step's outputs packed for the host (``top``: with each token's top logprobs)."""
+        step's outputs packed for the host (``top``: with each token's top logprobs; ``depth``: a round drafting
+        that many tokens, None: num_steps)."""
+        phases = self._phase_callables(bucket, kind, top)
+        if depth is None:
+            return phases
+        proposer = self.spec_round.proposer
+
+        def at_depth(fn):
+            def run():
+                with proposer.at_depth(depth):
+                    return fn()
+            return run
+
+        return {name: at_depth(fn) for name, fn in phases.items()}
+
+    def _phase_callables(self, bucket: int, kind: str, top: bool) -> dict[str, Callable]:
         spec = self.spec_round
 
         def inputs() -> RoundInputs:
@@ -419,26 +444,28 @@ class DecodeGraphs(GraphRunner):
                                                                           *state["verified"]))}
 
     # ---- the norm-fusion choice --------------------------------------------------------------------------------
-    def _capture(self, bucket: int, kind: str, top: bool) -> None:
+    def _capture(self, bucket: int, kind: str, top: bool, depth: int | None = None) -> None:
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
         forwards can run the norms inside the linears (``_norm_fusion_open``), the bucket's first capture takes
         them both ways and keeps the faster (``_capture_faster_fusion``); its later captures follow that choice."""
         if bucket not in self.norm_fusion and self._norm_fusion_open(bucket):
-            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top)
+            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top, depth)
         else:
-            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True))
+            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True), depth=depth)
 
-    def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = ()) -> list[tuple]:
+    def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = (),
+                        depth: int | None = None) -> list[tuple]:
         """Capture the bucket's phases under their graph keys (plus ``variant``), their forwards running the norms
         inside the linears where they can if ``fused``; returns the keys in order."""
         self.static.reset()
         if self.mask_buffer is not None:  # (captured on all-allowed masks)
             self.mask_buffer.fill_(-1)
-        phases = self._callables(bucket, kind, top)
-        keys = [(name, bucket, kind, top) + variant for name in phases]
+        phases = self._callables(bucket, kind, top, depth)
+        at = (bucket, kind, top) + _depth_key(depth)
+        keys = [(name,) + at + variant for name in phases]
         for key, fn in zip(keys, phases.values()):
             self.capture(key, self._norms_in_linears(fused)(fn))  # (on a CPU the callable runs each time)
-        self.phases[(bucket, kind, top)] = list(phases)
+        self.phases[at] = list(phases)
         return keys
 
     def _folded_models(self) -> list[torch.nn.Module]:
@@ -473,7 +500,7 @@ class DecodeGraphs(GraphRunner):
                                               self.cfg.fuse_speculative_round)
         return f"norms in linears | {shapes} | {spec_key} | {self.dtype} | tp {self.tp.size} | bucket {bucket}"
 
-    def _capture_faster_fusion(self, bucket: int, kind: str, top: bool) -> bool:
+    def _capture_faster_fusion(self, bucket: int, kind: str, top: bool, depth: int | None = None) -> bool:
         """Capture the bucket's graphs with the norms inside the linears and with the norm kernels, time their
         replays (alternating, NORM_FUSION_PASSES rounds of NORM_FUSION_REPLAYS, the median), keep the faster and
         return whether it fuses. The fused graphs are kept unless the others are NORM_FUSION_MARGIN faster (which
@@ -485,9 +512,10 @@ class DecodeGraphs(GraphRunner):
             has, value = self.tp.all_reduce_host([cached is not None, bool(cached)], op=dist.ReduceOp.MIN)
             cached = bool(value) if has else None
         if cached is not None:
-            self._capture_phases(bucket, kind, top, cached)
+            self._capture_phases(bucket, kind, top, cached, depth=depth)
             return cached
-        keys = {fused: self._capture_phases(bucket, kind, top, fused, variant=(fused,)) for fused in (True, False)}
+        keys = {fused: self._capture_phases(bucket, kind, top, fused, variant=(fused,), depth=depth)
+                for fused in (True, False)}
         self.replay_ms(keys[True] + keys[False], 2)  # warm-up
         times: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(NORM_FUSION_PASSES):
@@ -502,3 +530,74 @@ class DecodeGraphs(GraphRunner):
         logger.info("bucket %d: norms %s the linears (graph replays %.3f ms fused, %.3f ms with norm kernels)",
                     bucket, "inside" if fused else "outside", fused_ms, plain_ms)
         return fused
+
+    # ---- adaptive speculation's cost model -----------------------------------------------------------------------
+    def depth_costs(self, tiers: list[int], passes: int = 3, replays: int = 3) -> dict[int, dict[int, float]]:
+        """Milliseconds of a greedy step per batch bucket and draft depth in ``tiers`` (``speculative.adaptive``):
+        with graphs captured, their replays (alternating depths, ``passes`` rounds of ``replays``, the median),
+        read from the tuning cache when it has them; otherwise eager calls of the same callables on padding rows,
+        at power-of-two buckets up to max_num_seqs. Padding rows have one token of context, so attention's share,
+        the same at every depth but the verify's extra rows, is left out."""
+        full = self.spec_round.proposer.full_steps
+        depth_of = {d: None if d == full else d for d in tiers}
+        if not self.buckets:
+            return self._eager_depth_costs(tiers, depth_of)
+        key = self.norm_fusion_key(self.buckets[-1]).replace("norms in linears", f"step ms at depths {tiers}", 1)
+        cached = self.tuning_cache.get_step_costs(key) if self.tuning_cache is not None else None
+        if self.tp.size > 1:  # every rank times (replays all-reduces) or none does
+            (has,) = self.tp.all_reduce_host([cached is not None], op=dist.ReduceOp.MIN)
+            cached = cached if has else None
+        if cached is not None and sorted(cached) == self.buckets:
+            return cached
+        costs: dict[int, dict[int, float]] = {}
+        for bucket in self.buckets:
+            keys = {}
+            for d in tiers:
+                at = (bucket, "greedy", False) + _depth_key(depth_of[d])
+                if at not in self.phases:
+                    self._capture(bucket, "greedy", False, depth_of[d])
+                keys[d] = [(name,) + at for name in self.phases[at]]
+            self.static.reset()
+            self.replay_ms([k for d in tiers for k in keys[d]], 1)  # warm-up
+            times: dict[int, list[float]] = {d: [] for d in tiers}
+            for _ in range(passes):
+                for d in tiers:
+                    times[d].append(self.replay_ms(keys[d], replays))
+            medians = [sorted(times[d])[len(times[d]) // 2] for d in tiers]
+            medians = [t / self.tp.size for t in self.tp.all_reduce_host(medians)]  # the ranks' mean
+            costs[bucket] = dict(zip(tiers, medians))
+        if self.tuning_cache is not None:
+            self.tuning_cache.put_step_costs(key, costs)
+            self.tuning_cache.save()
+        logger.info("step ms by draft depth %s: %s", tiers,
+                    "; ".join(f"bs {b}: " + " ".join(f"{ms:.3f}" for ms in row.values()) for b, row in costs.items()))
+        return costs
+
+    def _eager_depth_costs(self, tiers: list[int], depth_of: dict) -> dict[int, dict[int, float]]:
+        max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
+        buckets = sorted({min(1 << i, max_bs) for i in range(max_bs.bit_length() + 1)})
+        if self.static is None:
+            self.static = StaticInputs(max_bs, self.spec_round.proposer.full_steps, self.cfg.max_num_seqs,
+                                       self.device)
+        self.static.reset()
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        costs: dict[int, dict[int, float]] = {}
+        with torch.inference_mode():
+            for bucket in buckets:
+                fns = {d: list(self._callables(bucket, "greedy", False, depth_of[d]).values()) for d in tiers}
+                times: dict[int, list[float]] = {d: [] for d in tiers}
+                for _ in range(3):
+                    for d in tiers:
+                        sync()
+                        t0 = time.perf_counter()
+                        for fn in fns[d]:
+                            fn()
+                        sync()
+                        times[d].append(1e3 * (time.perf_counter() - t0))
+                costs[bucket] = {d: sorted(times[d][1:])[0] for d in tiers}  # (the first pass warms up)
+        return costs
+
+
+def _depth_key(depth: int | None) -> tuple:
+    """A phase's key suffix for a round of ``depth`` drafts (none for num_steps: the plain round's keys)."""
+    return () if depth is None else (depth,)

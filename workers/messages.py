@@ -118,6 +118,9 @@ class WorkerStep:
     mask_for: int = 0  # a mask message: the id of the step waiting for ``token_mask`` (it has no rows of its own)
     logits_processing: bool = False  # some request uses penalties / logit_bias / min_tokens (workers.logits_processing)
     logits_setup: LogitsSetup | None = None  # EXTEND: the slots of the requests whose prefill starts now
+    # speculative DECODE: the round's draft depth, 0 = a plain step (adaptive speculation); -1: num_steps. A
+    # structured-output round drafts num_steps
+    spec_depth: int = -1
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)

@@ -106,6 +106,12 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank, logits_state=self.logits_state,
             decode_phases=(self._decode_logits, self._decode_sample))
+        # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
+        # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
+        self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)
+        self.depth_costs: dict[int, dict[int, float]] | None = None
+        if self.adaptive:
+            self.graphs.depth_tiers = spec.tiers()
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
         self._awaiting_mask: Callable | None = None
@@ -156,7 +162,9 @@ class Worker:
     def kv_bytes_per_token(self) -> int:
         return self.target.kv_bytes_per_token + (self.proposer.kv_bytes_per_token() if self.proposer else 0)
 
-    def allocate_kv(self, num_pages: int) -> None:
+    def allocate_kv(self, num_pages: int) -> dict[int, dict[int, float]] | None:
+        """Allocate the KV caches and capture the graphs. Returns adaptive speculation's cost model (ms of a step
+        per batch bucket and draft depth), or None without it."""
         self._on_device()
         page = self.cfg.page_size
         self.target.allocate_kv_cache(num_pages, page)
@@ -170,6 +178,9 @@ class Worker:
             self.capture_graphs()
         elif self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
             logger.warning("CUDA graphs are off: %s", self.graph_refusal)
+        if self.adaptive:
+            self.depth_costs = self.graphs.depth_costs(self.cfg.speculative_config.tiers())
+        return self.depth_costs
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
     def capture_graphs(self) -> None:
@@ -327,16 +338,26 @@ class Worker:
         if step.logits_processing:
             kind += LOGITS_VARIANT
         bucket = self.graphs.bucket_for(step.batch_size)
-        if step.mask_follows or step.token_mask is not None:
+        if step.mask_follows or step.token_mask is not None:  # structured output drafts num_steps
             return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
+        # adaptive speculation's depth for this round (None: num_steps)
+        depth = None
+        if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps:
+            depth = step.spec_depth
         if bucket is None:
             inp = self._eager_inputs(step)
-            packed = PackedOutputs.pack(*(self._decode(inp, top, step.token_mask) if self.spec_round is None
-                                          else self.spec_round.run(inp, top)))
+            if self.spec_round is None:
+                packed = PackedOutputs.pack(*self._decode(inp, top, step.token_mask))
+            else:
+                with self.proposer.at_depth(depth):
+                    packed = PackedOutputs.pack(*self.spec_round.run(inp, top))
         else:
-            packed = self.graphs.replay_step(step, bucket, kind, top)
+            packed = self.graphs.replay_step(step, bucket, kind, top, depth)
         # copied now: the next replay overwrites a graph's outputs
-        finish = token_result if self.spec_round is None else partial(round_result, tree_size=self.proposer.tree_size)
+        if self.spec_round is None:
+            return HostCopy(packed), token_result
+        tree_size = self.proposer.tree_size if depth is None else depth + 1
+        finish = partial(round_result, tree_size=tree_size)
         return HostCopy(packed), finish
 
     def _launch_masked(self, step: WorkerStep, bucket: int | None, kind: str, top: bool):

@@ -32,6 +32,7 @@ from deployments.engine.request import (
 )
 from deployments.engine.scheduler import Scheduler, StepPlan
 from deployments.engine.tokenizer import Detokenizer, detokenize_run, load_tokenizer
+from speculative.adaptive import DepthChooser
 from workers.config import EngineConfig
 from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.worker import Worker
@@ -59,6 +60,7 @@ class Executor(Protocol):
     lookahead: int
     max_advance: int
     decode_graphs: bool  # DECODE steps replay CUDA graphs (else they run eagerly)
+    depth_costs: dict | None  # adaptive speculation: ms of a step per batch bucket and draft depth (None: off)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
@@ -79,7 +81,8 @@ class LocalExecutor:
         self.max_advance = self.worker.max_advance
         self.decode_graphs = self.worker.graph_refusal is None
         self.num_pages = self.worker.kv_capacity_pages()
-        self.worker.allocate_kv(self.num_pages)
+        # adaptive speculation's cost model (ms per batch bucket and draft depth), or None
+        self.depth_costs = self.worker.allocate_kv(self.num_pages)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         return self.worker.step(step, keep)
@@ -128,6 +131,13 @@ class Engine:
             host_drafter=host_drafter,
             mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
         )
+        # adaptive speculation: the policy choosing each speculative step's draft depth (None: num_steps). Tests
+        # and benchmarks may replace it (``speculative.adaptive.DepthSchedule``)
+        self.depth_policy = None
+        costs = getattr(self.executor, "depth_costs", None)
+        if spec is not None and costs:
+            self.depth_policy = DepthChooser(costs, spec.num_steps)
+        self.steps_by_depth: dict[int, int] = {}  # speculative steps applied, by draft depth (0: plain steps)
         self._detok: dict[str, Detokenizer] = {}
         self._eos = sorted(eos)
         self._grammar: grammar.GrammarEngine | None = None  # built on the first structured-output request
@@ -230,6 +240,8 @@ class Engine:
             step = plan.to_worker_step()
             step.step_id = next(self._step_ids)
             self.in_flight.append((step.step_id, plan))
+            if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+                step.spec_depth = self.depth_policy.choose(step.batch_size)
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
                 return outputs + self._guided_step(plan, step, keep, t0)
@@ -337,6 +349,11 @@ class Engine:
         outputs = []
         now = time.time()
         detoks = self._detok
+        if result.counts is not None:  # a speculative round: its depth and verdicts
+            depth = result.num_drafts
+            self.steps_by_depth[depth] = self.steps_by_depth.get(depth, 0) + 1
+            if self.depth_policy is not None:
+                self.depth_policy.observe(depth, [c - 1 for c in result.counts])
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
                 grammar.advance(req.matcher, new_ids)
@@ -354,7 +371,7 @@ class Engine:
                 if req.finished:
                     req.text = detok.text
                     del detoks[req.rid]
-            if spec is not None:
+            if spec is not None and spec[0]:  # (a depth-0 step drafted nothing)
                 self.scheduler.count_accepted(req, spec, len(new_ids))
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -421,7 +438,13 @@ class Engine:
                  "prefix_cache_hits": cache.hits if cache is not None else 0,
                  "step_time": dict(self.step_time)}
         spec = result.spec() if result is not None else None
-        if spec:
+        if spec is not None:
+            stats["spec_depth"] = result.num_drafts
+        if self.cfg.speculative_config is not None:
+            policy = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
+            stats["adaptive"] = {"steps_by_depth": {str(d): n for d, n in sorted(self.steps_by_depth.items())},
+                                 **policy}
+        if spec and result.num_drafts:
             per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))
             for _, acc in spec:
                 for p in acc:

@@ -34,6 +34,8 @@ class EngineMetrics:
         self.num_accepted_tokens = c("spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per position",
                                   _TAGS + ("position",))
+        self.steps_by_depth = c("spec_decode_num_steps", "Speculative steps by draft depth (adaptive speculation; "
+                                "depth 0: a plain step)", _TAGS + ("depth",))
         self.mean_accept_length = g("spec_decode_mean_accept_length", "1 + accepted / drafts over the last step")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
         self.num_running = g("num_requests_running", "Requests in the running batch")
@@ -65,9 +67,13 @@ class EngineMetrics:
         self.record_load(stats)
         for name, seen in self._prefix_seen.items():
             total = stats.get(name, 0)
+            if total < seen:  # a fresh engine (its workers were restarted) counts from 0 again
+                seen = 0
             if total > seen:
                 getattr(self, name).inc(total - seen, tags=self._prefix_tags)
-                self._prefix_seen[name] = total
+            self._prefix_seen[name] = total
+        if "spec_depth" in stats:
+            self.steps_by_depth.inc(1, tags={**t, "depth": str(stats["spec_depth"])})
         spec = stats.get("spec")
         if spec and spec["drafts"]:
             self.num_drafts.inc(spec["drafts"], tags=t)

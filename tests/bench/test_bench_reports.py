@@ -79,3 +79,19 @@ def test_a_result_names_the_checkpoint_it_ran(tmp_path):
     cfg["hidden_size"] = 96  # no known shape
     (tmp_path / "smoke" / "config.json").write_text(json.dumps(cfg))
     assert describe_checkpoint(tmp_path / "smoke").startswith("hidden 96, 2 layers")
+
+
+def test_adaptive_summary_ratios():
+    """bench.adaptive: adaptive vs no-spec and vs the best fixed depth at each point, and the worst of each."""
+    from bench.adaptive import Bench
+
+    def rows(**by_bs):
+        return {bs.removeprefix("b"): {"decode_tok_s": v} for bs, v in by_bs.items()}
+
+    res = {"no_spec": rows(b1=100.0, b64=1000.0),
+           "spec": {"2": {"adaptive": rows(b1=150.0, b64=990.0), "depth0": rows(b1=95.0, b64=990.0),
+                          "depth1": rows(b1=160.0, b64=800.0)}}}
+    got = Bench.summary(None, res)
+    assert got["points"]["2"]["1"] == {"vs_no_spec": 1.5, "vs_best_fixed": 0.938, "best_fixed": "depth1"}
+    assert got["points"]["2"]["64"] == {"vs_no_spec": 0.99, "vs_best_fixed": 1.0, "best_fixed": "depth0"}
+    assert got["min_vs_no_spec"] == 0.99 and got["min_vs_best_fixed"] == 0.938

@@ -205,6 +205,19 @@ class TuningCache:
         (``DecodeGraphs._capture``), so that later starts make the same one."""
         self._entries[key] = self._new[key] = value
 
+    def get_step_costs(self, key: str) -> dict[int, dict[int, float]] | None:
+        """Step timings stored under ``key`` (``put_step_costs``), or None."""
+        value = self._entries.get(key)
+        if not isinstance(value, dict) or not value.get("step_costs"):
+            return None
+        return {int(b): {int(d): float(ms) for d, ms in row.items()} for b, row in value["step_costs"].items()}
+
+    def put_step_costs(self, key: str, costs: dict[int, dict[int, float]]) -> None:
+        """Milliseconds of a step per batch bucket and draft depth (adaptive speculation's cost model, timed at
+        start-up as graph replays), so that later starts choose depths from the same table without timing."""
+        entry = {"step_costs": {str(b): {str(d): ms for d, ms in row.items()} for b, row in costs.items()}}
+        self._entries[key] = self._new[key] = entry
+
     def save(self) -> None:
         """Write the entries tuned since loading (nothing when none was); errors are logged, not raised."""
         if not self._new:

@@ -1,0 +1,145 @@
+"""Adaptive speculation: the draft depth of each step, chosen on the host (no torch: the engine imports it).
+
+A step at depth d verifies a chain of d drafts (depth 0: the target's plain step, with the draft's one-token
+catch-up). ``DepthChooser`` picks the depth that maximises the expected tokens per second of the batch it is about
+to run, from
+
+- a cost model: the time of a step at each depth per batch-size bucket, measured by the worker at start-up
+  (``workers.graphs.DecodeGraphs.depth_costs``: graph replays on a GPU, eager calls otherwise);
+- live acceptance estimates (``AcceptanceEstimate``): per draft position i, the chance that draft i is accepted
+  given that the i - 1 before it were, as decayed averages over the verdicts the host reads anyway.
+
+Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket).
+Positions deeper than the chosen depth get no verdicts, so every ``probe_interval`` steps below the deepest tier one
+step runs at the deepest tier to refresh them (otherwise a rise in acceptance would go unseen at depth 0).
+
+``DepthSchedule`` forces a depth sequence instead (tests, benchmarks: ``Engine.depth_policy``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from typing import Protocol
+
+
+class DepthPolicy(Protocol):
+    def choose(self, batch_size: int) -> int:
+        """The draft depth of the next speculative step over ``batch_size`` requests."""
+
+    def observe(self, depth: int, accepted: list[int]) -> None:
+        """A round's verdicts: its depth and each request's accepted drafts."""
+
+    def stats(self) -> dict:
+        """What /v1/stats shows of the policy."""
+
+
+def expected_tokens(p: list[float], depth: int) -> float:
+    """1 + sum_{j<=depth} prod_{i<=j} p_i: the tokens a chain round of ``depth`` drafts emits on average."""
+    total, run = 1.0, 1.0
+    for i in range(depth):
+        run *= p[i]
+        total += run
+    return total
+
+
+class AcceptanceEstimate:
+    """Per draft position i (1-based), P(draft i accepted | drafts 1..i-1 accepted), as decayed sums over rounds:
+    each round multiplies the sums by ``decay`` and adds its own counts, so a change shows within a few rounds
+    whatever the batch size. Starts at ``prior`` with the weight of one observation."""
+
+    def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.7):
+        self.decay = decay
+        self.accepted = [prior] * num_positions
+        self.tried = [1.0] * num_positions
+
+    @property
+    def p(self) -> list[float]:
+        return [a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried)]
+
+    def update(self, depth: int, accepted: list[int]) -> None:
+        """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
+        1..a."""
+        if depth <= 0 or not accepted:
+            return
+        hist = Counter(accepted)  # (counted in C: a batch of 256 costs microseconds per step)
+        at_least = [0] * (depth + 2)  # at_least[i]: requests that accepted i drafts or more
+        for a, n in hist.items():
+            at_least[min(a, depth)] += n
+        for i in range(depth, -1, -1):
+            at_least[i] += at_least[i + 1]
+        tried, acc = at_least[:depth], at_least[1:depth + 1]  # position i + 1: reached by a >= i, passed by a > i
+        for i in range(depth):
+            if tried[i]:
+                self.accepted[i] = self.decay * self.accepted[i] + acc[i]
+                self.tried[i] = self.decay * self.tried[i] + tried[i]
+
+
+class DepthChooser:
+    """The adaptive policy. ``costs``: batch bucket → {depth: seconds (or ms) of one step at that depth}; its
+    depths are the tiers it chooses among (each bucket has every tier)."""
+
+    def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.7,
+                 probe_interval: int = 50):
+        if not costs:
+            raise ValueError("adaptive speculation needs step costs")
+        self.buckets = sorted(costs)
+        self.costs = {b: {int(d): float(c) for d, c in costs[b].items()} for b in self.buckets}
+        self.tiers = sorted(self.costs[self.buckets[0]])
+        if any(sorted(self.costs[b]) != self.tiers for b in self.buckets):
+            raise ValueError("every bucket needs a cost at every depth tier")
+        self.estimate = AcceptanceEstimate(num_steps, decay, prior)
+        self.probe_interval = probe_interval
+        self._since_deep = 0  # steps since the last one at the deepest tier
+        self.last_depth: int | None = None
+
+    def bucket(self, batch_size: int) -> int:
+        i = bisect.bisect_left(self.buckets, batch_size)
+        return self.buckets[min(i, len(self.buckets) - 1)]
+
+    def best(self, batch_size: int, p: list[float] | None = None) -> int:
+        """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower)."""
+        p = self.estimate.p if p is None else p
+        cost = self.costs[self.bucket(batch_size)]
+        return max(self.tiers, key=lambda d: (expected_tokens(p, d) / cost[d], -d))
+
+    def choose(self, batch_size: int) -> int:
+        depth = self.best(batch_size)
+        deepest = self.tiers[-1]
+        if depth < deepest and deepest > 0:
+            self._since_deep += 1
+            if self._since_deep >= self.probe_interval:
+                depth = deepest
+        if depth == deepest:
+            self._since_deep = 0
+        self.last_depth = depth
+        return depth
+
+    def observe(self, depth: int, accepted: list[int]) -> None:
+        self.estimate.update(depth, accepted)
+
+    def stats(self) -> dict:
+        return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
+                "last_depth": self.last_depth, "tiers": self.tiers}
+
+
+class DepthSchedule:
+    """Depths forced in order, cycling (tests and benchmarks: a fixed depth is a one-entry schedule)."""
+
+    def __init__(self, depths: list[int]):
+        if not depths:
+            raise ValueError("an empty depth schedule")
+        self.depths = list(depths)
+        self._next = 0
+        self.last_depth: int | None = None
+
+    def choose(self, batch_size: int) -> int:
+        self.last_depth = self.depths[self._next % len(self.depths)]
+        self._next += 1
+        return self.last_depth
+
+    def observe(self, depth: int, accepted: list[int]) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {"policy": "schedule", "depths": self.depths, "last_depth": self.last_depth}

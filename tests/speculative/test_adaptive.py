@@ -1,0 +1,195 @@
+"""Adaptive speculation: outputs are the same whatever depth each step drafts (greedy token-exact, seeded sampling
+equal to no speculation) with the depth forced to change between steps, the draft stays in step across plain
+steps, the chooser's arithmetic, and its re-adaptation when acceptance changes."""
+
+from __future__ import annotations
+
+import pytest
+
+from deployments.engine.request import SamplingParams
+from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
+from tests.helpers import mixed_prompts
+from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
+from workers.config import SpeculativeConfig
+
+SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+# every depth, each followed by every other (plain steps between rounds, rounds of every depth after plain steps)
+SCHEDULE = [0, 3, 0, 0, 1, 2, 0, 3, 3, 1, 0, 2]
+
+
+def _spec(models, method: str, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(method=method, model=None if method == "ngram" else str(models[method]), num_steps=3,
+                             **kw)
+
+
+@pytest.fixture(scope="module")
+def references(spec_models):
+    prompts = mixed_prompts(6)
+    eng = engine(spec_models["target"])
+    return prompts, {id(p): [o.token_ids for o in eng.generate(prompts, p)] for p in (GREEDY, SEEDED)}
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft", "ngram"])
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_forced_depths_equal_no_speculation(spec_models, references, method, params):
+    """Depth changing every step (preemption and the overlap schedule on): the tokens are no speculation's."""
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, method), kv_cache_tokens=160, max_prefill_tokens=32)
+    eng.depth_policy = DepthSchedule(SCHEDULE)
+    out = eng.generate(prompts, params)
+    assert [o.token_ids for o in out] == ref[id(params)]
+    assert set(eng.steps_by_depth) == {0, 1, 2, 3}
+    assert eng.scheduler.num_preemptions > 0
+    stats = eng.step_stats()["adaptive"]
+    assert stats["policy"] == "schedule" and sum(stats["steps_by_depth"].values()) == sum(eng.steps_by_depth.values())
+    for o in out:  # plain steps count no drafts; each round its own depth's
+        s = o.spec
+        assert s["num_drafts"] > 0 and s["num_drafts"] <= s["num_draft_tokens"] <= 3 * s["num_drafts"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_forced_depths_on_the_graph_path(spec_models, references, fused):
+    """The CUDA-graph path (run eagerly on the CPU): a round per depth tier per bucket, each captured at start-up,
+    with the depth forced to change; the costs were timed per bucket and tier."""
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True), cuda_graph_max_bs=8,
+                 fuse_speculative_round=fused)
+    worker = eng.executor.worker
+    costs = eng.executor.depth_costs
+    assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [0, 1, 2, 3] for row in costs.values())
+    assert isinstance(eng.depth_policy, DepthChooser)
+    worker.capture_graphs()
+    assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
+    eng.depth_policy = DepthSchedule(SCHEDULE)
+    replays = worker.graphs.num_replays
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+    assert worker.graphs.num_replays > replays and set(eng.steps_by_depth) == {0, 1, 2, 3}
+
+
+def test_draft_keeps_in_step_across_plain_steps(spec_models):
+    """The target as its own draft accepts every draft only if the draft saw every token: after plain steps too."""
+    spec = SpeculativeConfig(method="draft", model=str(spec_models["target"]), num_steps=3)
+    eng = engine(spec_models["target"], spec)
+    verdicts = []
+
+    class Recorded(DepthSchedule):
+        def observe(self, depth, accepted):
+            verdicts.append((depth, accepted))
+
+    eng.depth_policy = Recorded([0, 0, 3, 0, 2, 1, 0, 0, 3])
+    eng.generate(mixed_prompts(4), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    assert {d for d, _ in verdicts} == {0, 1, 2, 3}
+    for depth, accepted in verdicts:  # every draft of every round, whatever plain steps came before
+        assert accepted == [depth] * len(accepted)
+
+
+def test_adaptive_engine_chooses_from_measured_costs(spec_models, references):
+    """adaptive: true on an eager engine: start-up eager timings, the chooser's depths, the same tokens, and the
+    choice visible in the stats."""
+    from deployments.engine.engine import Engine
+    from deployments.engine.metrics import EngineMetrics
+    from workers.config import EngineConfig
+
+    prompts, ref = references
+    eng = Engine(EngineConfig(model=str(spec_models["target"]), device="cpu", max_model_len=512, max_num_seqs=8,
+                              speculative_config=_spec(spec_models, "eagle3", adaptive=True)),
+                 metrics=EngineMetrics("adaptive-test"))  # (records steps by depth through ray.util.metrics)
+    assert isinstance(eng.depth_policy, DepthChooser)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+    stats = eng.step_stats()["adaptive"]
+    assert stats["policy"] == "adaptive" and len(stats["acceptance"]) == 3 and stats["tiers"] == [0, 1, 2, 3]
+    assert sum(stats["steps_by_depth"].values()) > 0
+
+
+def test_config():
+    assert SpeculativeConfig(method="ngram").resolved_adaptive(decode_graphs=True)
+    assert not SpeculativeConfig(method="ngram").resolved_adaptive(decode_graphs=False)
+    assert not SpeculativeConfig(method="ngram", adaptive=False).resolved_adaptive(decode_graphs=True)
+    tree = SpeculativeConfig(method="eagle", model="x", topk=2, num_steps=3, num_draft_tokens=6)
+    assert not tree.resolved_adaptive(decode_graphs=True)  # trees: off unless asked for, and refused then
+    with pytest.raises(ValueError, match="adaptive speculation chooses among chain depths"):
+        SpeculativeConfig(method="eagle", model="x", topk=2, num_steps=3, num_draft_tokens=6, adaptive=True)
+    assert SpeculativeConfig(method="ngram", num_steps=4, depth_tiers=[4, 0, 2]).tiers() == [0, 2, 4]
+    assert SpeculativeConfig(method="ngram", num_steps=2).tiers() == [0, 1, 2]
+    with pytest.raises(ValueError, match="depth_tiers"):
+        SpeculativeConfig(method="ngram", num_steps=4, depth_tiers=[0, 2])
+
+
+# ---- the chooser ---------------------------------------------------------------------------------------------
+# per-step ms shaped like an 8B target with a one-layer head: at bs 1 a round costs little more than a plain step
+# (memory-bound), at bs 256 each draft step and each verified token adds compute
+COSTS = {1: {0: 7.0, 1: 7.6, 2: 8.1, 3: 8.6}, 64: {0: 9.0, 1: 11.5, 2: 13.5, 3: 15.5},
+         256: {0: 20.0, 1: 33.0, 2: 45.0, 3: 57.0}}
+
+
+def test_expected_tokens():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 1.0, 0.0], 3) == 3.0
+
+
+def test_chooser_math():
+    c = DepthChooser(COSTS, num_steps=3)
+    assert c.best(256, [0.3, 0.3, 0.3]) == 0  # low acceptance, large batch: plain steps
+    assert c.best(1, [0.9, 0.9, 0.9]) == 3  # high acceptance, one request: the deepest
+    assert c.best(1, [0.3, 0.3, 0.3]) > 0  # (a round costs little more than a plain step at bs 1)
+    assert c.best(64, [1.0, 0.0, 0.0]) == 1  # exactly one draft accepted: one draft
+    assert c.best(200, [0.9, 0.9, 0.9]) == c.best(256, [0.9, 0.9, 0.9])  # a batch takes its bucket's costs
+    # the choice maximises E(d) / cost(d)
+    for bs, p in [(64, [0.8, 0.6, 0.4]), (256, [0.95, 0.9, 0.9])]:
+        d = c.best(bs, p)
+        assert all(expected_tokens(p, d) / COSTS[bs][d] >= expected_tokens(p, e) / COSTS[bs][e] for e in range(4))
+
+
+def test_acceptance_estimate():
+    est = AcceptanceEstimate(3, prior=0.5)
+    for _ in range(30):
+        est.update(3, [2, 2, 3, 1])  # position 1 passed by all, 2 by 3 of 4 (tried 4), 3 by 1 of 3
+    assert est.p == pytest.approx([1.0, 0.75, 1 / 3], abs=0.01)
+    est.update(0, [0, 0])  # plain steps tell nothing
+    assert est.p == pytest.approx([1.0, 0.75, 1 / 3], abs=0.01)
+
+
+def _simulate(chooser: DepthChooser, accept_length: float, rounds: int, bs: int) -> list[int]:
+    """``rounds`` steps at batch ``bs`` whose drafts are accepted as the benchmark's simulated acceptance does
+    (floor(L - 1 + u), here its mean: the same count for every request), clamped to the chosen depth."""
+    depths = []
+    for _ in range(rounds):
+        d = chooser.choose(bs)
+        depths.append(d)
+        chooser.observe(d, [min(int(accept_length - 1), d)] * bs)
+    return depths
+
+
+def test_re_adapts_when_acceptance_drops_and_rises():
+    c = DepthChooser(COSTS, num_steps=3, probe_interval=10)
+    high = _simulate(c, 4.0, 30, 64)
+    assert high[-10:] == [3] * 10
+    low = _simulate(c, 1.0, 40, 64)
+    first_plain = low.index(0)
+    assert first_plain <= 20  # re-adapted within 20 rounds
+    assert low[first_plain:].count(0) >= len(low[first_plain:]) - 3  # plain, but for the probes
+    back = _simulate(c, 4.0, 40, 64)
+    assert back[-10:] == [3] * 10  # a probe saw acceptance rise
+
+
+def test_engine_re_adapts_to_simulated_acceptance(spec_models):
+    """The engine's loop end to end (verdicts observed with the overlap schedule's one-step lag): the simulated
+    accept length, changed mid-run on the device, moves the chosen depth from the deepest to plain steps within
+    20 rounds."""
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
+                             simulated_accept_length=4.0)
+    eng = engine(spec_models["target"], spec)
+    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000)
+    for p in mixed_prompts(4):
+        eng.add_request(p, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
+    depths = []
+    while eng.has_work() and len(depths) < 60:
+        if len(depths) == 25:
+            eng.executor.worker.spec_round.set_simulated_accept_length(1.0)
+            changed = len(depths)
+        eng.step()
+        depths.append(chooser.last_depth)
+    assert depths[15:25] == [3] * 10
+    assert 0 in depths[changed:changed + 20] and depths[-10:] == [0] * 10
+    assert chooser.estimate.p[0] < 0.2
