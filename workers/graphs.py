@@ -532,6 +532,7 @@ class DecodeGraphs(GraphRunner):
         return fused
 
     # ---- adaptive speculation's cost model -----------------------------------------------------------------------
+    @torch.inference_mode()
     def depth_costs(self, tiers: list[int], passes: int = 3, replays: int = 3) -> dict[int, dict[int, float]]:
         """Milliseconds of a greedy step per batch bucket and draft depth in ``tiers`` (``speculative.adaptive``):
         with graphs captured, their replays (alternating depths, ``passes`` rounds of ``replays``, the median),
