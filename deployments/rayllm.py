@@ -27,7 +27,6 @@ RENAMED = {
 VLLM_DTYPES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # accepted and ignored (with a warning): what they change is speed, memory or logging, never a token
 IGNORED = {
-    "enable_prefix_caching": "no prefix cache here: every prompt is prefilled",
     "enable_chunked_prefill": "prefill is always chunked (max_prefill_tokens per step)",
     "swap_space": "preempted requests are recomputed, never swapped",
     "disable_log_stats": "metrics are always exported through Ray",
@@ -39,7 +38,7 @@ IGNORED = {
     "served_model_name": "the name is model_loading_config.model_id",
 }
 # values of an ignored key that say what we do anyway (no warning)
-AS_HERE = {"enable_chunked_prefill": True, "enable_prefix_caching": False, "disable_log_stats": False,
+AS_HERE = {"enable_chunked_prefill": True, "disable_log_stats": False,
            "disable_log_requests": True, "enable_log_requests": False, "distributed_executor_backend": "ray"}
 # values of a vLLM key that mean what we always do (dropped without a warning)
 DEFAULTS = {"pipeline_parallel_size": 1, "kv_cache_dtype": "auto", "quantization": None, "enable_lora": False,

@@ -62,7 +62,7 @@ def test_vllm_engine_kwargs_map_to_ours():
         "speculative_config": {"model": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3,
                                "prompt_lookup_min": 2}})
     assert ours == {"disable_cuda_graph": True, "max_prefill_tokens": 512, "page_size": 32, "dtype": "float16",
-                    "tensor_parallel_size": 2, "gpu_memory_utilization": 0.9,
+                    "tensor_parallel_size": 2, "gpu_memory_utilization": 0.9, "enable_prefix_caching": True,
                     "speculative_config": {"method": "ngram", "num_steps": 5, "ngram_max": 3, "ngram_min": 2}}
     assert translate_engine_kwargs(ours) == ours  # ours pass through: translating twice changes nothing
     spec = translate_engine_kwargs({"speculative_config": {"method": "draft_model", "model": "/m/small",
@@ -96,8 +96,8 @@ def test_harmless_vllm_keys_are_ignored_with_a_warning(caplog):
     from deployments.rayllm import translate_engine_kwargs
 
     with caplog.at_level(logging.WARNING, logger="specserve"):
-        assert translate_engine_kwargs({"enable_prefix_caching": True, "enable_chunked_prefill": True}) == {}
-    assert "enable_prefix_caching" in caplog.text and "enable_chunked_prefill" not in caplog.text  # (as ours)
+        assert translate_engine_kwargs({"swap_space": 4, "enable_chunked_prefill": True}) == {}
+    assert "swap_space" in caplog.text and "enable_chunked_prefill" not in caplog.text  # (as ours)
 
 
 def test_builder_args_are_checked(tmp_path):
