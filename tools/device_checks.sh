@@ -157,7 +157,7 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # to the replicas, user code on the replica's main loop, direct ingress), +direct: requests to the ingress
       # replica's own port (direct ingress) instead of the proxy's 8000, +ha: HAProxy as the proxy on 8000
       # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
-      # ingress replicas
+      # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
       cfg=$R/served_${2}_$variant.yaml
@@ -167,7 +167,8 @@ a = c['applications'][0]['args']; e = a['engine_kwargs']; a['model_loading_confi
 e['speculative_config']['model'] = sys.argv[2] + '-eagle3'; \
 sys.argv[3] == 'eagle3' or e.pop('speculative_config'); \
 sys.argv[4] and a.setdefault('ingress_deployment_config', {}).update(num_replicas=int(sys.argv[4])); \
-yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" || { echo "!!! cannot write $cfg"; exit 1; }
+'+nopc' in sys.argv[5] and e.update(enable_prefix_caching=False); \
+yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$variant" || { echo "!!! cannot write $cfg"; exit 1; }
       offline=(--offline)
       [[ $variant == *+* && -z ${SERVED_OFFLINE_ALWAYS:-} ]] && offline=()  # measured with the plain variant
       (  # a subshell: the Serve switches stay with this variant
