@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_TREE_BLOCK = 63  # positions a per-token int64 bitmask can cover (tree masks)
 
-AttentionBackendName = Literal["torch_native", "triton", "flashinfer"]
+AttentionBackendName = Literal["auto", "torch_native", "triton", "flashinfer"]
 SpecMethod = Literal["eagle", "eagle3", "draft", "ngram", "naive", "mtp"]
 
 
@@ -96,8 +96,9 @@ class EngineConfig(Strict):
         "CUDA graphs (docs/design.md, Scheduling). Never with speculation")
     kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    prefill_attention_backend: AttentionBackendName = "torch_native"
-    decode_attention_backend: AttentionBackendName = "torch_native"
+    prefill_attention_backend: AttentionBackendName = Field("auto", description="auto: triton on GPUs, torch_native "
+                                                            "(the exact reference) on CPUs")
+    decode_attention_backend: AttentionBackendName = Field("auto", description="as prefill_attention_backend")
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
     speculative_config: SpeculativeConfig | None = None
     enable_prefix_caching: bool = Field(True, description="reuse the KV pages of shared prompt prefixes (and of "
@@ -143,6 +144,12 @@ class EngineConfig(Strict):
         # device_count asks NVML and leaves CUDA unstarted (is_available would start the driver, after which a TP
         # worker could no longer widen its CUDA_VISIBLE_DEVICES: workers.distributed.share_node_gpus)
         return "cuda" if torch.cuda.device_count() > 0 else "cpu"
+
+    def resolved_attention_backends(self, device_type: str) -> tuple[str, str]:
+        """(prefill, decode) backend names on ``device_type``, ``auto`` resolved."""
+        auto = "triton" if device_type == "cuda" else "torch_native"
+        return tuple(auto if b == "auto" else b for b in (self.prefill_attention_backend,
+                                                          self.decode_attention_backend))
 
     def resolved_dtype(self, checkpoint_dtype):
         import torch

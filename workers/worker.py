@@ -65,8 +65,8 @@ class Worker:
                                  model_cfg.max_position_embeddings)
         # RoPE tables reach past the context: a speculative round near the end drafts up to 241 positions further
         rope_len = model_cfg.max_position_embeddings + 256
-        attention = {"prefill_backend": cfg.prefill_attention_backend,
-                     "decode_backend": cfg.decode_attention_backend,
+        prefill_backend, decode_backend = cfg.resolved_attention_backends(device_type)
+        attention = {"prefill_backend": prefill_backend, "decode_backend": decode_backend,
                      "verify_attention_mode": cfg.verify_attention_mode}
         self.target = ModelRunner(cfg.model, device=self.device, dtype=self.dtype, tp=self.tp, config=model_cfg,
                                   max_positions=rope_len, **attention)
