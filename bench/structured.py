@@ -124,6 +124,9 @@ def run_batch(eng, bs: int, guided: bool, args, vocab: int, seed: int) -> dict:
     # warm: the graph variants this batch replays are captured
     eng.generate(ps, [SamplingParams(max_tokens=8, temperature=0.0, guided=g, ignore_eos=not guided)] * bs)
     before = dict(eng.step_time)
+    # graph variants captured inside the timed run (each a stall of the batch): none once the warm-up has them all
+    graphs = getattr(getattr(eng.executor, "worker", None), "graphs", None)
+    variants = len(graphs.phases) if graphs is not None else 0
     with MaskTimer() as masks:
         t0 = time.perf_counter()
         out = eng.generate(ps, params)
@@ -131,6 +134,7 @@ def run_batch(eng, bs: int, guided: bool, args, vocab: int, seed: int) -> dict:
     tokens = sum(len(o.token_ids) for o in out)
     steps = eng.step_time["steps"] - before["steps"]
     row = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "steps": steps,
+           "graphs_captured": (len(graphs.phases) if graphs is not None else 0) - variants,
            "finish": {r: sum(o.finish_reason == r for o in out) for r in {o.finish_reason for o in out}},
            # the engine's host time per step, by part (execute: launching and waiting for the workers)
            "host_ms_per_step": {k.removesuffix("_s"): 1e3 * (eng.step_time[k] - before[k]) / max(steps, 1)
@@ -285,14 +289,16 @@ def report(res: dict, out: Path) -> None:
     lines += ["", "Device time to apply the masks to the logits (`apply_token_mask`):", "",
               "| logits rows | apply ms | host→device copy ms |", "|---|---|---|"]
     lines += [f"| {a['rows']} | {a['device_ms']:.3f} | {a.get('copy_ms', float('nan')):.3f} |" for a in res["apply"]]
-    lines += ["", "Engine host time per step, guided runs (ms; execute includes waiting for the device):", "",
-              "| spec | bs | overlap | schedule | execute | grammar | outputs | worker |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Engine host time per step, guided runs (ms; execute includes waiting for the device; graphs captured: "
+              "graph variants captured inside the timed run, each a stall):", "",
+              "| spec | bs | overlap | schedule | execute | grammar | outputs | worker | graphs captured |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         if r["guided"]:
             h = r["host_ms_per_step"]
             lines.append(f"| {r['spec']} | {r['bs']} | {'on' if r['overlap'] else 'off'} | {h['schedule']:.2f} | "
-                         f"{h['execute']:.2f} | {h['grammar']:.2f} | {h['outputs']:.2f} | {h['worker']:.2f} |")
+                         f"{h['execute']:.2f} | {h['grammar']:.2f} | {h['outputs']:.2f} | {h['worker']:.2f} | "
+                         f"{r.get('graphs_captured', '')} |")
     write_markdown(out, lines)
     try:
         plt = pyplot()

@@ -319,7 +319,7 @@ class DecodeGraphs(GraphRunner):
         """A MASK_VARIANT ``kind``'s phases up to the logits (a round: its drafts' phase, then the verify forward).
         Returns a round's drafts packed (tokens, parents), valid until the next replay; None for a plain step."""
         if (bucket, kind, top) not in self.phases:
-            self._capture(bucket, kind, top)
+            self._capture_every_bucket(kind, top)
         self.static.fill(step, bucket)
         names = self.phases[(bucket, kind, top)]
         drafts = None
@@ -338,6 +338,14 @@ class DecodeGraphs(GraphRunner):
         for name in names[self._mask_split(names):]:
             out = self.replay((name, bucket, kind, top))
         return out.rows(batch_size)
+
+    def _capture_every_bucket(self, kind: str, top: bool) -> None:
+        """A ``kind``'s graphs for every bucket at once (largest first: the smaller reuse its pool memory). A guided
+        batch shrinks through the buckets as its requests end; captured one bucket at a time, each new size would
+        stall the whole batch (its requests' masks and steps waiting on a capture) in the middle of its decode."""
+        for b in reversed(self.buckets):
+            if (b, kind, top) not in self.phases:
+                self._capture(b, kind, top)
 
     @staticmethod
     def _mask_split(names: list[str]) -> int:

@@ -105,6 +105,26 @@ def test_guided_tokens_equal_with_overlap_on_and_off_and_through_graphs(models, 
                 assert reqs[i].output_ids == alone[i].output_ids, i
 
 
+@pytest.mark.parametrize("name", ["none", "draft"])
+def test_mask_variant_captured_for_every_bucket_at_its_first_use(models, name):
+    """The guided batch shrinks through the buckets as its requests end: every bucket's +mask graphs are captured
+    at the first guided step, none later in the middle of the decode (each a stall of the whole batch)."""
+    eng = make(models, name, overlap=True, graphs=True)
+    g = eng.executor.worker.graphs
+    capture, at = g._capture, []
+
+    def recorded(bucket, kind, top, depth=None):
+        at.append((g.num_replays, bucket, kind))
+        return capture(bucket, kind, top, depth)
+
+    g._capture = recorded
+    reqs, _ = drive(eng, params())
+    masked = [(n, b) for n, b, kind in at if kind.endswith(MASK_VARIANT)]
+    assert sorted(b for _, b in masked) == sorted(g.buckets), at
+    assert len({n for n, _ in masked}) == 1, at  # all in one go, before any of them replayed
+    assert len({len(r.output_ids) for r in reqs}) > 2  # (the batch did shrink through sizes)
+
+
 def test_mask_message_to_a_failed_step_is_dropped(models):
     """A step that failed before its masks came is answered by its error; its mask message adds nothing."""
     import numpy as np
