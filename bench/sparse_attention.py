@@ -59,6 +59,7 @@ class Case:
         s = shape
         torch.manual_seed(seed)
         self.shape, self.ctx, self.bs, self.fp8 = s, ctx, bs, fp8
+        self.rows_per_req = rows_per_req  # the indexer reads each request's keys once for all its rows
         page = s["page"]
         pages_per = -(-ctx // page)
         num_pages = bs * pages_per + 1
@@ -90,7 +91,8 @@ class Case:
     def indexer(self, knobs: dict, bf16_keys: bool = False, hist=None):
         keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
         return sm.indexer_scores(self.q_idx, self.w, keys, self.table, self.row_req, self.row_len,
-                                 self.shape["page"], fp8=fp8, hist=hist, out=self.scores, **knobs.get("indexer", {}))
+                                 self.shape["page"], fp8=fp8, rows_per_req=self.rows_per_req, hist=hist,
+                                 out=self.scores, **knobs.get("indexer", {}))
 
     def topk(self, knobs: dict, hist=None):
         return sm.topk_slots(self.scores, self.table, self.row_req, self.row_len, self.shape["page"],

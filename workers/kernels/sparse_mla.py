@@ -245,7 +245,7 @@ if triton is not None:
                     hist += tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
                                          mask=ok & (score > float("-inf")))
             else:
-                for gi in tl.static_range(GROUP):
+                for gi in range(GROUP):  # not unrolled: one row's query and scores live at a time
                     r_ok = r0 + gi < rows
                     r = tl.minimum(r0 + gi, rows - 1)  # a short last group: its missing rows see nothing
                     row_len = tl.where(r_ok, tl.load(RowLen + r), 0)
@@ -686,7 +686,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    num_warps = num_warps or (8 if block_h >= 32 else 4)
+    # a 16 x 64 tile (the bf16 default) spills registers at 4 warps with a 512-wide latent
+    num_warps = num_warps or (8 if block_h * block_n >= 1024 else 4)
     _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
