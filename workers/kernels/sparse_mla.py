@@ -171,7 +171,9 @@ if triton is not None:
             base = page * page_size * (DIM + 4)
             kb = tl.load(K + (base + off * DIM)[:, None] + d[None, :], mask=ok[:, None], other=0)
             k = kb.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
-            scale = tl.load(KScale + (base + page_size * DIM) // 4 + off, mask=ok, other=0.0)
+            # in fp32 units, without a division (which would hide the scales' alignment from vectorized loads)
+            scale = tl.load(KScale + page * page_size * ((DIM + 4) // 4) + page_size * (DIM // 4) + off, mask=ok,
+                            other=0.0)
         else:
             k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
             k = k.to(DOT_TY)
