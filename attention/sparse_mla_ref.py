@@ -34,12 +34,13 @@ def visible_positions(page_table: torch.Tensor, row_req: torch.Tensor, row_len: 
 
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, page_table: torch.Tensor,
                  row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int, *,
-                 tree_bits: torch.Tensor | None = None, tree_len: int = 0) -> torch.Tensor:
+                 tree_bits: torch.Tensor | None = None, tree_len: int = 0, rows_per_req: int = 1) -> torch.Tensor:
     """The lightning indexer's choice. q [R, Hi, Di], w [R, Hi] (the head weights with every scale folded in),
     index_k_cache [S, Di]; returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
     score_t = sum_h w[r, h] * relu(q[r, h] . k[slot(t)]) (all of them when fewer are visible), padded with -1.
     Order within a row is unspecified. ``tree_bits`` ([R] int64) / ``tree_len``: the speculative block (module
-    docstring); None: no row has one."""
+    docstring); None: no row has one. ``rows_per_req``: how the rows group by request (the Triton kernel reads a
+    group's keys once; the result does not depend on it)."""
     max_len = page_table.shape[1] * page_size
     slots, visible = visible_positions(page_table, row_req, row_len, page_size, max_len, tree_bits, tree_len)
     k = index_k_cache[slots].float()  # [R, L, Di]

@@ -46,12 +46,21 @@ class SparseMLAMetadata(AttentionMetadata):
     row_len: torch.Tensor  # [T] int32, positions < row_len are visible (before the block's narrowing)
     tree_bits: torch.Tensor | None  # [T] int64, bit j: block position j visible (None: no tree)
     tree_len: int = 0  # the block: each row's last tree_len positions
+    # rows come in runs of this many of one request (a verify's or a draft step's): the indexer reads their keys once
+    rows_per_req: int = 1
 
     kernel_name: str = "sparse_torch_native"
 
     @property
     def kernel(self) -> str:
         return self.kernel_name
+
+
+MAX_ROWS_PER_REQ = 16  # longer uniform runs (prefill chunks) stay one row a program: a kernel variant per length
+
+
+def rows_per_req(tokens_per_request: int) -> int:
+    return tokens_per_request if tokens_per_request <= MAX_ROWS_PER_REQ else 1
 
 
 def tree_bits_from_mask(mask: torch.Tensor) -> torch.Tensor:
@@ -81,14 +90,15 @@ class SparseTorchNativeBackend(AttentionBackend):
         which ``DraftSteps.advance`` fills in before the step runs."""
         row_req, storage_pos, seq = self._token_rows(steps.stacked)
         per = steps.batch_size * steps.tokens_per_request
+        group = rows_per_req(steps.tokens_per_request)
         for i, fb in enumerate(steps.batches):
             rows = slice(i * per, (i + 1) * per)
             if fb.tree_bits is None:  # a chain: causal
                 m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None,
-                                      kernel_name=self.name)
+                                      rows_per_req=group, kernel_name=self.name)
             else:  # the step's block: the last tree_len(i) positions, its rows' bits a view of the round's masks
                 m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32), fb.tree_bits, steps.tree_len(i),
-                                      kernel_name=self.name)
+                                      rows_per_req=group, kernel_name=self.name)
             fb.round_metadata = m
 
     @staticmethod
@@ -111,13 +121,17 @@ class SparseTorchNativeBackend(AttentionBackend):
 
     def _rows(self, fb: ForwardBatch) -> SparseMLAMetadata:
         row_req, storage_pos, seq = self._token_rows(fb)
+        lens = fb.extend_lens_cpu
+        group = rows_per_req(lens[0]) if lens and len(set(lens)) == 1 else 1
         if fb.has_tree:  # the block is each sequence's last L positions; inside it the tree rows decide
             if fb.tree_bits is not None:
                 bits, length = fb.tree_bits, fb.tree_len
             else:
                 bits, length = tree_bits_from_mask(fb.tree_mask), fb.tree_mask.shape[2]
-            return SparseMLAMetadata(row_req, seq.to(torch.int32), bits, length, kernel_name=self.name)
-        return SparseMLAMetadata(row_req, (storage_pos + 1).to(torch.int32), None, kernel_name=self.name)
+            return SparseMLAMetadata(row_req, seq.to(torch.int32), bits, length, rows_per_req=group,
+                                     kernel_name=self.name)
+        return SparseMLAMetadata(row_req, (storage_pos + 1).to(torch.int32), None, rows_per_req=group,
+                                 kernel_name=self.name)
 
     def forward_sparse(self, q_latent: torch.Tensor, q_rope: torch.Tensor, index_q: torch.Tensor,
                        index_w: torch.Tensor, layer: SparseMLALayerSpec, fb: ForwardBatch) -> torch.Tensor:
@@ -127,7 +141,7 @@ class SparseTorchNativeBackend(AttentionBackend):
         cache = fb.kv_cache
         slots = self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table, m.row_req,
                                   m.row_len, fb.page_table.page_size, layer.topk, tree_bits=m.tree_bits,
-                                  tree_len=m.tree_len)
+                                  tree_len=m.tree_len, rows_per_req=m.rows_per_req)
         return self.sparse_mla(q_latent, q_rope, cache.latent[layer.layer_id], slots, layer.scaling)
 
     def _dense_call(self, *args, **kwargs):

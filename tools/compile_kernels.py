@@ -134,11 +134,17 @@ def sparse_shapes() -> None:
         req, ln = torch.zeros(rows, dtype=torch.int32), torch.full((rows,), 1000, dtype=torch.int32)
         q, w = torch.empty(rows, 64, 128, dtype=torch.bfloat16), torch.empty(rows, 64)
         scores = torch.empty(rows, 4096)
+        per_req = 1 if rows == 1 else 5  # verify rows: 1 + 4 drafts of one request read its keys once
         for k, fp8 in ((keys, False), (packed, True)):
             sm.indexer_scores(q, w, k, table, req, ln, page, fp8=fp8, num_splits=8, out=scores)
-            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, num_splits=8, topk_splits=1)
-            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, num_splits=8, topk_splits=16)
+            sm.indexer_scores(q, w, k, table, req, ln, page, fp8=fp8, tree_bits=torch.zeros(rows, dtype=torch.int64),
+                              tree_len=4, rows_per_req=per_req, num_splits=8, out=scores)
+            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, rows_per_req=per_req, num_splits=8,
+                            topk_splits=1)
+            sm.indexer_topk(q, w, k, table, req, ln, page, topk, fp8=fp8, rows_per_req=per_req, num_splits=8,
+                            topk_splits=16)
         sm.topk_slots(scores, table, req, ln, page, topk)
+        sm.topk_slots(scores, table, req, ln, page, topk, num_splits=1)
         slots = torch.zeros(rows, topk, dtype=torch.int32)
         ql, qr = torch.empty(rows, 128, 512, dtype=torch.bfloat16), torch.empty(rows, 128, 64, dtype=torch.bfloat16)
         for splits in (1, 16):

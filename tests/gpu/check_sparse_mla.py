@@ -85,6 +85,26 @@ def main() -> int:
                                  f"{int((sel != want).sum())} slots differ"))
         whole = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], c["row_len"], page, topk)
         results.append(check(f"indexer_topk {dt}", torch.equal(whole, want)))
+        # rows grouped by request (3 a program: the rows are request 0's 6 then request 1's 3), each key tile read
+        # once for the group: the same scores as one row a program, with and without tree bits, bf16 and FP8 keys
+        bits = torch.tensor([1, 1, 3, 5, 9, 15, 1, 2, 0], dtype=torch.int64, device=args.device)
+        for kname, k, fp8 in (("bf16", keys, False), ("FP8", packed, True)):
+            for tree in (None, bits):
+                one = sm.indexer_scores(q, c["w"], k, c["table"], c["row_req"], c["row_len"], page, fp8=fp8,
+                                        tree_bits=tree, tree_len=4)
+                grp = sm.indexer_scores(q, c["w"], k, c["table"], c["row_req"], c["row_len"], page, fp8=fp8,
+                                        tree_bits=tree, tree_len=4, rows_per_req=3)
+                same_inf = torch.equal(torch.isinf(one[vis]), torch.isinf(grp[vis]))
+                fin = vis & torch.isfinite(one)
+                err = float((grp[fin] - one[fin]).abs().max() / scale)
+                results.append(check(f"indexer grouped rows {dt} {kname} keys tree={tree is not None}",
+                                     same_inf and err < 1e-6,
+                                     f"rel {err:.2e}, exact {torch.equal(grp[vis], one[vis])}"))
+        grouped = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], c["row_len"], page, topk, rows_per_req=3)
+        own = sm.indexer_scores(q, c["w"], keys, c["table"], c["row_req"], c["row_len"], page, rows_per_req=3)
+        want_g = sm.positions_to_slots(sm.topk_positions_reference(own, c["row_len"], topk), c["table"],
+                                       c["row_req"], page)
+        results.append(check(f"indexer_topk grouped rows {dt}", torch.equal(grouped, want_g)))
         # sparse MLA over the selection, -1 holes punched in
         slots = want.clone()
         slots[:, ::5] = -1
@@ -101,7 +121,7 @@ def main() -> int:
         row_len = c["row_len"].clone()
 
         def layer():
-            sel = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], row_len, page, topk)
+            sel = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], row_len, page, topk, rows_per_req=3)
             return sm.sparse_mla(ql, qr, cache, sel, 0.07)
 
         s = torch.cuda.Stream()

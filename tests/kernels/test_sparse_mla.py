@@ -150,6 +150,59 @@ def check_indexer(g) -> None:
                 assert all(set(a.tolist()) == set(b.tolist()) for a, b in zip(sl, want))
 
 
+def check_grouped(g) -> None:
+    """Rows grouped by request (``rows_per_req``: each key tile read once for a verify's rows): the same scores,
+    first-digit histograms and selections as one program a row, with rows of different lengths in a group, tree
+    bits, a short last group, FP8 keys, and page sizes whose pages a tile does (64) and does not (24) cover."""
+    import torch
+
+    from workers.kernels.sparse_mla import (first_digit_histogram, indexer_scores, indexer_scores_reference,
+                                            indexer_topk, indexer_topk_reference, quantize_index_keys)
+
+    heads, dim = 4, 16
+    for page_size in (64, 24):
+        lens = [200, 90, 130]
+        table, keys = paged_case(g, lens, page_size, dim)
+        packed = quantize_index_keys(keys, page_size)
+        # groups of 3: request 0's verify rows, request 1's (lengths in any order, one empty), request 2's short group
+        spec = [(0, 198), (0, 199), (0, 200), (1, 90), (1, 0), (1, 45), (2, 129), (2, 130)]
+        row_req, row_len = rows_of(lens, spec)
+        r = len(spec)
+        q = torch.randn(r, heads, dim, generator=g)
+        w = torch.randn(r, heads, generator=g) * dim ** -0.5
+        bits = torch.tensor([0b1, 0b11, 0b111, 0b1, 0b0, 0b101, 0b01, 0b10], dtype=torch.int64)
+        vis = torch.arange(table.shape[1] * page_size)[None, :] < row_len[:, None]
+        for fp8, k in ((False, keys), (True, packed)):
+            for tree in (None, bits):
+                ref = indexer_scores_reference(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
+                                               tree_len=3)
+                one = indexer_scores(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
+                                     tree_len=3, block_n=16)
+                for splits in (None, 4):
+                    hist = torch.zeros(r, 4, 256, dtype=torch.int32)
+                    got = indexer_scores(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
+                                         tree_len=3, rows_per_req=3, num_splits=splits, block_n=16, hist=hist)
+                    assert torch.equal(got[vis], one[vis]), (page_size, fp8, tree is not None, splits,
+                                                             (got[vis] - one[vis]).abs().max())
+                    fin = vis & torch.isfinite(ref)
+                    assert torch.equal(torch.isinf(got[vis]), torch.isinf(ref[vis]))
+                    torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+                    assert torch.equal(hist[:, 0], first_digit_histogram(got, row_len)), splits
+                    assert hist[:, 1:].abs().sum() == 0
+                if tree is not None:
+                    assert torch.isinf(ref[vis]).sum() > 0
+        for topk in (20, 250):
+            want = indexer_topk_reference(q, w, keys, table, row_req, row_len, page_size, topk, tree_bits=bits,
+                                          tree_len=3)
+            for per in (1, 3):
+                sl = indexer_topk(q, w, keys, table, row_req, row_len, page_size, topk, tree_bits=bits, tree_len=3,
+                                  rows_per_req=per, block_n=16, topk_block=64)
+                assert torch.equal((sl >= 0).sum(1), (want >= 0).sum(1)), (topk, per)
+                same = [len(set(a.tolist()) & set(b.tolist())) / max(1, len(set(b.tolist())))
+                        for a, b in zip(sl, want)]
+                assert min(same) >= 0.95, same
+
+
 def check_sparse_mla(g) -> None:
     """Sparse MLA vs the reference: fp32 with one split (output written directly) and several (merged), heads not
     a multiple of the head block, -1 slots scattered and a row with none, a latent cache row with padding. (Not
@@ -187,6 +240,7 @@ def check() -> None:
     g = torch.Generator().manual_seed(0)
     check_topk(g)
     check_indexer(g)
+    check_grouped(g)
     check_sparse_mla(g)
     print("sparse_mla ok")
 

@@ -152,61 +152,127 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d,
+                        DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGE_TILES: tl.constexpr,
+                        DOT_TY: tl.constexpr):
+        """Keys [BLOCK_N, DIM] (converted to the dot's type once) and their FP8 scales (ones for plain keys) of the
+        positions start.. start + BLOCK_N (zeros past ``hi``). PAGE_TILES: a tile never crosses a page, so one page
+        lookup and contiguous addresses."""
+        n = tl.arange(0, BLOCK_N)
+        t = start + n
+        ok = t < hi
+        if PAGE_TILES:
+            page = tl.load(table_row + start // page_size).to(tl.int64)
+            off = start % page_size + n
+        else:
+            page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
+            off = t % page_size
+        if FP8:  # page: page_size * DIM e4m3 bytes, then page_size fp32 scales
+            base = page * page_size * (DIM + 4)
+            kb = tl.load(K + (base + off * DIM)[:, None] + d[None, :], mask=ok[:, None], other=0)
+            k = kb.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
+            # in fp32 units, without a division (which would hide the scales' alignment from vectorized loads)
+            scale = tl.load(KScale + page * page_size * ((DIM + 4) // 4) + page_size * (DIM // 4) + off, mask=ok,
+                            other=0.0)
+        else:
+            k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
+            k = k.to(DOT_TY)
+            scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        return k, scale
+
+    @triton.jit
+    def _row_tile_scores(q, w, k, scale, t, row_len, bits, block_start, IEEE: tl.constexpr, FP8: tl.constexpr,
+                         HAS_TREE: tl.constexpr):
+        """One row's scores of a key tile: Σ_h w_h·relu(q_h·k·scale), -inf at tree positions the row does not see."""
+        if IEEE:  # fp32: no TF32 rounding
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k)).to(tl.float32)
+        if FP8:
+            s = s * scale[None, :]
+        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
+        if HAS_TREE:  # inside the row's tree block only its set bits are visible
+            rel = tl.maximum(t - block_start, 0).to(tl.int64)
+            score = tl.where((t >= block_start) & (((bits >> rel) & 1) == 0), float("-inf"), score)
+        return score
+
+    @triton.jit
     def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores, HistTot,
-                        heads, page_size, tree_len, num_splits,
+                        rows, heads, page_size, tree_len, num_splits,
                         stride_qr, stride_qh, stride_wr, stride_k, stride_pt, stride_sr,
                         DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, HIST: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, split): scores of the split's share of the row's visible positions. Rows vary fastest, so
-        the rows of one request (a verify's) read each key tile at about the same time (once from HBM). With HIST,
-        also the top-k's first radix pass: the histogram of the scores' top digit, added to the row's total."""
+                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, HIST: tl.constexpr, GROUP: tl.constexpr,
+                        GROUP_P2: tl.constexpr, PAGE_TILES: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row group, split): scores of the split's share of the group's visible positions. A group is
+        GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded (and an FP8 one
+        converted) once and scored for every row of the group, each row up to its own length, with its own tree
+        bits. With HIST, also the top-k's first radix pass: the histogram of the scores' top digit, added to each
+        row's total."""
         pdl_start(PDL)
-        r = tl.program_id(0)
+        r0 = tl.program_id(0) * GROUP
         split = tl.program_id(1)
-        row_len = tl.load(RowLen + r)
-        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
-        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, row_len)
+        table_row = PageTable + tl.load(RowReq + r0).to(tl.int64) * stride_pt
         h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, DIM)
         h_ok = h < heads
-        q = tl.load(Q + r * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
-        w = tl.load(W + r * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
-        if HAS_TREE:
-            bits = tl.load(TreeBits + r)
-            block_start = row_len - tree_len
-        hist = tl.zeros([256], tl.int32)
+        if GROUP == 1:
+            max_len = tl.load(RowLen + r0)
+        else:
+            g = tl.arange(0, GROUP_P2)
+            g_ok = (g < GROUP) & (r0 + g < rows)
+            max_len = tl.max(tl.load(RowLen + r0 + g, mask=g_ok, other=0), 0)
+        chunk = tl.cdiv(tl.cdiv(max_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, max_len)
+        if GROUP == 1:  # the row's query stays in registers
+            q = tl.load(Q + r0 * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
+            w = tl.load(W + r0 * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
+            bits = 0
+            block_start = 0
+            if HAS_TREE:
+                bits = tl.load(TreeBits + r0)
+                block_start = max_len - tree_len
+            hist = tl.zeros([256], tl.int32)
+        else:
+            hist = tl.zeros([GROUP_P2, 256], tl.int32)
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
-            ok = t < hi
-            page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
-            off = t % page_size
-            if FP8:  # page: page_size * DIM e4m3 bytes, then page_size fp32 scales
-                base = page * page_size * (DIM + 4)
-                kb = tl.load(K + base[:, None] + off[:, None] * DIM + d[None, :], mask=ok[:, None], other=0)
-                k = kb.to(tl.float8e4nv, bitcast=True).to(q.dtype)
-                scale = tl.load(KScale + (base + page_size * DIM) // 4 + off, mask=ok, other=0.0)
+            k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
+                                       PAGE_TILES, Q.dtype.element_ty)
+            if GROUP == 1:
+                ok = t < hi
+                score = _row_tile_scores(q, w, k, scale, t, max_len, bits, block_start, IEEE, FP8, HAS_TREE)
+                tl.store(Scores + r0 * stride_sr + t, score, mask=ok)
+                if HIST:
+                    hist += tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
+                                         mask=ok & (score > float("-inf")))
             else:
-                k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None],
-                            other=0.0)
-            if IEEE:  # fp32: no TF32 rounding
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k)).to(tl.float32)
-            if FP8:
-                s = s * scale[None, :]
-            score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
-            if HAS_TREE:  # inside the row's tree block only its set bits are visible
-                rel = tl.maximum(t - block_start, 0).to(tl.int64)
-                score = tl.where((t >= block_start) & (((bits >> rel) & 1) == 0), float("-inf"), score)
-            tl.store(Scores + r * stride_sr + t, score, mask=ok)
-            if HIST:
-                hist += tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
-                                     mask=ok & (score > float("-inf")))
+                for gi in range(GROUP):  # not unrolled: one row's query and scores live at a time
+                    r_ok = r0 + gi < rows
+                    r = tl.minimum(r0 + gi, rows - 1)  # a short last group: its missing rows see nothing
+                    row_len = tl.where(r_ok, tl.load(RowLen + r), 0)
+                    # the queries come from L1 each tile: GROUP of them would not fit in registers
+                    q_g = tl.load(Q + r * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None],
+                                  other=0.0)
+                    w_g = tl.load(W + r * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
+                    bits_g = 0
+                    if HAS_TREE:
+                        bits_g = tl.load(TreeBits + r)
+                    ok = (t < hi) & (t < row_len)
+                    score = _row_tile_scores(q_g, w_g, k, scale, t, row_len, bits_g, row_len - tree_len, IEEE, FP8,
+                                             HAS_TREE)
+                    tl.store(Scores + r * stride_sr + t, score, mask=ok)
+                    if HIST:
+                        hg = tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
+                                          mask=ok & (score > float("-inf")))
+                        hist += tl.where(g[:, None] == gi, hg[None, :], 0)
         if HIST:
             bins = tl.arange(0, 256)
-            tl.atomic_add(HistTot + r * 1024 + bins, hist, mask=hist > 0)
+            if GROUP == 1:
+                tl.atomic_add(HistTot + r0 * 1024 + bins, hist, mask=hist > 0)
+            else:
+                tl.atomic_add(HistTot + (r0 + g)[:, None] * 1024 + bins[None, :], hist,
+                              mask=(hist > 0) & g_ok[:, None])
 
     @triton.jit
     def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -471,11 +537,15 @@ def _p2(n: int, lo: int = 16) -> int:
 
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, num_splits=None, block_n=None, programs_per_sm=4, hist=None, out=None):
+                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, programs_per_sm=8, hist=None,
+                   out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
-    ``quantize_index_keys``. Splits per row from the shapes only (``num_splits`` overrides). ``hist``: a zeroed
-    int32 [R, 4, 256] the kernel adds the top-k's first radix histogram to (``topk_slots(hist=...)``)."""
+    ``quantize_index_keys``. ``rows_per_req``: the rows come in groups of that many consecutive rows of one request
+    (rows ``i * n .. i * n + n - 1`` share ``row_req``; lengths and tree bits their own; the last group may be
+    short), as a verify's draft rows do: each group reads its keys once. Splits per group from the shapes only
+    (``num_splits`` overrides). ``hist``: a zeroed int32 [R, 4, 256] the kernel adds the top-k's first radix
+    histogram to (``topk_slots(hist=...)``)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
@@ -486,12 +556,15 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
         return ref if out is None else out.copy_(ref)
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
+    if rows_per_req < 1:
+        raise ValueError(f"rows_per_req {rows_per_req} must be >= 1")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
     if block_n is None:  # fp32 tiles at 64 keys spill registers at 64 heads x 128
         block_n = 32 if q.dtype == torch.float32 else 64
+    groups = triton.cdiv(rows, rows_per_req)
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
-                                triton.cdiv(programs_per_sm * _num_sms(q), max(rows, 1))))
+                                triton.cdiv(programs_per_sm * _num_sms(q), max(groups, 1))))
     if fp8:
         key, key_scale, stride_k = index_k, index_k.view(torch.float32), 0
     else:
@@ -499,13 +572,14 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     if rows:
-        _indexer_scores[(rows, num_splits)](
+        _indexer_scores[(groups, num_splits)](
             q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
-            scores, hist if hist is not None else row_len, heads, page_size, tree_len, num_splits, q.stride(0), q.stride(1), w.stride(0), stride_k,
-            page_table.stride(0), scores.stride(0), DIM=dim, BLOCK_H=_p2(heads), BLOCK_N=block_n, FP8=fp8,
-            HAS_TREE=tree_bits is not None, IEEE=q.dtype == torch.float32, HIST=hist is not None,
-            num_warps=4 if heads <= 32 else 8,
-            **pdl_launch(q))
+            scores, hist if hist is not None else row_len, rows, heads, page_size, tree_len, num_splits,
+            q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
+            BLOCK_H=_p2(heads), BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None,
+            IEEE=q.dtype == torch.float32, HIST=hist is not None, GROUP=rows_per_req,
+            GROUP_P2=max(2, triton.next_power_of_2(rows_per_req)), PAGE_TILES=page_size % block_n == 0,
+            num_warps=4 if heads <= 32 else 8, **pdl_launch(q))
     return scores
 
 
@@ -516,8 +590,8 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
     return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1024, num_warps=8, num_splits=None,
-               programs_per_sm=2, hist=None, out=None):
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4096, num_warps=None,
+               num_splits=None, programs_per_sm=8, hist=None, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
     it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
@@ -532,6 +606,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
         return slots
     if num_splits is None:
         num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
+    num_warps = num_warps or (8 if rows < 8 else 4)  # few rows: each program's passes are the critical path
     pdl = pdl_launch(scores)
     if num_splits == 1:
         _topk_select[(rows,)](scores, page_table, row_req, row_len, hist if hist is not None else row_len, slots,
@@ -552,15 +627,17 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=1
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, num_splits=None, block_n=None, topk_block=1024, topk_splits=None,
-                 scores_out=None, out=None):
+                 tree_bits=None, tree_len=0, rows_per_req=1, num_splits=None, block_n=None, topk_block=4096,
+                 topk_splits=None, scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
     q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
-    page_table [B, P] int32, row_req / row_len [R] int32 (device). Graph-safe: nothing read on the host."""
+    page_table [B, P] int32, row_req / row_len [R] int32 (device). ``rows_per_req``: see ``indexer_scores``.
+    Graph-safe: nothing read on the host."""
     hist = torch.zeros(q.shape[0], 4, 256, dtype=torch.int32, device=q.device)  # the first radix pass, fused
     scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
-                            tree_len=tree_len, num_splits=num_splits, block_n=block_n, hist=hist, out=scores_out)
+                            tree_len=tree_len, rows_per_req=rows_per_req, num_splits=num_splits, block_n=block_n,
+                            hist=hist, out=scores_out)
     return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block,
                       num_splits=topk_splits, hist=hist, out=out)
 
@@ -575,7 +652,7 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=32, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
+               block_n=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly."""
@@ -593,7 +670,9 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None:
-        block_h = 16 if (fp32 or heads <= 16) else 32
+        block_h = 16
+    if block_n is None:  # fp32 tiles of 64 latents spill registers
+        block_n = 32 if fp32 else 64
     block_h = min(block_h, _p2(heads))
     if num_splits is None:
         num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
@@ -609,7 +688,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    num_warps = num_warps or (8 if block_h >= 32 else 4)
+    # a 16 x 64 tile (the bf16 default) spills registers at 4 warps with a 512-wide latent
+    num_warps = num_warps or (8 if block_h * block_n >= 1024 else 4)
     _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
