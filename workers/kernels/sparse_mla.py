@@ -688,8 +688,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    # a 16 x 64 tile (the bf16 default) spills registers at 4 warps with a 512-wide latent
-    num_warps = num_warps or (8 if block_h * block_n >= 1024 else 4)
+    # 4 warps at 16 x 64 spill a little (sm_90, 512-wide latent) yet beat 8 warps on the H100 (docs/performance.md)
+    num_warps = num_warps or (8 if block_h >= 32 else 4)
     _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
