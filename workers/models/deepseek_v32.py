@@ -29,7 +29,7 @@ from workers.layers import (
     VocabParallelEmbedding,
 )
 from workers.model_config import CheckpointError, ModelConfig
-from workers.models.llama import MLP
+from workers.models.llama import MLP, load_into_submodule
 
 
 def check_deepseek_config(cfg: ModelConfig) -> None:
@@ -179,27 +179,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-_FUSED_MLP = {"gate_proj": 0, "up_proj": 1}
-
-
-def load_layer_weight(module: nn.Module, name: str, slice_) -> bool:
-    """One HF tensor into ``module`` (a decoder layer or the model): the MLP's gate / up go into the fused
-    gate_up_proj, single-output linears take shard 0."""
-    path, _, pname = name.rpartition(".")
-    parts = path.split(".")
-    shard = 0
-    if parts[-1] in _FUSED_MLP:
-        parts[-1], shard = "gate_up_proj", _FUSED_MLP[parts[-1]]
-    try:
-        sub = module.get_submodule(".".join(parts))
-    except AttributeError:
-        return False
-    if not hasattr(sub, "load_weight"):
-        return False
-    sub.load_weight(pname, slice_, shard)
-    return True
-
-
 class DeepseekV32ForCausalLM(nn.Module):
     #: which attention backends serve it (``attention.registry``)
     attention_family = "sparse_mla"
@@ -283,7 +262,7 @@ class DeepseekV32ForCausalLM(nn.Module):
             idx = int(name.split(".")[1])
             if idx >= len(self.layers):  # the MTP (NextN) layer: the draft's (``DeepseekV32MTP``)
                 return False
-        return load_layer_weight(self, name, slice_)
+        return load_into_submodule(self, name, slice_)
 
 
 class DeepseekV32MTP(nn.Module):
@@ -361,5 +340,5 @@ class DeepseekV32MTP(nn.Module):
             self.shared_norm.load_weight("weight", slice_)
             return True
         if name.split(".")[0] in ("enorm", "hnorm", "eh_proj"):
-            return load_layer_weight(self, name, slice_)
-        return load_layer_weight(self.layer, name, slice_)
+            return load_into_submodule(self, name, slice_)
+        return load_into_submodule(self.layer, name, slice_)

@@ -159,16 +159,17 @@ def load_into_submodule(root: nn.Module, name: str, slice_) -> bool:
     ``load_weight``; False when no such module exists."""
     module_path, _, pname = name.rpartition(".")
     parts = module_path.split(".")
-    shard_id = None
+    shard = ()  # unfused: the module's own default shard
     if parts[-1] in FUSED_PROJECTIONS:
         parts[-1], shard_id = FUSED_PROJECTIONS[parts[-1]]
+        shard = (shard_id,)
     try:
         module = root.get_submodule(".".join(parts))
     except AttributeError:
         return False
     if not hasattr(module, "load_weight"):
         return False
-    module.load_weight(pname, slice_, shard_id)
+    module.load_weight(pname, slice_, *shard)
     return True
 
 
