@@ -12,8 +12,7 @@ from deployments.engine.engine import Engine
 from deployments.engine.pages import OutOfPages, PageAllocator
 from deployments.engine.prefix_cache import ROOT, PrefixCache
 from deployments.engine.request import SamplingParams
-from deployments.make_heads import make_head
-from deployments.make_tiny import make_tiny
+from tests.speculative.test_speculative import spec_models  # noqa: F401 - the fixture
 from workers.config import EngineConfig, SpeculativeConfig
 
 P = 4  # page size of the engine tests
@@ -77,16 +76,8 @@ def test_eagle_keys_carry_the_next_token():
 
 # ---- the engine ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def models(tiny_models, tmp_path_factory):
-    base = tmp_path_factory.mktemp("pc")
-    target = tiny_models["llama"]
-    return {
-        "target": target,
-        "eagle": make_head("eagle", target, base / "eagle", seed=1),
-        "eagle3": make_head("eagle3", target, base / "eagle3", seed=2, draft_vocab=200),
-        "draft": make_tiny("llama", base / "draft", layers=1, hidden=64, vocab=512, max_position=1024, seed=5,
-                           tokenizer_from=str(target)),
-    }
+def models(spec_models):  # the target, EAGLE and EAGLE-3 heads and the draft of the speculation tests
+    return spec_models
 
 
 def make_engine(models, spec: SpeculativeConfig | None = None, **kw) -> Engine:
