@@ -48,6 +48,11 @@ Once upon a time there was a small language model that could only count to ten, 
 """
 
 
+#: DeepSeek-V3 / V3.2's rope scaling as their checkpoints ship it (a 4096-token pretraining context stretched 40x)
+DEEPSEEK_YARN: dict[str, Any] = {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                 "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
 def llama3_rope_scaling(max_position: int) -> dict[str, Any]:
     """The Llama-3.1 rope scaling (factor 8) for a model whose context is ``max_position``."""
     return {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -159,7 +164,8 @@ def build_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int,
     if arch == "deepseek_v32":
         return deepseek_v32_config(vocab=vocab, hidden=hidden, layers=layers, heads=heads, intermediate=intermediate,
                                    max_position=max_position, tie=tie, bos_token_id=bos_token_id,
-                                   eos_token_id=eos_token_id, dtype=dtype, rope_theta=rope_theta, **(deepseek or {}))
+                                   eos_token_id=eos_token_id, dtype=dtype, rope_theta=rope_theta,
+                                   rope_scaling=rope_scaling, **(deepseek or {}))
     if arch not in classes:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHES)}")
     if hidden % heads or heads % kv_heads:
@@ -182,12 +188,13 @@ def build_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int,
 
 def deepseek_v32_config(*, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, max_position: int,
                         tie: bool, bos_token_id: int | None, eos_token_id: int | None, dtype: str, rope_theta: float,
-                        index_topk: int = 8, index_n_heads: int = 16, index_head_dim: int = 32, kv_lora_rank: int = 32,
+                        rope_scaling: dict | None = None, index_topk: int = 8, index_n_heads: int = 16, index_head_dim: int = 32, kv_lora_rank: int = 32,
                         q_lora_rank: int = 32, qk_rope_head_dim: int = 16, qk_nope_head_dim: int = 16,
                         v_head_dim: int = 16, num_nextn_predict_layers: int = 0):
     """A DeepSeek-V3.2 config with every MLP dense (``first_k_dense_replace`` = layers: MoE layers are refused by
     the workers) and small MLA / indexer dims. The indexer's RoPE covers its first ``qk_rope_head_dim`` dims.
-    ``num_nextn_predict_layers``: 1 adds an MTP layer (written by ``make_tiny`` itself, after the model)."""
+    ``num_nextn_predict_layers``: 1 adds an MTP layer (written by ``make_tiny`` itself, after the model).
+    ``rope_scaling``: e.g. ``DEEPSEEK_YARN`` (the released checkpoints' YaRN)."""
     from transformers import DeepseekV32Config
 
     if index_head_dim < qk_rope_head_dim:
@@ -201,7 +208,7 @@ def deepseek_v32_config(*, vocab: int, hidden: int, layers: int, heads: int, int
         index_topk=index_topk, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
         max_position_embeddings=max_position, rms_norm_eps=1e-6, tie_word_embeddings=tie,
         bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, dtype=dtype)
+        rope_parameters={"rope_type": "default", **(rope_scaling or {}), "rope_theta": rope_theta}, dtype=dtype)
 
 
 @torch.no_grad()
@@ -343,10 +350,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer-from", default=None, help="copy this checkpoint's tokenizer instead of training one")
     p.add_argument("--index-topk", type=int, default=8, help="deepseek_v32: tokens the indexer keeps per query")
     p.add_argument("--mtp", action="store_true", help="deepseek_v32: add an MTP (NextN) layer (speculative method mtp)")
+    p.add_argument("--yarn", action="store_true",
+                   help="deepseek_v32: the released checkpoints' YaRN rope scaling (factor 40 over 4096 positions)")
 
 
 def run(args: argparse.Namespace) -> None:
     """Build what ``args`` asks for and print the output directory."""
+    if args.yarn and args.arch != "deepseek_v32":
+        raise ValueError("--yarn is for --arch deepseek_v32")
     if args.kind != "model":
         from deployments.make_heads import make_head
 
@@ -357,7 +368,8 @@ def run(args: argparse.Namespace) -> None:
     print(make_tiny(args.arch, args.out, layers=args.layers, hidden=args.hidden, vocab=args.vocab, heads=args.heads,
                     kv_heads=args.kv_heads, intermediate=args.intermediate, max_position=args.max_position,
                     tie_embeddings=args.tie, dtype=args.dtype, seed=args.seed, rope_theta=args.rope_theta,
-                    rope_scaling=llama3_rope_scaling(args.max_position) if args.llama3_rope else None,
+                    rope_scaling=llama3_rope_scaling(args.max_position) if args.llama3_rope
+                    else dict(DEEPSEEK_YARN) if args.yarn else None,
                     max_shard_size=args.shard_size, tokenizer_from=args.tokenizer_from,
                     deepseek={"index_topk": args.index_topk, "num_nextn_predict_layers": int(args.mtp)}
                     if args.arch == "deepseek_v32" else None))

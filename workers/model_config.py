@@ -105,8 +105,11 @@ class ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            if rtype not in ("default", "llama3", "linear"):
-                raise CheckpointError(f"unsupported rope scaling type {rtype!r}")
+            # yarn: DeepSeek-V3.2 only (its model applies the frequencies and the mscale; llama's RoPE does not)
+            allowed = ("default", "yarn") if arch == "DeepseekV32ForCausalLM" else ("default", "llama3", "linear")
+            if rtype not in allowed:
+                raise CheckpointError(f"unsupported rope scaling type {rtype!r} for {arch} (supported: "
+                                      f"{', '.join(allowed)})")
             scaling["rope_type"] = rtype
             if rtype == "default":
                 scaling = None

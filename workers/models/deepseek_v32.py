@@ -8,9 +8,14 @@ Attention runs absorbed in every mode: each head's q_nope goes through W_UK into
 selected latents, and the latent output goes through W_UV (``kv_b_proj`` holds both). Numerics follow transformers'
 ``modeling_deepseek_v32``: MLA RoPE on interleaved pairs (output de-interleaved), the indexer's RoPE half-split on its
 first ``qk_rope_head_dim`` dims, indexer score = sum_h w_h * relu(q_h . k) * index_dim^-0.5 * index_heads^-0.5.
+YaRN rope scaling (the released checkpoints': factor 40 over 4096 positions) as transformers applies it: YaRN's
+frequencies and cos / sin factor in both RoPEs (MLA's and the indexer's), MLA's softmax scale times
+mscale(factor, mscale_all_dim)^2; the indexer's scale is unchanged.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -47,13 +52,69 @@ def check_deepseek_config(cfg: ModelConfig) -> None:
         raise CheckpointError(f"{cfg.path or 'config'}: q_lora_rank must be set (q_a_proj / q_b_proj)")
     if int(raw["index_head_dim"]) < int(raw["qk_rope_head_dim"]):
         raise CheckpointError("index_head_dim must be >= qk_rope_head_dim")
+    scaling = cfg.rope_scaling
+    if scaling is not None:
+        if scaling["rope_type"] != "yarn":
+            raise CheckpointError(f"{cfg.path or 'config'}: rope scaling {scaling['rope_type']!r} is not supported "
+                                  "for DeepseekV32ForCausalLM (default or yarn)")
+        missing = [k for k in ("factor", "original_max_position_embeddings") if scaling.get(k) is None]
+        if missing:
+            raise CheckpointError(f"{cfg.path or 'config'}: yarn rope scaling needs {', '.join(missing)}")
 
 
-def rope_tables(dim: int, max_positions: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos / sin [positions, dim // 2] in fp32, as transformers computes them (default rope)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and cos / sin factor, as transformers' ``_compute_yarn_parameters`` computes them:
+    frequencies below the correction range interpolated (divided by ``factor``), above it kept, a linear ramp
+    between; the factor is mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek: both 1.0, so 1)."""
+    factor = float(scaling["factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    attention_factor = scaling.get("attention_factor")
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if attention_factor is None:
+        attention_factor = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else yarn_get_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (transformers: no zero-width ramp)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    return interpolation * (1 - keep) + extrapolation * keep, float(attention_factor)
+
+
+def rope_tables(dim: int, max_positions: int, theta: float,
+                scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos / sin [positions, dim // 2] in fp32, as transformers computes them (default rope, or YaRN: its
+    frequencies, and cos / sin times its attention factor; the indexer's RoPE uses the same tables)."""
+    if scaling is None:
+        inv_freq, factor = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    else:
+        inv_freq, factor = yarn_inv_freq(dim, theta, scaling)
     freqs = torch.arange(max_positions, dtype=torch.float32)[:, None].float() * inv_freq
-    return freqs.cos(), freqs.sin()
+    return freqs.cos() * factor, freqs.sin() * factor
+
+
+def softmax_scale(cfg: ModelConfig) -> float:
+    """MLA's softmax scale: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's
+    attention; transformers' ``yarn_apply_mscale``)."""
+    raw, scaling = cfg.extra, cfg.rope_scaling
+    scale = (int(raw["qk_nope_head_dim"]) + int(raw["qk_rope_head_dim"])) ** -0.5
+    if scaling is not None and scaling.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        scale = scale * m * m
+    return scale
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,7 +198,7 @@ class MLAAttention(nn.Module):
         self.spec = SparseMLALayerSpec(
             layer_id=layer_id, num_heads=self.num_heads, kv_lora_rank=self.kv_lora_rank, rope_dim=self.rope,
             index_heads=self.indexer.n_heads, index_dim=self.indexer.head_dim, topk=int(raw["index_topk"]),
-            scaling=(self.nope + self.rope) ** -0.5)
+            scaling=softmax_scale(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x: the normed hidden states [T, hidden]; cos / sin: [T, rope/2] at the batch's positions."""
@@ -195,7 +256,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         raw = cfg.extra
         cos, sin = rope_tables(int(raw["qk_rope_head_dim"]), max_positions or cfg.max_position_embeddings,
-                               cfg.rope_theta)
+                               cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.aux_hidden_layers: tuple[int, ...] = ()
@@ -295,7 +356,7 @@ class DeepseekV32MTP(nn.Module):
         self.shared_head = ParallelLMHead(cfg.vocab_size, h, dtype, tp)
         self.draft_vocab = cfg.vocab_size
         self.embed_tokens: VocabParallelEmbedding | None = None  # the target's (``attach_target``)
-        cos, sin = rope_tables(int(raw["qk_rope_head_dim"]), max_positions, cfg.rope_theta)
+        cos, sin = rope_tables(int(raw["qk_rope_head_dim"]), max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.norms_in_linears = True
