@@ -32,18 +32,31 @@ def visible_positions(page_table: torch.Tensor, row_req: torch.Tensor, row_len: 
     return slots, visible
 
 
+def gather_index_keys(index_k_cache: torch.Tensor, slots: torch.Tensor, page_size: int, dim: int,
+                      fp8: bool = False) -> torch.Tensor:
+    """The fp32 indexer keys at ``slots`` (any shape) → [*slots.shape, dim]. ``fp8``: the cache is the uint8 page
+    buffer of ``workers.kernels.sparse_mla.quantize_index_keys`` (each page's FP8 keys, then their fp32 scales),
+    dequantized as FP8 value × scale."""
+    if not fp8:
+        return index_k_cache[slots].float()
+    page, off = slots // page_size, slots % page_size
+    keys = index_k_cache[:, :page_size * dim].unflatten(1, (page_size, dim))[page, off]
+    scales = index_k_cache[:, page_size * dim:].unflatten(1, (page_size, 4))[page, off]
+    return keys.view(torch.float8_e4m3fn).float() * scales.contiguous().view(torch.float32)
+
+
 def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, page_table: torch.Tensor,
-                 row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int, *,
+                 row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int, *, fp8: bool = False,
                  tree_bits: torch.Tensor | None = None, tree_len: int = 0, rows_per_req: int = 1) -> torch.Tensor:
     """The lightning indexer's choice. q [R, Hi, Di], w [R, Hi] (the head weights with every scale folded in),
-    index_k_cache [S, Di]; returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
+    index_k_cache [S, Di] (``fp8``: FP8 pages, ``gather_index_keys``); returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
     score_t = sum_h w[r, h] * relu(q[r, h] . k[slot(t)]) (all of them when fewer are visible), padded with -1.
     Order within a row is unspecified. ``tree_bits`` ([R] int64) / ``tree_len``: the speculative block (module
     docstring); None: no row has one. ``rows_per_req``: how the rows group by request (the Triton kernel reads a
     group's keys once; the result does not depend on it)."""
     max_len = page_table.shape[1] * page_size
     slots, visible = visible_positions(page_table, row_req, row_len, page_size, max_len, tree_bits, tree_len)
-    k = index_k_cache[slots].float()  # [R, L, Di]
+    k = gather_index_keys(index_k_cache, slots, page_size, q.shape[-1], fp8)  # [R, L, Di]
     scores = torch.relu(torch.einsum("rhd,rld->rhl", q.float(), k))
     score = torch.einsum("rh,rhl->rl", w.float(), scores).masked_fill(~visible, float("-inf"))
     kk = min(topk, max_len)

@@ -20,6 +20,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-attention-backend", default="auto")
     p.add_argument("--decode-attention-backend", default="auto")
     p.add_argument("--verify-attention-mode", default="decode", choices=["decode", "prefill"])
+    p.add_argument("--indexer-key-dtype", default="auto", choices=["auto", "fp8"],
+                   help="DeepSeek-V3.2: the indexer's key cache in the model dtype (auto) or FP8 + scale")
     p.add_argument("--disable-cuda-graph", action="store_true")
     p.add_argument("--disable-custom-all-reduce", action="store_true", help="TP: NCCL for every all-reduce")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -46,6 +48,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_prefill_tokens=args.max_prefill_tokens, kv_cache_tokens=args.kv_cache_tokens,
         prefill_attention_backend=args.prefill_attention_backend,
         decode_attention_backend=args.decode_attention_backend, verify_attention_mode=args.verify_attention_mode,
+        indexer_key_dtype=args.indexer_key_dtype,
         disable_cuda_graph=args.disable_cuda_graph, disable_custom_all_reduce=args.disable_custom_all_reduce,
         disable_overlap_schedule=args.disable_overlap_schedule,
         speculative_config=spec,

@@ -100,6 +100,10 @@ class EngineConfig(Strict):
                                                             "(the exact reference) on CPUs")
     decode_attention_backend: AttentionBackendName = Field("auto", description="as prefill_attention_backend")
     verify_attention_mode: Literal["decode", "prefill"] = "decode"
+    indexer_key_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="DeepSeek-V3.2: the lightning indexer's key cache. auto: the model dtype (bf16 on GPUs; "
+        "exactly what transformers computes); fp8: FP8 e4m3 + a per-token fp32 scale (132 instead of 256 bytes a "
+        "token at dim 128, top-k chosen from the dequantized keys' scores: close to auto's, not equal)")
     speculative_config: SpeculativeConfig | None = None
     enable_prefix_caching: bool = Field(True, description="reuse the KV pages of shared prompt prefixes (and of "
                                         "earlier turns' answers) across requests; valid under every speculative "

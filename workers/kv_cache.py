@@ -68,27 +68,57 @@ class KVCache:
 
 class MLAKVCache:
     """DeepSeek-V3.2's cache: per layer ONE compressed latent plus the shared rotated rope key per token
-    (``latent[layer]``: [num_pages * page_size, kv_lora_rank + rope_dim]) and the lightning indexer's key
-    (``index_k[layer]``: [slots, index_head_dim]). Both are indexed by the same slots, so one page table and one
-    page grant cover them; the indexer keys are kept in the model dtype (bf16 on GPUs, fp32 in CPU tests)."""
+    (``latent[layer]``: [num_pages * page_size, kv_lora_rank + rope_dim]) and the lightning indexer's key at the
+    same slot. Both are indexed by the same slots, so one page table and one page grant cover them.
+
+    Indexer keys: in the model dtype (``index_k[layer]``: [slots, index_head_dim]; bf16 on GPUs, fp32 in CPU
+    tests: what transformers computes), or with ``index_fp8`` FP8 e4m3 with a per-token fp32 scale in SGLang's page
+    layout (``index_k[layer]``: uint8 [num_pages, page_size * (index_head_dim + 4)], what
+    ``workers.kernels.sparse_mla.quantize_index_keys`` writes: each page's FP8 keys, then its scales), quantized
+    as they are stored."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, latent_dim: int, index_dim: int, dtype,
-                 device):
+                 device, index_fp8: bool = False):
         self.page_size = page_size
         self.num_pages = num_pages
+        self.index_dim = index_dim
+        self.index_fp8 = index_fp8
         slots = num_pages * page_size
         self.latent = [torch.zeros(slots, latent_dim, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.index_k = [torch.zeros(slots, index_dim, dtype=dtype, device=device) for _ in range(num_layers)]
+        if index_fp8:
+            self.index_k = [torch.zeros(num_pages, page_size * (index_dim + 4), dtype=torch.uint8, device=device)
+                            for _ in range(num_layers)]
+            # per layer: (keys [pages, page_size, dim], scales' bytes [pages, page_size, 4]), views of its buffer
+            self._fp8_parts = [(buf[:, :page_size * index_dim].unflatten(1, (page_size, index_dim)),
+                                buf[:, page_size * index_dim:].unflatten(1, (page_size, 4))) for buf in self.index_k]
+        else:
+            self.index_k = [torch.zeros(slots, index_dim, dtype=dtype, device=device) for _ in range(num_layers)]
 
     def store(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, index_k: torch.Tensor) -> None:
         self.latent[layer_id][slots] = latent.to(self.latent[layer_id].dtype)
-        self.index_k[layer_id][slots] = index_k.to(self.index_k[layer_id].dtype)
+        if not self.index_fp8:
+            self.index_k[layer_id][slots] = index_k.to(self.index_k[layer_id].dtype)
+            return
+        from workers.kernels.sparse_mla import quantize_index_keys
+
+        rows = quantize_index_keys(index_k, 1)  # [T, dim + 4]: each key's FP8 bytes, then its scale's
+        keys, scales = self._fp8_parts[layer_id]
+        page, off = slots // self.page_size, slots % self.page_size
+        keys[page, off] = rows[:, :self.index_dim]
+        scales[page, off] = rows[:, self.index_dim:]
 
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy every layer's latents and indexer keys from ``src_slots`` to ``dst_slots`` (accepted tree nodes)."""
-        for buf in (*self.latent, *self.index_k):
+        for buf in self.latent if self.index_fp8 else (*self.latent, *self.index_k):
             buf[dst_slots] = buf[src_slots]
+        if self.index_fp8:
+            ps = self.page_size
+            src, dst = (src_slots // ps, src_slots % ps), (dst_slots // ps, dst_slots % ps)
+            for keys, scales in self._fp8_parts:
+                keys[dst] = keys[src]
+                scales[dst] = scales[src]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, latent_dim: int, index_dim: int, dtype) -> int:
-        return num_layers * (latent_dim + index_dim) * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_token(num_layers: int, latent_dim: int, index_dim: int, dtype, index_fp8: bool = False) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        return num_layers * (latent_dim * size + (index_dim + 4 if index_fp8 else index_dim * size))

@@ -36,12 +36,15 @@ class ModelRunner:
         verify_attention_mode: str = "decode",
         config: ModelConfig | None = None,
         build_model=None,
+        indexer_key_dtype: str = "auto",
     ):
-        """``build_model``: a callable making the module (default: the decoder for ``config``)."""
+        """``build_model``: a callable making the module (default: the decoder for ``config``).
+        ``indexer_key_dtype``: "fp8" keeps a DeepSeek-V3.2 cache's indexer keys in FP8 (``MLAKVCache``)."""
         self.config = config or ModelConfig.from_pretrained(model_path)
         self.device = device
         self.dtype = dtype
         self.tp = tp
+        self.index_fp8 = indexer_key_dtype == "fp8"
         with torch.device(device):
             self.model = (build_model() if build_model
                           else decoder_class(self.config)(self.config, dtype, tp, max_positions))
@@ -68,13 +71,13 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         if hasattr(self.model, "make_kv_cache"):  # a model with a cache of its own (MLA latents)
-            return self.model.kv_bytes_per_token(self.dtype)
+            return self.model.kv_bytes_per_token(self.dtype, self.index_fp8)
         specs = self.attention_specs
         return KVCache.bytes_per_token(len(specs), specs[0].num_kv_heads, specs[0].head_dim, self.dtype)
 
     def allocate_kv_cache(self, num_pages: int, page_size: int) -> None:
         if hasattr(self.model, "make_kv_cache"):
-            self.kv_cache = self.model.make_kv_cache(num_pages, page_size, self.dtype, self.device)
+            self.kv_cache = self.model.make_kv_cache(num_pages, page_size, self.dtype, self.device, self.index_fp8)
             return
         specs = self.attention_specs
         self.kv_cache = KVCache(len(specs), num_pages, page_size, specs[0].num_kv_heads, specs[0].head_dim,

@@ -66,8 +66,11 @@ class Worker:
         # RoPE tables reach past the context: a speculative round near the end drafts up to 241 positions further
         rope_len = model_cfg.max_position_embeddings + 256
         prefill_backend, decode_backend = cfg.resolved_attention_backends(device_type)
+        if cfg.indexer_key_dtype == "fp8" and model_cfg.architecture != "DeepseekV32ForCausalLM":
+            raise ValueError(f"indexer_key_dtype fp8 is for DeepSeek-V3.2 (its lightning indexer); "
+                             f"{model_cfg.architecture} has none")
         attention = {"prefill_backend": prefill_backend, "decode_backend": decode_backend,
-                     "verify_attention_mode": cfg.verify_attention_mode}
+                     "verify_attention_mode": cfg.verify_attention_mode, "indexer_key_dtype": cfg.indexer_key_dtype}
         self.target = ModelRunner(cfg.model, device=self.device, dtype=self.dtype, tp=self.tp, config=model_cfg,
                                   max_positions=rope_len, **attention)
         spec = cfg.speculative_config

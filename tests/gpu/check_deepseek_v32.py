@@ -1,6 +1,8 @@
 """DeepSeek-V3.2 (sparse MLA) on the GPU path: the Triton sparse backend with CUDA graphs, without speculation and
 with every drafter (MTP chain and tree, a standalone DeepSeek draft, EAGLE-3, n-gram), against the torch-native
-sparse backend run eagerly, in fp32, on a tiny checkpoint whose indexer keeps 4 tokens (selection matters).
+sparse backend run eagerly, in fp32, on a tiny checkpoint whose indexer keeps 4 tokens (selection matters); then
+with FP8 indexer keys and under YaRN rope scaling (no speculation, MTP chain and tree), each against torch-native
+with the same setting.
 
     python -m tests.gpu.check_deepseek_v32 [--device cuda] [--json F]
 
@@ -21,7 +23,7 @@ def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
     from deployments.make_heads import make_head
-    from deployments.make_tiny import make_tiny
+    from deployments.make_tiny import DEEPSEEK_YARN, make_tiny
     from tests.helpers import mixed_prompts
     from workers.config import EngineConfig, SpeculativeConfig
 
@@ -67,6 +69,27 @@ def main() -> None:
         ok &= same == len(prompts)
         print(json.dumps(row), flush=True)
         del eng
+    # FP8 indexer keys (each side quantizes the same keys; the Triton indexer scales q.k8, the reference dequantizes
+    # k8 first) and YaRN rope scaling (the released checkpoints'), each against its own torch-native eager reference
+    yarn = make_tiny("deepseek_v32", base / "yarn", layers=2, hidden=64, vocab=512, heads=4, max_position=1024,
+                     seed=3, rope_scaling=dict(DEEPSEEK_YARN), deepseek={"index_topk": 4, "num_nextn_predict_layers": 1})
+    variants = [("fp8 keys", {"indexer_key_dtype": "fp8"}), ("yarn", {"model": str(yarn)})]
+    for variant, kw in variants:
+        vcfg = {**cfg, **kw}
+        ref = Engine(EngineConfig(**vcfg, prefill_attention_backend="torch_native",
+                                  decode_attention_backend="torch_native", disable_cuda_graph=True))
+        want = [o.token_ids for o in ref.generate(prompts, params)]
+        del ref
+        for name, spec in cases[:3]:  # none, mtp chain, mtp tree
+            eng = Engine(EngineConfig(**vcfg, **gpu, speculative_config=spec))
+            out = eng.generate(prompts, params)
+            same = sum(o.token_ids == r for o, r in zip(out, want))
+            row = {"case": f"{variant}: {name}", "equal": f"{same}/{len(prompts)}",
+                   "replays": eng.executor.worker.graphs.num_replays if eng.executor.worker.graphs is not None else 0}
+            rows.append(row)
+            ok &= same == len(prompts)
+            print(json.dumps(row), flush=True)
+            del eng
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     print("OK" if ok else "MISMATCH")

@@ -271,11 +271,12 @@ class DeepseekV32ForCausalLM(nn.Module):
     def index_dim(self) -> int:
         return int(self.cfg.extra["index_head_dim"])
 
-    def kv_bytes_per_token(self, dtype) -> int:
-        return MLAKVCache.bytes_per_token(len(self.layers), self.latent_dim, self.index_dim, dtype)
+    def kv_bytes_per_token(self, dtype, index_fp8: bool = False) -> int:
+        return MLAKVCache.bytes_per_token(len(self.layers), self.latent_dim, self.index_dim, dtype, index_fp8)
 
-    def make_kv_cache(self, num_pages: int, page_size: int, dtype, device) -> MLAKVCache:
-        return MLAKVCache(len(self.layers), num_pages, page_size, self.latent_dim, self.index_dim, dtype, device)
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype, device, index_fp8: bool = False) -> MLAKVCache:
+        return MLAKVCache(len(self.layers), num_pages, page_size, self.latent_dim, self.index_dim, dtype, device,
+                          index_fp8)
 
     def capture_aux_hidden(self, layers: tuple[int, ...]) -> None:
         self.aux_hidden_layers = tuple(layers)
@@ -365,11 +366,11 @@ class DeepseekV32MTP(nn.Module):
     index_dim = DeepseekV32ForCausalLM.index_dim
     rope_at = DeepseekV32ForCausalLM.rope_at
 
-    def kv_bytes_per_token(self, dtype) -> int:
-        return MLAKVCache.bytes_per_token(1, self.latent_dim, self.index_dim, dtype)
+    def kv_bytes_per_token(self, dtype, index_fp8: bool = False) -> int:
+        return MLAKVCache.bytes_per_token(1, self.latent_dim, self.index_dim, dtype, index_fp8)
 
-    def make_kv_cache(self, num_pages: int, page_size: int, dtype, device) -> MLAKVCache:
-        return MLAKVCache(1, num_pages, page_size, self.latent_dim, self.index_dim, dtype, device)
+    def make_kv_cache(self, num_pages: int, page_size: int, dtype, device, index_fp8: bool = False) -> MLAKVCache:
+        return MLAKVCache(1, num_pages, page_size, self.latent_dim, self.index_dim, dtype, device, index_fp8)
 
     def attach_target(self, target: nn.Module) -> None:
         self.embed_tokens = target.embed_tokens
