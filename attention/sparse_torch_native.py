@@ -85,21 +85,32 @@ class SparseTorchNativeBackend(AttentionBackend):
         fb.attn_metadata = self._rows(fb)
 
     def init_round_metadata(self, steps: DraftSteps) -> None:
-        """Every step of a multi-step draft round at once, over the stacked batch (one set of device ops per round
-        instead of per step): step i's rows are its slice; a tree step's bits are its view of the round's masks,
-        which ``DraftSteps.advance`` fills in before the step runs."""
-        row_req, storage_pos, seq = self._token_rows(steps.stacked)
-        per = steps.batch_size * steps.tokens_per_request
-        group = rows_per_req(steps.tokens_per_request)
-        for i, fb in enumerate(steps.batches):
-            rows = slice(i * per, (i + 1) * per)
+        """Every step of a multi-step draft round at once, from the stacked batch (its B request slots held once, its
+        lengths [steps * B]): the rows' page-table rows are the same in every step, and all steps' row lengths come
+        from one op over the stacked lengths, so a round costs two or three device ops (no per-token index
+        arithmetic) and each step only views its row. A chain's token j sees its own position (KV length - k + j +
+        1); a tree step's rows see their whole block (the KV length) narrowed by their bits, a view of the round's
+        masks, which ``DraftSteps.advance`` fills in before the step runs."""
+        st = steps.stacked
+        n, b, k = steps.num_steps, steps.batch_size, steps.tokens_per_request
+        row_req = st.req_slots.to(torch.int32)
+        if k > 1:
+            row_req = row_req.repeat_interleave(k)
+        seq = st.seq_lens.view(n, b)
+        if steps.tree_bits is not None:
+            lens = seq.repeat_interleave(k, dim=1)
+        elif k == 1:
+            lens = seq
+        else:
+            lens = (seq.unsqueeze(2) + torch.arange(1 - k, 1, dtype=seq.dtype, device=seq.device)).view(n, b * k)
+        group = rows_per_req(k)
+        for i, (fb, row_len) in enumerate(zip(steps.batches, lens.to(torch.int32).unbind(0))):
             if fb.tree_bits is None:  # a chain: causal
-                m = SparseMLAMetadata(row_req[rows], (storage_pos[rows] + 1).to(torch.int32), None,
-                                      rows_per_req=group, kernel_name=self.name)
-            else:  # the step's block: the last tree_len(i) positions, its rows' bits a view of the round's masks
-                m = SparseMLAMetadata(row_req[rows], seq[rows].to(torch.int32), fb.tree_bits, steps.tree_len(i),
-                                      rows_per_req=group, kernel_name=self.name)
-            fb.round_metadata = m
+                fb.round_metadata = SparseMLAMetadata(row_req, row_len, None, rows_per_req=group,
+                                                      kernel_name=self.name)
+            else:
+                fb.round_metadata = SparseMLAMetadata(row_req, row_len, fb.tree_bits, steps.tree_len(i),
+                                                      rows_per_req=group, kernel_name=self.name)
 
     @staticmethod
     def _token_rows(fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
