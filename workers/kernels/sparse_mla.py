@@ -715,6 +715,10 @@ class SparseDraftRows:
     into the static [steps, B * k] buffer; ``step(i)`` returns views. ``expand_pages`` also keeps a per-row copy of
     the page table's rows ([B * k, P], the same for every step) for kernels that take a page table row per query
     row (ours index the shared table through ``row_req`` instead).
+
+    Host work per round: each batch size's views (and each offset's constant lengths) are made at its first
+    ``fill`` and kept, so a round is one add (plus one gather with the page rows) and ``step`` only looks up. (That
+    first ``fill`` must run eagerly, as a graph's warm-up does: the constant lengths are computed then.)
     """
 
     def __init__(self, max_batch: int, tokens_per_step: int, steps: int, device, *, causal: bool = True,
@@ -728,22 +732,43 @@ class SparseDraftRows:
         self.row_len = torch.empty(steps, b * k, dtype=torch.int32, device=device)
         self._page_table = page_table
         self.pages = None if page_table is None else page_table.new_empty(b * k, page_table.shape[1])
+        self._batch_views: dict[int, tuple] = {}
+        self._step_offsets: dict[tuple[int, int], torch.Tensor] = {}
+
+    def _views(self, b: int) -> tuple:
+        """Batch ``b``'s (lengths [steps, b, k], row_req, pages, every step's (row_req, row_len)), made once."""
+        views = self._batch_views.get(b)
+        if views is None:
+            n = b * self.k
+            lens = self.row_len[:, :n]
+            views = (lens if self.k == 1 else lens.view(self.steps, b, self.k), self.row_req[:n],
+                     None if self.pages is None else self.pages[:n],
+                     [(self.row_req[:n], lens[i]) for i in range(self.steps)])
+            self._batch_views[b] = views
+        return views
+
+    def _offsets_for(self, b: int, offset: int) -> torch.Tensor:
+        """The constant part of batch ``b``'s lengths at ``offset`` (the lengths' layout), made once."""
+        off = self._step_offsets.get((b, offset))
+        if off is None:
+            off = self._offsets[:, :b * self.k] + offset
+            off = off if self.k == 1 else off.view(self.steps, b, self.k)
+            self._step_offsets[(b, offset)] = off
+        return off
 
     def fill(self, base_lens: torch.Tensor, offset: int = 0, req_slots: torch.Tensor | None = None) -> None:
         """All steps' row lengths from the round's base lengths [B] (device), and the expanded page rows (of
         ``req_slots``, default the first B rows)."""
         b = base_lens.shape[0]
-        lens = self.row_len[:, :b * self.k].view(self.steps, b, self.k)
-        torch.add(self._offsets[:, :b * self.k].view(self.steps, b, self.k), (base_lens + offset).view(1, b, 1),
-                  out=lens)
-        if self.pages is not None:
-            idx = self.row_req[:b * self.k] if req_slots is None else req_slots.repeat_interleave(self.k)
-            torch.index_select(self._page_table, 0, idx, out=self.pages[:b * self.k])
+        lens, row_req, pages, _ = self._views(b)
+        torch.add(self._offsets_for(b, offset), base_lens if self.k == 1 else base_lens.view(b, 1), out=lens)
+        if pages is not None:
+            idx = row_req if req_slots is None else req_slots if self.k == 1 else req_slots.repeat_interleave(self.k)
+            torch.index_select(self._page_table, 0, idx, out=pages)
 
     def step(self, i: int, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(row_req, row_len) of step ``i`` (views of the static buffers)."""
-        n = (batch if batch is not None else self.max_batch) * self.k
-        return self.row_req[:n], self.row_len[i, :n]
+        return self._views(batch if batch is not None else self.max_batch)[3][i]
 
 
 def draft_rows_per_step(base_lens: torch.Tensor, k: int, step: int, offset: int = 0, causal: bool = True,
