@@ -60,7 +60,7 @@ def test_fp8_cache_layout_is_the_kernels():
 
 def test_fp8_indexer_close_to_full_precision(ds_mtp):
     """Every indexer call of a plain run (prefill chunks and decodes, both layers), recomputed from FP8 keys: the
-    scores within 1% of their scale, the selected top-4 sets overlapping >= 95% overall (measured: 0.46%, 98.1%)."""
+    scores within 1% of their scale, the selected top-4 sets overlapping >= 95% overall (measured: 0.46%, 98.0%)."""
     eng = ds_engine(ds_mtp, "auto")
     backend = eng.executor.worker.target.attn_backend
     calls = []
@@ -71,7 +71,7 @@ def test_fp8_indexer_close_to_full_precision(ds_mtp):
         return sparse_mla_ref.indexer_topk(q, w, index_k, table, row_req, row_len, page_size, topk, **kw)
 
     backend.indexer_topk = recording
-    eng.generate(PROMPTS, GREEDY)
+    eng.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert len(calls) > 20
     same = total = 0
     worst = 0.0
@@ -113,10 +113,15 @@ def test_fp8_keys_logprobs_close(ds_mtp):
     assert float(diffs.mean()) <= 0.15, diffs
 
 
+@pytest.fixture(scope="module")
+def fp8_plain(ds_mtp):
+    return [o.token_ids for o in ds_engine(ds_mtp, "fp8").generate(PROMPTS, GREEDY)]
+
+
 @pytest.mark.parametrize("topk,ndt", [(1, None), (2, 5)])
-def test_fp8_keys_speculation_equals_plain_decoding(ds_mtp, topk, ndt):
-    """FP8 keys on both sides, MTP chain and tree (pages of 16: preempted and recomputed)."""
-    plain = [o.token_ids for o in ds_engine(ds_mtp, "fp8").generate(PROMPTS, GREEDY)]
+def test_fp8_keys_speculation_equals_plain_decoding(ds_mtp, fp8_plain, topk, ndt):
+    """FP8 keys on both sides, MTP chain and tree."""
+    plain = fp8_plain
     eng = ds_engine(ds_mtp, "fp8", SpeculativeConfig(method="mtp", num_steps=3, topk=topk, num_draft_tokens=ndt),
                     kv_cache_tokens=256, max_num_seqs=6)
     out = eng.generate(PROMPTS, GREEDY)
