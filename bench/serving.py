@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -115,12 +116,11 @@ def _share_in_process(args: tuple) -> list[dict]:
 
 async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
                    api_key: str | None = None, procs: int = 1) -> dict:
-    """One level: requests at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight. All at
-    once, the requests and the in-flight limit are split over ``procs`` client processes, so that many hundreds of
-    streams do not wait on one client's event loop; one share runs in a process of its own too, not in this one,
-    which may be the server's Ray driver (its threads, and full collections of the heap it imported, would count in
-    the clients' TTFT)."""
-    if rate == float("inf"):
+    """One level: requests at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight; with
+    ``procs`` > 1 (all at once only), the requests and the in-flight limit are split over that many client
+    processes, so that many hundreds of streams do not wait on one client's event loop. (One share runs here: a
+    client process spawned for it sent a wave's requests spread out, one per engine submit instead of 8, on CPU.)"""
+    if procs > 1 and rate == float("inf"):
         import concurrent.futures
         import multiprocessing
 
@@ -478,6 +478,10 @@ def main() -> None:
     # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
     asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
     asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key))
+    # this process may be the server's Ray driver, with the whole application imported: its heap is frozen, so that
+    # no full collection of it lands in a level's clients
+    gc.collect()
+    gc.freeze()
     runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:
