@@ -605,7 +605,8 @@ async def _client(concurrency: int):
 # -- the benchmark --------------------------------------------------------------------------------------------------
 
 def _listener_pid(port: int) -> int | None:
-    """The process listening on TCP ``port`` (from /proc: no psutil)."""
+    """The process listening on TCP ``port`` (from /proc: no psutil); HAProxy if it is one of several (its reloads
+    and the proxy actor may share the port)."""
     inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -616,18 +617,44 @@ def _listener_pid(port: int) -> int | None:
             f = line.split()
             if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # LISTEN on that port
                 inodes.add(f"socket:[{f[9]}]")
+    found = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                    return int(proc.name)
+                    found.append(int(proc.name))
             except OSError:
                 continue
-    return None
+    return next((p for p in found if _comm(p) == "haproxy"), found[0] if found else None)
 
 
 def _ppid(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _server_node(port: int) -> tuple[int, int] | None:
+    """(the process listening on ``port``, the raylet whose children are the server's Ray processes). Serve's proxy
+    actor is the raylet's child; Serve's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1) is the proxy actor's."""
+    listener = _listener_pid(port)
+    if listener is None:
+        return None
+    pid = listener
+    try:
+        while pid > 1:
+            parent = _ppid(pid)
+            if b"raylet" in Path(f"/proc/{parent}/cmdline").read_bytes().split(b"\0")[0]:
+                return listener, parent
+            pid = parent
+    except OSError:
+        pass
+    return listener, _ppid(listener)
 
 
 def rss_mib(port: int, app: str) -> dict[str, float]:
@@ -635,13 +662,16 @@ def rss_mib(port: int, app: str) -> dict[str, float]:
     other Ray worker processes (the raylet's children, named by the titles Ray gives actors' processes), the
     application's ingress replicas and controller and the engine core. Another Ray instance on the machine (its
     processes have another raylet) is left out."""
-    proxy = _listener_pid(port)
-    if proxy is None:
+    node = _server_node(port)
+    if node is None:
         return {}
-    raylet = _ppid(proxy)
+    listener, raylet = node
+    found: dict[str, float] = {}
+    if _comm(listener) == "haproxy":  # Serve's HAProxy ingress: HAProxy itself, beside the proxy actor
+        kib = int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{listener}/status").read_text()).group(1))
+        found["haproxy"] = round(kib / 1024, 1)
     wanted = {"proxy": "ray::ProxyActor", "ingress": f"ray::ServeReplica:{app}:OpenAIIngress",
               "controller": f"ray::ServeReplica:{app}:LLMController", "engine_core": "ray::EngineCore"}
-    found: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -834,10 +864,10 @@ async def many_streams(base: str, model: str, api_key: str | None, num: int, max
 def actor_pids(port: int, title: str) -> list[int]:
     """Pids of the Ray worker processes on the node of the HTTP proxy listening on ``port`` whose process title starts
     with ``title`` (e.g. ``ray::WorkerActor``)."""
-    proxy = _listener_pid(port)
-    if proxy is None:
+    node = _server_node(port)
+    if node is None:
         return []
-    raylet = _ppid(proxy)
+    raylet = node[1]
     pids = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -1024,7 +1054,8 @@ def goals(meta: dict) -> list[str]:
 def write_report(meta: dict, out: Path) -> None:
     write_json(out, meta)
     md = [f"# Reliability ({meta['device']})", "", f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          f"server: {meta.get('config') or meta['url']} · model `{meta['model_id']}` · the machine's 1-minute load "
+          f"server: {meta.get('config') or meta['url']} (answering on its port: {meta.get('listener')}) · model "
+          f"`{meta['model_id']}` · the machine's 1-minute load "
           f"average at the start: {meta['load_avg_1m_at_start']} (a shared machine: timings are noisy)", ""]
     md += ["## Against the issue's goals", "", *goals(meta), ""]
     f = meta.get("fuzz")
@@ -1045,10 +1076,11 @@ def write_report(meta: dict, out: Path) -> None:
     if h:
         md += [f"## A {h['body_bytes'] / 1e6:.0f} MB body while {h['streams']} streams run", "",
                "| body | status (code) | time to the status line ms | MiB sent by then | MiB sent in all | "
-               "RSS after, ingress / proxy / engine core MiB |", "|---|---|---|---|---|---|"]
+               "RSS after, ingress / proxy (HAProxy) / engine core MiB |", "|---|---|---|---|---|---|"]
         md += [f"| {'chunked' if s['chunked'] else 'Content-Length'} | {s['status']} ({s['code']}) | {s['ms']} | "
                f"{s['sent_mib']} | {s['sent_total_mib']} | {s['rss_mib_after'].get('ingress')} / "
-               f"{s['rss_mib_after'].get('proxy')} / {s['rss_mib_after'].get('engine_core')} |" for s in h["sends"]]
+               f"{s['rss_mib_after'].get('proxy')} ({s['rss_mib_after'].get('haproxy', '-')}) / "
+               f"{s['rss_mib_after'].get('engine_core')} |" for s in h["sends"]]
         md += ["", "(The client sends its whole body, as clients do: the server answers first and reads the rest on "
                "the kept-alive connection rather than closing it, which would reset the connection under the unread "
                "body and could lose the answer.)"]
@@ -1138,6 +1170,9 @@ def main() -> None:
     meta = {"device": f"CPU {cpu}, {os.cpu_count()} cores", "commit": commit(), "command": command(),
             "config": config, "url": base, "model_id": model, "concurrency": args.concurrency,
             "timeout_s": args.timeout_s, "load_avg_1m_at_start": round(os.getloadavg()[0], 2)}
+    port = int(base.removeprefix("http://").split("/")[0].rsplit(":", 1)[1])
+    listener = _listener_pid(port)  # what answers on the URL's port: haproxy, or a Ray process (Serve's proxy, replica)
+    meta["listener"] = None if listener is None else _comm(listener)
     out = out_path(args.out)
     parts = args.parts.split(",")
     if "fuzz" in parts:
@@ -1156,7 +1191,6 @@ def main() -> None:
         print(json.dumps(meta["many_streams"], indent=1), flush=True)
         write_report(meta, out)
     if "worker_kill" in parts:
-        port = int(base.removeprefix("http://").split("/")[0].rsplit(":", 1)[1])
         meta["worker_kill"] = []
         for kind in args.kills.split(","):
             loaded = {"quiet": 0, "loaded": args.kill_streams}[kind]

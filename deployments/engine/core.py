@@ -84,6 +84,7 @@ class EngineCore:
         t0 = time.time()
         self.cfg, self.replica = cfg, replica
         self.num_accepted = 0  # requests accepted by submit, ever (/v1/stats: which replica served how many)
+        self.num_submits = 0  # submit calls that accepted any (/v1/stats: requests per call, how arrivals batch)
         self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id, replica),
                                        detokenize=False)
         if engine is None:
@@ -146,6 +147,7 @@ class EngineCore:
             for req in accepted:
                 self._owner[req.rid] = client
             self.num_accepted += len(accepted)
+            self.num_submits += bool(accepted)
             self._inbox.extend(accepted)
             self._last_poll.setdefault(client, time.monotonic())
         self._wake.set()
@@ -171,7 +173,7 @@ class EngineCore:
 
     def stats(self) -> dict:
         stats = self.engine.step_stats()
-        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts}
+        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits}
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
         return stats
 

@@ -7,8 +7,6 @@ Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this pro
 
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import threading
@@ -20,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from deployments.engine import grammar
+from deployments.engine import freeze_startup_heap, grammar  # noqa: F401 - (freeze_startup_heap: re-exported)
 from deployments.engine.pages import PageAllocator
 from deployments.engine.prefix_cache import PrefixCache
 from deployments.engine.request import (
@@ -38,20 +36,6 @@ from workers.messages import ForwardMode, StepResult, WorkerStep
 from workers.worker import Worker
 
 logger = logging.getLogger("specserve")
-
-
-def freeze_startup_heap() -> None:
-    """Once the engine is up: collect, then move every object alive into the garbage collector's permanent
-    generation (``gc.freeze``), as vLLM's engine core does after start-up. The start-up heap (torch, transformers,
-    the tokenizer, the model's modules, the captured graphs) is large; left in the oldest generation, every full
-    collection while serving scans all of it: a long pause inside a step. Objects created later are collected as
-    before. For a process that keeps one engine for its life (the controller); ``gc.unfreeze`` gives the frozen
-    objects back to the collector, and runs at exit (frozen objects would outlive the interpreter's final
-    collections, and Triton's bindings report them as leaked)."""
-    gc.collect()
-    gc.freeze()
-    atexit.unregister(gc.unfreeze)  # once
-    atexit.register(gc.unfreeze)
 
 
 class Executor(Protocol):
@@ -151,7 +135,7 @@ class Engine:
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0,
-                          "grammar_s": 0.0}
+                          "grammar_s": 0.0, "extend_steps": 0}  # (extend_steps: how many pieces arrivals came in)
 
     @staticmethod
     def _mixed_decode_rows(cfg: EngineConfig, executor: Executor) -> int:
@@ -240,6 +224,8 @@ class Engine:
             step = plan.to_worker_step()
             step.step_id = next(self._step_ids)
             self.in_flight.append((step.step_id, plan))
+            if plan.mode == ForwardMode.EXTEND:
+                self.step_time["extend_steps"] += 1
             if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
                 step.spec_depth = self.depth_policy.choose(step.batch_size)
             # (no pass over the batch until a structured-output request has been seen)

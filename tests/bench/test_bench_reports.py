@@ -95,3 +95,20 @@ def test_adaptive_summary_ratios():
     assert got["points"]["2"]["1"] == {"vs_no_spec": 1.5, "vs_best_fixed": 0.938, "best_fixed": "depth1"}
     assert got["points"]["2"]["64"] == {"vs_no_spec": 0.99, "vs_best_fixed": 1.0, "best_fixed": "depth0"}
     assert got["min_vs_no_spec"] == 0.99 and got["min_vs_best_fixed"] == 0.938
+
+
+def test_serving_per_step_counts_prefill_steps_and_requests_per_submit():
+    """bench.serving's per-level figures from two /v1/stats answers: host time per step, and how the arrivals reached
+    the engine (prefill steps, requests per submit call)."""
+    from bench.serving import per_step
+
+    def stats(steps, extends, submits, requests, busy):
+        return {"step_time": {"steps": steps, "schedule_s": steps * 1e-4, "execute_s": steps * 1e-3,
+                              "worker_s": steps * 5e-4, "outputs_s": steps * 1e-4, "extend_steps": extends},
+                "loop": {"busy_s": busy, "submits": submits}, "requests": requests}
+
+    row = per_step(stats(100, 4, 3, 10, 1.0), stats(300, 10, 7, 42, 1.5))
+    assert row["steps"] == 200 and row["extend_steps"] == 6 and row["submits"] == 4
+    assert row["requests_per_submit"] == 8.0 and row["loop_wall_ms"] == 2.5
+    old = {"step_time": {k: v for k, v in stats(300, 0, 0, 0, 0)["step_time"].items() if k != "extend_steps"}}
+    assert "extend_steps" not in per_step(old, old | {"step_time": {**old["step_time"], "steps": 301}})

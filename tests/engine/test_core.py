@@ -52,6 +52,10 @@ def test_requests_submitted_together_are_admitted_together(core):
                 assert reason == "length" and final["completion_tokens"] == 8 and final["prompt_tokens"] == 4
     assert all(len(t) == 8 for t in tokens.values()), tokens
     assert core.engine.scheduler.kv_usage == 0.0
+    # what /v1/stats tells of how arrivals came in: one submit call, one prefill step
+    stats = core.stats()
+    assert stats["loop"]["submits"] == 1 and stats["requests"] == 4
+    assert stats["step_time"]["extend_steps"] == 1
 
 
 def test_refusals_are_answered_at_submit(core):

@@ -4,6 +4,8 @@ naming the parameter, one just under it is served. Offline, the engine raises In
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -11,13 +13,14 @@ from tests.helpers import serve_app
 
 MAX_MODEL_LEN = 1024
 LIMITS = {"max_prompt_chars": 600, "max_n": 3, "max_stop_strings": 2, "max_stop_string_chars": 8}
+BODY_LIMIT = 9 << 20  # max_request_body_bytes: every body below fits (the 8 MiB prompt is refused on its length)
 
 
 @pytest.fixture(scope="module")
 def base(tiny_models):
     args = {"model_loading_config": {"model_id": "tiny", "model_source": str(tiny_models["llama"])},
             "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
-            **LIMITS}
+            "max_request_body_bytes": BODY_LIMIT, **LIMITS}
     with serve_app(args, "limits") as url:
         yield url
 
@@ -128,3 +131,27 @@ def test_the_offline_engine_names_the_parameter(tiny_models):
         engine.add_request(list(range(5, 200)), SamplingParams(max_tokens=4))
     assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
     assert not engine.has_work()
+
+
+def test_a_chunked_body_is_served_under_the_limit_and_refused_over_it(base):
+    """A body sent without a Content-Length (chunked) is read up to max_request_body_bytes as it comes: under the
+    limit, in small pieces, it is served exactly as the same body with a Content-Length; past it, a 413 in OpenAI's
+    shape."""
+    headers = {"Content-Type": "application/json"}
+    body = json.dumps(_completion("def f(", max_tokens=3, temperature=0.0)).encode()
+
+    def pieces(data: bytes, size: int):  # (a generator: httpx sends it chunked)
+        for i in range(0, len(data), size):
+            yield data[i:i + size]
+
+    whole = httpx.post(f"{base}/v1/completions", content=body, headers=headers, timeout=120)
+    chunked = httpx.post(f"{base}/v1/completions", content=pieces(body, 5), headers=headers, timeout=120)
+    assert chunked.status_code == whole.status_code == 200, chunked.text[:300]
+    assert chunked.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
+    assert chunked.json()["usage"]["completion_tokens"] == 3
+    big = b'{"prompt": "' + b"a" * BODY_LIMIT + b'", "max_tokens": 2}'
+    for content in (big, pieces(big, 64 << 10)):  # with a Content-Length, then chunked
+        r = httpx.post(f"{base}/v1/completions", content=content, headers=headers, timeout=120)
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["code"] == "request_too_large" and set(r.json()["error"]) == {
+            "message", "type", "param", "code"}
