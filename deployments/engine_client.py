@@ -349,24 +349,15 @@ class EngineClient:
 
     def _flush(self, name: str) -> None:
         batch = self._pending.pop(name, [])
-        if not batch:
-            return
-        # sent now: a task would send it only in the next turn of the event loop, after every handler ready by then
+        if batch:
+            asyncio.ensure_future(self._submit(name, batch))
+
+    async def _submit(self, name: str, batch: list[tuple]) -> None:
         core = self._cores.get(name)
         try:
             if core is None:
                 raise RuntimeError("the engine core is gone")
-            sent = core.submit.remote(self.client_id, [item[:4] for item in batch])
-        except Exception as e:  # noqa: BLE001 - answered as a lost core below
-            sent = e
-        asyncio.ensure_future(self._submit(name, batch, sent))
-
-    async def _submit(self, name: str, batch: list[tuple], sent) -> None:
-        """The answer to a batch sent to core ``name`` (``sent``: the call's ObjectRef, or why it could not go)."""
-        try:
-            if isinstance(sent, Exception):
-                raise sent
-            answers = await sent
+            answers = await core.submit.remote(self.client_id, [item[:4] for item in batch])
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
             self._lost(name, e)
             for item in batch:
