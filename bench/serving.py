@@ -158,9 +158,10 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     return row
 
 
-def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_file: str) -> None:
+def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_file: str, waves: int = 2) -> None:
     """The same workload through the in-process engine (``Engine.step`` in a loop, no HTTP, no Ray): for each C,
-    2C requests with C in flight, the next one added as soon as one finishes. Writes {C: row} to ``out_file``."""
+    ``waves``·C requests (2C by default) with C in flight, the next one added as soon as one finishes. Writes {C: row}
+    to ``out_file``."""
     from deployments.app import resolve_config
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
@@ -205,7 +206,7 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
 
     run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
     run(8, 8)
-    rows = {c: run(2 * c, c) for c in levels}
+    rows = {c: run(waves * c, c) for c in levels}
     Path(out_file).write_text(json.dumps(rows))
     engine.shutdown()
 
@@ -309,9 +310,9 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     spec = any("accept_length" in r for r in rows)
     md = [f"# Serving benchmark ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
-          ("2C requests per level" if meta.get("concurrencies") else f"{meta['num_prompts']} requests per rate") +
+          (f"{meta.get('waves', 2)}C requests per level" if meta.get("concurrencies") else f"{meta['num_prompts']} requests per rate") +
           f", input {meta['input_len']} / output {meta['output_len']} tokens "
-          f"(±{meta['range_ratio']:.0%}), " + ("2C requests at once with C in flight" if meta.get("concurrencies")
+          f"(±{meta['range_ratio']:.0%}), " + (f"{meta.get('waves', 2)}C requests at once with C in flight" if meta.get("concurrencies")
                                                 else f"at most {meta['max_concurrency']} in flight") +
           ", greedy, streamed, ignore_eos"]
     if meta.get("engine_kwargs"):
@@ -373,7 +374,7 @@ def workload(args, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
     """(concurrency levels, prompts, output lengths): the same for every engine given the same arguments."""
     rng = random.Random(1)
     levels = [int(c) for c in args.concurrencies.split(",")] if args.concurrencies else []
-    args.num_prompts = max([args.num_prompts] + [2 * c for c in levels])
+    args.num_prompts = max([args.num_prompts] + [args.waves * c for c in levels])
     lens = lambda n: [rng.randint(int(n * (1 - args.range_ratio)), int(n * (1 + args.range_ratio)))  # noqa: E731
                       for _ in range(args.num_prompts)]
     prompts = [[rng.randrange(10, vocab - 10) for _ in range(n)] for n in lens(args.input_len)]
@@ -389,7 +390,7 @@ def measure_offline(config: Path, args) -> dict[int, dict]:
     levels, prompts, out_lens = workload(argparse.Namespace(**vars(args)), vocab_size(app_args))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         child = multiprocessing.get_context("spawn").Process(
-            target=offline_levels, args=(app_args, prompts, out_lens, levels, f.name))
+            target=offline_levels, args=(app_args, prompts, out_lens, levels, f.name, args.waves))
         child.start()
         child.join()
         if child.exitcode != 0:
@@ -422,6 +423,7 @@ def main() -> None:
     ap.add_argument("--request-rates", default="2,8,inf")
     ap.add_argument("--concurrencies", default=None, help="instead of rates: for each C, 2C requests at once, C in "
                     "flight (e.g. 1,16,64,128,256)")
+    ap.add_argument("--waves", type=int, default=2, help="with --concurrencies: waves x C requests per level (more waves: a longer steady state, less of the start and the tail)")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
     ap.add_argument("--offline", action="store_true", help="with --config and --concurrencies: first the same "
                     "workload through the in-process engine (in a child process), reported beside the served rows")
@@ -473,7 +475,8 @@ def main() -> None:
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels}
+            "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels,
+            "waves": args.waves}
     rows = []
     # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
     asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
@@ -482,7 +485,7 @@ def main() -> None:
     # no full collection of it lands in a level's clients
     gc.collect()
     gc.freeze()
-    runs = ([(float("inf"), c, 2 * c) for c in levels] if levels else
+    runs = ([(float("inf"), c, args.waves * c) for c in levels] if levels else
             [(float(r), args.max_concurrency, len(prompts)) for r in args.request_rates.split(",")])
     for rate, concurrency, n in runs:
         before = server_stats(base, args.api_key)
