@@ -18,6 +18,8 @@ import itertools
 from collections import OrderedDict
 
 ROOT = 0  # the parent id of a sequence's first page
+_PAGE_BITS = 32  # an index entry is one int, node id << _PAGE_BITS | page (no tuple per cached page to collect)
+_PAGE_MASK = (1 << _PAGE_BITS) - 1
 
 
 class PrefixCache:
@@ -27,7 +29,7 @@ class PrefixCache:
     def __init__(self, page_size: int, key_next_token: bool):
         self.page_size = page_size
         self.key_next_token = key_next_token  # an EAGLE head's KV at a page's last slot depends on the next token
-        self._index: dict[tuple, tuple[int, int]] = {}  # key -> (page, node id)
+        self._index: dict[tuple, int] = {}  # key -> node id << _PAGE_BITS | page
         self._keys: dict[int, tuple] = {}  # page -> its key
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no holder, oldest release first
         self._ids = itertools.count(ROOT + 1)
@@ -39,25 +41,38 @@ class PrefixCache:
     def key(self, parent: int, ids: list[int], k: int) -> tuple | None:
         """The key of block ``k`` of ``ids`` under node ``parent``; None when ``ids`` cannot prove it (the block is
         not full, or the token after it is needed and not known yet)."""
-        P = self.page_size
-        end = (k + 1) * P
+        return self.page_key(parent, ids, (), k)
+
+    def page_key(self, parent: int, ids: list[int], more: list[int], k: int) -> tuple | None:
+        """``key`` of the sequence ``ids + more`` (a request's prompt and output) without joining them: a request's
+        page is indexed once it is full, and copying its whole sequence each time would cost more than the key."""
+        P, n = self.page_size, len(ids)
+        start, end = k * P, (k + 1) * P
+        if end + self.key_next_token > n + len(more):
+            return None
+        if end <= n:
+            tokens = tuple(ids[start:end])
+        elif start >= n:
+            tokens = tuple(more[start - n:end - n])
+        else:
+            tokens = tuple(ids[start:] + more[:end - n])
         if self.key_next_token:
-            return (parent, tuple(ids[k * P:end]), ids[end]) if end < len(ids) else None
-        return (parent, tuple(ids[k * P:end])) if end <= len(ids) else None
+            return parent, tokens, ids[end] if end < n else more[end - n]
+        return parent, tokens
 
     # ---- lookups ---------------------------------------------------------------------------------------------
-    def match(self, ids: list[int], max_tokens: int) -> list[tuple[int, int]]:
-        """(page, node id) of each leading block of ``ids`` that is cached, covering at most ``max_tokens`` tokens.
-        Takes no reference."""
+    def match(self, ids: list[int], max_tokens: int, more: list[int] = ()) -> list[tuple[int, int]]:
+        """(page, node id) of each leading block of ``ids + more`` that is cached, covering at most ``max_tokens``
+        tokens. Takes no reference."""
         out: list[tuple[int, int]] = []
         parent = ROOT
         for k in range(max_tokens // self.page_size):
-            key = self.key(parent, ids, k)
+            key = self.page_key(parent, ids, more, k)
             hit = self._index.get(key) if key is not None else None
             if hit is None:
                 break
-            out.append(hit)
-            parent = hit[1]
+            parent = hit >> _PAGE_BITS
+            out.append((hit & _PAGE_MASK, parent))
         if out:  # looked up: the most recently used among equals
             for page, _ in out:
                 if page in self._lru:
@@ -68,11 +83,10 @@ class PrefixCache:
         """Index ``page`` (held by a request, its KV final) under ``key``; returns the key's node id. When the key is
         cached already (another request computed the same block), the page stays private and that node's id is
         returned, so the chain goes on through it."""
-        hit = self._index.get(key)
-        if hit is not None:
-            return hit[1]
-        node = next(self._ids)
-        self._index[key] = (page, node)
+        node = next(self._ids)  # (unused on a hit: ids only need to be unique)
+        entry = self._index.setdefault(key, node << _PAGE_BITS | page)  # (one hash of the key, not two)
+        if entry >> _PAGE_BITS != node:
+            return entry >> _PAGE_BITS
         self._keys[page] = key
         return node
 
