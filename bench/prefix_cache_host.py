@@ -5,12 +5,19 @@ is all there is to time.
 
 The workload is the served one of ``bench.serving`` with random prompts: 2C requests of --input-len random tokens,
 --output-len new tokens each (EOS ignored), at most C running (``max_num_seqs``), decode steps without mixed rows
-(as where DECODE steps replay CUDA graphs), a KV cache of --num-pages pages (the 1B shape on an H100 holds ~120k).
-Rounds alternate on and off; each prints the host time per step by phase, as ``/v1/stats`` reports it:
+(as where DECODE steps replay CUDA graphs), a KV cache of --num-pages pages (the 1B shape on an H100 holds ~110k;
+a smaller cache makes every allocation evict). Two measurements:
 
-    python3 -m bench.prefix_cache_host --concurrency 256 --rounds 3
+- interleaved: two engines, cache on and off, run the same workload one step of each in turn, the collector off,
+  for --rounds rounds; each step's time is its fastest over the rounds (a shared machine's noise only adds), then
+  averaged over all steps and over the full-batch decode steps. Also the GC-tracked objects each step leaves.
+- sequential: whole runs with the collector on (the start-up heap frozen, as served), alternating on and off,
+  the fastest of each; their collections' time per step.
 
-``--profile`` adds a cProfile of one cache-on round (the functions by own time).
+    python3 -m bench.prefix_cache_host --concurrency 256 --rounds 6
+    python3 -m bench.prefix_cache_host --concurrency 256 --rounds 6 --num-pages 9000   # evicting
+
+``--profile`` adds a cProfile of one cache-on run (the functions by own time).
 """
 
 from __future__ import annotations

@@ -90,6 +90,25 @@ class PrefixCache:
         self._keys[page] = key
         return node
 
+    def index(self, nodes: list[int], ids: list[int], more: list[int], pages: list[int], num_tokens: int) -> None:
+        """Index a request's full pages within its first ``num_tokens`` tokens (``ids + more``) after the
+        ``len(nodes)`` indexed already, appending their node ids to ``nodes``: ``insert`` of each page's key, in one
+        call (a page fills every page_size tokens of every request)."""
+        index, keys, ids_gen = self._index, self._keys, self._ids
+        parent = nodes[-1] if nodes else ROOT
+        for k in range(len(nodes), num_tokens // self.page_size):
+            key = self.page_key(parent, ids, more, k)
+            if key is None:  # the token after it is not known yet (an EAGLE head's KV at its last slot needs it)
+                break
+            node, page = next(ids_gen), pages[k]
+            entry = index.setdefault(key, node << _PAGE_BITS | page)
+            if entry >> _PAGE_BITS == node:
+                keys[page] = key
+            else:  # cached already: this page stays private, the chain goes on through that node
+                node = entry >> _PAGE_BITS
+            nodes.append(node)
+            parent = node
+
     def holds(self, page: int) -> bool:
         return page in self._keys
 

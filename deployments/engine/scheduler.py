@@ -20,7 +20,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from deployments.engine.pages import OutOfPages, PageAllocator
-from deployments.engine.prefix_cache import ROOT
 from deployments.engine.request import NEVER, InvalidRequest, Request, RequestStatus
 from workers.messages import ForwardMode, LogitsSetup, StepResult, WorkerStep
 
@@ -239,13 +238,8 @@ class Scheduler:
         if req.num_computed < req.cache_at:
             return
         cache = self.allocator.cache
-        nodes, prompt, output, pages = req.cache_nodes, req.prompt_ids, req.output_ids, req.pages
-        for k in range(len(nodes), req.num_computed // cache.page_size):
-            key = cache.page_key(nodes[-1] if nodes else ROOT, prompt, output, k)
-            if key is None:  # the token after it is not known yet (an EAGLE head's KV at its last slot needs it)
-                break
-            nodes.append(cache.insert(key, pages[k]))
-        req.cache_at = (len(nodes) + 1) * cache.page_size
+        cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed)
+        req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page: a failed step may have left garbage in pages indexed when it was planned."""
