@@ -191,6 +191,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="and a cProfile of one cache-on run")
     args = ap.parse_args()
 
+    if args.rounds < 1:  # (--profile alone)
+        print(run_once(args, True, seed=0, profile=True)["profile"])
+        return
     print(f"interleaved (collector off), C={args.concurrency}, {args.input_len} in / {args.output_len} out, "
           f"{args.rounds} rounds, each step's fastest:")
     sm = summarize([run_interleaved(args, seed=0) for _ in range(args.rounds)])

@@ -81,14 +81,12 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Let go of every page of ``pages``, the last first (a cached prefix's tail is evicted before its head)."""
-        refs, cache = self._refs, self.cache
-        for p in reversed(pages):  # (_drop inlined: a finished request lets go of all its pages at once)
+        refs, unheld = self._refs, []
+        for p in reversed(pages):  # (no call per page: a finished request lets go of all its pages at once)
             refs[p] -= 1
             if refs[p] == 0:
-                if cache is not None and cache.holds(p):
-                    cache.release(p)
-                else:
-                    self._free.append(p)
+                unheld.append(p)
+        self._free.extend(unheld if self.cache is None else self.cache.release_all(unheld))
         pages.clear()
 
     def clear_cache(self) -> None:

@@ -121,6 +121,16 @@ class PrefixCache:
         """The last holder of a cached page let it go: it stays indexed, evictable."""
         self._lru[page] = None
 
+    def release_all(self, pages: list[int]) -> list[int]:
+        """``release`` of each page of ``pages`` (in order) that the cache indexes; returns the others."""
+        keys, lru, uncached = self._keys, self._lru, []
+        for page in pages:
+            if page in keys:
+                lru[page] = None
+            else:
+                uncached.append(page)
+        return uncached
+
     @property
     def num_evictable(self) -> int:
         return len(self._lru)
