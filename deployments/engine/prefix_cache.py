@@ -8,7 +8,14 @@ computed from the target's hidden state at p *and token p+1*, so the head's KV i
 for a request whose next token is the same. Target KV (and a standalone draft model's) at p depends on tokens
 [0, p] only, so without an EAGLE head the key is the tokens alone.
 
-Pages with no request holding them stay indexed and evictable, least recently released first (a request releases
+Keys are built when they can be needed, not as pages fill: a request keys its pages until it creates a node of its
+own (a page no one else has computed), then defers the rest, registered under that node (``defer``). Only a lookup
+that reaches the node and misses there can need them: it keys the deferred pages of the requests registered there
+(``_expand``) and looks again. With nothing shared each request keys one page; what a lookup finds is what keying
+every page as it filled would have found. A released request's deferred pages stay cached as a record of their
+tokens (``_Released``), keyed on demand the same way.
+
+Pages with no request holding them stay cached and evictable, least recently released first (a request releases
 its pages tail first, so a prefix's tail goes before its head). The allocator evicts when its free list runs short.
 """
 
@@ -22,6 +29,16 @@ _PAGE_BITS = 32  # an index entry is one int, node id << _PAGE_BITS | page (no t
 _PAGE_MASK = (1 << _PAGE_BITS) - 1
 
 
+class _Released:
+    """A released request's full pages that it had not keyed yet, with the tokens that key them."""
+
+    __slots__ = ("prompt_ids", "output_ids", "pages", "num_computed", "cache_nodes")
+
+    def __init__(self, tokens: list[int], pages: list[int], num_computed: int, nodes: list[int]):
+        self.prompt_ids, self.output_ids, self.pages = tokens, (), pages
+        self.num_computed, self.cache_nodes = num_computed, nodes
+
+
 class PrefixCache:
     """The index (key → page, page → key) and the LRU of cached pages that no request holds. Reference counts are
     the allocator's: it tells the cache when a cached page's count reaches 0 (``release``) or leaves 0 (``take``)."""
@@ -32,6 +49,9 @@ class PrefixCache:
         self._index: dict[tuple, int] = {}  # key -> node id << _PAGE_BITS | page
         self._keys: dict[int, tuple] = {}  # page -> its key
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no holder, oldest release first
+        # node -> the requests (running ones, or _Released records) whose full pages after it are not keyed yet
+        self._pending: dict[int, list] = {}
+        self._lazy: dict[int, tuple[_Released, int]] = {}  # a released page not keyed yet -> (its record, position)
         self._ids = itertools.count(ROOT + 1)
         self.queries = 0  # prompt tokens looked up (first admissions only, as vLLM counts)
         self.hits = 0  # of those, tokens served from the cache
@@ -68,7 +88,12 @@ class PrefixCache:
         parent = ROOT
         for k in range(max_tokens // self.page_size):
             key = self.page_key(parent, ids, more, k)
-            hit = self._index.get(key) if key is not None else None
+            if key is None:
+                break
+            hit = self._index.get(key)
+            if hit is None and parent in self._pending:  # pages after this node may be there, not keyed yet
+                self._expand(parent)
+                hit = self._index.get(key)
             if hit is None:
                 break
             parent = hit >> _PAGE_BITS
@@ -90,11 +115,12 @@ class PrefixCache:
         self._keys[page] = key
         return node
 
-    def index(self, nodes: list[int], ids: list[int], more: list[int], pages: list[int], num_tokens: int) -> None:
+    def index(self, nodes: list[int], ids: list[int], more: list[int], pages: list[int], num_tokens: int,
+              until_new: bool = False) -> bool:
         """Index a request's full pages within its first ``num_tokens`` tokens (``ids + more``) after the
         ``len(nodes)`` indexed already, appending their node ids to ``nodes``: ``insert`` of each page's key, in one
-        call (a page fills every page_size tokens of every request)."""
-        index, keys, ids_gen = self._index, self._keys, self._ids
+        call. ``until_new``: stop after the first page that makes a node of its own; returns whether one did."""
+        index, keys, lazy, ids_gen = self._index, self._keys, self._lazy, self._ids
         parent = nodes[-1] if nodes else ROOT
         for k in range(len(nodes), num_tokens // self.page_size):
             key = self.page_key(parent, ids, more, k)
@@ -102,15 +128,58 @@ class PrefixCache:
                 break
             node, page = next(ids_gen), pages[k]
             entry = index.setdefault(key, node << _PAGE_BITS | page)
+            lazy.pop(page, None)  # (a released page keyed now, or left private: no longer deferred)
+            nodes.append(node if entry >> _PAGE_BITS == node else entry >> _PAGE_BITS)
             if entry >> _PAGE_BITS == node:
                 keys[page] = key
-            else:  # cached already: this page stays private, the chain goes on through that node
-                node = entry >> _PAGE_BITS
-            nodes.append(node)
-            parent = node
+                if until_new:
+                    return True
+            # else cached already: this page stays private (a released one is evicted as any), the chain goes on
+            # through that node
+            parent = nodes[-1]
+        return False
+
+    # ---- deferred pages ---------------------------------------------------------------------------------------
+    def defer(self, req) -> None:
+        """``req`` (a running request, which has made a node of its own) keys no more pages as they fill: a lookup
+        that needs them keys them (``_expand``), or its release keeps them as a record."""
+        self._pending.setdefault(req.cache_nodes[-1], []).append(req)
+
+    def _expand(self, node: int) -> None:
+        """Key the full pages of the requests deferred at ``node``; each stays deferred at its new last node (a
+        running one fills more pages; a record goes once it has nothing left)."""
+        P = self.page_size
+        for rec in self._pending.pop(node):
+            nodes = rec.cache_nodes
+            self.index(nodes, rec.prompt_ids, rec.output_ids, rec.pages, rec.num_computed)
+            if type(rec) is not _Released or (len(nodes) + 1) * P <= rec.num_computed:
+                self._pending.setdefault(nodes[-1], []).append(rec)
+
+    def release_request(self, req) -> None:
+        """Before ``req`` lets go of its pages (finished, aborted, preempted): its deferred full pages stay cached, as
+        a record of their tokens (copied: the request's lists may change or go), keyed when a lookup needs them."""
+        nodes = req.cache_nodes
+        recs = self._pending.get(nodes[-1]) if nodes else None
+        if not recs or req not in recs:
+            return
+        recs.remove(req)
+        if not recs:
+            del self._pending[nodes[-1]]
+        P, start, n, nxt = self.page_size, len(nodes), len(req.prompt_ids), self.key_next_token
+        # its full pages below num_computed whose key the tokens prove (with the token after, under an EAGLE head)
+        ready = min(min(req.num_computed, n + len(req.output_ids) - nxt) // P, len(req.pages))
+        if ready <= start:
+            return
+        end = ready * P + nxt
+        tokens = req.prompt_ids[:end] + req.output_ids[:max(0, end - n)]
+        rec = _Released(tokens, req.pages[:ready], ready * P, nodes)
+        lazy = self._lazy
+        for k in range(start, ready):
+            lazy[rec.pages[k]] = (rec, k)
+        self._pending.setdefault(nodes[-1], []).append(rec)
 
     def holds(self, page: int) -> bool:
-        return page in self._keys
+        return page in self._keys or page in self._lazy
 
     # ---- reference count changes (from the allocator) --------------------------------------------------------
     def take(self, page: int) -> None:
@@ -123,9 +192,9 @@ class PrefixCache:
 
     def release_all(self, pages: list[int]) -> list[int]:
         """``release`` of each page of ``pages`` (in order) that the cache indexes; returns the others."""
-        keys, lru, uncached = self._keys, self._lru, []
+        keys, lazy, lru, uncached = self._keys, self._lazy, self._lru, []
         for page in pages:
-            if page in keys:
+            if page in keys or page in lazy:
                 lru[page] = None
             else:
                 uncached.append(page)
@@ -141,10 +210,28 @@ class PrefixCache:
         out = []
         for _ in range(n):
             page, _ = self._lru.popitem(last=False)
-            del self._index[self._keys.pop(page)]
+            key = self._keys.pop(page, None)
+            if key is not None:
+                del self._index[key]
+            else:  # a deferred page (or one left private when its record was keyed)
+                rec, k = self._lazy.pop(page, (None, 0))
+                if rec is not None:
+                    self._forget_from(rec, k)
             out.append(page)
         self.evictions += n
         return out
+
+    def _forget_from(self, rec: _Released, k: int) -> None:
+        """A record's page ``k`` is gone: its pages from there on can no longer be reached (as an evicted page's
+        children); one with none left before goes."""
+        if k > len(rec.cache_nodes):
+            rec.num_computed = min(rec.num_computed, k * self.page_size)
+            return
+        recs = self._pending.get(rec.cache_nodes[-1])
+        if recs is not None and rec in recs:
+            recs.remove(rec)
+            if not recs:
+                del self._pending[rec.cache_nodes[-1]]
 
     def clear(self) -> list[int]:
         """Forget every entry (their KV can no longer be trusted, e.g. after a failed step); returns the pages that
@@ -153,8 +240,10 @@ class PrefixCache:
         self._lru.clear()
         self._index.clear()
         self._keys.clear()
+        self._pending.clear()
+        self._lazy.clear()
         return free
 
     @property
     def num_cached(self) -> int:
-        return len(self._keys)
+        return len(self._keys) + len(self._lazy)

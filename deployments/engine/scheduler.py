@@ -198,6 +198,8 @@ class Scheduler:
             ids.extend(new)
 
     def _release(self, req: Request) -> None:
+        if self.allocator.cache is not None:  # (its deferred pages stay cached: see _cache_pages)
+            self.allocator.cache.release_request(req)
         self.allocator.free(req.pages)  # (cached pages stay cached: a preempted request's recompute may reuse them)
         if req.req_slot is not None:
             self._free_slots.append(req.req_slot)
@@ -234,12 +236,19 @@ class Scheduler:
         """Index the request's full pages whose KV (target and draft) every launched step has written: those before
         ``num_computed``; no step writes below it again (a speculative round writes from its root's position on,
         rejected drafts included), so no indexed page holds an unproven position. Nothing to do until
-        ``num_computed`` reaches ``cache_at`` (the end of its first page not indexed yet; never with the cache off)."""
+        ``num_computed`` reaches ``cache_at`` (the end of its first page not indexed yet; never with the cache off).
+
+        Keys are built only until the request makes a node of its own (its first page that no one else computed):
+        then it is deferred (``PrefixCache.defer``), and its later pages are keyed only when a lookup reaches that
+        node, or kept as a record when it lets go of them. With nothing shared, a request keys one page."""
         if req.num_computed < req.cache_at:
             return
         cache = self.allocator.cache
-        cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed)
-        req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
+        if cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed, until_new=True):
+            cache.defer(req)
+            req.cache_at = NEVER
+        else:
+            req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page: a failed step may have left garbage in pages indexed when it was planned."""

@@ -11,7 +11,7 @@ import torch
 from deployments.engine.engine import Engine
 from deployments.engine.pages import OutOfPages, PageAllocator
 from deployments.engine.prefix_cache import ROOT, PrefixCache
-from deployments.engine.request import SamplingParams
+from deployments.engine.request import Request, SamplingParams
 from tests.speculative.test_speculative import spec_models  # noqa: F401 - the fixture
 from workers.config import EngineConfig, SpeculativeConfig
 
@@ -72,6 +72,43 @@ def test_eagle_keys_carry_the_next_token():
     cache.insert(cache.key(ROOT, [1, 2, 3], 0), a[0])
     assert cache.match([1, 2, 4, 5], 3) == []  # same page, different next token: the head's last slot differs
     assert len(cache.match([1, 2, 3, 5], 3)) == 1
+
+
+def test_deferred_pages_are_keyed_when_a_lookup_reaches_them():
+    """A request keys its pages until it makes a node of its own, then defers the rest: a lookup that reaches that
+    node keys them (the request running, or released: a record of its tokens); evicting a record's pages makes the
+    rest unreachable, as an evicted page's children, and the record goes with its first one."""
+    cache = PrefixCache(2, key_next_token=False)
+    alloc = PageAllocator(32, 2, cache)
+    a = Request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams())
+    alloc.grow(a.pages, 7)  # 4 pages, the last one partial
+    a.num_computed = 7
+    assert cache.index(a.cache_nodes, a.prompt_ids, a.output_ids, a.pages, a.num_computed, until_new=True)
+    cache.defer(a)
+    assert len(a.cache_nodes) == 1 and cache.num_cached == 1  # one page keyed, two full ones deferred
+    assert [p for p, _ in cache.match([5, 6, 7, 8, 9, 10, 0, 0], 8)] == a.pages[:3]  # the lookup keyed them
+    assert len(a.cache_nodes) == 3 and cache.num_cached == 3
+    a.output_ids, a.num_computed = [12, 13], 8  # its 4th page filled (deferred), a 5th holds its newest token
+    alloc.grow(a.pages, 9)
+    a_pages = list(a.pages)
+    cache.release_request(a)
+    alloc.free(a.pages)
+    assert cache.num_cached == 4 and cache.num_evictable == 4 and alloc.num_free == 31  # the 5th page is free
+    assert len(cache.match([5, 6, 7, 8, 9, 10, 11, 12, 0, 0], 10)) == 4  # the record keyed its page
+
+    b = Request("b", [20, 21, 22, 23, 24, 25], SamplingParams())
+    alloc.grow(b.pages, 6)
+    b.num_computed = 6
+    assert cache.index(b.cache_nodes, b.prompt_ids, b.output_ids, b.pages, b.num_computed, until_new=True)
+    cache.defer(b)
+    b0, b_pages = b.pages[0], list(b.pages)
+    cache.release_request(b)
+    alloc.free(b.pages)  # (tail first: the least recently released is its last page)
+    assert cache.num_cached == 4 + 3 and cache.num_evictable == 4 + 3
+    assert cache.evict(4) == a_pages[:4]  # (the lookup refreshed them, head first)
+    assert cache.evict(2) == b_pages[:0:-1]  # b's deferred pages, tail first: its record has nothing left
+    assert not cache._pending and not cache._lazy
+    assert [p for p, _ in cache.match([20, 21, 22, 23, 24, 25], 6)] == [b0]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
