@@ -89,6 +89,14 @@ class PageAllocator:
         self._free.extend(unheld if self.cache is None else self.cache.release_all(unheld))
         pages.clear()
 
+    def give_to_cache(self, pages: list[int], start: int, end: int) -> None:
+        """``pages[start:end]`` (held by their request alone) become the cache's, as one record
+        (``PrefixCache.release_request``): out of ``pages``, nobody holds them, and they are not freed."""
+        refs = self._refs
+        for p in pages[start:end]:
+            refs[p] = 0
+        del pages[start:end]
+
     def clear_cache(self) -> None:
         """Forget every cached page (prefix caching keeps working from empty)."""
         if self.cache is not None:

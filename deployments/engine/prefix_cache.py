@@ -30,13 +30,16 @@ _PAGE_MASK = (1 << _PAGE_BITS) - 1
 
 
 class _Released:
-    """A released request's full pages that it had not keyed yet, with the tokens that key them."""
+    """A released request's full pages that it had not keyed yet, with the tokens that key them: its own lists, not
+    copies (a prompt never changes, and an output only grows, or loses its tail to a stop string once it has
+    ended: a key is built from what is there, and a page past the end is left out)."""
 
-    __slots__ = ("prompt_ids", "output_ids", "pages", "num_computed", "cache_nodes")
+    __slots__ = ("prompt_ids", "output_ids", "pages", "num_computed", "cache_nodes", "alive")
 
-    def __init__(self, tokens: list[int], pages: list[int], num_computed: int, nodes: list[int]):
-        self.prompt_ids, self.output_ids, self.pages = tokens, (), pages
+    def __init__(self, prompt: list[int], output: list[int], pages: list[int], num_computed: int, nodes: list[int]):
+        self.prompt_ids, self.output_ids, self.pages = prompt, output, pages
         self.num_computed, self.cache_nodes = num_computed, nodes
+        self.alive = len(pages)  # its pages [len(cache_nodes), alive) are cached (evictions take the tail first)
 
 
 class PrefixCache:
@@ -48,10 +51,13 @@ class PrefixCache:
         self.key_next_token = key_next_token  # an EAGLE head's KV at a page's last slot depends on the next token
         self._index: dict[tuple, int] = {}  # key -> node id << _PAGE_BITS | page
         self._keys: dict[int, tuple] = {}  # page -> its key
-        self._lru: OrderedDict[int, None] = OrderedDict()  # cached pages with no holder, oldest release first
+        # cached pages with no holder, oldest release first: a page (keyed, or one left private, no longer cached)
+        # -> None, or a record of a released request's pages not keyed yet -> itself
+        self._lru: OrderedDict[int | _Released, _Released | None] = OrderedDict()
+        self._num_evictable = 0  # pages in the LRU (a record counts its pages)
         # node -> the requests (running ones, or _Released records) whose full pages after it are not keyed yet
         self._pending: dict[int, list] = {}
-        self._lazy: dict[int, tuple[_Released, int]] = {}  # a released page not keyed yet -> (its record, position)
+        self._num_deferred = 0  # released pages not keyed yet
         self._ids = itertools.count(ROOT + 1)
         self.queries = 0  # prompt tokens looked up (first admissions only, as vLLM counts)
         self.hits = 0  # of those, tokens served from the cache
@@ -120,7 +126,7 @@ class PrefixCache:
         """Index a request's full pages within its first ``num_tokens`` tokens (``ids + more``) after the
         ``len(nodes)`` indexed already, appending their node ids to ``nodes``: ``insert`` of each page's key, in one
         call. ``until_new``: stop after the first page that makes a node of its own; returns whether one did."""
-        index, keys, lazy, ids_gen = self._index, self._keys, self._lazy, self._ids
+        index, keys, ids_gen = self._index, self._keys, self._ids
         parent = nodes[-1] if nodes else ROOT
         for k in range(len(nodes), num_tokens // self.page_size):
             key = self.page_key(parent, ids, more, k)
@@ -128,7 +134,6 @@ class PrefixCache:
                 break
             node, page = next(ids_gen), pages[k]
             entry = index.setdefault(key, node << _PAGE_BITS | page)
-            lazy.pop(page, None)  # (a released page keyed now, or left private: no longer deferred)
             nodes.append(node if entry >> _PAGE_BITS == node else entry >> _PAGE_BITS)
             if entry >> _PAGE_BITS == node:
                 keys[page] = key
@@ -148,20 +153,33 @@ class PrefixCache:
     def _expand(self, node: int) -> None:
         """Key the full pages of the requests deferred at ``node``; each stays deferred at its new last node (a
         running one fills more pages; a record goes once it has nothing left)."""
-        P = self.page_size
         for rec in self._pending.pop(node):
-            nodes = rec.cache_nodes
-            self.index(nodes, rec.prompt_ids, rec.output_ids, rec.pages, rec.num_computed)
-            if type(rec) is not _Released or (len(nodes) + 1) * P <= rec.num_computed:
-                self._pending.setdefault(nodes[-1], []).append(rec)
+            if type(rec) is _Released:  # (a record in _pending has pages left: it goes with its last)
+                self._expand_record(rec)
+            else:
+                self.index(rec.cache_nodes, rec.prompt_ids, rec.output_ids, rec.pages, rec.num_computed)
+                self.defer(rec)
 
-    def release_request(self, req) -> None:
-        """Before ``req`` lets go of its pages (finished, aborted, preempted): its deferred full pages stay cached, as
-        a record of their tokens (copied: the request's lists may change or go), keyed when a lookup needs them."""
+    def _expand_record(self, rec: _Released) -> None:
+        """Key a record's pages that are left (evictions take its tail first); they become single LRU entries, the
+        most recently used (a lookup reached them)."""
+        nodes, pages, lru = rec.cache_nodes, rec.pages, self._lru
+        start, alive = len(nodes), rec.alive
+        self.index(nodes, rec.prompt_ids, rec.output_ids, pages, alive * self.page_size)
+        del lru[rec]
+        for page in reversed(pages[start:alive]):
+            lru[page] = None  # keyed now (or left private, no longer cached: evicted as any)
+        self._num_deferred -= alive - start
+        rec.alive = len(nodes)
+
+    def release_request(self, req) -> tuple[int, int]:
+        """Before ``req`` lets go of its pages (finished, aborted, preempted): its deferred full pages stay cached as
+        one record of them and their tokens, keyed when a lookup needs them, one LRU entry for them all. Returns the range of ``req.pages`` that the record keeps ((0, 0): none); the
+        allocator hands them over (``PageAllocator.give_to_cache``)."""
         nodes = req.cache_nodes
         recs = self._pending.get(nodes[-1]) if nodes else None
         if not recs or req not in recs:
-            return
+            return 0, 0
         recs.remove(req)
         if not recs:
             del self._pending[nodes[-1]]
@@ -169,81 +187,92 @@ class PrefixCache:
         # its full pages below num_computed whose key the tokens prove (with the token after, under an EAGLE head)
         ready = min(min(req.num_computed, n + len(req.output_ids) - nxt) // P, len(req.pages))
         if ready <= start:
-            return
-        end = ready * P + nxt
-        tokens = req.prompt_ids[:end] + req.output_ids[:max(0, end - n)]
-        rec = _Released(tokens, req.pages[:ready], ready * P, nodes)
-        lazy = self._lazy
-        for k in range(start, ready):
-            lazy[rec.pages[k]] = (rec, k)
+            return 0, 0
+        rec = _Released(req.prompt_ids, req.output_ids, req.pages[:ready], ready * P, nodes)
+        self._lru[rec] = rec
+        self._num_deferred += ready - start
+        self._num_evictable += ready - start
         self._pending.setdefault(nodes[-1], []).append(rec)
+        return start, ready
 
     def holds(self, page: int) -> bool:
-        return page in self._keys or page in self._lazy
+        return page in self._keys
 
     # ---- reference count changes (from the allocator) --------------------------------------------------------
     def take(self, page: int) -> None:
         """A request takes a cached page nobody held: it is no longer evictable."""
-        self._lru.pop(page, None)
+        if page in self._lru:
+            del self._lru[page]
+            self._num_evictable -= 1
 
     def release(self, page: int) -> None:
         """The last holder of a cached page let it go: it stays indexed, evictable."""
         self._lru[page] = None
+        self._num_evictable += 1
 
     def release_all(self, pages: list[int]) -> list[int]:
         """``release`` of each page of ``pages`` (in order) that the cache indexes; returns the others."""
-        keys, lazy, lru, uncached = self._keys, self._lazy, self._lru, []
+        keys, lru, uncached = self._keys, self._lru, []
         for page in pages:
-            if page in keys or page in lazy:
+            if page in keys:
                 lru[page] = None
             else:
                 uncached.append(page)
+        self._num_evictable += len(pages) - len(uncached)
         return uncached
 
     @property
     def num_evictable(self) -> int:
-        return len(self._lru)
+        return self._num_evictable
 
     def evict(self, n: int) -> list[int]:
         """Unindex the ``n`` least recently released pages and return them (to the free list). Blocks cached under
-        an evicted page can no longer be matched (their parent id is gone for good) and age out in turn."""
-        out = []
-        for _ in range(n):
-            page, _ = self._lru.popitem(last=False)
-            key = self._keys.pop(page, None)
-            if key is not None:
-                del self._index[key]
-            else:  # a deferred page (or one left private when its record was keyed)
-                rec, k = self._lazy.pop(page, (None, 0))
-                if rec is not None:
-                    self._forget_from(rec, k)
-            out.append(page)
+        an evicted page can no longer be matched (their parent id is gone for good) and age out in turn. A record's
+        pages go tail first (the same: the ones after an evicted page can no longer be reached); the record goes
+        with its first."""
+        out: list[int] = []
+        lru, keys, index = self._lru, self._keys, self._index
+        while len(out) < n:
+            first = next(iter(lru))
+            if type(first) is int:  # a page (keyed, or left private)
+                lru.popitem(last=False)
+                key = keys.pop(first, None)
+                if key is not None:
+                    del index[key]
+                out.append(first)
+                continue
+            rec, start = first, len(first.cache_nodes)
+            take = min(n - len(out), rec.alive - start)
+            out.extend(reversed(rec.pages[rec.alive - take:rec.alive]))
+            rec.alive -= take
+            self._num_deferred -= take
+            if rec.alive == start:
+                lru.popitem(last=False)
+                recs = self._pending.get(rec.cache_nodes[-1], ())
+                if rec in recs:
+                    recs.remove(rec)
+                    if not recs:
+                        del self._pending[rec.cache_nodes[-1]]
+        self._num_evictable -= n
         self.evictions += n
         return out
-
-    def _forget_from(self, rec: _Released, k: int) -> None:
-        """A record's page ``k`` is gone: its pages from there on can no longer be reached (as an evicted page's
-        children); one with none left before goes."""
-        if k > len(rec.cache_nodes):
-            rec.num_computed = min(rec.num_computed, k * self.page_size)
-            return
-        recs = self._pending.get(rec.cache_nodes[-1])
-        if recs is not None and rec in recs:
-            recs.remove(rec)
-            if not recs:
-                del self._pending[rec.cache_nodes[-1]]
 
     def clear(self) -> list[int]:
         """Forget every entry (their KV can no longer be trusted, e.g. after a failed step); returns the pages that
         no request holds, for the free list. Held pages go to the free list when their holders release them."""
-        free = list(self._lru)
+        free = []
+        for item in self._lru:
+            if type(item) is int:
+                free.append(item)
+            else:
+                free.extend(item.pages[len(item.cache_nodes):item.alive])
         self._lru.clear()
         self._index.clear()
         self._keys.clear()
         self._pending.clear()
-        self._lazy.clear()
+        self._num_deferred = self._num_evictable = 0
         return free
 
     @property
     def num_cached(self) -> int:
-        return len(self._keys) + len(self._lazy)
+        return len(self._keys) + self._num_deferred

@@ -198,8 +198,10 @@ class Scheduler:
             ids.extend(new)
 
     def _release(self, req: Request) -> None:
-        if self.allocator.cache is not None:  # (its deferred pages stay cached: see _cache_pages)
-            self.allocator.cache.release_request(req)
+        if self.allocator.cache is not None:  # (its deferred pages stay cached, as one record: see _cache_pages)
+            start, end = self.allocator.cache.release_request(req)
+            if end > start:
+                self.allocator.give_to_cache(req.pages, start, end)
         self.allocator.free(req.pages)  # (cached pages stay cached: a preempted request's recompute may reuse them)
         if req.req_slot is not None:
             self._free_slots.append(req.req_slot)

@@ -91,7 +91,7 @@ def test_deferred_pages_are_keyed_when_a_lookup_reaches_them():
     a.output_ids, a.num_computed = [12, 13], 8  # its 4th page filled (deferred), a 5th holds its newest token
     alloc.grow(a.pages, 9)
     a_pages = list(a.pages)
-    cache.release_request(a)
+    alloc.give_to_cache(a.pages, *cache.release_request(a))
     alloc.free(a.pages)
     assert cache.num_cached == 4 and cache.num_evictable == 4 and alloc.num_free == 31  # the 5th page is free
     assert len(cache.match([5, 6, 7, 8, 9, 10, 11, 12, 0, 0], 10)) == 4  # the record keyed its page
@@ -102,12 +102,12 @@ def test_deferred_pages_are_keyed_when_a_lookup_reaches_them():
     assert cache.index(b.cache_nodes, b.prompt_ids, b.output_ids, b.pages, b.num_computed, until_new=True)
     cache.defer(b)
     b0, b_pages = b.pages[0], list(b.pages)
-    cache.release_request(b)
+    alloc.give_to_cache(b.pages, *cache.release_request(b))
     alloc.free(b.pages)  # (tail first: the least recently released is its last page)
     assert cache.num_cached == 4 + 3 and cache.num_evictable == 4 + 3
     assert cache.evict(4) == a_pages[:4]  # (the lookup refreshed them, head first)
     assert cache.evict(2) == b_pages[:0:-1]  # b's deferred pages, tail first: its record has nothing left
-    assert not cache._pending and not cache._lazy
+    assert not cache._pending and cache.num_cached == 1  # b0
     assert [p for p, _ in cache.match([20, 21, 22, 23, 24, 25], 6)] == [b0]
 
 
