@@ -43,8 +43,10 @@ class _Released:
 
 
 class PrefixCache:
-    """The index (key → page, page → key) and the LRU of cached pages that no request holds. Reference counts are
-    the allocator's: it tells the cache when a cached page's count reaches 0 (``release``) or leaves 0 (``take``)."""
+    """The index (key → page, page → key), the requests and records whose pages are keyed on demand, and the LRU of
+    cached pages that no request holds. Reference counts are the allocator's: it tells the cache when a cached page's
+    count reaches 0 (``release``) or leaves 0 (``take``), and hands a released request's deferred pages over as one
+    record (``release_request``, ``PageAllocator.give_to_cache``)."""
 
     def __init__(self, page_size: int, key_next_token: bool):
         self.page_size = page_size
