@@ -286,6 +286,37 @@ def test_hit_rate_with_speculation_equals_without(models):
     assert all(h == hits["none"] for h in hits.values()), hits
 
 
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_deferred_keys_find_what_keying_every_page_finds(models, method):
+    """Lookups find what keying every full page as it fills finds (the reference: a scheduler that never defers),
+    request by request: prompts sharing prefixes of every alignment with requests still running (deferred) and
+    finished (records), then chats continuing each answer. Few slots, so the requests come in waves."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(4, 500, (4 * P + 1,), generator=g).tolist()
+    first = [base[:n] + torch.randint(4, 500, (q,), generator=g).tolist()
+             for n in (P - 1, P, P + 1, 2 * P, 3 * P + 1, 4 * P + 1) for q in (0, 3, P + 2)]
+    params = SamplingParams(max_tokens=2 * P + 1, temperature=0.0, ignore_eos=True)
+    cached = {}
+    for eager in (False, True):
+        eng = make_engine(models, spec_config(models, method), max_num_seqs=3, max_prefill_tokens=16)
+        if eager:
+            sched, cache = eng.scheduler, eng.allocator.cache
+
+            def key_every_page(req, sched=sched, cache=cache):
+                if req.num_computed >= req.cache_at:
+                    cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed)
+                    req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
+
+            sched._cache_pages = key_every_page
+        out = eng.generate(first, params)
+        chats = [p + o.token_ids + [7, 8, 9] for p, o in zip(first, out)]
+        out += eng.generate(chats, params)
+        cached[eager] = [o.num_cached_tokens for o in out]
+        assert_pages_back(eng)
+    assert cached[False] == cached[True]
+    assert sum(cached[False][:len(first)]) > 0 and all(c > 0 for c in cached[False][len(first):]), cached
+
+
 def test_cache_off_by_config(models):
     eng = make_engine(models, enable_prefix_caching=False)
     prompts = shared_prompts()
