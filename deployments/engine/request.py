@@ -138,7 +138,7 @@ def sampler_seed(seed: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
-NEVER = 1 << 62  # Request.cache_at of a request that indexes no page (prefix caching off, or not admitted)
+NEVER = 1 << 62  # Request.cache_at of a request that keys no page as it fills (cache off, not admitted, or deferred)
 
 
 @dataclass(eq=False)
@@ -165,7 +165,7 @@ class Request:
     num_cached_tokens: int = 0
     prefix_start: int = 0  # tokens matched in the cache at its current admission: where its prefill starts
     cache_nodes: list[int] = field(default_factory=list)  # the cache's node id of each leading page indexed so far
-    # ``num_computed`` from which its next page can be indexed (a check per step, not a call); NEVER: no cache
+    # ``num_computed`` from which its next page can be keyed (a check per step, not a call); NEVER: none to key
     cache_at: int = NEVER
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
