@@ -170,6 +170,19 @@ class RequestStream:
                                                   self.num_output)
 
 
+def merge_step_time(stats) -> dict:
+    """The engines' host time per step, all replicas together: ``step_time`` and ``loop.busy_s`` summed over the
+    replicas' stats (cumulative seconds and steps, so a per-step figure from them is the replicas' mean weighted by
+    their steps), as one core's stats carry them."""
+    step_time: dict[str, float] = {}
+    loop: dict[str, float] = {}
+    for s in stats:
+        for into, part in ((step_time, s.get("step_time") or {}), (loop, s.get("loop") or {})):
+            for k, v in part.items():
+                into[k] = into.get(k, 0) + v
+    return {"step_time": step_time, "loop": loop} if step_time else {}
+
+
 class EngineClient:
     POLL_TIMEOUT_S = 1.0
     # while no engine replica is up (starting, or being replaced) a request waits this long for one, then gets a 503
@@ -425,8 +438,9 @@ class EngineClient:
         if len(cores) == 1 and per:
             return {**next(iter(per.values())), "router": self.router.snapshot()}
         total = {k: sum(s.get(k, 0) for s in per.values()) for k in ("running", "waiting", "preemptions",
-                                                                         "requests")}
-        return {**total, "replicas": per, "router": self.router.snapshot()}
+                                                                         "requests", "prefix_cache_queries",
+                                                                         "prefix_cache_hits")}
+        return {**total, **merge_step_time(per.values()), "replicas": per, "router": self.router.snapshot()}
 
     # ---- outputs -------------------------------------------------------------------------------------------------
     def _poll_loop(self, name: str, core, loop: asyncio.AbstractEventLoop) -> None:

@@ -81,9 +81,21 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Let go of every page of ``pages``, the last first (a cached prefix's tail is evicted before its head)."""
-        for p in reversed(pages):
-            self._drop(p)
+        refs, unheld = self._refs, []
+        for p in reversed(pages):  # (no call per page: a finished request lets go of all its pages at once)
+            refs[p] -= 1
+            if refs[p] == 0:
+                unheld.append(p)
+        self._free.extend(unheld if self.cache is None else self.cache.release_all(unheld))
         pages.clear()
+
+    def give_to_cache(self, pages: list[int], start: int, end: int) -> None:
+        """``pages[start:end]`` (held by their request alone) become the cache's, as one record
+        (``PrefixCache.release_request``): out of ``pages``, nobody holds them, and they are not freed."""
+        refs = self._refs
+        for p in pages[start:end]:
+            refs[p] = 0
+        del pages[start:end]
 
     def clear_cache(self) -> None:
         """Forget every cached page (prefix caching keeps working from empty)."""

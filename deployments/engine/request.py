@@ -138,6 +138,9 @@ def sampler_seed(seed: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
+NEVER = 1 << 62  # Request.cache_at of a request that keys no page as it fills (cache off, not admitted, or deferred)
+
+
 @dataclass(eq=False)
 class Request:
     rid: str
@@ -162,6 +165,8 @@ class Request:
     num_cached_tokens: int = 0
     prefix_start: int = 0  # tokens matched in the cache at its current admission: where its prefill starts
     cache_nodes: list[int] = field(default_factory=list)  # the cache's node id of each leading page indexed so far
+    # ``num_computed`` from which its next page can be keyed (a check per step, not a call); NEVER: none to key
+    cache_at: int = NEVER
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""

@@ -20,8 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from deployments.engine.pages import OutOfPages, PageAllocator
-from deployments.engine.prefix_cache import ROOT
-from deployments.engine.request import InvalidRequest, Request, RequestStatus
+from deployments.engine.request import NEVER, InvalidRequest, Request, RequestStatus
 from workers.messages import ForwardMode, LogitsSetup, StepResult, WorkerStep
 
 
@@ -199,12 +198,17 @@ class Scheduler:
             ids.extend(new)
 
     def _release(self, req: Request) -> None:
+        if self.allocator.cache is not None:  # (its deferred pages stay cached, as one record: see _cache_pages)
+            start, end = self.allocator.cache.release_request(req)
+            if end > start:
+                self.allocator.give_to_cache(req.pages, start, end)
         self.allocator.free(req.pages)  # (cached pages stay cached: a preempted request's recompute may reuse them)
         if req.req_slot is not None:
             self._free_slots.append(req.req_slot)
             req.req_slot = None
         req.num_computed = req.prefix_start = 0
         req.cache_nodes = []
+        req.cache_at = NEVER
 
     # ---- prefix caching (deployments/engine/prefix_cache.py) -------------------------------------------------
     def _match_prefix(self, req: Request) -> list[tuple[int, int]]:
@@ -214,7 +218,7 @@ class Scheduler:
         cache = self.allocator.cache
         if cache is None or req.params.prompt_logprobs is not None:
             return []
-        return cache.match(req.all_ids, req.num_tokens - 1)
+        return cache.match(req.prompt_ids, req.num_tokens - 1, req.output_ids)
 
     def _share_prefix(self, req: Request, hit: list[tuple[int, int]]) -> None:
         """Hold the matched pages, grant them to the request's slot, and start its prefill after them."""
@@ -227,21 +231,26 @@ class Scheduler:
             pos.extend(range(len(hit)))
             req.cache_nodes = [node for _, node in hit]
         req.num_computed = req.prefix_start = len(hit) * self.allocator.page_size
+        if self.allocator.cache is not None:
+            req.cache_at = req.num_computed + self.allocator.page_size
 
     def _cache_pages(self, req: Request) -> None:
         """Index the request's full pages whose KV (target and draft) every launched step has written: those before
         ``num_computed``; no step writes below it again (a speculative round writes from its root's position on,
-        rejected drafts included), so no indexed page holds an unproven position."""
-        cache = self.allocator.cache
-        nodes = req.cache_nodes
-        if cache is None or (len(nodes) + 1) * cache.page_size > req.num_computed:
+        rejected drafts included), so no indexed page holds an unproven position. Nothing to do until
+        ``num_computed`` reaches ``cache_at`` (the end of its first page not indexed yet; never with the cache off).
+
+        Keys are built only until the request makes a node of its own (its first page that no one else computed):
+        then it is deferred (``PrefixCache.defer``), and its later pages are keyed only when a lookup reaches that
+        node, or kept as a record when it lets go of them. With nothing shared, a request keys one page."""
+        if req.num_computed < req.cache_at:
             return
-        ids = req.all_ids
-        for k in range(len(nodes), req.num_computed // cache.page_size):
-            key = cache.key(nodes[-1] if nodes else ROOT, ids, k)
-            if key is None:  # the token after it is not known yet (an EAGLE head's KV at its last slot needs it)
-                break
-            nodes.append(cache.insert(key, req.pages[k]))
+        cache = self.allocator.cache
+        if cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed, until_new=True):
+            cache.defer(req)
+            req.cache_at = NEVER
+        else:
+            req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached page: a failed step may have left garbage in pages indexed when it was planned."""
@@ -301,7 +310,7 @@ class Scheduler:
                 hit = self._match_prefix(req)
                 # pages it still needs, and the cached ones it takes that nobody holds (they leave the free pool)
                 need_new = self.allocator.pages_for(req.num_tokens + self.decode_lookahead) - len(hit)
-                taken = sum(1 for page, _ in hit if self.allocator.refs(page) == 0)
+                taken = sum(1 for page, _ in hit if self.allocator.refs(page) == 0) if hit else 0
                 if need_new + taken > self.allocator.num_free - reserve:
                     break
                 req.req_slot = self._free_slots.pop()
@@ -548,7 +557,8 @@ class Scheduler:
         # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.
         if req.status == RequestStatus.RUNNING:
             req.num_computed = req.num_tokens - 1
-            self._cache_pages(req)
+            if req.num_computed >= req.cache_at:  # a page filled up (once per page_size tokens)
+                self._cache_pages(req)
             in_flight = req.num_inflight * (self.decode_max_advance - 1 + self.decode_lookahead)
             self.allocator.shrink(req.pages, req.num_computed + in_flight)
         return new

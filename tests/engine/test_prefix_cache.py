@@ -11,7 +11,7 @@ import torch
 from deployments.engine.engine import Engine
 from deployments.engine.pages import OutOfPages, PageAllocator
 from deployments.engine.prefix_cache import ROOT, PrefixCache
-from deployments.engine.request import SamplingParams
+from deployments.engine.request import Request, SamplingParams
 from tests.speculative.test_speculative import spec_models  # noqa: F401 - the fixture
 from workers.config import EngineConfig, SpeculativeConfig
 
@@ -72,6 +72,43 @@ def test_eagle_keys_carry_the_next_token():
     cache.insert(cache.key(ROOT, [1, 2, 3], 0), a[0])
     assert cache.match([1, 2, 4, 5], 3) == []  # same page, different next token: the head's last slot differs
     assert len(cache.match([1, 2, 3, 5], 3)) == 1
+
+
+def test_deferred_pages_are_keyed_when_a_lookup_reaches_them():
+    """A request keys its pages until it makes a node of its own, then defers the rest: a lookup that reaches that
+    node keys them (the request running, or released: a record of its tokens); evicting a record's pages makes the
+    rest unreachable, as an evicted page's children, and the record goes with its first one."""
+    cache = PrefixCache(2, key_next_token=False)
+    alloc = PageAllocator(32, 2, cache)
+    a = Request("a", [5, 6, 7, 8, 9, 10, 11], SamplingParams())
+    alloc.grow(a.pages, 7)  # 4 pages, the last one partial
+    a.num_computed = 7
+    assert cache.index(a.cache_nodes, a.prompt_ids, a.output_ids, a.pages, a.num_computed, until_new=True)
+    cache.defer(a)
+    assert len(a.cache_nodes) == 1 and cache.num_cached == 1  # one page keyed, two full ones deferred
+    assert [p for p, _ in cache.match([5, 6, 7, 8, 9, 10, 0, 0], 8)] == a.pages[:3]  # the lookup keyed them
+    assert len(a.cache_nodes) == 3 and cache.num_cached == 3
+    a.output_ids, a.num_computed = [12, 13], 8  # its 4th page filled (deferred), a 5th holds its newest token
+    alloc.grow(a.pages, 9)
+    a_pages = list(a.pages)
+    alloc.give_to_cache(a.pages, *cache.release_request(a))
+    alloc.free(a.pages)
+    assert cache.num_cached == 4 and cache.num_evictable == 4 and alloc.num_free == 31  # the 5th page is free
+    assert len(cache.match([5, 6, 7, 8, 9, 10, 11, 12, 0, 0], 10)) == 4  # the record keyed its page
+
+    b = Request("b", [20, 21, 22, 23, 24, 25], SamplingParams())
+    alloc.grow(b.pages, 6)
+    b.num_computed = 6
+    assert cache.index(b.cache_nodes, b.prompt_ids, b.output_ids, b.pages, b.num_computed, until_new=True)
+    cache.defer(b)
+    b0, b_pages = b.pages[0], list(b.pages)
+    alloc.give_to_cache(b.pages, *cache.release_request(b))
+    alloc.free(b.pages)  # (tail first: the least recently released is its last page)
+    assert cache.num_cached == 4 + 3 and cache.num_evictable == 4 + 3
+    assert cache.evict(4) == a_pages[:4]  # (the lookup refreshed them, head first)
+    assert cache.evict(2) == b_pages[:0:-1]  # b's deferred pages, tail first: its record has nothing left
+    assert not cache._pending and cache.num_cached == 1  # b0
+    assert [p for p, _ in cache.match([20, 21, 22, 23, 24, 25], 6)] == [b0]
 
 
 # ---- the engine ----------------------------------------------------------------------------------------------
@@ -247,6 +284,37 @@ def test_hit_rate_with_speculation_equals_without(models):
             assert t2.num_cached_tokens == (len(c.prompt_token_ids) + len(c.token_ids) - 1) // P * P
         assert_pages_back(eng)
     assert all(h == hits["none"] for h in hits.values()), hits
+
+
+@pytest.mark.parametrize("method", ["none", "eagle3"])
+def test_deferred_keys_find_what_keying_every_page_finds(models, method):
+    """Lookups find what keying every full page as it fills finds (the reference: a scheduler that never defers),
+    request by request: prompts sharing prefixes of every alignment with requests still running (deferred) and
+    finished (records), then chats continuing each answer. Few slots, so the requests come in waves."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randint(4, 500, (4 * P + 1,), generator=g).tolist()
+    first = [base[:n] + torch.randint(4, 500, (q,), generator=g).tolist()
+             for n in (P - 1, P, P + 1, 2 * P, 3 * P + 1, 4 * P + 1) for q in (0, 3, P + 2)]
+    params = SamplingParams(max_tokens=2 * P + 1, temperature=0.0, ignore_eos=True)
+    cached = {}
+    for eager in (False, True):
+        eng = make_engine(models, spec_config(models, method), max_num_seqs=3, max_prefill_tokens=16)
+        if eager:
+            sched, cache = eng.scheduler, eng.allocator.cache
+
+            def key_every_page(req, sched=sched, cache=cache):
+                if req.num_computed >= req.cache_at:
+                    cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed)
+                    req.cache_at = (len(req.cache_nodes) + 1) * cache.page_size
+
+            sched._cache_pages = key_every_page
+        out = eng.generate(first, params)
+        chats = [p + o.token_ids + [7, 8, 9] for p, o in zip(first, out)]
+        out += eng.generate(chats, params)
+        cached[eager] = [o.num_cached_tokens for o in out]
+        assert_pages_back(eng)
+    assert cached[False] == cached[True]
+    assert sum(cached[False][:len(first)]) > 0 and all(c > 0 for c in cached[False][len(first):]), cached
 
 
 def test_cache_off_by_config(models):

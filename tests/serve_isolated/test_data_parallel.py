@@ -88,6 +88,13 @@ def test_distinct_prompts_spread_over_both_replicas(base):
         _complete(base, f"{word} {i * 7919 % 1000} is a number; what is {i * 104729 % 1000} plus three?")
     got = _delta(before, _requests(base))
     assert sorted(got.values()) != [0, 8] and min(got.values()) >= 2, got
+    # the engines' host time per step, all replicas together (as one core's stats have it): their sums
+    s = _stats(base)
+    per = [r["step_time"] for r in s["replicas"].values()]
+    assert len(per) == 2 and all(p["steps"] > 0 for p in per), per
+    for key in ("steps", "schedule_s", "execute_s", "outputs_s"):
+        assert s["step_time"][key] == pytest.approx(sum(p[key] for p in per)), (key, s["step_time"], per)
+    assert s["loop"]["busy_s"] == pytest.approx(sum(r["loop"]["busy_s"] for r in s["replicas"].values()))
 
 
 def test_a_shared_prefix_lands_on_one_replica_and_usage_has_cached_tokens(base):
