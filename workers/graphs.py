@@ -276,6 +276,9 @@ class DecodeGraphs(GraphRunner):
         # adaptive speculation: the draft depths besides num_steps whose greedy graphs are captured at start-up
         # (others on first use); a phase key ends with its depth, none for num_steps
         self.depth_tiers: list[int] = []
+        # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
+        # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
+        self.plain_step: Callable | None = None
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -380,6 +383,12 @@ class DecodeGraphs(GraphRunner):
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
         step's outputs packed for the host (``top``: with each token's top logprobs; ``depth``: a round drafting
         that many tokens, None: num_steps)."""
+        if depth == 0 and self.plain_step is not None and not kind.endswith(MASK_VARIANT):
+            def plain():
+                inp = self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=False,
+                                               logits_state=self.logits_state)
+                return PackedOutputs.pack(*self.plain_step(inp, top))
+            return {"decode": plain}
         phases = self._phase_callables(bucket, kind, top)
         if depth is None:
             return phases
