@@ -5,6 +5,7 @@ steps, the chooser's arithmetic, and its re-adaptation when acceptance changes."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deployments.engine.request import SamplingParams
 from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
@@ -52,18 +53,75 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     """The CUDA-graph path (run eagerly on the CPU): a round per depth tier per bucket, each captured at start-up,
     with the depth forced to change; the costs were timed per bucket and tier."""
     prompts, ref = references
-    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True), cuda_graph_max_bs=8,
-                 fuse_speculative_round=fused)
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=2),
+                 cuda_graph_max_bs=8, fuse_speculative_round=fused)
     worker = eng.executor.worker
     costs = eng.executor.depth_costs
     assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [0, 1, 2, 3] for row in costs.values())
     assert isinstance(eng.depth_policy, DepthChooser)
     worker.capture_graphs()
     assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
-    eng.depth_policy = DepthSchedule(SCHEDULE)
+    # depth 0 replays the plain decode step's graph
+    assert all(worker.graphs.phases[(b, "greedy", False, 0)] == ["decode"] for b in worker.graphs.buckets)
+    eng.depth_policy = DepthSchedule(SCHEDULE + LAZY_SCHEDULE)
     replays = worker.graphs.num_replays
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     assert worker.graphs.num_replays > replays and set(eng.steps_by_depth) == {0, 1, 2, 3}
+    assert worker.catch_ups[1] > worker.catch_ups[0] > 0
+
+
+# long runs of plain steps (the stash of 2 positions fills: the draft catches up inside a plain step too), rounds of
+# every depth after them
+LAZY_SCHEDULE = [0, 0, 0, 2, 0, 3, 0, 0, 1, 0, 0, 0, 0, 0, 3]
+
+
+@pytest.mark.parametrize("method,params", [("eagle3", GREEDY), ("eagle3", SEEDED), ("eagle", GREEDY),
+                                           ("draft", SEEDED)], ids=["eagle3-greedy", "eagle3-seeded",
+                                                                    "eagle-greedy", "draft-seeded"])
+def test_lazy_catch_up_equals_no_speculation(spec_models, references, method, params):
+    """Plain steps run the target alone and the draft catches up on them before the next round, or when a
+    request's stash is full: the tokens are still no speculation's (preemption and the overlap schedule on)."""
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, method, catch_up_window=2), kv_cache_tokens=160,
+                 max_prefill_tokens=32)
+    eng.depth_policy = DepthSchedule(LAZY_SCHEDULE)
+    out = eng.generate(prompts, params)
+    assert [o.token_ids for o in out] == ref[id(params)]
+    assert eng.scheduler.num_preemptions > 0 and set(eng.steps_by_depth) == {0, 1, 2, 3}
+    runs, positions = eng.executor.worker.catch_ups
+    assert runs > 0 and positions > runs  # catch-ups over several positions at once
+
+
+def _draft_kv(worker, slot: int, n: int) -> list[torch.Tensor]:
+    """The draft's K and V of every layer at positions 0 .. n-1 of request ``slot``."""
+    pos = torch.arange(n)
+    kv = worker.proposer.runner.kv_cache
+    at = worker.page_table.slots(torch.full_like(pos, slot), pos)
+    return [t[at] for t in kv.k + kv.v]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_catch_up_leaves_the_draft_kv_of_a_prefill(spec_models, method):
+    """After runs of plain steps (caught up in a plain step when the stash of 3 fills, and before each round), the
+    draft's KV at every position it has consumed equals what one prefill of the same tokens writes (fp32)."""
+    prompt = mixed_prompts(4)[3]
+    # one step at a time, so that the last step applied is the last one run
+    eng = engine(spec_models["target"], _spec(spec_models, method, catch_up_window=3), page_size=4,
+                 max_prefill_tokens=16, disable_overlap_schedule=True)
+    eng.depth_policy = DepthSchedule([0, 0, 0, 0, 0, 2, 0, 1])
+    req = eng.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while len(req.output_ids) < 20 or eng.depth_policy.last_depth == 0:
+        eng.step()
+    worker = eng.executor.worker
+    assert worker.catch_ups[1] >= 5 and not worker.plain_run[req.req_slot]
+    n = len(req.all_ids) - 1  # the last token is the next root, which no forward has consumed yet
+    fresh = engine(spec_models["target"], _spec(spec_models, method))
+    r2 = fresh.add_request(req.all_ids[:-1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while fresh.has_work():  # one prefill, in request slot 0
+        fresh.step()
+    assert r2.output_ids == [req.all_ids[-1]]
+    for a, b in zip(_draft_kv(worker, req.req_slot, n), _draft_kv(fresh.executor.worker, 0, n)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_draft_keeps_in_step_across_plain_steps(spec_models):
