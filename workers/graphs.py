@@ -555,12 +555,16 @@ class DecodeGraphs(GraphRunner):
         with graphs captured, their replays (alternating depths, ``passes`` rounds of ``replays``, the median),
         read from the tuning cache when it has them; otherwise eager calls of the same callables on padding rows,
         at power-of-two buckets up to max_num_seqs. Padding rows have one token of context, so attention's share,
-        the same at every depth but the verify's extra rows, is left out."""
+        the same at every depth but the verify's extra rows, is left out. Depth 0 is the plain decode step; each
+        bucket also gets the draft's lazy catch-up over L plain steps per request at L = 1 and the stash's size,
+        under key -L (``_catch_up_ms``)."""
         full = self.spec_round.proposer.full_steps
         depth_of = {d: None if d == full else d for d in tiers}
         if not self.buckets:
             return self._eager_depth_costs(tiers, depth_of)
-        key = self.norm_fusion_key(self.buckets[-1]).replace("norms in linears", f"step ms at depths {tiers}", 1)
+        lags = self._catch_up_lags()
+        key = self.norm_fusion_key(self.buckets[-1]).replace(
+            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up at {lags}", 1)
         cached = self.tuning_cache.get_step_costs(key) if self.tuning_cache is not None else None
         if self.tp.size > 1:  # every rank times (replays all-reduces) or none does
             (has,) = self.tp.all_reduce_host([cached is not None], op=dist.ReduceOp.MIN)
@@ -582,8 +586,9 @@ class DecodeGraphs(GraphRunner):
                 for d in tiers:
                     times[d].append(self.replay_ms(keys[d], replays))
             medians = [sorted(times[d])[len(times[d]) // 2] for d in tiers]
+            medians += [self._catch_up_ms(bucket, lag) for lag in lags]
             medians = [t / self.tp.size for t in self.tp.all_reduce_host(medians)]  # the ranks' mean
-            costs[bucket] = dict(zip(tiers, medians))
+            costs[bucket] = dict(zip(tiers + [-lag for lag in lags], medians))
         if self.tuning_cache is not None:
             self.tuning_cache.put_step_costs(key, costs)
             self.tuning_cache.save()
@@ -613,7 +618,41 @@ class DecodeGraphs(GraphRunner):
                         sync()
                         times[d].append(1e3 * (time.perf_counter() - t0))
                 costs[bucket] = {d: sorted(times[d][1:])[0] for d in tiers}  # (the first pass warms up)
+                costs[bucket].update({-lag: self._catch_up_ms(bucket, lag) for lag in self._catch_up_lags()})
         return costs
+
+    def _catch_up_lags(self) -> list[int]:
+        """The catch-up lengths timed: one plain step's token, and a full stash (none without a draft to keep)."""
+        proposer = self.spec_round.proposer
+        window = proposer.catch_up_window if proposer.keeps_draft_state else 0
+        return sorted({1, window}) if window else []
+
+    def _catch_up_ms(self, bucket: int, lag: int, passes: int = 3) -> float:
+        """Milliseconds of the draft's catch-up (``Proposer.catch_up``: it runs eagerly) over ``lag`` positions of
+        ``bucket`` padding requests (page 0). On a GPU, device time: CUDA events around the calls, queued behind a
+        sleeping kernel so that the host's launches are not timed (the step in flight hides them when serving)."""
+        proposer = self.spec_round.proposer
+        slots = np.full(bucket, self.static.pad_slot, dtype=np.int64)
+        pos = np.full(bucket, lag, dtype=np.int64)  # positions 0 .. lag - 1
+        run = lambda: proposer.catch_up(slots, pos, pos)  # noqa: E731
+        with torch.inference_mode():
+            run()  # warm-up
+            if self.device.type != "cuda":
+                times = []
+                for _ in range(passes):
+                    t0 = time.perf_counter()
+                    run()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                return sorted(times)[len(times) // 2]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # (about 50 ms: longer than the launches take)
+            start.record()
+            for _ in range(passes):
+                run()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / passes
 
 
 def _depth_key(depth: int | None) -> tuple:

@@ -57,8 +57,9 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
                  cuda_graph_max_bs=8, fuse_speculative_round=fused)
     worker = eng.executor.worker
     costs = eng.executor.depth_costs
-    assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [0, 1, 2, 3] for row in costs.values())
-    assert isinstance(eng.depth_policy, DepthChooser)
+    # every tier, and the catch-up over one plain step's token and over a full stash (-L)
+    assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [-2, -1, 0, 1, 2, 3] for row in costs.values())
+    assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
     assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
     # depth 0 replays the plain decode step's graph
@@ -156,6 +157,7 @@ def test_adaptive_engine_chooses_from_measured_costs(spec_models, references):
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     stats = eng.step_stats()["adaptive"]
     assert stats["policy"] == "adaptive" and len(stats["acceptance"]) == 3 and stats["tiers"] == [0, 1, 2, 3]
+    assert eng.depth_policy.window == 16 and all(row[-16] > 0 for row in eng.executor.depth_costs.values())
     assert sum(stats["steps_by_depth"].values()) > 0
 
 
@@ -197,6 +199,25 @@ def test_chooser_math():
     for bs, p in [(64, [0.8, 0.6, 0.4]), (256, [0.95, 0.9, 0.9])]:
         d = c.best(bs, p)
         assert all(expected_tokens(p, d) / COSTS[bs][d] >= expected_tokens(p, e) / COSTS[bs][e] for e in range(4))
+
+
+def test_chooser_pays_the_catch_up_on_leaving_depth_0():
+    """A round after L plain steps first catches the draft up on them (costs key -L, interpolated): a marginal
+    gain does not leave depth 0 with a long catch-up due, a round right after a round is chosen as before, and
+    on a full stash (where a plain step catches up too) the catch-up weighs on neither."""
+    costs = {64: {**COSTS[64], -1: 0.5, -8: 4.0}}
+    c = DepthChooser(costs, num_steps=3)
+    assert c.window == 8 and c.catch_up_cost(64, 4) == pytest.approx(0.5 + 3.5 * 3 / 7)
+    p = [0.3, 0.3, 0.3]  # a round of 1 gives 1.3 tokens in 11.5 ms vs 1 in 9 ms: 1.7 % better
+    assert c.best(64, p, lag=0) == 1
+    assert c.best(64, p, lag=1) == 0 and c.best(64, p, lag=7) == 0
+    assert c.best(64, p, lag=8) == 1  # the stash is full: the next plain step would catch up as well
+    # the chooser counts the plain steps it chose since its last round, as the worker does
+    c.estimate.accepted, c.estimate.tried = [0.0] * 3, [1.0] * 3
+    assert [c.choose(64) for _ in range(3)] == [0, 0, 0] and c.lag == 3
+    c.estimate.accepted = [0.3] * 3
+    depths = [c.choose(64) for _ in range(12)]
+    assert depths[:5] == [0] * 5 and depths[5] == 1 and c.lag == 0  # left at the full stash, then stays
 
 
 def test_acceptance_estimate():
