@@ -213,7 +213,7 @@ class _ModelProposer(Proposer):
         if self.stash_tokens is None:  # (no plain steps: nothing to keep)
             return
         col = inp.root_pos % self.catch_up_window
-        self.stash_tokens[inp.req_slots, col] = tokens
+        self.stash_tokens[inp.req_slots, col] = tokens.to(self.stash_tokens.dtype)
         if features is not None:
             self.stash_features[inp.req_slots, col] = features.to(self.stash_features.dtype)
 

@@ -272,3 +272,34 @@ def test_engine_re_adapts_to_simulated_acceptance(spec_models):
     assert depths[15:25] == [3] * 10
     assert 0 in depths[changed:changed + 20] and depths[-10:] == [0] * 10
     assert chooser.estimate.p[0] < 0.2
+
+
+def test_structured_round_after_plain_steps(spec_models):
+    """A structured-output request joins requests that ran plain steps: its rounds (drafted at num_steps, masks
+    after the drafts) first catch the draft up on them. Tokens equal no speculation's; the target as its own draft
+    still accepts every draft the grammar allows."""
+    import json
+
+    from deployments.engine.grammar import GuidedSpec
+    from tests.engine.test_structured import SCHEMAS
+
+    target = str(spec_models["target"])
+    prompts = mixed_prompts(3)
+    ps = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=16, temperature=0.0, guided=GuidedSpec("json_schema", json.dumps(SCHEMAS[0])))]
+
+    def run(eng):
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:2], ps[:2])]
+        for _ in range(8):  # plain steps only (rounds only every fourth step)
+            eng.step()
+        reqs.append(eng.add_request(prompts[2], ps[2]))
+        while eng.has_work():
+            eng.step()
+        return [r.output_ids for r in reqs]
+
+    ref = run(engine(target))
+    eng = engine(target, SpeculativeConfig(method="draft", model=target, num_steps=3))
+    eng.depth_policy = DepthSchedule([0, 0, 0, 3])
+    assert run(eng) == ref
+    assert eng.executor.worker.catch_ups[1] > eng.executor.worker.catch_ups[0] > 0
