@@ -272,6 +272,7 @@ class DecodeGraphs(GraphRunner):
         self.buckets: list[int] = []  # empty until ``capture_all``: every step then runs eagerly
         self.phases: dict[tuple[int, str, bool], list[str]] = {}  # (bucket, kind, top) → graph names, replay order
         self.norm_fusion: dict[int, bool] = {}  # bucket → its graphs run the norms inside the linears
+        self.plain_norm_fusion: dict[int, bool] = {}  # the same for a speculative worker's plain step (depth 0)
         self.tuning_cache = None  # where fusion choices are read and kept (TuningCache)
         # adaptive speculation: the draft depths besides num_steps whose greedy graphs are captured at start-up
         # (others on first use); a phase key ends with its depth, none for num_steps
@@ -294,6 +295,7 @@ class DecodeGraphs(GraphRunner):
         self.static = StaticInputs(buckets[-1], draft_cols, self.cfg.max_num_seqs, self.device)
         self.phases.clear()
         self.norm_fusion.clear()
+        self.plain_norm_fusion.clear()
         self.buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             self._capture(bucket, "greedy", top=False)  # (the full round first: it makes the norm-fusion choice)
@@ -383,7 +385,7 @@ class DecodeGraphs(GraphRunner):
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
         step's outputs packed for the host (``top``: with each token's top logprobs; ``depth``: a round drafting
         that many tokens, None: num_steps)."""
-        if depth == 0 and self.plain_step is not None and not kind.endswith(MASK_VARIANT):
+        if self._is_plain(kind, depth):
             def plain():
                 inp = self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=False,
                                                logits_state=self.logits_state)
@@ -465,10 +467,16 @@ class DecodeGraphs(GraphRunner):
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
         forwards can run the norms inside the linears (``_norm_fusion_open``), the bucket's first capture takes
         them both ways and keeps the faster (``_capture_faster_fusion``); its later captures follow that choice."""
-        if bucket not in self.norm_fusion and self._norm_fusion_open(bucket):
-            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top, depth)
+        # a speculative worker's plain step (depth 0) runs the target alone, as no speculation does: its own choice
+        choices = self.plain_norm_fusion if self._is_plain(kind, depth) else self.norm_fusion
+        if bucket not in choices and self._norm_fusion_open(bucket):
+            choices[bucket] = self._capture_faster_fusion(bucket, kind, top, depth)
         else:
-            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True), depth=depth)
+            self._capture_phases(bucket, kind, top, choices.get(bucket, True), depth=depth)
+
+    def _is_plain(self, kind: str, depth: int | None) -> bool:
+        """Whether ``depth``'s graphs are a speculative worker's plain decode step (``plain_step``)."""
+        return depth == 0 and self.plain_step is not None and not kind.endswith(MASK_VARIANT)
 
     def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = (),
                         depth: int | None = None) -> list[tuple]:
@@ -523,7 +531,7 @@ class DecodeGraphs(GraphRunner):
         return whether it fuses. The fused graphs are kept unless the others are NORM_FUSION_MARGIN faster (which
         way wins depends on the model's shape); a choice in the tuning cache is taken without timing, so that later
         starts run the same kernels."""
-        key = self.norm_fusion_key(bucket)
+        key = self.norm_fusion_key(bucket) + (" | plain step" if self._is_plain(kind, depth) else "")
         cached = self.tuning_cache.get_choice(key) if self.tuning_cache is not None else None
         if self.tp.size > 1:  # every rank takes the same path, and times (replays all-reduces) or none does
             has, value = self.tp.all_reduce_host([cached is not None, bool(cached)], op=dist.ReduceOp.MIN)

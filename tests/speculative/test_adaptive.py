@@ -303,3 +303,26 @@ def test_structured_round_after_plain_steps(spec_models):
     eng.depth_policy = DepthSchedule([0, 0, 0, 3])
     assert run(eng) == ref
     assert eng.executor.worker.catch_ups[1] > eng.executor.worker.catch_ups[0] > 0
+
+
+def test_plain_step_graphs_make_their_own_norm_fusion_choice(spec_models, references, tmp_path, monkeypatch):
+    """Where a bucket's forwards could run the norms inside the linears, the plain step's graphs (the target alone,
+    as without speculation) are captured both ways and timed apart from the rounds', their choice kept in the
+    tuning cache under a key of their own; no graph of the losing way is left."""
+    from workers import graphs
+    from workers.kernels.tuning import TuningCache
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "_norm_fusion_open", lambda self, bucket: True)
+    monkeypatch.setattr(graphs, "NORM_FUSION_PASSES", 1)
+    monkeypatch.setattr(graphs, "NORM_FUSION_REPLAYS", 1)
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3"), cuda_graph_max_bs=2)
+    g = eng.executor.worker.graphs
+    g.depth_tiers = [0, 1, 2, 3]  # (what adaptive: true sets, without its start-up timings)
+    cache = TuningCache(tmp_path / "small_m_linear.json", "cpu")
+    g.capture_all(cache)
+    assert sorted(g.norm_fusion) == sorted(g.plain_norm_fusion) == [1, 2]
+    assert all(cache.get_choice(g.norm_fusion_key(b) + " | plain step") == g.plain_norm_fusion[b] for b in (1, 2))
+    assert len(g.graphs) == sum(len(names) for names in g.phases.values())  # one way kept of each
+    eng.depth_policy = DepthSchedule(SCHEDULE)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
