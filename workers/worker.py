@@ -123,7 +123,7 @@ class Worker:
         self.catch_ups = [0, 0]  # catch-ups run, positions they covered (tests, stats)
         if spec is not None:
             self.graphs.plain_step = self._plain_step
-            if self.adaptive and self.proposer.keeps_draft_state:
+            if self.adaptive and 0 in spec.tiers() and self.proposer.keeps_draft_state:
                 self.proposer.allocate_stash(spec.catch_up_window)
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
