@@ -7,7 +7,7 @@ emitted tokens are the drafts), set on the device between runs. Per shape:
 1. no speculation (its own engine), decode tok/s per batch size;
 2. one speculative engine (adaptive on): its start-up cost model (ms per step by batch bucket and depth), then per
    simulated accept length and batch size: the adaptive chooser (fresh per accept length, warmed by one untimed
-   run), and each fixed depth 0..steps (``DepthSchedule``; depth 0 = plain steps with the draft's catch-up);
+   run), and each fixed depth 0..steps (``DepthSchedule``; depth 0 = plain decode steps, the draft catching up lazily);
 3. a run whose acceptance changes halfway (``--change``, default 3.0 then 1.2): the chosen depth and tok/s per step.
 
 ``--shapes`` may also name ``family``: the shipped trained tiny family (models/specserve-tiny and its EAGLE-3 head)
@@ -264,7 +264,9 @@ class Bench:
                   f"EAGLE-3-shaped random head, chain of {r['steps']}, simulated accept lengths "
                   f"{', '.join(f'{x:g}' for x in r['accept_lengths'])}; {r['prompt_len']}-token prompts, "
                   f"{r['new_tokens']} new tokens, greedy; decode tok/s after every request's first token. "
-                  "`depth0` = plain steps with the draft's one-token catch-up.", ""]
+                  "`depth0` = plain decode steps (the draft catches up on them before a round, or when its stash of "
+                  "plain steps is full); cost table: `catch-up L` = the draft's catch-up over L plain steps per request.",
+                  ""]
         if r.get("note"):
             lines += [f"**{r['note']}**", ""]
         for shape, res in r["shapes"].items():
@@ -302,7 +304,8 @@ class Bench:
                 depths = list(next(iter(res["cost_ms"].values())))
                 shown = [b for b in res["cost_ms"] if b in sizes] or list(res["cost_ms"])
                 lines += ["### start-up cost model (ms per step, padding rows)", "",
-                          "| bucket | " + " | ".join(f"depth {d}" for d in depths) + " |", "|---|" + "---|" * len(depths)]
+                          "| bucket | " + " | ".join(f"depth {d}" if int(d) >= 0 else f"catch-up {-int(d)}" for d in depths)
+                          + " |", "|---|" + "---|" * len(depths)]
                 lines += [f"| {b} | " + " | ".join(f"{res['cost_ms'][b][d]:.3f}" for d in depths) + " |" for b in shown]
                 lines.append("")
             ch = res.get("change")

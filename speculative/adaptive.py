@@ -1,15 +1,19 @@
 """Adaptive speculation: the draft depth of each step, chosen on the host (no torch: the engine imports it).
 
-A step at depth d verifies a chain of d drafts (depth 0: the target's plain step, with the draft's one-token
-catch-up). ``DepthChooser`` picks the depth that maximises the expected tokens per second of the batch it is about
-to run, from
+A step at depth d verifies a chain of d drafts (depth 0: the target's plain decode step alone; the draft catches up
+on the tokens of plain steps lazily, before the next round). ``DepthChooser`` picks the depth that maximises the
+expected tokens per second of the batch it is about to run, from
 
 - a cost model: the time of a step at each depth per batch-size bucket, measured by the worker at start-up
-  (``workers.graphs.DecodeGraphs.depth_costs``: graph replays on a GPU, eager calls otherwise);
+  (``workers.graphs.DecodeGraphs.depth_costs``: graph replays on a GPU, eager calls otherwise), and the time of the
+  draft's catch-up over L plain steps' tokens per request (negative keys -L of the same table), which a round after
+  L plain steps pays first;
 - live acceptance estimates (``AcceptanceEstimate``): per draft position i, the chance that draft i is accepted
   given that the i - 1 before it were, as decayed averages over the verdicts the host reads anyway.
 
-Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket).
+Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
+a round's cost including the catch-up the plain steps before it left (so a marginal gain does not leave depth 0
+only to come back: the catch-up is paid on leaving).
 Positions deeper than the chosen depth get no verdicts, so every ``probe_interval`` steps below the deepest tier one
 step runs at the deepest tier to refresh them (otherwise a rise in acceptance would go unseen at depth 0).
 
@@ -77,14 +81,21 @@ class AcceptanceEstimate:
 
 class DepthChooser:
     """The adaptive policy. ``costs``: batch bucket → {depth: seconds (or ms) of one step at that depth}; its
-    depths are the tiers it chooses among (each bucket has every tier)."""
+    depths are the tiers it chooses among (each bucket has every tier). Negative keys -L: the draft's catch-up over
+    L plain steps per request (measured at a few L, interpolated; the largest L is the stash's size, where a plain
+    step catches up too)."""
 
     def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.7,
                  probe_interval: int = 50):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
-        self.costs = {b: {int(d): float(c) for d, c in costs[b].items()} for b in self.buckets}
+        self.costs = {b: {int(d): float(c) for d, c in costs[b].items() if int(d) >= 0} for b in self.buckets}
+        self.catch_up_costs = {b: sorted((-int(d), float(c)) for d, c in costs[b].items() if int(d) < 0)
+                               for b in self.buckets}
+        # the stash's size: a plain step after this many catches up first (0: no draft to catch up, n-gram)
+        self.window = max((lag for row in self.catch_up_costs.values() for lag, _ in row), default=0)
+        self.lag = 0  # plain steps since the last round (the batch's draft lag, as the worker counts it)
         self.tiers = sorted(self.costs[self.buckets[0]])
         if any(sorted(self.costs[b]) != self.tiers for b in self.buckets):
             raise ValueError("every bucket needs a cost at every depth tier")
@@ -97,11 +108,31 @@ class DepthChooser:
         i = bisect.bisect_left(self.buckets, batch_size)
         return self.buckets[min(i, len(self.buckets) - 1)]
 
-    def best(self, batch_size: int, p: list[float] | None = None) -> int:
-        """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower)."""
+    def catch_up_cost(self, bucket: int, lag: int) -> float:
+        """The draft's catch-up over ``lag`` plain steps' tokens per request (linear through the measured points)."""
+        pts = self.catch_up_costs[bucket]
+        if lag <= 0 or not pts:
+            return 0.0
+        if len(pts) == 1:
+            return pts[0][1] * lag / pts[0][0]
+        (l0, c0), (l1, c1) = pts[0], pts[-1]
+        return max(0.0, c0 + (c1 - c0) * (lag - l0) / (l1 - l0))
+
+    def best(self, batch_size: int, p: list[float] | None = None, lag: int | None = None) -> int:
+        """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower), after ``lag`` plain steps (default:
+        the steps since the last round): a round first catches the draft up on them, and so does a plain step whose
+        stash is full."""
         p = self.estimate.p if p is None else p
-        cost = self.costs[self.bucket(batch_size)]
-        return max(self.tiers, key=lambda d: (expected_tokens(p, d) / cost[d], -d))
+        lag = self.lag if lag is None else lag
+        bucket = self.bucket(batch_size)
+        cost = self.costs[bucket]
+        catch_up = self.catch_up_cost(bucket, lag)
+        full = self.window and lag >= self.window
+
+        def total(d: int) -> float:
+            return cost[d] + (catch_up if d > 0 or full else 0.0)
+
+        return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
 
     def choose(self, batch_size: int) -> int:
         depth = self.best(batch_size)
@@ -112,6 +143,10 @@ class DepthChooser:
                 depth = deepest
         if depth == deepest:
             self._since_deep = 0
+        if depth > 0:
+            self.lag = 0
+        else:  # (a plain step on a full stash catches up first)
+            self.lag = 1 if self.window and self.lag >= self.window else self.lag + 1
         self.last_depth = depth
         return depth
 
@@ -120,7 +155,7 @@ class DepthChooser:
 
     def stats(self) -> dict:
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
-                "last_depth": self.last_depth, "tiers": self.tiers}
+                "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag}
 
 
 class DepthSchedule:

@@ -13,6 +13,12 @@ verifies D nodes at m .. m+D-1; the draft's step s >= 2 writes its k frontier no
 m (EAGLE) or m+1 (standalone draft, whose step 1 consumes the root at m); DRAFT_EXTEND rewrites m .. m+S.
 
 EAGLE's draft position p holds the pair (token p+1, target feature p); the standalone draft's holds token p.
+
+Lazy catch-up (adaptive speculation's plain steps): a depth-0 step is the target's plain decode step. It leaves the
+draft's position m (its root's) unconsumed and only ``stash``es what the draft needs there (EAGLE: the sampled
+token and the target's features at m; the standalone draft: the root) in a per-slot ring of ``catch_up_window``
+positions. Before the next round (or when the ring is full), ``catch_up`` runs the draft over every stashed
+position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,8 +100,8 @@ class Proposer:
     @contextlib.contextmanager
     def at_depth(self, depth: int | None):
         """Rounds inside draft a chain of ``depth`` tokens (adaptive speculation's tiers; None: the configured
-        depth). Depth 0 verifies the root alone: the target's plain step, after which the draft catches up on the
-        one token as after any round, so its state stays in step whatever depth the next round drafts."""
+        depth). Depth 0 would verify the root alone; the worker runs its plain decode step instead (``stash``,
+        ``catch_up``)."""
         if depth is None or depth == self.full_steps:
             yield
             return
@@ -106,6 +113,25 @@ class Proposer:
             yield
         finally:
             self.num_steps, self.num_draft_tokens = saved
+
+    # ---- lazy catch-up after plain steps (adaptive speculation's depth 0) ------------------------------------------
+    catch_up_window = 0  # positions a request slot's stash holds (0: no draft state to keep, or none allocated)
+
+    @property
+    def keeps_draft_state(self) -> bool:
+        """Whether plain steps leave the draft behind (a draft model's KV and state): n-gram drafts from the host."""
+        return False
+
+    def allocate_stash(self, window: int) -> None:
+        pass
+
+    def stash(self, inp: "RoundInputs", fb: ForwardBatch, hidden: torch.Tensor, sampled: torch.Tensor) -> None:
+        """A plain step at root position m: keep what the draft will consume at position m (device only)."""
+
+    def catch_up(self, slots: np.ndarray, root_pos: np.ndarray, lags: np.ndarray) -> None:
+        """The draft consumes the ``lags[i]`` positions before each root (``root_pos[i]``) of request slot
+        ``slots[i]`` from the stash (host arrays, every lag in 1..catch_up_window): afterwards its KV and state are
+        what following every plain step would have left."""
 
     def _root_only(self, inp: "RoundInputs") -> DraftTree:
         return chain_tree(inp.root, inp.root.new_empty(inp.batch_size, 0))
@@ -161,6 +187,53 @@ class _ModelProposer(Proposer):
 
     def allocate_kv(self, num_pages: int, page_size: int) -> None:
         self.runner.allocate_kv_cache(num_pages, page_size)
+
+    stash_tokens: torch.Tensor | None = None  # [slots, window] int64: the token each stashed position consumes
+    stash_features: torch.Tensor | None = None  # [slots, window, F]: its target features (EAGLE), ring by position
+
+    @property
+    def keeps_draft_state(self) -> bool:
+        return True
+
+    def stash_width(self) -> int:
+        """Target features stashed per position (0: none, a standalone draft reads tokens only)."""
+        return 0
+
+    def allocate_stash(self, window: int) -> None:
+        if self.catch_up_window == window:
+            return
+        n, dev = self.ctx.max_requests, self.ctx.device
+        self.stash_tokens = torch.zeros(n, window, dtype=torch.int64, device=dev)
+        width = self.stash_width()
+        self.stash_features = torch.zeros(n, window, width, dtype=self.ctx.dtype, device=dev) if width else None
+        self.catch_up_window = window
+
+    def _stash_at(self, inp: RoundInputs, tokens: torch.Tensor, features: torch.Tensor | None) -> None:
+        """Ring column root_pos % window of each row's slot (padding rows write their own slot's row)."""
+        if self.stash_tokens is None:  # (no plain steps: nothing to keep)
+            return
+        col = inp.root_pos % self.catch_up_window
+        self.stash_tokens[inp.req_slots, col] = tokens.to(self.stash_tokens.dtype)
+        if features is not None:
+            self.stash_features[inp.req_slots, col] = features.to(self.stash_features.dtype)
+
+    def _stashed(self, slots: np.ndarray, root_pos: np.ndarray, lags: np.ndarray):
+        """(DRAFT_EXTEND batch over the stashed positions root_pos - lag .. root_pos - 1, their features or
+        None)."""
+        w = self.catch_up_window
+        lags = np.asarray(lags, np.int64)
+        start = np.asarray(root_pos, np.int64) - lags
+        offsets = np.arange(int(lags.sum())) - np.repeat(np.cumsum(lags) - lags, lags)
+        rows = np.repeat(np.asarray(slots, np.int64), lags) * w + (np.repeat(start, lags) + offsets) % w
+        rows = to_device(rows, torch.int64, self.ctx.device)
+        ids = self.stash_tokens.view(-1).index_select(0, rows)
+        feats = None
+        if self.stash_features is not None:
+            feats = self.stash_features.view(-1, self.stash_features.shape[-1]).index_select(0, rows)
+        # KV lengths after it: each request's root position (the positions before its root)
+        fb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, np.asarray(slots).tolist(),
+                                   np.asarray(root_pos).tolist(), lags.tolist(), page_table=self.ctx.page_table)
+        return fb, feats
 
     def _draft_forward(self, fb: ForwardBatch, features: torch.Tensor | None):
         """Returns ((draft scores [N, V'] (``_draft_scores``), d2t or None: draft id → target id), next-step
@@ -243,7 +316,27 @@ class EagleProposer(_ModelProposer):
         self.state_feat = torch.zeros(n, h, dtype=ctx.dtype, device=ctx.device)
 
     def target_features(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse_target_features(fb.aux["aux_hidden"]) if self.head.eagle3 else hidden
+        return self._fuse(self._raw_features(fb, hidden))
+
+    def _fuse(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse_target_features(raw) if self.head.eagle3 else raw
+
+    def _raw_features(self, fb: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's features before the head's fusion (EAGLE-3: the captured layers, fused by its fc)."""
+        return fb.aux["aux_hidden"] if self.head.eagle3 else hidden
+
+    def stash_width(self) -> int:
+        return self.ctx.target.cfg.hidden_size * (len(self.target_aux_layers) if self.head.eagle3 else 1)
+
+    def stash(self, inp, fb, hidden, sampled):
+        # draft position m pairs the token after the root (sampled now) with the target's features at m; the
+        # features are kept unfused, so the plain step runs no draft weights (the catch-up fuses them)
+        self._stash_at(inp, sampled, self._raw_features(fb, hidden))
+
+    def catch_up(self, slots, root_pos, lags):
+        fb, raw = self._stashed(slots, root_pos, lags)
+        (logp, d2t), feat = self._draft_forward(fb, self._fuse(raw))
+        self._save_state(fb.req_slots, logp, d2t, feat)  # from each request's last pair: the root's first draft
 
     def _draft_forward(self, fb, features):
         hidden, feat = self.runner.forward(fb, features=features)  # at the logits rows
@@ -347,6 +440,13 @@ class DraftModelProposer(_ModelProposer):
         dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens.tolist(),
                                     step.extend_lens.tolist(), page_table=self.ctx.page_table)
         self.runner.forward(dfb)
+
+    def stash(self, inp, fb, hidden, sampled):
+        self._stash_at(inp, inp.root, None)  # draft position m holds the root itself
+
+    def catch_up(self, slots, root_pos, lags):
+        # no state to keep: a round's first step feeds the root from its position on
+        self.runner.forward(self._stashed(slots, root_pos, lags)[0])
 
     def propose(self, inp):
         if self.num_steps == 0:

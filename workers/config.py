@@ -36,6 +36,9 @@ class SpeculativeConfig(Strict):
     depth_tiers: list[int] | None = Field(
         None, description="adaptive: the depths whose graphs are captured at start-up and chosen among (default "
         "every depth 0..num_steps); fewer tiers, fewer graphs")
+    catch_up_window: int = Field(
+        16, ge=1, le=256, description="adaptive: plain steps a request may run before its draft catches up on "
+        "them (the draft's inputs of that many positions are kept per request); a round catches up first anyway")
 
     @model_validator(mode="after")
     def _check(self):

@@ -272,10 +272,14 @@ class DecodeGraphs(GraphRunner):
         self.buckets: list[int] = []  # empty until ``capture_all``: every step then runs eagerly
         self.phases: dict[tuple[int, str, bool], list[str]] = {}  # (bucket, kind, top) → graph names, replay order
         self.norm_fusion: dict[int, bool] = {}  # bucket → its graphs run the norms inside the linears
+        self.plain_norm_fusion: dict[int, bool] = {}  # the same for a speculative worker's plain step (depth 0)
         self.tuning_cache = None  # where fusion choices are read and kept (TuningCache)
         # adaptive speculation: the draft depths besides num_steps whose greedy graphs are captured at start-up
         # (others on first use); a phase key ends with its depth, none for num_steps
         self.depth_tiers: list[int] = []
+        # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
+        # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
+        self.plain_step: Callable | None = None
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -291,6 +295,7 @@ class DecodeGraphs(GraphRunner):
         self.static = StaticInputs(buckets[-1], draft_cols, self.cfg.max_num_seqs, self.device)
         self.phases.clear()
         self.norm_fusion.clear()
+        self.plain_norm_fusion.clear()
         self.buckets = buckets
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             self._capture(bucket, "greedy", top=False)  # (the full round first: it makes the norm-fusion choice)
@@ -380,6 +385,12 @@ class DecodeGraphs(GraphRunner):
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
         step's outputs packed for the host (``top``: with each token's top logprobs; ``depth``: a round drafting
         that many tokens, None: num_steps)."""
+        if self._is_plain(kind, depth):
+            def plain():
+                inp = self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=False,
+                                               logits_state=self.logits_state)
+                return PackedOutputs.pack(*self.plain_step(inp, top))
+            return {"decode": plain}
         phases = self._phase_callables(bucket, kind, top)
         if depth is None:
             return phases
@@ -456,10 +467,16 @@ class DecodeGraphs(GraphRunner):
         """Capture one bucket's graphs on padding rows (a capture runs its callables three times). Where its
         forwards can run the norms inside the linears (``_norm_fusion_open``), the bucket's first capture takes
         them both ways and keeps the faster (``_capture_faster_fusion``); its later captures follow that choice."""
-        if bucket not in self.norm_fusion and self._norm_fusion_open(bucket):
-            self.norm_fusion[bucket] = self._capture_faster_fusion(bucket, kind, top, depth)
+        # a speculative worker's plain step (depth 0) runs the target alone, as no speculation does: its own choice
+        choices = self.plain_norm_fusion if self._is_plain(kind, depth) else self.norm_fusion
+        if bucket not in choices and self._norm_fusion_open(bucket):
+            choices[bucket] = self._capture_faster_fusion(bucket, kind, top, depth)
         else:
-            self._capture_phases(bucket, kind, top, self.norm_fusion.get(bucket, True), depth=depth)
+            self._capture_phases(bucket, kind, top, choices.get(bucket, True), depth=depth)
+
+    def _is_plain(self, kind: str, depth: int | None) -> bool:
+        """Whether ``depth``'s graphs are a speculative worker's plain decode step (``plain_step``)."""
+        return depth == 0 and self.plain_step is not None and not kind.endswith(MASK_VARIANT)
 
     def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = (),
                         depth: int | None = None) -> list[tuple]:
@@ -514,7 +531,7 @@ class DecodeGraphs(GraphRunner):
         return whether it fuses. The fused graphs are kept unless the others are NORM_FUSION_MARGIN faster (which
         way wins depends on the model's shape); a choice in the tuning cache is taken without timing, so that later
         starts run the same kernels."""
-        key = self.norm_fusion_key(bucket)
+        key = self.norm_fusion_key(bucket) + (" | plain step" if self._is_plain(kind, depth) else "")
         cached = self.tuning_cache.get_choice(key) if self.tuning_cache is not None else None
         if self.tp.size > 1:  # every rank takes the same path, and times (replays all-reduces) or none does
             has, value = self.tp.all_reduce_host([cached is not None, bool(cached)], op=dist.ReduceOp.MIN)
@@ -546,12 +563,16 @@ class DecodeGraphs(GraphRunner):
         with graphs captured, their replays (alternating depths, ``passes`` rounds of ``replays``, the median),
         read from the tuning cache when it has them; otherwise eager calls of the same callables on padding rows,
         at power-of-two buckets up to max_num_seqs. Padding rows have one token of context, so attention's share,
-        the same at every depth but the verify's extra rows, is left out."""
+        the same at every depth but the verify's extra rows, is left out. Depth 0 is the plain decode step; each
+        bucket also gets the draft's lazy catch-up over L plain steps per request at L = 1 and the stash's size,
+        under key -L (``_catch_up_ms``)."""
         full = self.spec_round.proposer.full_steps
         depth_of = {d: None if d == full else d for d in tiers}
         if not self.buckets:
             return self._eager_depth_costs(tiers, depth_of)
-        key = self.norm_fusion_key(self.buckets[-1]).replace("norms in linears", f"step ms at depths {tiers}", 1)
+        lags = self._catch_up_lags()
+        key = self.norm_fusion_key(self.buckets[-1]).replace(
+            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up at {lags}", 1)
         cached = self.tuning_cache.get_step_costs(key) if self.tuning_cache is not None else None
         if self.tp.size > 1:  # every rank times (replays all-reduces) or none does
             (has,) = self.tp.all_reduce_host([cached is not None], op=dist.ReduceOp.MIN)
@@ -573,8 +594,9 @@ class DecodeGraphs(GraphRunner):
                 for d in tiers:
                     times[d].append(self.replay_ms(keys[d], replays))
             medians = [sorted(times[d])[len(times[d]) // 2] for d in tiers]
+            medians += [self._catch_up_ms(bucket, lag) for lag in lags]
             medians = [t / self.tp.size for t in self.tp.all_reduce_host(medians)]  # the ranks' mean
-            costs[bucket] = dict(zip(tiers, medians))
+            costs[bucket] = dict(zip(tiers + [-lag for lag in lags], medians))
         if self.tuning_cache is not None:
             self.tuning_cache.put_step_costs(key, costs)
             self.tuning_cache.save()
@@ -604,7 +626,41 @@ class DecodeGraphs(GraphRunner):
                         sync()
                         times[d].append(1e3 * (time.perf_counter() - t0))
                 costs[bucket] = {d: sorted(times[d][1:])[0] for d in tiers}  # (the first pass warms up)
+                costs[bucket].update({-lag: self._catch_up_ms(bucket, lag) for lag in self._catch_up_lags()})
         return costs
+
+    def _catch_up_lags(self) -> list[int]:
+        """The catch-up lengths timed: one plain step's token, and a full stash (none without a draft to keep)."""
+        proposer = self.spec_round.proposer
+        window = proposer.catch_up_window if proposer.keeps_draft_state else 0
+        return sorted({1, window}) if window else []
+
+    def _catch_up_ms(self, bucket: int, lag: int, passes: int = 3) -> float:
+        """Milliseconds of the draft's catch-up (``Proposer.catch_up``: it runs eagerly) over ``lag`` positions of
+        ``bucket`` padding requests (page 0). On a GPU, device time: CUDA events around the calls, queued behind a
+        sleeping kernel so that the host's launches are not timed (the step in flight hides them when serving)."""
+        proposer = self.spec_round.proposer
+        slots = np.full(bucket, self.static.pad_slot, dtype=np.int64)
+        pos = np.full(bucket, lag, dtype=np.int64)  # positions 0 .. lag - 1
+        run = lambda: proposer.catch_up(slots, pos, pos)  # noqa: E731
+        with torch.inference_mode():
+            run()  # warm-up
+            if self.device.type != "cuda":
+                times = []
+                for _ in range(passes):
+                    t0 = time.perf_counter()
+                    run()
+                    times.append(1e3 * (time.perf_counter() - t0))
+                return sorted(times)[len(times) // 2]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            torch.cuda._sleep(100_000_000)  # (about 50 ms: longer than the launches take)
+            start.record()
+            for _ in range(passes):
+                run()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / passes
 
 
 def _depth_key(depth: int | None) -> tuple:

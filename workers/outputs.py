@@ -100,6 +100,14 @@ def token_result(cols: list[np.ndarray]) -> StepResult:
     return res
 
 
+def plain_round_result(cols: list[np.ndarray]) -> StepResult:
+    """Adaptive speculation's depth 0 (a plain step in a speculative engine): ``token_result`` read as a round of
+    no drafts, one token each."""
+    res = token_result(cols)
+    res.counts = [1] * len(res.tokens)
+    return res
+
+
 def round_result(cols: list[np.ndarray], tree_size: int) -> StepResult:
     """A speculative round's outputs: each request's accepted drafts and bonus token."""
     accept, tokens, logprobs, *top = cols

@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
+import numpy as np
 import torch
 
 from speculative.proposers import DraftContext, RoundInputs, make_proposer
@@ -24,13 +26,14 @@ from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, graph_ref
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.logits_processing import LogitsState, record_tokens
-from workers.messages import ForwardMode, StepResult, WorkerStep
+from workers.messages import INT_FIELDS, ForwardMode, StepResult, WorkerStep
 from workers.model_config import ModelConfig
 from workers.model_runner import ModelRunner
 from workers.outputs import (
     HostCopy,
     Launched,
     PackedOutputs,
+    plain_round_result,
     proposal_result,
     round_result,
     token_result,
@@ -115,6 +118,16 @@ class Worker:
         self.depth_costs: dict[int, dict[int, float]] | None = None
         if self.adaptive:
             self.graphs.depth_tiers = spec.tiers()
+        # adaptive speculation's depth 0 is the plain decode step (``_plain_step``): per request slot, the plain
+        # steps since the draft last consumed a token, counted on the host (``_lazy_catch_up``); the draft's inputs
+        # of those positions wait in the proposer's stash, allocated now where the chooser may pick depth 0 (else
+        # on a first forced plain step)
+        self.plain_run = np.zeros(cfg.max_num_seqs + 1, dtype=np.int64)
+        self.catch_ups = [0, 0]  # catch-ups run, positions they covered (tests, stats)
+        if spec is not None:
+            self.graphs.plain_step = self._plain_step
+            if self.adaptive and 0 in spec.tiers() and self.proposer.keeps_draft_state:
+                self.proposer.allocate_stash(spec.catch_up_window)
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
         self._awaiting_mask: Callable | None = None
@@ -255,6 +268,8 @@ class Worker:
         for its masks (``_awaiting_mask``)."""
         if step.mode == ForwardMode.DECODE:
             return self._launch_decode(step)
+        if self.proposer is not None:  # a prefill's draft consumes its tokens (``after_extend``): none behind
+            self.plain_run[step.req_slots] = 0
         fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
                                    step.extend_lens.tolist(), page_table=self.page_table)
         if step.logits_setup is not None:
@@ -341,16 +356,21 @@ class Worker:
         if step.logits_processing:
             kind += LOGITS_VARIANT
         bucket = self.graphs.bucket_for(step.batch_size)
-        if step.mask_follows or step.token_mask is not None:  # structured output drafts num_steps
-            return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
-        # adaptive speculation's depth for this round (None: num_steps)
+        masked = step.mask_follows or step.token_mask is not None  # structured output drafts num_steps
+        # adaptive speculation's depth for this round (None: num_steps; 0: the plain decode step)
         depth = None
-        if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps:
+        if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps and not masked:
             depth = step.spec_depth
+        if self.spec_round is not None:
+            step = self._lazy_catch_up(step, plain=depth == 0)
+        if masked:
+            return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
         if bucket is None:
             inp = self._eager_inputs(step)
             if self.spec_round is None:
                 packed = PackedOutputs.pack(*self._decode(inp, top, step.token_mask))
+            elif depth == 0:
+                packed = PackedOutputs.pack(*self._plain_step(inp, top))
             else:
                 with self.proposer.at_depth(depth):
                     packed = PackedOutputs.pack(*self.spec_round.run(inp, top))
@@ -359,6 +379,8 @@ class Worker:
         # copied now: the next replay overwrites a graph's outputs
         if self.spec_round is None:
             return HostCopy(packed), token_result
+        if depth == 0:
+            return HostCopy(packed), plain_round_result
         tree_size = self.proposer.tree_size if depth is None else depth + 1
         finish = partial(round_result, tree_size=tree_size)
         return HostCopy(packed), finish
@@ -398,6 +420,50 @@ class Worker:
         # a round's drafts now (copied before the verify forward runs), for the host's masks
         return None if proposal is None else (HostCopy(proposal), proposal_result)
 
+    _SEQ, _COUNTERS, _PENDING = (INT_FIELDS.index(f) for f in ("seq_lens", "counters", "pending"))
+
+    def _lazy_catch_up(self, step: WorkerStep, plain: bool) -> WorkerStep:
+        """Adaptive speculation's bookkeeping before a speculative DECODE step (``plain``: depth 0), from the host's
+        per-slot counts of plain steps (``plain_run``), reading nothing from the device:
+
+        - a request whose last step was plain appended exactly one token there, so its lengths come from the host
+          (plain steps leave the device's per-slot ``advance`` as it was, as no-speculation decoding does);
+        - before a round, the draft catches up on every position its requests' plain steps left (one eager
+          DRAFT_EXTEND: the requests behind and how far are known only now, and vary); before a plain step only
+          when some request's stash is full (``catch_up_window`` positions).
+
+        Returns the step (with the lengths moved where they are known)."""
+        slots = step.req_slots
+        run = self.plain_run[slots]
+        behind = run > 0
+        p = self.proposer
+        if plain and p.keeps_draft_state and p.catch_up_window == 0:  # a plain step forced without adaptive
+            p.allocate_stash(self.cfg.speculative_config.catch_up_window)
+        if behind.any():
+            ints = step.ints.copy()
+            moved = step.pending * behind
+            ints[self._SEQ] += moved
+            ints[self._COUNTERS] += moved
+            ints[self._PENDING] -= moved
+            step = replace(step, ints=ints)
+            if p.keeps_draft_state and (not plain or run.max() >= p.catch_up_window):
+                i = np.flatnonzero(behind)
+                p.catch_up(slots[i], step.seq_lens[i] - 1, run[i])
+                self.catch_ups[0] += 1
+                self.catch_ups[1] += int(run.sum())
+                run = np.zeros_like(run)
+        self.plain_run[slots] = run + 1 if plain else 0
+        return step
+
+    def _plain_step(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
+        """Adaptive speculation's depth 0: the plain decode step (``_decode``, what no speculation runs), and the
+        draft's inputs at the root's position stashed for its catch-up (``Proposer.stash``)."""
+        seen: dict = {}
+        logits = self._decode_logits(inp, seen)
+        out = self._decode_sample(inp, logits, top)
+        self.proposer.stash(inp, seen["fb"], seen["hidden"], out[0])
+        return out
+
     def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
         slots = to_device(step.req_slots, torch.int64, self.device)
         seq_lens, counters = step.seq_lens, step.counters
@@ -414,10 +480,14 @@ class Worker:
         tokens' (ids [B, K], logprobs [B, K])."""
         return self._decode_sample(inp, self._decode_logits(inp), top, token_mask)
 
-    def _decode_logits(self, inp: RoundInputs) -> torch.Tensor:
+    def _decode_logits(self, inp: RoundInputs, seen: dict | None = None) -> torch.Tensor:
+        """The target's DECODE forward to the logits (``seen`` gets its batch and hidden states)."""
         fb = self.target.new_batch(ForwardMode.DECODE, inp.root, inp.req_slots, inp.seq_lens, [1] * inp.batch_size,
                                    page_table=self.page_table, positions=inp.root_pos)
-        return self.target.logits(fb.logits_rows(self.target.forward(fb)))
+        hidden = self.target.forward(fb)
+        if seen is not None:
+            seen.update(fb=fb, hidden=hidden)
+        return self.target.logits(fb.logits_rows(hidden))
 
     def _decode_sample(self, inp: RoundInputs, logits: torch.Tensor, top: bool = False,
                        token_mask=None) -> tuple[torch.Tensor, ...]:

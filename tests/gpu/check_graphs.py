@@ -1,5 +1,7 @@
 """CUDA graphs on the GPU: the engine's tokens with graphs (the round fused in one graph, and split into draft /
-verify / draft-extend graphs) against the same engine run eagerly, for every proposer, greedy and seeded sampling.
+verify / draft-extend graphs) against the same engine run eagerly, for every proposer, greedy and seeded sampling;
+and for the chains, adaptive speculation's depths forced to change (plain steps replaying the decode graph, the
+draft's lazy catch-ups) against no speculation.
 
     python -m tests.gpu.check_graphs --models models --dtype float32 [--json out.json]
 
@@ -17,6 +19,7 @@ from pathlib import Path
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
+    from speculative.adaptive import DepthSchedule
     from workers.config import EngineConfig, SpeculativeConfig
 
     ap = argparse.ArgumentParser()
@@ -27,9 +30,10 @@ def main() -> None:
     m = Path(args.models)
     eagle3, draft = str(m / "specserve-tiny-eagle3"), str(m / "specserve-tiny-draft")
     specs = {"none": None,
-             "eagle3-chain": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=4),
+             # (chains: a stash of 2 plain steps, which the forced depths below fill)
+             "eagle3-chain": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=4, catch_up_window=2),
              "eagle3-tree": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=3, topk=3, num_draft_tokens=8),
-             "draft-chain": SpeculativeConfig(method="draft", model=draft, num_steps=3),
+             "draft-chain": SpeculativeConfig(method="draft", model=draft, num_steps=3, catch_up_window=2),
              "ngram": SpeculativeConfig(method="ngram", num_steps=3),
              "naive": SpeculativeConfig(method="naive", model=eagle3, num_steps=1)}
     prompts = ["def main(argv):\n", "class Config:\n    def __init__(self", "import os\nimport sys\n\n", "# utils\n",
@@ -59,6 +63,18 @@ def main() -> None:
                              # per batch bucket: whether its graphs run the norms inside the linears
                              "norms_in_linears": {str(b): f for b, f in sorted(worker.graphs.norm_fusion.items())}})
                 print(rows[-1], flush=True)
+                if spec is not None and spec.topk == 1 and spec_name != "naive":
+                    # runs of plain steps (a stash of 2 fills), rounds of every depth after them
+                    eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, spec.num_steps, 0, 0, 1, 0, 0, 0, 0, 0, 1])
+                    forced = [o.token_ids for o in eng.generate(prompts, params)]
+                    eng.depth_policy = None
+                    plain = next(r for r in rows if r["spec"] == "none" and r["sampling"] == sname
+                                 and "eager_tokens" in r)
+                    same = forced == plain["eager_tokens"]
+                    ok &= same or args.dtype != "float32"
+                    rows[-1]["forced_depths_equal_no_spec"] = same
+                    rows[-1]["catch_ups"] = list(worker.catch_ups)
+                    print({"forced_depths_equal_no_spec": same, "catch_ups": worker.catch_ups}, flush=True)
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]
     if args.json:

@@ -5,6 +5,7 @@ steps, the chooser's arithmetic, and its re-adaptation when acceptance changes."
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deployments.engine.request import SamplingParams
 from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
@@ -52,18 +53,76 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     """The CUDA-graph path (run eagerly on the CPU): a round per depth tier per bucket, each captured at start-up,
     with the depth forced to change; the costs were timed per bucket and tier."""
     prompts, ref = references
-    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True), cuda_graph_max_bs=8,
-                 fuse_speculative_round=fused)
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=2),
+                 cuda_graph_max_bs=8, fuse_speculative_round=fused)
     worker = eng.executor.worker
     costs = eng.executor.depth_costs
-    assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [0, 1, 2, 3] for row in costs.values())
-    assert isinstance(eng.depth_policy, DepthChooser)
+    # every tier, and the catch-up over one plain step's token and over a full stash (-L)
+    assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [-2, -1, 0, 1, 2, 3] for row in costs.values())
+    assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
     assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
-    eng.depth_policy = DepthSchedule(SCHEDULE)
+    # depth 0 replays the plain decode step's graph
+    assert all(worker.graphs.phases[(b, "greedy", False, 0)] == ["decode"] for b in worker.graphs.buckets)
+    eng.depth_policy = DepthSchedule(SCHEDULE + LAZY_SCHEDULE)
     replays = worker.graphs.num_replays
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     assert worker.graphs.num_replays > replays and set(eng.steps_by_depth) == {0, 1, 2, 3}
+    assert worker.catch_ups[1] > worker.catch_ups[0] > 0
+
+
+# long runs of plain steps (the stash of 2 positions fills: the draft catches up inside a plain step too), rounds of
+# every depth after them
+LAZY_SCHEDULE = [0, 0, 0, 2, 0, 3, 0, 0, 1, 0, 0, 0, 0, 0, 3]
+
+
+@pytest.mark.parametrize("method,params", [("eagle3", GREEDY), ("eagle3", SEEDED), ("eagle", GREEDY),
+                                           ("draft", SEEDED)], ids=["eagle3-greedy", "eagle3-seeded",
+                                                                    "eagle-greedy", "draft-seeded"])
+def test_lazy_catch_up_equals_no_speculation(spec_models, references, method, params):
+    """Plain steps run the target alone and the draft catches up on them before the next round, or when a
+    request's stash is full: the tokens are still no speculation's (preemption and the overlap schedule on)."""
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, method, catch_up_window=2), kv_cache_tokens=160,
+                 max_prefill_tokens=32)
+    eng.depth_policy = DepthSchedule(LAZY_SCHEDULE)
+    out = eng.generate(prompts, params)
+    assert [o.token_ids for o in out] == ref[id(params)]
+    assert eng.scheduler.num_preemptions > 0 and set(eng.steps_by_depth) == {0, 1, 2, 3}
+    runs, positions = eng.executor.worker.catch_ups
+    assert runs > 0 and positions > runs  # catch-ups over several positions at once
+
+
+def _draft_kv(worker, slot: int, n: int) -> list[torch.Tensor]:
+    """The draft's K and V of every layer at positions 0 .. n-1 of request ``slot``."""
+    pos = torch.arange(n)
+    kv = worker.proposer.runner.kv_cache
+    at = worker.page_table.slots(torch.full_like(pos, slot), pos)
+    return [t[at] for t in kv.k + kv.v]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_catch_up_leaves_the_draft_kv_of_a_prefill(spec_models, method):
+    """After runs of plain steps (caught up in a plain step when the stash of 3 fills, and before each round), the
+    draft's KV at every position it has consumed equals what one prefill of the same tokens writes (fp32)."""
+    prompt = mixed_prompts(4)[3]
+    # one step at a time, so that the last step applied is the last one run
+    eng = engine(spec_models["target"], _spec(spec_models, method, catch_up_window=3), page_size=4,
+                 max_prefill_tokens=16, disable_overlap_schedule=True)
+    eng.depth_policy = DepthSchedule([0, 0, 0, 0, 0, 2, 0, 1])
+    req = eng.add_request(prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    while len(req.output_ids) < 20 or eng.depth_policy.last_depth == 0:
+        eng.step()
+    worker = eng.executor.worker
+    assert worker.catch_ups[1] >= 5 and not worker.plain_run[req.req_slot]
+    n = len(req.all_ids) - 1  # the last token is the next root, which no forward has consumed yet
+    fresh = engine(spec_models["target"], _spec(spec_models, method))
+    r2 = fresh.add_request(req.all_ids[:-1], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while fresh.has_work():  # one prefill, in request slot 0
+        fresh.step()
+    assert r2.output_ids == [req.all_ids[-1]]
+    for a, b in zip(_draft_kv(worker, req.req_slot, n), _draft_kv(fresh.executor.worker, 0, n)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_draft_keeps_in_step_across_plain_steps(spec_models):
@@ -98,6 +157,7 @@ def test_adaptive_engine_chooses_from_measured_costs(spec_models, references):
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     stats = eng.step_stats()["adaptive"]
     assert stats["policy"] == "adaptive" and len(stats["acceptance"]) == 3 and stats["tiers"] == [0, 1, 2, 3]
+    assert eng.depth_policy.window == 16 and all(row[-16] > 0 for row in eng.executor.depth_costs.values())
     assert sum(stats["steps_by_depth"].values()) > 0
 
 
@@ -139,6 +199,25 @@ def test_chooser_math():
     for bs, p in [(64, [0.8, 0.6, 0.4]), (256, [0.95, 0.9, 0.9])]:
         d = c.best(bs, p)
         assert all(expected_tokens(p, d) / COSTS[bs][d] >= expected_tokens(p, e) / COSTS[bs][e] for e in range(4))
+
+
+def test_chooser_pays_the_catch_up_on_leaving_depth_0():
+    """A round after L plain steps first catches the draft up on them (costs key -L, interpolated): a marginal
+    gain does not leave depth 0 with a long catch-up due, a round right after a round is chosen as before, and
+    on a full stash (where a plain step catches up too) the catch-up weighs on neither."""
+    costs = {64: {**COSTS[64], -1: 0.5, -8: 4.0}}
+    c = DepthChooser(costs, num_steps=3)
+    assert c.window == 8 and c.catch_up_cost(64, 4) == pytest.approx(0.5 + 3.5 * 3 / 7)
+    p = [0.3, 0.3, 0.3]  # a round of 1 gives 1.3 tokens in 11.5 ms vs 1 in 9 ms: 1.7 % better
+    assert c.best(64, p, lag=0) == 1
+    assert c.best(64, p, lag=1) == 0 and c.best(64, p, lag=7) == 0
+    assert c.best(64, p, lag=8) == 1  # the stash is full: the next plain step would catch up as well
+    # the chooser counts the plain steps it chose since its last round, as the worker does
+    c.estimate.accepted, c.estimate.tried = [0.0] * 3, [1.0] * 3
+    assert [c.choose(64) for _ in range(3)] == [0, 0, 0] and c.lag == 3
+    c.estimate.accepted = [0.3] * 3
+    depths = [c.choose(64) for _ in range(12)]
+    assert depths[:5] == [0] * 5 and depths[5] == 1 and c.lag == 0  # left at the full stash, then stays
 
 
 def test_acceptance_estimate():
@@ -193,3 +272,57 @@ def test_engine_re_adapts_to_simulated_acceptance(spec_models):
     assert depths[15:25] == [3] * 10
     assert 0 in depths[changed:changed + 20] and depths[-10:] == [0] * 10
     assert chooser.estimate.p[0] < 0.2
+
+
+def test_structured_round_after_plain_steps(spec_models):
+    """A structured-output request joins requests that ran plain steps: its rounds (drafted at num_steps, masks
+    after the drafts) first catch the draft up on them. Tokens equal no speculation's; the target as its own draft
+    still accepts every draft the grammar allows."""
+    import json
+
+    from deployments.engine.grammar import GuidedSpec
+    from tests.engine.test_structured import SCHEMAS
+
+    target = str(spec_models["target"])
+    prompts = mixed_prompts(3)
+    ps = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True),
+          SamplingParams(max_tokens=30, temperature=0.9, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=16, temperature=0.0, guided=GuidedSpec("json_schema", json.dumps(SCHEMAS[0])))]
+
+    def run(eng):
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:2], ps[:2])]
+        for _ in range(8):  # plain steps only (rounds only every fourth step)
+            eng.step()
+        reqs.append(eng.add_request(prompts[2], ps[2]))
+        while eng.has_work():
+            eng.step()
+        return [r.output_ids for r in reqs]
+
+    ref = run(engine(target))
+    eng = engine(target, SpeculativeConfig(method="draft", model=target, num_steps=3))
+    eng.depth_policy = DepthSchedule([0, 0, 0, 3])
+    assert run(eng) == ref
+    assert eng.executor.worker.catch_ups[1] > eng.executor.worker.catch_ups[0] > 0
+
+
+def test_plain_step_graphs_make_their_own_norm_fusion_choice(spec_models, references, tmp_path, monkeypatch):
+    """Where a bucket's forwards could run the norms inside the linears, the plain step's graphs (the target alone,
+    as without speculation) are captured both ways and timed apart from the rounds', their choice kept in the
+    tuning cache under a key of their own; no graph of the losing way is left."""
+    from workers import graphs
+    from workers.kernels.tuning import TuningCache
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "_norm_fusion_open", lambda self, bucket: True)
+    monkeypatch.setattr(graphs, "NORM_FUSION_PASSES", 1)
+    monkeypatch.setattr(graphs, "NORM_FUSION_REPLAYS", 1)
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3"), cuda_graph_max_bs=2)
+    g = eng.executor.worker.graphs
+    g.depth_tiers = [0, 1, 2, 3]  # (what adaptive: true sets, without its start-up timings)
+    cache = TuningCache(tmp_path / "small_m_linear.json", "cpu")
+    g.capture_all(cache)
+    assert sorted(g.norm_fusion) == sorted(g.plain_norm_fusion) == [1, 2]
+    assert all(cache.get_choice(g.norm_fusion_key(b) + " | plain step") == g.plain_norm_fusion[b] for b in (1, 2))
+    assert len(g.graphs) == sum(len(names) for names in g.phases.values())  # one way kept of each
+    eng.depth_policy = DepthSchedule(SCHEDULE)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]

@@ -11,6 +11,7 @@ from deployments.engine.engine import Engine
 from deployments.engine.request import SamplingParams
 from deployments.make_heads import make_head
 from deployments.make_tiny import make_tiny
+from speculative.adaptive import DepthSchedule
 from tests.helpers import mixed_prompts
 from workers.config import EngineConfig, SpeculativeConfig
 
@@ -77,3 +78,13 @@ def test_target_as_its_own_draft_accepts_its_top_choices(ds_spec_models, ds_base
             assert o.spec["accept_length"] == pytest.approx(15 / 4, abs=1e-3)
         else:
             assert o.spec["accept_length"] > 2.0
+
+
+def test_mtp_plain_steps_and_lazy_catch_up(ds_spec_models, ds_baseline):
+    """Adaptive speculation's depths forced on the MTP layer: plain steps (the target alone), then the MTP layer
+    catching up on them before a round or when its stash of 2 fills; the tokens are plain decoding's."""
+    spec = SpeculativeConfig(method="mtp", num_steps=3, catch_up_window=2)
+    eng = ds_engine(ds_spec_models["target"], spec, page_size=16, kv_cache_tokens=256, max_prefill_tokens=32)
+    eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, 3, 0, 0, 1, 0, 0, 0, 0, 0, 3])
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == ds_baseline
+    assert eng.executor.worker.catch_ups[1] > eng.executor.worker.catch_ups[0] > 0

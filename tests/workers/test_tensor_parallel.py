@@ -36,14 +36,19 @@ def tp_models(tmp_path_factory):
                                max_position=512, tokenizer_from=str(target), seed=9)}
 
 
-def run(tp_models, tp: int, spec: SpeculativeConfig | None):
+def run(tp_models, tp: int, spec: SpeculativeConfig | None, depths: list[int] | None = None):
     from deployments.engine.executor import RayExecutor
 
     cfg = EngineConfig(model=str(tp_models["target"]), device="cpu", tensor_parallel_size=tp, page_size=4,
                        max_model_len=256, speculative_config=spec)
     executor = RayExecutor.start(cfg)
     try:
-        return [o.token_ids for o in Engine(cfg, executor).generate(mixed_prompts(4), GREEDY)]
+        eng = Engine(cfg, executor)
+        if depths is not None:  # adaptive speculation's depths forced (plain steps, the draft's lazy catch-ups)
+            from speculative.adaptive import DepthSchedule
+
+            eng.depth_policy = DepthSchedule(depths)
+        return [o.token_ids for o in eng.generate(mixed_prompts(4), GREEDY)]
     finally:
         executor.shutdown()
 
@@ -63,6 +68,14 @@ def test_tp2_equals_tp1(ray_cluster, tp_models, spec):
     if sc is None or sc.draft_tensor_parallel_size != 2:  # a TP=1 target takes only a TP=1 draft
         assert run(tp_models, 1, sc) == ref
     assert run(tp_models, 2, sc) == ref
+
+
+def test_tp2_forced_depths_equal_tp1(ray_cluster, tp_models):
+    """Each rank counts its requests' plain steps and catches its draft up on the same steps (a stash of 2)."""
+    sc = SpeculativeConfig(model=str(tp_models["eagle3"]), method="eagle3", num_steps=2, catch_up_window=2)
+    ref = [o.token_ids for o in Engine(EngineConfig(model=str(tp_models["target"]), device="cpu", page_size=4,
+                                                    max_model_len=256)).generate(mixed_prompts(4), GREEDY)]
+    assert run(tp_models, 2, sc, depths=[0, 0, 0, 2, 0, 1, 0, 0]) == ref
 
 
 def test_shutdown_gives_back_the_placement_group(ray_cluster, tp_models):
