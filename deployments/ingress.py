@@ -6,6 +6,7 @@ No ``from __future__ import annotations`` here: FastAPI must see real annotation
 """
 
 import asyncio
+import ctypes
 import dataclasses
 import hmac
 import json
@@ -89,6 +90,13 @@ class _Streamed(StreamingResponse):
                                                        s.num_output)
 
 
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc
+        pass
+
+
 class _LimitBody:
     """Refuses a body over ``max_request_body_bytes`` with a 413: at once when its Content-Length says so; a body sent
     without one (chunked) is read here up to the limit first, and refused as soon as its bytes pass it."""
@@ -113,7 +121,11 @@ class _LimitBody:
             events.append(event)
             seen += len(event.get("body", b""))
             if seen > limit:
-                return await too_large(scope, receive, send)
+                events.clear()
+                await too_large(scope, receive, send)
+                # the refused chunks were freed, but glibc keeps their heap pages: hand them back to the OS
+                asyncio.get_running_loop().run_in_executor(None, _trim_heap)
+                return
             if event["type"] != "http.request" or not event.get("more_body"):
                 break
 
