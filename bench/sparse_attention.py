@@ -45,6 +45,17 @@ from workers.kernels import sparse_mla as sm  # noqa: E402
 
 H100_SXM_TBPS = 3.35
 
+if sm.triton is not None:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    from workers.kernels.launch import pdl_start  # noqa: E402
+
+    @triton.jit
+    def _empty_kernel(X, PDL: tl.constexpr = False):
+        """Nothing but the PDL wait: a link of the launch-floor chain."""
+        pdl_start(PDL)
+
 SHAPES = {
     "gpu": dict(mla_heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page=64),
     "cpu": dict(mla_heads=4, latent=32, rope=16, index_heads=4, index_dim=16, topk=64, page=64),
@@ -137,30 +148,18 @@ def count_kernels(fn) -> int:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-_EMPTY = {}
-
-
 def launch_floor(n: int, graph) -> float:
     """Graph-replay ms of ``n`` empty dependent Triton kernels (a program per SM each, launched with PDL as the
     layer's are: each waits for the one before it), timed as the layer is: what a chain of that many kernels costs
     however little they do."""
-    import triton
-    import triton.language as tl
+    from workers.kernels.launch import pdl_launch
 
-    from workers.kernels.launch import pdl_launch, pdl_start
-
-    if "kernel" not in _EMPTY:
-        @triton.jit
-        def _empty(X, PDL: tl.constexpr = False):
-            pdl_start(PDL)
-
-        _EMPTY["kernel"] = _empty
     x = torch.zeros(1, device="cuda")
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
 
     def chain():
         for _ in range(n):
-            _EMPTY["kernel"][(sms,)](x, **pdl_launch(x))
+            _empty_kernel[(sms,)](x, **pdl_launch(x))
 
     return graph(chain)
 

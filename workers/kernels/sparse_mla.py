@@ -484,26 +484,34 @@ if triton is not None:
                     stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, head block, split) over the split's share of the row's slot list: online softmax of
-        (q_latent·c + q_rope·k_rope)·scale, accumulating p·c. One split writes the output (DIRECT), else partial
+                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, head block x latent part, split) over the split's share of the row's slot list: online
+        softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
+        programs share a head block, each scoring the whole latent but keeping half of the output, so the
+        accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
         (output, log-sum-exp) for ``_merge_mla``."""
         pdl_start(PDL)
         r = tl.program_id(0)
-        hb = tl.program_id(1)
+        hb = tl.program_id(1) // LAT_SPLIT
+        part = tl.program_id(1) % LAT_SPLIT
         split = tl.program_id(2)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, topk)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < heads
-        dl = tl.arange(0, DL)
+        DH: tl.constexpr = DL // LAT_SPLIT
+        dl = part * DH + tl.arange(0, DH)  # this program's part of the latent
+        dl_other = (1 - part) * DH + tl.arange(0, DH)
         dr = tl.arange(0, DR)
         ql = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl[None, :], mask=h_ok[:, None], other=0.0)
         qr = tl.load(QR + r * stride_qrr + h[:, None] * stride_qrh + dr[None, :], mask=h_ok[:, None], other=0.0)
+        if LAT_SPLIT == 2:
+            ql_other = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl_other[None, :], mask=h_ok[:, None],
+                               other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DL], tl.float32)
+        acc = tl.zeros([BLOCK_H, DH], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(Slots + r * stride_sr + j, mask=j < hi, other=-1)
@@ -515,6 +523,12 @@ if triton is not None:
                 s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
                 s = tl.dot(ql, tl.trans(c)).to(tl.float32) + tl.dot(qr, tl.trans(kr)).to(tl.float32)
+            if LAT_SPLIT == 2:
+                c2 = tl.load(Cache + row[:, None] + dl_other[None, :], mask=ok[:, None], other=0.0)
+                if IEEE:
+                    s += tl.dot(ql_other, tl.trans(c2), input_precision="ieee")
+                else:
+                    s += tl.dot(ql_other, tl.trans(c2)).to(tl.float32)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -535,6 +549,7 @@ if triton is not None:
             live = h_ok & (l_i > 0)  # a split that saw nothing writes only its -inf log-sum-exp
             tl.store(PartO + r * stride_po_r + h[:, None] * stride_po_h + split * stride_po_s + dl[None, :], o,
                      mask=live[:, None])
+            # both parts of a head block write the same log-sum-exp
             tl.store(PartLSE + r * stride_pl_r + h * stride_pl_h + split, lse, mask=h_ok)
 
     @triton.jit
@@ -713,7 +728,8 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
+               block_n=None, lat_split=1, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
+               out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly."""
@@ -751,11 +767,11 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
     # 4 warps at 16 x 64 spill a little (sm_90, 512-wide latent) yet beat 8 warps on the H100 (docs/performance.md)
     num_warps = num_warps or (8 if block_h >= 32 else 4)
-    _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
+    _sparse_mla[(rows, triton.cdiv(heads, block_h) * lat_split, num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
-        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, DIRECT=direct, IEEE=fp32, num_warps=num_warps,
+        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32, num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
         _merge_mla[(rows, heads)](
