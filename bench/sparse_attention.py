@@ -5,13 +5,13 @@ and TARGET_VERIFY (4 draft tokens: 5 query rows a request, each with its own cau
 16k / 64k / 128k context and batch 1 / 8 / 32.
 
 Reported per case: each kernel's time alone, and the layer's (indexer + top-k + sparse MLA, as ``indexer_topk``
-and ``sparse_mla`` run them) replayed from one CUDA graph and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
-rows selected (their union per request, 576 bf16 values each), each read once at the device's copy bandwidth
-(measured in the same run, ``--bandwidth-tbps`` to give one instead), and against the launch floor: as many
-empty dependent kernels as the layer launches, chained with PDL in one graph (at bs 1 the read floor is a few
-microseconds, below what such a chain takes). Also: sparse vs dense MLA verify at 64k
-(dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata built once
-(``SparseDraftRows``) vs per step (host time), and a small launch sweep whose choices the table uses.
+and ``sparse_mla`` run them) replayed from one CUDA graph and launched eagerly, against the floor: the request's
+indexer keys over the whole context plus the latents the rows selected (their union per request, 576 bf16 values
+each), each read once at the device's copy bandwidth (measured in the same run, ``--bandwidth-tbps`` to give one
+instead); and against the launch floor: as many empty dependent kernels as the layer launches, chained with PDL in
+one graph (at bs 1 the read floor is a few microseconds, below what such a chain takes). Also: sparse vs dense MLA
+verify at 64k (dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata
+built once (``SparseDraftRows``) vs per step (host time), and a small launch sweep whose choices the table uses.
 
     python3 -m bench.sparse_attention --out bench/results/sparse_attention/sparse_attention_h100
     python3 -m bench.sparse_attention --cpu --out /tmp/sparse_smoke   # tiny shapes through Triton's interpreter
@@ -190,17 +190,19 @@ def timer(device: str, rep: int = 50):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block and splits (1: a program per row, or from the shapes at
-    2 or 8 programs per SM), the MLA's head block, slot tile and splits (1 or 2 programs per SM, or at most 8)."""
+    tile, rows a dot, warps and programs per SM, the top-k's block and splits (1: a program per row, or from the
+    shapes at 2 or 8 programs per SM), the MLA's head block, slot tile, latent split and splits (1 or 2 programs
+    per SM, or at most 8)."""
     grids = {
-        "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
+        "indexer": [dict(block_n=bn, piece=pc, num_warps=nw, programs_per_sm=p)
+                    for (bn, pc, nw), p in itertools.product(((64, 2, 4), (64, 1, 4), (128, 2, 8)), (4, 8))],
         "topk": [dict(block=b, num_warps=8, **split)
                  for b, split in itertools.product((1024, 4096), (dict(num_splits=1), dict(programs_per_sm=2),
                                                                   dict(programs_per_sm=8)))],
-        "mla": [dict(block_h=bh, block_n=bn, **split)
-                for (bh, bn), split in itertools.product(((16, 32), (32, 32), (32, 16)),
-                                                         (dict(programs_per_sm=1), dict(programs_per_sm=2),
-                                                          dict(max_splits=8)))],
+        "mla": [dict(block_h=bh, block_n=bn, lat_split=ls, **split)
+                for (bh, bn, ls), split in itertools.product(((16, 64, 1), (64, 32, 1), (128, 32, 2)),
+                                                             (dict(programs_per_sm=1), dict(programs_per_sm=2),
+                                                              dict(max_splits=8)))],
     }
     if device != "cuda":
         grids = {k: v[:2] for k, v in grids.items()}

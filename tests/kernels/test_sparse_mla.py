@@ -170,7 +170,8 @@ def check_grouped(g) -> None:
                                      tree_len=3, block_n=16)
                 for splits, piece in ((None, None), (4, 1), (None, 2)):
                     got = indexer_scores(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
-                                         tree_len=3, rows_per_req=3, num_splits=splits, block_n=16, piece=piece)
+                                         tree_len=3, rows_per_req=3, num_splits=splits, block_n=16, piece=piece,
+                                         min_groups=1)
                     fin = vis & torch.isfinite(ref)
                     assert torch.equal(torch.isinf(got[vis]), torch.isinf(ref[vis]))
                     assert torch.equal(torch.isinf(got[vis]), torch.isinf(one[vis]))
@@ -191,8 +192,8 @@ def check_grouped(g) -> None:
 
 
 def check_sparse_mla(g) -> None:
-    """Sparse MLA vs the reference: fp32 with one split (output written directly) and several (merged), heads not
-    a multiple of the head block, -1 slots scattered and a row with none, a latent cache row with padding. (Not
+    """Sparse MLA vs the reference: fp32 with one split (output written directly) and several (merged), the latent
+    output split over two programs, heads not a multiple of the head block, -1 slots scattered and a row with none, a latent cache row with padding. (Not
     bf16: this Triton's interpreter computes bf16 ``tl.dot`` wrongly; the GPU check covers it.)"""
     import torch
 
@@ -211,6 +212,9 @@ def check_sparse_mla(g) -> None:
     assert ref[3].abs().max() == 0
     for splits in (1, 3, 8):
         got = sparse_mla(ql, qr, cache, slots, scale, num_splits=splits, block_n=16)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for splits in (1, 3):  # two programs a head block, each keeping half of the latent output
+        got = sparse_mla(ql, qr, cache, slots, scale, num_splits=splits, block_n=16, lat_split=2)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     # a latent cache row wider than latent + rope (padding), read through its stride; q_latent and q_rope as views
     # of one [R, H, Dl + Dr] query, as a model's absorbed projection leaves them

@@ -607,16 +607,17 @@ def indexer_group(rows_per_req: int, piece: int, max_rows: int) -> int:
 
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=4,
-                   num_warps=None, num_stages=None, out=None):
+                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=8,
+                   num_warps=None, num_stages=None, min_groups=8, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
     ``quantize_index_keys`` (the queries are then quantized per row and head in the kernel: an FP8 x FP8 dot).
     ``rows_per_req``: the rows come in groups of that many consecutive rows of one request (rows
     ``i * n .. i * n + n - 1`` share ``row_req``; lengths and tree bits their own; the last group may be short), as
     a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
-    ``piece``: most rows in one dot (its N side: piece x heads). Splits per group from the shapes only
-    (``num_splits`` overrides)."""
+    ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
+    batch 1): one row a program instead, more programs to fill the GPU (faster there on the H100). Splits per group
+    from the shapes only (``num_splits`` overrides)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
@@ -634,6 +635,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
         block_n = 32 if ieee else 64
     if piece is None:  # the accumulator of one dot: block_n x piece * heads fp32
         piece = max(1, min(4, 8192 // (block_n * block_h)))
+    if triton.cdiv(rows, rows_per_req) < min_groups:
+        rows_per_req = 1
     q_bytes = 4 if ieee else (1 if fp8 else 2)  # the group's queries stay resident (shared memory) for its loop
     group = indexer_group(rows_per_req, piece, max(1, 81920 // (block_h * dim * q_bytes)))
     pieces = _query_pieces(group, piece) + [0] * 4
@@ -657,7 +660,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
             q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
             BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None, IEEE=ieee, GROUP=group,
             GROUP_P2=max(2, triton.next_power_of_2(group)), NA=pieces[0], NB=pieces[1], NC=pieces[2], ND=pieces[3],
-            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, num_warps=num_warps or (4 if block_n * block_h <= 2048 else 8),
+            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, num_warps=num_warps or (8 if ieee else 4),
             **extra, **pdl_launch(q))
     return scores
 
@@ -669,7 +672,7 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
     return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4096, num_warps=None,
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
                num_splits=None, programs_per_sm=8, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
@@ -704,7 +707,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, rows_per_req=1, num_splits=None, block_n=None, topk_block=4096,
+                 tree_bits=None, tree_len=0, rows_per_req=1, num_splits=None, block_n=None, topk_block=2048,
                  topk_splits=None, scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
@@ -728,11 +731,12 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, lat_split=1, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
+               block_n=None, lat_split=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
                out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
-    list (from the shapes only) and a merge; one split writes the output directly."""
+    list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
+    a head block, each keeping half of the latent output. Tiles from the row count unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -746,6 +750,11 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         raise ValueError("latent cache rows must hold latent + rope contiguously")
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
+    if block_h is None and block_n is None and lat_split is None and not fp32:
+        # measured on the H100 at 64k: few rows want many programs (16 heads each); many rows want wide head
+        # blocks, each slot tile read by fewer programs (128 heads, half the latent each, at 160 rows)
+        block_h, block_n, lat_split = (16, 64, 1) if rows < 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
+    lat_split = lat_split or 1
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
@@ -771,7 +780,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
-        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32, num_warps=num_warps,
+        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
+        num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
         _merge_mla[(rows, heads)](
