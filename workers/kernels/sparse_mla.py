@@ -175,9 +175,9 @@ if triton is not None:
         return tl.where(x < 0, -r, r)
 
     @triton.jit
-    def _index_queries(Q, W, WS, row0, rows, heads, stride_qr, stride_qh, stride_wr, NR: tl.constexpr,
+    def _index_queries(Q, W, row0, rows, heads, stride_qr, stride_qh, stride_wr, NR: tl.constexpr,
                        BLOCK_H: tl.constexpr, DIM: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
-                       ROUND: tl.constexpr, W_IN_LOOP: tl.constexpr):
+                       ROUND: tl.constexpr):
         """The queries of rows row0 .. row0 + NR - 1 as one dot operand q^T [DIM, NR * BLOCK_H] (column
         g * BLOCK_H + h: row g's head h; rows past ``rows`` and heads past ``heads`` zero) and their head weights
         [NR * BLOCK_H]. With FP8 keys each (row, head) query is quantized to e4m3 with its own power-of-two scale
@@ -202,14 +202,11 @@ if triton is not None:
             if ROUND:
                 q8 = _round_e4m3(q8)
             w = w * qs
-            if IEEE:
-                q = q8
-            else:
-                q = q8.to(tl.float8e4nv)
+            q = q8.to(tl.float8e4nv)
+            if IEEE:  # the e4m3 values, in fp32 for an exact fp32 dot
+                q = q.to(tl.float32)
         elif IEEE:
             q = q.to(tl.float32)
-        if W_IN_LOOP:  # the weights go to a scratch row the loop reads back, not held in registers across it
-            tl.store(WS + r * BLOCK_H + h, w, mask=row0 + g < rows)
         return q, w
 
     @triton.jit
@@ -244,9 +241,9 @@ if triton is not None:
         return k, scale
 
     @triton.jit
-    def _index_piece(k, scale, q, w, WS, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
+    def _index_piece(k, scale, q, w, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
                      NR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                     HAS_TREE: tl.constexpr, IEEE: tl.constexpr, W_IN_LOOP: tl.constexpr):
+                     HAS_TREE: tl.constexpr, IEEE: tl.constexpr):
         """Rows row0 .. row0 + NR - 1's scores of a key tile, stored at t < hi and below each row's length: one dot
         with the keys as its M side and the rows' heads as its N side (so the head sum stays within threads),
         Σ_h w_h·relu(q_h·k)·scale_k; -inf at tree positions a row does not see."""
@@ -254,9 +251,6 @@ if triton is not None:
             s = tl.dot(k, q, input_precision="ieee")
         else:
             s = tl.dot(k, q)
-        if W_IN_LOOP:
-            n = tl.arange(0, NR * BLOCK_H)
-            w = tl.load(WS + tl.minimum(row0 + n // BLOCK_H, rows - 1) * BLOCK_H + n % BLOCK_H)
         p = tl.maximum(s, 0.0) * w[None, :]
         if NR == 1:
             sc = tl.sum(p, 1)[:, None]
@@ -278,14 +272,13 @@ if triton is not None:
         tl.store(Scores + r.to(tl.int64)[None, :] * stride_sr + t[:, None], sc, mask=ok)
 
     @triton.jit
-    def _indexer_scores(Q, W, WS, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores,
+    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores,
                         rows, heads, page_size, tree_len, num_splits,
                         stride_qr, stride_qh, stride_wr, stride_k, stride_pt, stride_sr,
                         DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
                         HAS_TREE: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                         NA: tl.constexpr, NB: tl.constexpr, NC: tl.constexpr, ND: tl.constexpr,
-                        PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, W_IN_LOOP: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row group, split): scores of the split's share of the group's visible positions. A group is
         GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded once and scored for
         every row of the group, each row up to its own length, with its own tree bits. The group's queries are
@@ -302,19 +295,17 @@ if triton is not None:
         lo = split * chunk
         hi = tl.minimum(lo + chunk, max_len)
         if NA > 0:
-            qa, wa = _index_queries(Q, W, WS, r0, rows, heads, stride_qr, stride_qh, stride_wr, NA, BLOCK_H, DIM, FP8,
-                                    IEEE, ROUND, W_IN_LOOP)
+            qa, wa = _index_queries(Q, W, r0, rows, heads, stride_qr, stride_qh, stride_wr, NA, BLOCK_H, DIM, FP8,
+                                    IEEE, ROUND)
         if NB > 0:
-            qb, wb = _index_queries(Q, W, WS, r0 + NA, rows, heads, stride_qr, stride_qh, stride_wr, NB, BLOCK_H, DIM,
-                                    FP8, IEEE, ROUND, W_IN_LOOP)
+            qb, wb = _index_queries(Q, W, r0 + NA, rows, heads, stride_qr, stride_qh, stride_wr, NB, BLOCK_H, DIM,
+                                    FP8, IEEE, ROUND)
         if NC > 0:
-            qc, wc = _index_queries(Q, W, WS, r0 + NA + NB, rows, heads, stride_qr, stride_qh, stride_wr, NC, BLOCK_H,
-                                    DIM, FP8, IEEE, ROUND, W_IN_LOOP)
+            qc, wc = _index_queries(Q, W, r0 + NA + NB, rows, heads, stride_qr, stride_qh, stride_wr, NC, BLOCK_H,
+                                    DIM, FP8, IEEE, ROUND)
         if ND > 0:
-            qd, wd = _index_queries(Q, W, WS, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
-                                    BLOCK_H, DIM, FP8, IEEE, ROUND, W_IN_LOOP)
-        if W_IN_LOOP:
-            tl.debug_barrier()  # the weights in the scratch rows, for every thread
+            qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
+                                    BLOCK_H, DIM, FP8, IEEE, ROUND)
         # the next tile's keys are loaded while this one's are scored (a prefetch by hand: Triton's pipeliner leaves
         # this loop alone)
         k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
@@ -324,17 +315,17 @@ if triton is not None:
             k_next, scale_next = _index_key_tile(K, KScale, table_row, start + BLOCK_N, hi, page_size, stride_k, d,
                                                  DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
             if NA > 0:
-                _index_piece(k, scale, qa, wa, WS, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
-                             BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE, W_IN_LOOP)
+                _index_piece(k, scale, qa, wa, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
+                             BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
             if NB > 0:
-                _index_piece(k, scale, qb, wb, WS, r0 + NA, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
-                             NB, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE, W_IN_LOOP)
+                _index_piece(k, scale, qb, wb, r0 + NA, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
+                             NB, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
             if NC > 0:
-                _index_piece(k, scale, qc, wc, WS, r0 + NA + NB, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
-                             tree_len, NC, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE, W_IN_LOOP)
+                _index_piece(k, scale, qc, wc, r0 + NA + NB, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
+                             tree_len, NC, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
             if ND > 0:
-                _index_piece(k, scale, qd, wd, WS, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
-                             tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE, W_IN_LOOP)
+                _index_piece(k, scale, qd, wd, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
+                             tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
             k = k_next
             scale = scale_next
 
@@ -629,7 +620,7 @@ def indexer_group(rows_per_req: int, piece: int, max_rows: int) -> int:
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
                    tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=8,
-                   num_warps=None, num_stages=None, min_groups=8, w_in_loop=False, out=None):
+                   num_warps=None, num_stages=None, min_groups=8, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
     ``quantize_index_keys`` (the queries are then quantized per row and head in the kernel: an FP8 x FP8 dot).
@@ -675,14 +666,13 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     w = w if w.stride(-1) == 1 else w.contiguous()
     if rows:
         extra = {} if num_stages is None else {"num_stages": num_stages}
-        ws = torch.empty(rows, block_h, dtype=torch.float32, device=q.device) if w_in_loop else w
         _indexer_scores[(groups, num_splits)](
-            q, w, ws, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
+            q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
             scores, rows, heads, page_size, tree_len, num_splits,
             q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
             BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None, IEEE=ieee, GROUP=group,
             GROUP_P2=max(2, triton.next_power_of_2(group)), NA=pieces[0], NB=pieces[1], NC=pieces[2], ND=pieces[3],
-            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, W_IN_LOOP=w_in_loop,
+            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER,
             num_warps=num_warps or (8 if ieee else 4),
             **extra, **pdl_launch(q))
     return scores
