@@ -766,7 +766,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     if block_h is None and block_n is None and lat_split is None and not fp32:
         # measured on the H100 at 64k: few rows want many programs (16 heads each); many rows want wide head
         # blocks, each slot tile read by fewer programs (128 heads, half the latent each, at 160 rows)
-        block_h, block_n, lat_split = (16, 64, 1) if rows < 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
+        block_h, block_n, lat_split = (16, 64, 1) if rows <= 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
     lat_split = lat_split or 1
     if block_h is None:
         block_h = 16
