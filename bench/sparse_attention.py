@@ -4,13 +4,14 @@
 and TARGET_VERIFY (4 draft tokens: 5 query rows a request, each with its own causal length and its own top-k), at
 16k / 64k / 128k context and batch 1 / 8 / 32.
 
-Reported per case: each kernel's time alone (the top-k with its own first radix pass), and the layer's (indexer +
-top-k + sparse MLA, the top-k's first radix pass fused into the indexer as ``indexer_topk`` runs them) replayed
-from one CUDA graph and launched eagerly, against the floor: the request's indexer keys over the whole context plus the latents the
-rows selected (their union per request, 576 bf16 values each), each read once at the device's copy bandwidth
-(measured in the same run, ``--bandwidth-tbps`` to give one instead). Also: sparse vs dense MLA verify at 64k
-(dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata built once
-(``SparseDraftRows``) vs per step (host time), and a small launch sweep whose choices the table uses.
+Reported per case: each kernel's time alone, and the layer's (indexer + top-k + sparse MLA, as ``indexer_topk``
+and ``sparse_mla`` run them) replayed from one CUDA graph and launched eagerly, against the floor: the request's
+indexer keys over the whole context plus the latents the rows selected (their union per request, 576 bf16 values
+each), each read once at the device's copy bandwidth (measured in the same run, ``--bandwidth-tbps`` to give one
+instead); and against the launch floor: as many empty dependent kernels as the layer launches, chained with PDL in
+one graph (at bs 1 the read floor is a few microseconds, below what such a chain takes). Also: sparse vs dense MLA
+verify at 64k (dense: the same sparse MLA kernel given every slot of the context), the draft round's row metadata
+built once (``SparseDraftRows``) vs per step (host time), and a small launch sweep whose choices the table uses.
 
     python3 -m bench.sparse_attention --out bench/results/sparse_attention/sparse_attention_h100
     python3 -m bench.sparse_attention --cpu --out /tmp/sparse_smoke   # tiny shapes through Triton's interpreter
@@ -43,6 +44,17 @@ from bench.common import (command, commit, copy_bandwidth, device_name, graph_ms
 from workers.kernels import sparse_mla as sm  # noqa: E402
 
 H100_SXM_TBPS = 3.35
+
+if sm.triton is not None:
+    import triton  # noqa: E402
+    import triton.language as tl  # noqa: E402
+
+    from workers.kernels.launch import pdl_start  # noqa: E402
+
+    @triton.jit
+    def _empty_kernel(X, PDL: tl.constexpr = False):
+        """Nothing but the PDL wait: a link of the launch-floor chain."""
+        pdl_start(PDL)
 
 SHAPES = {
     "gpu": dict(mla_heads=128, latent=512, rope=64, index_heads=64, index_dim=128, topk=2048, page=64),
@@ -85,28 +97,26 @@ class Case:
         self.scale = (s["latent"] + s["rope"]) ** -0.5
         self.scores = torch.empty(r, pages_per * page, device=device)
         self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
-        self.hist = torch.zeros(r, 4, 256, dtype=torch.int32, device=device)
         self.out = torch.empty(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
 
-    def indexer(self, knobs: dict, bf16_keys: bool = False, hist=None, per_row: bool = False):
+    def indexer(self, knobs: dict, bf16_keys: bool = False, per_row: bool = False):
         keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
         return sm.indexer_scores(self.q_idx, self.w, keys, self.table, self.row_req, self.row_len,
                                  self.shape["page"], fp8=fp8, rows_per_req=1 if per_row else self.rows_per_req,
-                                 hist=hist, out=self.scores, **knobs.get("indexer", {}))
+                                 out=self.scores, **knobs.get("indexer", {}))
 
-    def topk(self, knobs: dict, hist=None):
+    def topk(self, knobs: dict):
         return sm.topk_slots(self.scores, self.table, self.row_req, self.row_len, self.shape["page"],
-                             self.shape["topk"], hist=hist, out=self.slots, **knobs.get("topk", {}))
+                             self.shape["topk"], out=self.slots, **knobs.get("topk", {}))
 
     def mla(self, knobs: dict, slots=None):
         return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
                              out=self.out, **knobs.get("mla", {}))
 
     def layer(self, knobs: dict):
-        """As ``indexer_topk`` runs them: the top-k's first radix pass inside the indexer kernel."""
-        self.hist.zero_()
-        self.indexer(knobs, hist=self.hist)
-        self.topk(knobs, hist=self.hist)
+        """As ``indexer_topk`` then ``sparse_mla`` run them."""
+        self.indexer(knobs)
+        self.topk(knobs)
         return self.mla(knobs)
 
     def floor_bytes(self) -> tuple[int, int]:
@@ -124,6 +134,34 @@ class Case:
         pos = torch.arange(cap, device=self.table.device).expand(self.rows, cap)
         pos = torch.where(pos < self.row_len[:, None], pos, -1)
         return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
+
+
+def count_kernels(fn) -> int:
+    """Kernels (and memsets / copies) one call of ``fn`` launches on the GPU, from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
+def launch_floor(n: int, graph) -> float:
+    """Graph-replay ms of ``n`` empty dependent Triton kernels (a program per SM each, launched with PDL as the
+    layer's are: each waits for the one before it), timed as the layer is: what a chain of that many kernels costs
+    however little they do."""
+    from workers.kernels.launch import pdl_launch
+
+    x = torch.zeros(1, device="cuda")
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+
+    def chain():
+        for _ in range(n):
+            _empty_kernel[(sms,)](x, **pdl_launch(x))
+
+    return graph(chain)
 
 
 def timer(device: str, rep: int = 50):
@@ -152,17 +190,19 @@ def timer(device: str, rep: int = 50):
 
 def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> dict:
     """Launch knobs per batch size, each component timed alone at ``ctx`` verify (graph replays): the indexer's
-    tile and programs per SM, the top-k's block and splits (1: a program per row, or from the shapes at
-    2 or 8 programs per SM), the MLA's head block, slot tile and splits (1 or 2 programs per SM, or at most 8)."""
+    tile, rows a dot, warps and programs per SM, the top-k's block and splits (1: a program per row, or from the
+    shapes at 2 or 8 programs per SM), the MLA's head block, slot tile, latent split and splits (1 or 2 programs
+    per SM, or at most 8)."""
     grids = {
-        "indexer": [dict(block_n=bn, programs_per_sm=p) for bn, p in itertools.product((32, 64, 128), (2, 4, 8))],
+        "indexer": [dict(block_n=bn, piece=pc, num_warps=nw, programs_per_sm=p)
+                    for (bn, pc, nw), p in itertools.product(((64, 2, 4), (64, 1, 4), (128, 2, 8)), (4, 8))],
         "topk": [dict(block=b, num_warps=8, **split)
                  for b, split in itertools.product((1024, 4096), (dict(num_splits=1), dict(programs_per_sm=2),
                                                                   dict(programs_per_sm=8)))],
-        "mla": [dict(block_h=bh, block_n=bn, **split)
-                for (bh, bn), split in itertools.product(((16, 32), (32, 32), (32, 16)),
-                                                         (dict(programs_per_sm=1), dict(programs_per_sm=2),
-                                                          dict(max_splits=8)))],
+        "mla": [dict(block_h=bh, block_n=bn, lat_split=ls, **split)
+                for (bh, bn, ls), split in itertools.product(((16, 64, 1), (64, 32, 1), (128, 32, 2)),
+                                                             (dict(programs_per_sm=1), dict(programs_per_sm=2),
+                                                              dict(max_splits=8)))],
     }
     if device != "cuda":
         grids = {k: v[:2] for k, v in grids.items()}
@@ -348,9 +388,14 @@ def main() -> None:
                     t["indexer_per_row"] = graph(lambda: case.indexer(knobs, per_row=True))
                 key_b, lat_b = case.floor_bytes()
                 floor_ms = (key_b + lat_b) / bw * 1e3
+                if device == "cuda":  # the layer's chain of kernels, empty: what its launches alone cost
+                    n_kernels = count_kernels(lambda: case.layer(knobs))
+                    t["launch_floor"] = launch_floor(n_kernels, graph)
                 row = {"context": ctx, "batch_size": bs, "mode": mode, "rows": case.rows,
                        **{f"{k}_ms": round(v, 4) for k, v in t.items()},
                        "floor_ms": round(floor_ms, 5), "vs_floor": round(t["layer"] / floor_ms, 2),
+                       **({"kernels": n_kernels, "vs_launch_floor": round(t["layer"] / t["launch_floor"], 2)}
+                          if "launch_floor" in t else {}),
                        "graph_speedup_vs_eager": round(t["layer_eager"] / t["layer"], 2),
                        "index_key_MB": round(key_b / 1e6, 2), "selected_latent_MB": round(lat_b / 1e6, 2),
                        "knobs": knobs, **({"reference_check": ref_check} if ref_check else {})}
@@ -383,13 +428,17 @@ def report(meta: dict, out: Path) -> None:
                f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} "
                f"GB/s ({meta['bandwidth']}). Timing: {meta['timing']}.", "",
                "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the "
-               "union, bf16 latent + rope), each read once at that bandwidth. Times in ms per layer.", "",
+               "union, bf16 latent + rope), each read once at that bandwidth. Launch floor: the layer's number of "
+               "kernels (counted by the profiler), each empty, one program per SM, chained with PDL in one graph "
+               "and replayed the same way: no layer of that many kernels can be faster. Times in ms per layer.", "",
                "| context | bs | mode | rows | indexer | top-k | sparse MLA | layer (graph) | floor | vs floor | "
+               "kernels | launch floor | vs launch floor | "
                "layer (eager) | graph speedup | indexer, bf16 keys | indexer, one row a program | key MB | "
                "latent MB |",
-               "|---" * 16 + "|"]
+               "|---" * 19 + "|"]
     md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['rows']} | {r['indexer_ms']} | {r['topk_ms']} | "
-           f"{r['mla_ms']} | {r['layer_ms']} | {r['floor_ms']} | **{r['vs_floor']}x** | {r['layer_eager_ms']} | "
+           f"{r['mla_ms']} | {r['layer_ms']} | {r['floor_ms']} | **{r['vs_floor']}x** | {r.get('kernels', '')} | "
+           f"{r.get('launch_floor_ms', '')} | {r.get('vs_launch_floor', '')} | {r['layer_eager_ms']} | "
            f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r.get('indexer_per_row_ms', '')} | "
            f"{r['index_key_MB']} | "
            f"{r['selected_latent_MB']} |" for r in rows]

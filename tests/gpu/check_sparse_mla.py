@@ -93,7 +93,7 @@ def main() -> int:
                 one = sm.indexer_scores(q, c["w"], k, c["table"], c["row_req"], c["row_len"], page, fp8=fp8,
                                         tree_bits=tree, tree_len=4)
                 grp = sm.indexer_scores(q, c["w"], k, c["table"], c["row_req"], c["row_len"], page, fp8=fp8,
-                                        tree_bits=tree, tree_len=4, rows_per_req=3)
+                                        tree_bits=tree, tree_len=4, rows_per_req=3, min_groups=1)
                 same_inf = torch.equal(torch.isinf(one[vis]), torch.isinf(grp[vis]))
                 fin = vis & torch.isfinite(one)
                 err = float((grp[fin] - one[fin]).abs().max() / scale)
@@ -111,10 +111,12 @@ def main() -> int:
         ql, qr, cache = c["ql"].to(dt), c["qr"].to(dt), c["cache"].to(dt)
         mref = sm.sparse_mla_reference(ql.float(), qr.float(), cache.float(), slots, 0.07)
         tol = 1e-4 if dt == torch.float32 else 2e-2
-        for splits in (1, None):
-            out = sm.sparse_mla(ql, qr, cache, slots, 0.07, num_splits=splits)
+        tiles = [dict()] + ([] if args.small else [dict(block_h=64, block_n=32, lat_split=1),
+                                                   dict(block_h=128, block_n=32, lat_split=2)])
+        for splits, kw in [(s, kw) for s in (1, None) for kw in tiles]:
+            out = sm.sparse_mla(ql, qr, cache, slots, 0.07, num_splits=splits, **kw)
             err = float((out.float() - mref).abs().max())
-            results.append(check(f"sparse MLA {dt} splits={splits}", err < tol, f"max abs {err:.2e}"))
+            results.append(check(f"sparse MLA {dt} splits={splits} {kw}", err < tol, f"max abs {err:.2e}"))
     if args.device == "cuda":  # the layer in a CUDA graph: same bits as eager, lengths read on the device
         keys, q = c["keys"].bfloat16(), c["q"].bfloat16()
         ql, qr, cache = c["ql"].bfloat16(), c["qr"].bfloat16(), c["cache"].bfloat16()

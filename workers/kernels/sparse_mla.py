@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.kernels.launch import pdl_launch, triton, use_triton
+from workers.kernels.launch import _INTERPRETER, pdl_launch, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -75,10 +75,33 @@ def _visible(t, row_len, tree_bits, tree_len):
     return vis
 
 
+def pow2_scale_exponent(amax: torch.Tensor) -> torch.Tensor:
+    """int32 e: the smallest power of two 2^e with 448 * 2^e >= amax (fp32, >= 0), from amax's bits (448 = 1.75 *
+    2^8: amax = m * 2^E needs E - 8, or E - 7 when m > 1.75); 0 for amax 0; within [-100, 100]."""
+    bits = amax.contiguous().view(torch.int32)
+    e = ((bits >> 23) & 0xFF) - 127 - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+    return torch.where(amax > 0, e, 0).clamp(-100, 100)
+
+
+def quantize_index_queries(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values as fp32 [R, H, D], scales [R, H]): each (row, head) query quantized with its own power-of-two
+    scale (the smallest at or above max |q| / 448: DeepSeek-V3.2's UE8M0 activation scales), as the indexer does
+    before its FP8 x FP8 dot over FP8 keys. A power of two, so q / scale is exact before the rounding to e4m3."""
+    qf = q.float()
+    e = pow2_scale_exponent(qf.abs().amax(-1))
+    return torch.ldexp(qf, -e[..., None]).to(torch.float8_e4m3fn).float(), torch.ldexp(torch.ones_like(qf[..., 0]), e)
+
+
 def indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
                              tree_len=0):
-    """[R, capacity] fp32: Σ_h w[r,h]·relu(q[r,h]·k[slot(t)]) for each visible position t, -inf elsewhere."""
-    keys = dequantize_index_keys(index_k, page_size, q.shape[-1]) if fp8 else index_k.float()
+    """[R, capacity] fp32: Σ_h w[r,h]·relu(q[r,h]·k[slot(t)]) for each visible position t, -inf elsewhere. With
+    ``fp8`` keys the queries are quantized too (``quantize_index_queries``): the kernel's FP8 x FP8 dot."""
+    if fp8:
+        keys = dequantize_index_keys(index_k, page_size, q.shape[-1])
+        q8, q_scale = quantize_index_queries(q)
+        q, w = q8, w.float() * q_scale
+    else:
+        keys = index_k.float()
     t, slots = _positions_and_slots(page_table, row_req, page_size)
     k = keys[slots]  # [R, cap, D]
     logits = torch.einsum("rhd,rtd->rht", q.float(), k).relu()
@@ -101,18 +124,6 @@ def topk_positions_reference(scores, row_len, topk):
     if pos.shape[1] < topk:
         pos = torch.cat([pos, pos.new_full((r, topk - pos.shape[1]), -1)], 1)
     return pos
-
-
-def first_digit_histogram(scores, row_len):
-    """[R, 256] int32: the top-k's first radix digit (a score's top 8 order-preserving bits) over each row's finite
-    scores at t < row_len."""
-    bits = scores.contiguous().view(torch.int32)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    digit = ((key >> 24) & 0xFF) ^ 0x80
-    t = torch.arange(scores.shape[1], device=scores.device)
-    valid = (t[None, :] < row_len.long()[:, None]) & (scores > float("-inf"))
-    hist = torch.zeros(scores.shape[0], 256, dtype=torch.int32, device=scores.device)
-    return hist.scatter_add_(1, digit.long() * valid + 0, valid.to(torch.int32))
 
 
 def positions_to_slots(pos, page_table, row_req, page_size):
@@ -152,127 +163,171 @@ if triton is not None:
         return bits ^ ((bits >> 31) & 0x7FFFFFFF)
 
     @triton.jit
+    def _round_e4m3(x):
+        """fp32 -> the nearest FP8 e4m3 value (ties to even) as fp32, for |x| <= 448, in integer and fp32
+        arithmetic, so the conversion after it is exact (Triton's interpreter drops the carry into the exponent when
+        it rounds to e4m3 itself)."""
+        a = tl.abs(x)
+        bits = a.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0) * (1.0 / 512.0)  # below 2^-6: steps of 2^-9
+        r = tl.where(a < 0.015625, sub, normal)
+        return tl.where(x < 0, -r, r)
+
+    @triton.jit
+    def _index_queries(Q, W, row0, rows, heads, stride_qr, stride_qh, stride_wr, NR: tl.constexpr,
+                       BLOCK_H: tl.constexpr, DIM: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+                       ROUND: tl.constexpr):
+        """The queries of rows row0 .. row0 + NR - 1 as one dot operand q^T [DIM, NR * BLOCK_H] (column
+        g * BLOCK_H + h: row g's head h; rows past ``rows`` and heads past ``heads`` zero) and their head weights
+        [NR * BLOCK_H]. With FP8 keys each (row, head) query is quantized to e4m3 with its own power-of-two scale
+        (``quantize_index_queries``), folded into its weight, so the dot is FP8 x FP8 (kept in fp32 values when IEEE).
+        ROUND: round to e4m3 in arithmetic first (the interpreter; the device's conversion rounds to nearest even
+        itself)."""
+        n = tl.arange(0, NR * BLOCK_H)
+        g = n // BLOCK_H
+        h = n % BLOCK_H
+        ok = (h < heads) & (row0 + g < rows)
+        r = tl.minimum(row0 + g, rows - 1).to(tl.int64)
+        d = tl.arange(0, DIM)
+        q = tl.load(Q + r[None, :] * stride_qr + h[None, :] * stride_qh + d[:, None], mask=ok[None, :], other=0.0)
+        w = tl.load(W + r * stride_wr + h, mask=ok, other=0.0).to(tl.float32)
+        if FP8:  # the max before the fp32 copy: the whole piece need not live in fp32 registers at once
+            # a power-of-two scale from the max's bits (``pow2_scale_exponent``): no division, and q / scale exact
+            bits = tl.max(tl.abs(q), 0).to(tl.float32).to(tl.int32, bitcast=True)
+            e = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+            e = tl.minimum(tl.maximum(tl.where(bits > 0, e, 0), -100), 100)
+            qs = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            q8 = q.to(tl.float32) * ((127 - e) << 23).to(tl.float32, bitcast=True)[None, :]
+            if ROUND:
+                q8 = _round_e4m3(q8)
+            w = w * qs
+            q = q8.to(tl.float8e4nv)
+            if IEEE:  # the e4m3 values, in fp32 for an exact fp32 dot
+                q = q.to(tl.float32)
+        elif IEEE:
+            q = q.to(tl.float32)
+        return q, w
+
+    @triton.jit
     def _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d,
                         DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGE_TILES: tl.constexpr,
-                        DOT_TY: tl.constexpr):
-        """Keys [BLOCK_N, DIM] (converted to the dot's type once) and their FP8 scales (ones for plain keys) of the
-        positions start.. start + BLOCK_N (zeros past ``hi``). PAGE_TILES: a tile never crosses a page, so one page
-        lookup and contiguous addresses."""
+                        IEEE: tl.constexpr):
+        """Keys [BLOCK_N, DIM] (FP8 as e4m3, else as stored; fp32 when IEEE) and their FP8 scales (unused for plain
+        keys) of the positions start.. start + BLOCK_N (zeros past ``hi``). PAGE_TILES: a tile never crosses a
+        page, so one page lookup and contiguous addresses."""
         n = tl.arange(0, BLOCK_N)
         t = start + n
         ok = t < hi
         if PAGE_TILES:
-            page = tl.load(table_row + start // page_size).to(tl.int64)
+            page = tl.load(table_row + start // page_size, mask=start < hi, other=0).to(tl.int64)
             off = start % page_size + n
         else:
             page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
             off = t % page_size
         if FP8:  # page: page_size * DIM e4m3 bytes, then page_size fp32 scales
-            base = page * page_size * (DIM + 4)
-            kb = tl.load(K + (base + off * DIM)[:, None] + d[None, :], mask=ok[:, None], other=0)
-            k = kb.to(tl.float8e4nv, bitcast=True).to(DOT_TY)
+            base = page * page_size * (DIM + 4)  # masked keys are never stored: left unset
+            k = tl.load(K + (base + off * DIM)[:, None] + d[None, :], mask=ok[:, None])
+            if K.dtype.element_ty != tl.float8e4nv:  # bytes (the interpreter): e4m3 through a bitcast
+                k = k.to(tl.float8e4nv, bitcast=True)
             # in fp32 units, without a division (which would hide the scales' alignment from vectorized loads)
             scale = tl.load(KScale + page * page_size * ((DIM + 4) // 4) + page_size * (DIM // 4) + off, mask=ok,
                             other=0.0)
         else:
             k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
-            k = k.to(DOT_TY)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        if IEEE:
+            k = k.to(tl.float32)
         return k, scale
 
     @triton.jit
-    def _row_tile_scores(q, w, k, scale, t, row_len, bits, block_start, IEEE: tl.constexpr, FP8: tl.constexpr,
-                         HAS_TREE: tl.constexpr):
-        """One row's scores of a key tile: Σ_h w_h·relu(q_h·k·scale), -inf at tree positions the row does not see."""
+    def _index_piece(k, scale, q, w, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
+                     NR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
+                     HAS_TREE: tl.constexpr, IEEE: tl.constexpr):
+        """Rows row0 .. row0 + NR - 1's scores of a key tile, stored at t < hi and below each row's length: one dot
+        with the keys as its M side and the rows' heads as its N side (so the head sum stays within threads),
+        Σ_h w_h·relu(q_h·k)·scale_k; -inf at tree positions a row does not see."""
         if IEEE:  # fp32: no TF32 rounding
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            s = tl.dot(k, q, input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k)).to(tl.float32)
+            s = tl.dot(k, q)
+        p = tl.maximum(s, 0.0) * w[None, :]
+        if NR == 1:
+            sc = tl.sum(p, 1)[:, None]
+        else:
+            sc = tl.sum(tl.reshape(p, [BLOCK_N, NR, BLOCK_H]), 2)
         if FP8:
-            s = s * scale[None, :]
-        score = tl.sum(tl.maximum(s, 0.0) * w[:, None], 0)
-        if HAS_TREE:  # inside the row's tree block only its set bits are visible
-            rel = tl.maximum(t - block_start, 0).to(tl.int64)
-            score = tl.where((t >= block_start) & (((bits >> rel) & 1) == 0), float("-inf"), score)
-        return score
+            sc = sc * scale[:, None]
+        g = tl.arange(0, NR)
+        r_ok = row0 + g < rows
+        r = tl.minimum(row0 + g, rows - 1)
+        row_len = tl.load(RowLen + r, mask=r_ok, other=0)
+        ok = (t[:, None] < hi) & (t[:, None] < row_len[None, :])
+        if HAS_TREE:  # inside a row's tree block only its set bits are visible
+            bits = tl.load(TreeBits + r, mask=r_ok, other=0)
+            block_start = row_len - tree_len
+            rel = tl.maximum(t[:, None] - block_start[None, :], 0).to(tl.int64)
+            hidden = (t[:, None] >= block_start[None, :]) & (((bits[None, :] >> rel) & 1) == 0)
+            sc = tl.where(hidden, float("-inf"), sc)
+        tl.store(Scores + r.to(tl.int64)[None, :] * stride_sr + t[:, None], sc, mask=ok)
 
     @triton.jit
-    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores, HistTot,
+    def _indexer_scores(Q, W, K, KScale, PageTable, RowReq, RowLen, TreeBits, Scores,
                         rows, heads, page_size, tree_len, num_splits,
                         stride_qr, stride_qh, stride_wr, stride_k, stride_pt, stride_sr,
                         DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
-                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, HIST: tl.constexpr, GROUP: tl.constexpr,
-                        GROUP_P2: tl.constexpr, PAGE_TILES: tl.constexpr, PDL: tl.constexpr = False):
+                        HAS_TREE: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
+                        NA: tl.constexpr, NB: tl.constexpr, NC: tl.constexpr, ND: tl.constexpr,
+                        PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, PDL: tl.constexpr = False):
         """Program (row group, split): scores of the split's share of the group's visible positions. A group is
-        GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded (and an FP8 one
-        converted) once and scored for every row of the group, each row up to its own length, with its own tree
-        bits. With HIST, also the top-k's first radix pass: the histogram of the scores' top digit, added to each
-        row's total."""
+        GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded once and scored for
+        every row of the group, each row up to its own length, with its own tree bits. The group's queries are
+        loaded once, in pieces of NA, NB, NC, ND rows (powers of two, 0: none), each piece one dot a tile."""
         pdl_start(PDL)
         r0 = tl.program_id(0) * GROUP
         split = tl.program_id(1)
         table_row = PageTable + tl.load(RowReq + r0).to(tl.int64) * stride_pt
-        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, DIM)
-        h_ok = h < heads
-        if GROUP == 1:
-            max_len = tl.load(RowLen + r0)
-        else:
-            g = tl.arange(0, GROUP_P2)
-            g_ok = (g < GROUP) & (r0 + g < rows)
-            max_len = tl.max(tl.load(RowLen + r0 + g, mask=g_ok, other=0), 0)
+        g = tl.arange(0, GROUP_P2)
+        g_ok = (g < GROUP) & (r0 + g < rows)
+        max_len = tl.max(tl.load(RowLen + r0 + g, mask=g_ok, other=0), 0)
         chunk = tl.cdiv(tl.cdiv(max_len, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, max_len)
-        if GROUP == 1:  # the row's query stays in registers
-            q = tl.load(Q + r0 * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None], other=0.0)
-            w = tl.load(W + r0 * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
-            bits = 0
-            block_start = 0
-            if HAS_TREE:
-                bits = tl.load(TreeBits + r0)
-                block_start = max_len - tree_len
-            hist = tl.zeros([256], tl.int32)
-        else:
-            hist = tl.zeros([GROUP_P2, 256], tl.int32)
+        if NA > 0:
+            qa, wa = _index_queries(Q, W, r0, rows, heads, stride_qr, stride_qh, stride_wr, NA, BLOCK_H, DIM, FP8,
+                                    IEEE, ROUND)
+        if NB > 0:
+            qb, wb = _index_queries(Q, W, r0 + NA, rows, heads, stride_qr, stride_qh, stride_wr, NB, BLOCK_H, DIM,
+                                    FP8, IEEE, ROUND)
+        if NC > 0:
+            qc, wc = _index_queries(Q, W, r0 + NA + NB, rows, heads, stride_qr, stride_qh, stride_wr, NC, BLOCK_H,
+                                    DIM, FP8, IEEE, ROUND)
+        if ND > 0:
+            qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
+                                    BLOCK_H, DIM, FP8, IEEE, ROUND)
+        # the next tile's keys are loaded while this one's are scored (a prefetch by hand: Triton's pipeliner leaves
+        # this loop alone)
+        k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
+                                   PAGE_TILES, IEEE)
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
-            k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
-                                       PAGE_TILES, Q.dtype.element_ty)
-            if GROUP == 1:
-                ok = t < hi
-                score = _row_tile_scores(q, w, k, scale, t, max_len, bits, block_start, IEEE, FP8, HAS_TREE)
-                tl.store(Scores + r0 * stride_sr + t, score, mask=ok)
-                if HIST:
-                    hist += tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
-                                         mask=ok & (score > float("-inf")))
-            else:
-                for gi in range(GROUP):  # not unrolled: one row's query and scores live at a time
-                    r_ok = r0 + gi < rows
-                    r = tl.minimum(r0 + gi, rows - 1)  # a short last group: its missing rows see nothing
-                    row_len = tl.where(r_ok, tl.load(RowLen + r), 0)
-                    # the queries come from L1 each tile: GROUP of them would not fit in registers
-                    q_g = tl.load(Q + r * stride_qr + h[:, None] * stride_qh + d[None, :], mask=h_ok[:, None],
-                                  other=0.0)
-                    w_g = tl.load(W + r * stride_wr + h, mask=h_ok, other=0.0).to(tl.float32)
-                    bits_g = 0
-                    if HAS_TREE:
-                        bits_g = tl.load(TreeBits + r)
-                    ok = (t < hi) & (t < row_len)
-                    score = _row_tile_scores(q_g, w_g, k, scale, t, row_len, bits_g, row_len - tree_len, IEEE, FP8,
-                                             HAS_TREE)
-                    tl.store(Scores + r * stride_sr + t, score, mask=ok)
-                    if HIST:
-                        hg = tl.histogram(((_ordered_key(score) >> 24) & 0xFF) ^ 0x80, 256,
-                                          mask=ok & (score > float("-inf")))
-                        hist += tl.where(g[:, None] == gi, hg[None, :], 0)
-        if HIST:
-            bins = tl.arange(0, 256)
-            if GROUP == 1:
-                tl.atomic_add(HistTot + r0 * 1024 + bins, hist, mask=hist > 0)
-            else:
-                tl.atomic_add(HistTot + (r0 + g)[:, None] * 1024 + bins[None, :], hist,
-                              mask=(hist > 0) & g_ok[:, None])
+            k_next, scale_next = _index_key_tile(K, KScale, table_row, start + BLOCK_N, hi, page_size, stride_k, d,
+                                                 DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
+            if NA > 0:
+                _index_piece(k, scale, qa, wa, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
+                             BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
+            if NB > 0:
+                _index_piece(k, scale, qb, wb, r0 + NA, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
+                             NB, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
+            if NC > 0:
+                _index_piece(k, scale, qc, wc, r0 + NA + NB, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
+                             tree_len, NC, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
+            if ND > 0:
+                _index_piece(k, scale, qd, wd, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
+                             tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
+            k = k_next
+            scale = scale_next
 
     @triton.jit
     def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -352,12 +407,11 @@ if triton is not None:
             tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n) & (j < topk))
 
     @triton.jit
-    def _topk_select(Scores, PageTable, RowReq, RowLen, HistTot, Out, topk, page_size, stride_sr, stride_pt,
-                     stride_or, BLOCK: tl.constexpr, HIST0: tl.constexpr, PDL: tl.constexpr = False):
+    def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
         largest key T and how many keys equal to T to take (the lowest positions), then one pass writes the slots
-        of the keys above T and of those, in position order, and -1 after them. HIST0: the first pass's
-        histogram is the row's total the indexer made."""
+        of the keys above T and of those, in position order, and -1 after them."""
         pdl_start(PDL)
         r = tl.program_id(0)
         row_len = tl.load(RowLen + r)
@@ -366,10 +420,7 @@ if triton is not None:
         prefix = 0
         n_valid = 0
         for p in tl.static_range(4):
-            if HIST0 and p == 0:
-                hist = tl.load(HistTot + r * 1024 + tl.arange(0, 256))
-            else:
-                hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
+            hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
             if p == 0:
                 n_valid = tl.sum(hist, 0)
                 k_rem = tl.minimum(k_rem, n_valid)
@@ -445,26 +496,34 @@ if triton is not None:
                     stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, head block, split) over the split's share of the row's slot list: online softmax of
-        (q_latent·c + q_rope·k_rope)·scale, accumulating p·c. One split writes the output (DIRECT), else partial
+                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, head block x latent part, split) over the split's share of the row's slot list: online
+        softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
+        programs share a head block, each scoring the whole latent but keeping half of the output, so the
+        accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
         (output, log-sum-exp) for ``_merge_mla``."""
         pdl_start(PDL)
         r = tl.program_id(0)
-        hb = tl.program_id(1)
+        hb = tl.program_id(1) // LAT_SPLIT
+        part = tl.program_id(1) % LAT_SPLIT
         split = tl.program_id(2)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, topk)
         h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = h < heads
-        dl = tl.arange(0, DL)
+        DH: tl.constexpr = DL // LAT_SPLIT
+        dl = part * DH + tl.arange(0, DH)  # this program's part of the latent
+        dl_other = (1 - part) * DH + tl.arange(0, DH)
         dr = tl.arange(0, DR)
         ql = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl[None, :], mask=h_ok[:, None], other=0.0)
         qr = tl.load(QR + r * stride_qrr + h[:, None] * stride_qrh + dr[None, :], mask=h_ok[:, None], other=0.0)
+        if LAT_SPLIT == 2:
+            ql_other = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl_other[None, :], mask=h_ok[:, None],
+                               other=0.0)
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DL], tl.float32)
+        acc = tl.zeros([BLOCK_H, DH], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(Slots + r * stride_sr + j, mask=j < hi, other=-1)
@@ -476,6 +535,12 @@ if triton is not None:
                 s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
             else:
                 s = tl.dot(ql, tl.trans(c)).to(tl.float32) + tl.dot(qr, tl.trans(kr)).to(tl.float32)
+            if LAT_SPLIT == 2:
+                c2 = tl.load(Cache + row[:, None] + dl_other[None, :], mask=ok[:, None], other=0.0)
+                if IEEE:
+                    s += tl.dot(ql_other, tl.trans(c2), input_precision="ieee")
+                else:
+                    s += tl.dot(ql_other, tl.trans(c2)).to(tl.float32)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -496,6 +561,7 @@ if triton is not None:
             live = h_ok & (l_i > 0)  # a split that saw nothing writes only its -inf log-sum-exp
             tl.store(PartO + r * stride_po_r + h[:, None] * stride_po_h + split * stride_po_s + dl[None, :], o,
                      mask=live[:, None])
+            # both parts of a head block write the same log-sum-exp
             tl.store(PartLSE + r * stride_pl_r + h * stride_pl_h + split, lse, mask=h_ok)
 
     @triton.jit
@@ -536,50 +602,79 @@ def _p2(n: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(n))
 
 
+def _query_pieces(group: int, piece: int) -> list[int]:
+    """A group of rows as power-of-two pieces of at most ``piece`` rows, largest first (5 at 4: [4, 1])."""
+    out = []
+    while group:
+        out.append(min(piece, 1 << (group.bit_length() - 1)))
+        group -= out[-1]
+    return out
+
+
+def indexer_group(rows_per_req: int, piece: int, max_rows: int) -> int:
+    """Rows a program of the indexer scores together: the largest divisor of ``rows_per_req`` (so a group never
+    mixes requests) of at most ``max_rows`` rows in at most 4 pieces."""
+    return max(d for d in range(1, rows_per_req + 1)
+               if rows_per_req % d == 0 and d <= max_rows and len(_query_pieces(d, piece)) <= 4)
+
+
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, programs_per_sm=8, hist=None,
-                   out=None):
+                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=8,
+                   num_warps=None, num_stages=None, min_groups=8, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
-    ``quantize_index_keys``. ``rows_per_req``: the rows come in groups of that many consecutive rows of one request
-    (rows ``i * n .. i * n + n - 1`` share ``row_req``; lengths and tree bits their own; the last group may be
-    short), as a verify's draft rows do: each group reads its keys once. Splits per group from the shapes only
-    (``num_splits`` overrides). ``hist``: a zeroed int32 [R, 4, 256] the kernel adds the top-k's first radix
-    histogram to (``topk_slots(hist=...)``)."""
+    ``quantize_index_keys`` (the queries are then quantized per row and head in the kernel: an FP8 x FP8 dot).
+    ``rows_per_req``: the rows come in groups of that many consecutive rows of one request (rows
+    ``i * n .. i * n + n - 1`` share ``row_req``; lengths and tree bits their own; the last group may be short), as
+    a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
+    ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
+    batch 1): one row a program instead, more programs to fill the GPU (faster there on the H100). Splits per group
+    from the shapes only (``num_splits`` overrides)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
         ref = indexer_scores_reference(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8,
                                        tree_bits=tree_bits, tree_len=tree_len)
-        if hist is not None:
-            hist[:, 0] = first_digit_histogram(ref, row_len)
         return ref if out is None else out.copy_(ref)
     if dim & (dim - 1) or dim < 16:
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     if rows_per_req < 1:
         raise ValueError(f"rows_per_req {rows_per_req} must be >= 1")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
-    if block_n is None:  # fp32 tiles at 64 keys spill registers at 64 heads x 128
-        block_n = 32 if q.dtype == torch.float32 else 64
-    groups = triton.cdiv(rows, rows_per_req)
+    ieee = q.dtype == torch.float32
+    block_h = _p2(heads)
+    if block_n is None:  # fp32 tiles of 64 keys spill registers at 64 heads x 128
+        block_n = 32 if ieee else 64
+    if piece is None:  # the accumulator of one dot: block_n x piece * heads fp32
+        piece = max(1, min(4, 8192 // (block_n * block_h)))
+    if triton.cdiv(rows, rows_per_req) < min_groups:
+        rows_per_req = 1
+    q_bytes = 4 if ieee else (1 if fp8 else 2)  # the group's queries stay resident (shared memory) for its loop
+    group = indexer_group(rows_per_req, piece, max(1, 81920 // (block_h * dim * q_bytes)))
+    pieces = _query_pieces(group, piece) + [0] * 4
+    groups = triton.cdiv(rows, group)
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
                                 triton.cdiv(programs_per_sm * _num_sms(q), max(groups, 1))))
     if fp8:
-        key, key_scale, stride_k = index_k, index_k.view(torch.float32), 0
+        # an e4m3 view on the device, so the tile goes from memory to the dot as it is; bytes in the interpreter
+        key = index_k if _INTERPRETER else index_k.view(torch.float8_e4m3fn)
+        key_scale, stride_k = index_k.view(torch.float32), 0
     else:
         key, key_scale, stride_k = index_k, index_k, index_k.stride(0)
     q = q if q.stride(-1) == 1 else q.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     if rows:
+        extra = {} if num_stages is None else {"num_stages": num_stages}
         _indexer_scores[(groups, num_splits)](
             q, w, key, key_scale, page_table, row_req, row_len, tree_bits if tree_bits is not None else row_len,
-            scores, hist if hist is not None else row_len, rows, heads, page_size, tree_len, num_splits,
+            scores, rows, heads, page_size, tree_len, num_splits,
             q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
-            BLOCK_H=_p2(heads), BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None,
-            IEEE=q.dtype == torch.float32, HIST=hist is not None, GROUP=rows_per_req,
-            GROUP_P2=max(2, triton.next_power_of_2(rows_per_req)), PAGE_TILES=page_size % block_n == 0,
-            num_warps=4 if heads <= 32 else 8, **pdl_launch(q))
+            BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None, IEEE=ieee, GROUP=group,
+            GROUP_P2=max(2, triton.next_power_of_2(group)), NA=pieces[0], NB=pieces[1], NC=pieces[2], ND=pieces[3],
+            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER,
+            num_warps=num_warps or (8 if ieee else 4),
+            **extra, **pdl_launch(q))
     return scores
 
 
@@ -590,13 +685,12 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
     return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4096, num_warps=None,
-               num_splits=None, programs_per_sm=8, hist=None, out=None):
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
+               num_splits=None, programs_per_sm=8, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
     it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
-    each a launch, the histograms summed through atomics. ``hist``: the zeroed [R, 4, 256] int32 whose first pass
-    ``indexer_scores(hist=...)`` made (that pass is then skipped)."""
+    each a launch, the histograms summed through atomics."""
     rows, cap = scores.shape
     if not use_triton(scores):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
@@ -609,14 +703,13 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4
     num_warps = num_warps or (8 if rows < 8 else 4)  # few rows: each program's passes are the critical path
     pdl = pdl_launch(scores)
     if num_splits == 1:
-        _topk_select[(rows,)](scores, page_table, row_req, row_len, hist if hist is not None else row_len, slots,
-                              topk, page_size, scores.stride(0), page_table.stride(0), slots.stride(0), BLOCK=block,
-                              HIST0=hist is not None, num_warps=num_warps, **pdl)
+        _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
+                              page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
         return slots
-    hist_tot = hist if hist is not None else torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
+    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
     hist_loc = torch.empty(rows, num_splits, 256, dtype=torch.int32, device=scores.device)
     gt_part = torch.empty(rows, num_splits, dtype=torch.int32, device=scores.device)
-    for p in range(0 if hist is None else 1, 4):
+    for p in range(4):
         _topk_split_pass[(rows, num_splits)](scores, row_len, hist_tot, hist_loc, gt_part, topk, num_splits,
                                              scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
     _topk_split_write[(rows, num_splits)](
@@ -627,19 +720,18 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=4
 
 
 def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, topk: int, *, fp8=False,
-                 tree_bits=None, tree_len=0, rows_per_req=1, num_splits=None, block_n=None, topk_block=4096,
+                 tree_bits=None, tree_len=0, rows_per_req=1, num_splits=None, block_n=None, topk_block=2048,
                  topk_splits=None, scores_out=None, out=None):
     """The lightning indexer's selection: [R, topk] int32 KV slots per query row (-1 padding).
 
     q [R, Hi, Di], w [R, Hi] (the head weights, softmax scale folded in), index_k (see ``indexer_scores``),
     page_table [B, P] int32, row_req / row_len [R] int32 (device). ``rows_per_req``: see ``indexer_scores``.
     Graph-safe: nothing read on the host."""
-    hist = torch.zeros(q.shape[0], 4, 256, dtype=torch.int32, device=q.device)  # the first radix pass, fused
     scores = indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree_bits,
                             tree_len=tree_len, rows_per_req=rows_per_req, num_splits=num_splits, block_n=block_n,
-                            hist=hist, out=scores_out)
+                            out=scores_out)
     return topk_slots(scores, page_table, row_req, row_len, page_size, topk, block=topk_block,
-                      num_splits=topk_splits, hist=hist, out=out)
+                      num_splits=topk_splits, out=out)
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
@@ -652,10 +744,12 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None, out=None):
+               block_n=None, lat_split=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
+               out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
-    list (from the shapes only) and a merge; one split writes the output directly."""
+    list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
+    a head block, each keeping half of the latent output. Tiles from the row count unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -669,6 +763,11 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         raise ValueError("latent cache rows must hold latent + rope contiguously")
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
+    if block_h is None and block_n is None and lat_split is None and not fp32:
+        # measured on the H100 at 64k: few rows want many programs (16 heads each); many rows want wide head
+        # blocks, each slot tile read by fewer programs (128 heads, half the latent each, at 160 rows)
+        block_h, block_n, lat_split = (16, 64, 1) if rows <= 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
+    lat_split = lat_split or 1
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
@@ -690,11 +789,12 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
     # 4 warps at 16 x 64 spill a little (sm_90, 512-wide latent) yet beat 8 warps on the H100 (docs/performance.md)
     num_warps = num_warps or (8 if block_h >= 32 else 4)
-    _sparse_mla[(rows, triton.cdiv(heads, block_h), num_splits)](
+    _sparse_mla[(rows, triton.cdiv(heads, block_h) * lat_split, num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
-        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, DIRECT=direct, IEEE=fp32, num_warps=num_warps,
+        DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
+        num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
         _merge_mla[(rows, heads)](
