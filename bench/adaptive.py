@@ -120,8 +120,10 @@ class Bench:
         from deployments.engine.request import SamplingParams
 
         vocab = eng.executor.model_config.vocab_size
-        params = SamplingParams(max_tokens=new_tokens or self.args.new_tokens, temperature=0.0, ignore_eos=True)
         for i in range(bs):
+            # (a fixed seed per request: the simulated acceptance's draws are the same for every policy's row)
+            params = SamplingParams(max_tokens=new_tokens or self.args.new_tokens, temperature=0.0, ignore_eos=True,
+                                    seed=bs * 1000 + i)
             eng.add_request(self.prompt(bs * 1000 + i, vocab), params)
         started, start, end, tokens, steps, by_depth = set(), None, None, 0, 0, None
         while eng.has_work():
