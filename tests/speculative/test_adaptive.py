@@ -400,3 +400,6 @@ def test_probes_the_next_tier_within_its_budget():
     high = _served(c, 256, every[1] + 3, _per_position(0.9), seed=2)
     first = next(i for i, d in enumerate(high) if d > 0)
     assert all(d >= 1 for d in high[first + 2:])  # seen, then kept
+    # tiers without plain steps (depth_tiers [2, 3]) probe too
+    two = DepthChooser({8: {2: 6.0, 3: 6.4}}, num_steps=3, probe_interval=5)
+    assert 3 in _served(two, 8, 12, _bench_acceptance(2.0))
