@@ -8,6 +8,9 @@ emitted tokens are the drafts), set on the device between runs. Per shape:
 2. one speculative engine (adaptive on): its start-up cost model (ms per step by batch bucket and depth), then per
    simulated accept length and batch size: the adaptive chooser (fresh per accept length, warmed by one untimed
    run), and each fixed depth 0..steps (``DepthSchedule``; depth 0 = plain decode steps, the draft catching up lazily);
+   each timed batch follows an untimed one of ``--warm-rounds`` new tokens at the same accept length and batch size
+   on the same engine and policy, so a row is the chooser's steady state under that load (as in a loaded server),
+   with every kernel shape it meets compiled;
 3. a run whose acceptance changes halfway (``--change``, default 3.0 then 1.2): the chosen depth and tok/s per step.
 
 ``--shapes`` may also name ``family``: the shipped trained tiny family (models/specserve-tiny and its EAGLE-3 head)
@@ -47,7 +50,8 @@ class Bench:
         self.results = {"device": device_name("cuda" if self.cuda else "cpu"), "commit": commit(),
                         "command": command(), "steps": args.steps, "prompt_len": args.prompt_len,
                         "new_tokens": args.new_tokens, "batch_sizes": self.sizes,
-                        "accept_lengths": self.accept_lengths, "change": args.change, "shapes": {}}
+                        "accept_lengths": self.accept_lengths, "change": args.change,
+                        "warm_rounds": args.warm_rounds, "shapes": {}}
         if not self.cuda:
             self.results["note"] = "CPU smoke run (tiny shape, eager rounds, eager cost model): not a performance result"
 
@@ -116,8 +120,10 @@ class Bench:
         from deployments.engine.request import SamplingParams
 
         vocab = eng.executor.model_config.vocab_size
-        params = SamplingParams(max_tokens=new_tokens or self.args.new_tokens, temperature=0.0, ignore_eos=True)
         for i in range(bs):
+            # (a fixed seed per request: the simulated acceptance's draws are the same for every policy's row)
+            params = SamplingParams(max_tokens=new_tokens or self.args.new_tokens, temperature=0.0, ignore_eos=True,
+                                    seed=bs * 1000 + i)
             eng.add_request(self.prompt(bs * 1000 + i, vocab), params)
         started, start, end, tokens, steps, by_depth = set(), None, None, 0, 0, None
         while eng.has_work():
@@ -186,6 +192,8 @@ class Bench:
                 else:
                     eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
                 for bs in self.sizes:
+                    if a.warm_rounds:  # untimed: the same load first (the chooser's steady state, shapes compiled)
+                        self.decode_rate(eng, bs, a.warm_rounds)
                     runs.setdefault(name, {})[str(bs)] = self.decode_rate(eng, bs)
                     print(shape, f"L={length}", name, runs[name][str(bs)], flush=True)
                     self.save()
@@ -267,6 +275,11 @@ class Bench:
                   "`depth0` = plain decode steps (the draft catches up on them before a round, or when its stash of "
                   "plain steps is full); cost table: `catch-up L` = the draft's catch-up over L plain steps per request.",
                   ""]
+        if r.get("warm_rounds"):
+            lines += [f"Each timed batch follows an untimed batch of {r['warm_rounds']} new tokens at the same accept "
+                      "length and batch size on the same engine and policy: the adaptive rows are the chooser's steady "
+                      "state under that load (a loaded server), not its start. The change run below starts from the "
+                      "first acceptance's steady state and shows re-adaptation.", ""]
         if r.get("note"):
             lines += [f"**{r['note']}**", ""]
         for shape, res in r["shapes"].items():
@@ -301,8 +314,9 @@ class Bench:
                     f"{pts[b]['vs_best_fixed']}x ({pts[b]['best_fixed']})" if b in pts else "" for b in sizes) + " |")
                 lines.append("")
             if "cost_ms" in res:
-                depths = list(next(iter(res["cost_ms"].values())))
-                shown = [b for b in res["cost_ms"] if b in sizes] or list(res["cost_ms"])
+                # (depths first, then catch-ups; buckets ascending, whatever order the JSON kept)
+                depths = sorted(next(iter(res["cost_ms"].values())), key=lambda d: (int(d) < 0, abs(int(d))))
+                shown = sorted((b for b in res["cost_ms"] if b in sizes), key=int) or sorted(res["cost_ms"], key=int)
                 lines += ["### start-up cost model (ms per step, padding rows)", "",
                           "| bucket | " + " | ".join(f"depth {d}" if int(d) >= 0 else f"catch-up {-int(d)}" for d in depths)
                           + " |", "|---|" + "---|" * len(depths)]
@@ -383,6 +397,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default=None, help="default 1,16,64,128,256 (--cpu: 1,2,4,8)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (--cpu: 16)")
     ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (--cpu: 10)")
+    ap.add_argument("--warm-rounds", type=int, default=16, help="new tokens of the untimed batch before each timed "
+                    "one, at the same accept length, batch size and policy (0: none)")
     ap.add_argument("--change", default="3.0,1.2", help="accept length before and after the change")
     ap.add_argument("--change-bs", type=int, default=None, help="default 64 (--cpu: 4)")
     ap.add_argument("--change-steps", type=int, default=None, help="decode steps of the change run (default 120, "

@@ -13,9 +13,15 @@ expected tokens per second of the batch it is about to run, from
 
 Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
 a round's cost including the catch-up the plain steps before it left (so a marginal gain does not leave depth 0
-only to come back: the catch-up is paid on leaving).
-Positions deeper than the chosen depth get no verdicts, so every ``probe_interval`` steps below the deepest tier one
-step runs at the deepest tier to refresh them (otherwise a rise in acceptance would go unseen at depth 0).
+only to come back: the catch-up is paid on leaving), and weighed up by ``margin`` against depth 0: the table leaves
+out host time and the context's attention, so a round it shows barely ahead is a coin flip whose losing side costs
+a round; speculation must win clearly to be chosen.
+Before any verdict the estimates are the prior (0.5: a neutral guess, which at a large batch, where a round costs
+1.5 plain steps or more, keeps plain steps until a probe measures acceptance).
+Positions deeper than the chosen depth get no verdicts, so one step at the next tier above the choice (a probe)
+refreshes the first unseen position, spaced so that its expected extra time stays under ``probe_budget`` of a
+plain step's time at that bucket (and at least ``probe_interval`` steps apart): a rise in acceptance is seen within one
+interval per tier, while at a large batch, where a deeper step costs several plain steps, probes stay rare.
 
 ``DepthSchedule`` forces a depth sequence instead (tests, benchmarks: ``Engine.depth_policy``).
 """
@@ -23,6 +29,7 @@ step runs at the deepest tier to refresh them (otherwise a rise in acceptance wo
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
 from typing import Protocol
 
@@ -52,18 +59,20 @@ class AcceptanceEstimate:
     each round multiplies the sums by ``decay`` and adds its own counts, so a change shows within a few rounds
     whatever the batch size. Starts at ``prior`` with the weight of one observation."""
 
-    def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.7):
+    def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.5):
         self.decay = decay
         self.accepted = [prior] * num_positions
         self.tried = [1.0] * num_positions
+        self.at = [0] * num_positions  # the step of each position's last update
 
     @property
     def p(self) -> list[float]:
         return [a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried)]
 
-    def update(self, depth: int, accepted: list[int]) -> None:
+    def update(self, depth: int, accepted: list[int], step: int | None = None) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
-        1..a."""
+        1..a. ``step``: the round's step number, where positions are seen only now and then (probes): their sums
+        decay once per step since their last update, so a probe's verdicts are not outweighed by stale ones."""
         if depth <= 0 or not accepted:
             return
         hist = Counter(accepted)  # (counted in C: a batch of 256 costs microseconds per step)
@@ -75,8 +84,10 @@ class AcceptanceEstimate:
         tried, acc = at_least[:depth], at_least[1:depth + 1]  # position i + 1: reached by a >= i, passed by a > i
         for i in range(depth):
             if tried[i]:
-                self.accepted[i] = self.decay * self.accepted[i] + acc[i]
-                self.tried[i] = self.decay * self.tried[i] + tried[i]
+                keep = self.decay if step is None else self.decay ** max(1, step - self.at[i])
+                self.accepted[i] = keep * self.accepted[i] + acc[i]
+                self.tried[i] = keep * self.tried[i] + tried[i]
+                self.at[i] = self.at[i] + 1 if step is None else step
 
 
 class DepthChooser:
@@ -85,8 +96,8 @@ class DepthChooser:
     L plain steps per request (measured at a few L, interpolated; the largest L is the stash's size, where a plain
     step catches up too)."""
 
-    def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.7,
-                 probe_interval: int = 50):
+    def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.5,
+                 probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -101,7 +112,11 @@ class DepthChooser:
             raise ValueError("every bucket needs a cost at every depth tier")
         self.estimate = AcceptanceEstimate(num_steps, decay, prior)
         self.probe_interval = probe_interval
-        self._since_deep = 0  # steps since the last one at the deepest tier
+        self.probe_budget = probe_budget
+        self.margin = margin
+        self._step = 0
+        # per tier k: the step of the last round at depth >= k (its positions' estimates are that fresh)
+        self._seen = {k: 0 for k in self.tiers}
         self.last_depth: int | None = None
 
     def bucket(self, batch_size: int) -> int:
@@ -130,19 +145,32 @@ class DepthChooser:
         full = self.window and lag >= self.window
 
         def total(d: int) -> float:
-            return cost[d] + (catch_up if d > 0 or full else 0.0)
+            return (cost[d] * (1.0 + self.margin) if d > 0 else cost[d]) + (catch_up if d > 0 or full else 0.0)
 
         return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
 
+    def probe_every(self, bucket: int, depth: int, probe: int, lag: int) -> int:
+        """Steps between probes at ``probe`` while ``depth`` is the choice: the probe's extra time (its catch-up
+        included) over ``probe_budget`` of the shallowest tier's step, a plain one (the cheapest: where a choice flips
+        between depths, as at a full stash, probes stay within budget of the steps around them), and at least
+        ``probe_interval``."""
+        cost = self.costs[bucket]
+        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if depth == 0 else 0.0) - cost[depth]
+        return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
+
     def choose(self, batch_size: int) -> int:
         depth = self.best(batch_size)
-        deepest = self.tiers[-1]
-        if depth < deepest and deepest > 0:
-            self._since_deep += 1
-            if self._since_deep >= self.probe_interval:
-                depth = deepest
-        if depth == deepest:
-            self._since_deep = 0
+        self._step += 1
+        # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder)
+        base = min(depth, self.best(batch_size, lag=0))
+        i = self.tiers.index(base)
+        if i + 1 < len(self.tiers):
+            probe = self.tiers[i + 1]
+            if self._step - self._seen[probe] >= self.probe_every(self.bucket(batch_size), base, probe, self.lag):
+                depth = max(depth, probe)
+        for k in self.tiers:
+            if k <= depth:
+                self._seen[k] = self._step
         if depth > 0:
             self.lag = 0
         else:  # (a plain step on a full stash catches up first)
@@ -151,7 +179,7 @@ class DepthChooser:
         return depth
 
     def observe(self, depth: int, accepted: list[int]) -> None:
-        self.estimate.update(depth, accepted)
+        self.estimate.update(depth, accepted, self._step)
 
     def stats(self) -> dict:
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],

@@ -4,6 +4,8 @@ steps, the chooser's arithmetic, and its re-adaptation when acceptance changes."
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -206,7 +208,7 @@ def test_chooser_pays_the_catch_up_on_leaving_depth_0():
     gain does not leave depth 0 with a long catch-up due, a round right after a round is chosen as before, and
     on a full stash (where a plain step catches up too) the catch-up weighs on neither."""
     costs = {64: {**COSTS[64], -1: 0.5, -8: 4.0}}
-    c = DepthChooser(costs, num_steps=3)
+    c = DepthChooser(costs, num_steps=3, margin=0.0)
     assert c.window == 8 and c.catch_up_cost(64, 4) == pytest.approx(0.5 + 3.5 * 3 / 7)
     p = [0.3, 0.3, 0.3]  # a round of 1 gives 1.3 tokens in 11.5 ms vs 1 in 9 ms: 1.7 % better
     assert c.best(64, p, lag=0) == 1
@@ -259,7 +261,8 @@ def test_engine_re_adapts_to_simulated_acceptance(spec_models):
     spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
                              simulated_accept_length=4.0)
     eng = engine(spec_models["target"], spec)
-    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000)
+    # (no margin: the rounds run until the estimate itself has fallen, which the last line checks)
+    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000, margin=0.0)
     for p in mixed_prompts(4):
         eng.add_request(p, SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True))
     depths = []
@@ -326,3 +329,77 @@ def test_plain_step_graphs_make_their_own_norm_fusion_choice(spec_models, refere
     assert len(g.graphs) == sum(len(names) for names in g.phases.values())  # one way kept of each
     eng.depth_policy = DepthSchedule(SCHEDULE)
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+
+
+# ---- the chooser on an H100's start-up cost table (8B target, EAGLE-3 chain of 3; ms; -L: catch-up over L) ---------
+H100_8B = {1: {0: 5.467, 1: 5.911, 2: 6.201, 3: 6.504, -1: 0.380, -16: 0.393},
+           16: {0: 5.697, 1: 6.720, 2: 7.069, 3: 7.389, -1: 0.379, -16: 0.476},
+           64: {0: 6.814, 1: 7.755, 2: 8.865, 3: 9.873, -1: 0.414, -16: 1.015},
+           128: {0: 7.956, 1: 9.764, 2: 12.690, 3: 15.356, -1: 0.445, -16: 1.859},
+           256: {0: 9.876, 1: 14.949, 2: 22.993, 3: 28.453, -1: 0.548, -16: 3.533}}
+
+
+def _served(chooser: DepthChooser, bs: int, steps: int, accepted, seed: int = 0) -> list[int]:
+    """``steps`` steps at batch ``bs``, each round's verdicts observed one step late (the overlap schedule);
+    ``accepted(depth, rng)``: one request's accepted drafts."""
+    import random
+
+    rng, depths, pending = random.Random(seed), [], None
+    for _ in range(steps):
+        d = chooser.choose(bs)
+        depths.append(d)
+        if pending is not None:
+            chooser.observe(*pending)
+        pending = (d, [accepted(d, rng) for _ in range(bs)])
+    return depths
+
+
+def _bench_acceptance(length: float):
+    """bench.adaptive's simulated acceptance: floor(L - 1 + u) drafts per request, clamped to the depth."""
+    return lambda d, rng: min(d, int(length - 1 + rng.random()))
+
+
+def _per_position(p: float):
+    return lambda d, rng: next((i for i in range(d) if rng.random() >= p), d)
+
+
+def test_large_batch_does_not_pay_for_the_prior():
+    """At bs 256 a round of 1 costs 1.5 plain steps (and 0.56 ms of catch-up after plain steps): at accept length
+    1.5 (half the requests accept one draft) depth 0 is the best fixed depth on the H100, and the chooser, fresh
+    or arriving from a smaller batch where depth 1 won, spends at most 2 of 34 steps above it."""
+    fresh = _served(DepthChooser(H100_8B, num_steps=3), 256, 34, _bench_acceptance(1.5))
+    assert sum(d > 0 for d in fresh) <= 2
+    c = DepthChooser(H100_8B, num_steps=3)
+    at_128 = _served(c, 128, 60, _bench_acceptance(1.5))
+    assert at_128[-20:].count(1) >= 18  # (bs 128: depth 1 wins, as it measured there)
+    after = _served(c, 256, 34, _bench_acceptance(1.5), seed=1)
+    assert sum(d > 0 for d in after) <= 2
+
+
+@pytest.mark.parametrize("bs", [1, 16])
+@pytest.mark.parametrize("length, best", [(2.0, 1), (3.0, 2)])
+def test_small_batch_reaches_the_best_depth_at_once(bs, length, best):
+    """Where rounds cost little more than plain steps, the prior's first rounds measure acceptance and the chooser
+    settles on the best depth (accept length 2: one draft always accepted, the second never) within a few steps."""
+    depths = _served(DepthChooser(H100_8B, num_steps=3), bs, 40, _bench_acceptance(length))
+    assert depths[4:].count(best) >= len(depths[4:]) - 1  # (but for a probe)
+
+
+def test_probes_the_next_tier_within_its_budget():
+    """Below the deepest tier one step in an interval runs one tier deeper: at bs 256 a round costs several plain
+    steps, so probes are spaced to keep their extra time under 1 % of the steps'; a rise in acceptance (0.1 to 0.9
+    per position) is still seen within one interval."""
+    c = DepthChooser(H100_8B, num_steps=3)
+    every = [c.probe_every(256, 0, 1, lag) for lag in (1, 16)]
+    assert every == [math.ceil((14.949 + 0.548 - 9.876) / 0.09876), math.ceil((14.949 + 3.533 - 9.876) / 0.09876)]
+    assert c.probe_every(64, 0, 1, 1) == 50  # (cheap probes: at least probe_interval apart)
+    low = _served(c, 256, 300, _per_position(0.1))
+    probes = [i for i, d in enumerate(low) if d > 0]
+    assert set(low[i] for i in probes) == {1} and len(probes) <= 300 // every[0] + 1
+    assert all(b - a >= every[0] for a, b in zip(probes, probes[1:]))
+    high = _served(c, 256, every[1] + 3, _per_position(0.9), seed=2)
+    first = next(i for i, d in enumerate(high) if d > 0)
+    assert all(d >= 1 for d in high[first + 2:])  # seen, then kept
+    # tiers without plain steps (depth_tiers [2, 3]) probe too
+    two = DepthChooser({8: {2: 6.0, 3: 6.4}}, num_steps=3, probe_interval=5)
+    assert 3 in _served(two, 8, 12, _bench_acceptance(2.0))
