@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.kernels.sparse_mla import quantize_index_queries
+
 
 def visible_positions(page_table: torch.Tensor, row_req: torch.Tensor, row_len: torch.Tensor, page_size: int,
                       max_len: int, tree_bits: torch.Tensor | None = None,
@@ -49,7 +51,8 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, 
                  row_req: torch.Tensor, row_len: torch.Tensor, page_size: int, topk: int, *, fp8: bool = False,
                  tree_bits: torch.Tensor | None = None, tree_len: int = 0, rows_per_req: int = 1) -> torch.Tensor:
     """The lightning indexer's choice. q [R, Hi, Di], w [R, Hi] (the head weights with every scale folded in),
-    index_k_cache [S, Di] (``fp8``: FP8 pages, ``gather_index_keys``); returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
+    index_k_cache [S, Di] (``fp8``: FP8 pages, ``gather_index_keys``, the queries quantized as the kernel's);
+    returns the slots [R, topk] int32 of each row's ``topk`` highest-scoring visible tokens,
     score_t = sum_h w[r, h] * relu(q[r, h] . k[slot(t)]) (all of them when fewer are visible), padded with -1.
     Order within a row is unspecified. ``tree_bits`` ([R] int64) / ``tree_len``: the speculative block (module
     docstring); None: no row has one. ``rows_per_req``: how the rows group by request (the Triton kernel reads a
@@ -57,6 +60,9 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, 
     max_len = page_table.shape[1] * page_size
     slots, visible = visible_positions(page_table, row_req, row_len, page_size, max_len, tree_bits, tree_len)
     k = gather_index_keys(index_k_cache, slots, page_size, q.shape[-1], fp8)  # [R, L, Di]
+    if fp8:  # the Triton indexer's FP8 x FP8 dot: queries quantized per (row, head), the scale folded into w
+        q, q_scale = quantize_index_queries(q)
+        w = w.float() * q_scale
     scores = torch.relu(torch.einsum("rhd,rld->rhl", q.float(), k))
     score = torch.einsum("rh,rhl->rl", w.float(), scores).masked_fill(~visible, float("-inf"))
     kk = min(topk, max_len)

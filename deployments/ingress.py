@@ -90,11 +90,16 @@ class _Streamed(StreamingResponse):
                                                        s.num_output)
 
 
+_trim_pending = threading.Event()  # one trim at a time: a burst of refused bodies queues one, not one each
+
+
 def _trim_heap() -> None:
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):  # not glibc
         pass
+    finally:
+        _trim_pending.clear()
 
 
 class _LimitBody:
@@ -124,7 +129,9 @@ class _LimitBody:
                 events.clear()
                 await too_large(scope, receive, send)
                 # the refused chunks were freed, but glibc keeps their heap pages: hand them back to the OS
-                asyncio.get_running_loop().run_in_executor(None, _trim_heap)
+                if not _trim_pending.is_set():
+                    _trim_pending.set()
+                    asyncio.get_running_loop().run_in_executor(None, _trim_heap)
                 return
             if event["type"] != "http.request" or not event.get("more_body"):
                 break

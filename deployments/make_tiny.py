@@ -188,7 +188,8 @@ def build_config(arch: str, *, vocab: int, hidden: int, layers: int, heads: int,
 
 def deepseek_v32_config(*, vocab: int, hidden: int, layers: int, heads: int, intermediate: int, max_position: int,
                         tie: bool, bos_token_id: int | None, eos_token_id: int | None, dtype: str, rope_theta: float,
-                        rope_scaling: dict | None = None, index_topk: int = 8, index_n_heads: int = 16, index_head_dim: int = 32, kv_lora_rank: int = 32,
+                        rope_scaling: dict | None = None, index_topk: int = 8, index_n_heads: int = 16,
+                        index_head_dim: int = 32, kv_lora_rank: int = 32,
                         q_lora_rank: int = 32, qk_rope_head_dim: int = 16, qk_nope_head_dim: int = 16,
                         v_head_dim: int = 16, num_nextn_predict_layers: int = 0):
     """A DeepSeek-V3.2 config with every MLP dense (``first_k_dense_replace`` = layers: MoE layers are refused by

@@ -151,9 +151,9 @@ class DepthChooser:
 
     def probe_every(self, bucket: int, depth: int, probe: int, lag: int) -> int:
         """Steps between probes at ``probe`` while ``depth`` is the choice: the probe's extra time (its catch-up
-        included) over ``probe_budget`` of the shallowest tier's step, a plain one (the cheapest: where a choice flips
-        between depths, as at a full stash, probes stay within budget of the steps around them), and at least
-        ``probe_interval``."""
+        included) over ``probe_budget`` of the shallowest tier's step (a plain one where 0 is a tier; the cheapest,
+        so that where a choice flips between depths, as at a full stash, probes stay within budget of the steps
+        around them), and at least ``probe_interval``."""
         cost = self.costs[bucket]
         extra = cost[probe] + (self.catch_up_cost(bucket, lag) if depth == 0 else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))

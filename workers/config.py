@@ -106,7 +106,7 @@ class EngineConfig(Strict):
     indexer_key_dtype: Literal["auto", "fp8"] = Field(
         "auto", description="DeepSeek-V3.2: the lightning indexer's key cache. auto: the model dtype (bf16 on GPUs; "
         "exactly what transformers computes); fp8: FP8 e4m3 + a per-token fp32 scale (132 instead of 256 bytes a "
-        "token at dim 128, top-k chosen from the dequantized keys' scores: close to auto's, not equal)")
+        "token at dim 128; scored FP8 x FP8 with the queries quantized per head: top-k close to auto's, not equal)")
     speculative_config: SpeculativeConfig | None = None
     enable_prefix_caching: bool = Field(True, description="reuse the KV pages of shared prompt prefixes (and of "
                                         "earlier turns' answers) across requests; valid under every speculative "

@@ -654,7 +654,7 @@ class DecodeGraphs(GraphRunner):
                 return sorted(times)[len(times) // 2]
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
-            torch.cuda._sleep(100_000_000)  # (about 50 ms: longer than the launches take)
+            torch.cuda._sleep(100_000_000)  # (the device busy while the host queues the launches: device time alone)
             start.record()
             for _ in range(passes):
                 run()

@@ -114,6 +114,7 @@ class Engine:
             max_queue_len=cfg.max_queue_len,
             host_drafter=host_drafter,
             mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
+            draft_catch_up_window=spec.catch_up_window if spec is not None and spec.method != "ngram" else 0,
         )
         # adaptive speculation: the policy choosing each speculative step's draft depth (None: num_steps). Tests
         # and benchmarks may replace it (``speculative.adaptive.DepthSchedule``)

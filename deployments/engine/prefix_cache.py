@@ -35,6 +35,7 @@ class _Released:
     ended: a key is built from what is there, and a page past the end is left out)."""
 
     __slots__ = ("prompt_ids", "output_ids", "pages", "num_computed", "cache_nodes", "alive")
+    draft_lag = 0  # (as a request's: a record keeps only pages whose KV was all written)
 
     def __init__(self, prompt: list[int], output: list[int], pages: list[int], num_computed: int, nodes: list[int]):
         self.prompt_ids, self.output_ids, self.pages = prompt, output, pages
@@ -159,7 +160,8 @@ class PrefixCache:
             if type(rec) is _Released:  # (a record in _pending has pages left: it goes with its last)
                 self._expand_record(rec)
             else:
-                self.index(rec.cache_nodes, rec.prompt_ids, rec.output_ids, rec.pages, rec.num_computed)
+                self.index(rec.cache_nodes, rec.prompt_ids, rec.output_ids, rec.pages,
+                           rec.num_computed - rec.draft_lag)
                 self.defer(rec)
 
     def _expand_record(self, rec: _Released) -> None:
@@ -176,8 +178,9 @@ class PrefixCache:
 
     def release_request(self, req) -> tuple[int, int]:
         """Before ``req`` lets go of its pages (finished, aborted, preempted): its deferred full pages stay cached as
-        one record of them and their tokens, keyed when a lookup needs them, one LRU entry for them all. Returns the range of ``req.pages`` that the record keeps ((0, 0): none); the
-        allocator hands them over (``PageAllocator.give_to_cache``)."""
+        one record of them and their tokens, keyed when a lookup needs them, one LRU entry for them all. Returns the
+        range of ``req.pages`` that the record keeps ((0, 0): none); the allocator hands them over
+        (``PageAllocator.give_to_cache``)."""
         nodes = req.cache_nodes
         recs = self._pending.get(nodes[-1]) if nodes else None
         if not recs or req not in recs:
@@ -186,8 +189,9 @@ class PrefixCache:
         if not recs:
             del self._pending[nodes[-1]]
         P, start, n, nxt = self.page_size, len(nodes), len(req.prompt_ids), self.key_next_token
-        # its full pages below num_computed whose key the tokens prove (with the token after, under an EAGLE head)
-        ready = min(min(req.num_computed, n + len(req.output_ids) - nxt) // P, len(req.pages))
+        # its full pages below num_computed whose key the tokens prove (with the token after, under an EAGLE head),
+        # and whose draft KV is written (``Request.draft_lag``)
+        ready = min(min(req.num_computed - req.draft_lag, n + len(req.output_ids) - nxt) // P, len(req.pages))
         if ready <= start:
             return 0, 0
         rec = _Released(req.prompt_ids, req.output_ids, req.pages[:ready], ready * P, nodes)

@@ -167,6 +167,9 @@ class Request:
     cache_nodes: list[int] = field(default_factory=list)  # the cache's node id of each leading page indexed so far
     # ``num_computed`` from which its next page can be keyed (a check per step, not a call); NEVER: none to key
     cache_at: int = NEVER
+    # adaptive speculation: its last positions whose draft KV only a later catch-up writes (plain steps since its
+    # last round, bounded as the worker's stash); never indexed, so no cached page holds KV its draft never wrote
+    draft_lag: int = 0
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""

@@ -85,6 +85,7 @@ class Scheduler:
         max_queue_len: int = 1 << 30,
         host_drafter=None,
         mixed_decode_rows: int = 0,
+        draft_catch_up_window: int = 0,
     ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -97,6 +98,8 @@ class Scheduler:
         self.max_queue_len = max_queue_len
         self.host_drafter = host_drafter  # tokens -> draft tokens (n-gram speculation), or None
         self.mixed_decode_rows = mixed_decode_rows  # most running requests whose decode rows prefill chunks join
+        # adaptive speculation with a draft that keeps KV: the worker's stash size (0: no plain steps leave a lag)
+        self.draft_catch_up_window = draft_catch_up_window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -206,7 +209,7 @@ class Scheduler:
         if req.req_slot is not None:
             self._free_slots.append(req.req_slot)
             req.req_slot = None
-        req.num_computed = req.prefix_start = 0
+        req.num_computed = req.prefix_start = req.draft_lag = 0
         req.cache_nodes = []
         req.cache_at = NEVER
 
@@ -243,10 +246,11 @@ class Scheduler:
         Keys are built only until the request makes a node of its own (its first page that no one else computed):
         then it is deferred (``PrefixCache.defer``), and its later pages are keyed only when a lookup reaches that
         node, or kept as a record when it lets go of them. With nothing shared, a request keys one page."""
-        if req.num_computed < req.cache_at:
+        written = req.num_computed - req.draft_lag  # (the draft's KV of its last plain steps is not written yet)
+        if written < req.cache_at:
             return
         cache = self.allocator.cache
-        if cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, req.num_computed, until_new=True):
+        if cache.index(req.cache_nodes, req.prompt_ids, req.output_ids, req.pages, written, until_new=True):
             cache.defer(req)
             req.cache_at = NEVER
         else:
@@ -477,6 +481,8 @@ class Scheduler:
         self.landed(plan)
         tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
         prompt_lps = result.prompt_logprobs
+        window = self.draft_catch_up_window if result.counts is not None else 0  # (a speculative DECODE step)
+        plain = window and result.num_drafts == 0
         for i, req in enumerate(plan.requests):
             if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
@@ -485,6 +491,8 @@ class Scheduler:
             if plan.next_ids is not None and plan.next_ids[i] >= 0:
                 continue  # a prompt chunk with more to go: its sampled token is not output
             a, b = at[i], at[i + 1]
+            if window:  # as the worker's stash: a plain step on a full one catches the draft up first
+                req.draft_lag = (1 if req.draft_lag >= window else req.draft_lag + 1) if plain else 0
             new = self._append_tokens(req, result.tokens[a:b], result.logprobs[a:b], tops[i] if tops else None)
             produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
@@ -557,7 +565,7 @@ class Scheduler:
         # flight writes to). A request preempted while this step ran holds no KV: it is recomputed on readmission.
         if req.status == RequestStatus.RUNNING:
             req.num_computed = req.num_tokens - 1
-            if req.num_computed >= req.cache_at:  # a page filled up (once per page_size tokens)
+            if req.num_computed - req.draft_lag >= req.cache_at:  # a page filled up (once per page_size tokens)
                 self._cache_pages(req)
             in_flight = req.num_inflight * (self.decode_max_advance - 1 + self.decode_lookahead)
             self.allocator.shrink(req.pages, req.num_computed + in_flight)

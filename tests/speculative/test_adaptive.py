@@ -403,3 +403,30 @@ def test_probes_the_next_tier_within_its_budget():
     # tiers without plain steps (depth_tiers [2, 3]) probe too
     two = DepthChooser({8: {2: 6.0, 3: 6.4}}, num_steps=3, probe_interval=5)
     assert 3 in _served(two, 8, 12, _bench_acceptance(2.0))
+
+
+def test_prefix_cache_keeps_only_pages_whose_draft_kv_is_written(spec_models):
+    """A request that ends in a run of plain steps leaves its draft's KV of those positions unwritten (only a
+    later catch-up would write it): the cache must not hand those pages to the next turn of the chat. The next
+    request's draft KV over its whole cached prefix equals one prefill's (fp32)."""
+    prompt = mixed_prompts(4)[3]
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", catch_up_window=16), page_size=4,
+                 max_prefill_tokens=64, disable_overlap_schedule=True)
+    eng.depth_policy = DepthSchedule([1] + [0] * 11)
+    first = eng.add_request(prompt, SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    history = first.all_ids
+    nxt = eng.add_request(history + [7], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    cached = nxt.num_cached_tokens
+    assert 0 < cached <= len(history) - 1 - 4  # the plain steps' last full page stayed out
+    fresh = engine(spec_models["target"], _spec(spec_models, "eagle3"))
+    ref = fresh.add_request(history + [7], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    while fresh.has_work():
+        fresh.step()
+    assert ref.output_ids == nxt.output_ids
+    for a, b in zip(_draft_kv(eng.executor.worker, 0, cached),  # (each request took slot 0 in turn)
+                    _draft_kv(fresh.executor.worker, 0, cached)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -628,7 +628,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     ``i * n .. i * n + n - 1`` share ``row_req``; lengths and tree bits their own; the last group may be short), as
     a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
     ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
-    batch 1): one row a program instead, more programs to fill the GPU (faster there on the H100). Splits per group
+    batch 1): one row a program instead, more programs to fill the GPU. Splits per group
     from the shapes only (``num_splits`` overrides)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
@@ -764,8 +764,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None and block_n is None and lat_split is None and not fp32:
-        # measured on the H100 at 64k: few rows want many programs (16 heads each); many rows want wide head
-        # blocks, each slot tile read by fewer programs (128 heads, half the latent each, at 160 rows)
+        # few rows want many programs (16 heads each); many rows want wide head blocks, each slot tile read by
+        # fewer programs (128 heads, half the latent each): docs/performance.md has the measurements
         block_h, block_n, lat_split = (16, 64, 1) if rows <= 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
     lat_split = lat_split or 1
     if block_h is None:
@@ -773,6 +773,8 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     if block_n is None:  # fp32 tiles of 64 latents spill registers
         block_n = 32 if fp32 else 64
     block_h = min(block_h, _p2(heads))
+    if block_h <= 64:  # (few heads a rank: the split would score the whole latent twice for nothing)
+        lat_split = 1
     if num_splits is None:
         num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
                                 max_splits)
