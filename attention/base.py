@@ -48,6 +48,8 @@ class AttentionBackend(ABC):
     verify_attention_mode: str = "decode"
     #: whether forwards can be captured in CUDA graphs (launches depend on no host-side sequence length)
     supports_cuda_graph: bool = False
+    #: whether EXTEND forwards whose lengths only the device knows (the host: a bound) can be captured (prefill graphs)
+    graph_safe_extend: bool = False
 
     def graph_refusal(self, page_size: int, kv_dtype: torch.dtype, head_dim: int) -> str | None:
         """Why this backend's forwards cannot be captured in CUDA graphs over this KV layout (None: they can)."""

@@ -42,6 +42,7 @@ class HybridBackend(AttentionBackend):
         self.verify_attention_mode = verify_attention_mode
         self.name = f"hybrid({prefill.name}+{decode.name})"
         self.supports_cuda_graph = prefill.supports_cuda_graph and decode.supports_cuda_graph
+        self.graph_safe_extend = prefill.graph_safe_extend
 
     def child(self, fb: ForwardBatch) -> AttentionBackend:
         return self.decode if uses_decode_kernel(fb.mode, self.verify_attention_mode) else self.prefill

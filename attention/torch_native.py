@@ -35,6 +35,7 @@ class TorchNativeMetadata(AttentionMetadata):
 
 class TorchNativeBackend(AttentionBackend):
     name = "torch_native"
+    graph_safe_extend = True  # (the CPU runs the prefill graphs' callables through it)
 
     def __init__(self, verify_attention_mode: str = "decode"):
         self.verify_attention_mode = verify_attention_mode

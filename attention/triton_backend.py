@@ -63,6 +63,8 @@ def _split_kv_attention(
     kv_hi = tl.minimum(kv_lo + chunk, seq_len)
     # causal: nothing past the last query row's position is ever visible
     kv_hi = tl.minimum(kv_hi, prefix + tl.minimum((qblock * BLOCK_M + BLOCK_M - 1) // GROUP, n_new - 1) + 1)
+    # a block past the request's new tokens (a prefill graph's launch covers its bucket for every request) reads nothing
+    kv_hi = tl.where(qblock * BLOCK_M // GROUP < n_new, kv_hi, kv_lo)
     # a split past a short sequence reads no query and writes only its -inf log-sum-exp (no partial output: the
     # merge reads outputs of live splits only), so the launch sized for the longest context costs little at short
     live_rows = row_ok & (tl.zeros_like(q_idx) + kv_lo < kv_hi)  # (as a vector: Triton's interpreter needs one)
@@ -172,6 +174,7 @@ class TritonMetadata(AttentionMetadata):
 class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    graph_safe_extend = True
     # Launch tuning chosen by ``bench/verify_attention.py --sweep`` / ``--sweep-short`` on an H100; an instance may
     # override them.
     min_chunk = 32  # fewest KV positions a decode-style split takes (a short sequence still spreads over splits)

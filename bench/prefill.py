@@ -48,7 +48,7 @@ def matmul_rate() -> float:
 
 def matmul_params(shape: str) -> int:
     c = SHAPES[shape]
-    h, inter, v, layers = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
+    h, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
     kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
     return layers * (2 * h * h + 2 * kv * h + 3 * h * inter)  # the head runs on the last row only
 
@@ -95,13 +95,30 @@ def kernels(engine, prompt: list[int]) -> dict:
             "top": [{"kernel": n, "launches": c, "ms": round(t, 3)} for n, (c, t) in top]}
 
 
-def measure(shape: str, ckpt: str, lens: list[int], reps: int, bw: float, rate: float) -> list[dict]:
+def host_profile(engine, prompt: list[int], top: int = 40) -> str:
+    """cProfile of one request's calls until its first token: the host functions by own time and by cumulative."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    first_token(engine, prompt)
+    prof.disable()
+    text = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+    return text.getvalue()
+
+
+def measure(shape: str, ckpt: str, lens: list[int], reps: int, bw: float, rate: float, graph_tokens: int,
+            host: Path | None = None) -> list[dict]:
     from deployments.engine.engine import Engine
     from workers.config import EngineConfig
 
     engine = Engine(EngineConfig(model=ckpt, device="cuda", dtype="bfloat16", max_model_len=max(4096, 2 * max(lens)),
                                  max_num_seqs=8, cuda_graph_max_bs=8, max_prefill_tokens=max(2048, max(lens)),
-                                 gpu_memory_utilization=0.5))
+                                 cuda_graph_max_prefill_tokens=graph_tokens, gpu_memory_utilization=0.5))
     vocab = SHAPES[shape]["vocab_size"]
     g = torch.Generator().manual_seed(0)
     prompt = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
@@ -115,14 +132,16 @@ def measure(shape: str, ckpt: str, lens: list[int], reps: int, bw: float, rate: 
             times.append(t * 1e3)
             calls = calls or c
         prof = kernels(engine, prompt(n))
+        if host is not None:
+            Path(f"{host}_{shape}_{graph_tokens}_{n}.txt").write_text(host_profile(engine, prompt(n)))
         read = weight_bytes_per_token(shape) / bw * 1e3
         flops = 2 * matmul_params(shape) * n / rate * 1e3
-        row = {"shape": shape, "prompt_len": n, "ttft_ms_median": round(statistics.median(times), 3),
+        row = {"shape": shape, "prefill_graph_tokens": graph_tokens, "prompt_len": n, "ttft_ms_median": round(statistics.median(times), 3),
                "ttft_ms_min": round(min(times), 3), "ttft_ms": [round(t, 3) for t in times],
                "read_floor_ms": round(read, 3), "compute_floor_ms": round(flops, 3),
                "floor_ms": round(max(read, flops), 3), "calls": calls, **prof}
         row["ttft_vs_floor"] = round(row["ttft_ms_median"] / row["floor_ms"], 2)
-        print({k: row[k] for k in ("shape", "prompt_len", "ttft_ms_median", "floor_ms", "busy_ms", "span_ms",
+        print({k: row[k] for k in ("shape", "prefill_graph_tokens", "prompt_len", "ttft_ms_median", "floor_ms", "busy_ms", "span_ms",
                                    "by_kind_ms")}, flush=True)
         rows.append(row)
     engine.shutdown()
@@ -138,26 +157,30 @@ def report(res: dict, out: Path) -> None:
           f"Floors: weights read once at {res['copy_gb_s']:.0f} GB/s; matmul FLOPs at {res['matmul_tflops']:.0f} "
           "TFLOP/s (bf16, 8192 cube), both measured in this run. `busy`: GPU kernel time of the request's calls "
           "until its first token; `span`: first kernel start to last kernel end.", "",
-          "| shape | prompt | TTFT p50 ms (min) | floor ms (read / compute) | TTFT ÷ floor | GPU busy ms | span ms "
+          "| shape | prefill graphs up to | prompt | TTFT p50 ms (min) | floor ms (read / compute) | TTFT ÷ floor | GPU busy ms | span ms "
           "| kernels | by kind ms | step calls (start→end ms, tokens) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         kinds = ", ".join(f"{k} {v}" for k, v in r["by_kind_ms"].items())
         calls = "; ".join(f"{c['start_ms']}→{c['end_ms']} ({c['tokens']})" for c in r["calls"])
-        md.append(f"| {r['shape']} | {r['prompt_len']} | {r['ttft_ms_median']} ({r['ttft_ms_min']}) | "
+        md.append(f"| {r['shape']} | {r['prefill_graph_tokens'] or 'eager'} | {r['prompt_len']} | {r['ttft_ms_median']} ({r['ttft_ms_min']}) | "
                   f"{r['floor_ms']} ({r['read_floor_ms']} / {r['compute_floor_ms']}) | {r['ttft_vs_floor']} | "
                   f"{r['busy_ms']} | {r['span_ms']} | {r['kernels']} | {kinds} | {calls} |")
     md += ["", "Top kernels of each row (ms, launches):", ""]
     for r in res["rows"]:
-        md.append(f"- {r['shape']} {r['prompt_len']}: " + "; ".join(
+        md.append(f"- {r['shape']} {r['prefill_graph_tokens'] or 'eager'} {r['prompt_len']}: " + "; ".join(
             f"`{k['kernel'][:60]}` {k['ms']} ({k['launches']})" for k in r["top"][:6]))
     write_markdown(out, md)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for shape in dict.fromkeys(r["shape"] for r in res["rows"]):
-        rs = [r for r in res["rows"] if r["shape"] == shape]
-        ax.plot([r["prompt_len"] for r in rs], [r["ttft_ms_median"] for r in rs], "o-", label=f"{shape} TTFT")
-        ax.plot([r["prompt_len"] for r in rs], [r["floor_ms"] for r in rs], "k:", label=f"{shape} floor")
+    floors = set()
+    for shape, g in dict.fromkeys((r["shape"], r["prefill_graph_tokens"]) for r in res["rows"]):
+        rs = [r for r in res["rows"] if (r["shape"], r["prefill_graph_tokens"]) == (shape, g)]
+        ax.plot([r["prompt_len"] for r in rs], [r["ttft_ms_median"] for r in rs], "o-",
+                label=f"{shape} TTFT, " + (f"prefill graphs ≤ {g}" if g else "eager prefill"))
+        if shape not in floors:
+            floors.add(shape)
+            ax.plot([r["prompt_len"] for r in rs], [r["floor_ms"] for r in rs], "k:", label=f"{shape} floor")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("ms")
@@ -172,6 +195,10 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--prompt-lens", default="128,256,1024,2048")
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--prefill-graph-tokens", default="1024,0", help="comma list of the engine's "
+                    "cuda_graph_max_prefill_tokens to run (0: eager prefills)")
+    ap.add_argument("--host-profile", action="store_true", help="also write <out>_<shape>_<len>.txt: cProfile of "
+                    "one request's calls until its first token")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = out_path(args.out)
@@ -182,7 +209,8 @@ def main() -> None:
         ckpt = Path(f"/tmp/{shape}-random")
         if not (ckpt / "config.json").exists():
             write_checkpoint(ckpt, shape)
-        rows += measure(shape, str(ckpt), lens, args.reps, bw, rate)
+        for g in (int(x) for x in args.prefill_graph_tokens.split(",")):
+            rows += measure(shape, str(ckpt), lens, args.reps, bw, rate, g, out if args.host_profile else None)
     res = {"device": device_name("cuda"), "commit": commit(), "command": command(), "copy_gb_s": bw / 1e9,
            "matmul_tflops": rate / 1e12, "rows": rows}
     write_json(out.with_suffix(".json"), res)

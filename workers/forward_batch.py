@@ -104,6 +104,7 @@ class ForwardBatch:
         steps: int = 1,
         seq_step: int = 0,
         tree_mask: torch.Tensor | None = None,
+        max_extend: int | None = None,
     ) -> "ForwardBatch":
         """The one metadata builder for model inputs: KV write slots and positions are derived on the device from
         the page table, so the same code serves eager runs and CUDA-graph capture/replay buffers.
@@ -112,7 +113,9 @@ class ForwardBatch:
         positions); the KV lengths are ``seq_lens + seq_offset``. Logits rows: ``logits_indices``, else each
         request's token ``logits_at[b]`` (a device tensor, [B]), else ``all_logits`` (every token, in order), else
         each request's last token. ``steps`` > 1 (uniform batches, ``DraftSteps``): the requests repeated that many
-        times, copy i's lengths ``i * seq_step`` further; ``req_slots`` then holds them once."""
+        times, copy i's lengths ``i * seq_step`` further; ``req_slots`` then holds them once. ``max_extend`` (a
+        prefill's CUDA graph): ``extend_lens`` is a device tensor, each at most ``max_extend``, and ``input_ids``
+        holds exactly their sum; the host knows only that bound (``extend_lens_cpu``)."""
         device = page_table.table.device
         ids = to_device(input_ids, torch.int64, device)
         t = int(ids.shape[0])
@@ -120,7 +123,9 @@ class ForwardBatch:
         lens_cpu = None  # the host's view of the (moved) lengths, when it has them
         if not isinstance(seq_lens, torch.Tensor):
             lens_cpu = [x + seq_offset + i * seq_step for i in range(steps) for x in seq_lens]
-        if len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
+        if max_extend is not None:  # lengths only on the device: the ragged path below, bounded on the host
+            ext_device, extend_lens = extend_lens, [max_extend] * int(extend_lens.shape[0])
+        if max_extend is None and len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
             # the GPU), so a captured graph holds no copy from a temporary host buffer that could be reused before a
             # replay; and no repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
             seq_in = seq_lens if isinstance(seq_lens, torch.Tensor) else to_device(seq_lens, torch.int32, device)
@@ -133,7 +138,7 @@ class ForwardBatch:
             seq_t = to_device(seq_lens, torch.int32, device)
             if seq_offset:
                 seq_t = seq_t + seq_offset
-            ext_t = to_device(extend_lens, torch.int32, device)
+            ext_t = to_device(extend_lens, torch.int32, device) if max_extend is None else ext_device.to(torch.int32)
             start_t = torch.cumsum(ext_t, 0, dtype=torch.int32) - ext_t
             tok_req = torch.repeat_interleave(slots_t, ext_t, output_size=t)
             offset = torch.arange(t, device=device) - torch.repeat_interleave(start_t, ext_t, output_size=t)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from speculative.proposers import RoundInputs
 from workers.kernels.launch import capturing, pdl_launches
 from workers.kernels.metadata import overlap_step_inputs
-from workers.messages import FLOAT_FIELDS
+from workers.messages import FLOAT_FIELDS, ForwardMode
 from workers.messages import INT_FIELDS as STEP_INT_FIELDS
 from workers.outputs import PackedOutputs
 from workers.sampling import SamplingTensors
@@ -65,31 +65,38 @@ def batch_buckets(max_bs: int) -> list[int]:
 class StaticInputs:
     """The step inputs graphs read, at the largest bucket's size; padded rows are greedy no-ops on ``pad_slot``.
     Field-major ([fields, max_bs]): every column a graph reads is a contiguous view (no copy kernel in the graph).
-    The int64 and float32 tables are views of one byte buffer, so each step's values arrive in one whole-buffer
-    host→device copy."""
+    The int64 and float32 tables (and a prefill's token ids, ``max_tokens``) are views of one byte buffer, so each
+    step's values arrive in one whole-buffer host→device copy. ``int_fields``: the leading fields of a
+    ``WorkerStep``'s ints that the graphs read."""
 
-    def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device):
+    def __init__(self, max_bs: int, num_draft_cols: int, pad_slot: int, device, int_fields: tuple = INT_FIELDS,
+                 max_tokens: int = 0):
+        assert STEP_INT_FIELDS[:len(int_fields)] == int_fields
         self.pad_slot = pad_slot
         self.max_bs = max_bs
-        self.num_int_fields = len(INT_FIELDS) + num_draft_cols
-        self.buffer = torch.zeros((self.num_int_fields * 8 + len(FLOAT_FIELDS) * 4) * max_bs, dtype=torch.uint8,
-                                  device=device)
-        self.ints, self.floats = self._tables(self.buffer)
+        self.int_fields = int_fields
+        self.num_int_fields = len(int_fields) + num_draft_cols
+        self.max_tokens = max_tokens
+        self.buffer = torch.zeros((self.num_int_fields * 8 + len(FLOAT_FIELDS) * 4) * max_bs + 8 * max_tokens,
+                                  dtype=torch.uint8, device=device)
+        self.ints, self.floats, self.tokens = self._tables(self.buffer)
         # the host image of an all-padding buffer, which each step's fill starts from
         self._padding = np.zeros(self.buffer.shape, dtype=np.uint8)
-        ints, floats = self._tables(self._padding)
-        ints[INT_FIELDS.index("req_slots")] = self.pad_slot
-        ints[INT_FIELDS.index("seq_lens")] = 1
+        ints, floats, _ = self._tables(self._padding)
+        ints[int_fields.index("req_slots")] = self.pad_slot
+        ints[int_fields.index("seq_lens")] = 1
         floats[FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
         self.reset()
 
     def _tables(self, buffer):
-        """``buffer``'s (a tensor's or a numpy array's) int64 [int fields, max_bs] and float32 [float fields,
-        max_bs] views."""
+        """``buffer``'s (a tensor's or a numpy array's) int64 [int fields, max_bs], int64 [max_tokens] and float32
+        [float fields, max_bs] views."""
         split = self.num_int_fields * 8 * self.max_bs
+        tokens_end = split + 8 * self.max_tokens
         i64, f32 = (torch.int64, torch.float32) if isinstance(buffer, torch.Tensor) else (np.int64, np.float32)
         return (buffer[:split].view(i64).reshape(self.num_int_fields, self.max_bs),
-                buffer[split:].view(f32).reshape(len(FLOAT_FIELDS), self.max_bs))
+                buffer[tokens_end:].view(f32).reshape(len(FLOAT_FIELDS), self.max_bs),
+                buffer[split:tokens_end].view(i64))
 
     def reset(self) -> None:
         """Every row a padding row (graphs are captured on these)."""
@@ -99,21 +106,25 @@ class StaticInputs:
         """Write the step's rows (padding after them) into the buffers: numpy copies of the step's packed rows into
         one host buffer, then one host→device copy of the whole buffer (a few KB; the columns past ``bucket`` are
         not read), from pinned memory the copy holds until it is done (PyTorch's caching host allocator)."""
-        b = step.batch_size
+        b, n = step.batch_size, len(self.int_fields)
         pinned = self.buffer.device.type == "cuda"
         host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
         image = host.numpy()
         image[:] = self._padding
-        ints, floats = self._tables(image)
-        ints[: len(INT_FIELDS), :b] = step.ints[: len(INT_FIELDS)]
+        ints, floats, tokens = self._tables(image)
+        ints[:n, :b] = step.ints[:n]
         if step.draft_tokens is not None:
-            ints[len(INT_FIELDS):, :b] = step.draft_tokens.T
+            ints[n:, :b] = step.draft_tokens.T
         floats[:, :b] = step.floats
+        if self.max_tokens:  # a prefill: its tokens, then one padding request holding the rest of the bucket's
+            t = len(step.input_ids)
+            tokens[:t] = step.input_ids
+            ints[self.int_fields.index("seq_lens"), b] = ints[self.int_fields.index("extend_lens"), b] = bucket - t
         self.buffer.copy_(host, non_blocking=pinned)
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
-        if name in INT_FIELDS:
-            return self.ints[INT_FIELDS.index(name), :bucket]
+        if name in self.int_fields:
+            return self.ints[self.int_fields.index(name), :bucket]
         return self.floats[FLOAT_FIELDS.index(name), :bucket]
 
     def sampling(self, bucket: int, kind: str, counters: torch.Tensor, logits_state=None) -> SamplingTensors:
@@ -661,6 +672,90 @@ class DecodeGraphs(GraphRunner):
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / passes
+
+
+# prefills whose graphs are captured: tokens per step (padded up to a bucket) and requests per step
+EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
+EXTEND_REQUEST_BUCKETS = (1, 2, 4, 8)
+EXTEND_FIELDS = STEP_INT_FIELDS[:7]
+assert EXTEND_FIELDS[-1] == "extend_lens"
+
+
+class ExtendGraphs(GraphRunner):
+    """Prefill (EXTEND) steps of few tokens in CUDA graphs, per (token bucket, request bucket, sampling kind): an
+    eager prefill launches every layer's kernels from Python, which for short prompts takes far longer than the
+    GPU's work (the first token waits for it; a step in flight does not hide it at one request).
+
+    A step's tokens are padded to the token bucket by one extra padding request on ``pad_slot`` (its page table row
+    is all page 0, which nothing reads), its requests to the request bucket by padding requests with no tokens. The
+    lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the attention launch covers the
+    bucket's tokens for every request, and programs past a request's tokens do no work. Greedy graphs of every
+    bucket are captured at start-up, sampling kinds on first use. Only steps without speculation, logits
+    processing, prompt or top logprobs, structured output or decode rows (``eligible``): the others run eagerly.
+
+    ``extend``: (token ids, request slots, KV lengths, new-token counts, the token bucket, sampling) → the sampled
+    ids and their logprobs, as the eager prefill computes them."""
+
+    def __init__(self, device: torch.device, extend: Callable, max_tokens: int, pad_slot: int, rank: int = 0):
+        super().__init__(device)
+        self.extend = extend
+        self.token_buckets = [t for t in EXTEND_TOKEN_BUCKETS if t <= max_tokens]
+        self.request_buckets = list(EXTEND_REQUEST_BUCKETS)
+        self.rank = rank
+        self.static = StaticInputs(self.request_buckets[-1] + 1, 0, pad_slot, device, int_fields=EXTEND_FIELDS,
+                                   max_tokens=self.token_buckets[-1] if self.token_buckets else 0)
+        self.captured: set[tuple[int, int, str]] = set()
+
+    @torch.inference_mode()
+    def capture_all(self, pool=None) -> None:
+        """The greedy graphs of every (token, request) bucket, largest first, in ``pool`` (the decode graphs')."""
+        from tqdm import tqdm
+
+        self.clear()
+        self.captured.clear()
+        self.pool = pool
+        shapes = [(t, r) for t in reversed(self.token_buckets) for r in reversed(self.request_buckets)]
+        for t, r in tqdm(shapes, desc="capturing prefill graphs", disable=self.rank != 0):
+            self._capture(t, r, "greedy")
+
+    def buckets_for(self, step) -> tuple[int, int] | None:
+        """(token bucket, request bucket) of an EXTEND step that can replay a graph, else None (it runs eagerly)."""
+        t, b = len(step.input_ids), step.batch_size
+        if step.mode != ForwardMode.EXTEND:
+            return None
+        tb = next((x for x in self.token_buckets if x >= t), None)
+        rb = next((x for x in self.request_buckets if x >= b), None)
+        if tb is None or rb is None or step.logits_processing or step.top_logprobs:
+            return None
+        if step.mask_follows or step.token_mask is not None or int(step.input_ids.min()) < 0:
+            return None
+        if step.prompt_logprobs is not None and max(step.prompt_logprobs) >= 0:
+            return None
+        return tb, rb
+
+    def replay_step(self, step, tb: int, rb: int, kind: str) -> PackedOutputs:
+        """Run ``step`` through its buckets' graph (captured now on first use of ``kind``); returns its rows' packed
+        outputs, valid until the next replay."""
+        if (tb, rb, kind) not in self.captured:
+            self._capture(tb, rb, kind)
+        self.static.fill(step, tb)
+        return self.replay(("extend", tb, rb, kind)).rows(step.batch_size)
+
+    def _capture(self, tb: int, rb: int, kind: str) -> None:
+        self.static.reset()
+        rows = rb + 1  # + the request that holds the bucket's padding tokens
+        c = lambda name: self.static.column(name, rows)  # noqa: E731
+
+        def run():
+            sampling = self.static.sampling(rows, kind, c("counters"))
+            return PackedOutputs.pack(*self.extend(self.static.tokens[:tb], c("req_slots"), c("seq_lens"),
+                                                   c("extend_lens"), tb, sampling))
+
+        # capture on padding: one padding request holding all the bucket's tokens
+        self.static.ints[EXTEND_FIELDS.index("seq_lens"), 0] = tb
+        self.static.ints[EXTEND_FIELDS.index("extend_lens"), 0] = tb
+        self.capture(("extend", tb, rb, kind), run)
+        self.captured.add((tb, rb, kind))
 
 
 def _depth_key(depth: int | None) -> tuple:

@@ -22,7 +22,7 @@ from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import to_device
-from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, graph_refusal, tune_for_graphs
+from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, graph_refusal, tune_for_graphs
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.logits_processing import LogitsState, record_tokens
@@ -112,6 +112,12 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank, logits_state=self.logits_state,
             decode_phases=(self._decode_logits, self._decode_sample))
+        # short prefills replay graphs too (none with speculation: its draft's prefill is not captured)
+        self.extend_graphs: ExtendGraphs | None = None
+        if spec is None and cfg.cuda_graph_max_prefill_tokens and self.target.attn_backend.graph_safe_extend:
+            self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step,
+                                              min(cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens),
+                                              cfg.max_num_seqs, rank)
         # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
         self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)
@@ -201,6 +207,8 @@ class Worker:
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
     def capture_graphs(self) -> None:
         self.graphs.capture_all(self.tuning_cache)
+        if self.extend_graphs is not None and self.extend_graphs.token_buckets:
+            self.extend_graphs.capture_all(self.graphs.pool)
 
     # ---- stepping: launch now, results later ----------------------------------------------------------------------
     def step(self, step: WorkerStep | None, keep: int = 0) -> list[StepResult]:
@@ -270,10 +278,14 @@ class Worker:
             return self._launch_decode(step)
         if self.proposer is not None:  # a prefill's draft consumes its tokens (``after_extend``): none behind
             self.plain_run[step.req_slots] = 0
-        fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
-                                   step.extend_lens.tolist(), page_table=self.page_table)
         if step.logits_setup is not None:
             self.logits_state.setup(step.logits_setup)
+        buckets = self.extend_graphs.buckets_for(step) if self.extend_graphs and self.extend_graphs.captured else None
+        if buckets is not None:
+            kind = sampling_kind(step.temperature, step.top_k, step.top_p, step.min_p)
+            return HostCopy(self.extend_graphs.replay_step(step, *buckets, kind)), token_result
+        fb = self.target.new_batch(step.mode, self._extend_ids(step), step.req_slots, step.seq_lens.tolist(),
+                                   step.extend_lens.tolist(), page_table=self.page_table)
         sampling = self._sampling(step, slots=fb.req_slots)
         hidden = self.target.forward(fb)
         logits = self.target.logits(hidden[fb.logits_indices])
@@ -302,6 +314,17 @@ class Worker:
             return copy, token_result
         rows, packed = self._prompt_logprobs(step, hidden)
         return copy, partial(with_prompt_logprobs, prompt=HostCopy(packed), rows=rows, batch=step.batch_size)
+
+    def _extend_graph_step(self, ids: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
+                           extend_lens: torch.Tensor, max_extend: int, sampling: SamplingTensors):
+        """A prefill graph's work (``ExtendGraphs``): the eager prefill's forward and sampling, on lengths that only
+        the device has."""
+        fb = self.target.new_batch(ForwardMode.EXTEND, ids, slots, seq_lens, extend_lens, page_table=self.page_table,
+                                   max_extend=max_extend)
+        hidden = self.target.forward(fb)
+        ids, logprobs = sample(self.target.logits(hidden[fb.logits_indices]), sampling)
+        self.last_token[fb.req_slots] = ids
+        return ids, logprobs
 
     PROMPT_LOGITS_ROWS = 1024  # prompt positions whose [rows, vocab] logits exist at once (bounded memory)
 

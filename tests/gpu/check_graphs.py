@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--models", default="models")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--specs", default=None, help="comma list of the cases to run (default: all)")
     args = ap.parse_args()
     m = Path(args.models)
     eagle3, draft = str(m / "specserve-tiny-eagle3"), str(m / "specserve-tiny-draft")
@@ -36,6 +37,8 @@ def main() -> None:
              "draft-chain": SpeculativeConfig(method="draft", model=draft, num_steps=3, catch_up_window=2),
              "ngram": SpeculativeConfig(method="ngram", num_steps=3),
              "naive": SpeculativeConfig(method="naive", model=eagle3, num_steps=1)}
+    if args.specs:
+        specs = {k: v for k, v in specs.items() if k in args.specs.split(",")}
     prompts = ["def main(argv):\n", "class Config:\n    def __init__(self", "import os\nimport sys\n\n", "# utils\n",
                "for i in range(", "    return self."]  # 6 requests: padded to the bucket of 8
     sampling = {"greedy": SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),
@@ -60,6 +63,7 @@ def main() -> None:
                 worker = eng.executor.worker
                 rows.append({"spec": spec_name, "sampling": sname, "mode": mode, "tokens_equal_eager": same,
                              "graph_replays": worker.graphs.num_replays,
+                             "prefill_graph_replays": worker.extend_graphs.num_replays if worker.extend_graphs else 0,
                              # per batch bucket: whether its graphs run the norms inside the linears
                              "norms_in_linears": {str(b): f for b, f in sorted(worker.graphs.norm_fusion.items())}})
                 print(rows[-1], flush=True)

@@ -1,0 +1,59 @@
+"""Prefill (EXTEND) steps through the prefill graphs' path (static buffers, tokens padded to a bucket by a padding
+request on the pad slot, requests padded by empty ones, lengths only on the device), run eagerly on the CPU: the
+same tokens and logprobs as the eager prefill, with chunked prompts, prefix-cache hits and sampling; steps the graphs
+do not cover run eagerly; the pad slot's page stays unused."""
+
+from __future__ import annotations
+
+from deployments.engine.request import SamplingParams
+from tests.helpers import mixed_prompts
+from tests.speculative.test_speculative import engine, spec_models  # noqa: F401  (fixture)
+from workers.graphs import ExtendGraphs
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True, logprobs=True)
+
+
+def _run(target, waves, params, graphs: bool):
+    # (no decode rows in prefill steps: with decode graphs on a GPU they never ride in them)
+    eng = engine(target, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=64, max_prefill_tokens=80,
+                 mixed_decode_rows=0)
+    worker = eng.executor.worker
+    if graphs:
+        worker.capture_graphs()
+        ext = worker.extend_graphs
+        assert isinstance(ext, ExtendGraphs) and ext.token_buckets == [16, 32, 64]
+        assert {(t, r) for t, r, kind in ext.captured if kind == "greedy"} == {
+            (t, r) for t in ext.token_buckets for r in ext.request_buckets}
+    out = []
+    for prompts in waves:  # one after the other: a later wave hits the earlier one's cached pages
+        reqs = [eng.add_request(p, params) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        out += [(r.output_ids, [round(x, 4) for x in r.output_logprobs]) for r in reqs]
+    assert eng.allocator.num_free == eng.allocator.capacity_pages
+    hits = eng.allocator.cache.hits
+    if graphs:
+        assert int(worker.page_table.table[ext.static.pad_slot].abs().sum()) == 0
+        return out, ext.num_replays, eng.step_time["extend_steps"], hits
+    return out, 0, eng.step_time["extend_steps"], hits
+
+
+def test_prefill_graph_path_matches_eager(spec_models):  # noqa: F811
+    """Prompts of 1-200 tokens in 80-token steps (several requests a step; steps past the largest bucket run
+    eagerly), then prompts that extend three of them (prefills that start after cached pages, in graphs): greedy and
+    seeded sampling give the eager prefill's tokens and logprobs."""
+    target = spec_models["target"]
+    first = mixed_prompts(8) + [list(range(10, 210))]
+    waves = [first, [p + [7, 8, 9] for p in first[3:6]], mixed_prompts(3, seed=1)]
+    for params in (GREEDY, SEEDED):
+        eager, _, _, eager_hits = _run(target, waves, params, graphs=False)
+        static, replays, extends, hits = _run(target, waves, params, graphs=True)
+        assert static == eager
+        assert hits == eager_hits > 0
+        assert 0 < replays < extends  # later waves' prefills replayed graphs, the first wave's 80-token steps not
+
+
+def test_prefill_graphs_off(spec_models):  # noqa: F811
+    eng = engine(spec_models["target"], cuda_graph_max_prefill_tokens=0)
+    assert eng.executor.worker.extend_graphs is None
