@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     ap.add_argument("--prompt-lens", default="128,256,1024,2048")
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--prefill-graph-tokens", default="1024,0", help="comma list of the engine's "
+    ap.add_argument("--prefill-graph-tokens", default="2048,0", help="comma list of the engine's "
                     "cuda_graph_max_prefill_tokens to run (0: eager prefills)")
     ap.add_argument("--host-profile", action="store_true", help="also write <out>_<shape>_<len>.txt: cProfile of "
                     "one request's calls until its first token")

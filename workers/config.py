@@ -121,7 +121,7 @@ class EngineConfig(Strict):
     cuda_graph_max_bs: int = Field(256, ge=1, description="larger batches run eagerly (graphs are captured up to "
                                    "min(this, max_num_seqs))")
     cuda_graph_max_prefill_tokens: int = Field(
-        1024, ge=0, description="prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs, "
+        2048, ge=0, description="prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs, "
         "captured per token bucket at start-up, so a short prompt's first token does not wait for the host to "
         "launch every layer; 0: prefills run eagerly. Without speculation, on dense attention (triton)")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
