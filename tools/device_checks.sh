@@ -157,7 +157,8 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # to the replicas, user code on the replica's main loop, direct ingress), +direct: requests to the ingress
       # replica's own port (direct ingress) instead of the proxy's 8000, +ha: HAProxy as the proxy on 8000
       # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
-      # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs);
+      # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs), +nopg:
+      # prefills run eagerly (no prefill graphs);
       # SERVED_WAVES: requests per level in units of C (2)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
@@ -169,6 +170,7 @@ e['speculative_config']['model'] = sys.argv[2] + '-eagle3'; \
 sys.argv[3] == 'eagle3' or e.pop('speculative_config'); \
 sys.argv[4] and a.setdefault('ingress_deployment_config', {}).update(num_replicas=int(sys.argv[4])); \
 '+nopc' in sys.argv[5] and e.update(enable_prefix_caching=False); \
+'+nopg' in sys.argv[5] and e.update(cuda_graph_max_prefill_tokens=0); \
 yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$variant" || { echo "!!! cannot write $cfg"; exit 1; }
       offline=(--offline)
       [[ $variant == *+* && -z ${SERVED_OFFLINE_ALWAYS:-} ]] && offline=()  # measured with the plain variant
