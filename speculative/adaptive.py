@@ -141,11 +141,14 @@ class DepthChooser:
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
         cost = self.costs[bucket]
-        catch_up = self.catch_up_cost(bucket, lag)
+        # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs on
+        # neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
+        # smaller batches its accepted drafts leave at the end)
         full = self.window and lag >= self.window
+        catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
 
         def total(d: int) -> float:
-            return (cost[d] * (1.0 + self.margin) if d > 0 else cost[d]) + (catch_up if d > 0 or full else 0.0)
+            return (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d]
 
         return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
 
@@ -155,7 +158,8 @@ class DepthChooser:
         so that where a choice flips between depths, as at a full stash, probes stay within budget of the steps
         around them), and at least ``probe_interval``."""
         cost = self.costs[bucket]
-        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if depth == 0 else 0.0) - cost[depth]
+        due = depth == 0 and not (self.window and lag >= self.window)  # (a full stash catches up either way)
+        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if due else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int) -> int:
