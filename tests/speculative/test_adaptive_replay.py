@@ -136,11 +136,12 @@ def test_h100_table_replay_matches_the_best_fixed_depth(length):
         assert all(d > 0 for bs in (128, 256) for d in rows["adaptive"][bs][1])
 
 
-@pytest.mark.parametrize("bs,length,choice", [(256, 1.5, 0), (128, 1.5, 1), (256, 2.0, 1), (128, 2.0, 1)])
+@pytest.mark.parametrize("bs,length,choice", [(256, 1.5, 0), (128, 1.5, 1), (256, 2.0, 1), (128, 2.0, 1),
+                                               (1, 1.5, 1), (1, 3.0, 2)])
 def test_h100_table_long_run(bs, length, choice):
     """A long run at one load (no request ends), after 200 steps of it: the choice throughout but for probes one
     tier up, spaced by the design (their extra time under 1 % of a plain step's), and a rate within 1 % of the
-    choice held fixed."""
+    choice held fixed. (At bs 1 each round is one verdict: runs of rejections must not drop it to plain steps.)"""
     chooser = DepthChooser(H100_8B, STEPS)
     rep = Replay(chooser, length)
     rep.run(bs, 10**6, seed=1, steps=200)
