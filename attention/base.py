@@ -10,7 +10,8 @@ given them (the models store theirs with RoPE in one kernel, ``KVCache.rope_and_
 extend-style or the decode-style kernel for the batch's mode.
 
 Every backend has: ``name``, ``verify_attention_mode``, ``supports_cuda_graph``, ``graph_refusal``,
-``init_forward_metadata``, ``init_round_metadata``, ``child``, ``forward``, ``forward_extend``, ``forward_decode``.
+``init_forward_metadata``, ``init_round_metadata``, ``child``, ``forward``, ``forward_extend``, ``forward_decode``,
+``compile_key`` (what a forward's shape compiles, for warm-ups).
 """
 
 from __future__ import annotations
