@@ -245,12 +245,13 @@ class TritonBackend(AttentionBackend):
         return block_m, num_qblocks, block_n, splits
 
     def compile_key(self, mode, batch, n_max, uniform, layer, capacity):
-        # the constexprs (BLOCK_M, BLOCK_N, the merge's SPLITS_P2) and how Triton specialises the runtime split
-        # count (= 1, divisible by 16, other); the rest of a launch depends on the model alone
+        # the constexprs (BLOCK_M, BLOCK_N, the merge's SPLITS_P2) and how Triton specialises the runtime ints that
+        # follow the split count (itself, the partial log-sum-exps' row stride); the rest depends on the model alone
         decode_style = (uses_decode_kernel(mode, self.verify_attention_mode)
                         or self._extend_decode_style(mode, uniform, n_max))
         block_m, _, block_n, splits = self._launch(batch, n_max, layer, capacity, decode_style)
-        return (decode_style, block_m, block_n, int_specialisation(splits), triton.next_power_of_2(splits))
+        return (decode_style, block_m, block_n, int_specialisation(splits),
+                int_specialisation(layer.num_heads * splits), triton.next_power_of_2(splits))
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:
         m = fb.attn_metadata
