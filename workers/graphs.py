@@ -682,7 +682,7 @@ class DecodeGraphs(GraphRunner):
         for b, n, uniform in shapes:
             lags = np.array([n] * b if uniform else [n] + [1] * (b - 1), dtype=np.int64)
             proposer.catch_up(np.full(b, pad, dtype=np.int64), lags, lags)  # positions 0 .. lag - 1
-        logger.info("draft catch-up: %d shapes compiled in %.1f s", len(shapes), time.perf_counter() - t0)
+        logger.info("draft catch-up warm-up: %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
         return shapes
 
     def _catch_up_compile_key(self) -> Callable[[int, int, bool], tuple]:
