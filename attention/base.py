@@ -10,7 +10,8 @@ given them (the models store theirs with RoPE in one kernel, ``KVCache.rope_and_
 extend-style or the decode-style kernel for the batch's mode.
 
 Every backend has: ``name``, ``verify_attention_mode``, ``supports_cuda_graph``, ``graph_refusal``,
-``init_forward_metadata``, ``init_round_metadata``, ``child``, ``forward``, ``forward_extend``, ``forward_decode``.
+``init_forward_metadata``, ``init_round_metadata``, ``child``, ``forward``, ``forward_extend``, ``forward_decode``,
+``compile_key`` (what a forward's shape compiles, for warm-ups).
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch) -> torch.Tensor:
         """Decode-style split-KV kernel: DECODE, and TARGET_VERIFY with q_len_per_req = num_draft_tokens."""
+
+    def compile_key(self, mode: ForwardMode, batch: int, n_max: int, uniform: bool, layer: AttentionLayerSpec,
+                    capacity: int) -> tuple:
+        """What the kernels of a forward of ``batch`` requests (at most ``n_max`` new tokens each, the same number
+        for all if ``uniform``; KV ``capacity`` positions per request) are compiled for: forwards with equal keys
+        share their compiled kernels, so an eager caller can compile every variant it may meet ahead of time.
+        Default: nothing shape-specialised."""
+        return ()
+
+
+def int_specialisation(value: int) -> str:
+    """How Triton compiles a runtime int argument: a constant where it is 1, known divisible by 16, or neither."""
+    return "1" if value == 1 else "16n" if value % 16 == 0 else "int"
 
 
 def uses_decode_kernel(mode: ForwardMode, verify_attention_mode: str) -> bool:

@@ -63,6 +63,10 @@ class HybridBackend(AttentionBackend):
     def forward_extend(self, q, layer, fb):
         return self.prefill.forward_extend(q, layer, fb)
 
+    def compile_key(self, mode, batch, n_max, uniform, layer, capacity):
+        child = self.decode if uses_decode_kernel(mode, self.verify_attention_mode) else self.prefill
+        return child.compile_key(mode, batch, n_max, uniform, layer, capacity)
+
     def forward_decode(self, q, layer, fb):
         return self.decode.forward_decode(q, layer, fb)
 

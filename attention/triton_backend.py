@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.base import AttentionBackend, AttentionLayerSpec, AttentionMetadata
+from attention.base import (AttentionBackend, AttentionLayerSpec, AttentionMetadata, int_specialisation,
+                            uses_decode_kernel)
 from workers.forward_batch import DraftSteps, ForwardBatch
 from workers.kernels.launch import pdl_launch, pdl_start
 from workers.messages import ForwardMode
@@ -233,16 +234,32 @@ class TritonBackend(AttentionBackend):
         fill = triton.cdiv(per_sm * self._num_sms, batch * kv_heads * qblocks)
         return max(1, min(self.max_splits, triton.cdiv(capacity, self.min_chunk), fill))
 
+    def _launch(self, batch: int, n_max: int, layer: AttentionLayerSpec, capacity: int,
+                decode_style: bool) -> tuple[int, int, int, int]:
+        """(BLOCK_M, query blocks, KV tile before the shared-memory fit, splits) of a launch."""
+        group = layer.num_heads // layer.num_kv_heads
+        block_m = max(16, triton.next_power_of_2(min(n_max * group, 64)))
+        num_qblocks = triton.cdiv(n_max * group, block_m)
+        if decode_style:
+            per_sm, block_n = self._decode_launch(batch, block_m)
+            splits = self._decode_splits(per_sm, batch, layer.num_kv_heads, num_qblocks, capacity)
+        else:
+            block_n, splits = self.block_n, 1
+        return block_m, num_qblocks, block_n, splits
+
+    def compile_key(self, mode, batch, n_max, uniform, layer, capacity):
+        # the constexprs (BLOCK_M, BLOCK_N, the merge's SPLITS_P2) and how Triton specialises the runtime ints that
+        # follow the split count (itself, the partial log-sum-exps' row stride); the rest depends on the model alone
+        decode_style = (uses_decode_kernel(mode, self.verify_attention_mode)
+                        or self._extend_decode_style(mode, uniform, n_max))
+        block_m, _, block_n, splits = self._launch(batch, n_max, layer, capacity, decode_style)
+        return (decode_style, block_m, block_n, int_specialisation(splits),
+                int_specialisation(layer.num_heads * splits), triton.next_power_of_2(splits))
+
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, fb: ForwardBatch, decode_style: bool) -> torch.Tensor:
         m = fb.attn_metadata
         group = layer.num_heads // layer.num_kv_heads
-        block_m = max(16, triton.next_power_of_2(min(m.n_max * group, 64)))
-        num_qblocks = triton.cdiv(m.n_max * group, block_m)
-        if decode_style:
-            per_sm, block_n = self._decode_launch(fb.batch_size, block_m)
-            splits = self._decode_splits(per_sm, fb.batch_size, layer.num_kv_heads, num_qblocks, m.capacity)
-        else:
-            block_n, splits = self.block_n, 1
+        block_m, num_qblocks, block_n, splits = self._launch(fb.batch_size, m.n_max, layer, m.capacity, decode_style)
         t = q.shape[0]
         part_o = torch.empty(t, layer.num_heads, splits, layer.head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(t, layer.num_heads, splits, dtype=torch.float32, device=q.device)
@@ -280,11 +297,13 @@ class TritonBackend(AttentionBackend):
     # leave the GPU nearly idle at long context
     DECODE_STYLE_EXTEND_MAX_TOKENS = 16
 
+    def _extend_decode_style(self, mode: ForwardMode, uniform: bool, n_max: int) -> bool:
+        return (mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode" and uniform
+                and n_max <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
+
     def forward_extend(self, q, layer, fb):
         m = fb.attn_metadata
-        verify_shaped = (fb.mode == ForwardMode.DRAFT_EXTEND and self.verify_attention_mode == "decode"
-                         and m.uniform and m.n_max <= self.DECODE_STYLE_EXTEND_MAX_TOKENS)
-        return self._run(q, layer, fb, decode_style=verify_shaped)
+        return self._run(q, layer, fb, decode_style=self._extend_decode_style(fb.mode, m.uniform, m.n_max))
 
     def forward_decode(self, q, layer, fb):
         return self._run(q, layer, fb, decode_style=True)

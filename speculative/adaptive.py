@@ -57,10 +57,14 @@ def expected_tokens(p: list[float], depth: int) -> float:
 class AcceptanceEstimate:
     """Per draft position i (1-based), P(draft i accepted | drafts 1..i-1 accepted), as decayed sums over rounds:
     each round multiplies the sums by ``decay`` and adds its own counts, so a change shows within a few rounds
-    whatever the batch size. Starts at ``prior`` with the weight of one observation."""
+    whatever the batch size. A round of fewer than ``full_round`` requests decays them by decay ** (n /
+    full_round): at bs 1, a few rejections in a row would otherwise take the estimate below what a round needs,
+    and at depth 0 only a probe, many steps later, brings it back. Starts at ``prior`` with the weight of one
+    observation."""
 
-    def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.5):
+    def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.5, full_round: int = 4):
         self.decay = decay
+        self.full_round = full_round
         self.accepted = [prior] * num_positions
         self.tried = [1.0] * num_positions
         self.at = [0] * num_positions  # the step of each position's last update
@@ -82,9 +86,10 @@ class AcceptanceEstimate:
         for i in range(depth, -1, -1):
             at_least[i] += at_least[i + 1]
         tried, acc = at_least[:depth], at_least[1:depth + 1]  # position i + 1: reached by a >= i, passed by a > i
+        weight = min(1.0, len(accepted) / self.full_round)
         for i in range(depth):
             if tried[i]:
-                keep = self.decay if step is None else self.decay ** max(1, step - self.at[i])
+                keep = self.decay ** (weight * (1 if step is None else max(1, step - self.at[i])))
                 self.accepted[i] = keep * self.accepted[i] + acc[i]
                 self.tried[i] = keep * self.tried[i] + tried[i]
                 self.at[i] = self.at[i] + 1 if step is None else step
@@ -141,11 +146,14 @@ class DepthChooser:
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
         cost = self.costs[bucket]
-        catch_up = self.catch_up_cost(bucket, lag)
+        # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs on
+        # neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
+        # smaller batches its accepted drafts leave at the end)
         full = self.window and lag >= self.window
+        catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
 
         def total(d: int) -> float:
-            return (cost[d] * (1.0 + self.margin) if d > 0 else cost[d]) + (catch_up if d > 0 or full else 0.0)
+            return (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d]
 
         return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
 
@@ -155,7 +163,8 @@ class DepthChooser:
         so that where a choice flips between depths, as at a full stash, probes stay within budget of the steps
         around them), and at least ``probe_interval``."""
         cost = self.costs[bucket]
-        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if depth == 0 else 0.0) - cost[depth]
+        due = depth == 0 and not (self.window and lag >= self.window)  # (a full stash catches up either way)
+        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if due else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int) -> int:

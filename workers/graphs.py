@@ -25,9 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from attention.base import AttentionLayerSpec, int_specialisation
 from speculative.proposers import RoundInputs
 from workers.kernels.launch import capturing, pdl_launches
 from workers.kernels.metadata import overlap_step_inputs
+from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
 from workers.messages import FLOAT_FIELDS, ForwardMode
 from workers.messages import INT_FIELDS as STEP_INT_FIELDS
 from workers.outputs import PackedOutputs
@@ -672,6 +674,66 @@ class DecodeGraphs(GraphRunner):
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / passes
+
+    # ---- the catch-up's compiles at start-up ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_catch_up(self) -> list[tuple[int, int, bool]]:
+        """Run the draft's catch-up (eager) once at every shape that selects other compiled kernels
+        (``catch_up_shapes``: the attention's query block and split count follow the requests behind and their
+        longest lag, equal or mixed lags take different launches, small row counts their own linears), so that a
+        server's first catch-ups do not compile inside its steps. On padding requests (the padding slot, page 0),
+        as the cost model's timing: no request's draft KV or state changes. Returns the shapes run."""
+        proposer = self.spec_round.proposer
+        window = proposer.catch_up_window if proposer.keeps_draft_state else 0
+        if not window:
+            return []
+        t0 = time.perf_counter()
+        shapes = catch_up_shapes(window, self.cfg.max_num_seqs, self._catch_up_compile_key())
+        pad = self.cfg.max_num_seqs  # (the padding slot, whose page-table row is the padding page)
+        for b, n, uniform in shapes:
+            lags = np.array([n] * b if uniform else [n] + [1] * (b - 1), dtype=np.int64)
+            proposer.catch_up(np.full(b, pad, dtype=np.int64), lags, lags)  # positions 0 .. lag - 1
+        logger.info("draft catch-up warm-up: %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
+        return shapes
+
+    def _catch_up_compile_key(self) -> Callable[[int, int, bool], tuple]:
+        """key(requests, longest lag, uniform) of a catch-up: its draft attention's launch (the backend's
+        ``compile_key``), how Triton specialises the row counts the other kernels take as ints (= 1, divisible by
+        16), and the row buckets of counts up to 16 (the small-M linears' tiles; cuBLAS above)."""
+        proposer = self.spec_round.proposer
+        runner = getattr(proposer, "runner", None)
+        layer = None if runner is None else next(
+            (m.spec for m in runner.model.modules() if isinstance(getattr(m, "spec", None), AttentionLayerSpec)),
+            None)
+        table = self.spec_round.ctx.page_table
+        capacity = table.table.shape[1] * table.page_size
+
+        def rows(x: int):  # (a small-M linear's tile is chosen per row bucket)
+            return (row_bucket(x), int_specialisation(x)) if x <= MAX_ROWS else int_specialisation(x)
+
+        def key(b: int, n: int, uniform: bool) -> tuple:
+            t = n * b if uniform else n + b - 1
+            attn = () if layer is None else runner.attn_backend.compile_key(
+                ForwardMode.DRAFT_EXTEND, b, n, uniform, layer, capacity)
+            return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn
+
+        return key
+
+
+def catch_up_shapes(window: int, max_requests: int, key: Callable[[int, int, bool], tuple]
+                    ) -> list[tuple[int, int, bool]]:
+    """The draft catch-up's shapes (requests, longest lag, whether every request has that lag; else the others lag
+    by 1) over 1..``max_requests`` requests and lags 1..``window``, one per distinct ``key(requests, lag,
+    uniform)`` (what its kernels are compiled for), each with the fewest requests."""
+    seen, shapes = set(), []
+    for uniform in (True, False):
+        for n in range(1 if uniform else 2, window + 1):
+            for b in range(1 if uniform else 2, max_requests + 1):
+                k = key(b, n, uniform)
+                if k not in seen:
+                    seen.add(k)
+                    shapes.append((b, n, uniform))
+    return shapes
 
 
 # prefills whose graphs are captured: tokens per step (padded up to a bucket) and requests per step

@@ -202,6 +202,8 @@ class Worker:
             logger.warning("CUDA graphs are off: %s", self.graph_refusal)
         if self.adaptive:
             self.depth_costs = self.graphs.depth_costs(self.cfg.speculative_config.tiers())
+            if self.device.type == "cuda":  # the eager catch-up's Triton compiles now, not in a server's first steps
+                self.graphs.warm_catch_up()
         return self.depth_costs
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------

@@ -390,14 +390,17 @@ def test_probes_the_next_tier_within_its_budget():
     steps, so probes are spaced to keep their extra time under 1 % of the steps'; a rise in acceptance (0.1 to 0.9
     per position) is still seen within one interval."""
     c = DepthChooser(H100_8B, num_steps=3)
-    every = [c.probe_every(256, 0, 1, lag) for lag in (1, 16)]
-    assert every == [math.ceil((14.949 + 0.548 - 9.876) / 0.09876), math.ceil((14.949 + 3.533 - 9.876) / 0.09876)]
+    every = [c.probe_every(256, 0, 1, lag) for lag in (1, 15, 16)]
+    # (a full stash: the plain step would catch up too, so the probe's catch-up is no extra)
+    assert every == [math.ceil((14.949 + 0.548 - 9.876) / 0.09876),
+                     math.ceil((14.949 + 0.548 + (3.533 - 0.548) * 14 / 15 - 9.876) / 0.09876),
+                     math.ceil((14.949 - 9.876) / 0.09876)]
     assert c.probe_every(64, 0, 1, 1) == 50  # (cheap probes: at least probe_interval apart)
     low = _served(c, 256, 300, _per_position(0.1))
     probes = [i for i, d in enumerate(low) if d > 0]
     assert set(low[i] for i in probes) == {1} and len(probes) <= 300 // every[0] + 1
-    assert all(b - a >= every[0] for a, b in zip(probes, probes[1:]))
-    high = _served(c, 256, every[1] + 3, _per_position(0.9), seed=2)
+    assert all(b - a >= every[2] for a, b in zip(probes, probes[1:]))
+    high = _served(c, 256, every[2] + 16 + 3, _per_position(0.9), seed=2)  # (a full stash comes every 16 steps)
     first = next(i for i, d in enumerate(high) if d > 0)
     assert all(d >= 1 for d in high[first + 2:])  # seen, then kept
     # tiers without plain steps (depth_tiers [2, 3]) probe too
@@ -430,3 +433,59 @@ def test_prefix_cache_keeps_only_pages_whose_draft_kv_is_written(spec_models):
     for a, b in zip(_draft_kv(eng.executor.worker, 0, cached),  # (each request took slot 0 in turn)
                     _draft_kv(fresh.executor.worker, 0, cached)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_catch_up_warm_up_changes_nothing(spec_models, references):
+    """The start-up warm-up of the catch-up's compiles (run on GPUs; called here directly): the catch-up at uniform
+    and mixed lags up to the stash's size, on the padding slot only. Every request page's draft KV is unchanged
+    and the tokens are no speculation's."""
+    prompts, ref = references
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=8),
+                 max_num_seqs=8)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+    worker = eng.executor.worker
+    kv = worker.proposer.runner.kv_cache
+    before = [t.clone() for t in kv.k + kv.v]
+    calls = []
+    catch_up = worker.proposer.catch_up
+    worker.proposer.catch_up = lambda slots, pos, lags: (calls.append((slots.copy(), pos.copy(), lags.copy())),
+                                                         catch_up(slots, pos, lags))
+    shapes = worker.graphs.warm_catch_up()
+    assert len(calls) == len(shapes) > 0
+    assert all((s == 8).all() and (p == lag).all() for s, p, lag in calls)  # the padding slot, positions 0 .. lag-1
+    uniform = {int(lag[0]) for _, _, lag in calls if len(set(lag.tolist())) == 1}
+    assert {1, 8} <= uniform and uniform & set(range(2, 8))
+    assert any(len(set(lag.tolist())) > 1 for _, _, lag in calls)  # mixed lags
+    pad_page = worker.page_table.table[8].unique().tolist()
+    assert pad_page == [0]
+    for a, b in zip(before, kv.k + kv.v):  # (page 0 is the padding page)
+        torch.testing.assert_close(a.view(-1, *a.shape[-2:])[worker.cfg.page_size:],
+                                   b.view(-1, *b.shape[-2:])[worker.cfg.page_size:], rtol=0, atol=0)
+    worker.proposer.catch_up = catch_up
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+
+
+def test_catch_up_shapes_cover_the_triton_launches():
+    """The warm-up's shapes with the Triton backend's compile key at the 8B shape on an H100 (132 SMs, GQA group 4,
+    a stash of 16): every launch variant a catch-up over 1..256 requests can meet, found by running every shape, is
+    among them: the query blocks of 16, 32 and 64 rows (lags 1-4, 5-8, 9-16), uniform and mixed lags, and each
+    split count's power of two (the merge kernel's constexpr), with the fewest requests each."""
+    from attention.base import AttentionLayerSpec
+    from attention.triton_backend import TritonBackend
+    from workers.graphs import catch_up_shapes
+    from workers.messages import ForwardMode
+
+    backend = TritonBackend()
+    backend._num_sms = 132
+    layer = AttentionLayerSpec(0, 32, 8, 128, 128 ** -0.5)
+
+    def key(b, n, uniform):
+        return backend.compile_key(ForwardMode.DRAFT_EXTEND, b, n, uniform, layer, 4112)
+
+    shapes = catch_up_shapes(16, 256, key)
+    every = {key(b, n, u) for u in (True, False) for n in range(1 if u else 2, 17) for b in range(1 if u else 2, 257)}
+    assert {key(*s) for s in shapes} == every and len(shapes) == len(every)
+    assert {k[1] for k in every} == {16, 32, 64} and {k[0] for k in every} == {True, False}
+    assert {k[-1] for k in every} == {1, 2, 4, 64, 128}
+    assert any(u and 5 <= n <= 8 for _, n, u in shapes) and any(not u and 5 <= n <= 8 for _, n, u in shapes)
+    assert max(b for b, _, _ in shapes) <= 32  # (past 32 requests a catch-up runs one split, like 32)
