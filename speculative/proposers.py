@@ -155,8 +155,18 @@ class Proposer:
         """What the draft reads of a target forward (its final hidden states, unless a subclass says otherwise)."""
         return hidden
 
-    def after_extend(self, step, fb: ForwardBatch, features: torch.Tensor, sampled: torch.Tensor) -> None:
-        pass
+    def after_extend(self, fb: ForwardBatch, features: torch.Tensor, sampled: torch.Tensor, next_ids) -> None:
+        """After the target's prefill ``fb`` (``next_ids``: per request, the token after its chunk, -1 where the
+        chunk ends the prompt: the token ``sampled`` then follows it)."""
+
+    def _extend_batch(self, fb: ForwardBatch, ids: torch.Tensor) -> ForwardBatch:
+        """The draft's DRAFT_EXTEND over the rows of the target's prefill ``fb``, with its lengths as the host knows
+        them (in a prefill graph only the device has them: the host has their bound)."""
+        if fb.seq_lens_cpu is None:
+            return self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, fb.req_slots, fb.seq_lens, fb.extend_lens,
+                                         page_table=self.ctx.page_table, max_extend=max(fb.extend_lens_cpu))
+        return self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, fb.req_slots, fb.seq_lens_cpu, fb.extend_lens_cpu,
+                                     page_table=self.ctx.page_table)
 
     def propose(self, inp: RoundInputs) -> DraftTree:
         return chain_tree(inp.root, inp.drafts[:, :self.num_steps])  # (a shallower round: the first drafts)
@@ -353,14 +363,13 @@ class EagleProposer(_ModelProposer):
             self.state_logp[slots] = vals.to(self.state_logp.dtype)
         self.state_feat[slots] = feat.to(self.state_feat.dtype)
 
-    def after_extend(self, step, fb, features, sampled):
+    def after_extend(self, fb, features, sampled, next_ids):
         # pair (token p+1, feature p): shift the chunk's tokens left, the token after the chunk comes last
-        nxt = to_device(step.next_ids, torch.int64, sampled.device)
+        nxt = to_device(next_ids, torch.int64, sampled.device)
         nxt = torch.where(nxt >= 0, nxt, sampled)
         ids = torch.roll(fb.input_ids, -1)
         ids[fb.logits_indices] = nxt
-        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, step.req_slots, step.seq_lens.tolist(),
-                                    step.extend_lens.tolist(), page_table=self.ctx.page_table)
+        dfb = self._extend_batch(fb, ids)
         (logp, d2t), feat = self._draft_forward(dfb, features)
         self._save_state(dfb.req_slots, logp, d2t, feat)
 
@@ -436,10 +445,8 @@ class DraftModelProposer(_ModelProposer):
         logits = self.runner.logits(fb.logits_rows(hidden))
         return (self._draft_scores(logits), None), None
 
-    def after_extend(self, step, fb, features, sampled):
-        dfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, fb.input_ids, step.req_slots, step.seq_lens.tolist(),
-                                    step.extend_lens.tolist(), page_table=self.ctx.page_table)
-        self.runner.forward(dfb)
+    def after_extend(self, fb, features, sampled, next_ids):
+        self.runner.forward(self._extend_batch(fb, fb.input_ids))
 
     def stash(self, inp, fb, hidden, sampled):
         self._stash_at(inp, inp.root, None)  # draft position m holds the root itself

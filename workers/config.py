@@ -122,8 +122,8 @@ class EngineConfig(Strict):
                                    "min(this, max_num_seqs))")
     cuda_graph_max_prefill_tokens: int = Field(
         2048, ge=0, description="prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs, "
-        "captured per token bucket at start-up, so a short prompt's first token does not wait for the host to "
-        "launch every layer; 0: prefills run eagerly. Without speculation, on dense attention (triton)")
+        "captured per token bucket at start-up (with the draft's prefill), so a short prompt's first token does not "
+        "wait for the host to launch every layer; 0: prefills run eagerly. Dense attention (triton) only")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")

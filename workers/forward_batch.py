@@ -125,9 +125,10 @@ class ForwardBatch:
             lens_cpu = [x + seq_offset + i * seq_step for i in range(steps) for x in seq_lens]
         if max_extend is not None:  # lengths only on the device: the ragged path below, bounded on the host
             ext_device, extend_lens = extend_lens, [max_extend] * int(extend_lens.shape[0])
-        if max_extend is None and len(set(extend_lens)) == 1:  # uniform (every graph-captured batch): made on the device (one kernel on
-            # the GPU), so a captured graph holds no copy from a temporary host buffer that could be reused before a
-            # replay; and no repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
+        if max_extend is None and len(set(extend_lens)) == 1:
+            # uniform (every captured decode batch): made on the device (one kernel on the GPU), so a captured graph
+            # holds no copy from a temporary host buffer that could be reused before a replay; and no
+            # repeat_interleave: request b's tokens are rows b*n .. b*n+n-1
             seq_in = seq_lens if isinstance(seq_lens, torch.Tensor) else to_device(seq_lens, torch.int32, device)
             seq_t, ext_t, start_t, last_t, storage_pos, out_loc = uniform_token_metadata(
                 slots_t, seq_in.to(device), extend_lens[0], page_table.table, page_table.page_size,

@@ -739,8 +739,8 @@ def catch_up_shapes(window: int, max_requests: int, key: Callable[[int, int, boo
 # prefills whose graphs are captured: tokens per step (padded up to a bucket) and requests per step
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 EXTEND_REQUEST_BUCKETS = (1, 2, 4, 8)
-EXTEND_FIELDS = STEP_INT_FIELDS[:7]
-assert EXTEND_FIELDS[-1] == "extend_lens"
+EXTEND_FIELDS = STEP_INT_FIELDS[:8]
+assert EXTEND_FIELDS[-2:] == ("extend_lens", "next_ids")
 
 
 class ExtendGraphs(GraphRunner):
@@ -749,14 +749,15 @@ class ExtendGraphs(GraphRunner):
     GPU's work (the first token waits for it; a step in flight does not hide it at one request).
 
     A step's tokens are padded to the token bucket by one extra padding request on ``pad_slot`` (its page table row
-    is all page 0, which nothing reads), its requests to the request bucket by padding requests with no tokens. The
-    lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the attention launch covers the
-    bucket's tokens for every request, and programs past a request's tokens do no work. Greedy graphs of every
-    bucket are captured at start-up, sampling kinds on first use. Only steps without speculation, logits
-    processing, prompt or top logprobs, structured output or decode rows (``eligible``): the others run eagerly.
+    is all page 0, which nothing reads; it holds at least one token), its requests to the request bucket by padding
+    requests with no tokens. The lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the
+    attention launch covers the bucket's tokens for every request, and programs past a request's tokens do no work.
+    With speculation the draft's prefill over the same tokens is captured with it. Greedy graphs of every bucket
+    are captured at start-up, sampling kinds on first use. Only steps without logits processing, prompt or top
+    logprobs, structured output or decode rows (``buckets_for``): the others run eagerly.
 
-    ``extend``: (token ids, request slots, KV lengths, new-token counts, the token bucket, sampling) → the sampled
-    ids and their logprobs, as the eager prefill computes them."""
+    ``extend``: (token ids, request slots, KV lengths, new-token counts, the token after each chunk, the token
+    bucket, sampling) → the sampled ids and their logprobs, as the eager prefill computes them."""
 
     def __init__(self, device: torch.device, extend: Callable, max_tokens: int, pad_slot: int, rank: int = 0):
         super().__init__(device)
@@ -785,7 +786,9 @@ class ExtendGraphs(GraphRunner):
         t, b = len(step.input_ids), step.batch_size
         if step.mode != ForwardMode.EXTEND:
             return None
-        tb = next((x for x in self.token_buckets if x >= t), None)
+        # at least one padding token: every empty request's logits row is then the padding request's (a draft's
+        # prefill writes the token after each chunk at that row)
+        tb = next((x for x in self.token_buckets if x > t), None)
         rb = next((x for x in self.request_buckets if x >= b), None)
         if tb is None or rb is None or step.logits_processing or step.top_logprobs:
             return None
@@ -811,7 +814,7 @@ class ExtendGraphs(GraphRunner):
         def run():
             sampling = self.static.sampling(rows, kind, c("counters"))
             return PackedOutputs.pack(*self.extend(self.static.tokens[:tb], c("req_slots"), c("seq_lens"),
-                                                   c("extend_lens"), tb, sampling))
+                                                   c("extend_lens"), c("next_ids"), tb, sampling))
 
         # capture on padding: one padding request holding all the bucket's tokens
         self.static.ints[EXTEND_FIELDS.index("seq_lens"), 0] = tb

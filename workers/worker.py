@@ -112,9 +112,9 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank, logits_state=self.logits_state,
             decode_phases=(self._decode_logits, self._decode_sample))
-        # short prefills replay graphs too (none with speculation: its draft's prefill is not captured)
+        # short prefills replay graphs too (with the draft's prefill over the same tokens)
         self.extend_graphs: ExtendGraphs | None = None
-        if spec is None and cfg.cuda_graph_max_prefill_tokens and self.target.attn_backend.graph_safe_extend:
+        if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):
             self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step,
                                               min(cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens),
                                               cfg.max_num_seqs, rank)
@@ -303,13 +303,7 @@ class Worker:
         ids, logprobs = sample(apply_token_mask(logits, token_mask), sampling)
         if sampling.logits_state is not None:  # a chunk that does not end its prompt samples a token nobody keeps
             record_tokens(sampling, ids.unsqueeze(1), to_device(step.next_ids < 0, torch.bool, self.device)[:, None])
-        self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
-        if self.proposer is not None:  # prefill: the draft catches up on the same tokens
-            # a round launched before this step is read adds the one token it samples (not the slot's last round's);
-            # index_fill_, not ``advance[slots] = 1``: that copies the number over with a blocking copy, which waits
-            # for the device (with the overlap schedule, for the step in flight as well)
-            self.advance.index_fill_(0, fb.req_slots, 1)
-            self.proposer.after_extend(step, fb, self.proposer.target_features(fb, hidden), ids)
+        self._prefill_sampled(fb, hidden, ids, step.next_ids)
         top = top_logprobs(logits, TOP_LOGPROBS) if step.top_logprobs else ()
         copy = HostCopy(PackedOutputs.pack(ids, logprobs, *top))
         if step.prompt_logprobs is None or max(step.prompt_logprobs) < 0:
@@ -317,16 +311,28 @@ class Worker:
         rows, packed = self._prompt_logprobs(step, hidden)
         return copy, partial(with_prompt_logprobs, prompt=HostCopy(packed), rows=rows, batch=step.batch_size)
 
+    def _prefill_sampled(self, fb, hidden: torch.Tensor, ids: torch.Tensor, next_ids) -> None:
+        """A prefill's device state once its tokens are sampled: each request's newest token, and the draft run over
+        the same tokens (``next_ids``: the token after each chunk, -1 where it ends the prompt)."""
+        self.last_token[fb.req_slots] = ids  # what the next DECODE feeds (a non-final chunk's is overwritten later)
+        if self.proposer is not None:  # prefill: the draft catches up on the same tokens
+            # a round launched before this step is read adds the one token it samples (not the slot's last round's);
+            # index_fill_, not ``advance[slots] = 1``: that copies the number over with a blocking copy, which waits
+            # for the device (with the overlap schedule, for the step in flight as well)
+            self.advance.index_fill_(0, fb.req_slots, 1)
+            self.proposer.after_extend(fb, self.proposer.target_features(fb, hidden), ids, next_ids)
+
     def _extend_graph_step(self, ids: torch.Tensor, slots: torch.Tensor, seq_lens: torch.Tensor,
-                           extend_lens: torch.Tensor, max_extend: int, sampling: SamplingTensors):
-        """A prefill graph's work (``ExtendGraphs``): the eager prefill's forward and sampling, on lengths that only
-        the device has."""
+                           extend_lens: torch.Tensor, next_ids: torch.Tensor, max_extend: int,
+                           sampling: SamplingTensors):
+        """A prefill graph's work (``ExtendGraphs``): the eager prefill's forward, sampling and draft, on lengths
+        that only the device has."""
         fb = self.target.new_batch(ForwardMode.EXTEND, ids, slots, seq_lens, extend_lens, page_table=self.page_table,
                                    max_extend=max_extend)
         hidden = self.target.forward(fb)
-        ids, logprobs = sample(self.target.logits(hidden[fb.logits_indices]), sampling)
-        self.last_token[fb.req_slots] = ids
-        return ids, logprobs
+        sampled, logprobs = sample(self.target.logits(hidden[fb.logits_indices]), sampling)
+        self._prefill_sampled(fb, hidden, sampled, next_ids)
+        return sampled, logprobs
 
     PROMPT_LOGITS_ROWS = 1024  # prompt positions whose [rows, vocab] logits exist at once (bounded memory)
 

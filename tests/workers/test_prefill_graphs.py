@@ -7,17 +7,22 @@ from __future__ import annotations
 
 from deployments.engine.request import SamplingParams
 from tests.helpers import mixed_prompts
+import pytest
+
+from tests.models.test_shipped_models import DRAFT, EAGLE3, PROMPTS, TARGET
 from tests.speculative.test_speculative import engine, spec_models  # noqa: F401  (fixture)
+from workers.config import SpeculativeConfig
 from workers.graphs import ExtendGraphs
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+GREEDY_LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=True)
 SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.8, seed=3, ignore_eos=True, logprobs=True)
 
 
-def _run(target, waves, params, graphs: bool):
+def _run(target, waves, params, graphs: bool, spec=None):
     # (no decode rows in prefill steps: with decode graphs on a GPU they never ride in them)
-    eng = engine(target, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=64, max_prefill_tokens=80,
-                 mixed_decode_rows=0)
+    eng = engine(target, spec, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=64, max_prefill_tokens=80,
+                 mixed_decode_rows=0 if spec is None else None)
     worker = eng.executor.worker
     if graphs:
         worker.capture_graphs()
@@ -30,7 +35,8 @@ def _run(target, waves, params, graphs: bool):
         reqs = [eng.add_request(p, params) for p in prompts]
         while eng.has_work():
             eng.step()
-        out += [(r.output_ids, [round(x, 4) for x in r.output_logprobs]) for r in reqs]
+        out += [(r.output_ids, r.output_logprobs, r.spec.num_accepted_tokens, list(r.spec.accepted_per_position))
+                for r in reqs]
     assert eng.allocator.num_free == eng.allocator.capacity_pages
     hits = eng.allocator.cache.hits
     if graphs:
@@ -39,19 +45,46 @@ def _run(target, waves, params, graphs: bool):
     return out, 0, eng.step_time["extend_steps"], hits
 
 
-def test_prefill_graph_path_matches_eager(spec_models):  # noqa: F811
+def _same(static, eager) -> bool:
+    """Tokens and accept counts equal, logprobs within 1e-4 (a padded batch's matmuls may round differently)."""
+    return len(static) == len(eager) and all(
+        a[0] == b[0] and a[2:] == b[2:] and len(a[1]) == len(b[1])
+        and all(abs(x - y) < 1e-4 for x, y in zip(a[1], b[1])) for a, b in zip(static, eager))
+
+
+SPECS = [None, ("eagle3", 3, 1), ("eagle", 2, 2), ("draft", 3, 1)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=[s[0] if s else "none" for s in SPECS])
+def test_prefill_graph_path_matches_eager(spec_models, spec):  # noqa: F811
     """Prompts of 1-200 tokens in 80-token steps (several requests a step; steps past the largest bucket run
     eagerly), then prompts that extend three of them (prefills that start after cached pages, in graphs): greedy and
-    seeded sampling give the eager prefill's tokens and logprobs."""
+    seeded sampling give the eager prefill's tokens (and logprobs, to rounding), with the draft's prefill in the
+    graphs too (the accept counts are compared as well; the drafts here are random: the test below accepts)."""
     target = spec_models["target"]
+    cfg = None if spec is None else SpeculativeConfig(method=spec[0], model=str(spec_models[spec[0]]),
+                                                      num_steps=spec[1], topk=spec[2])
     first = mixed_prompts(8) + [list(range(10, 210))]
     waves = [first, [p + [7, 8, 9] for p in first[3:6]], mixed_prompts(3, seed=1)]
-    for params in (GREEDY, SEEDED):
-        eager, _, _, eager_hits = _run(target, waves, params, graphs=False)
-        static, replays, extends, hits = _run(target, waves, params, graphs=True)
-        assert static == eager
+    for params in (GREEDY, SEEDED) if spec is None else (GREEDY,):
+        eager, _, _, eager_hits = _run(target, waves, params, graphs=False, spec=cfg)
+        static, replays, extends, hits = _run(target, waves, params, graphs=True, spec=cfg)
+        assert _same(static, eager)
         assert hits == eager_hits > 0
         assert 0 < replays < extends  # later waves' prefills replayed graphs, the first wave's 80-token steps not
+
+
+@pytest.mark.parametrize("method,head", [("eagle3", EAGLE3), ("draft", DRAFT)])
+def test_prefill_graphs_keep_the_drafts_accepted(method, head):
+    """The shipped family, whose drafts are accepted: the draft's prefill inside the graphs leaves the state and KV
+    that the eager prefill leaves, so every round accepts the same drafts (a wrong draft state or KV in a graph
+    would change the accept counts, not the tokens)."""
+    cfg = SpeculativeConfig(method=method, model=str(head), num_steps=3)
+    waves = [PROMPTS, [p + "        return None\n" for p in PROMPTS]]
+    eager, _, _, _ = _run(TARGET, waves, GREEDY_LONG, graphs=False, spec=cfg)
+    static, replays, _, _ = _run(TARGET, waves, GREEDY_LONG, graphs=True, spec=cfg)
+    assert _same(static, eager) and replays > 0
+    assert sum(o[2] for o in eager) > len(eager) * 8  # accepted drafts, of 24 tokens a request
 
 
 def test_prefill_graphs_off(spec_models):  # noqa: F811
