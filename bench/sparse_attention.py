@@ -44,6 +44,7 @@ from bench.common import (command, commit, copy_bandwidth, device_name, graph_ms
 from workers.kernels import sparse_mla as sm  # noqa: E402
 
 H100_SXM_TBPS = 3.35
+H100_BF16_TFLOPS = 989.0  # dense, datasheet (the CPU smoke run's stand-in for a measured rate)
 
 if sm.triton is not None:
     import triton  # noqa: E402
@@ -128,12 +129,66 @@ class Case:
         width = self.cache.shape[1] * 2  # bf16 on the GPU
         return keys, int(uniq) * width
 
+    def flops(self) -> tuple[int, int]:
+        """(indexer FLOPs, MLA FLOPs) of the layer's matmuls: each row's index queries against its visible keys
+        (heads x dim multiply-adds a position), and each row's MLA heads over the slots it selected (QK over latent +
+        rope, PV over the latent)."""
+        s = self.shape
+        idx = int(self.row_len.sum()) * s["index_heads"] * s["index_dim"] * 2
+        mla = int((self.slots >= 0).sum()) * s["mla_heads"] * (2 * (s["latent"] + s["rope"]) + 2 * s["latent"])
+        return idx, mla
+
     def all_slots(self) -> torch.Tensor:
         """Every visible slot of each row (dense attention through the sparse kernel), -1 past the row's length."""
         cap = self.table.shape[1] * self.shape["page"]
         pos = torch.arange(cap, device=self.table.device).expand(self.rows, cap)
         pos = torch.where(pos < self.row_len[:, None], pos, -1)
         return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
+
+
+def matmul_rates(n: int = 8192) -> dict:
+    """Dense matmul rates on this device (FLOP/s, the best of three do_bench timings of an n x n x n product): bf16
+    (``torch.matmul``) and FP8 e4m3 x e4m3 (``torch._scaled_mm``, bf16 out; None where this torch lacks it). What
+    the MLA's and the indexer's FLOPs can run at, at best: their compute floors use these."""
+    import triton.testing
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * n ** 3
+
+    def best(fn):
+        return flops / (min(triton.testing.do_bench(fn, warmup=10, rep=50) for _ in range(3)) * 1e-3)
+
+    rates = {"bf16": best(lambda: a @ b), "fp8": None}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        rates["fp8"] = best(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError, TypeError) as e:  # recorded: the indexer's compute floor then uses bf16's
+        rates["fp8_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return rates
+
+
+def physical_floors(case: Case, key_b: int, lat_b: int, bw: float, rates: dict, fp8: bool,
+                    launch_ms: float) -> dict:
+    """What physics allows the layer, in ms. Read: keys + selected latents at the copy bandwidth. Compute: the
+    indexer's FLOPs at the FP8 rate (bf16 keys: the bf16 rate) + the MLA's at the bf16 rate. Launch: the empty
+    chain. ``attainable``: max(read, compute, launch), every stage's reads, FLOPs and launches overlapped (a
+    persistent kernel could overlap one row's MLA with another's indexer). ``stage``: the three stages in series
+    (the top-k needs a row's every score, the MLA its top-k), each stage at max(its reads, its FLOPs) and the
+    launches hidden under them: max(launch, max(keys, indexer FLOPs) + max(latents, MLA FLOPs))."""
+    idx_f, mla_f = case.flops()
+    idx_rate = rates["fp8"] if fp8 and rates.get("fp8") else rates["bf16"]
+    idx_c, mla_c = idx_f / idx_rate * 1e3, mla_f / rates["bf16"] * 1e3
+    key_r, lat_r = key_b / bw * 1e3, lat_b / bw * 1e3
+    read, compute = key_r + lat_r, idx_c + mla_c
+    attainable = max(read, compute, launch_ms)
+    bound = "launch" if attainable == launch_ms else "read" if attainable == read else "compute"
+    idx_floor, mla_floor = max(key_r, idx_c), max(lat_r, mla_c)
+    return {"indexer_GFLOP": idx_f / 1e9, "mla_GFLOP": mla_f / 1e9, "compute_floor_ms": compute,
+            "indexer_compute_ms": idx_c, "mla_compute_ms": mla_c, "indexer_floor_ms": idx_floor,
+            "mla_floor_ms": mla_floor, "attainable_floor_ms": attainable, "bound": bound,
+            "stage_floor_ms": max(launch_ms, idx_floor + mla_floor)}
 
 
 def count_kernels(fn) -> int:
@@ -358,6 +413,11 @@ def main() -> None:
             "timing": "graph: CUDA graph replay (captured with PDL), L2 flushed before each (do_bench); eager: "
                       "Python launches"
             if device == "cuda" else "CPU interpreter wall time (smoke: not a measurement)"}
+    if device == "cuda":
+        rates = matmul_rates()
+    else:  # the smoke run's floors: H100 SXM's dense datasheet rates
+        rates = {"bf16": H100_BF16_TFLOPS * 1e12, "fp8": 2 * H100_BF16_TFLOPS * 1e12, "note": "nominal (CPU smoke)"}
+    meta["matmul_TFLOPs"] = {k: round(v / 1e12, 1) if isinstance(v, float) else v for k, v in rates.items()}
     print(meta, flush=True)
     meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
                                                      timer(device, rep=20)[0])
@@ -391,9 +451,15 @@ def main() -> None:
                 if device == "cuda":  # the layer's chain of kernels, empty: what its launches alone cost
                     n_kernels = count_kernels(lambda: case.layer(knobs))
                     t["launch_floor"] = launch_floor(n_kernels, graph)
+                floors = physical_floors(case, key_b, lat_b, bw, rates, fp8, t.get("launch_floor", 0.0))
                 row = {"context": ctx, "batch_size": bs, "mode": mode, "rows": case.rows,
                        **{f"{k}_ms": round(v, 4) for k, v in t.items()},
                        "floor_ms": round(floor_ms, 5), "vs_floor": round(t["layer"] / floor_ms, 2),
+                       **{k: round(v, 5) if isinstance(v, float) else v for k, v in floors.items()},
+                       "vs_attainable": round(t["layer"] / floors["attainable_floor_ms"], 2),
+                       "vs_stage_floor": round(t["layer"] / floors["stage_floor_ms"], 2),
+                       "indexer_vs_floor": round(t["indexer"] / floors["indexer_floor_ms"], 2),
+                       "mla_vs_floor": round(t["mla"] / floors["mla_floor_ms"], 2),
                        **({"kernels": n_kernels, "vs_launch_floor": round(t["layer"] / t["launch_floor"], 2)}
                           if "launch_floor" in t else {}),
                        "graph_speedup_vs_eager": round(t["layer_eager"] / t["layer"], 2),
@@ -442,6 +508,29 @@ def report(meta: dict, out: Path) -> None:
            f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r.get('indexer_per_row_ms', '')} | "
            f"{r['index_key_MB']} | "
            f"{r['selected_latent_MB']} |" for r in rows]
+    phys = [r for r in rows if "attainable_floor_ms" in r]
+    if phys:
+        rt = meta.get("matmul_TFLOPs", {})
+        md += ["", "## Against what physics allows", "",
+               f"Matmul rates (n = 8192, measured in this run unless noted): bf16 {rt.get('bf16')} TFLOP/s, FP8 "
+               f"{rt.get('fp8')} TFLOP/s{' (' + rt['note'] + ')' if rt.get('note') else ''}. Compute floor: the "
+               "indexer's FLOPs (each row's queries against its visible keys) at the FP8 rate + the MLA's (each "
+               "row's 128 heads over its selected slots, QK over 576 + PV over 512) at the bf16 rate. Attainable: "
+               "max(read, compute, launch), everything overlapped. Stage floor: the dependent stages in series, "
+               "max(launch, max(key read, indexer FLOPs) + max(latent read, MLA FLOPs)). The goal (<= 1.3x the "
+               "read floor) is reachable only where the attainable (resp. stage) floor is <= 1.3x the read floor. "
+               "Indexer / MLA: each kernel alone vs max(its reads, its FLOPs). Times in ms.", "",
+               "| context | bs | mode | layer | read floor | compute floor (indexer + MLA) | launch floor | attainable "
+               "| bound | vs attainable | goal reachable (attainable / stages) | stage floor | vs stage floor | "
+               "indexer vs its floor | MLA vs its floor |",
+               "|---" * 15 + "|"]
+        md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['layer_ms']} | {r['floor_ms']} | "
+               f"{r['compute_floor_ms']} ({r['indexer_compute_ms']} + {r['mla_compute_ms']}) | "
+               f"{r.get('launch_floor_ms', '')} | {r['attainable_floor_ms']} | {r['bound']} | "
+               f"**{r['vs_attainable']}x** | "
+               f"{'yes' if r['attainable_floor_ms'] <= 1.3 * r['floor_ms'] else 'no'} / "
+               f"{'yes' if r['stage_floor_ms'] <= 1.3 * r['floor_ms'] else 'no'} | {r['stage_floor_ms']} | "
+               f"{r['vs_stage_floor']}x | {r['indexer_vs_floor']}x | {r['mla_vs_floor']}x |" for r in phys]
     dense = [r for r in rows if "dense_mla_ms" in r]
     if dense:
         md += ["", f"## Sparse vs dense MLA verify at {dense[0]['context']}", "",
