@@ -286,6 +286,46 @@ def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, g
     return {"context": ctx, "chosen": chosen, "results": results}
 
 
+MLA_TILES = [(16, 64, 1, 4), (16, 32, 1, 4), (32, 32, 1, 8), (32, 64, 1, 4), (64, 32, 1, 8), (64, 16, 1, 8),
+             (64, 32, 2, 4), (64, 32, 2, 8), (128, 32, 2, 8), (128, 16, 2, 8)]  # (head block, slot tile, latent
+# split, warps)
+MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4), dict(num_splits=1)]
+
+
+def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
+    """The sparse MLA alone over every tile of ``MLA_TILES`` x split choice of ``MLA_SPLITS``, decode
+    and verify rows at ``ctx`` (graph replays), each output checked against the fp32 reference (max abs diff)."""
+    tiles = MLA_TILES if device == "cuda" else [(16, 16, 1, 4), (16, 16, 2, 4)]
+    out = []
+    for bs in batch_sizes:
+        for mode, per_req in (("decode", 1), ("verify", nd + 1)):
+            case = Case(shape, ctx, bs, per_req, fp8, device)
+            case.layer({})
+            ref = sm.sparse_mla_reference(case.ql.float(), case.qr.float(), case.cache.float(), case.slots,
+                                          case.scale)
+            default = graph(lambda: case.mla({}))
+            best = None
+            for (bh, bn, ls, nw), split in itertools.product(tiles, MLA_SPLITS):
+                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, **split)}
+                try:
+                    ms = graph(lambda: case.mla(kn))
+                    err = float((case.out.float() - ref).abs().max())
+                    fail = None
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is recorded, not fatal
+                    ms, err, fail = float("inf"), None, f"{type(e).__name__}: {str(e)[:120]}"
+                rec = {"batch_size": bs, "mode": mode, "rows": case.rows, **kn["mla"], "ms": round(ms, 4),
+                       "max_abs_diff": err, "error": fail}
+                out.append(rec)
+                if fail is None and (best is None or ms < best["ms"]):
+                    best = rec
+            print(f"mla sweep bs={bs} {mode}: default {default:.4f} ms, best {best}", flush=True)
+            out.append({"batch_size": bs, "mode": mode, "rows": case.rows, "default": True, "ms": round(default, 4)})
+            case = ref = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
 def knobs_for(chosen: dict, bs: int) -> dict:
     if not chosen:
         return {}
@@ -377,6 +417,8 @@ def main() -> None:
     ap.add_argument("--keys", choices=("fp8", "bf16"), default="fp8", help="indexer key cache of the main table")
     ap.add_argument("--dense-context", type=int, default=None, help="sparse vs dense verify here (default 65536)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--mla-sweep", action="store_true",
+                    help="also the sparse MLA alone over tiles x splits at the dense context")
     ap.add_argument("--bandwidth-tbps", type=float, default=None,
                     help="HBM bandwidth for the floor instead of measuring a device copy")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
@@ -421,6 +463,9 @@ def main() -> None:
     print(meta, flush=True)
     meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
                                                      timer(device, rep=20)[0])
+    if args.mla_sweep:
+        meta["mla_sweep"] = mla_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, timer(device, rep=20)[0])
+        write_json(out, meta)
     chosen = meta["sweep"]["chosen"] if meta["sweep"] else {}
     rows = meta["rows"] = []
     for ctx in contexts:
@@ -550,6 +595,20 @@ def report(meta: dict, out: Path) -> None:
                "|---|---|---|---|---|---|---|"]
         md += [f"| {d['batch_size']} | {d['steps']} | {d['once_per_round_us']} | {d['per_step_us']} | "
                f"**{d['speedup']}x** | {d.get('backend_round_us', '-')} | {d['graph_replay_equal']} |" for d in dm]
+    ms = meta.get("mla_sweep") or []
+    if ms:
+        md += ["", "## Sparse MLA alone: tiles x splits", "",
+               "Graph replays of the MLA alone at the dense context; the default launch, and the three fastest "
+               "settings that compiled (max abs diff vs the fp32 reference beside each).", "",
+               "| bs | mode | rows | default | fastest | 2nd | 3rd |", "|---|---|---|---|---|---|---|"]
+        for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in ms):
+            sel = [r for r in ms if r["batch_size"] == bs and r["mode"] == mode]
+            dflt = next(r for r in sel if r.get("default"))
+            top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
+            cell = ["{ms} ({block_h}x{block_n}, ls {lat_split}, w {num_warps}, ".format(**r)
+                    + ", ".join(f"{k} {r[k]}" for k in ("programs_per_sm", "num_splits") if k in r)
+                    + f"; diff {r['max_abs_diff']:.1e})" for r in top]
+            md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + " |")
     checks = [r for r in rows if "reference_check" in r]
     if checks:
         md += ["", "Reference checks (first case of each mode): "

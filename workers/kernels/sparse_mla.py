@@ -521,6 +521,8 @@ if triton is not None:
         if LAT_SPLIT == 2:
             ql_other = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl_other[None, :], mask=h_ok[:, None],
                                other=0.0)
+        # the softmax in base 2 (exp2 is the hardware's): scores and the running max in log2 units
+        scale_log2 = scale * 1.4426950408889634
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, DH], tl.float32)
@@ -541,11 +543,11 @@ if triton is not None:
                     s += tl.dot(ql_other, tl.trans(c2), input_precision="ieee")
                 else:
                     s += tl.dot(ql_other, tl.trans(c2)).to(tl.float32)
-            s = tl.where(ok[None, :], s * scale, float("-inf"))
+            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
@@ -557,7 +559,7 @@ if triton is not None:
             tl.store(Out + r * stride_or + h[:, None] * stride_oh + dl[None, :], o.to(Out.dtype.element_ty),
                      mask=h_ok[:, None])
         else:
-            lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+            lse = tl.where(l_i > 0, m_i * 0.6931471805599453 + tl.log(l_i), float("-inf"))  # natural log
             live = h_ok & (l_i > 0)  # a split that saw nothing writes only its -inf log-sum-exp
             tl.store(PartO + r * stride_po_r + h[:, None] * stride_po_h + split * stride_po_s + dl[None, :], o,
                      mask=live[:, None])
@@ -766,15 +768,16 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     if block_h is None and block_n is None and lat_split is None and not fp32:
         # few rows want many programs (16 heads each); many rows want wide head blocks, each slot tile read by
         # fewer programs (128 heads, half the latent each): docs/performance.md has the measurements
-        block_h, block_n, lat_split = (16, 64, 1) if rows <= 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
-    lat_split = lat_split or 1
+        block_h, block_n = (16, 64) if rows <= 32 else (64, 32) if rows < 128 else (128, 32)
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
         block_n = 32 if fp32 else 64
     block_h = min(block_h, _p2(heads))
-    if block_h <= 64:  # (few heads a rank: the split would score the whole latent twice for nothing)
-        lat_split = 1
+    if lat_split is None:  # (few heads a rank: the split would score the whole latent twice for nothing)
+        lat_split = 2 if block_h >= 128 else 1
+    if lat_split not in (1, 2):
+        raise ValueError(f"lat_split {lat_split} must be 1 or 2")
     if num_splits is None:
         num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
                                 max_splits)
