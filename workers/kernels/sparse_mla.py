@@ -497,16 +497,20 @@ if triton is not None:
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                     LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, head block x latent part, split) over the split's share of the row's slot list: online
+        """Program (row x head block x latent part, split) over the split's share of the row's slot list: online
         softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
         programs share a head block, each scoring the whole latent but keeping half of the output, so the
         accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
         (output, log-sum-exp) for ``_merge_mla``."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        hb = tl.program_id(1) // LAT_SPLIT
-        part = tl.program_id(1) % LAT_SPLIT
-        split = tl.program_id(2)
+        # a row's head blocks (and latent parts) are consecutive programs, so they run together and the slot tiles
+        # they all read come from L2 (with the row fastest, a row's head blocks ran waves apart, each reading them
+        # from memory)
+        parts = tl.cdiv(heads, BLOCK_H) * LAT_SPLIT
+        r = tl.program_id(0) // parts
+        hb = tl.program_id(0) % parts // LAT_SPLIT
+        part = tl.program_id(0) % LAT_SPLIT
+        split = tl.program_id(1)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, topk)
@@ -737,11 +741,11 @@ def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, to
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
-               programs_per_sm: int = 2, max_splits: int | None = None) -> int:
-    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each,
-    at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many splits write
-    more than the selected latents they read)."""
-    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h))
+               programs_per_sm: int = 2, max_splits: int | None = None, lat_split: int = 1) -> int:
+    """Splits of each row's slot list: fill the GPU with (row, head block, latent part, split) programs, at least
+    one tile each, at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many
+    splits write more than the selected latents they read)."""
+    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h) * lat_split)
     return max(1, min(triton.cdiv(topk, block_n), fill, max_splits or fill))
 
 
@@ -766,9 +770,9 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None and block_n is None and lat_split is None and not fp32:
-        # few rows want many programs (16 heads each); many rows want wide head blocks, each slot tile read by
-        # fewer programs (128 heads, half the latent each): docs/performance.md has the measurements
-        block_h, block_n = (16, 64) if rows <= 32 else (64, 32) if rows < 128 else (128, 32)
+        # 32 heads x 64 slots, one warpgroup: the fastest tile of the H100 sweep at every row count measured
+        # (docs/performance.md); a row's head blocks share each slot tile through L2
+        block_h, block_n = 32, 64
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
@@ -780,7 +784,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         raise ValueError(f"lat_split {lat_split} must be 1 or 2")
     if num_splits is None:
         num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
-                                max_splits)
+                                max_splits, lat_split)
     out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
@@ -792,9 +796,9 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    # 4 warps at 16 x 64 spill a little (sm_90, 512-wide latent) yet beat 8 warps on the H100 (docs/performance.md)
-    num_warps = num_warps or (8 if block_h >= 32 else 4)
-    _sparse_mla[(rows, triton.cdiv(heads, block_h) * lat_split, num_splits)](
+    # one warpgroup up to 32 heads: at 32 x 64 it spills a little (sm_90, 512-wide latent) yet beats 8 warps
+    num_warps = num_warps or (8 if block_h >= 64 else 4)
+    _sparse_mla[(rows * triton.cdiv(heads, block_h) * lat_split, num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
