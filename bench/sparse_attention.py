@@ -286,15 +286,18 @@ def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, g
     return {"context": ctx, "chosen": chosen, "results": results}
 
 
-MLA_TILES = [(16, 64, 1, 4), (16, 128, 1, 4), (32, 64, 1, 4), (32, 64, 2, 4), (32, 128, 2, 4), (64, 32, 1, 8),
-             (64, 64, 1, 8), (64, 32, 2, 4), (64, 64, 2, 8), (128, 32, 2, 8)]  # (heads, slots, latent split, warps)
-MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4), dict(num_splits=1)]
+MLA_TILES = [(16, 64, 1, 4, False), (16, 128, 1, 4, False), (32, 64, 1, 4, False), (32, 64, 2, 4, False),
+             (64, 32, 1, 8, False), (64, 64, 1, 8, False), (128, 32, 2, 8, False),
+             (16, 32, 1, 4, True), (16, 64, 1, 4, True), (32, 64, 1, 4, True), (32, 64, 2, 4, True),
+             (64, 32, 1, 8, True), (64, 64, 2, 8, True)]  # (heads, slots, latent split, warps, heads on the N side)
+MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4)]
+MLA_KNOBS = ("block_h", "block_n", "lat_split", "num_warps", "heads_n", "programs_per_sm", "num_splits")
 
 
 def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
     """The sparse MLA alone over every tile of ``MLA_TILES`` x split choice of ``MLA_SPLITS``, decode
     and verify rows at ``ctx`` (graph replays), each output checked against the fp32 reference (max abs diff)."""
-    tiles = MLA_TILES if device == "cuda" else [(16, 16, 1, 4), (16, 16, 2, 4)]
+    tiles = MLA_TILES if device == "cuda" else [(16, 16, 1, 4, False), (16, 16, 2, 4, True)]
     out = []
     for bs in batch_sizes:
         for mode, per_req in (("decode", 1), ("verify", nd + 1)):
@@ -304,8 +307,8 @@ def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: st
                                           case.scale)
             default = graph(lambda: case.mla({}))
             best = None
-            for (bh, bn, ls, nw), split in itertools.product(tiles, MLA_SPLITS):
-                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, **split)}
+            for (bh, bn, ls, nw, hn), split in itertools.product(tiles, MLA_SPLITS):
+                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, heads_n=hn, **split)}
                 try:
                     ms = graph(lambda: case.mla(kn))
                     err = float((case.out.float() - ref).abs().max())
@@ -471,8 +474,7 @@ def main() -> None:
     for r in meta.get("mla_sweep") or []:
         if not r.get("default") and r["error"] is None and r["ms"] < mla_best.get((r["batch_size"], r["mode"]),
                                                                                   (float("inf"),))[0]:
-            mla_best[(r["batch_size"], r["mode"])] = (r["ms"], {k: r[k] for k in (
-                "block_h", "block_n", "lat_split", "num_warps", "programs_per_sm", "num_splits") if k in r})
+            mla_best[(r["batch_size"], r["mode"])] = (r["ms"], {k: r[k] for k in MLA_KNOBS if k in r})
     rows = meta["rows"] = []
     for ctx in contexts:
         for bs in batch_sizes:
@@ -618,6 +620,7 @@ def report(meta: dict, out: Path) -> None:
             dflt = next(r for r in sel if r.get("default"))
             top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
             cell = ["{ms} ({block_h}x{block_n}, ls {lat_split}, w {num_warps}, ".format(**r)
+                    + ("heads on N, " if r.get("heads_n") else "")
                     + ", ".join(f"{k} {r[k]}" for k in ("programs_per_sm", "num_splits") if k in r)
                     + f"; diff {r['max_abs_diff']:.1e})" for r in top]
             md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + " |")

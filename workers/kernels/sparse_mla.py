@@ -492,16 +492,24 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
+    def _mla_dot(a, b, IEEE: tl.constexpr):
+        if IEEE:  # fp32: no TF32 rounding
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b).to(tl.float32)
+
+    @triton.jit
     def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, scale, heads, topk, num_splits,
                     stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, HEADS_N: tl.constexpr = False,
+                    PDL: tl.constexpr = False):
         """Program (row x head block x latent part, split) over the split's share of the row's slot list: online
         softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
         programs share a head block, each scoring the whole latent but keeping half of the output, so the
         accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
-        (output, log-sum-exp) for ``_merge_mla``."""
+        (output, log-sum-exp) for ``_merge_mla``. HEADS_N: the dots transposed (slots x heads scores, latent x
+        heads accumulator), the same arithmetic."""
         pdl_start(PDL)
         # a row's head blocks (and latent parts) are consecutive programs, so they run together and the slot tiles
         # they all read come from L2 (with the row fastest, a row's head blocks ran waves apart, each reading them
@@ -525,11 +533,19 @@ if triton is not None:
         if LAT_SPLIT == 2:
             ql_other = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl_other[None, :], mask=h_ok[:, None],
                                other=0.0)
+        if HEADS_N:  # the queries as the dots' B side, transposed once here rather than in the loop
+            ql = tl.trans(ql)
+            qr = tl.trans(qr)
+            if LAT_SPLIT == 2:
+                ql_other = tl.trans(ql_other)
         # the softmax in base 2 (exp2 is the hardware's): scores and the running max in log2 units
         scale_log2 = scale * 1.4426950408889634
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DH], tl.float32)
+        if HEADS_N:
+            acc = tl.zeros([DH, BLOCK_H], tl.float32)  # transposed: the latent on the dot's M side
+        else:
+            acc = tl.zeros([BLOCK_H, DH], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(Slots + r * stride_sr + j, mask=j < hi, other=-1)
@@ -537,27 +553,35 @@ if triton is not None:
             row = slot.to(tl.int64) * stride_c
             c = tl.load(Cache + row[:, None] + dl[None, :], mask=ok[:, None], other=0.0)
             kr = tl.load(Cache + row[:, None] + DL + dr[None, :], mask=ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            else:
-                s = tl.dot(ql, tl.trans(c)).to(tl.float32) + tl.dot(qr, tl.trans(kr)).to(tl.float32)
             if LAT_SPLIT == 2:
                 c2 = tl.load(Cache + row[:, None] + dl_other[None, :], mask=ok[:, None], other=0.0)
-                if IEEE:
-                    s += tl.dot(ql_other, tl.trans(c2), input_precision="ieee")
-                else:
-                    s += tl.dot(ql_other, tl.trans(c2)).to(tl.float32)
-            s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+            if HEADS_N:
+                # scores transposed, [slots, heads]: slots fill the dot's M side (64 rows a warpgroup's MMA) and
+                # the PV runs as latent x heads, so a few heads waste no MMA rows; all operands stay in shared memory
+                s = _mla_dot(c, ql, IEEE) + _mla_dot(kr, qr, IEEE)
+                if LAT_SPLIT == 2:
+                    s += _mla_dot(c2, ql_other, IEEE)
+                s = tl.where(ok[:, None], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[None, :])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 0)
+                acc = acc * alpha[None, :] + _mla_dot(tl.trans(c), p.to(c.dtype), IEEE)
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(tl.float32)
+                s = _mla_dot(ql, tl.trans(c), IEEE) + _mla_dot(qr, tl.trans(kr), IEEE)
+                if LAT_SPLIT == 2:
+                    s += _mla_dot(ql_other, tl.trans(c2), IEEE)
+                s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + _mla_dot(p.to(c.dtype), c, IEEE)
             m_i = m_new
+        if HEADS_N:
+            acc = tl.trans(acc)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if DIRECT:
             tl.store(Out + r * stride_or + h[:, None] * stride_oh + dl[None, :], o.to(Out.dtype.element_ty),
@@ -750,12 +774,13 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, lat_split=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
-               out=None):
+               block_n=None, lat_split=None, heads_n=None, programs_per_sm=2, max_splits=None, num_warps=None,
+               num_stages=None, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
-    a head block, each keeping half of the latent output. Tiles from the row count unless given."""
+    a head block, each keeping half of the latent output. ``heads_n``: the dots transposed (heads on the MMA's N
+    side: no padding of a few heads to the MMA's 64 rows). Tiles from the row count unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -803,6 +828,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
         DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
+        HEADS_N=bool(heads_n),
         num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
