@@ -288,7 +288,8 @@ def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, g
 
 MLA_TILES = [(16, 64, 1, 4, False), (16, 128, 1, 4, False), (32, 64, 1, 4, False), (32, 64, 2, 4, False),
              (64, 32, 1, 8, False), (64, 64, 1, 8, False), (128, 32, 2, 8, False),
-             (16, 32, 1, 4, True), (16, 64, 1, 4, True), (32, 64, 1, 4, True), (32, 64, 2, 4, True),
+             (16, 32, 1, 4, True), (16, 64, 1, 4, True), (32, 32, 1, 4, True), (32, 64, 1, 4, True),
+             (32, 64, 2, 4, True),
              (64, 32, 1, 8, True), (64, 64, 2, 8, True)]  # (heads, slots, latent split, warps, heads on the N side)
 MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4)]
 MLA_KNOBS = ("block_h", "block_n", "lat_split", "num_warps", "heads_n", "programs_per_sm", "num_splits")
