@@ -222,9 +222,10 @@ def check_sparse_mla(g) -> None:
     ql40 = torch.randn(rows, 40, dl, generator=g)
     qr40 = torch.randn(rows, 40, dr, generator=g)
     ref40 = sparse_mla_reference(ql40, qr40, cache, slots, scale)
-    for splits, ls, hn in ((1, 1, False), (3, 2, False), (1, 1, True), (3, 2, True), (8, 1, True)):
+    for splits, ls, hn, rf in ((1, 1, False, False), (3, 2, False, False), (1, 1, True, False), (3, 2, True, False),
+                               (8, 1, True, False), (3, 2, False, True)):
         got = sparse_mla(ql40, qr40, cache, slots, scale, num_splits=splits, block_h=16, block_n=16, lat_split=ls,
-                         heads_n=hn)  # heads_n: the transposed dots
+                         heads_n=hn, row_fast=rf)  # heads_n: the transposed dots; row_fast: the former grid order
         torch.testing.assert_close(got, ref40, rtol=1e-5, atol=1e-5)
     # a latent cache row wider than latent + rope (padding), read through its stride; q_latent and q_rope as views
     # of one [R, H, Dl + Dr] query, as a model's absorbed projection leaves them

@@ -503,7 +503,7 @@ if triton is not None:
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                     LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, HEADS_N: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    ROW_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row x head block x latent part, split) over the split's share of the row's slot list: online
         softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
         programs share a head block, each scoring the whole latent but keeping half of the output, so the
@@ -515,9 +515,15 @@ if triton is not None:
         # they all read come from L2 (with the row fastest, a row's head blocks ran waves apart, each reading them
         # from memory)
         parts = tl.cdiv(heads, BLOCK_H) * LAT_SPLIT
-        r = tl.program_id(0) // parts
-        hb = tl.program_id(0) % parts // LAT_SPLIT
-        part = tl.program_id(0) % LAT_SPLIT
+        if ROW_FAST:  # the former order, for A/B: a row's head blocks num_programs(0) / parts programs apart
+            rows = tl.num_programs(0) // parts
+            r = tl.program_id(0) % rows
+            hp = tl.program_id(0) // rows
+        else:
+            r = tl.program_id(0) // parts
+            hp = tl.program_id(0) % parts
+        hb = hp // LAT_SPLIT
+        part = hp % LAT_SPLIT
         split = tl.program_id(1)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
@@ -774,13 +780,14 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, lat_split=None, heads_n=None, programs_per_sm=2, max_splits=None, num_warps=None,
-               num_stages=None, out=None):
+               block_n=None, lat_split=None, heads_n=None, programs_per_sm=None, max_splits=None, num_warps=None,
+               num_stages=None, row_fast=False, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
     a head block, each keeping half of the latent output. ``heads_n``: the dots transposed (heads on the MMA's N
-    side: no padding of a few heads to the MMA's 64 rows). Tiles from the row count unless given."""
+    side: no padding of a few heads to the MMA's 64 rows). ``row_fast``: the grid's former order (rows varying
+    fastest), kept for A/B. Tiles and splits from the row count unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -795,9 +802,11 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None and block_n is None and lat_split is None and not fp32:
-        # 32 heads x 64 slots, one warpgroup: the fastest tile of the H100 sweep at every row count measured
-        # (docs/performance.md); a row's head blocks share each slot tile through L2
-        block_h, block_n = 32, 64
+        # one warpgroup over 64-slot tiles, 16 heads for a few rows (more programs), else 32 (each slot tile read by
+        # fewer programs): the fastest tiles of the H100 sweep (docs/performance.md)
+        block_h, block_n = (16, 64) if rows <= 4 else (32, 64)
+    if programs_per_sm is None:  # from the same sweep: many rows fill the GPU with fewer, longer splits
+        programs_per_sm = 1 if rows >= 32 and not fp32 else 2
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
@@ -828,7 +837,7 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
         DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
-        HEADS_N=bool(heads_n),
+        HEADS_N=bool(heads_n), ROW_FAST=bool(row_fast),
         num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
