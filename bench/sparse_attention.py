@@ -44,6 +44,7 @@ from bench.common import (command, commit, copy_bandwidth, device_name, graph_ms
 from workers.kernels import sparse_mla as sm  # noqa: E402
 
 H100_SXM_TBPS = 3.35
+H100_BF16_TFLOPS = 989.0  # dense, datasheet (the CPU smoke run's stand-in for a measured rate)
 
 if sm.triton is not None:
     import triton  # noqa: E402
@@ -128,12 +129,66 @@ class Case:
         width = self.cache.shape[1] * 2  # bf16 on the GPU
         return keys, int(uniq) * width
 
+    def flops(self) -> tuple[int, int]:
+        """(indexer FLOPs, MLA FLOPs) of the layer's matmuls: each row's index queries against its visible keys
+        (heads x dim multiply-adds a position), and each row's MLA heads over the slots it selected (QK over latent +
+        rope, PV over the latent)."""
+        s = self.shape
+        idx = int(self.row_len.sum()) * s["index_heads"] * s["index_dim"] * 2
+        mla = int((self.slots >= 0).sum()) * s["mla_heads"] * (2 * (s["latent"] + s["rope"]) + 2 * s["latent"])
+        return idx, mla
+
     def all_slots(self) -> torch.Tensor:
         """Every visible slot of each row (dense attention through the sparse kernel), -1 past the row's length."""
         cap = self.table.shape[1] * self.shape["page"]
         pos = torch.arange(cap, device=self.table.device).expand(self.rows, cap)
         pos = torch.where(pos < self.row_len[:, None], pos, -1)
         return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
+
+
+def matmul_rates(n: int = 8192) -> dict:
+    """Dense matmul rates on this device (FLOP/s, the best of three do_bench timings of an n x n x n product): bf16
+    (``torch.matmul``) and FP8 e4m3 x e4m3 (``torch._scaled_mm``, bf16 out; None where this torch lacks it). What
+    the MLA's and the indexer's FLOPs can run at, at best: their compute floors use these."""
+    import triton.testing
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * n ** 3
+
+    def best(fn):
+        return flops / (min(triton.testing.do_bench(fn, warmup=10, rep=50) for _ in range(3)) * 1e-3)
+
+    rates = {"bf16": best(lambda: a @ b), "fp8": None}
+    try:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        rates["fp8"] = best(lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    except (RuntimeError, AttributeError, TypeError) as e:  # recorded: the indexer's compute floor then uses bf16's
+        rates["fp8_error"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return rates
+
+
+def physical_floors(case: Case, key_b: int, lat_b: int, bw: float, rates: dict, fp8: bool,
+                    launch_ms: float) -> dict:
+    """What physics allows the layer, in ms. Read: keys + selected latents at the copy bandwidth. Compute: the
+    indexer's FLOPs at the FP8 rate (bf16 keys: the bf16 rate) + the MLA's at the bf16 rate. Launch: the empty
+    chain. ``attainable``: max(read, compute, launch), every stage's reads, FLOPs and launches overlapped (a
+    persistent kernel could overlap one row's MLA with another's indexer). ``stage``: the three stages in series
+    (the top-k needs a row's every score, the MLA its top-k), each stage at max(its reads, its FLOPs) and the
+    launches hidden under them: max(launch, max(keys, indexer FLOPs) + max(latents, MLA FLOPs))."""
+    idx_f, mla_f = case.flops()
+    idx_rate = rates["fp8"] if fp8 and rates.get("fp8") else rates["bf16"]
+    idx_c, mla_c = idx_f / idx_rate * 1e3, mla_f / rates["bf16"] * 1e3
+    key_r, lat_r = key_b / bw * 1e3, lat_b / bw * 1e3
+    read, compute = key_r + lat_r, idx_c + mla_c
+    attainable = max(read, compute, launch_ms)
+    bound = "launch" if attainable == launch_ms else "read" if attainable == read else "compute"
+    idx_floor, mla_floor = max(key_r, idx_c), max(lat_r, mla_c)
+    return {"indexer_GFLOP": idx_f / 1e9, "mla_GFLOP": mla_f / 1e9, "compute_floor_ms": compute,
+            "indexer_compute_ms": idx_c, "mla_compute_ms": mla_c, "indexer_floor_ms": idx_floor,
+            "mla_floor_ms": mla_floor, "attainable_floor_ms": attainable, "bound": bound,
+            "stage_floor_ms": max(launch_ms, idx_floor + mla_floor)}
 
 
 def count_kernels(fn) -> int:
@@ -231,6 +286,53 @@ def sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, g
     return {"context": ctx, "chosen": chosen, "results": results}
 
 
+MLA_TILES = [(16, 64, 1, 4, False), (16, 128, 1, 4, False), (32, 64, 1, 4, False), (32, 64, 2, 4, False),
+             (64, 32, 1, 8, False), (64, 64, 1, 8, False), (128, 32, 2, 8, False),
+             (16, 32, 1, 4, True), (16, 64, 1, 4, True), (32, 32, 1, 4, True), (32, 64, 1, 4, True),
+             (32, 64, 2, 4, True),
+             (64, 32, 1, 8, True), (64, 64, 2, 8, True)]  # (heads, slots, latent split, warps, heads on the N side)
+MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4)]
+MLA_KNOBS = ("block_h", "block_n", "lat_split", "num_warps", "heads_n", "programs_per_sm", "num_splits")
+
+
+def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
+    """The sparse MLA alone over every tile of ``MLA_TILES`` x split choice of ``MLA_SPLITS``, decode
+    and verify rows at ``ctx`` (graph replays), each output checked against the fp32 reference (max abs diff)."""
+    tiles = MLA_TILES if device == "cuda" else [(16, 16, 1, 4, False), (16, 16, 2, 4, True)]
+    out = []
+    for bs in batch_sizes:
+        for mode, per_req in (("decode", 1), ("verify", nd + 1)):
+            case = Case(shape, ctx, bs, per_req, fp8, device)
+            case.layer({})
+            ref = sm.sparse_mla_reference(case.ql.float(), case.qr.float(), case.cache.float(), case.slots,
+                                          case.scale)
+            default = graph(lambda: case.mla({}))
+            best = None
+            for (bh, bn, ls, nw, hn), split in itertools.product(tiles, MLA_SPLITS):
+                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, heads_n=hn, **split)}
+                try:
+                    ms = graph(lambda: case.mla(kn))
+                    err = float((case.out.float() - ref).abs().max())
+                    fail = None
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is recorded, not fatal
+                    ms, err, fail = float("inf"), None, f"{type(e).__name__}: {str(e)[:120]}"
+                rec = {"batch_size": bs, "mode": mode, "rows": case.rows, **kn["mla"], "ms": round(ms, 4),
+                       "max_abs_diff": err, "error": fail}
+                out.append(rec)
+                if fail is None and (best is None or ms < best["ms"]):
+                    best = rec
+            if best is not None:  # the fastest setting again with the grid's former order (rows fastest): A/B
+                kn = {"mla": {**{k: best[k] for k in MLA_KNOBS if k in best}, "row_fast": True}}
+                out.append({**best, "row_fast": True, "ms": round(graph(lambda: case.mla(kn)), 4),
+                            "max_abs_diff": float((case.out.float() - ref).abs().max())})
+            print(f"mla sweep bs={bs} {mode}: default {default:.4f} ms, best {best}", flush=True)
+            out.append({"batch_size": bs, "mode": mode, "rows": case.rows, "default": True, "ms": round(default, 4)})
+            case = ref = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
 def knobs_for(chosen: dict, bs: int) -> dict:
     if not chosen:
         return {}
@@ -322,6 +424,9 @@ def main() -> None:
     ap.add_argument("--keys", choices=("fp8", "bf16"), default="fp8", help="indexer key cache of the main table")
     ap.add_argument("--dense-context", type=int, default=None, help="sparse vs dense verify here (default 65536)")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--mla-sweep", action="store_true",
+                    help="first the sparse MLA alone over tiles x splits at the dense context; the table's rows then "
+                         "use each (batch, mode)'s fastest")
     ap.add_argument("--bandwidth-tbps", type=float, default=None,
                     help="HBM bandwidth for the floor instead of measuring a device copy")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
@@ -358,15 +463,31 @@ def main() -> None:
             "timing": "graph: CUDA graph replay (captured with PDL), L2 flushed before each (do_bench); eager: "
                       "Python launches"
             if device == "cuda" else "CPU interpreter wall time (smoke: not a measurement)"}
+    if device == "cuda":
+        rates = matmul_rates()
+    else:  # the smoke run's floors: H100 SXM's dense datasheet rates
+        rates = {"bf16": H100_BF16_TFLOPS * 1e12, "fp8": 2 * H100_BF16_TFLOPS * 1e12, "note": "nominal (CPU smoke)"}
+    meta["matmul_TFLOPs"] = {k: round(v / 1e12, 1) if isinstance(v, float) else v for k, v in rates.items()}
     print(meta, flush=True)
     meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
                                                      timer(device, rep=20)[0])
+    if args.mla_sweep:
+        meta["mla_sweep"] = mla_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, timer(device, rep=20)[0])
+        write_json(out, meta)
     chosen = meta["sweep"]["chosen"] if meta["sweep"] else {}
+    mla_best = {}  # (bs, mode) -> the MLA sweep's fastest knobs, which the table's rows then use
+    for r in meta.get("mla_sweep") or []:
+        key = (r["batch_size"], r["mode"])
+        if (not r.get("default") and not r.get("row_fast") and r["error"] is None
+                and r["ms"] < mla_best.get(key, (float("inf"),))[0]):
+            mla_best[key] = (r["ms"], {k: r[k] for k in MLA_KNOBS if k in r})
     rows = meta["rows"] = []
     for ctx in contexts:
         for bs in batch_sizes:
             for mode, per_req in (("decode", 1), ("verify", nd + 1)):
                 knobs = knobs_for(chosen, bs)
+                if (bs, mode) in mla_best:
+                    knobs = {**knobs, "mla": mla_best[(bs, mode)][1]}
                 case = Case(shape, ctx, bs, per_req, fp8, device)
                 ref_check = None
                 case.layer(knobs)
@@ -391,9 +512,15 @@ def main() -> None:
                 if device == "cuda":  # the layer's chain of kernels, empty: what its launches alone cost
                     n_kernels = count_kernels(lambda: case.layer(knobs))
                     t["launch_floor"] = launch_floor(n_kernels, graph)
+                floors = physical_floors(case, key_b, lat_b, bw, rates, fp8, t.get("launch_floor", 0.0))
                 row = {"context": ctx, "batch_size": bs, "mode": mode, "rows": case.rows,
                        **{f"{k}_ms": round(v, 4) for k, v in t.items()},
                        "floor_ms": round(floor_ms, 5), "vs_floor": round(t["layer"] / floor_ms, 2),
+                       **{k: round(v, 5) if isinstance(v, float) else v for k, v in floors.items()},
+                       "vs_attainable": round(t["layer"] / floors["attainable_floor_ms"], 2),
+                       "vs_stage_floor": round(t["layer"] / floors["stage_floor_ms"], 2),
+                       "indexer_vs_floor": round(t["indexer"] / floors["indexer_floor_ms"], 2),
+                       "mla_vs_floor": round(t["mla"] / floors["mla_floor_ms"], 2),
                        **({"kernels": n_kernels, "vs_launch_floor": round(t["layer"] / t["launch_floor"], 2)}
                           if "launch_floor" in t else {}),
                        "graph_speedup_vs_eager": round(t["layer_eager"] / t["layer"], 2),
@@ -413,8 +540,11 @@ def main() -> None:
                 case = None  # free its tensors before the next case
                 if device == "cuda":
                     torch.cuda.empty_cache()
-    meta["draft_metadata"] = draft_metadata(device, batch_sizes, steps=nd, k=1, ctx=contexts[-1], page=shape["page"],
-                                            rounds=50 if device == "cuda" else 5)
+    try:
+        meta["draft_metadata"] = draft_metadata(device, batch_sizes, steps=nd, k=1, ctx=contexts[-1],
+                                                page=shape["page"], rounds=50 if device == "cuda" else 5)
+    except ImportError as e:  # the engine's modules need the server's packages (pydantic); the kernels do not
+        meta["draft_metadata"], meta["draft_metadata_skipped"] = [], f"{type(e).__name__}: {e}"
     write_json(out, meta)
     report(meta, out)
 
@@ -442,6 +572,29 @@ def report(meta: dict, out: Path) -> None:
            f"{r['graph_speedup_vs_eager']}x | {r.get('indexer_bf16_keys_ms', '')} | {r.get('indexer_per_row_ms', '')} | "
            f"{r['index_key_MB']} | "
            f"{r['selected_latent_MB']} |" for r in rows]
+    phys = [r for r in rows if "attainable_floor_ms" in r]
+    if phys:
+        rt = meta.get("matmul_TFLOPs", {})
+        md += ["", "## Against what physics allows", "",
+               f"Matmul rates (n = 8192, measured in this run unless noted): bf16 {rt.get('bf16')} TFLOP/s, FP8 "
+               f"{rt.get('fp8')} TFLOP/s{' (' + rt['note'] + ')' if rt.get('note') else ''}. Compute floor: the "
+               "indexer's FLOPs (each row's queries against its visible keys) at the FP8 rate + the MLA's (each "
+               "row's 128 heads over its selected slots, QK over 576 + PV over 512) at the bf16 rate. Attainable: "
+               "max(read, compute, launch), everything overlapped. Stage floor: the dependent stages in series, "
+               "max(launch, max(key read, indexer FLOPs) + max(latent read, MLA FLOPs)). The goal (<= 1.3x the "
+               "read floor) is reachable only where the attainable (resp. stage) floor is <= 1.3x the read floor. "
+               "Indexer / MLA: each kernel alone vs max(its reads, its FLOPs). Times in ms.", "",
+               "| context | bs | mode | layer | read floor | compute floor (indexer + MLA) | launch floor | attainable "
+               "| bound | vs attainable | goal reachable (attainable / stages) | stage floor | vs stage floor | "
+               "indexer vs its floor | MLA vs its floor |",
+               "|---" * 15 + "|"]
+        md += [f"| {r['context']} | {r['batch_size']} | {r['mode']} | {r['layer_ms']} | {r['floor_ms']} | "
+               f"{r['compute_floor_ms']} ({r['indexer_compute_ms']} + {r['mla_compute_ms']}) | "
+               f"{r.get('launch_floor_ms', '')} | {r['attainable_floor_ms']} | {r['bound']} | "
+               f"**{r['vs_attainable']}x** | "
+               f"{'yes' if r['attainable_floor_ms'] <= 1.3 * r['floor_ms'] else 'no'} / "
+               f"{'yes' if r['stage_floor_ms'] <= 1.3 * r['floor_ms'] else 'no'} | {r['stage_floor_ms']} | "
+               f"{r['vs_stage_floor']}x | {r['indexer_vs_floor']}x | {r['mla_vs_floor']}x |" for r in phys]
     dense = [r for r in rows if "dense_mla_ms" in r]
     if dense:
         md += ["", f"## Sparse vs dense MLA verify at {dense[0]['context']}", "",
@@ -461,6 +614,25 @@ def report(meta: dict, out: Path) -> None:
                "|---|---|---|---|---|---|---|"]
         md += [f"| {d['batch_size']} | {d['steps']} | {d['once_per_round_us']} | {d['per_step_us']} | "
                f"**{d['speedup']}x** | {d.get('backend_round_us', '-')} | {d['graph_replay_equal']} |" for d in dm]
+    ms = meta.get("mla_sweep") or []
+    if ms:
+        md += ["", "## Sparse MLA alone: tiles x splits", "",
+               "Graph replays of the MLA alone at the dense context; the default launch, and the three fastest "
+               "settings that compiled (max abs diff vs the fp32 reference beside each). The tables above use each "
+               "(bs, mode)'s fastest at every context (their rows' `knobs` in the JSON).", "",
+               "| bs | mode | rows | default | fastest | 2nd | 3rd | fastest, rows fastest in the grid (former order) |",
+               "|---|---|---|---|---|---|---|---|"]
+        for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in ms):
+            sel = [r for r in ms if r["batch_size"] == bs and r["mode"] == mode]
+            dflt = next(r for r in sel if r.get("default"))
+            top = sorted((r for r in sel if not r.get("default") and not r.get("row_fast") and r["error"] is None),
+                         key=lambda r: r["ms"])[:3]
+            former = next((r["ms"] for r in sel if r.get("row_fast")), "")
+            cell = ["{ms} ({block_h}x{block_n}, ls {lat_split}, w {num_warps}, ".format(**r)
+                    + ("heads on N, " if r.get("heads_n") else "")
+                    + ", ".join(f"{k} {r[k]}" for k in ("programs_per_sm", "num_splits") if k in r)
+                    + f"; diff {r['max_abs_diff']:.1e})" for r in top]
+            md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + f" | {former} |")
     checks = [r for r in rows if "reference_check" in r]
     if checks:
         md += ["", "Reference checks (first case of each mode): "

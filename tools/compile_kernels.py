@@ -149,6 +149,10 @@ def sparse_shapes() -> None:
         ql, qr = torch.empty(rows, 128, 512, dtype=torch.bfloat16), torch.empty(rows, 128, 64, dtype=torch.bfloat16)
         for splits in (1, 16):
             sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits)
+            # the transposed dots (heads on the MMA's N side), the tiles the bench's sweep tries
+            sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits, block_h=16, block_n=64, heads_n=True)
+            sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits, block_h=32, block_n=64, lat_split=2,
+                          heads_n=True)
 
 
 def record(workloads, out_path: str) -> None:

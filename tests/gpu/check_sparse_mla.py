@@ -113,8 +113,11 @@ def main() -> int:
         tol = 1e-4 if dt == torch.float32 else 2e-2
         # the wide head blocks are the bf16 launch's (fp32 tiles of 128 heads pass the shared memory an SM has)
         wide = not args.small and dt != torch.float32
-        tiles = [dict()] + ([dict(block_h=64, block_n=32, lat_split=1), dict(block_h=128, block_n=32, lat_split=2)]
-                            if wide else [])
+        tiles = [dict()] + ([dict(block_h=16, block_n=64, lat_split=1), dict(block_h=32, block_n=64, lat_split=2),
+                             dict(block_h=64, block_n=32, lat_split=1), dict(block_h=128, block_n=32, lat_split=2),
+                             dict(block_h=16, block_n=64, lat_split=1, heads_n=True),
+                             dict(block_h=32, block_n=64, lat_split=2, heads_n=True)]
+                            if wide else [dict(heads_n=True)])
         for splits, kw in [(s, kw) for s in (1, None) for kw in tiles]:
             out = sm.sparse_mla(ql, qr, cache, slots, 0.07, num_splits=splits, **kw)
             err = float((out.float() - mref).abs().max())

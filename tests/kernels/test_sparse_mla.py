@@ -193,8 +193,9 @@ def check_grouped(g) -> None:
 
 def check_sparse_mla(g) -> None:
     """Sparse MLA vs the reference: fp32 with one split (output written directly) and several (merged), the latent
-    output split over two programs, heads not a multiple of the head block, -1 slots scattered and a row with none, a latent cache row with padding. (Not
-    bf16: this Triton's interpreter computes bf16 ``tl.dot`` wrongly; the GPU check covers it.)"""
+    output split over two programs, the transposed dots, several head blocks a row (heads not a multiple of the head
+    block), -1 slots scattered and a row with none, a latent cache row with padding. (Not bf16: this Triton's
+    interpreter computes bf16 ``tl.dot`` wrongly; the GPU check covers it.)"""
     import torch
 
     from workers.kernels.sparse_mla import sparse_mla, sparse_mla_reference
@@ -216,6 +217,16 @@ def check_sparse_mla(g) -> None:
     for splits in (1, 3):  # two programs a head block, each keeping half of the latent output
         got = sparse_mla(ql, qr, cache, slots, scale, num_splits=splits, block_n=16, lat_split=2)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # several head blocks a row (the last one partial), each with one or two latent parts: a row's programs are
+    # consecutive in the grid, so their indices must decode to every (row, head block, part) once
+    ql40 = torch.randn(rows, 40, dl, generator=g)
+    qr40 = torch.randn(rows, 40, dr, generator=g)
+    ref40 = sparse_mla_reference(ql40, qr40, cache, slots, scale)
+    for splits, ls, hn, rf in ((1, 1, False, False), (3, 2, False, False), (1, 1, True, False), (3, 2, True, False),
+                               (8, 1, True, False), (3, 2, False, True)):
+        got = sparse_mla(ql40, qr40, cache, slots, scale, num_splits=splits, block_h=16, block_n=16, lat_split=ls,
+                         heads_n=hn, row_fast=rf)  # heads_n: the transposed dots; row_fast: the former grid order
+        torch.testing.assert_close(got, ref40, rtol=1e-5, atol=1e-5)
     # a latent cache row wider than latent + rope (padding), read through its stride; q_latent and q_rope as views
     # of one [R, H, Dl + Dr] query, as a model's absorbed projection leaves them
     wide = torch.cat([cache, torch.full((slots_n, 16), float("nan"))], 1)

@@ -492,21 +492,39 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
+    def _mla_dot(a, b, IEEE: tl.constexpr):
+        if IEEE:  # fp32: no TF32 rounding
+            return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b).to(tl.float32)
+
+    @triton.jit
     def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, scale, heads, topk, num_splits,
                     stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-        """Program (row, head block x latent part, split) over the split's share of the row's slot list: online
+                    LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, HEADS_N: tl.constexpr = False,
+                    ROW_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
+        """Program (row x head block x latent part, split) over the split's share of the row's slot list: online
         softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
         programs share a head block, each scoring the whole latent but keeping half of the output, so the
         accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
-        (output, log-sum-exp) for ``_merge_mla``."""
+        (output, log-sum-exp) for ``_merge_mla``. HEADS_N: the dots transposed (slots x heads scores, latent x
+        heads accumulator), the same arithmetic."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        hb = tl.program_id(1) // LAT_SPLIT
-        part = tl.program_id(1) % LAT_SPLIT
-        split = tl.program_id(2)
+        # a row's head blocks (and latent parts) are consecutive programs, so they run together and the slot tiles
+        # they all read come from L2 (with the row fastest, a row's head blocks ran waves apart, each reading them
+        # from memory)
+        parts = tl.cdiv(heads, BLOCK_H) * LAT_SPLIT
+        if ROW_FAST:  # the former order, for A/B: a row's head blocks num_programs(0) / parts programs apart
+            rows = tl.num_programs(0) // parts
+            r = tl.program_id(0) % rows
+            hp = tl.program_id(0) // rows
+        else:
+            r = tl.program_id(0) // parts
+            hp = tl.program_id(0) % parts
+        hb = hp // LAT_SPLIT
+        part = hp % LAT_SPLIT
+        split = tl.program_id(1)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, topk)
@@ -521,9 +539,19 @@ if triton is not None:
         if LAT_SPLIT == 2:
             ql_other = tl.load(QL + r * stride_qlr + h[:, None] * stride_qlh + dl_other[None, :], mask=h_ok[:, None],
                                other=0.0)
+        if HEADS_N:  # the queries as the dots' B side, transposed once here rather than in the loop
+            ql = tl.trans(ql)
+            qr = tl.trans(qr)
+            if LAT_SPLIT == 2:
+                ql_other = tl.trans(ql_other)
+        # the softmax in base 2 (exp2 is the hardware's): scores and the running max in log2 units
+        scale_log2 = scale * 1.4426950408889634
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, DH], tl.float32)
+        if HEADS_N:
+            acc = tl.zeros([DH, BLOCK_H], tl.float32)  # transposed: the latent on the dot's M side
+        else:
+            acc = tl.zeros([BLOCK_H, DH], tl.float32)
         for start in range(lo, hi, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             slot = tl.load(Slots + r * stride_sr + j, mask=j < hi, other=-1)
@@ -531,33 +559,41 @@ if triton is not None:
             row = slot.to(tl.int64) * stride_c
             c = tl.load(Cache + row[:, None] + dl[None, :], mask=ok[:, None], other=0.0)
             kr = tl.load(Cache + row[:, None] + DL + dr[None, :], mask=ok[:, None], other=0.0)
-            if IEEE:
-                s = tl.dot(ql, tl.trans(c), input_precision="ieee") + tl.dot(qr, tl.trans(kr), input_precision="ieee")
-            else:
-                s = tl.dot(ql, tl.trans(c)).to(tl.float32) + tl.dot(qr, tl.trans(kr)).to(tl.float32)
             if LAT_SPLIT == 2:
                 c2 = tl.load(Cache + row[:, None] + dl_other[None, :], mask=ok[:, None], other=0.0)
-                if IEEE:
-                    s += tl.dot(ql_other, tl.trans(c2), input_precision="ieee")
-                else:
-                    s += tl.dot(ql_other, tl.trans(c2)).to(tl.float32)
-            s = tl.where(ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(s - m_safe[:, None])
-            alpha = tl.exp(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, c, input_precision="ieee")
+            if HEADS_N:
+                # scores transposed, [slots, heads]: slots fill the dot's M side (64 rows a warpgroup's MMA) and
+                # the PV runs as latent x heads, so a few heads waste no MMA rows; all operands stay in shared memory
+                s = _mla_dot(c, ql, IEEE) + _mla_dot(kr, qr, IEEE)
+                if LAT_SPLIT == 2:
+                    s += _mla_dot(c2, ql_other, IEEE)
+                s = tl.where(ok[:, None], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[None, :])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 0)
+                acc = acc * alpha[None, :] + _mla_dot(tl.trans(c), p.to(c.dtype), IEEE)
             else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c).to(tl.float32)
+                s = _mla_dot(ql, tl.trans(c), IEEE) + _mla_dot(qr, tl.trans(kr), IEEE)
+                if LAT_SPLIT == 2:
+                    s += _mla_dot(ql_other, tl.trans(c2), IEEE)
+                s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp2(s - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + _mla_dot(p.to(c.dtype), c, IEEE)
             m_i = m_new
+        if HEADS_N:
+            acc = tl.trans(acc)
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         if DIRECT:
             tl.store(Out + r * stride_or + h[:, None] * stride_oh + dl[None, :], o.to(Out.dtype.element_ty),
                      mask=h_ok[:, None])
         else:
-            lse = tl.where(l_i > 0, m_i + tl.log(l_i), float("-inf"))
+            lse = tl.where(l_i > 0, m_i * 0.6931471805599453 + tl.log(l_i), float("-inf"))  # natural log
             live = h_ok & (l_i > 0)  # a split that saw nothing writes only its -inf log-sum-exp
             tl.store(PartO + r * stride_po_r + h[:, None] * stride_po_h + split * stride_po_s + dl[None, :], o,
                      mask=live[:, None])
@@ -735,21 +771,23 @@ def indexer_topk(q, w, index_k, page_table, row_req, row_len, page_size: int, to
 
 
 def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num_sms: int,
-               programs_per_sm: int = 2, max_splits: int | None = None) -> int:
-    """Splits of each row's slot list: fill the GPU with (row, head block, split) programs, at least one tile each,
-    at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many splits write
-    more than the selected latents they read)."""
-    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h))
+               programs_per_sm: int = 2, max_splits: int | None = None, lat_split: int = 1) -> int:
+    """Splits of each row's slot list: fill the GPU with (row, head block, latent part, split) programs, at least
+    one tile each, at most ``max_splits`` (each split writes a partial output of heads x latent fp32: at bs 1 many
+    splits write more than the selected latents they read)."""
+    fill = triton.cdiv(programs_per_sm * num_sms, max(rows, 1) * triton.cdiv(heads, block_h) * lat_split)
     return max(1, min(triton.cdiv(topk, block_n), fill, max_splits or fill))
 
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
-               block_n=None, lat_split=None, programs_per_sm=2, max_splits=None, num_warps=None, num_stages=None,
-               out=None):
+               block_n=None, lat_split=None, heads_n=None, programs_per_sm=None, max_splits=None, num_warps=None,
+               num_stages=None, row_fast=False, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
-    a head block, each keeping half of the latent output. Tiles from the row count unless given."""
+    a head block, each keeping half of the latent output. ``heads_n``: the dots transposed (heads on the MMA's N
+    side: no padding of a few heads to the MMA's 64 rows). ``row_fast``: the grid's former order (rows varying
+    fastest), kept for A/B. Tiles and splits from the row count unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -764,20 +802,23 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
     if block_h is None and block_n is None and lat_split is None and not fp32:
-        # few rows want many programs (16 heads each); many rows want wide head blocks, each slot tile read by
-        # fewer programs (128 heads, half the latent each): docs/performance.md has the measurements
-        block_h, block_n, lat_split = (16, 64, 1) if rows <= 32 else (64, 32, 1) if rows < 128 else (128, 32, 2)
-    lat_split = lat_split or 1
+        # one warpgroup over 64-slot tiles, 16 heads for a few rows (more programs), else 32 (each slot tile read by
+        # fewer programs): the fastest tiles of the H100 sweep (docs/performance.md)
+        block_h, block_n = (16, 64) if rows <= 4 else (32, 64)
+    if programs_per_sm is None:  # from the same sweep: many rows fill the GPU with fewer, longer splits
+        programs_per_sm = 1 if rows >= 32 and not fp32 else 2
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
         block_n = 32 if fp32 else 64
     block_h = min(block_h, _p2(heads))
-    if block_h <= 64:  # (few heads a rank: the split would score the whole latent twice for nothing)
-        lat_split = 1
+    if lat_split is None:  # (few heads a rank: the split would score the whole latent twice for nothing)
+        lat_split = 2 if block_h >= 128 else 1
+    if lat_split not in (1, 2):
+        raise ValueError(f"lat_split {lat_split} must be 1 or 2")
     if num_splits is None:
         num_splits = mla_splits(rows, heads, topk, block_h, block_n, _num_sms(q_latent), programs_per_sm,
-                                max_splits)
+                                max_splits, lat_split)
     out = out if out is not None else torch.empty(rows, heads, dl, dtype=q_latent.dtype, device=q_latent.device)
     if rows == 0:
         return out
@@ -789,13 +830,14 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         part_o = torch.empty(rows, heads, num_splits, dl, dtype=torch.float32, device=q_latent.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q_latent.device)
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
-    # 4 warps at 16 x 64 spill a little (sm_90, 512-wide latent) yet beat 8 warps on the H100 (docs/performance.md)
-    num_warps = num_warps or (8 if block_h >= 32 else 4)
-    _sparse_mla[(rows, triton.cdiv(heads, block_h) * lat_split, num_splits)](
+    # one warpgroup up to 32 heads: at 32 x 64 it spills a little (sm_90, 512-wide latent) yet beats 8 warps
+    num_warps = num_warps or (8 if block_h >= 64 else 4)
+    _sparse_mla[(rows * triton.cdiv(heads, block_h) * lat_split, num_splits)](
         q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
         DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
+        HEADS_N=bool(heads_n), ROW_FAST=bool(row_fast),
         num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
