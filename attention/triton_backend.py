@@ -168,8 +168,8 @@ class TritonMetadata(AttentionMetadata):
             bits, tree_len = tree_bits(fb.tree_mask, fb), int(fb.tree_mask.shape[2])
         else:
             bits, tree_len = None, 0
-        return cls(bits, tree_len, max(fb.extend_lens_cpu), len(set(fb.extend_lens_cpu)) == 1,
-                   fb.page_table.table.shape[1] * fb.page_table.page_size)
+        uniform = len(set(fb.extend_lens_cpu)) == 1 and not fb.extend_lens_bound
+        return cls(bits, tree_len, max(fb.extend_lens_cpu), uniform, fb.page_table.table.shape[1] * fb.page_table.page_size)
 
 
 class TritonBackend(AttentionBackend):

@@ -65,6 +65,8 @@ class ForwardBatch:
     attn_metadata: AttentionMetadata | None = None
     round_metadata: AttentionMetadata | None = None
     logits_all_tokens: bool = False  # every token gets logits, in order (``logits_rows``); logits_indices is None
+    # ``extend_lens_cpu`` is only a bound of each request's new tokens (a prefill graph: the device has them)
+    extend_lens_bound: bool = False
     aux: dict = field(default_factory=dict)  # model outputs beside logits (hidden states for EAGLE)
 
     @property
@@ -168,6 +170,7 @@ class ForwardBatch:
             extend_lens_cpu=list(extend_lens),
             tree_mask=tree_mask,
             logits_all_tokens=all_logits,
+            extend_lens_bound=max_extend is not None,
         )
 
 

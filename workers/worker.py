@@ -115,9 +115,9 @@ class Worker:
         # short prefills replay graphs too (with the draft's prefill over the same tokens)
         self.extend_graphs: ExtendGraphs | None = None
         if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):
-            self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step,
-                                              min(cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens),
-                                              cfg.max_num_seqs, rank)
+            # (a bucket's padding request stores its tokens at positions up to the bucket: within a page table row)
+            self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step, min(
+                cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens, self.max_model_len), cfg.max_num_seqs, rank)
         # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
         self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)

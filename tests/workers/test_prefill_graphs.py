@@ -87,6 +87,11 @@ def test_prefill_graphs_keep_the_drafts_accepted(method, head):
     assert sum(o[2] for o in eager) > len(eager) * 8  # accepted drafts, of 24 tokens a request
 
 
-def test_prefill_graphs_off(spec_models):  # noqa: F811
-    eng = engine(spec_models["target"], cuda_graph_max_prefill_tokens=0)
-    assert eng.executor.worker.extend_graphs is None
+def test_prefill_graph_buckets(spec_models):  # noqa: F811
+    """Off at 0; otherwise buckets up to the prefill chunk, and within a page table row (the padding request stores
+    a bucket's tokens at its positions): at max_model_len 512, none past 512."""
+    assert engine(spec_models["target"], cuda_graph_max_prefill_tokens=0).executor.worker.extend_graphs is None
+    ext = engine(spec_models["target"], max_model_len=512).executor.worker.extend_graphs
+    assert ext.token_buckets == [16, 32, 64, 128, 256, 512]
+    ext = engine(spec_models["target"], max_model_len=1024, max_prefill_tokens=256).executor.worker.extend_graphs
+    assert ext.token_buckets[-1] == 256
