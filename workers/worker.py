@@ -115,8 +115,10 @@ class Worker:
         # short prefills replay graphs too (none with speculation: its draft's prefill is not captured)
         self.extend_graphs: ExtendGraphs | None = None
         if spec is None and cfg.cuda_graph_max_prefill_tokens and self.target.attn_backend.graph_safe_extend:
+            # (a bucket's padding request sits at positions 0.. of the pad slot's page-table row: within a request's)
             self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step,
-                                              min(cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens),
+                                              min(cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens,
+                                                  self.max_model_len),
                                               cfg.max_num_seqs, rank)
         # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
