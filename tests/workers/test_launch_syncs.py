@@ -21,7 +21,9 @@ from workers.config import SpeculativeConfig
 
 aten = torch.ops.aten
 # their result is a host value (or a shape) computed from device data: the host waits for the device
-READS_DEVICE = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero, aten.masked_select,
+# (under inference mode, which the worker's launches run in, ``int(t)`` / ``t.item()`` reach the mode as
+# ``aten.item``, not decomposed into ``_local_scalar_dense``)
+READS_DEVICE = {aten._local_scalar_dense, aten.item, aten.is_nonzero, aten.equal, aten.nonzero, aten.masked_select,
                 aten._unique2, aten.unique_consecutive, aten.unique_dim, aten.bincount}
 
 
@@ -34,6 +36,22 @@ class SyncLint(TorchDispatchMode):
         super().__init__()
         self.found: list[str] = []
         self._host_scalars: list[torch.Tensor] = []  # Python numbers lifted to 0-dim host tensors
+        self._tolist = None
+
+    def __enter__(self):
+        # ``Tensor.tolist`` reads a CPU tensor's memory without dispatching any operation (on a GPU: a blocking copy)
+        self._tolist, real = torch.Tensor.tolist, torch.Tensor.tolist
+
+        def tolist(t, *args, **kwargs):
+            self._record("Tensor.tolist")
+            return real(t, *args, **kwargs)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def _record(self, what: str) -> None:
         caller = next((f for f in reversed(traceback.extract_stack()[:-2]) if "/torch/" not in f.filename), None)
@@ -100,6 +118,22 @@ def test_launches_never_wait_for_the_device(spec_models, method):  # noqa: F811
     assert lint.found == [], lint.found
 
 
+
+def test_prefill_graph_launches_never_wait_for_the_device(spec_models):  # noqa: F811
+    """Prefills through the prefill graphs' path (static inputs filled from the step's host arrays, one padding
+    request, the callables run as they are here), overlapped with decode steps: (the test above sends every
+    prefill step eagerly: each holds a request with penalties or more tokens than its one bucket)."""
+    eng = engine(spec_models["target"], cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=32,
+                 mixed_decode_rows=0)
+    eng.executor.worker.capture_graphs()
+    lint, modes = _lint_launches(eng)
+    params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.8, top_p=1.0 if i % 3 else 0.9, seed=i,
+                             ignore_eos=True) for i in range(10)]
+    _, counts = drive(eng, params, mixed_prompts(10, seed=3))
+    assert counts["read_at_once"] < counts["extend"] + counts["decode"]  # the steps did overlap
+    assert eng.executor.worker.extend_graphs.num_replays >= 3, modes
+    assert lint.found == [], lint.found
+
 @pytest.mark.parametrize("name", ["eagle3", "draft"])
 def test_plain_steps_and_catch_ups_never_wait_for_the_device(spec_models, name):  # noqa: F811
     """Adaptive speculation's depths forced: plain steps (lengths moved on the host), the draft's eager catch-ups
@@ -134,3 +168,11 @@ def test_the_lint_sees_what_waits():
         "aten.index_put_.default of a Python number", "aten.index_put_.default with a boolean mask",
         "aten.index_put_.default of a Python number", "aten.repeat_interleave.Tensor without output_size",
         "aten._local_scalar_dense.default"]
+    with torch.inference_mode():  # (as the worker launches)
+        b = torch.zeros(4, dtype=torch.int64)
+        with SyncLint() as lint:
+            int(b[0])
+            b.sum().item()
+            b.tolist()
+    assert [f.split(" (")[0] for f in lint.found] == ["aten.item.default"] * 2 + ["Tensor.tolist"]
+    assert torch.Tensor.tolist is not None and b.tolist() == [0] * 4

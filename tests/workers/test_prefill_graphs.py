@@ -5,10 +5,10 @@ do not cover run eagerly; the pad slot's page stays unused."""
 
 from __future__ import annotations
 
-from deployments.engine.request import SamplingParams
-from tests.helpers import mixed_prompts
 import pytest
 
+from deployments.engine.request import SamplingParams
+from tests.helpers import mixed_prompts
 from tests.models.test_shipped_models import DRAFT, EAGLE3, PROMPTS, TARGET
 from tests.speculative.test_speculative import engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
@@ -95,3 +95,35 @@ def test_prefill_graph_buckets(spec_models):  # noqa: F811
     assert ext.token_buckets == [16, 32, 64, 128, 256, 512]
     ext = engine(spec_models["target"], max_model_len=1024, max_prefill_tokens=256).executor.worker.extend_graphs
     assert ext.token_buckets[-1] == 256
+
+
+def test_prefill_graph_buckets_fit_the_page_table(spec_models):  # noqa: F811
+    """A bucket's padding request holds up to the whole bucket at positions 0.. on the pad slot (a capture: all of
+    it), so no bucket may pass a request's page-table row: with max_model_len below the prefill budget, the
+    captures' inputs run (a GPU capture runs them) and a step of several short prompts padded past one request's
+    row replays a graph with the eager prefill's tokens."""
+    from workers.graphs import EXTEND_FIELDS
+
+    target = spec_models["target"]
+    kw = dict(max_model_len=32, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=256, max_prefill_tokens=256,
+              mixed_decode_rows=0)
+    prompts = [[10 + i + j for j in range(18)] for i in range(4)]  # 72 tokens in one step: a 128 bucket
+    eng = engine(target, **kw)
+    worker = eng.executor.worker
+    worker.capture_graphs()
+    ext = worker.extend_graphs
+    row = worker.page_table.table.shape[1] * worker.page_table.page_size
+    assert ext.token_buckets and max(ext.token_buckets) <= row
+    for tb, rb, kind in sorted(ext.captured):
+        ext.static.reset()  # the inputs a capture runs on: one padding request holding all tb tokens
+        ext.static.ints[EXTEND_FIELDS.index("seq_lens"), 0] = tb
+        ext.static.ints[EXTEND_FIELDS.index("extend_lens"), 0] = tb
+        ext.graphs[("extend", tb, rb, kind)][1]()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    short = [p[:10] for p in prompts[:2]]  # 20 tokens: a 32 bucket, replayed
+    out = [[o.token_ids for o in eng.generate(p, params)] for p in (prompts, short)]
+    assert ext.num_replays > 0
+    kw["cuda_graph_max_prefill_tokens"] = 0
+    eager = engine(target, **kw)
+    assert out == [[o.token_ids for o in eager.generate(p, params)] for p in (prompts, short)]
+    assert all(len(x) == 4 for x in out[0] + out[1])
