@@ -74,11 +74,11 @@ def indexer_topk(q: torch.Tensor, w: torch.Tensor, index_k_cache: torch.Tensor, 
 
 
 def sparse_mla(q_latent: torch.Tensor, q_rope: torch.Tensor, latent_cache: torch.Tensor, slots: torch.Tensor,
-               sm_scale: float) -> torch.Tensor:
+               sm_scale: float, rows_per_req: int = 1) -> torch.Tensor:
     """MLA over each row's selected slots, in the latent space. q_latent [R, H, Dl] (q_nope absorbed through W_UK),
     q_rope [R, H, Dr], latent_cache [S, Dl + Dr] (the normalised latent, then the rotated shared rope key), slots
     [R, topk] int32 (-1: none). Returns softmax((q_latent.c + q_rope.k_rope) * sm_scale) . c, [R, H, Dl] (W_UV is
-    applied by the caller)."""
+    applied by the caller). ``rows_per_req``: consecutive rows of one request (a kernel's launch may use it)."""
     dl = q_latent.shape[-1]
     kv = latent_cache[slots.long().clamp(min=0)].float()  # [R, K, Dl + Dr]
     c, kr = kv[..., :dl], kv[..., dl:]

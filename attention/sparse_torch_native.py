@@ -153,7 +153,8 @@ class SparseTorchNativeBackend(AttentionBackend):
         slots = self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table, m.row_req,
                                   m.row_len, fb.page_table.page_size, layer.topk, fp8=cache.index_fp8,
                                   tree_bits=m.tree_bits, tree_len=m.tree_len, rows_per_req=m.rows_per_req)
-        return self.sparse_mla(q_latent, q_rope, cache.latent[layer.layer_id], slots, layer.scaling)
+        return self.sparse_mla(q_latent, q_rope, cache.latent[layer.layer_id], slots, layer.scaling,
+                               rows_per_req=m.rows_per_req)
 
     def _dense_call(self, *args, **kwargs):
         raise TypeError(f"the {self.name} backend serves MLA models through forward_sparse")

@@ -112,7 +112,7 @@ class Case:
 
     def mla(self, knobs: dict, slots=None):
         return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
-                             out=self.out, **knobs.get("mla", {}))
+                             rows_per_req=self.rows_per_req, out=self.out, **knobs.get("mla", {}))
 
     def layer(self, knobs: dict):
         """As ``indexer_topk`` then ``sparse_mla`` run them."""

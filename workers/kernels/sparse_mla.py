@@ -781,13 +781,14 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
                block_n=None, lat_split=None, heads_n=None, programs_per_sm=None, max_splits=None, num_warps=None,
-               num_stages=None, row_fast=False, out=None):
+               num_stages=None, row_fast=False, rows_per_req=1, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
     a head block, each keeping half of the latent output. ``heads_n``: the dots transposed (heads on the MMA's N
     side: no padding of a few heads to the MMA's 64 rows). ``row_fast``: the grid's former order (rows varying
-    fastest), kept for A/B. Tiles and splits from the row count unless given."""
+    fastest), kept for A/B. Tiles and splits from the row count (and ``rows_per_req``, a request's consecutive
+    verify rows) unless given."""
     rows, heads, dl = q_latent.shape
     dr = q_rope.shape[-1]
     topk = slots.shape[1]
@@ -801,12 +802,17 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         raise ValueError("latent cache rows must hold latent + rope contiguously")
     q_latent, q_rope, slots = (x if x.stride(-1) == 1 else x.contiguous() for x in (q_latent, q_rope, slots))
     fp32 = q_latent.dtype == torch.float32
+    verify = rows_per_req > 1 and not fp32
     if block_h is None and block_n is None and lat_split is None and not fp32:
-        # one warpgroup over 64-slot tiles, 16 heads for a few rows (more programs), else 32 (each slot tile read by
-        # fewer programs): the fastest tiles of the H100 sweep (docs/performance.md)
-        block_h, block_n = (16, 64) if rows <= 4 else (32, 64)
-    if programs_per_sm is None:  # from the same sweep: many rows fill the GPU with fewer, longer splits
-        programs_per_sm = 1 if rows >= 32 and not fp32 else 2
+        # the fastest tiles of the H100 sweep (docs/performance.md): a request's verify rows select mostly the same
+        # slots, which 64-head blocks on two warpgroups reuse best; decode rows one warpgroup (16 heads over
+        # 128-slot tiles for a few rows: more programs; else 32 over 64, each slot tile read by fewer programs)
+        block_h, block_n = (64, 64) if verify else (16, 128) if rows <= 4 else (32, 64)
+    if programs_per_sm is None:  # from the same sweep: the split count that fills the GPU best
+        if verify:
+            programs_per_sm = 1 if rows <= 8 else 2 if rows <= 64 else 4
+        else:
+            programs_per_sm = 1 if rows >= 32 and not fp32 else 2
     if block_h is None:
         block_h = 16
     if block_n is None:  # fp32 tiles of 64 latents spill registers
