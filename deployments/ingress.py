@@ -31,6 +31,7 @@ from deployments.limits import RequestLimits
 from deployments.protocol import (
     APIError,
     ChatCompletionRequest,
+    ChunkFormat,
     CompletionRequest,
     SamplingFields,
     error_response,
@@ -507,21 +508,13 @@ class OpenAIIngress:
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(streams)  # characters streamed per choice: where its next tokens start (text_offset)
         head = {"id": rid, "object": obj, "created": created, "model": self.model_id}
+        fmt = ChunkFormat(head, chat, include_usage)
 
         def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None,
                   tops=None) -> str:
             lp = logprobs_body(pairs or [], chat, sent[i], tops) if logprobs and not first else None
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else (
-                    {"content": delta_text} if delta_text else {})
-                choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
-            else:
-                choice = {"index": i, "text": delta_text or "", "finish_reason": finish, "logprobs": lp}
-            payload = {**head, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
             sent[i] += len(delta_text or "")
-            return f"data: {json.dumps(payload)}\n\n"
+            return fmt.sse(i, delta_text, finish, lp, first)
 
         cached = [0] * len(echo.prompts)  # per prompt: the most any of its choices found cached
 

@@ -231,3 +231,32 @@ def logprobs_body(pairs: list, chat: bool, text_offset: int = 0, tops: list | No
             top_dicts[-1].setdefault(t, lp)
     return {"tokens": [t for t, _ in pairs], "token_logprobs": [lp for _, lp in pairs],
             "top_logprobs": top_dicts, "text_offset": offsets}
+
+
+class ChunkFormat:
+    """The SSE text of a streamed response's chunks, as ``json.dumps`` writes the chunk object
+    ({**head, "choices": [choice], "usage": null when asked}) but with the fields that never change within a
+    response formatted once: a response streams a chunk per step and choice, so this is per-token work."""
+
+    def __init__(self, head: dict, chat: bool, include_usage: bool):
+        self.chat = chat
+        fields = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in head.items())
+        self._prefix = 'data: {' + fields + ', "choices": [{"index": '
+        self._suffix = '}]' + (', "usage": null' if include_usage else '') + '}\n\n'
+
+    def sse(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
+            first: bool = False) -> str:
+        """One choice's chunk: its new text (chat: the delta; ``first``: the assistant role), its finish reason and
+        logprobs object."""
+        if self.chat:
+            body = ('"delta": {"role": "assistant", "content": ""}' if first else
+                    '"delta": {"content": ' + _json_str(text) + '}' if text else '"delta": {}')
+        else:
+            body = '"text": ' + _json_str(text or "")
+        return (f'{self._prefix}{index}, {body}, "finish_reason": {"null" if finish is None else _json_str(finish)}, '
+                f'"logprobs": {"null" if logprobs is None else json.dumps(logprobs)}{self._suffix}')
+
+
+# a string as json.dumps writes it (ensure_ascii): its C encoder alone, without dumps' per-call set-up
+_json_str = json.encoder.encode_basestring_ascii
+

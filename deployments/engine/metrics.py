@@ -108,20 +108,24 @@ class RequestMetrics:
         self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
                       "after the first", _ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        # the model tag as every metric's default: a record without tags skips Ray's merge of tag dicts (an
+        # inter-token sample is recorded for every streamed chunk)
+        for metric in (self.prompt_tokens, self.request_success, self.ttft, self.itl, self.tpot, self.e2e):
+            metric.set_default_tags(self.tags)
 
     def record_tokens(self, num_prompt: int, arrival: float, now: float, prev_token_time: float | None) -> None:
         """TTFT for a request's first tokens, else one inter-token sample: the time since its previous delivery of
         tokens, however many it carried (vLLM's definition: a speculative round is one sample)."""
         if prev_token_time is None:
-            self.prompt_tokens.inc(num_prompt, tags=self.tags)
-            self.ttft.observe(now - arrival, tags=self.tags)
+            self.prompt_tokens.inc(num_prompt)
+            self.ttft.observe(now - arrival)
         else:
-            self.itl.observe(now - prev_token_time, tags=self.tags)
+            self.itl.observe(now - prev_token_time)
 
     def record_finish(self, reason: str, arrival: float, now: float, first_token_time: float | None,
                       num_output: int) -> None:
         """A request that ended, for whatever reason (stop, length, abort, error)."""
-        self.request_success.inc(1, tags={**self.tags, "finished_reason": reason})
-        self.e2e.observe(now - arrival, tags=self.tags)
+        self.request_success.inc(1, tags={"finished_reason": reason})
+        self.e2e.observe(now - arrival)
         if first_token_time is not None and num_output > 1:
-            self.tpot.observe((now - first_token_time) / (num_output - 1), tags=self.tags)
+            self.tpot.observe((now - first_token_time) / (num_output - 1))

@@ -1,0 +1,40 @@
+"""A streamed chunk's SSE text (``ChunkFormat``, the per-response parts formatted once) is exactly what json.dumps
+writes for the chunk object, for completions and chat, with and without usage and logprobs, on text that JSON
+escapes (quotes, newlines, non-ASCII, lone surrogates' escapes) and every finish reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deployments.protocol import ChunkFormat, logprobs_body
+
+TEXTS = [None, "", "hello", 'a "quoted"\nline\t', "é漢字🙂", "\\u0000 \x00 \x1f"]
+
+
+def reference(head: dict, chat: bool, include_usage: bool, i: int, text, finish, lp, first: bool) -> str:
+    if chat:
+        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
+    else:
+        choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
+    payload = {**head, "choices": [choice]}
+    if include_usage:
+        payload["usage"] = None
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_chunks_equal_json_dumps(chat, include_usage):
+    head = {"id": "cmpl-7f\"x", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1764180000, "model": "org/modél"}
+    fmt = ChunkFormat(head, chat, include_usage)
+    for i in (0, 3):
+        for text in TEXTS:
+            for finish in (None, "stop", "length", "abort"):
+                for lp in (None, logprobs_body([("a", -0.5), ("é", -1.25)], chat, 4, [[("b", -0.7)], []])):
+                    for first in (False, True) if chat else (False,):
+                        assert fmt.sse(i, text, finish, lp, first) == reference(
+                            head, chat, include_usage, i, text, finish, lp, first)
