@@ -169,7 +169,8 @@ class TritonMetadata(AttentionMetadata):
         else:
             bits, tree_len = None, 0
         uniform = len(set(fb.extend_lens_cpu)) == 1 and not fb.extend_lens_bound
-        return cls(bits, tree_len, max(fb.extend_lens_cpu), uniform, fb.page_table.table.shape[1] * fb.page_table.page_size)
+        capacity = fb.page_table.table.shape[1] * fb.page_table.page_size
+        return cls(bits, tree_len, max(fb.extend_lens_cpu), uniform, capacity)
 
 
 class TritonBackend(AttentionBackend):

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (SHAPES, command, commit, copy_bandwidth, device_name, out_path, pyplot, weight_bytes_per_token,
-                          write_checkpoint, write_json, write_markdown)
+from bench.common import (SHAPES, command, commit, copy_bandwidth, device_name, out_path, pyplot,
+                          weight_bytes_per_token, write_checkpoint, write_json, write_markdown)
 
 KINDS = (("gemm", ("gemm", "cutlass", "nvjet", "sm90_", "cublas", "matmul", "linear")),
          ("attention", ("attn", "attention", "extend", "split", "merge", "flash")),
@@ -136,13 +136,14 @@ def measure(shape: str, ckpt: str, lens: list[int], reps: int, bw: float, rate: 
             Path(f"{host}_{shape}_{graph_tokens}_{n}.txt").write_text(host_profile(engine, prompt(n)))
         read = weight_bytes_per_token(shape) / bw * 1e3
         flops = 2 * matmul_params(shape) * n / rate * 1e3
-        row = {"shape": shape, "prefill_graph_tokens": graph_tokens, "prompt_len": n, "ttft_ms_median": round(statistics.median(times), 3),
+        row = {"shape": shape, "prefill_graph_tokens": graph_tokens, "prompt_len": n,
+               "ttft_ms_median": round(statistics.median(times), 3),
                "ttft_ms_min": round(min(times), 3), "ttft_ms": [round(t, 3) for t in times],
                "read_floor_ms": round(read, 3), "compute_floor_ms": round(flops, 3),
                "floor_ms": round(max(read, flops), 3), "calls": calls, **prof}
         row["ttft_vs_floor"] = round(row["ttft_ms_median"] / row["floor_ms"], 2)
-        print({k: row[k] for k in ("shape", "prefill_graph_tokens", "prompt_len", "ttft_ms_median", "floor_ms", "busy_ms", "span_ms",
-                                   "by_kind_ms")}, flush=True)
+        print({k: row[k] for k in ("shape", "prefill_graph_tokens", "prompt_len", "ttft_ms_median", "floor_ms",
+                                   "busy_ms", "span_ms", "by_kind_ms")}, flush=True)
         rows.append(row)
     engine.shutdown()
     del engine
@@ -157,13 +158,15 @@ def report(res: dict, out: Path) -> None:
           f"Floors: weights read once at {res['copy_gb_s']:.0f} GB/s; matmul FLOPs at {res['matmul_tflops']:.0f} "
           "TFLOP/s (bf16, 8192 cube), both measured in this run. `busy`: GPU kernel time of the request's calls "
           "until its first token; `span`: first kernel start to last kernel end.", "",
-          "| shape | prefill graphs up to | prompt | TTFT p50 ms (min) | floor ms (read / compute) | TTFT ÷ floor | GPU busy ms | span ms "
+          "| shape | prefill graphs up to | prompt | TTFT p50 ms (min) | floor ms (read / compute) | TTFT ÷ floor "
+          "| GPU busy ms | span ms "
           "| kernels | by kind ms | step calls (start→end ms, tokens) |",
           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         kinds = ", ".join(f"{k} {v}" for k, v in r["by_kind_ms"].items())
         calls = "; ".join(f"{c['start_ms']}→{c['end_ms']} ({c['tokens']})" for c in r["calls"])
-        md.append(f"| {r['shape']} | {r['prefill_graph_tokens'] or 'eager'} | {r['prompt_len']} | {r['ttft_ms_median']} ({r['ttft_ms_min']}) | "
+        md.append(f"| {r['shape']} | {r['prefill_graph_tokens'] or 'eager'} | {r['prompt_len']} | "
+                  f"{r['ttft_ms_median']} ({r['ttft_ms_min']}) | "
                   f"{r['floor_ms']} ({r['read_floor_ms']} / {r['compute_floor_ms']}) | {r['ttft_vs_floor']} | "
                   f"{r['busy_ms']} | {r['span_ms']} | {r['kernels']} | {kinds} | {calls} |")
     md += ["", "Top kernels of each row (ms, launches):", ""]
