@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.common import ROOT, command, commit, device_name, out_path, write_json, write_markdown
 
 
-def _reference_sse(fmt_args: tuple, index: int, text, finish, logprobs=None, first=False) -> str:
+def json_dumps_sse(fmt_args: tuple, index: int, text, finish, logprobs=None, first=False) -> str:
     """The chunk's text as the ingress wrote it before ``ChunkFormat``: the whole object through json.dumps."""
     head, chat, include_usage = fmt_args
     if chat:
@@ -80,7 +80,7 @@ def format_us(chat: bool, n: int = 20000) -> dict:
     fmt, args = ChunkFormat(head, chat, False), (head, chat, False)
     texts = [" the", "ing", "(", " self", ".\n", "é"]
     out = {}
-    for name, fn in (("json.dumps", lambda i, t: _reference_sse(args, i, t, None)),
+    for name, fn in (("json.dumps", lambda i, t: json_dumps_sse(args, i, t, None)),
                      ("ChunkFormat", lambda i, t: fmt.sse(i, t, None))):
         best = float("inf")
         for _ in range(5):

@@ -4,25 +4,12 @@ escapes (quotes, newlines, non-ASCII, lone surrogates' escapes) and every finish
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from bench.ingress_chunks import json_dumps_sse
 from deployments.protocol import ChunkFormat, logprobs_body
 
 TEXTS = [None, "", "hello", 'a "quoted"\nline\t', "é漢字🙂", "\\u0000 \x00 \x1f"]
-
-
-def reference(head: dict, chat: bool, include_usage: bool, i: int, text, finish, lp, first: bool) -> str:
-    if chat:
-        delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": lp}
-    else:
-        choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": lp}
-    payload = {**head, "choices": [choice]}
-    if include_usage:
-        payload["usage"] = None
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -36,5 +23,5 @@ def test_chunks_equal_json_dumps(chat, include_usage):
             for finish in (None, "stop", "length", "abort"):
                 for lp in (None, logprobs_body([("a", -0.5), ("é", -1.25)], chat, 4, [[("b", -0.7)], []])):
                     for first in (False, True) if chat else (False,):
-                        assert fmt.sse(i, text, finish, lp, first) == reference(
-                            head, chat, include_usage, i, text, finish, lp, first)
+                        assert fmt.sse(i, text, finish, lp, first) == json_dumps_sse(
+                            (head, chat, include_usage), i, text, finish, lp, first)
