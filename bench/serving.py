@@ -247,6 +247,113 @@ def per_step(before: dict, after: dict) -> dict:
     return row
 
 
+# the server's processes on this machine, by the title Ray gives them (or the program's name)
+ROLES = (("OpenAIIngress", "ingress"), ("LLMController", "controller"), ("EngineCore", "engine core"),
+         ("WorkerActor", "worker"), ("ProxyActor", "proxy"), ("haproxy", "haproxy"), ("raylet", "ray"),
+         ("gcs_server", "ray"))
+
+
+def server_processes() -> dict[int, str]:
+    """pid -> role of the server's processes running here (Linux /proc; {} elsewhere)."""
+    found = {}
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        role = next((r for key, r in ROLES if key in cmd), None)
+        if role is not None:
+            found[int(d.name)] = role
+    return found
+
+
+def cpu_seconds(pids: dict[int, str]) -> dict[int, float]:
+    """Each process's user + system CPU seconds so far (a process gone since is left out)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
+
+
+def py_spy_summary(raw: Path, top: int = 25) -> list[str]:
+    """Markdown of a py-spy raw profile (``--threads``): per thread, its share of the samples, then the functions
+    with the most samples on top of the stack (own) and anywhere in it (inclusive)."""
+    from collections import Counter
+
+    per_thread: dict[str, list[tuple[list[str], int]]] = {}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        frames = stack.split(";")
+        per_thread.setdefault(frames[0], []).append((frames[1:], int(n)))
+    total = sum(n for stacks in per_thread.values() for _, n in stacks) or 1
+    md = [f"# py-spy: {raw.name} ({total} samples, not idle)"]
+    for thread, stacks in sorted(per_thread.items(), key=lambda t: -sum(n for _, n in t[1])):
+        own, incl = Counter(), Counter()
+        for frames, n in stacks:
+            own[frames[-1] if frames else "?"] += n
+            for f in set(frames):
+                incl[f] += n
+        share = sum(n for _, n in stacks)
+        md += ["", f"## {thread}: {100 * share / total:.1f}% of the samples", "", "| own % | function |", "|---|---|"]
+        md += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in own.most_common(top)]
+        md += ["", "| inclusive % | function |", "|---|---|"]
+        md += [f"| {100 * n / total:.1f} | `{f}` |" for f, n in incl.most_common(top)]
+    return md
+
+
+class LevelCPU:
+    """CPU use of the server's processes and of this benchmark's clients over one level, in cores (CPU seconds per
+    second of the level): which process is saturated when served throughput stops following the engine. With
+    ``py_spy_dir``, the ingress replicas and the engine core are also sampled by py-spy for the level."""
+
+    def __init__(self, py_spy_dir: str | None = None, tag: str = ""):
+        import resource
+
+        self.pids = server_processes()
+        self.t0, self.cpu0 = time.monotonic(), cpu_seconds(self.pids)
+        own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        self.client0 = sum(u.ru_utime + u.ru_stime for u in own)
+        self.spies = []
+        if py_spy_dir:
+            import shutil
+            import subprocess
+
+            Path(py_spy_dir).mkdir(parents=True, exist_ok=True)
+            for pid, role in self.pids.items():
+                if role in ("ingress", "engine core") and shutil.which("py-spy"):
+                    raw = Path(py_spy_dir) / f"{role.replace(' ', '_')}_{pid}_{tag}.txt"
+                    self.spies.append(subprocess.Popen(
+                        ["py-spy", "record", "--nonblocking", "--threads", "-r", "100", "-f", "raw", "-d", "3600",
+                         "-p", str(pid), "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    def done(self) -> dict[str, float]:
+        import resource
+        import signal
+
+        wall = time.monotonic() - self.t0
+        cpu1 = cpu_seconds(self.pids)
+        own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        for spy in self.spies:  # py-spy writes its samples when interrupted
+            spy.send_signal(signal.SIGINT)
+        for spy in self.spies:
+            spy.wait(timeout=60)
+            raw = Path(spy.args[-1])
+            if raw.exists():
+                raw.with_suffix(".md").write_text("\n".join(py_spy_summary(raw)) + "\n")
+        cores: dict[str, float] = {}
+        for pid, role in self.pids.items():
+            if pid in cpu1 and pid in self.cpu0:
+                cores[role] = cores.get(role, 0.0) + (cpu1[pid] - self.cpu0[pid]) / wall
+        cores["client"] = (sum(u.ru_utime + u.ru_stime for u in own) - self.client0) / wall
+        return {role: round(c, 2) for role, c in sorted(cores.items())}
+
+
 def server_config(path: Path) -> tuple[str, str, dict]:
     """(base URL, model id, application args) of a serve config (its first application)."""
     spec = yaml.safe_load(path.read_text())
@@ -349,6 +456,15 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                f"{p.get('extend_steps', '')} ({r.get('offline', {}).get('extend_steps', '-')}) | "
                f"{p.get('requests_per_submit', '')} |"
                for r in steps for p in [r["server_per_step"]]]
+    cpu = [r for r in rows if r.get("server_cpu_cores")]
+    if cpu:
+        roles = sorted({k for r in cpu for k in r["server_cpu_cores"]})
+        md += ["", "CPU use over each level, in cores (CPU seconds per second) of the server's processes on this "
+               "machine by role (summed over a role's processes) and of this benchmark's clients: a role near "
+               "1.0 a process is saturated (the ingress replica and the engine core each run one event loop or "
+               "engine loop).", "", f"| {head} | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+        md += [f"| {r[key]} | " + " | ".join(str(r["server_cpu_cores"].get(k, "")) for k in roles) + " |"
+               for r in cpu]
     write_markdown(out, md)
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
@@ -430,6 +546,8 @@ def main() -> None:
     ap.add_argument("--max-concurrency", type=int, default=64)
     ap.add_argument("--client-procs", type=int, default=0, help="client processes for a level with all requests at "
                     "once (default: one per 32 streams in flight, at most 8)")
+    ap.add_argument("--py-spy-levels", default="", help="levels (C or rate) at which py-spy samples the ingress "
+                    "replicas and the engine core (it must be on PATH); raw samples go beside --out")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     engine_kwargs = stream_interval = app_args = None
@@ -490,8 +608,12 @@ def main() -> None:
     for rate, concurrency, n in runs:
         before = server_stats(base, args.api_key)
         procs = args.client_procs or min(8, max(1, concurrency // 32))
+        level = concurrency if levels else rate
+        spy = str(level) in args.py_spy_levels.split(",") or f"{level:g}" in args.py_spy_levels.split(",")
+        cpu = LevelCPU(str(out_path(args.out)) + "_py-spy" if spy else None, f"c{level:g}")
         rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key,
                                          procs)))
+        rows[-1]["server_cpu_cores"] = cpu.done()
         rows[-1]["server_per_step"] = per_step(before, server_stats(base, args.api_key))
         if concurrency in offline:
             rows[-1]["offline"] = offline[concurrency]

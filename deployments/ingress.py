@@ -11,6 +11,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -251,40 +252,48 @@ class _Served:
     limits: RequestLimits
 
 
-def _announce_ready(models: list[_Served], timeout_s: float = 3600.0) -> None:
-    """Log one line once every model's engine is up: the URL and where Prometheus scrapes the metrics. (A thread of
-    its own: the replica's event loop is not held by the wait.)"""
+async def _announce_ready(models: list[_Served], timeout_s: float = 3600.0) -> None:
+    """Log one line once every model's engine is up: the URL and where Prometheus scrapes the metrics. A task on the
+    replica's event loop: a handle may only be used there (under Serve's throughput-optimized mode, a handle called
+    from another thread raises), and the blocking lookups go to a thread."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     for m in models:
         while True:
             try:
-                m.controller.check_health.remote().result(timeout_s=60)
+                await asyncio.wait_for(m.controller.check_health.remote(), 60)
                 break
             except Exception:  # noqa: BLE001 - still starting (or being replaced): ask again
                 if time.monotonic() > deadline:
                     return
-                time.sleep(1.0)
-    url = metrics = "?"
-    try:
-        from ray.serve.context import _get_global_client
+                await asyncio.sleep(1.0)
 
-        client = _get_global_client()
-        app_name = serve.get_replica_context().app_name
-        prefix = client.get_serve_details()["applications"][app_name].get("route_prefix") or "/"
-        url = client.root_url.rstrip("/") + prefix.rstrip("/") + "/v1"
-    except Exception:  # noqa: BLE001 - the line is a convenience: never fail the replica for it
-        pass
-    try:
-        node = ray.get_runtime_context().get_node_id()
-        info = next(n for n in ray.nodes() if n["NodeID"] == node)
-        metrics = f"http://{info['NodeManagerAddress']}:{info['MetricsExportPort']}/metrics"
-    except Exception:  # noqa: BLE001
-        pass
+    def where() -> tuple[str, str]:
+        url = metrics = "?"
+        try:
+            from ray.serve.context import _get_global_client
+
+            client = _get_global_client()
+            app_name = serve.get_replica_context().app_name
+            prefix = client.get_serve_details()["applications"][app_name].get("route_prefix") or "/"
+            url = client.root_url.rstrip("/") + prefix.rstrip("/") + "/v1"
+        except Exception:  # noqa: BLE001 - the line is a convenience: never fail the replica for it
+            pass
+        try:
+            node = ray.get_runtime_context().get_node_id()
+            info = next(n for n in ray.nodes() if n["NodeID"] == node)
+            metrics = f"http://{info['NodeManagerAddress']}:{info['MetricsExportPort']}/metrics"
+        except Exception:  # noqa: BLE001
+            pass
+        return url, metrics
+
+    url, metrics = await asyncio.to_thread(where)
     line = (f"specserve ready: {url} serving {', '.join(m.model_id for m in models)}; Prometheus metrics of this "
             f"node at {metrics}")
-    print(line, flush=True)  # stdout: serve run shows the replicas' stdout, whatever the logging set-up
+    # the process's own stdout, which serve run shows: Serve may have pointed sys.stdout at its buffered replica log
+    sys.__stdout__.write(line + "\n")
+    sys.__stdout__.flush()
 
 
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0})
@@ -310,7 +319,8 @@ class OpenAIIngress:
                                   m["stream_batching_interval_ms"], m.get("router"))
             self.models[m["model_id"]] = _Served(m["model_id"], m["controller"], engine, limits_m)
         self.default = self.models[model_id]
-        threading.Thread(target=_announce_ready, args=(list(self.models.values()),), daemon=True).start()
+        # (Serve runs the constructor on the replica's event loop; the task is kept so it is not collected)
+        self._announce = asyncio.get_running_loop().create_task(_announce_ready(list(self.models.values())))
 
     # The request's model (set by _check_model) is a context variable, so a handler's self.engine, self.model_id,
     # self.limits and self.controller are its model's without passing it around.

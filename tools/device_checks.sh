@@ -159,7 +159,8 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
       # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs), +nopg:
       # prefills run eagerly (no prefill graphs);
-      # SERVED_WAVES: requests per level in units of C (2)
+      # SERVED_WAVES: requests per level in units of C (2); SERVED_PY_SPY: levels (e.g. 128,256) at which py-spy
+      # samples the ingress replicas and the engine core (bench.serving --py-spy-levels)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
       cfg=$R/served_${2}_$variant.yaml
@@ -180,7 +181,7 @@ yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$varian
         [[ $variant == *+ha* ]] && export RAY_SERVE_ENABLE_HA_PROXY=1
         run python3 -m bench.serving --config "$cfg" "${offline[@]}" "${client[@]}" --concurrencies \
           "${SERVED_C:-1,16,64,128,256}" --waves "${SERVED_WAVES:-2}" --input-len 256 --output-len 256 \
-          --range-ratio 0 --device-label "$gpu" \
+          --range-ratio 0 --device-label "$gpu" ${SERVED_PY_SPY:+--py-spy-levels "$SERVED_PY_SPY"} \
           --out "$R/served_${2}_${variant}_$tag"
         exit $fail ) || fail=1
       ray stop --force >/dev/null 2>&1
