@@ -308,6 +308,10 @@ class _ModelProposer(Proposer):
 class EagleProposer(_ModelProposer):
     """EAGLE-1/2 and EAGLE-3 heads (``naive`` is EAGLE with one step, top-1, two verified tokens)."""
 
+    # the catch-up of a one-layer head (``EagleHead.kv_from_inputs``): the KV alone at every stashed position but
+    # each request's last (K/V read only their position's input), the whole layer and the logits at the last one
+    kv_only_catch_up = False
+
     def __init__(self, ctx: DraftContext, spec_cfg):
         super().__init__(ctx, spec_cfg)
         from workers.models.eagle import EagleHead, load_eagle_config
@@ -318,6 +322,7 @@ class EagleProposer(_ModelProposer):
             cfg, raw, ctx.dtype, ctx.tp, ctx.rope_len, target.cfg.hidden_size))
         self.head: EagleHead = self.runner.model
         self.head.attach_target(target)
+        self.kv_only_catch_up = self.head.kv_from_inputs
         if self.head.eagle3:
             self.target_aux_layers = self.head.aux_layer_ids
         n, k, h = ctx.max_requests, self.topk, cfg.hidden_size
@@ -344,6 +349,13 @@ class EagleProposer(_ModelProposer):
         self._stash_at(inp, sampled, self._raw_features(fb, hidden))
 
     def catch_up(self, slots, root_pos, lags):
+        if self.kv_only_catch_up:
+            slots, root_pos, lags = (np.asarray(x, np.int64) for x in (slots, root_pos, lags))
+            behind = lags > 1
+            if behind.any():  # every stashed position but each request's last: its KV alone
+                kfb, raw = self._stashed(slots[behind], root_pos[behind] - 1, lags[behind] - 1)
+                self.runner.store_kv(kfb, features=self._fuse(raw))
+            lags = np.ones_like(lags)  # the last: the whole layer, attending over the KV just stored
         fb, raw = self._stashed(slots, root_pos, lags)
         (logp, d2t), feat = self._draft_forward(fb, self._fuse(raw))
         self._save_state(fb.req_slots, logp, d2t, feat)  # from each request's last pair: the root's first draft

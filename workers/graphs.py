@@ -711,11 +711,19 @@ class DecodeGraphs(GraphRunner):
         def rows(x: int):  # (a small-M linear's tile is chosen per row bucket)
             return (row_bucket(x), int_specialisation(x)) if x <= MAX_ROWS else int_specialisation(x)
 
-        def key(b: int, n: int, uniform: bool) -> tuple:
-            t = n * b if uniform else n + b - 1
-            attn = () if layer is None else runner.attn_backend.compile_key(
+        def attn(b: int, n: int, uniform: bool) -> tuple:
+            return () if layer is None else runner.attn_backend.compile_key(
                 ForwardMode.DRAFT_EXTEND, b, n, uniform, layer, capacity)
-            return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn
+
+        def key(b: int, n: int, uniform: bool) -> tuple:
+            if getattr(proposer, "kv_only_catch_up", False):
+                # the KV-only pass over the positions before each request's last (here the lagging requests, b
+                # or 1, each n - 1: a uniform batch's metadata kernel), then one query row per request
+                kv = (int_specialisation(b if uniform else 1), int_specialisation(n - 1),
+                      rows((n - 1) * (b if uniform else 1))) if n > 1 else None
+                return kv, rows(b), attn(b, 1, True)
+            t = n * b if uniform else n + b - 1
+            return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn(b, n, uniform)
 
         return key
 
