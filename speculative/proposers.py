@@ -18,7 +18,9 @@ Lazy catch-up (adaptive speculation's plain steps): a depth-0 step is the target
 draft's position m (its root's) unconsumed and only ``stash``es what the draft needs there (EAGLE: the sampled
 token and the target's features at m; the standalone draft: the root) in a per-slot ring of ``catch_up_window``
 positions. Before the next round (or when the ring is full), ``catch_up`` runs the draft over every stashed
-position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step.
+position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step. A head of
+one layer writes only its KV at each request's positions but the last (a position's K/V read its own input alone),
+and runs the whole layer at the last one, whose outputs the next round starts from.
 """
 
 from __future__ import annotations
