@@ -13,10 +13,11 @@ import torch
 from deployments.engine.request import SamplingParams
 from speculative.adaptive import DepthSchedule
 from tests.helpers import mixed_prompts
-from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
+from tests.speculative.test_speculative import engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
 
-SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 CHAIN = dict(num_steps=3)
 TREE = dict(num_steps=2, topk=3, num_draft_tokens=5)
 # runs of plain steps that fill the stash of 2 (caught up inside a plain step) and that end before a round; a tree
@@ -30,7 +31,7 @@ def _spec(models, method: str, shape: str, **kw) -> SpeculativeConfig:
 
 @pytest.fixture(scope="module")
 def references(spec_models):
-    prompts = mixed_prompts(5)
+    prompts = mixed_prompts(4)
     eng = engine(spec_models["target"])
     return prompts, {id(p): [o.token_ids for o in eng.generate(prompts, p)] for p in (GREEDY, SEEDED)}
 
@@ -46,7 +47,7 @@ def test_kv_only_catch_up_equals_the_full_one_and_no_speculation(spec_models, re
     drafts = []
     for kv_only in (True, False):
         eng = engine(spec_models["target"], _spec(spec_models, method, shape, catch_up_window=2),
-                     kv_cache_tokens=160, max_prefill_tokens=32)
+                     kv_cache_tokens=112, max_prefill_tokens=32)
         worker = eng.executor.worker
         p = worker.proposer
         assert p.kv_only_catch_up  # (one-layer heads)
