@@ -18,7 +18,9 @@ Lazy catch-up (adaptive speculation's plain steps): a depth-0 step is the target
 draft's position m (its root's) unconsumed and only ``stash``es what the draft needs there (EAGLE: the sampled
 token and the target's features at m; the standalone draft: the root) in a per-slot ring of ``catch_up_window``
 positions. Before the next round (or when the ring is full), ``catch_up`` runs the draft over every stashed
-position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step.
+position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step. A head of
+one layer writes only its KV at each request's positions but the last (a position's K/V read its own input alone),
+and runs the whole layer at the last one, whose outputs the next round starts from.
 """
 
 from __future__ import annotations
@@ -308,6 +310,10 @@ class _ModelProposer(Proposer):
 class EagleProposer(_ModelProposer):
     """EAGLE-1/2 and EAGLE-3 heads (``naive`` is EAGLE with one step, top-1, two verified tokens)."""
 
+    # the catch-up of a one-layer head (``EagleHead.kv_from_inputs``): the KV alone at every stashed position but
+    # each request's last (K/V read only their position's input), the whole layer and the logits at the last one
+    kv_only_catch_up = False
+
     def __init__(self, ctx: DraftContext, spec_cfg):
         super().__init__(ctx, spec_cfg)
         from workers.models.eagle import EagleHead, load_eagle_config
@@ -318,6 +324,7 @@ class EagleProposer(_ModelProposer):
             cfg, raw, ctx.dtype, ctx.tp, ctx.rope_len, target.cfg.hidden_size))
         self.head: EagleHead = self.runner.model
         self.head.attach_target(target)
+        self.kv_only_catch_up = self.head.kv_from_inputs
         if self.head.eagle3:
             self.target_aux_layers = self.head.aux_layer_ids
         n, k, h = ctx.max_requests, self.topk, cfg.hidden_size
@@ -344,6 +351,13 @@ class EagleProposer(_ModelProposer):
         self._stash_at(inp, sampled, self._raw_features(fb, hidden))
 
     def catch_up(self, slots, root_pos, lags):
+        if self.kv_only_catch_up:
+            slots, root_pos, lags = (np.asarray(x, np.int64) for x in (slots, root_pos, lags))
+            behind = lags > 1
+            if behind.any():  # every stashed position but each request's last: its KV alone
+                kfb, raw = self._stashed(slots[behind], root_pos[behind] - 1, lags[behind] - 1)
+                self.runner.store_kv(kfb, features=self._fuse(raw))
+            lags = np.ones_like(lags)  # the last: the whole layer, attending over the KV just stored
         fb, raw = self._stashed(slots, root_pos, lags)
         (logp, d2t), feat = self._draft_forward(fb, self._fuse(raw))
         self._save_state(fb.req_slots, logp, d2t, feat)  # from each request's last pair: the root's first draft

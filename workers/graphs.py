@@ -584,8 +584,10 @@ class DecodeGraphs(GraphRunner):
         if not self.buckets:
             return self._eager_depth_costs(tiers, depth_of)
         lags = self._catch_up_lags()
+        # (a table timed with the other catch-up is not reused)
+        kv_only = " kv-only" if getattr(self.spec_round.proposer, "kv_only_catch_up", False) else ""
         key = self.norm_fusion_key(self.buckets[-1]).replace(
-            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up at {lags}", 1)
+            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up{kv_only} at {lags}", 1)
         cached = self.tuning_cache.get_step_costs(key) if self.tuning_cache is not None else None
         if self.tp.size > 1:  # every rank times (replays all-reduces) or none does
             (has,) = self.tp.all_reduce_host([cached is not None], op=dist.ReduceOp.MIN)
@@ -699,7 +701,8 @@ class DecodeGraphs(GraphRunner):
     def _catch_up_compile_key(self) -> Callable[[int, int, bool], tuple]:
         """key(requests, longest lag, uniform) of a catch-up: its draft attention's launch (the backend's
         ``compile_key``), how Triton specialises the row counts the other kernels take as ints (= 1, divisible by
-        16), and the row buckets of counts up to 16 (the small-M linears' tiles; cuBLAS above)."""
+        16), and the row buckets of counts up to 16 (the small-M linears' tiles; cuBLAS above). A one-layer head's
+        KV-only catch-up (``EagleProposer.kv_only_catch_up``) runs attention on one row per request only."""
         proposer = self.spec_round.proposer
         runner = getattr(proposer, "runner", None)
         layer = None if runner is None else next(
@@ -711,11 +714,19 @@ class DecodeGraphs(GraphRunner):
         def rows(x: int):  # (a small-M linear's tile is chosen per row bucket)
             return (row_bucket(x), int_specialisation(x)) if x <= MAX_ROWS else int_specialisation(x)
 
-        def key(b: int, n: int, uniform: bool) -> tuple:
-            t = n * b if uniform else n + b - 1
-            attn = () if layer is None else runner.attn_backend.compile_key(
+        def attn(b: int, n: int, uniform: bool) -> tuple:
+            return () if layer is None else runner.attn_backend.compile_key(
                 ForwardMode.DRAFT_EXTEND, b, n, uniform, layer, capacity)
-            return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn
+
+        def key(b: int, n: int, uniform: bool) -> tuple:
+            if getattr(proposer, "kv_only_catch_up", False):
+                # the KV-only pass over the positions before each request's last (here the lagging requests, b
+                # or 1, each n - 1: a uniform batch's metadata kernel), then one query row per request
+                kv = (int_specialisation(b if uniform else 1), int_specialisation(n - 1),
+                      rows((n - 1) * (b if uniform else 1))) if n > 1 else None
+                return kv, rows(b), attn(b, 1, True)
+            t = n * b if uniform else n + b - 1
+            return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn(b, n, uniform)
 
         return key
 

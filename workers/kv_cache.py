@@ -50,6 +50,11 @@ class KVCache:
         kernel on the GPU: ``kernels.norm_rope.apply_rope_store_kv``). ``positions``: cos / sin are the whole tables."""
         return apply_rope_store_kv(q, k, v, cos, sin, self.k[layer_id], self.v[layer_id], slots, positions)
 
+    def rope_and_store_kv(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """``rope_and_store`` without a query: the same kernel over no query heads."""
+        self.rope_and_store(layer_id, slots, k[:, :0], k, v, cos, sin, positions)
+
     def move(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """Copy K/V of every layer from ``src_slots`` to ``dst_slots`` (compacting accepted tree nodes)."""
         for k, v in zip(self.k, self.v):

@@ -167,6 +167,12 @@ class QKVParallelLinear(nn.Module):
         qkv = linear(x, self.weight, self.bias, self.small_m, norm_eps=norm_eps)
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
 
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v alone (a draft's KV-only pass: no query is read): the weight's k/v rows, through cuBLAS (the
+        small-M tables are tuned for the whole q/k/v matrix)."""
+        kv = F.linear(x, self.weight[self.q_size:], None if self.bias is None else self.bias[self.q_size:])
+        return kv.split([self.kv_size, self.kv_size], dim=-1)
+
 
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split along the input dim; partial sums are all-reduced."""

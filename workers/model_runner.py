@@ -93,6 +93,13 @@ class ModelRunner:
         return self.model(fb, **model_inputs)
 
     @torch.inference_mode()
+    def store_kv(self, fb: ForwardBatch, **model_inputs) -> None:
+        """Only the KV of the batch's tokens (a one-layer draft head's ``store_kv``: no attention runs, so no
+        attention metadata is built)."""
+        fb.kv_cache = self.kv_cache
+        self.model.store_kv(fb, **model_inputs)
+
+    @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 

@@ -137,6 +137,10 @@ def check_store_kv(g) -> None:
             kg, vg = torch.zeros_like(kc), torch.zeros_like(vc)
             q_gat = apply_rope_store_kv(q, k, v, table.cos()[pos], table.sin()[pos], kg, vg, slots)
             assert torch.equal(q_tab, q_gat) and torch.equal(kt, kg) and torch.equal(vt, vg), cache_dtype
+            # no query heads (a draft's KV-only pass, ``KVCache.rope_and_store_kv``): the same k and v stored
+            ko, vo = torch.zeros_like(kc), torch.zeros_like(vc)
+            none = apply_rope_store_kv(k[:, :0], k, v, table.cos(), table.sin(), ko, vo, slots, positions=pos)
+            assert none.shape == (5, 0, 16) and torch.equal(ko, kt) and torch.equal(vo, vt), cache_dtype
             qa, ka = apply_rope_qk(q, k, table.cos(), table.sin(), pos)
             qb, kb = apply_rope_qk(q, k, table.cos()[pos], table.sin()[pos])
             assert torch.equal(qa, qb) and torch.equal(ka, kb)

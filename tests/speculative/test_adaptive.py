@@ -454,7 +454,9 @@ def test_catch_up_warm_up_changes_nothing(spec_models, references):
     assert len(calls) == len(shapes) > 0
     assert all((s == 8).all() and (p == lag).all() for s, p, lag in calls)  # the padding slot, positions 0 .. lag-1
     uniform = {int(lag[0]) for _, _, lag in calls if len(set(lag.tolist())) == 1}
-    assert {1, 8} <= uniform and uniform & set(range(2, 8))
+    # (the EAGLE-3 head's catch-up is KV-only but for each request's last position: a longer lag changes only the
+    # KV pass's row count, whose compile variants stop at the small-M row buckets)
+    assert 1 in uniform and uniform & set(range(2, 9))
     assert any(len(set(lag.tolist())) > 1 for _, _, lag in calls)  # mixed lags
     pad_page = worker.page_table.table[8].unique().tolist()
     assert pad_page == [0]

@@ -55,16 +55,20 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, ids, embed_tokens: VocabParallelEmbedding, hidden, cos, sin, fb):
-        residual = hidden
-        x = hidden.new_empty(hidden.shape[0], 2 * hidden.shape[1])  # [norm(embed(ids)) | norm(hidden)], one kernel
+    def layer_input(self, ids, embed_tokens: VocabParallelEmbedding, hidden) -> torch.Tensor:
+        """[norm(embed(ids)) | norm(hidden)], one kernel: what q/k/v are projected from."""
+        x = hidden.new_empty(hidden.shape[0], 2 * hidden.shape[1])
         if embed_tokens.tp.size == 1:  # the embedding lookup is the first norm's row gather
             table, rows = embed_tokens.weight, ids
         else:  # a vocab-parallel lookup sums the ranks' rows first
             table, rows = embed_tokens(ids), None
         rms_norm_pair(table, hidden, self.input_layernorm.weight, self.hidden_norm.weight, self.input_layernorm.eps, x,
                       a_rows=rows)
-        x = self.self_attn(x, cos, sin, fb)
+        return x
+
+    def forward(self, ids, embed_tokens: VocabParallelEmbedding, hidden, cos, sin, fb):
+        residual = hidden
+        x = self.self_attn(self.layer_input(ids, embed_tokens, hidden), cos, sin, fb)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -129,6 +133,25 @@ class EagleHead(nn.Module):
                 x, residual = layer(x, residual, cos, sin, fb)
         out = fb.logits_rows(x + residual)
         return out, out
+
+    @property
+    def kv_from_inputs(self) -> bool:
+        """Whether the head's KV at a position depends on that position's inputs alone (token, target features),
+        not on attention over earlier ones: a head of one decoder layer (EAGLE-3's; EAGLE-1/2's of one layer)."""
+        return self.eagle3 or len(self.layers) == 1
+
+    def store_kv(self, fb: ForwardBatch, features: torch.Tensor) -> None:
+        """The KV that ``forward(fb, features)`` writes at the batch's rows, alone: the layer input and its K/V
+        projections, RoPE and the store (``kv_from_inputs`` heads only). No attention, so no attention metadata."""
+        if not self.kv_from_inputs:
+            raise ValueError("a head of several layers: its later layers' KV depends on attention outputs")
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.eagle3:
+            self.midlayer.self_attn.store_kv(self.midlayer.layer_input(fb.input_ids, self.embed_tokens, features),
+                                             cos, sin, fb)
+            return
+        x = self.fc(torch.cat([self.embed_tokens(fb.input_ids), features], dim=-1))
+        self.layers[0].self_attn.store_kv(x, cos, sin, fb)  # (no input norm on the first layer)
 
     def compute_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft logits over the draft vocabulary, and the draft→target id map (None: identity)."""

@@ -62,6 +62,16 @@ class Attention(nn.Module):
         out = fb.attn_backend.forward(q, None, None, s, fb)  # K/V already in the cache
         return self.o_proj(out.reshape(-1, s.num_heads * s.head_dim), add=add)
 
+    def store_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> None:
+        """The K/V that ``forward(x, cos, sin, fb)`` stores, alone (no query, attention or output projection)."""
+        s = self.spec
+        k, v = self.qkv_proj.kv(x)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        fb.kv_cache.rope_and_store_kv(s.layer_id, fb.out_cache_loc, k, v, cos, sin, fb.positions)
+
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype, tp: TPGroup):
