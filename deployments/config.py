@@ -189,6 +189,11 @@ class LLMConfig(Strict):
                              "all-reduce): use STRICT_PACK")
         return self
 
+    @model_validator(mode="after")
+    def _engine_kwargs_valid(self):
+        self.engine_config()  # refused here, naming the setting, rather than when the engine replica starts
+        return self
+
     def request_limits(self) -> dict:
         return {name: getattr(self, name) for name in LIMIT_FIELDS}
 

@@ -1,7 +1,8 @@
 """The controller: a Serve deployment that owns the engine core actor and answers Serve's health checks for it.
 
 The engine core (deployments/engine/core.py) runs in a Ray actor of its own, placed in this replica's placement group
-(bundle 0, beside this replica; the TP workers take the bundles after it), and is owned by this replica: if either
+(bundle 0, beside this replica; the TP workers take the bundles after it; with ``distributed_executor_backend: uni``
+the core runs rank 0 itself, in bundle 1 with its GPU), and is owned by this replica: if either
 dies, both go, and Serve's replacement replica starts a fresh core. The ingress replicas find the core by its name and
 talk to it directly: requests in, step outputs out, never through this replica.
 
@@ -50,16 +51,20 @@ class LLMController:
         from deployments.engine.core import EngineCore
 
         config = LLMConfig(**llm_config)
+        engine_cfg = config.engine_config()
+        # "uni": the core runs rank 0 itself, in the first worker's bundle and with its GPU
+        uni = engine_cfg.distributed_executor_backend == "uni"
         pg = get_current_placement_group()
         placement = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)}
+            pg, placement_group_bundle_index=1 if uni else 0, placement_group_capture_child_tasks=True)}
+        gpus = 1 if uni and engine_cfg.resolved_device() == "cuda" else 0
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         self.core_name = core_prefix(ctx.app_name, ctx.deployment) + self.replica
         # threads: one long poll per ingress replica, plus submissions, aborts, stats and health checks
         self.core = ray.remote(EngineCore).options(
-            num_cpus=0, max_concurrency=64, name=self.core_name, namespace=CORE_NAMESPACE, **placement).remote(
-            config.engine_config(), config.model_loading_config.model_id, replica=self.replica)
+            num_cpus=0, num_gpus=gpus, max_concurrency=64, name=self.core_name, namespace=CORE_NAMESPACE,
+            **placement).remote(engine_cfg, config.model_loading_config.model_id, replica=self.replica)
         ray.get(self.core.check_health.remote())  # the replica is ready once the engine is
 
     def core_handle(self):

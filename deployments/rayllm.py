@@ -33,13 +33,12 @@ IGNORED = {
     "disable_log_requests": "requests are not logged",
     "enable_log_requests": "requests are not logged",
     "trust_remote_code": "Llama and Qwen checkpoints load natively; no remote code runs",
-    "distributed_executor_backend": "TP ranks are always Ray actors",
     "max_seq_len_to_capture": "graphs are captured per batch size (cuda_graph_max_bs)",
     "served_model_name": "the name is model_loading_config.model_id",
 }
 # values of an ignored key that say what we do anyway (no warning)
 AS_HERE = {"enable_chunked_prefill": True, "disable_log_stats": False,
-           "disable_log_requests": True, "enable_log_requests": False, "distributed_executor_backend": "ray"}
+           "disable_log_requests": True, "enable_log_requests": False}
 # values of a vLLM key that mean what we always do (dropped without a warning)
 DEFAULTS = {"pipeline_parallel_size": 1, "kv_cache_dtype": "auto", "quantization": None, "enable_lora": False,
             "data_parallel_size": 1}

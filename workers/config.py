@@ -87,6 +87,11 @@ class EngineConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     tensor_parallel_size: int = Field(1, ge=1)
+    distributed_executor_backend: Literal["ray", "uni"] = Field(
+        "ray", description="served engines: where the TP ranks run. ray: a worker actor per GPU, stepped over Ray's "
+        "channels (a dead worker is restarted in place); uni: TP=1 only, the worker inside the engine core's own "
+        "process (no step message between processes; a GPU failure then fails the engine replica, which Serve "
+        "replaces)")
     page_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
@@ -135,6 +140,13 @@ class EngineConfig(Strict):
                                          "for later starts (default: $SPECSERVE_CACHE_DIR, else "
                                          "$XDG_CACHE_HOME/specserve or ~/.cache/specserve); '' times them at every "
                                          "start")
+
+    @model_validator(mode="after")
+    def _check_executor(self):
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank in the engine core's process: "
+                             "tensor_parallel_size must be 1 (use 'ray' for tensor parallelism)")
+        return self
 
     def resolved_tuning_cache_dir(self) -> str | None:
         """The directory of the tuning cache, or None when it is off."""

@@ -24,7 +24,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from deployments.engine.engine import Engine, freeze_startup_heap
+from deployments.engine.engine import Engine, LocalExecutor, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from workers.config import EngineConfig
 
@@ -85,10 +85,11 @@ class EngineCore:
         self.cfg, self.replica = cfg, replica
         self.num_accepted = 0  # requests accepted by submit, ever (/v1/stats: which replica served how many)
         self.num_submits = 0  # submit calls that accepted any (/v1/stats: requests per call, how arrivals batch)
-        self.engine = engine or Engine(cfg, RayExecutor.start(cfg), metrics=EngineMetrics(model_id, replica),
-                                       detokenize=False)
-        if engine is None:
+        if engine is None:  # ("uni": rank 0 in this process, on the GPU the controller gave this actor)
+            executor = LocalExecutor(cfg) if cfg.distributed_executor_backend == "uni" else RayExecutor.start(cfg)
+            engine = Engine(cfg, executor, metrics=EngineMetrics(model_id, replica), detokenize=False)
             freeze_startup_heap()  # this process keeps the engine for its life
+        self.engine = engine
         self.cold_start_s = time.time() - t0
         self._lock = threading.Lock()  # guards what the threads share below; never held across a step
         self._output_ready = threading.Condition(self._lock)

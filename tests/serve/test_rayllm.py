@@ -84,6 +84,8 @@ def test_vllm_engine_kwargs_map_to_ours():
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"no_such_engine_arg": 1}, "no_such_engine_arg"),
+    ({"distributed_executor_backend": "mp"}, "distributed_executor_backend"),
+    ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
 ])
 def test_what_has_no_mapping_is_refused_naming_it(kwargs, named):
     from deployments.config import LLMConfig
@@ -135,6 +137,14 @@ def test_builder_args_are_checked(tmp_path):
     assert not any("accelerator_type:L4" in x for x in a._replica_config.placement_group_bundles)
 
 
+def _alive_workers() -> int:
+    """TP worker actors alive in this Ray instance (from the GCS's actor table)."""
+    import ray
+
+    return sum(a["ActorClassName"].endswith("WorkerActor") and a["State"] == "ALIVE"
+               for a in ray._private.state.actors().values())
+
+
 def test_two_models_in_one_app_routed_by_model(server, tiny_models):
     """build_openai_app with two tiny checkpoints (Llama, Qwen3), each its own controller and engine, behind one
     ingress: the official client reaches each by name; each answers as its own offline engine does."""
@@ -154,14 +164,17 @@ def test_two_models_in_one_app_routed_by_model(server, tiny_models):
                            "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
                                                   "prompt_lookup_max": 3}},
          "runtime_env": {"env_vars": {"SPECSERVE_TEST_MARK": "1"}}},
+        # vLLM's "uni": rank 0 inside the engine core's process, no worker actor
         {"model_loading_config": {"model_id": "m-qwen3", "model_source": str(tiny_models["qwen3"])},
-         "engine_kwargs": engine},
+         "engine_kwargs": {**engine, "distributed_executor_backend": "uni"}},
     ]
+    workers_before = _alive_workers()
     serve.run(build_openai_app({"llm_configs": llm_configs}), name="multi", route_prefix="/multi", blocking=False)
     try:
         wait_healthy(server["base"] + "/multi")
         client = openai.OpenAI(base_url=server["base"] + "/multi/v1", api_key="none", max_retries=0, timeout=120)
         assert [m.id for m in client.models.list().data] == ["m-llama", "m-qwen3"]
+        assert _alive_workers() == workers_before + 1  # m-llama's rank; m-qwen3's runs in its engine core
         # references: the package's app serves the same Llama checkpoint; the Qwen3 one's offline engine
         tiny = openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         offline = Engine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", max_model_len=128))
