@@ -90,8 +90,8 @@ class EngineConfig(Strict):
     distributed_executor_backend: Literal["ray", "uni"] = Field(
         "ray", description="served engines: where the TP ranks run. ray: a worker actor per GPU, stepped over Ray's "
         "channels (a dead worker is restarted in place); uni: TP=1 only, the worker inside the engine core's own "
-        "process (no step message between processes; a GPU failure then fails the engine replica, which Serve "
-        "replaces)")
+        "process (no step message between processes; a worker that dies takes the engine core with it, and a step "
+        "that runs past worker_step_timeout_s fails the health check: Serve then replaces the replica)")
     page_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
@@ -132,9 +132,9 @@ class EngineConfig(Strict):
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
-    worker_step_timeout_s: float = Field(300.0, gt=0, description="TP worker actors: a step whose results take longer "
-                                         "marks the workers failed and the replica then fails its health check "
-                                         "(default long enough for a first-use graph capture)")
+    worker_step_timeout_s: float = Field(300.0, gt=0, description="a step whose results take longer marks the TP "
+                                         "worker actors failed (restarted in place), or with 'uni' fails the health "
+                                         "check (default long enough for a first-use graph capture)")
     seed: int = 0
     tuning_cache_dir: str | None = Field(None, description="where the GPU kernel choices timed at start-up are kept "
                                          "for later starts (default: $SPECSERVE_CACHE_DIR, else "

@@ -102,6 +102,7 @@ class EngineCore:
         self.error: BaseException | None = None
         self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
         self._restarting: float | None = None  # since when (monotonic) the workers are being restarted
+        self._step_since: float | None = None  # since when (monotonic) the loop's current engine step runs
         self._generation = 0  # workers started so far, less one: a submission validated across a restart is refused
         self._restarts: deque[float] = deque()  # when the workers were restarted (monotonic), within the window
         self.restarts = 0  # in the actor's life (served at /v1/stats)
@@ -191,6 +192,12 @@ class EngineCore:
                 raise RuntimeError(f"engine workers not restarted after {self.RESTART_TIMEOUT_S:.0f} s")
         elif self.engine.failure is not None and not hasattr(self.engine.executor, "restart"):
             raise RuntimeError(f"engine workers failed: {self.engine.failure}")
+        step_since, limit = self._step_since, self.cfg.worker_step_timeout_s
+        # an in-process rank ("uni") has no step timeout of its own (a Ray executor's turns a hang into a restart):
+        # a step that never returns (a hung device) must still get the replica replaced
+        if step_since is not None and not hasattr(self.engine.executor, "restart") and \
+                time.monotonic() - step_since > limit:
+            raise RuntimeError(f"an engine step has run for more than {limit:.0f} s (worker_step_timeout_s)")
 
     def drain(self, timeout_s: float) -> bool:
         """Before the replica stops (scaled down, updated): refuse new requests (the ingress sends them to another
@@ -232,6 +239,7 @@ class EngineCore:
                 continue
             t0 = time.perf_counter()
             steps_before = engine.step_time["steps"]
+            self._step_since = time.monotonic()
             try:
                 outputs = engine.step()
             except BaseException as e:  # noqa: BLE001 - surface to every waiting request
@@ -239,6 +247,7 @@ class EngineCore:
                 self.error = e
                 self._fail_everything(f"engine failure: {e}", 500)
                 return
+            self._step_since = None
             self._publish(outputs)
             if engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
                 self.busy_s += time.perf_counter() - t0

@@ -99,3 +99,37 @@ def test_workers_are_restarted_at_most_max_restarts_times_per_window(core):
     assert not core._may_restart(window + 1.0)
     assert core._may_restart(2 * window + 30.0) and len(core._restarts) == 1
 
+
+
+def test_a_step_stuck_in_process_fails_the_health_check(tiny_models):
+    """An in-process rank (``distributed_executor_backend: uni``) has no step timeout of its own: a step that never
+    returns (a hung device) fails the health check once it has run longer than worker_step_timeout_s, so that Serve
+    replaces the replica; a step that returns in time does not."""
+    import threading
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, distributed_executor_backend="uni", worker_step_timeout_s=1.0)
+    core = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    release, entered = threading.Event(), threading.Event()
+    executor = core.engine.executor
+    step = executor.step
+
+    def stuck(s, keep):
+        entered.set()
+        release.wait(60)
+        return step(s, keep)
+
+    executor.step = stuck
+    try:
+        assert core.submit("c", [("r", [5, 6, 7], GREEDY, time.time())]) == [None]
+        assert entered.wait(30)
+        core.check_health()  # (within the timeout)
+        time.sleep(1.2)
+        with pytest.raises(RuntimeError, match="worker_step_timeout_s"):
+            core.check_health()
+        release.set()
+        _drain(core, "c", {"r"})
+        core.check_health()
+    finally:
+        release.set()
+        core.shutdown()
