@@ -191,7 +191,11 @@ class LLMConfig(Strict):
 
     @model_validator(mode="after")
     def _engine_kwargs_valid(self):
-        self.engine_config()  # refused here, naming the setting, rather than when the engine replica starts
+        engine = self.engine_config()  # refused here, naming the setting, rather than when the engine replica starts
+        bundles = self.placement_group_config.bundles
+        if bundles and len(bundles) != 1 + engine.tensor_parallel_size:
+            raise ValueError(f"placement_group_config.bundles: {len(bundles)} given; the controller's (with the "
+                             f"engine core) first, then one per TP rank: {1 + engine.tensor_parallel_size}")
         return self
 
     def request_limits(self) -> dict:

@@ -102,7 +102,10 @@ def translate_engine_kwargs(kwargs: dict) -> dict:
 
     out = {}
     for key, value in kwargs.items():
-        if key in EngineConfig.model_fields and key not in ("dtype", "speculative_config"):
+        if key == "distributed_executor_backend" and value == "mp":  # vLLM's worker processes: ours are actors
+            logger.warning("engine_kwargs.distributed_executor_backend 'mp' runs as 'ray' (a worker actor per GPU)")
+            out[key] = "ray"
+        elif key in EngineConfig.model_fields and key not in ("dtype", "speculative_config"):
             out[key] = value
         elif key == "dtype":
             out["dtype"] = VLLM_DTYPES.get(value, value)

@@ -55,6 +55,8 @@ class Executor(Protocol):
 class LocalExecutor:
     """A single in-process worker (TP = 1)."""
 
+    failure: str | None = None  # why it can run no more steps (an exception escaped the worker's step), else None
+
     def __init__(self, cfg: EngineConfig):
         if cfg.tensor_parallel_size != 1:
             raise ValueError("LocalExecutor runs TP=1; use the Ray executor for tensor_parallel_size > 1")
@@ -69,7 +71,14 @@ class LocalExecutor:
         self.depth_costs = self.worker.allocate_kv(self.num_pages)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
-        return self.worker.step(step, keep)
+        if self.failure is not None:
+            raise RuntimeError(self.failure)
+        try:
+            return self.worker.step(step, keep)
+        except Exception as e:
+            # (a step's own errors come back in its results): what escaped leaves the worker in an unknown state
+            self.failure = f"the in-process worker failed: {type(e).__name__}"
+            raise
 
     def shutdown(self) -> None:
         self.worker.shutdown()

@@ -133,3 +133,32 @@ def test_a_step_stuck_in_process_fails_the_health_check(tiny_models):
     finally:
         release.set()
         core.shutdown()
+
+
+def test_an_error_escaping_the_in_process_worker_ends_the_engine(tiny_models):
+    """With the rank in the core's process ("uni"), an exception that escapes the worker's step (not a step's own
+    error, which fails only its requests) leaves the device state unknown: the requests end with an error, later
+    submissions are refused, and the health check fails, so that Serve replaces the replica."""
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, distributed_executor_backend="uni")
+    core = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    worker = core.engine.executor.worker
+
+    def broken(step, keep=0):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    worker.step = broken
+    try:
+        assert core.submit("c", [("r", [5, 6, 7], GREEDY, time.time())]) == [None]
+        deadline = time.monotonic() + 30
+        items = []
+        while not any(i[0] == "r" and i[2] is not None for i in items):
+            assert time.monotonic() < deadline, items
+            items += core.poll("c", 1.0)
+        assert [i[2] for i in items if i[0] == "r"][-1] == "error"
+        with pytest.raises(RuntimeError, match="in-process worker failed"):
+            core.check_health()
+        assert core.submit("c", [("r2", [5, 6], GREEDY, time.time())])[0] is not None  # refused
+    finally:
+        core.shutdown()
+

@@ -84,14 +84,18 @@ def test_vllm_engine_kwargs_map_to_ours():
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
     ({"no_such_engine_arg": 1}, "no_such_engine_arg"),
-    ({"distributed_executor_backend": "mp"}, "distributed_executor_backend"),
+    ({"distributed_executor_backend": "external_launcher"}, "distributed_executor_backend"),
     ({"distributed_executor_backend": "uni", "tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+    ({"tensor_parallel_size": 2, "placement_group_config": {"bundles": [{"GPU": 1}, {"GPU": 1}]}},
+     "placement_group_config.bundles: 2 given"),
 ])
 def test_what_has_no_mapping_is_refused_naming_it(kwargs, named):
     from deployments.config import LLMConfig
 
+    pg = kwargs.pop("placement_group_config", {})
     with pytest.raises(ValueError, match=named):
-        LLMConfig(model_loading_config={"model_id": "m", "model_source": "/m"}, engine_kwargs=kwargs)
+        LLMConfig(model_loading_config={"model_id": "m", "model_source": "/m"}, engine_kwargs=kwargs,
+                  placement_group_config=pg)
 
 
 def test_harmless_vllm_keys_are_ignored_with_a_warning(caplog):
@@ -100,6 +104,9 @@ def test_harmless_vllm_keys_are_ignored_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="specserve"):
         assert translate_engine_kwargs({"swap_space": 4, "enable_chunked_prefill": True}) == {}
     assert "swap_space" in caplog.text and "enable_chunked_prefill" not in caplog.text  # (as ours)
+    with caplog.at_level(logging.WARNING, logger="specserve"):  # vLLM's worker processes: ours are actors
+        assert translate_engine_kwargs({"distributed_executor_backend": "mp"}) == {"distributed_executor_backend": "ray"}
+    assert "'mp' runs as 'ray'" in caplog.text
 
 
 def test_builder_args_are_checked(tmp_path):
