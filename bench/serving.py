@@ -332,17 +332,28 @@ class LevelCPU:
                         ["py-spy", "record", "--nonblocking", "--threads", "-r", "100", "-f", "raw", "-d", "3600",
                          "-p", str(pid), "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
 
+    def stop(self) -> None:
+        """py-spy writes its samples when interrupted (one that does not stop within a minute is killed)."""
+        import signal
+        import subprocess
+
+        for spy in self.spies:
+            if spy.poll() is None:
+                spy.send_signal(signal.SIGINT)
+        for spy in self.spies:
+            try:
+                spy.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+
     def done(self) -> dict[str, float]:
         import resource
-        import signal
 
         wall = time.monotonic() - self.t0
         cpu1 = cpu_seconds(self.pids)
         own = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        for spy in self.spies:  # py-spy writes its samples when interrupted
-            spy.send_signal(signal.SIGINT)
+        self.stop()
         for spy in self.spies:
-            spy.wait(timeout=60)
             raw = Path(spy.args[-1])
             if raw.exists():
                 raw.with_suffix(".md").write_text("\n".join(py_spy_summary(raw)) + "\n")
@@ -611,8 +622,11 @@ def main() -> None:
         level = concurrency if levels else rate
         spy = str(level) in args.py_spy_levels.split(",") or f"{level:g}" in args.py_spy_levels.split(",")
         cpu = LevelCPU(str(out_path(args.out)) + "_py-spy" if spy else None, f"c{level:g}")
-        rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency, args.api_key,
-                                         procs)))
+        try:
+            rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency,
+                                             args.api_key, procs)))
+        finally:
+            cpu.stop()  # (a failed level leaves no profiler running)
         rows[-1]["server_cpu_cores"] = cpu.done()
         rows[-1]["server_per_step"] = per_step(before, server_stats(base, args.api_key))
         if concurrency in offline:
