@@ -348,7 +348,29 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
     from speculative.adaptive import DepthChooser, DepthSchedule
 
     vocab = eng.executor.model_config.vocab_size
-    recording = [False]
+    recording, timing, timers, unprofiled = [False], [False], {}, {}
+    worker = eng.executor.worker
+    restore = []
+
+    def timed_call(obj, name: str, kind: str):
+        inner = getattr(obj, name)
+
+        def call(*a, **kw):
+            if not timing[0]:
+                return inner(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                timers[kind] = timers.get(kind, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, call)
+        restore.append((obj, name))
+
+    for name in ("_decode", "_plain_step", "_eager_inputs"):
+        timed_call(worker, name, "device")
+    if worker.spec_round is not None:
+        timed_call(worker.spec_round, "run", "device")
 
     def run(new_tokens: int, timed: int):
         rng = random.Random(batch)
@@ -360,7 +382,17 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
         for _ in range(4):
             eng.step()
         out = None
-        if timed:
+        if timed:  # first without the profiler: wall less the timed device calls and catch-ups
+            gc.collect()
+            timers.clear()
+            timing[0] = True
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                eng.step()
+            plain_wall = time.perf_counter() - t0
+            timing[0] = False
+            unprofiled.update(wall=plain_wall, device=timers.get("device", 0.0),
+                              catch_up=timers.get("catch_up", 0.0))
             gc.collect()
             by_depth = dict(eng.steps_by_depth)
             pr = cProfile.Profile()
@@ -383,21 +415,26 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
         run(16, 0)  # untimed: the chooser learns acceptance at this load (as bench.adaptive's warm batch)
     elif policy.startswith("depth"):
         eng.depth_policy = DepthSchedule([int(policy.removeprefix("depth"))])
-    worker = eng.executor.worker
     shapes: list = []
     if worker.proposer is not None:  # the catch-ups of the timed steps: (requests, longest lag, uniform, KV rows)
         inner = worker.proposer.catch_up
 
         def logged(slots, root_pos, lags):
-            lags_ = [int(x) for x in lags]
             if recording[0]:
+                lags_ = [int(x) for x in lags]
                 shapes.append((len(lags_), max(lags_), len(set(lags_)) == 1, sum(x - 1 for x in lags_ if x > 1)))
-            return inner(slots, root_pos, lags)
+            t0 = time.perf_counter()
+            try:
+                return inner(slots, root_pos, lags)
+            finally:
+                timers["catch_up"] = timers.get("catch_up", 0.0) + time.perf_counter() - t0
 
         worker.proposer.catch_up = logged
     pr, wall, depths = run(args.new_tokens, args.spec_timed_steps)
     if worker.proposer is not None:
         del worker.proposer.catch_up
+    for obj, name in restore:
+        delattr(obj, name)
     stats = pstats.Stats(pr)
     total, device, catch_up, top, watched = _own_and_excluded(stats)
     n = args.spec_timed_steps
@@ -407,6 +444,9 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
            "catch_up_ms_per_step": ms(catch_up), "host_ms_per_step": ms(total - device - catch_up),
            "steps_by_depth": depths,
            "catch_ups": list(eng.executor.worker.catch_ups) if eng.executor.worker.proposer else None,
+           "unprofiled_host_ms_per_step": ms(unprofiled["wall"] - unprofiled["device"] - unprofiled["catch_up"]),
+           "unprofiled_catch_up_ms_per_step": ms(unprofiled["catch_up"]),
+           "unprofiled_wall_ms_per_step": ms(unprofiled["wall"]),
            "catch_up_shapes": shapes,
            "watched_us_per_step": {k: round(v / n * 1e6, 1) for k, v in sorted(watched.items())},
            "host_tottime_us_per_step": [(round(tt / n * 1e6, 1), f"{Path(fn[0]).name}:{fn[1]}({fn[2]})")
@@ -438,15 +478,17 @@ def spec_markdown(meta: dict) -> str:
     md = [f"# Host time of a DECODE step by speculation policy ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
           f"micro target + micro EAGLE-3 head (chain of {meta['spec_steps']}), simulated accept length "
-          f"{meta['accept_length']}, {meta['prompt_len']}-token prompts, greedy; {rows[0]['steps']} steps per row "
-          "under cProfile. device = the cumulative time of what a GPU replays as graphs (eager on a CPU); catch-up = "
-          "the draft's lazy catch-up (eager on a GPU too); host = the rest (scheduler, engine, worker bookkeeping, "
+          f"{meta['accept_length']}, {meta['prompt_len']}-token prompts, greedy; per row {rows[0]['steps']} steps "
+          "timed plainly, then as many under cProfile. device = what a GPU replays as graphs (eager on a CPU: the "
+          "decode forward and sampling, the round, the plain step with its stash, the eager inputs); catch-up = the "
+          "draft's lazy catch-up (eager on a GPU too); host = wall less both (scheduler, engine, worker bookkeeping, "
           "outputs, policy). The adaptive chooser reads the H100 1B start-up table at bs 64 / 256.", "",
-          "| policy | batch | repeat | depths | host ms | catch-up ms | device ms | wall ms (profiled) |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| policy | batch | repeat | depths (profiled steps) | host ms | catch-up ms | host ms, profiled | "
+          "catch-up ms, profiled | device ms, profiled |", "|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['policy']} | {r['batch_size']} | {r['repeat']} | "
-           f"{', '.join(f'd{d}:{n}' for d, n in (r['steps_by_depth'] or {}).items())} | {r['host_ms_per_step']} | "
-           f"{r['catch_up_ms_per_step']} | {r['device_ms_per_step']} | {r['wall_ms_per_step']} |" for r in rows]
+           f"{', '.join(f'd{d}:{n}' for d, n in (r['steps_by_depth'] or {}).items())} | "
+           f"{r['unprofiled_host_ms_per_step']} | {r['unprofiled_catch_up_ms_per_step']} | {r['host_ms_per_step']} | "
+           f"{r['catch_up_ms_per_step']} | {r['device_ms_per_step']} |" for r in rows]
     for r in rows:
         if r["repeat"] != 0:
             continue
