@@ -132,6 +132,7 @@ class DepthChooser:
         self._best: dict[tuple[int, int], int] = {}
         self._best_state: tuple = ()
         self._probe_every: dict[tuple[int, int, int, int], int] = {}  # (costs only: kept)
+        self._totals: dict[tuple[int, int], list[float]] = {}  # (bucket, lag) → each tier's cost (costs only: kept)
         self._buckets: dict[int, int] = {}
 
     def bucket(self, batch_size: int) -> int:
@@ -170,17 +171,27 @@ class DepthChooser:
         p = self.estimate.p if p is None else p
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
-        cost = self.costs[bucket]
-        # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs on
-        # neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
-        # smaller batches its accepted drafts leave at the end)
-        full = self.window and lag >= self.window
-        catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
-
-        def total(d: int) -> float:
-            return (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d]
-
-        return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
+        totals = self._totals.get((bucket, lag))
+        if totals is None:
+            cost = self.costs[bucket]
+            # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
+            # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
+            # smaller batches its accepted drafts leave at the end)
+            full = self.window and lag >= self.window
+            catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
+            totals = self._totals[(bucket, lag)] = [
+                (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
+        # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
+        # ties go to the shallower tier
+        best, best_rate, e, run, at = self.tiers[0], -math.inf, 1.0, 1.0, 0
+        for d, total in zip(self.tiers, totals):
+            while at < d:
+                run *= p[at]
+                e += run
+                at += 1
+            if e / total > best_rate:
+                best, best_rate = d, e / total
+        return best
 
     def probe_every(self, bucket: int, depth: int, probe: int, lag: int) -> int:
         """Steps between probes at ``probe`` while ``depth`` is the choice: the probe's extra time (its catch-up
