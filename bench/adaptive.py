@@ -126,17 +126,20 @@ class Bench:
                                     seed=bs * 1000 + i)
             eng.add_request(self.prompt(bs * 1000 + i, vocab), params)
         started, start, end, tokens, steps, by_depth = set(), None, None, 0, 0, None
+        step_ms, last = [], None  # each decode step's time and the depth it launched (one-off costs show here)
         while eng.has_work():
             outs = eng.step()
             now = time.perf_counter()
             if start is None:
                 started.update(o.rid for o in outs if o.new_token_ids)
                 if len(started) == bs:
-                    start, by_depth = now, dict(eng.steps_by_depth)
+                    start, by_depth, last = now, dict(eng.steps_by_depth), now
                 continue
             new = sum(len(o.new_token_ids) for o in outs)
             if new:
                 tokens, steps, end = tokens + new, steps + 1, now
+                step_ms.append((round((now - last) * 1e3, 3), getattr(eng.depth_policy, "last_depth", None)))
+                last = now
         if not tokens:
             raise ValueError("no decode steps after the last first token: raise --new-tokens")
         depths = {str(d): n - (by_depth or {}).get(d, 0) for d, n in sorted(eng.steps_by_depth.items())
@@ -146,6 +149,10 @@ class Bench:
                "tokens_per_step_per_request": round(tokens / steps / bs, 3)}
         if depths:
             row["steps_by_depth"] = depths
+        times = sorted(ms for ms, _ in step_ms)
+        row["median_step_ms"] = times[len(times) // 2]
+        # the slowest steps: (index after the last first token, ms, depth launched then)
+        row["slowest_steps"] = sorted(((i, ms, d) for i, (ms, d) in enumerate(step_ms)), key=lambda x: -x[1])[:4]
         return row
 
     # ---- the suite -----------------------------------------------------------------------------------------------
@@ -313,6 +320,12 @@ class Bench:
                 lines.append("| adaptive / best fixed | " + " | ".join(
                     f"{pts[b]['vs_best_fixed']}x ({pts[b]['best_fixed']})" if b in pts else "" for b in sizes) + " |")
                 lines.append("")
+                # (a one-off cost, a compile or an allocation, is one slow step; a host cost is in all of them)
+                spread = [f"{name} bs {b}: {row['median_step_ms']} / {row['slowest_steps'][0][1]} "
+                          f"(d{row['slowest_steps'][0][2]})"
+                          for name, rows in runs.items() for b, row in rows.items() if row.get("slowest_steps")]
+                if spread:
+                    lines += ["Step ms, median / slowest (the depth it launched): " + "; ".join(spread) + ".", ""]
             if "cost_ms" in res:
                 # (depths first, then catch-ups; buckets ascending, whatever order the JSON kept)
                 depths = sorted(next(iter(res["cost_ms"].values())), key=lambda d: (int(d) < 0, abs(int(d))))

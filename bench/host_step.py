@@ -23,6 +23,17 @@ worker turning a step's copied outputs into the ``StepResult`` (plain decode and
 that result's pickling, and the scheduler applying it (``Scheduler.update``):
 
     python3 -m bench.host_step --messages --batch-sizes 1,64,128,256 --out bench/results/host_step/cpu_step_messages
+
+``--spec-head`` (an EAGLE-3 head of ``--model``; ``deployments.make_heads``) compares, per batch size, the host time
+of a DECODE step under no speculation, forced depths and the adaptive chooser (``--policies``; simulated acceptance
+``--accept-length``; the chooser reads ``--chooser-costs``, by default the H100 1B shape's start-up table, so that it
+picks what it picked there: depth 1 at bs 64, depth 0 at bs 256). On a CPU the model is eager and slow, so each
+policy's steps run under cProfile, and ``host`` is their time less the cumulative time of what a GPU replays as
+graphs (the decode forward and sampling, the round, the plain step with its stash, the eager inputs and packing);
+the draft's catch-up (eager on a GPU too) is shown apart:
+
+    python3 -m bench.host_step --model /tmp/micro --spec-head /tmp/micro-eagle3 --batch-sizes 64,256 \
+        --out bench/results/host_step/cpu_spec_host_step
 """
 
 from __future__ import annotations
@@ -255,6 +266,238 @@ def markdown(meta: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+# ---- speculative engines: host time of a DECODE step by policy (``--spec-head``) ------------------------------------
+# the H100 1B shape's start-up table (ms; bench.adaptive, adaptive_h100_1b_kvonly_long) at the buckets compared here:
+# with it the chooser picks depth 1 at bs 64 and depth 0 (with depth-1 probes) at bs 256 at accept length 1.5
+H100_1B_COSTS = {64: {0: 1.4562, 1: 1.8179, 2: 2.195, 3: 2.48, -1: 0.2042, -16: 0.2986},
+                 256: {0: 2.2811, 1: 3.716, 2: 5.2628, 3: 6.7209, -1: 0.2732, -16: 0.5333}}
+# what a GPU runs as graph replays (its host part there is a replay call): excluded from ``host``
+DEVICE_FUNCS = {("workers/worker.py", "_decode"), ("workers/worker.py", "_plain_step"),
+                ("workers/worker.py", "_eager_inputs"), ("speculative/round.py", "run"),
+                ("workers/outputs.py", "pack")}
+CATCH_UP_FUNCS = {("speculative/proposers.py", "catch_up")}
+SPEC_POLICIES = "nospec,depth0,adaptive,depth1"
+# host functions whose cumulative time each row reports (file suffix, name)
+WATCHED = [("deployments/engine/scheduler.py", "schedule"), ("deployments/engine/scheduler.py", "to_worker_step"),
+           ("deployments/engine/scheduler.py", "update"), ("deployments/engine/scheduler.py", "count_accepted"),
+           ("deployments/engine/engine.py", "_apply"), ("deployments/engine/engine.py", "_read"),
+           ("speculative/adaptive.py", "choose"), ("speculative/adaptive.py", "observe"),
+           ("speculative/adaptive.py", "choose"), ("workers/worker.py", "_lazy_catch_up"),
+           ("workers/worker.py", "_launch_decode"), ("workers/worker.py", "step"),
+           ("workers/messages.py", "spec"), ("workers/messages.py", "offsets"),
+           ("workers/outputs.py", "result"), ("workers/outputs.py", "round_result"),
+           ("workers/outputs.py", "plain_round_result"), ("workers/outputs.py", "token_result")]
+
+
+def spec_engine(args, max_batch: int, head: str | None):
+    from deployments.engine.engine import Engine
+    from workers.config import EngineConfig, SpeculativeConfig
+
+    spec = None if head is None else SpeculativeConfig(
+        method="eagle3", model=head, num_steps=args.spec_steps, topk=1, adaptive=True,
+        simulated_accept_length=args.accept_length)
+    return Engine(EngineConfig(model=args.model, device="cpu", max_num_seqs=max_batch, dtype="float32",
+                               max_model_len=args.prompt_len + args.new_tokens + 64, speculative_config=spec,
+                               kv_cache_tokens=max_batch * (args.prompt_len + args.new_tokens + 64)))
+
+
+def _own_and_excluded(stats: pstats.Stats) -> tuple[float, float, float, list]:
+    """(total own time, cumulative time of DEVICE_FUNCS, of CATCH_UP_FUNCS, the 25 largest own times outside
+    both) from a profile's raw stats."""
+    total, device, catch_up = 0.0, 0.0, 0.0
+
+    def key(fn):
+        file, _, name = fn
+        return next(((f, n) for f, n in DEVICE_FUNCS | CATCH_UP_FUNCS if file.endswith(f) and name == n), None)
+
+    for fn, (cc, nc, tt, ct, callers) in stats.stats.items():
+        total += tt
+        k = key(fn)
+        if k in DEVICE_FUNCS:
+            device += ct
+        elif k in CATCH_UP_FUNCS:
+            catch_up += ct
+    # own times of the host's functions: those reached from the profiled calls without entering an excluded one
+    callees: dict = {}
+    for fn, (cc, nc, tt, ct, callers) in stats.stats.items():
+        for caller in callers:
+            callees.setdefault(caller, []).append(fn)
+    todo = [fn for fn, v in stats.stats.items() if not v[4]]  # (the roots: what the profiled loop called)
+    seen = set(todo)
+    while todo:
+        for fn in callees.get(todo.pop(), ()):
+            if fn not in seen and key(fn) is None:
+                seen.add(fn)
+                todo.append(fn)
+    host = [(stats.stats[fn][2], fn) for fn in seen]
+    watched = {}
+    for fn, v in stats.stats.items():
+        for f, n in WATCHED:
+            if fn[0].endswith(f) and fn[2] == n:
+                watched[f"{Path(f).stem}.{n}"] = watched.get(f"{Path(f).stem}.{n}", 0.0) + v[3]
+    host.sort(reverse=True)
+    return total, device, catch_up, host[:25], watched
+
+
+def spec_measure(eng, batch: int, args, policy: str) -> dict:
+    """``batch`` greedy requests under ``policy``; after every request decodes, ``--spec-timed-steps`` steps under
+    cProfile: their time, what a GPU replays as graphs, the catch-up, and the rest (host)."""
+    import gc
+
+    from deployments.engine.request import SamplingParams
+    from speculative.adaptive import DepthChooser, DepthSchedule
+
+    vocab = eng.executor.model_config.vocab_size
+    recording, timing, timers, unprofiled = [False], [False], {}, {}
+    worker = eng.executor.worker
+    restore = []
+
+    def timed_call(obj, name: str, kind: str):
+        inner = getattr(obj, name)
+
+        def call(*a, **kw):
+            if not timing[0]:
+                return inner(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                timers[kind] = timers.get(kind, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, call)
+        restore.append((obj, name))
+
+    for name in ("_decode", "_plain_step", "_eager_inputs"):
+        timed_call(worker, name, "device")
+    if worker.spec_round is not None:
+        timed_call(worker.spec_round, "run", "device")
+
+    def run(new_tokens: int, timed: int):
+        rng = random.Random(batch)
+        for i in range(batch):
+            eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
+                            SamplingParams(max_tokens=new_tokens, temperature=0.0, seed=i, ignore_eos=True))
+        while eng.scheduler.waiting or not all(r.output_ids for r in eng.scheduler.running):  # (prefills)
+            eng.step()
+        for _ in range(4):
+            eng.step()
+        out = None
+        if timed:  # first without the profiler: wall less the timed device calls and catch-ups
+            gc.collect()
+            timers.clear()
+            timing[0] = True
+            t0 = time.perf_counter()
+            for _ in range(timed):
+                eng.step()
+            plain_wall = time.perf_counter() - t0
+            timing[0] = False
+            unprofiled.update(wall=plain_wall, device=timers.get("device", 0.0),
+                              catch_up=timers.get("catch_up", 0.0))
+            gc.collect()
+            by_depth = dict(eng.steps_by_depth)
+            pr = cProfile.Profile()
+            recording[0] = True
+            t0 = time.perf_counter()
+            pr.enable()
+            for _ in range(timed):
+                eng.step()
+            pr.disable()
+            wall = time.perf_counter() - t0
+            recording[0] = False
+            out = (pr, wall, {str(d): n - by_depth.get(d, 0) for d, n in sorted(eng.steps_by_depth.items())
+                              if n - by_depth.get(d, 0)})
+        while eng.has_work():
+            eng.step()
+        return out
+
+    if policy == "adaptive":
+        eng.depth_policy = DepthChooser(H100_1B_COSTS, args.spec_steps)
+        run(16, 0)  # untimed: the chooser learns acceptance at this load (as bench.adaptive's warm batch)
+    elif policy.startswith("depth"):
+        eng.depth_policy = DepthSchedule([int(policy.removeprefix("depth"))])
+    shapes: list = []
+    if worker.proposer is not None:  # the catch-ups of the timed steps: (requests, longest lag, uniform, KV rows)
+        inner = worker.proposer.catch_up
+
+        def logged(slots, root_pos, lags):
+            if recording[0]:
+                lags_ = [int(x) for x in lags]
+                shapes.append((len(lags_), max(lags_), len(set(lags_)) == 1, sum(x - 1 for x in lags_ if x > 1)))
+            t0 = time.perf_counter()
+            try:
+                return inner(slots, root_pos, lags)
+            finally:
+                timers["catch_up"] = timers.get("catch_up", 0.0) + time.perf_counter() - t0
+
+        worker.proposer.catch_up = logged
+    pr, wall, depths = run(args.new_tokens, args.spec_timed_steps)
+    if worker.proposer is not None:
+        del worker.proposer.catch_up
+    for obj, name in restore:
+        delattr(obj, name)
+    stats = pstats.Stats(pr)
+    total, device, catch_up, top, watched = _own_and_excluded(stats)
+    n = args.spec_timed_steps
+    ms = lambda x: round(x / n * 1e3, 4)  # noqa: E731
+    row = {"policy": policy, "batch_size": batch, "steps": n, "wall_ms_per_step": ms(wall),
+           "profiled_ms_per_step": ms(total), "device_ms_per_step": ms(device),
+           "catch_up_ms_per_step": ms(catch_up), "host_ms_per_step": ms(total - device - catch_up),
+           "steps_by_depth": depths,
+           "catch_ups": list(eng.executor.worker.catch_ups) if eng.executor.worker.proposer else None,
+           "unprofiled_host_ms_per_step": ms(unprofiled["wall"] - unprofiled["device"] - unprofiled["catch_up"]),
+           "unprofiled_catch_up_ms_per_step": ms(unprofiled["catch_up"]),
+           "unprofiled_wall_ms_per_step": ms(unprofiled["wall"]),
+           "catch_up_shapes": shapes,
+           "watched_us_per_step": {k: round(v / n * 1e6, 1) for k, v in sorted(watched.items())},
+           "host_tottime_us_per_step": [(round(tt / n * 1e6, 1), f"{Path(fn[0]).name}:{fn[1]}({fn[2]})")
+                                        for tt, fn in top]}
+    return row
+
+
+def spec_rows(args) -> list[dict]:
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    policies = args.policies.split(",")
+    engines = {}
+    rows = []
+    for rep in range(args.repeats):
+        for policy in policies:
+            kind = "nospec" if policy == "nospec" else "spec"
+            if kind not in engines:
+                engines[kind] = spec_engine(args, max(sizes), None if kind == "nospec" else args.spec_head)
+                spec_measure(engines[kind], min(sizes), args, "depth0" if kind == "spec" else kind)  # warm-up
+            for b in sizes:
+                row = spec_measure(engines[kind], b, args, policy)
+                row["repeat"] = rep
+                rows.append(row)
+                print({k: v for k, v in row.items() if k != "host_tottime_us_per_step"}, flush=True)
+    return rows
+
+
+def spec_markdown(meta: dict) -> str:
+    rows = meta["rows"]
+    md = [f"# Host time of a DECODE step by speculation policy ({meta['device']})", "",
+          f"commit `{meta['commit']}` · command `{meta['command']}`", "",
+          f"micro target + micro EAGLE-3 head (chain of {meta['spec_steps']}), simulated accept length "
+          f"{meta['accept_length']}, {meta['prompt_len']}-token prompts, greedy; per row {rows[0]['steps']} steps "
+          "timed plainly, then as many under cProfile. device = what a GPU replays as graphs (eager on a CPU: the "
+          "decode forward and sampling, the round, the plain step with its stash, the eager inputs); catch-up = the "
+          "draft's lazy catch-up (eager on a GPU too); host = wall less both (scheduler, engine, worker bookkeeping, "
+          "outputs, policy). The adaptive chooser reads the H100 1B start-up table at bs 64 / 256.", "",
+          "| policy | batch | repeat | depths (profiled steps) | host ms | catch-up ms | host ms, profiled | "
+          "catch-up ms, profiled | device ms, profiled |", "|---|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['policy']} | {r['batch_size']} | {r['repeat']} | "
+           f"{', '.join(f'd{d}:{n}' for d, n in (r['steps_by_depth'] or {}).items())} | "
+           f"{r['unprofiled_host_ms_per_step']} | {r['unprofiled_catch_up_ms_per_step']} | {r['host_ms_per_step']} | "
+           f"{r['catch_up_ms_per_step']} | {r['device_ms_per_step']} |" for r in rows]
+    for r in rows:
+        if r["repeat"] != 0:
+            continue
+        md += ["", f"## {r['policy']}, bs {r['batch_size']}: host functions by own time (µs per step)", "", "```"]
+        md += [f"{us:>9} {name}" for us, name in r["host_tottime_us_per_step"][:15]]
+        md.append("```")
+    return "\n".join(md) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", help="a checkpoint (required unless --messages)")
@@ -274,12 +517,24 @@ def main() -> None:
                     "(deployments.engine.freeze_startup_heap, as the server does)")
     ap.add_argument("--profile-batch", type=int, default=None, help="profile the steps at this batch size")
     ap.add_argument("--profile-steps", type=int, default=10)
+    ap.add_argument("--spec-head", default=None, help="an EAGLE-3 head: compare speculation policies' host time")
+    ap.add_argument("--policies", default=SPEC_POLICIES, help="with --spec-head: nospec, depthN, adaptive")
+    ap.add_argument("--accept-length", type=float, default=1.5, help="with --spec-head: simulated accept length")
+    ap.add_argument("--spec-steps", type=int, default=3, help="with --spec-head: the chain's depth")
+    ap.add_argument("--spec-timed-steps", type=int, default=40, help="with --spec-head: profiled steps per row")
+    ap.add_argument("--repeats", type=int, default=1, help="with --spec-head: passes over the policies")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
     out = out_path(args.out)
     if args.report_only:
         meta = json.loads(out.with_suffix(".json").read_text())
+    elif args.spec_head is not None:
+        meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "spec": True,
+                "model": args.model, "head": args.spec_head, "prompt_len": args.prompt_len,
+                "new_tokens": args.new_tokens, "accept_length": args.accept_length, "spec_steps": args.spec_steps,
+                "rows": spec_rows(args)}
+        write_json(out, meta)
     elif args.messages:
         sizes = [int(b) for b in args.batch_sizes.split(",")]
         meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "messages": True,
@@ -305,6 +560,11 @@ def main() -> None:
                 "no_metrics": args.no_metrics, "rows": rows,
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         write_json(out, meta)
+    if meta.get("spec"):
+        md = spec_markdown(meta)
+        write_markdown(out, md)
+        print(md)
+        return
     if meta.get("messages"):
         md = message_markdown(meta)
         write_markdown(out, md)

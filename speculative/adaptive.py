@@ -73,6 +73,10 @@ class AcceptanceEstimate:
     def p(self) -> list[float]:
         return [a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried)]
 
+    def state(self) -> tuple:
+        """What ``p`` is computed from (a cache key)."""
+        return (*self.accepted, *self.tried)
+
     def update(self, depth: int, accepted: list[int], step: int | None = None) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
         1..a. ``step``: the round's step number, where positions are seen only now and then (probes): their sums
@@ -123,10 +127,32 @@ class DepthChooser:
         # per tier k: the step of the last round at depth >= k (its positions' estimates are that fresh)
         self._seen = {k: 0 for k in self.tiers}
         self.last_depth: int | None = None
+        # per step the choice reads only (bucket, lag) and the estimates: ``choose`` keeps its answers until the
+        # estimates change (a round's verdicts), so a run of plain steps costs a dict lookup each, not the argmax
+        self._best: dict[tuple[int, int], int] = {}
+        self._best_state: tuple = ()
+        self._probe_every: dict[tuple[int, int, int, int], int] = {}  # (costs only: kept)
+        self._totals: dict[tuple[int, int], list[float]] = {}  # (bucket, lag) → each tier's cost (costs only: kept)
+        self._buckets: dict[int, int] = {}
 
     def bucket(self, batch_size: int) -> int:
-        i = bisect.bisect_left(self.buckets, batch_size)
-        return self.buckets[min(i, len(self.buckets) - 1)]
+        b = self._buckets.get(batch_size)
+        if b is None:
+            i = bisect.bisect_left(self.buckets, batch_size)
+            b = self._buckets[batch_size] = self.buckets[min(i, len(self.buckets) - 1)]
+        return b
+
+    def _cached_best(self, batch_size: int, bucket: int, lag: int) -> int:
+        """``best(batch_size, lag=lag)`` for the current estimates (which, at a bucket and lag, is all it reads)."""
+        state = self.estimate.state()
+        if state != self._best_state:
+            self._best.clear()
+            self._best_state = state
+        key = (bucket, lag)
+        depth = self._best.get(key)
+        if depth is None:
+            depth = self._best[key] = self.best(batch_size, lag=lag)
+        return depth
 
     def catch_up_cost(self, bucket: int, lag: int) -> float:
         """The draft's catch-up over ``lag`` plain steps' tokens per request (linear through the measured points)."""
@@ -145,17 +171,27 @@ class DepthChooser:
         p = self.estimate.p if p is None else p
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
-        cost = self.costs[bucket]
-        # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs on
-        # neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
-        # smaller batches its accepted drafts leave at the end)
-        full = self.window and lag >= self.window
-        catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
-
-        def total(d: int) -> float:
-            return (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d]
-
-        return max(self.tiers, key=lambda d: (expected_tokens(p, d) / total(d), -d))
+        totals = self._totals.get((bucket, lag))
+        if totals is None:
+            cost = self.costs[bucket]
+            # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
+            # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
+            # smaller batches its accepted drafts leave at the end)
+            full = self.window and lag >= self.window
+            catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
+            totals = self._totals[(bucket, lag)] = [
+                (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
+        # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
+        # ties go to the shallower tier
+        best, best_rate, e, run, at = self.tiers[0], -math.inf, 1.0, 1.0, 0
+        for d, total in zip(self.tiers, totals):
+            while at < d:
+                run *= p[at]
+                e += run
+                at += 1
+            if e / total > best_rate:
+                best, best_rate = d, e / total
+        return best
 
     def probe_every(self, bucket: int, depth: int, probe: int, lag: int) -> int:
         """Steps between probes at ``probe`` while ``depth`` is the choice: the probe's extra time (its catch-up
@@ -168,14 +204,19 @@ class DepthChooser:
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int) -> int:
-        depth = self.best(batch_size)
+        bucket = self.bucket(batch_size)
+        depth = self._cached_best(batch_size, bucket, self.lag)
         self._step += 1
         # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder)
-        base = min(depth, self.best(batch_size, lag=0))
+        base = min(depth, self._cached_best(batch_size, bucket, 0))
         i = self.tiers.index(base)
         if i + 1 < len(self.tiers):
             probe = self.tiers[i + 1]
-            if self._step - self._seen[probe] >= self.probe_every(self.bucket(batch_size), base, probe, self.lag):
+            key = (bucket, base, probe, self.lag)
+            every = self._probe_every.get(key)
+            if every is None:
+                every = self._probe_every[key] = self.probe_every(bucket, base, probe, self.lag)
+            if self._step - self._seen[probe] >= every:
                 depth = max(depth, probe)
         for k in self.tiers:
             if k <= depth:

@@ -205,7 +205,8 @@ class StepResult:
         return list(range(len(self.tokens) + 1)) if self.counts is None else [0, *accumulate(self.counts)]
 
     def spec(self) -> list[tuple[int, range]] | None:
-        """A speculative round's per request (draft tokens proposed, accepted positions); None for a plain step."""
-        if self.counts is None:
+        """A speculative round's per request (draft tokens proposed, accepted positions); None for a plain step
+        (adaptive speculation's depth 0 too: no drafts, nothing to count)."""
+        if self.counts is None or not self.num_drafts:
             return None
         return [(self.num_drafts, range(n - 1)) for n in self.counts]

@@ -348,8 +348,8 @@ class Engine:
         if result.counts is not None:  # a speculative round: its depth and verdicts
             depth = result.num_drafts
             self.steps_by_depth[depth] = self.steps_by_depth.get(depth, 0) + 1
-            if self.depth_policy is not None:
-                self.depth_policy.observe(depth, [c - 1 for c in result.counts])
+            if self.depth_policy is not None:  # (a plain step's: none accepted, without a pass over the batch)
+                self.depth_policy.observe(depth, [c - 1 for c in result.counts] if depth else [0] * len(result.counts))
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
                 grammar.advance(req.matcher, new_ids)
@@ -434,7 +434,7 @@ class Engine:
                  "prefix_cache_hits": cache.hits if cache is not None else 0,
                  "step_time": dict(self.step_time)}
         spec = result.spec() if result is not None else None
-        if spec is not None:
+        if result is not None and result.counts is not None:  # a speculative step (depth 0: a plain one)
             stats["spec_depth"] = result.num_drafts
         if self.cfg.speculative_config is not None:
             policy = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}

@@ -522,13 +522,16 @@ class Scheduler:
     def count_accepted(req: Request, spec: tuple[int, range], num_new: int) -> None:
         """A speculative round's drafts and accepted positions; drafts cut by a stop condition do not count."""
         kept = min(len(spec[1]), num_new - 1)
-        req.spec.num_drafts += 1
-        req.spec.num_draft_tokens += spec[0]
-        req.spec.num_accepted_tokens += kept
-        per = req.spec.accepted_per_position
-        per.extend([0] * (kept - len(per)))
-        for pos_ok in range(kept):
-            per[pos_ok] += 1
+        stats = req.spec
+        stats.num_drafts += 1
+        stats.num_draft_tokens += spec[0]
+        if kept:  # (none accepted: nothing more to count, as for most requests at low acceptance)
+            stats.num_accepted_tokens += kept
+            per = stats.accepted_per_position
+            if len(per) < kept:
+                per.extend([0] * (kept - len(per)))
+            for pos_ok in range(kept):
+                per[pos_ok] += 1
 
     def landed(self, plan: StepPlan) -> None:
         """The plan's step has finished (or failed): its tokens are no longer in flight."""
