@@ -57,7 +57,9 @@ class LLMController:
         pg = get_current_placement_group()
         placement = {} if pg is None else {"scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=1 if uni else 0, placement_group_capture_child_tasks=True)}
-        gpus = 1 if uni and engine_cfg.resolved_device() == "cuda" else 0
+        # (the bundle's GPUs where there is a group: this replica's process sees none to resolve "auto" with)
+        gpus = 0 if not uni else (pg.bundle_specs[1].get("GPU", 0) if pg is not None
+                                  else int(engine_cfg.resolved_device() == "cuda"))
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         self.core_name = core_prefix(ctx.app_name, ctx.deployment) + self.replica
