@@ -9,7 +9,8 @@
 # profile: the floor (bench.peers.profile --floor, a process of its own), then the decode8b rows of each engine with
 #   its kernels profiled at 64 and 256 requests in the same process (PROFILE_BS).
 # served8b|served1b: vLLM's OpenAI server, then our `serve run` (the Ray Serve closure needed), on the random
-#   checkpoint, each driven by python3 -m bench.serving at concurrency 1,16,64,128,256 (bench.peers.served).
+#   checkpoint, each driven by python3 -m bench.serving at concurrency 1,16,64,128,256 (bench.peers.served),
+#   SERVED_WAVES·C requests a level (default 2).
 # Results: $OUT/peer_runs.tgz (every run's JSON and whole log, kept in /tmp/peer_runs for later stages) and
 # $OUT/peers_report.tgz (bench.peers.report over all runs so far, tables printed last).
 set -uo pipefail
@@ -62,7 +63,7 @@ case $stage in
       else echo "=== served $eng: the Ray Serve closure has not come yet (carry every set first)"; continue; fi
       echo "=== served $eng $shape"
       PYTHONPATH=$PV/site:/tmp/site timeout "${T:-280}" python3 -m bench.peers.served --engine $eng \
-        --model /tmp/$shape-random --server-pythonpath "$spp" --device-label "$gpu" \
+        --model /tmp/$shape-random --server-pythonpath "$spp" --device-label "$gpu" --waves "${SERVED_WAVES:-2}" \
         --out $RUNS/served_${eng}_$tag >$RUNS/served_${eng}_$tag.out 2>&1
       echo "=== exit $?"; grep -v -E "INFO|WARN" $RUNS/served_${eng}_$tag.out | tail -n 8; pack
     done ;;

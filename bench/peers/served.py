@@ -74,6 +74,7 @@ def main() -> None:
     ap.add_argument("--concurrencies", default="1,16,64,128,256")
     ap.add_argument("--input-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--waves", type=int, default=2, help="requests per level in units of C (bench.serving's)")
     ap.add_argument("--wait-s", type=float, default=900)
     ap.add_argument("--device-label", default=None)
     ap.add_argument("--engine-kwargs", default=None, help="specserve: JSON merged over the engine settings (a CPU "
@@ -106,7 +107,7 @@ def main() -> None:
     try:
         client = [sys.executable, "-m", "bench.serving", *target, "--wait-s", str(args.wait_s), "--server-pid",
                   str(proc.pid), "--server-log", str(log), "--concurrencies", args.concurrencies, "--input-len",
-                  str(args.input_len), "--output-len", str(args.output_len), "--range-ratio", "0", "--out", str(out)]
+                  str(args.input_len), "--output-len", str(args.output_len), "--range-ratio", "0", "--waves", str(args.waves), "--out", str(out)]
         if args.device_label:
             client += ["--device-label", args.device_label]
         rc = subprocess.call(client)
