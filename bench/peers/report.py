@@ -100,7 +100,7 @@ def served_markdown(table: list[dict], served: list[dict]) -> list[str]:
         lines.append(f"| {r['model']} | {r['concurrency']} ({r['requests']}) | {fmt(r['vllm_tok_s'])} | "
                      f"{fmt(r['specserve_tok_s'])} | {x} | {lat} |")
     s0 = served[0]
-    lines += ["", f"Each level: 2C requests at once with C in flight, {s0['input_len']} prompt tokens (random ids) and "
+    lines += ["", f"Each level: {s0.get('waves', 2)}C requests at once with C in flight, {s0['input_len']} prompt tokens (random ids) and "
               f"{s0['output_len']} new tokens each (ignore_eos), greedy, streamed over HTTP (SSE) by python3 -m "
               "bench.serving; tok/s = output tokens / the level's wall time; TPOT = (last - first token time) / "
               "(tokens - 1) per request; ITL = gaps between streamed chunks.", "", "Servers:", ""]
