@@ -159,11 +159,12 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
       # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs), +nopg:
       # prefills run eagerly (no prefill graphs), +uni: the worker inside the engine core's process (TP=1), +mixN:
-      # arrivals' prompt chunks ride in decode steps while at most N requests run (mixed_decode_rows: N);
+      # arrivals' prompt chunks ride in decode steps while at most N requests run (mixed_decode_rows: N), +pfN:
+      # prompt tokens per prefill step at most N (max_prefill_tokens: N);
       # SERVED_WAVES: requests per level in units of C (2); SERVED_PY_SPY: levels (e.g. 128,256) at which py-spy
       # samples the ingress replicas and the engine core (bench.serving --py-spy-levels)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
-      nmix=$(grep -o -E "mix[0-9]+" <<<"$variant" | tr -dc 0-9)
+      nmix=$(grep -o -E "mix[0-9]+" <<<"$variant" | tr -dc 0-9) npf=$(grep -o -E "pf[0-9]+" <<<"$variant" | tr -dc 0-9)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
       cfg=$R/served_${2}_$variant.yaml
       python3 -c "import sys, yaml; c = yaml.safe_load(open('configs/gpu-bench-llama1b-random.yaml')); \
@@ -172,11 +173,12 @@ a = c['applications'][0]['args']; e = a['engine_kwargs']; a['model_loading_confi
 e['speculative_config']['model'] = sys.argv[2] + '-eagle3'; \
 sys.argv[3] == 'eagle3' or e.pop('speculative_config'); \
 sys.argv[6] and e.update(mixed_decode_rows=int(sys.argv[6])); \
+sys.argv[7] and e.update(max_prefill_tokens=int(sys.argv[7])); \
 sys.argv[4] and a.setdefault('ingress_deployment_config', {}).update(num_replicas=int(sys.argv[4])); \
 '+nopc' in sys.argv[5] and e.update(enable_prefix_caching=False); \
 '+nopg' in sys.argv[5] and e.update(cuda_graph_max_prefill_tokens=0); \
 '+uni' in sys.argv[5] and e.update(distributed_executor_backend='uni'); \
-yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$variant" "$nmix" || { echo "!!! cannot write $cfg"; exit 1; }
+yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$variant" "$nmix" "$npf" || { echo "!!! cannot write $cfg"; exit 1; }
       offline=(--offline)
       [[ $variant == *+* && -z ${SERVED_OFFLINE_ALWAYS:-} ]] && offline=()  # measured with the plain variant
       (  # a subshell: the Serve switches stay with this variant
