@@ -491,3 +491,26 @@ def test_catch_up_shapes_cover_the_triton_launches():
     assert {k[-1] for k in every} == {1, 2, 4, 64, 128}
     assert any(u and 5 <= n <= 8 for _, n, u in shapes) and any(not u and 5 <= n <= 8 for _, n, u in shapes)
     assert max(b for b, _, _ in shapes) <= 32  # (past 32 requests a catch-up runs one split, like 32)
+
+
+def test_plain_steps_overlap_to_a_requests_last_token(spec_models):
+    """A plain step appends one token, as without speculation: a request near its end is planned while its plain
+    step is in flight (not held back as if a full round could end it), so depth 0 reads no step more on its own
+    than no speculation does; a round of depth d holds back the requests that d + 1 tokens could end."""
+    prompts, params = mixed_prompts(3), SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+
+    def run(spec, depths=None):
+        eng = engine(spec_models["target"], spec)
+        if depths is not None:
+            eng.depth_policy = DepthSchedule(depths)
+        calls, step = [], eng.executor.step
+        eng.executor.step = lambda s, keep: calls.append(s is None) or step(s, keep)
+        tokens = [o.token_ids for o in eng.generate(prompts, params)]
+        return tokens, sum(calls)  # (None: a call that only reads the step in flight)
+
+    ref, idle = run(None)
+    tokens, plain_idle = run(_spec(spec_models, "eagle3"), [0])
+    assert tokens == ref and plain_idle == idle
+    # full rounds: the requests wait for their last round's tokens before more steps are planned
+    tokens, round_idle = run(_spec(spec_models, "eagle3"), [3])
+    assert tokens == ref and round_idle > idle
