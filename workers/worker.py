@@ -394,7 +394,7 @@ class Worker:
             depth = step.spec_depth
         catch_up_lags = None  # (a plain step's catch-up replayed before it)
         if self.spec_round is not None:
-            replayed = depth == 0 and bucket is not None and not masked and self.graphs.catch_up_graphs
+            replayed = bucket is not None and not masked and self.graphs.catch_up_graphs
             step, catch_up_lags = self._lazy_catch_up(step, plain=depth == 0, replayed=replayed)
         if masked:
             return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
@@ -464,9 +464,9 @@ class Worker:
           (plain steps leave the device's per-slot ``advance`` as it was, as no-speculation decoding does);
         - before a round, the draft catches up on every position its requests' plain steps left (one eager
           DRAFT_EXTEND: the requests behind and how far are known only now, and vary); before a plain step only
-          when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the plain step
-          replays its bucket's graphs, and the catch-up has its own: ``DecodeGraphs.capture_catch_up``) a plain
-          step's catch-up is left to that graph.
+          when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the step replays its
+          bucket's graphs, and the catch-up has its own: ``DecodeGraphs._capture_catch_up``) a catch-up on a full
+          stash is left to that graph (its shapes are a full stash's).
 
         Returns the step (with the lengths moved where they are known) and, where the graph is to catch up, each
         row's lag (0: not behind); else None."""
@@ -484,8 +484,9 @@ class Worker:
             ints[self._COUNTERS] += moved
             ints[self._PENDING] -= moved
             step = replace(step, ints=ints)
-            if p.keeps_draft_state and (not plain or run.max() >= p.catch_up_window):
-                if plain and replayed:
+            full = run.max() >= p.catch_up_window
+            if p.keeps_draft_state and (not plain or full):
+                if replayed and full:  # (a round's catch-up short of a full stash runs over exactly what is behind)
                     lags = run
                 else:
                     i = np.flatnonzero(behind)

@@ -580,9 +580,12 @@ def test_plain_steps_replay_the_catch_up(spec_models, references):
     assert worker.graphs.catch_up_graphs
     keys, replay = [], worker.graphs.replay
     worker.graphs.replay = lambda key: keys.append(key[0]) or replay(key)
-    eng.depth_policy = DepthSchedule([0] * 7 + [2])
+    # full stashes in plain steps and before a round (3 plain steps, then a round), a round short of one (eager)
+    eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 3])
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
-    assert keys.count("catch_up") >= 2 and set(eng.steps_by_depth) == {0, 2}
+    assert set(eng.steps_by_depth) == {0, 1, 2, 3}
+    after = [keys[i + 1] for i, k in enumerate(keys[:-1]) if k == "catch_up"]
+    assert "decode" in after and ({"round", "draft"} & set(after))  # before a plain step, and before a round
     eng.depth_policy = DepthSchedule([0])  # one request, runs of plain steps only
     req = eng.add_request(prompts[3], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
     while not req.output_ids:
