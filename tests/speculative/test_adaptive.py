@@ -573,7 +573,9 @@ def test_plain_steps_replay_the_catch_up(spec_models, references):
     mixed lags, some not behind), rounds after plain steps catch up eagerly: the tokens are no speculation's, and
     one request's draft KV is what one prefill of its tokens writes (fp32)."""
     prompts, ref = references
-    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=3),
+    # (tiers 0 and 3: a shorter start-up cost model; depths 1 and 2 are captured at their first use)
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=3,
+                                              depth_tiers=[0, 3]),
                  cuda_graph_max_bs=8, max_num_seqs=8, page_size=4, max_prefill_tokens=24)
     worker = eng.executor.worker
     worker.capture_graphs()
