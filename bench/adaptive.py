@@ -107,7 +107,7 @@ class Bench:
                                   **kw))
         print(f"engine ({'spec' if spec else 'no spec'}) ready in {time.time() - t0:.0f}s", flush=True)
         # as a server's engine core does once it is up (``freeze_startup_heap``): a full collection would otherwise
-        # scan the start-up heap (torch, the model, the graphs), a pause of 150-300 ms inside a timed batch
+        # scan the start-up heap (torch, the model, the graphs): a long pause inside a timed batch
         gc.collect()
         gc.freeze()
         return eng
