@@ -67,6 +67,7 @@ class Bench:
         write_json(self.out, self.results)
 
     def free(self) -> None:
+        gc.unfreeze()  # (the engine's start-up heap, frozen in ``engine``, is collectable again)
         gc.collect()  # graphs and their closures form cycles with the worker
         if self.cuda:
             torch.cuda.empty_cache()
@@ -105,6 +106,10 @@ class Bench:
         eng = Engine(EngineConfig(model=str(ckpt), device="cuda" if self.cuda else "cpu", speculative_config=spec,
                                   **kw))
         print(f"engine ({'spec' if spec else 'no spec'}) ready in {time.time() - t0:.0f}s", flush=True)
+        # as a server's engine core does once it is up (``freeze_startup_heap``): a full collection would otherwise
+        # scan the start-up heap (torch, the model, the graphs): a long pause inside a timed batch
+        gc.collect()
+        gc.freeze()
         return eng
 
     def prompt(self, seed: int, vocab: int) -> list[int]:
@@ -116,9 +121,21 @@ class Bench:
     # ---- one timed run -------------------------------------------------------------------------------------------
     def decode_rate(self, eng, bs: int, new_tokens: int | None = None) -> dict:
         """Decode tokens/s of ``bs`` concurrent greedy requests, from when the last request got its first token to
-        when the last token came back, and the steps by depth in that time."""
-        from deployments.engine.request import SamplingParams
+        when the last token came back, and the steps by depth in that time; with ``--repeats`` n, n batches back to
+        back, the one of median tok/s kept (the others' tok/s listed)."""
+        repeats = max(1, self.args.repeats) if new_tokens is None else 1
+        rows = sorted((self._decode_rate(eng, bs, new_tokens) for _ in range(repeats)),
+                      key=lambda r: r["decode_tok_s"])
+        row = rows[len(rows) // 2]
+        if repeats > 1:
+            row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in rows]
+        return row
 
+    def _decode_rate(self, eng, bs: int, new_tokens: int | None = None) -> dict:
+        from deployments.engine.request import SamplingParams
+        from bench.common import GCTimer
+
+        gc.collect()  # (untimed: the collector's generations start empty)
         vocab = eng.executor.model_config.vocab_size
         for i in range(bs):
             # (a fixed seed per request: the simulated acceptance's draws are the same for every policy's row)
@@ -127,19 +144,22 @@ class Bench:
             eng.add_request(self.prompt(bs * 1000 + i, vocab), params)
         started, start, end, tokens, steps, by_depth = set(), None, None, 0, 0, None
         step_ms, last = [], None  # each decode step's time and the depth it launched (one-off costs show here)
-        while eng.has_work():
-            outs = eng.step()
-            now = time.perf_counter()
-            if start is None:
-                started.update(o.rid for o in outs if o.new_token_ids)
-                if len(started) == bs:
-                    start, by_depth, last = now, dict(eng.steps_by_depth), now
-                continue
-            new = sum(len(o.new_token_ids) for o in outs)
-            if new:
-                tokens, steps, end = tokens + new, steps + 1, now
-                step_ms.append((round((now - last) * 1e3, 3), getattr(eng.depth_policy, "last_depth", None)))
-                last = now
+        gct = GCTimer()  # collections inside the timed steps (a full one is a pause of its own)
+        with gct:
+            while eng.has_work():
+                outs = eng.step()
+                now = time.perf_counter()
+                if start is None:
+                    started.update(o.rid for o in outs if o.new_token_ids)
+                    if len(started) == bs:
+                        start, by_depth, last = now, dict(eng.steps_by_depth), now
+                        gct.reset()
+                    continue
+                new = sum(len(o.new_token_ids) for o in outs)
+                if new:
+                    tokens, steps, end = tokens + new, steps + 1, now
+                    step_ms.append((round((now - last) * 1e3, 3), getattr(eng.depth_policy, "last_depth", None)))
+                    last = now
         if not tokens:
             raise ValueError("no decode steps after the last first token: raise --new-tokens")
         depths = {str(d): n - (by_depth or {}).get(d, 0) for d, n in sorted(eng.steps_by_depth.items())
@@ -153,6 +173,7 @@ class Bench:
         row["median_step_ms"] = times[len(times) // 2]
         # the slowest steps: (index after the last first token, ms, depth launched then)
         row["slowest_steps"] = sorted(((i, ms, d) for i, (ms, d) in enumerate(step_ms)), key=lambda x: -x[1])[:4]
+        row["gc"] = {"collections": gct.count, "ms": round(sum(gct.seconds) * 1e3, 2)}
         return row
 
     # ---- the suite -----------------------------------------------------------------------------------------------
@@ -181,8 +202,9 @@ class Bench:
                 self.save()
             del eng
             self.free()
+        window = {} if a.catch_up_window is None else {"catch_up_window": a.catch_up_window}
         spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=a.steps, topk=1, adaptive=True,
-                                 simulated_accept_length=None if family else self.accept_lengths[0])
+                                 simulated_accept_length=None if family else self.accept_lengths[0], **window)
         eng = self.engine(ckpt, spec)
         costs = eng.executor.depth_costs
         res["cost_ms"] = {str(b): {str(d): round(ms, 4) for d, ms in row.items()} for b, row in costs.items()}
@@ -326,6 +348,12 @@ class Bench:
                           for name, rows in runs.items() for b, row in rows.items() if row.get("slowest_steps")]
                 if spread:
                     lines += ["Step ms, median / slowest (the depth it launched): " + "; ".join(spread) + ".", ""]
+                paused = [f"{name} bs {b}: {row['gc']['ms']} ms ({'/'.join(map(str, row['gc']['collections']))})"
+                          for name, rows in runs.items() for b, row in rows.items()
+                          if row.get("gc", {}).get("ms", 0) >= 1]
+                if paused:
+                    lines += ["Garbage collections inside the timed steps, 1 ms or more (collections by generation): "
+                              + "; ".join(paused) + ".", ""]
             if "cost_ms" in res:
                 # (depths first, then catch-ups; buckets ascending, whatever order the JSON kept)
                 depths = sorted(next(iter(res["cost_ms"].values())), key=lambda d: (int(d) < 0, abs(int(d))))
@@ -412,6 +440,10 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="default 32 (--cpu: 10)")
     ap.add_argument("--warm-rounds", type=int, default=16, help="new tokens of the untimed batch before each timed "
                     "one, at the same accept length, batch size and policy (0: none)")
+    ap.add_argument("--catch-up-window", type=int, default=None, help="speculative_config.catch_up_window (default: "
+                    "the config's)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed batches per point, back to back; the one of "
+                    "median tok/s is kept (a host-bound step passes the host's run-to-run noise straight on)")
     ap.add_argument("--change", default="3.0,1.2", help="accept length before and after the change")
     ap.add_argument("--change-bs", type=int, default=None, help="default 64 (--cpu: 4)")
     ap.add_argument("--change-steps", type=int, default=None, help="decode steps of the change run (default 120, "

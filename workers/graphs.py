@@ -293,6 +293,10 @@ class DecodeGraphs(GraphRunner):
         # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
         # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
         self.plain_step: Callable | None = None
+        # a plain step on a full stash: the draft's catch-up replayed from a graph per bucket (``capture_catch_up``),
+        # its per-row lags read from ``catch_up_lags``; False: it runs eagerly
+        self.catch_up_graphs = False
+        self.catch_up_lags: torch.Tensor | None = None
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -310,10 +314,13 @@ class DecodeGraphs(GraphRunner):
         self.norm_fusion.clear()
         self.plain_norm_fusion.clear()
         self.buckets = buckets
+        self.catch_up_graphs = self._captures_catch_up()
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             self._capture(bucket, "greedy", top=False)  # (the full round first: it makes the norm-fusion choice)
             for depth in self._other_depths(self.depth_tiers):
                 self._capture(bucket, "greedy", False, depth)
+            if self.catch_up_graphs:
+                self._capture_catch_up(bucket)
         if self.tuning_cache is not None:
             self.tuning_cache.save()
 
@@ -321,13 +328,18 @@ class DecodeGraphs(GraphRunner):
         """The bucket a batch is padded to (None: no graphs, or a larger batch)."""
         return next((x for x in self.buckets if x >= batch_size), None)
 
-    def replay_step(self, step, bucket: int, kind: str, top: bool, depth: int | None = None) -> PackedOutputs:
+    def replay_step(self, step, bucket: int, kind: str, top: bool, depth: int | None = None,
+                    catch_up_lags: np.ndarray | None = None) -> PackedOutputs:
         """Run ``step`` through its bucket's graphs (captured now on first use); returns its rows' packed outputs,
-        valid until the next replay. ``depth``: a speculative round's draft depth (None: num_steps)."""
+        valid until the next replay. ``depth``: a speculative round's draft depth (None: num_steps).
+        ``catch_up_lags``: each row's plain steps that the draft catches up on first (``capture_catch_up``)."""
         at = (bucket, kind, top) + _depth_key(depth)
         if at not in self.phases:
             self._capture(bucket, kind, top, depth)
         self.static.fill(step, bucket)
+        if catch_up_lags is not None:
+            self._fill_catch_up_lags(catch_up_lags, bucket)
+            self.replay(("catch_up", bucket))
         for name in self.phases[at]:  # the last phase returns the packed outputs
             out = self.replay((name,) + at)
         return out.rows(step.batch_size)
@@ -676,6 +688,41 @@ class DecodeGraphs(GraphRunner):
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / passes
+
+    # ---- the draft's catch-up on a plain step, replayed -----------------------------------------------------------
+    def _captures_catch_up(self) -> bool:
+        """Whether plain steps replay the draft's catch-up (adaptive speculation with depth 0 among its tiers, a
+        draft whose catch-up runs in fixed shapes: ``Proposer.fixed_shape_catch_up``). A plain step catches up when
+        a request's stash is full, every ``catch_up_window`` plain steps: eagerly, its launches (over a hundred)
+        cost the host more than a plain step's replay, and where the host sets the pace (a small model at a large
+        batch), that is time every such step waits."""
+        proposer = None if self.spec_round is None else self.spec_round.proposer
+        return (self.plain_step is not None and 0 in self.depth_tiers
+                and bool(getattr(proposer, "fixed_shape_catch_up", False)))
+
+    def _capture_catch_up(self, bucket: int) -> None:
+        """The bucket's catch-up graph (``Proposer.catch_up_fixed``): request slots and root positions from the
+        static inputs (which the plain step replayed after it reads too), each row's lag from ``catch_up_lags``;
+        captured on padding rows (lag 0: the padding slot alone)."""
+        proposer = self.spec_round.proposer
+        if self.catch_up_lags is None:
+            self.catch_up_lags = torch.zeros(self.static.max_bs, dtype=torch.int64, device=self.device)
+        self.static.reset()
+        self.catch_up_lags.zero_()
+
+        def catch_up():
+            proposer.catch_up_fixed(self.static.column("req_slots", bucket),
+                                    self.static.column("seq_lens", bucket) - 1, self.catch_up_lags[:bucket],
+                                    self.static.pad_slot)
+
+        self.capture(("catch_up", bucket), catch_up)
+
+    def _fill_catch_up_lags(self, lags: np.ndarray, bucket: int) -> None:
+        """The rows' lags, then zeros (padding rows), in one host→device copy from pinned memory (as ``fill``)."""
+        pinned = self.catch_up_lags.device.type == "cuda"
+        host = torch.zeros(bucket, dtype=torch.int64, pin_memory=pinned)
+        host.numpy()[:len(lags)] = lags
+        self.catch_up_lags[:bucket].copy_(host, non_blocking=pinned)
 
     # ---- the catch-up's compiles at start-up ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -392,8 +392,10 @@ class Worker:
         depth = None
         if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps and not masked:
             depth = step.spec_depth
+        catch_up_lags = None  # (a plain step's catch-up replayed before it)
         if self.spec_round is not None:
-            step = self._lazy_catch_up(step, plain=depth == 0)
+            replayed = bucket is not None and not masked and self.graphs.catch_up_graphs
+            step, catch_up_lags = self._lazy_catch_up(step, plain=depth == 0, replayed=replayed)
         if masked:
             return self._launch_masked(step, bucket, kind + MASK_VARIANT, top)
         if bucket is None:
@@ -406,7 +408,7 @@ class Worker:
                 with self.proposer.at_depth(depth):
                     packed = PackedOutputs.pack(*self.spec_round.run(inp, top))
         else:
-            packed = self.graphs.replay_step(step, bucket, kind, top, depth)
+            packed = self.graphs.replay_step(step, bucket, kind, top, depth, catch_up_lags)
         # copied now: the next replay overwrites a graph's outputs
         if self.spec_round is None:
             return HostCopy(packed), token_result
@@ -453,7 +455,8 @@ class Worker:
 
     _SEQ, _COUNTERS, _PENDING = (INT_FIELDS.index(f) for f in ("seq_lens", "counters", "pending"))
 
-    def _lazy_catch_up(self, step: WorkerStep, plain: bool) -> WorkerStep:
+    def _lazy_catch_up(self, step: WorkerStep, plain: bool, replayed: bool = False
+                       ) -> tuple[WorkerStep, np.ndarray | None]:
         """Adaptive speculation's bookkeeping before a speculative DECODE step (``plain``: depth 0), from the host's
         per-slot counts of plain steps (``plain_run``), reading nothing from the device:
 
@@ -461,12 +464,16 @@ class Worker:
           (plain steps leave the device's per-slot ``advance`` as it was, as no-speculation decoding does);
         - before a round, the draft catches up on every position its requests' plain steps left (one eager
           DRAFT_EXTEND: the requests behind and how far are known only now, and vary); before a plain step only
-          when some request's stash is full (``catch_up_window`` positions).
+          when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the step replays its
+          bucket's graphs, and the catch-up has its own: ``DecodeGraphs._capture_catch_up``) a catch-up on a full
+          stash is left to that graph (its shapes are a full stash's).
 
-        Returns the step (with the lengths moved where they are known)."""
+        Returns the step (with the lengths moved where they are known) and, where the graph is to catch up, each
+        row's lag (0: not behind); else None."""
         slots = step.req_slots
         run = self.plain_run[slots]
         behind = run > 0
+        lags = None
         p = self.proposer
         if plain and p.keeps_draft_state and p.catch_up_window == 0:  # a plain step forced without adaptive
             p.allocate_stash(self.cfg.speculative_config.catch_up_window)
@@ -477,14 +484,18 @@ class Worker:
             ints[self._COUNTERS] += moved
             ints[self._PENDING] -= moved
             step = replace(step, ints=ints)
-            if p.keeps_draft_state and (not plain or run.max() >= p.catch_up_window):
-                i = np.flatnonzero(behind)
-                p.catch_up(slots[i], step.seq_lens[i] - 1, run[i])
+            full = run.max() >= p.catch_up_window
+            if p.keeps_draft_state and (not plain or full):
+                if replayed and full:  # (a round's catch-up short of a full stash runs over exactly what is behind)
+                    lags = run
+                else:
+                    i = np.flatnonzero(behind)
+                    p.catch_up(slots[i], step.seq_lens[i] - 1, run[i])
                 self.catch_ups[0] += 1
                 self.catch_ups[1] += int(run.sum())
                 run = np.zeros_like(run)
         self.plain_run[slots] = run + 1 if plain else 0
-        return step
+        return step, lags
 
     def _plain_step(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
         """Adaptive speculation's depth 0: the plain decode step (``_decode``, what no speculation runs), and the

@@ -240,7 +240,9 @@ class Engine:
                 step.spec_depth = self.depth_policy.choose(step.batch_size)
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
-                return outputs + self._guided_step(plan, step, keep, t0)
+                return outputs + self._guided_step(plan, step, keep, t0)  # (its rounds run at full depth)
+            if step.spec_depth >= 0:  # a plain step appends one token, a round of depth d at most d + 1
+                plan.max_advance = step.spec_depth + 1
         t1 = time.perf_counter()
         try:
             results = self.executor.step(step, keep)

@@ -160,6 +160,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     num_inflight: int = 0  # DECODE steps launched for it whose tokens the host has not read yet (overlap: 0 or 1)
+    # the DECODE plan of its newest step in flight (its ``max_advance``: the most tokens that step appends), None
+    # after a prefill step
+    inflight_plan: object = None
     num_preemptions: int = 0
     # prefix caching: prompt tokens served from the cache (set when its prefill is first planned; usage reports it)
     num_cached_tokens: int = 0

@@ -42,6 +42,10 @@ class StepPlan:
     draft_tokens: list[list[int]] | None = None  # DECODE with host-side drafts
     prompt_logprobs: list[int] | None = None  # EXTEND: WorkerStep.prompt_logprobs (None: no request asks)
     logits_setup: LogitsSetup | None = None  # EXTEND: the logits-processing state of the requests it starts
+    # DECODE: the most tokens the step appends to a request (None: the scheduler's ``decode_max_advance``). The engine
+    # lowers it once the step's draft depth is chosen: a plain step (depth 0) appends one, as without speculation,
+    # so a request near its end is not held back a step as if a full round were in flight
+    max_advance: int | None = None
 
     def to_worker_step(self) -> WorkerStep:
         """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
@@ -368,6 +372,7 @@ class Scheduler:
             seq_lens.append(r.num_tokens + r.num_inflight)
             counters.append(len(r.output_ids) + r.num_inflight)
             r.num_inflight += 1
+            r.inflight_plan = None
         starting = []
         for req, chunk in batch:
             all_ids = req.all_ids
@@ -387,6 +392,7 @@ class Scheduler:
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 req.num_inflight += 1
+                req.inflight_plan = None
         return StepPlan(
             mode=ForwardMode.EXTEND,
             requests=rows + [r for r, _ in batch],
@@ -444,14 +450,7 @@ class Scheduler:
 
     def _decode_plan(self, reqs: list[Request]) -> StepPlan:
         seq_lens, counters, pending = [], [], []
-        for r in reqs:
-            assert r.num_inflight <= 1, "one step in flight at most"
-            n_out = len(r.output_ids)
-            seq_lens.append(len(r.prompt_ids) + n_out)
-            counters.append(n_out)
-            pending.append(r.num_inflight)
-            r.num_inflight += 1
-        return StepPlan(
+        plan = StepPlan(
             mode=ForwardMode.DECODE,
             requests=reqs,
             input_ids=[],  # each request's last token is on the device already (it may not have reached the host)
@@ -462,6 +461,15 @@ class Scheduler:
             pending=pending,
             draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
         )
+        for r in reqs:
+            assert r.num_inflight <= 1, "one step in flight at most"
+            n_out = len(r.output_ids)
+            seq_lens.append(len(r.prompt_ids) + n_out)
+            counters.append(n_out)
+            pending.append(r.num_inflight)
+            r.num_inflight += 1
+            r.inflight_plan = plan
+        return plan
 
     def _most_tokens(self, req: Request) -> int:
         """The request's length once its in-flight steps land, at most."""
@@ -469,7 +477,9 @@ class Scheduler:
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Its in-flight tokens may already reach max_tokens or the context length: no further step for it now."""
-        ahead = req.num_inflight * self.decode_max_advance
+        plan = req.inflight_plan
+        most = plan.max_advance if plan is not None and plan.max_advance is not None else self.decode_max_advance
+        ahead = req.num_inflight * most
         return req.num_inflight > 0 and (len(req.output_ids) + ahead >= req.params.max_tokens
                                          or req.num_tokens + ahead >= self.max_model_len)
 

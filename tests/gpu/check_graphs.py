@@ -32,7 +32,9 @@ def main() -> None:
     eagle3, draft = str(m / "specserve-tiny-eagle3"), str(m / "specserve-tiny-draft")
     specs = {"none": None,
              # (chains: a stash of 2 plain steps, which the forced depths below fill)
-             "eagle3-chain": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=4, catch_up_window=2),
+             # (adaptive: every depth's graphs at start-up, and the plain step's catch-up graphs)
+             "eagle3-chain": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=4, catch_up_window=2,
+                                               adaptive=True),
              "eagle3-tree": SpeculativeConfig(method="eagle3", model=eagle3, num_steps=3, topk=3, num_draft_tokens=8),
              "draft-chain": SpeculativeConfig(method="draft", model=draft, num_steps=3, catch_up_window=2),
              "ngram": SpeculativeConfig(method="ngram", num_steps=3),
@@ -54,8 +56,17 @@ def main() -> None:
                                       decode_attention_backend="triton", speculative_config=spec, **kw))
             for sname, params in sampling.items():
                 toks = [o.token_ids for o in eng.generate(prompts, params)]
+                forced_schedule = None
+                if spec is not None and spec.topk == 1 and spec_name != "naive":
+                    # runs of plain steps (a stash of 2 fills), rounds of every depth after them
+                    forced_schedule = [0, 0, 0, 2, 0, spec.num_steps, 0, 0, 1, 0, 0, 0, 0, 0, 1]
                 if mode == "eager":
                     rows.append({"spec": spec_name, "sampling": sname, "eager_tokens": toks})
+                    if forced_schedule is not None:  # the eager catch-up's acceptance, which the graphs' should equal
+                        eng.depth_policy = DepthSchedule(forced_schedule)
+                        rows[-1]["eager_forced_accepted"] = sum(o.spec["num_accepted_tokens"]
+                                                                for o in eng.generate(prompts, params))
+                        eng.depth_policy = None
                     continue
                 ref = next(r for r in rows if r["spec"] == spec_name and r["sampling"] == sname and "eager_tokens" in r)
                 same = toks == ref["eager_tokens"]
@@ -67,10 +78,10 @@ def main() -> None:
                              # per batch bucket: whether its graphs run the norms inside the linears
                              "norms_in_linears": {str(b): f for b, f in sorted(worker.graphs.norm_fusion.items())}})
                 print(rows[-1], flush=True)
-                if spec is not None and spec.topk == 1 and spec_name != "naive":
-                    # runs of plain steps (a stash of 2 fills), rounds of every depth after them
-                    eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, spec.num_steps, 0, 0, 1, 0, 0, 0, 0, 0, 1])
-                    forced = [o.token_ids for o in eng.generate(prompts, params)]
+                if forced_schedule is not None:
+                    eng.depth_policy = DepthSchedule(forced_schedule)
+                    forced_out = eng.generate(prompts, params)
+                    forced = [o.token_ids for o in forced_out]
                     eng.depth_policy = None
                     plain = next(r for r in rows if r["spec"] == "none" and r["sampling"] == sname
                                  and "eager_tokens" in r)
@@ -78,7 +89,14 @@ def main() -> None:
                     ok &= same or args.dtype != "float32"
                     rows[-1]["forced_depths_equal_no_spec"] = same
                     rows[-1]["catch_ups"] = list(worker.catch_ups)
-                    print({"forced_depths_equal_no_spec": same, "catch_ups": worker.catch_ups}, flush=True)
+                    # (where the plain step's catch-up replays a graph; the drafts' acceptance after catch-ups)
+                    rows[-1]["catch_up_graphs"] = worker.graphs.catch_up_graphs
+                    rows[-1]["forced_accepted_tokens"] = sum(o.spec["num_accepted_tokens"] for o in forced_out)
+                    rows[-1]["eager_forced_accepted_tokens"] = ref.get("eager_forced_accepted")
+                    print({"forced_depths_equal_no_spec": same, "catch_ups": worker.catch_ups,
+                           "catch_up_graphs": worker.graphs.catch_up_graphs,
+                           "forced_accepted_tokens": rows[-1]["forced_accepted_tokens"],
+                           "eager_forced_accepted_tokens": ref.get("eager_forced_accepted")}, flush=True)
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]
     if args.json:

@@ -491,3 +491,113 @@ def test_catch_up_shapes_cover_the_triton_launches():
     assert {k[-1] for k in every} == {1, 2, 4, 64, 128}
     assert any(u and 5 <= n <= 8 for _, n, u in shapes) and any(not u and 5 <= n <= 8 for _, n, u in shapes)
     assert max(b for b, _, _ in shapes) <= 32  # (past 32 requests a catch-up runs one split, like 32)
+
+
+def test_plain_steps_overlap_to_a_requests_last_token(spec_models):
+    """A plain step appends one token, as without speculation: a request near its end is planned while its plain
+    step is in flight (not held back as if a full round could end it), so depth 0 reads no step more on its own
+    than no speculation does; a round of depth d holds back the requests that d + 1 tokens could end."""
+    prompts, params = mixed_prompts(3), SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+
+    def run(spec, depths=None):
+        eng = engine(spec_models["target"], spec)
+        if depths is not None:
+            eng.depth_policy = DepthSchedule(depths)
+        calls, step = [], eng.executor.step
+        eng.executor.step = lambda s, keep: calls.append(s is None) or step(s, keep)
+        tokens = [o.token_ids for o in eng.generate(prompts, params)]
+        return tokens, sum(calls)  # (None: a call that only reads the step in flight)
+
+    ref, idle = run(None)
+    tokens, plain_idle = run(_spec(spec_models, "eagle3"), [0])
+    assert tokens == ref and plain_idle == idle
+    # full rounds: the requests wait for their last round's tokens before more steps are planned
+    tokens, round_idle = run(_spec(spec_models, "eagle3"), [3])
+    assert tokens == ref and round_idle > idle
+
+
+def test_fixed_shape_catch_up_equals_the_catch_up(spec_models):
+    """``catch_up_fixed`` (the plain step's catch-up as a CUDA graph replays it: window - 1 KV rows per request, a
+    padding row and a row not behind on the padding slot) writes the draft KV and state that ``catch_up`` writes
+    for the same requests and lags (mixed), and nothing else outside the padding page (fp32)."""
+    import numpy as np
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
+                 max_num_seqs=4, page_size=4, disable_overlap_schedule=True)
+    eng.depth_policy = DepthSchedule([0])
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+            for p in mixed_prompts(3)]
+    for _ in range(8):  # plain steps (the stash of 4 fills and is caught up on, then fills again)
+        eng.step()
+    worker = eng.executor.worker
+    p = worker.proposer
+    assert p.fixed_shape_catch_up and all(worker.plain_run[r.req_slot] >= 3 for r in reqs)
+    slots = np.array([r.req_slot for r in reqs], dtype=np.int64)
+    root = np.array([len(r.all_ids) - 1 for r in reqs], dtype=np.int64)
+    lags = np.array([3, 0, 2], dtype=np.int64)
+    kv = p.runner.kv_cache
+    state = [p.state_ids, p.state_logp, p.state_feat]
+    saved = [t.clone() for t in kv.k + kv.v + state]
+
+    def snapshot():
+        out = [t.clone() for t in kv.k + kv.v + state]
+        for t, s in zip(kv.k + kv.v + state, saved):
+            t.copy_(s)
+        return out
+
+    with torch.inference_mode():
+        pad = worker.cfg.max_num_seqs  # rows: the three requests (the second not behind: lag 0 there), padding
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        p.catch_up_fixed(t([slots[0], slots[1], slots[2], pad]), t([root[0], root[1], root[2], 0]),
+                         t([3, 0, 2, 0]), pad)
+        fixed = snapshot()
+        p.catch_up(slots[[0, 2]], root[[0, 2]], lags[[0, 2]])
+        eager = snapshot()
+    page = worker.cfg.page_size
+    n = len(kv.k + kv.v)
+    changed = 0
+    for a, b, s in zip(eager[:n], fixed[:n], saved[:n]):  # (page 0 is the padding page)
+        a, b, s = (x.view(-1, *x.shape[-2:])[page:] for x in (a, b, s))
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        changed += int((a != s).any())
+    assert changed == n  # (the catch-up wrote KV in every layer)
+    for a, b, s in zip(eager[n:], fixed[n:], saved[n:]):  # the draft state of every slot but the padding one
+        torch.testing.assert_close(a[:pad], b[:pad], atol=1e-5, rtol=1e-5)
+        assert (b[slots[1]] == s[slots[1]]).all()  # (not behind: untouched)
+    feat = fixed[-1]  # (a chain's state is its draft ids and output feature)
+    assert all((feat[i] != saved[-1][i]).any() for i in slots[[0, 2]])
+
+
+def test_plain_steps_replay_the_catch_up(spec_models, references):
+    """On the graph path a plain step on a full stash replays its bucket's catch-up graph (requests joining apart:
+    mixed lags, some not behind), rounds after plain steps catch up eagerly: the tokens are no speculation's, and
+    one request's draft KV is what one prefill of its tokens writes (fp32)."""
+    prompts, ref = references
+    # (tiers 0 and 3: a shorter start-up cost model; depths 1 and 2 are captured at their first use)
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=3,
+                                              depth_tiers=[0, 3]),
+                 cuda_graph_max_bs=8, max_num_seqs=8, page_size=4, max_prefill_tokens=24)
+    worker = eng.executor.worker
+    worker.capture_graphs()
+    assert worker.graphs.catch_up_graphs
+    keys, replay = [], worker.graphs.replay
+    worker.graphs.replay = lambda key: keys.append(key[0]) or replay(key)
+    # full stashes in plain steps and before a round (3 plain steps, then a round), a round short of one (eager)
+    eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 3])
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+    assert set(eng.steps_by_depth) == {0, 1, 2, 3}
+    after = [keys[i + 1] for i, k in enumerate(keys[:-1]) if k == "catch_up"]
+    assert "decode" in after and ({"round", "draft"} & set(after))  # before a plain step, and before a round
+    eng.depth_policy = DepthSchedule([0])  # one request, runs of plain steps only
+    req = eng.add_request(prompts[3], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
+    while not req.output_ids:
+        eng.step()
+    slot = req.req_slot
+    while eng.has_work():
+        eng.step()
+    n = len(req.all_ids) - 1 - int(worker.plain_run[slot])  # the positions caught up on
+    assert n > len(prompts[3]) + 6
+    fresh = engine(spec_models["target"], _spec(spec_models, "eagle3"))
+    fresh.generate([req.all_ids[:n]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    for a, b in zip(_draft_kv(worker, slot, n), _draft_kv(fresh.executor.worker, 0, n)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -137,10 +137,12 @@ def test_prefill_graph_launches_never_wait_for_the_device(spec_models):  # noqa:
 @pytest.mark.parametrize("name", ["eagle3", "draft"])
 def test_plain_steps_and_catch_ups_never_wait_for_the_device(spec_models, name):  # noqa: F811
     """Adaptive speculation's depths forced: plain steps (lengths moved on the host), the draft's eager catch-ups
-    before rounds and on full stashes of 2, rounds of every depth."""
+    before rounds and on full stashes of 2 (EAGLE-3, adaptive: replayed from the catch-up's graphs), rounds of
+    every depth."""
     from speculative.adaptive import DepthSchedule
 
-    spec = SpeculativeConfig(method=name, model=str(spec_models[name]), num_steps=3, catch_up_window=2)
+    spec = SpeculativeConfig(method=name, model=str(spec_models[name]), num_steps=3, catch_up_window=2,
+                             adaptive=name == "eagle3")
     eng = engine(spec_models["target"], spec, cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
     eng.executor.worker.capture_graphs()
     eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, 3, 0, 0, 1])
@@ -149,6 +151,7 @@ def test_plain_steps_and_catch_ups_never_wait_for_the_device(spec_models, name):
                                            ignore_eos=True) for i in range(10)], mixed_prompts(10, seed=3))
     assert counts["read_at_once"] < counts["extend"] + counts["decode"]  # the steps did overlap
     assert eng.executor.worker.catch_ups[0] > 0 and set(eng.steps_by_depth) == {0, 1, 2, 3}
+    assert eng.executor.worker.graphs.catch_up_graphs == (name == "eagle3")
     assert lint.found == [], lint.found
 
 
