@@ -13,7 +13,9 @@ output collector does), so a slow client never makes the others wait.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
 import pickle
 import threading
 import time
@@ -214,6 +216,7 @@ class EngineClient:
         self.output_channel = output_channel
         self._pull = None  # (push) the PULL socket every joined core pushes into, bound on first join
         self._pull_address: str | None = None
+        self._push_key = os.urandom(32)  # the cores sign what they push with it (given over Ray, never logged)
         self._reader: asyncio.Task | None = None
         self._heartbeats: dict[str, asyncio.Task] = {}
         self.info: dict | None = None
@@ -295,7 +298,7 @@ class EngineClient:
             freeze_startup_heap()  # is left out of every full collection, each a pause of every stream it serves
         if self.output_channel == "push":
             try:  # (before it is routed to: its first outputs need the channel)
-                await core.connect.remote(self.client_id, self._channel())
+                await core.connect.remote(self.client_id, self._channel(), self._push_key)
             except Exception as e:  # noqa: BLE001 - it died meanwhile: the next listing no longer shows it
                 logger.warning("engine core %s did not connect: %s", name, e)
                 return
@@ -499,7 +502,14 @@ class EngineClient:
                     return
                 logger.error("reading the engine's outputs failed: %s", e)
                 continue
-            self._deliver(pickle.loads(msg))
+            mac, payload = msg[:32], memoryview(msg)[32:]
+            if not hmac.compare_digest(mac, hmac.digest(self._push_key, payload, "sha256")):
+                logger.error("a message on the output channel not signed by an engine core was dropped")
+                continue
+            try:
+                self._deliver(pickle.loads(payload))
+            except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
+                logger.exception("delivering the engine's outputs failed")
 
     async def _heartbeat_loop(self, name: str, core) -> None:
         """(push) One heartbeat call after another while the core is joined: the core knows this replica is alive,

@@ -23,6 +23,7 @@ Serve replaces the replica.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import pickle
 import threading
@@ -71,6 +72,11 @@ def pack_output(out: RequestOutput) -> tuple:
     return packed if out.prompt_logprobs is None else (*packed, out.prompt_logprobs)
 
 
+def signed(key: bytes, payload: bytes) -> bytes:
+    """A push message: the payload's HMAC-SHA256 under the client's key (32 bytes), then the payload."""
+    return hmac.digest(key, payload, "sha256") + payload
+
+
 class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
     CLIENT_TIMEOUT_S = 60.0  # a client that has not polled (or called heartbeat) for this long is gone: its requests are aborted
@@ -108,6 +114,7 @@ class EngineCore:
         # loop after a step or by the thread that failed every request, so a client's messages leave in order
         self._pushers: dict[str, object] = {}
         self._push_address: dict[str, str] = {}
+        self._push_keys: dict[str, bytes] = {}
         self._send_lock = threading.Lock()
         self._zmq = None  # the ZMQ context, made by the first ``connect``
         self._closed = threading.Event()  # (shutdown) heartbeats answer at once
@@ -172,13 +179,16 @@ class EngineCore:
             self._aborts.extend(rids)
         self._wake.set()
 
-    def connect(self, client: str, address: str) -> None:
+    def connect(self, client: str, address: str, key: bytes) -> None:
         """Push ``client``'s outputs to its PULL socket at ``address`` (tcp://ip:port) from now on: one message per
-        step, a pickled list of ``pack_output`` tuples (oldest first). Again with the same address: nothing changes."""
+        step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
+        client unpickles only what the core signed: anyone on the network can reach its port). Again with the same
+        address: nothing changes."""
         import zmq
 
         with self._send_lock:
             old = self._pushers.get(client)
+            self._push_keys[client] = key
             if old is not None and self._push_address.get(client) == address:
                 return
             if self._zmq is None:
@@ -197,7 +207,7 @@ class EngineCore:
                 self._last_poll[client] = time.monotonic()
                 pending = self._outbox.pop(client, None)  # (outputs queued for it before: none in practice)
             if pending:
-                sock.send(pickle.dumps(pending, protocol=5), zmq.NOBLOCK)
+                sock.send(signed(key, pickle.dumps(pending, protocol=5)), zmq.NOBLOCK)
 
     def heartbeat(self, client: str, timeout_s: float = 1.0) -> None:
         """A push client's liveness: keeps it known (CLIENT_TIMEOUT_S) and returns after ``timeout_s``; the call
@@ -268,6 +278,7 @@ class EngineCore:
                 sock.close()
             self._pushers.clear()
             self._push_address.clear()
+            self._push_keys.clear()
             if self._zmq is not None:
                 self._zmq.term()
                 self._zmq = None
@@ -342,10 +353,11 @@ class EngineCore:
 
         with self._send_lock:
             with self._lock:
-                batches = [(sock, self._outbox.pop(c)) for c, sock in self._pushers.items() if self._outbox.get(c)]
-            for sock, items in batches:
+                batches = [(sock, self._push_keys[c], self._outbox.pop(c)) for c, sock in self._pushers.items()
+                           if self._outbox.get(c)]
+            for sock, key, items in batches:
                 try:
-                    sock.send(pickle.dumps(items, protocol=5), zmq.NOBLOCK)
+                    sock.send(signed(key, pickle.dumps(items, protocol=5)), zmq.NOBLOCK)
                 except zmq.ZMQError as e:  # (no high-water mark: only a closed socket raises)
                     logger.warning("pushing outputs to an ingress replica failed: %s", e)
 
@@ -447,6 +459,7 @@ class EngineCore:
             for c in gone:
                 sock = self._pushers.pop(c, None)
                 self._push_address.pop(c, None)
+                self._push_keys.pop(c, None)
                 if sock is not None:
                     sock.close()
         logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", len(rids), len(gone))

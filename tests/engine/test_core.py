@@ -165,8 +165,10 @@ def test_an_error_escaping_the_in_process_worker_ends_the_engine(tiny_models):
 
 
 def test_push_channel_sends_each_step_as_one_message_in_order(core):
-    """A client that connected gets its outputs pushed (one pickled list per step, oldest first) and none in its
-    poll; one that then stops calling heartbeat is dropped after CLIENT_TIMEOUT_S, its socket closed."""
+    """A client that connected gets its outputs pushed (one pickled list per step, oldest first, signed with its
+    key) and none in its poll; one that then stops calling heartbeat is dropped after CLIENT_TIMEOUT_S, its socket
+    closed."""
+    import hmac
     import pickle
 
     import zmq
@@ -175,8 +177,9 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
-        core.connect("p", f"tcp://127.0.0.1:{port}")
-        core.connect("p", f"tcp://127.0.0.1:{port}")  # (a rejoin: the same socket stays)
+        key = b"k" * 32
+        core.connect("p", f"tcp://127.0.0.1:{port}", key)
+        core.connect("p", f"tcp://127.0.0.1:{port}", key)  # (a rejoin: the same socket stays)
         assert len(core._pushers) == 1
         rids = {"a", "b"}
         assert core.submit("p", [(rid, [5, 6, 7], GREEDY, time.time()) for rid in sorted(rids)]) == [None, None]
@@ -184,7 +187,9 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
         messages = 0
         while rids:
             assert pull.poll(30_000), "no message"
-            items = pickle.loads(pull.recv())
+            msg = pull.recv()
+            assert msg[:32] == hmac.digest(key, msg[32:], "sha256")
+            items = pickle.loads(msg[32:])
             messages += 1
             assert len({rid for rid, *_ in items}) == len(items)  # one step: each request once
             for rid, ids, reason, *_ in items:
