@@ -231,7 +231,8 @@ class EngineCore:
 
     def stats(self) -> dict:
         stats = self.engine.step_stats()
-        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits}
+        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits,
+                         "clients": len(self._last_poll)}  # (ingress replicas known: pushed to, or polling)
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
         return stats
 
