@@ -89,7 +89,8 @@ def core_actor(step_s: float):
 
     class Core(EngineCore):
         def __init__(self):
-            cfg = types.SimpleNamespace(tokenizer=None, model="stub", worker_step_timeout_s=60.0, speculative_config=None,
+            cfg = types.SimpleNamespace(tokenizer=None, model="stub", worker_step_timeout_s=60.0,
+                                        speculative_config=None,
                                         distributed_executor_backend="uni")
             super().__init__(cfg, "stub", engine=StubEngine(step_s))
 

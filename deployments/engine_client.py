@@ -5,9 +5,9 @@ One ``EngineClient`` per ingress replica. Requests that arrive within one turn o
 one ``submit`` call; every step's outputs for all of this replica's requests come as one message and each request
 gets its share. The outputs' channel (``output_channel``): ``push`` (the default), a ZMQ PULL socket this replica
 binds, read on its event loop, into which every core it joined pushes one message per step; or ``poll``, one long
-poll per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not taken yet and merges it: a
-consumer that keeps up gets every step's tokens as they come, one that falls behind gets them together (as vLLM's
-output collector does), so a slow client never makes the others wait.
+poll per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not
+taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one that falls behind gets
+them together (as vLLM's output collector does), so a slow client never makes the others wait.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
 
-    def put(self, item: tuple) -> None:  # the poll loop
+    def put(self, item: tuple) -> None:  # the output channel (on the event loop)
         self._items.append(item)
         self._ready.set()
 

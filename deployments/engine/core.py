@@ -79,7 +79,8 @@ def signed(key: bytes, payload: bytes) -> bytes:
 
 class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
-    CLIENT_TIMEOUT_S = 60.0  # a client that has not polled (or called heartbeat) for this long is gone: its requests are aborted
+    # a client that has not polled (or called heartbeat) for this long is gone: its requests are aborted
+    CLIENT_TIMEOUT_S = 60.0
     # the workers are restarted in place at most this often; one more failure in the window fails the health check
     # (workers that keep dying are better on a fresh replica, perhaps on another node)
     MAX_RESTARTS = 3

@@ -17,7 +17,8 @@ from tests.serve.conftest import API_KEY, second_app
 def batch_client(server):
     """An app that takes a batch at once (the shared one queues two requests), speculating with the target as its
     draft, prefilling in chunks of 16 tokens; its outputs come over the long poll (the shared app's are pushed)."""
-    args = {"output_channel": "poll", "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 4,
+    args = {"output_channel": "poll",
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 4,
                               "max_prefill_tokens": 16,
                               "speculative_config": {"method": "draft", "model": server["target"], "num_steps": 2}}}
     with second_app(server, "batch", args) as client:
