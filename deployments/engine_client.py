@@ -219,6 +219,7 @@ class EngineClient:
         self._push_key = os.urandom(32)  # the cores sign what they push with it (given over Ray, never logged)
         self._reader: asyncio.Task | None = None
         self._heartbeats: dict[str, asyncio.Task] = {}
+        self._hellos: dict[str, asyncio.Future] = {}  # (push) cores joining: their first message, once it comes
         self.info: dict | None = None
         # loaded with the replica, not on its first request (seconds for a large vocabulary)
         self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
@@ -296,12 +297,21 @@ class EngineClient:
             self._joining.discard(name)
         if self.info is None:  # the first core: the replica is up (its tokenizer loaded). Frozen, the start-up heap
             freeze_startup_heap()  # is left out of every full collection, each a pause of every stream it serves
-        if self.output_channel == "push":
-            try:  # (before it is routed to: its first outputs need the channel)
-                await core.connect.remote(self.client_id, self._channel(), self._push_key)
+        if self.output_channel == "push":  # (before it is routed to: its first outputs need the channel)
+            hello = self._hellos[name] = asyncio.get_running_loop().create_future()
+            try:
+                await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
+                await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
+            except asyncio.TimeoutError:  # (tried again at the next listing)
+                logger.error("engine core %s cannot reach this ingress replica's output socket %s in %.0f s (a "
+                             "firewall or network policy between the nodes?); output_channel: poll needs only Ray's "
+                             "connections", name, self._pull_address, self.CONNECT_TIMEOUT_S)
+                return
             except Exception as e:  # noqa: BLE001 - it died meanwhile: the next listing no longer shows it
                 logger.warning("engine core %s did not connect: %s", name, e)
                 return
+            finally:
+                self._hellos.pop(name, None)
         self.info = self.info or info
         self._cores[name] = core
         self.router.add_replica(name)
@@ -507,7 +517,13 @@ class EngineClient:
                 logger.error("a message on the output channel not signed by an engine core was dropped")
                 continue
             try:
-                self._deliver(pickle.loads(payload))
+                items = pickle.loads(payload)
+                if type(items) is dict:  # a joining core's hello: it reaches this socket
+                    hello = self._hellos.get(items["hello"])
+                    if hello is not None and not hello.done():
+                        hello.set_result(None)
+                    continue
+                self._deliver(items)
             except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
                 logger.exception("delivering the engine's outputs failed")
 

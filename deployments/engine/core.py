@@ -180,17 +180,19 @@ class EngineCore:
             self._aborts.extend(rids)
         self._wake.set()
 
-    def connect(self, client: str, address: str, key: bytes) -> None:
+    def connect(self, client: str, address: str, key: bytes, hello: str) -> None:
         """Push ``client``'s outputs to its PULL socket at ``address`` (tcp://ip:port) from now on: one message per
         step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
-        client unpickles only what the core signed: anyone on the network can reach its port). Again with the same
-        address: nothing changes."""
+        client unpickles only what the core signed: anyone on the network can reach its port). First comes
+        ``{"hello": hello}``, which tells the client that this core reaches its socket. Again with the same address:
+        the same socket, a new hello."""
         import zmq
 
         with self._send_lock:
             old = self._pushers.get(client)
             self._push_keys[client] = key
             if old is not None and self._push_address.get(client) == address:
+                old.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
                 return
             if self._zmq is None:
                 self._zmq = zmq.Context(io_threads=1)
@@ -200,6 +202,7 @@ class EngineCore:
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
+            sock.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
             if old is not None:
                 old.close()
             self._push_address[client] = address

@@ -178,8 +178,11 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
         key = b"k" * 32
-        core.connect("p", f"tcp://127.0.0.1:{port}", key)
-        core.connect("p", f"tcp://127.0.0.1:{port}", key)  # (a rejoin: the same socket stays)
+        for _ in range(2):  # (the second: a rejoin, the same socket stays)
+            core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+            assert pull.poll(30_000), "no hello"
+            msg = pull.recv()
+            assert msg[:32] == hmac.digest(key, msg[32:], "sha256") and pickle.loads(msg[32:]) == {"hello": "core-a"}
         assert len(core._pushers) == 1
         rids = {"a", "b"}
         assert core.submit("p", [(rid, [5, 6, 7], GREEDY, time.time()) for rid in sorted(rids)]) == [None, None]
