@@ -542,7 +542,14 @@ class EngineClient:
                 del self._heartbeats[name]
 
     def close(self) -> None:
-        """(the replica stops) The output channel's socket and tasks; the poll threads end with their core."""
+        """(the replica stops) The output channel's socket and tasks, and each core told to stop pushing here; the
+        poll threads end with their core."""
+        if self._pull is not None:
+            for core in self._cores.values():
+                try:
+                    core.disconnect.remote(self.client_id)  # fire and forget
+                except Exception:  # noqa: BLE001 - (Ray is down already)
+                    pass
         tasks = [*self._heartbeats.values(), self._reader, self._refresher]
         self._heartbeats.clear()
         self._reader = self._refresher = None

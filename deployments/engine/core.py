@@ -213,6 +213,11 @@ class EngineCore:
             if pending:
                 sock.send(signed(key, pickle.dumps(pending, protocol=5)), zmq.NOBLOCK)
 
+    def disconnect(self, client: str) -> None:
+        """The client's replica is stopping: its push channel closed now (not after CLIENT_TIMEOUT_S), whatever it
+        still streams aborted."""
+        self._forget({client})
+
     def heartbeat(self, client: str, timeout_s: float = 1.0) -> None:
         """A push client's liveness: keeps it known (CLIENT_TIMEOUT_S) and returns after ``timeout_s``; the call
         fails at once if this process dies, which is how the client learns of it."""
@@ -454,18 +459,23 @@ class EngineCore:
         now = time.monotonic()
         with self._lock:
             gone = {c for c, t in self._last_poll.items() if now - t > self.CLIENT_TIMEOUT_S}
-            if not gone:
-                return
-            for c in gone:
-                del self._last_poll[c]
+        if gone:
+            n = self._forget(gone)
+            logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", n, len(gone))
+
+    def _forget(self, clients: set[str]) -> int:
+        """These clients are gone: their requests aborted, outputs dropped, push channels closed; how many requests."""
+        with self._lock:
+            for c in clients:
+                self._last_poll.pop(c, None)
                 self._outbox.pop(c, None)
-            rids = [rid for rid, c in self._owner.items() if c in gone]
+            rids = [rid for rid, c in self._owner.items() if c in clients]
         with self._send_lock:
-            for c in gone:
+            for c in clients:
                 sock = self._pushers.pop(c, None)
                 self._push_address.pop(c, None)
                 self._push_keys.pop(c, None)
                 if sock is not None:
                     sock.close()
-        logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", len(rids), len(gone))
         self.abort(rids)
+        return len(rids)

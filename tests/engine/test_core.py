@@ -210,6 +210,15 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
         while core._pushers and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not core._pushers  # gone: its socket closed
+        core.CLIENT_TIMEOUT_S = 60.0
+        core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+        assert core._pushers and core.submit("p", [("c", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())])
+        core.disconnect("p")  # (its replica stops): closed at once, its request aborted
+        assert not core._pushers and "p" not in core._last_poll
+        deadline = time.monotonic() + 10
+        while core.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.engine.scheduler.kv_usage == 0.0
     finally:
         pull.close(linger=0)
         ctx.term()
