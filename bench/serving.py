@@ -33,9 +33,10 @@ from bench.common import ROOT, command, commit, out_path, pyplot, write_json, wr
 from deployments.config import LLMConfig
 
 
-def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, str, int, str]:
+def start_app(config: Path, stream_interval: int | None = None,
+              output_channel: str | None = None) -> tuple[str, str, int, str]:
     """Run the config's first application in this process (Ray Serve); returns (base url, model id, vocab, device).
-    ``stream_interval`` overrides the application's."""
+    ``stream_interval`` and ``output_channel`` override the application's."""
     from ray import serve
 
     from deployments.app import build_app, build_openai_app
@@ -46,9 +47,11 @@ def start_app(config: Path, stream_interval: int | None = None) -> tuple[str, st
     several = "llm_configs" in app["args"]
     if several:
         app["args"]["llm_configs"] = load_llm_configs(app["args"]["llm_configs"])
-    if stream_interval is not None:
-        for a in app["args"]["llm_configs"] if several else [app["args"]]:
+    for a in app["args"]["llm_configs"] if several else [app["args"]]:
+        if stream_interval is not None:
             a["stream_interval"] = stream_interval
+        if output_channel is not None:
+            a["output_channel"] = output_channel
     host, port = base.removeprefix("http://").rsplit(":", 1)
     serve.start(http_options={"host": host, "port": int(port)})
     serve.run((build_openai_app if several else build_app)(app["args"]), name=app.get("name", "default"), route_prefix=app.get("route_prefix", "/"))
@@ -440,7 +443,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     if meta.get("stream_interval") is not None:
         md += ["", f"stream_interval: {meta['stream_interval']}"
                + (f" · stream_batching_interval_ms: {meta['stream_batching_interval_ms']}"
-                  if meta.get("stream_batching_interval_ms") is not None else "")]
+                  if meta.get("stream_batching_interval_ms") is not None else "")
+               + (f" · output_channel: {meta['output_channel']}" if meta.get("output_channel") else "")]
     md += ["", f"| {head} | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
            "ITL median / p99 ms |" + (" accept length |" if spec else ""),
            "|---|---|---|---|---|---|" + ("---|" if spec else "")]
@@ -534,6 +538,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="a serve config whose first application is started here")
     ap.add_argument("--stream-interval", type=int, default=None, help="with --config: override its stream_interval")
+    ap.add_argument("--output-channel", choices=("push", "poll"), default=None,
+                    help="with --config: override its output_channel (how each step's outputs reach the ingress)")
     ap.add_argument("--client-url", default=None, help="with --config: send the requests here instead (e.g. an ingress "
                     "replica's own port under Ray Serve's direct ingress)")
     ap.add_argument("--server-config", default=None, help="or the serve config of a server already running "
@@ -570,7 +576,7 @@ def main() -> None:
             ap.error("--offline needs --config and --concurrencies")
         offline = measure_offline(Path(args.config), args)
     if args.config:
-        base, model, vocab, device = start_app(Path(args.config), args.stream_interval)
+        base, model, vocab, device = start_app(Path(args.config), args.stream_interval, args.output_channel)
         app_args = server_config(Path(args.config))[2]
         engine_kwargs = app_args.get("engine_kwargs")
         stream_interval = args.stream_interval or app_args.get("stream_interval", 1)
@@ -604,6 +610,8 @@ def main() -> None:
             "serve_env": {k: v for k, v in os.environ.items() if k.startswith("RAY_SERVE_")},
             "stream_batching_interval_ms": None if app_args is None else app_args.get(
                 "stream_batching_interval_ms", LLMConfig.model_fields["stream_batching_interval_ms"].default),
+            "output_channel": None if app_args is None else (args.output_channel or app_args.get(
+                "output_channel", LLMConfig.model_fields["output_channel"].default)),
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels,

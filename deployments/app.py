@@ -86,7 +86,7 @@ def _controller(cfg: LLMConfig, name: str | None = None):
     return controller, {"model_id": cfg.model_loading_config.model_id, "stream_interval": cfg.stream_interval,
                         "stream_batching_interval_ms": cfg.stream_batching_interval_ms,
                         "tokenizer": engine_cfg.tokenizer or engine_cfg.model, "limits": cfg.request_limits(),
-                        "router": cfg.request_router.model_dump()}
+                        "router": cfg.request_router.model_dump(), "output_channel": cfg.output_channel}
 
 
 def build_app(args: dict) -> Application:
@@ -95,7 +95,7 @@ def build_app(args: dict) -> Application:
     return OpenAIIngress.options(**cfg.ingress_deployment_config).bind(
         controller, m["model_id"], cfg.api_key_env, cfg.api_key_file, m["stream_interval"],
         m["stream_batching_interval_ms"], m["tokenizer"], cfg.max_request_body_bytes, m["limits"],
-        router=m["router"])
+        router=m["router"], output_channel=m["output_channel"])
 
 
 APP_FIELDS = ("api_key_env", "api_key_file", "max_request_body_bytes", "ingress_deployment_config")
@@ -131,4 +131,4 @@ def build_openai_app(args: dict) -> Application:
     return OpenAIIngress.options(**ingress_options).bind(
         controller, m["model_id"], first.api_key_env, first.api_key_file, m["stream_interval"],
         m["stream_batching_interval_ms"], m["tokenizer"], first.max_request_body_bytes, m["limits"],
-        more_models=more, router=m["router"])
+        more_models=more, router=m["router"], output_channel=m["output_channel"])

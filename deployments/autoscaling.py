@@ -1,7 +1,7 @@
 """The engine deployment's autoscaling policy (``autoscaling_config.policy`` of the LLMController deployment).
 
 Serve's default policy scales on the requests its handles send to a deployment's replicas, but requests reach the
-engine cores directly (the ingress's batched submits and long polls), so the controller replicas see none. Each
+engine cores directly (the ingress's batched submits and its output channel), so the controller replicas see none. Each
 controller replica instead reports its engine's load (requests running and waiting) through Serve's custom
 autoscaling metrics (``LLMController.record_autoscaling_stats``), and this policy sizes the deployment on their sum:
 ``target_ongoing_requests`` is then the load one engine replica should carry. Serve applies min/max replicas, the

@@ -59,6 +59,11 @@ class LLMConfig(Strict):
                                                "long, gathering tokens, before its next send (the first and the last "
                                                "go at once); default 0: every step's tokens as they come (a stream "
                                                "that falls behind gets the steps it missed together)")
+    output_channel: Literal["push", "poll"] = Field("push", description="how each step's outputs reach an ingress "
+                                                    "replica, one message per step for all its requests: push (a ZMQ "
+                                                    "socket the replica binds, into which each engine core sends after "
+                                                    "every step; needs pyzmq) or poll (one long-poll Ray actor call "
+                                                    "per engine core after another)")
     max_request_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get a 413 before "
                                         "they are read (default 16 MiB)")
     # per-request limits: a request over one gets a 400 naming the parameter, before anything costly is done for it
@@ -160,6 +165,16 @@ class LLMConfig(Strict):
         data = dict(data, deployment_config=deployment)
         data["request_router"] = {**router, **(data.get("request_router") or {})}
         return data
+
+    @model_validator(mode="after")
+    def _push_needs_zmq(self):
+        if self.output_channel == "push":
+            try:
+                import zmq  # noqa: F401
+            except ImportError:
+                raise ValueError("output_channel push needs pyzmq (a dependency of specserve: pip install pyzmq); "
+                                 "or set output_channel: poll") from None
+        return self
 
     @model_validator(mode="after")
     def _engine_replicas(self):

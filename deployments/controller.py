@@ -63,7 +63,8 @@ class LLMController:
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         self.core_name = core_prefix(ctx.app_name, ctx.deployment) + self.replica
-        # threads: one long poll per ingress replica, plus submissions, aborts, stats and health checks
+        # threads: one heartbeat (push) or long poll (poll) per ingress replica, plus submissions, aborts, stats and
+        # health checks
         self.core = ray.remote(EngineCore).options(
             num_cpus=0, num_gpus=gpus, max_concurrency=64, name=self.core_name, namespace=CORE_NAMESPACE,
             **placement).remote(engine_cfg, config.model_loading_config.model_id, replica=self.replica)

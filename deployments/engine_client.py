@@ -1,17 +1,22 @@
-"""The ingress replica's side of the engine core: batched submissions, one long poll for every stream, and the
+"""The ingress replica's side of the engine core: batched submissions, one output channel for every stream, and the
 per-request work the core leaves to the ingress (detokenizing, stop strings, logprob text, request metrics).
 
 One ``EngineClient`` per ingress replica. Requests that arrive within one turn of the event loop go to the core in
-one ``submit`` call; one poll loop receives every step's outputs for all of this replica's requests as one message
-and hands each request its share. A ``RequestStream`` keeps what its consumer has not taken yet and merges it: a
-consumer that keeps up gets every step's tokens as they come, one that falls behind gets them together (as vLLM's
-output collector does), so a slow client never makes the others wait.
+one ``submit`` call; every step's outputs for all of this replica's requests come as one message and each request
+gets its share. The outputs' channel (``output_channel``): ``push`` (the default), a ZMQ PULL socket this replica
+binds, read on its event loop, into which every core it joined pushes one message per step; or ``poll``, one long
+poll per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not
+taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one that falls behind gets
+them together (as vLLM's output collector does), so a slow client never makes the others wait.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
+import pickle
 import threading
 import time
 import uuid
@@ -81,7 +86,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
 
-    def put(self, item: tuple) -> None:  # the poll loop
+    def put(self, item: tuple) -> None:  # the output channel (on the event loop)
         self._items.append(item)
         self._ready.set()
 
@@ -184,13 +189,13 @@ def merge_step_time(stats) -> dict:
 
 
 class EngineClient:
-    POLL_TIMEOUT_S = 1.0
+    POLL_TIMEOUT_S = 1.0  # a long poll's wait (poll), or a heartbeat's (push)
     # while no engine replica is up (starting, or being replaced) a request waits this long for one, then gets a 503
     CONNECT_TIMEOUT_S = 5.0
     REFRESH_S = 1.0  # how often the live engine cores are listed (replicas added, replaced or scaled away)
 
     def __init__(self, controller, model_id: str, tokenizer_path: str | None = None, stream_interval: int = 1,
-                 batching_ms: float = 0.0, router: dict | None = None):
+                 batching_ms: float = 0.0, router: dict | None = None, output_channel: str = "push"):
         from deployments.controller import core_prefix
         from deployments.routing import Router, RouterConfig
 
@@ -200,6 +205,21 @@ class EngineClient:
         self.client_id = uuid.uuid4().hex
         self.metrics = RequestMetrics(model_id)
         self.stream_interval, self.batching_s = stream_interval, batching_ms / 1000
+        if output_channel not in ("push", "poll"):
+            raise ValueError(f"output_channel {output_channel!r}: push or poll")
+        if output_channel == "push":
+            try:
+                import zmq  # noqa: F401
+            except ImportError:
+                raise RuntimeError("output_channel push needs pyzmq (a dependency of specserve: pip install pyzmq), "
+                                   "or set output_channel: poll") from None
+        self.output_channel = output_channel
+        self._pull = None  # (push) the PULL socket every joined core pushes into, bound on first join
+        self._pull_address: str | None = None
+        self._push_key = os.urandom(32)  # the cores sign what they push with it (given over Ray, never logged)
+        self._reader: asyncio.Task | None = None
+        self._heartbeats: dict[str, asyncio.Task] = {}
+        self._hellos: dict[str, asyncio.Future] = {}  # (push) cores joining: their first message, once it comes
         self.info: dict | None = None
         # loaded with the replica, not on its first request (seconds for a large vocabulary)
         self.tokenizer = load_tokenizer(tokenizer_path) if tokenizer_path else None
@@ -277,12 +297,30 @@ class EngineClient:
             self._joining.discard(name)
         if self.info is None:  # the first core: the replica is up (its tokenizer loaded). Frozen, the start-up heap
             freeze_startup_heap()  # is left out of every full collection, each a pause of every stream it serves
+        if self.output_channel == "push":  # (before it is routed to: its first outputs need the channel)
+            hello = self._hellos[name] = asyncio.get_running_loop().create_future()
+            try:
+                await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
+                await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
+            except asyncio.TimeoutError:  # (tried again at the next listing)
+                logger.error("engine core %s cannot reach this ingress replica's output socket %s in %.0f s (a "
+                             "firewall or network policy between the nodes?); output_channel: poll needs only Ray's "
+                             "connections", name, self._pull_address, self.CONNECT_TIMEOUT_S)
+                return
+            except Exception as e:  # noqa: BLE001 - it died meanwhile: the next listing no longer shows it
+                logger.warning("engine core %s did not connect: %s", name, e)
+                return
+            finally:
+                self._hellos.pop(name, None)
         self.info = self.info or info
         self._cores[name] = core
         self.router.add_replica(name)
-        logger.info("engine core %s joined (%d connected)", name, len(self._cores))
-        threading.Thread(target=self._poll_loop, args=(name, core, asyncio.get_running_loop()),
-                         name="engine-poll", daemon=True).start()
+        logger.info("engine core %s joined (%d connected; outputs by %s)", name, len(self._cores), self.output_channel)
+        if self.output_channel == "push":
+            self._heartbeats[name] = asyncio.ensure_future(self._heartbeat_loop(name, core))
+        else:
+            threading.Thread(target=self._poll_loop, args=(name, core, asyncio.get_running_loop()),
+                             name="engine-poll", daemon=True).start()
         self._joined.set()
 
     async def model_info(self) -> dict:
@@ -443,6 +481,88 @@ class EngineClient:
         return {**total, **merge_step_time(per.values()), "replicas": per, "router": self.router.snapshot()}
 
     # ---- outputs -------------------------------------------------------------------------------------------------
+    def _channel(self) -> str:
+        """(push) This replica's PULL socket's address, bound on the first call (tcp on this node's IP, a free
+        port, so cores on other nodes reach it), and the task that reads it on this event loop."""
+        if self._pull is None:
+            import ray
+            import zmq
+            import zmq.asyncio
+
+            sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+            sock.setsockopt(zmq.RCVHWM, 0)  # (the core never blocks on a full queue: it has no high-water mark)
+            sock.setsockopt(zmq.LINGER, 0)
+            ip = ray.util.get_node_ip_address()
+            port = sock.bind_to_random_port(f"tcp://{ip}")
+            self._pull, self._pull_address = sock, f"tcp://{ip}:{port}"
+            self._reader = asyncio.ensure_future(self._read_loop(sock))
+        return self._pull_address
+
+    async def _read_loop(self, sock) -> None:
+        """(push) Every message from every core, delivered on this event loop as it comes (each core's in order)."""
+        import zmq
+
+        while True:
+            try:
+                msg = await sock.recv(copy=True)
+            except (asyncio.CancelledError, zmq.ContextTerminated):
+                return
+            except zmq.ZMQError as e:
+                if sock.closed:
+                    return
+                logger.error("reading the engine's outputs failed: %s", e)
+                continue
+            mac, payload = msg[:32], memoryview(msg)[32:]
+            if not hmac.compare_digest(mac, hmac.digest(self._push_key, payload, "sha256")):
+                logger.error("a message on the output channel not signed by an engine core was dropped")
+                continue
+            try:
+                items = pickle.loads(payload)
+                if type(items) is dict:  # a joining core's hello: it reaches this socket
+                    hello = self._hellos.get(items["hello"])
+                    if hello is not None and not hello.done():
+                        hello.set_result(None)
+                    continue
+                self._deliver(items)
+            except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
+                logger.exception("delivering the engine's outputs failed")
+
+    async def _heartbeat_loop(self, name: str, core) -> None:
+        """(push) One heartbeat call after another while the core is joined: the core knows this replica is alive,
+        and a call that fails says the core died (its streams end with a 503)."""
+        try:
+            while self._cores.get(name) is core:
+                await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            return
+        except Exception as e:  # noqa: BLE001 - the core went away: its streams end with an error
+            self._lost(name, e, core)
+        finally:
+            if self._heartbeats.get(name) is asyncio.current_task():
+                del self._heartbeats[name]
+
+    def close(self) -> None:
+        """(the replica stops) The output channel's socket and tasks, and each core told to stop pushing here; the
+        poll threads end with their core."""
+        if self._pull is not None:
+            for core in self._cores.values():
+                try:
+                    core.disconnect.remote(self.client_id)  # fire and forget
+                except Exception:  # noqa: BLE001 - (Ray is down already)
+                    pass
+        tasks = [*self._heartbeats.values(), self._reader, self._refresher]
+        self._heartbeats.clear()
+        self._reader = self._refresher = None
+        for task in tasks:
+            if task is not None and not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:  # (its loop closed already)
+                    pass
+        if self._pull is not None:
+            self._pull.close(linger=0)
+            self._pull = None
+
     def _poll_loop(self, name: str, core, loop: asyncio.AbstractEventLoop) -> None:
         """A thread per core: one blocking long poll after another (cheaper and quicker than awaiting each on the
         event loop); each answer is handed to the event loop in one call."""

@@ -302,7 +302,7 @@ class OpenAIIngress:
     def __init__(self, controller: DeploymentHandle, model_id: str, api_key_env: str = "SPECSERVE_API_KEY",
                  api_key_file: str | None = None, stream_interval: int = 1, stream_batching_interval_ms: float = 0.0,
                  tokenizer: str | None = None, max_request_body_bytes: int | None = None, limits: dict | None = None,
-                 more_models: list[dict] | None = None, router: dict | None = None):
+                 more_models: list[dict] | None = None, router: dict | None = None, output_channel: str = "push"):
         # read here, in the replica's own environment: the key never travels in (logged) arguments
         key = read_api_key(api_key_env, api_key_file)
         app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
@@ -310,17 +310,23 @@ class OpenAIIngress:
         self.created = int(time.time())
         first = dict(controller=controller, model_id=model_id, stream_interval=stream_interval,
                      stream_batching_interval_ms=stream_batching_interval_ms, tokenizer=tokenizer, limits=limits,
-                     router=router)
+                     router=router, output_channel=output_channel)
         # every model this ingress serves (build_openai_app: several), by name; the first answers a request naming none
         self.models: dict[str, _Served] = {}
         for m in [first, *(more_models or [])]:
             limits_m = RequestLimits(**(m["limits"] or {k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
             engine = EngineClient(m["controller"], m["model_id"], m["tokenizer"], m["stream_interval"],
-                                  m["stream_batching_interval_ms"], m.get("router"))
+                                  m["stream_batching_interval_ms"], m.get("router"),
+                                  m.get("output_channel", "push"))
             self.models[m["model_id"]] = _Served(m["model_id"], m["controller"], engine, limits_m)
         self.default = self.models[model_id]
         # (Serve runs the constructor on the replica's event loop; the task is kept so it is not collected)
         self._announce = asyncio.get_running_loop().create_task(_announce_ready(list(self.models.values())))
+
+    def __del__(self):
+        """(Serve calls it as the replica stops, on its event loop) the engine clients' sockets closed."""
+        for m in getattr(self, "models", {}).values():
+            m.engine.close()
 
     # The request's model (set by _check_model) is a context variable, so a handler's self.engine, self.model_id,
     # self.limits and self.controller are its model's without passing it around.

@@ -160,7 +160,8 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs), +nopg:
       # prefills run eagerly (no prefill graphs), +uni: the worker inside the engine core's process (TP=1), +mixN:
       # arrivals' prompt chunks ride in decode steps while at most N requests run (mixed_decode_rows: N), +pfN:
-      # prompt tokens per prefill step at most N (max_prefill_tokens: N);
+      # prompt tokens per prefill step at most N (max_prefill_tokens: N), +poll: outputs to the ingress by the long
+      # poll (output_channel: poll) instead of the ZMQ push;
       # SERVED_WAVES: requests per level in units of C (2); SERVED_PY_SPY: levels (e.g. 128,256) at which py-spy
       # samples the ingress replicas and the engine core (bench.serving --py-spy-levels)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
@@ -178,6 +179,7 @@ sys.argv[4] and a.setdefault('ingress_deployment_config', {}).update(num_replica
 '+nopc' in sys.argv[5] and e.update(enable_prefix_caching=False); \
 '+nopg' in sys.argv[5] and e.update(cuda_graph_max_prefill_tokens=0); \
 '+uni' in sys.argv[5] and e.update(distributed_executor_backend='uni'); \
+'+poll' in sys.argv[5] and a.update(output_channel='poll'); \
 yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$variant" "$nmix" "$npf" || { echo "!!! cannot write $cfg"; exit 1; }
       offline=(--offline)
       [[ $variant == *+* && -z ${SERVED_OFFLINE_ALWAYS:-} ]] && offline=()  # measured with the plain variant

@@ -6,9 +6,13 @@ thread steps the engine without pause while there is work; the actor's other thr
 - ``submit(client, batch)``: every request an ingress replica received since its last call, validated at once (the
   answer says which were refused and why) and queued; the loop adds them all before its next plan, so what arrives
   together is admitted together.
-- ``poll(client)``: a long poll returning every step output for that client's requests since its last poll, as one
-  message. However many requests a replica streams, it costs one message per step (fewer when steps are quicker
-  than a round trip: the outputs of several steps then travel together).
+- ``connect(client, address)``: a push channel to that client (``output_channel: push``, the default): after each
+  step the loop sends the client's outputs of the step as ONE ZMQ message to the PULL socket the client bound at
+  ``address``. ``heartbeat(client)``, a call that blocks for a while and returns, is then the client's liveness
+  (its failure tells the client the core died; its absence tells the core the client did).
+- ``poll(client)`` (``output_channel: poll``): a long poll returning every step output for that client's requests
+  since its last poll, as one message. However many requests a replica streams, it costs one message per step
+  (fewer when steps are quicker than a round trip: the outputs of several steps then travel together).
 - ``abort(rids)``: requests whose client left or whose stop string the ingress found; freed before the next plan.
 
 When a TP worker dies, every request ends at once (streams with an error, new ones with a 503) and the loop starts
@@ -19,7 +23,9 @@ Serve replaces the replica.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import pickle
 import threading
 import time
 from collections import defaultdict, deque
@@ -66,9 +72,15 @@ def pack_output(out: RequestOutput) -> tuple:
     return packed if out.prompt_logprobs is None else (*packed, out.prompt_logprobs)
 
 
+def signed(key: bytes, payload: bytes) -> bytes:
+    """A push message: the payload's HMAC-SHA256 under the client's key (32 bytes), then the payload."""
+    return hmac.digest(key, payload, "sha256") + payload
+
+
 class EngineCore:
     IDLE_METRICS_INTERVAL_S = 5.0  # while idle the load gauges are set this often (Ray drops gauges left unset)
-    CLIENT_TIMEOUT_S = 60.0  # a client that has not polled for this long is gone: its requests are aborted
+    # a client that has not polled (or called heartbeat) for this long is gone: its requests are aborted
+    CLIENT_TIMEOUT_S = 60.0
     # the workers are restarted in place at most this often; one more failure in the window fails the health check
     # (workers that keep dying are better on a fresh replica, perhaps on another node)
     MAX_RESTARTS = 3
@@ -99,6 +111,14 @@ class EngineCore:
         self._owner: dict[str, str] = {}  # rid -> the client streaming it
         self._outbox: dict[str, list[tuple]] = defaultdict(list)  # client -> outputs not yet polled
         self._last_poll: dict[str, float] = {}
+        # push channels (``connect``): client -> its PUSH socket. The sockets are used under _send_lock only, by the
+        # loop after a step or by the thread that failed every request, so a client's messages leave in order
+        self._pushers: dict[str, object] = {}
+        self._push_address: dict[str, str] = {}
+        self._push_keys: dict[str, bytes] = {}
+        self._send_lock = threading.Lock()
+        self._zmq = None  # the ZMQ context, made by the first ``connect``
+        self._closed = threading.Event()  # (shutdown) heartbeats answer at once
         self.error: BaseException | None = None
         self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
         self._restarting: float | None = None  # since when (monotonic) the workers are being restarted
@@ -160,6 +180,51 @@ class EngineCore:
             self._aborts.extend(rids)
         self._wake.set()
 
+    def connect(self, client: str, address: str, key: bytes, hello: str) -> None:
+        """Push ``client``'s outputs to its PULL socket at ``address`` (tcp://ip:port) from now on: one message per
+        step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
+        client unpickles only what the core signed: anyone on the network can reach its port). First comes
+        ``{"hello": hello}``, which tells the client that this core reaches its socket. Again with the same address:
+        the same socket, a new hello."""
+        import zmq
+
+        with self._send_lock:
+            old = self._pushers.get(client)
+            self._push_keys[client] = key
+            if old is not None and self._push_address.get(client) == address:
+                old.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
+                return
+            if self._zmq is None:
+                self._zmq = zmq.Context(io_threads=1)
+            sock = self._zmq.socket(zmq.PUSH)
+            # never block the loop: no high-water mark (a client that stops reading is dropped after
+            # CLIENT_TIMEOUT_S with its queue), and nothing kept once closed
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            sock.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
+            if old is not None:
+                old.close()
+            self._push_address[client] = address
+            with self._lock:
+                self._pushers[client] = sock
+                self._last_poll[client] = time.monotonic()
+                pending = self._outbox.pop(client, None)  # (outputs queued for it before: none in practice)
+            if pending:
+                sock.send(signed(key, pickle.dumps(pending, protocol=5)), zmq.NOBLOCK)
+
+    def disconnect(self, client: str) -> None:
+        """The client's replica is stopping: its push channel closed now (not after CLIENT_TIMEOUT_S), whatever it
+        still streams aborted."""
+        self._forget({client})
+
+    def heartbeat(self, client: str, timeout_s: float = 1.0) -> None:
+        """A push client's liveness: keeps it known (CLIENT_TIMEOUT_S) and returns after ``timeout_s``; the call
+        fails at once if this process dies, which is how the client learns of it."""
+        with self._lock:
+            self._last_poll[client] = time.monotonic()
+        self._closed.wait(timeout_s)
+
     def poll(self, client: str, timeout_s: float = 1.0) -> list[tuple]:
         """Every output for ``client`` since its last poll (``pack_output`` tuples, oldest first); waits up to
         ``timeout_s`` for one."""
@@ -175,7 +240,8 @@ class EngineCore:
 
     def stats(self) -> dict:
         stats = self.engine.step_stats()
-        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits}
+        stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits,
+                         "clients": len(self._last_poll)}  # (ingress replicas known: pushed to, or polling)
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
         return stats
 
@@ -214,8 +280,18 @@ class EngineCore:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+        self._closed.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
+        with self._send_lock:
+            for sock in self._pushers.values():
+                sock.close()
+            self._pushers.clear()
+            self._push_address.clear()
+            self._push_keys.clear()
+            if self._zmq is not None:
+                self._zmq.term()
+                self._zmq = None
 
     # ---- the loop (its own thread: the only one that touches the engine) -----------------------------------
     def _run(self) -> None:
@@ -277,6 +353,23 @@ class EngineCore:
                 if client is not None:
                     self._outbox[client].append(pack_output(out))
             self._output_ready.notify_all()
+        if self._pushers:
+            self._push()
+
+    def _push(self) -> None:
+        """Each push client's queued outputs as one message (on the loop after a step, or on the thread that failed
+        every request); a poll client's stay for its poll."""
+        import zmq
+
+        with self._send_lock:
+            with self._lock:
+                batches = [(sock, self._push_keys[c], self._outbox.pop(c)) for c, sock in self._pushers.items()
+                           if self._outbox.get(c)]
+            for sock, key, items in batches:
+                try:
+                    sock.send(signed(key, pickle.dumps(items, protocol=5)), zmq.NOBLOCK)
+                except zmq.ZMQError as e:  # (no high-water mark: only a closed socket raises)
+                    logger.warning("pushing outputs to an ingress replica failed: %s", e)
 
     def _stopped(self) -> str:
         """Why no request can be served (the loop or the workers failed), for the clients."""
@@ -357,17 +450,32 @@ class EngineCore:
                 self._outbox[client].append((rid, [], "error", None, None, {"error": message, "status": status}))
             self._owner.clear()
             self._output_ready.notify_all()
+        if self._pushers:
+            self._push()
 
     def _drop_gone_clients(self) -> None:
-        """Requests of a client that stopped polling (its replica died) are aborted, their outputs dropped."""
+        """Requests of a client that stopped polling (its replica died) are aborted, their outputs dropped, its push
+        channel closed."""
         now = time.monotonic()
         with self._lock:
             gone = {c for c, t in self._last_poll.items() if now - t > self.CLIENT_TIMEOUT_S}
-            if not gone:
-                return
-            for c in gone:
-                del self._last_poll[c]
+        if gone:
+            n = self._forget(gone)
+            logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", n, len(gone))
+
+    def _forget(self, clients: set[str]) -> int:
+        """These clients are gone: their requests aborted, outputs dropped, push channels closed; how many requests."""
+        with self._lock:
+            for c in clients:
+                self._last_poll.pop(c, None)
                 self._outbox.pop(c, None)
-            rids = [rid for rid, c in self._owner.items() if c in gone]
-        logger.warning("%d requests of %d ingress replicas that stopped polling are aborted", len(rids), len(gone))
+            rids = [rid for rid, c in self._owner.items() if c in clients]
+        with self._send_lock:
+            for c in clients:
+                sock = self._pushers.pop(c, None)
+                self._push_address.pop(c, None)
+                self._push_keys.pop(c, None)
+                if sock is not None:
+                    sock.close()
         self.abort(rids)
+        return len(rids)

@@ -162,3 +162,63 @@ def test_an_error_escaping_the_in_process_worker_ends_the_engine(tiny_models):
     finally:
         core.shutdown()
 
+
+
+def test_push_channel_sends_each_step_as_one_message_in_order(core):
+    """A client that connected gets its outputs pushed (one pickled list per step, oldest first, signed with its
+    key) and none in its poll; one that then stops calling heartbeat is dropped after CLIENT_TIMEOUT_S, its socket
+    closed."""
+    import hmac
+    import pickle
+
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        key = b"k" * 32
+        for _ in range(2):  # (the second: a rejoin, the same socket stays)
+            core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+            assert pull.poll(30_000), "no hello"
+            msg = pull.recv()
+            assert msg[:32] == hmac.digest(key, msg[32:], "sha256") and pickle.loads(msg[32:]) == {"hello": "core-a"}
+        assert len(core._pushers) == 1
+        rids = {"a", "b"}
+        assert core.submit("p", [(rid, [5, 6, 7], GREEDY, time.time()) for rid in sorted(rids)]) == [None, None]
+        tokens: dict[str, list[int]] = {rid: [] for rid in rids}
+        messages = 0
+        while rids:
+            assert pull.poll(30_000), "no message"
+            msg = pull.recv()
+            assert msg[:32] == hmac.digest(key, msg[32:], "sha256")
+            items = pickle.loads(msg[32:])
+            messages += 1
+            assert len({rid for rid, *_ in items}) == len(items)  # one step: each request once
+            for rid, ids, reason, *_ in items:
+                assert rid in rids
+                tokens[rid] += ids
+                if reason is not None:
+                    rids.discard(rid)
+        # every step its own message (8 tokens: a prefill and 7 decode steps, the two requests together)
+        assert [len(t) for t in tokens.values()] == [8, 8] and 8 <= messages <= core.engine.num_steps
+        assert core.poll("p", 0.01) == []
+        core.heartbeat("p", 0.0)
+        core.CLIENT_TIMEOUT_S = 0.05
+        core.IDLE_METRICS_INTERVAL_S = 0.02
+        deadline = time.monotonic() + 10
+        while core._pushers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not core._pushers  # gone: its socket closed
+        core.CLIENT_TIMEOUT_S = 60.0
+        core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+        assert core._pushers and core.submit("p", [("c", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())])
+        core.disconnect("p")  # (its replica stops): closed at once, its request aborted
+        assert not core._pushers and "p" not in core._last_poll
+        deadline = time.monotonic() + 10
+        while core.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.engine.scheduler.kv_usage == 0.0
+    finally:
+        pull.close(linger=0)
+        ctx.term()

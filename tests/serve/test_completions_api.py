@@ -16,8 +16,9 @@ from tests.serve.conftest import API_KEY, second_app
 @pytest.fixture(scope="module")
 def batch_client(server):
     """An app that takes a batch at once (the shared one queues two requests), speculating with the target as its
-    draft, prefilling in chunks of 16 tokens."""
-    args = {"engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 4,
+    draft, prefilling in chunks of 16 tokens; its outputs come over the long poll (the shared app's are pushed)."""
+    args = {"output_channel": "poll",
+            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 4,
                               "max_prefill_tokens": 16,
                               "speculative_config": {"method": "draft", "model": server["target"], "num_steps": 2}}}
     with second_app(server, "batch", args) as client:
@@ -109,6 +110,21 @@ def test_batched_token_id_prompts_with_echo_and_logprobs(batch_client):
 
 def httpx_post(client, body: dict):
     return client.post("/completions", body=body, cast_to=httpx.Response)
+
+
+def test_the_poll_channel_streams_what_the_push_channel_does(server, batch_client):
+    """The same seeded stream from the shared app (output_channel push) and from this one (poll): the same tokens,
+    in as many chunks as tokens came, and both ended."""
+    push = openai.OpenAI(base_url=server["base"] + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    kw = dict(prompt="def main():", max_tokens=12, temperature=0.8, seed=5, logprobs=1, stream=True,
+              extra_body={"ignore_eos": True})
+    got = {}
+    for name, client in (("tiny", push), ("batch", batch_client)):
+        chunks = [c.choices[0] for c in client.completions.create(model=name, **kw) if c.choices]
+        assert chunks[-1].finish_reason == "length" and all(c.finish_reason is None for c in chunks[:-1])
+        got[name] = [t for c in chunks for t in c.logprobs.tokens]
+        assert len(chunks) > 1
+    assert got["tiny"] == got["batch"] and len(got["tiny"]) == 12
 
 
 def test_models_retrieve(server):

@@ -445,12 +445,14 @@ def test_a_stop_string_found_in_the_ingress_ends_the_request_in_the_engine(serve
 
 
 def test_300_concurrent_streams_get_every_token_once(server):
-    """300 streams at once (a queue deep enough for them): each streams exactly its 8 tokens, its text equals the
-    same prompt's non-streamed greedy text, usage counts 8, and the KV cache is empty afterwards."""
+    """300 streams at once (a queue deep enough for them) through two ingress replicas into one engine core (each
+    replica's outputs pushed to it): each streams exactly its 8 tokens, its text equals the same prompt's
+    non-streamed greedy text, usage counts 8, and the KV cache is empty afterwards."""
     import httpx
 
     app = {"engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": 256, "max_num_seqs": 32,
-                             "max_queue_len": 512}, "ingress_deployment_config": {"max_ongoing_requests": 512}}
+                             "max_queue_len": 512},
+           "ingress_deployment_config": {"max_ongoing_requests": 512, "num_replicas": 2}}
     prompts = [f"import mod{i}\n" for i in range(10)]
     with second_app(server, "many", app) as client:
         refs = [client.completions.create(model="many", prompt=p, max_tokens=8, temperature=0,
@@ -480,6 +482,7 @@ def test_300_concurrent_streams_get_every_token_once(server):
         assert not wrong, wrong[:3]
         stats = httpx.get(f"{server['base']}/many/v1/stats", timeout=30).json()
         assert stats["kv_usage"] == 0.0 and stats["running"] == 0, stats
+        assert stats["loop"]["clients"] == 2, stats  # both ingress replicas joined the core
 
 
 def test_the_api_key_comes_from_a_file_or_the_environment_and_never_reaches_the_logs(server):
