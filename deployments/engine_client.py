@@ -217,7 +217,7 @@ class EngineClient:
         self._pull = None  # (push) the PULL socket every joined core pushes into, bound on first join
         self._pull_address: str | None = None
         self._push_key = os.urandom(32)  # the cores sign what they push with it (given over Ray, never logged)
-        self._reader: asyncio.Task | None = None
+        self._reader: threading.Thread | None = None  # (push) the thread reading ``_pull``
         self._heartbeats: dict[str, asyncio.Task] = {}
         self._hellos: dict[str, asyncio.Future] = {}  # (push) cores joining: their first message, once it comes
         self.info: dict | None = None
@@ -483,49 +483,62 @@ class EngineClient:
     # ---- outputs -------------------------------------------------------------------------------------------------
     def _channel(self) -> str:
         """(push) This replica's PULL socket's address, bound on the first call (tcp on this node's IP, a free
-        port, so cores on other nodes reach it), and the task that reads it on this event loop."""
+        port, so cores on other nodes reach it), and the thread that reads it."""
         if self._pull is None:
             import ray
             import zmq
-            import zmq.asyncio
 
-            sock = zmq.asyncio.Context.instance().socket(zmq.PULL)
+            sock = zmq.Context.instance().socket(zmq.PULL)
             sock.setsockopt(zmq.RCVHWM, 0)  # (the core never blocks on a full queue: it has no high-water mark)
             sock.setsockopt(zmq.LINGER, 0)
             ip = ray.util.get_node_ip_address()
             port = sock.bind_to_random_port(f"tcp://{ip}")
             self._pull, self._pull_address = sock, f"tcp://{ip}:{port}"
-            self._reader = asyncio.ensure_future(self._read_loop(sock))
+            self._reader = threading.Thread(target=self._read_loop, args=(sock, asyncio.get_running_loop()),
+                                            name="output-channel", daemon=True)
+            self._reader.start()
         return self._pull_address
 
-    async def _read_loop(self, sock) -> None:
-        """(push) Every message from every core, delivered on this event loop as it comes (each core's in order)."""
+    def _read_loop(self, sock, loop: asyncio.AbstractEventLoop) -> None:
+        """(push) A thread: every message from every core (each core's in order) checked and unpickled here, and
+        handed to the event loop in one call. Read on the event loop itself, the unpickling and checking took
+        the time of the loop that writes every stream's chunks, and served throughput fell at high concurrency."""
         import zmq
 
-        while True:
-            try:
-                msg = await sock.recv(copy=True)
-            except (asyncio.CancelledError, zmq.ContextTerminated):
-                return
-            except zmq.ZMQError as e:
-                if sock.closed:
-                    return
-                logger.error("reading the engine's outputs failed: %s", e)
-                continue
-            mac, payload = msg[:32], memoryview(msg)[32:]
-            if not hmac.compare_digest(mac, hmac.digest(self._push_key, payload, "sha256")):
-                logger.error("a message on the output channel not signed by an engine core was dropped")
-                continue
-            try:
-                items = pickle.loads(payload)
-                if type(items) is dict:  # a joining core's hello: it reaches this socket
-                    hello = self._hellos.get(items["hello"])
-                    if hello is not None and not hello.done():
-                        hello.set_result(None)
+        try:
+            while self._pull is sock:
+                try:
+                    if not sock.poll(200):  # (wakes now and then to notice close())
+                        continue
+                    msg = sock.recv(copy=True)
+                except zmq.ZMQError as e:
+                    if self._pull is not sock:
+                        return
+                    logger.error("reading the engine's outputs failed: %s", e)
                     continue
-                self._deliver(items)
-            except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
-                logger.exception("delivering the engine's outputs failed")
+                mac, payload = msg[:32], memoryview(msg)[32:]
+                if not hmac.compare_digest(mac, hmac.digest(self._push_key, payload, "sha256")):
+                    logger.error("a message on the output channel not signed by an engine core was dropped")
+                    continue
+                try:
+                    items = pickle.loads(payload)
+                except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
+                    logger.exception("reading the engine's outputs failed")
+                    continue
+                try:
+                    if type(items) is dict:  # a joining core's hello: it reaches this socket
+                        loop.call_soon_threadsafe(self._hello_came, items["hello"])
+                    else:
+                        loop.call_soon_threadsafe(self._deliver, items)
+                except RuntimeError:  # (the event loop closed: the replica is stopping)
+                    return
+        finally:
+            sock.close(linger=0)
+
+    def _hello_came(self, name: str) -> None:
+        hello = self._hellos.get(name)
+        if hello is not None and not hello.done():
+            hello.set_result(None)
 
     async def _heartbeat_loop(self, name: str, core) -> None:
         """(push) One heartbeat call after another while the core is joined: the core knows this replica is alive,
@@ -550,7 +563,7 @@ class EngineClient:
                     core.disconnect.remote(self.client_id)  # fire and forget
                 except Exception:  # noqa: BLE001 - (Ray is down already)
                     pass
-        tasks = [*self._heartbeats.values(), self._reader, self._refresher]
+        tasks = [*self._heartbeats.values(), self._refresher]
         self._heartbeats.clear()
         self._reader = self._refresher = None
         for task in tasks:
@@ -559,9 +572,7 @@ class EngineClient:
                     task.cancel()
                 except RuntimeError:  # (its loop closed already)
                     pass
-        if self._pull is not None:
-            self._pull.close(linger=0)
-            self._pull = None
+        self._pull = None  # (its reading thread closes the socket and ends)
 
     def _poll_loop(self, name: str, core, loop: asyncio.AbstractEventLoop) -> None:
         """A thread per core: one blocking long poll after another (cheaper and quicker than awaiting each on the
