@@ -562,7 +562,11 @@ class EngineClient:
         and a call that fails says the core died (its streams end with a 503)."""
         try:
             while self._cores.get(name) is core:
-                await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S)
+                if not await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S):
+                    # it dropped this replica (its requests aborted, nothing pushed here any more): lost, and
+                    # joined again at the next listing if it still serves
+                    self._lost(name, RuntimeError("it stopped pushing to this ingress replica"), core)
+                    return
         except asyncio.CancelledError:
             return
         except Exception as e:  # noqa: BLE001 - the core went away: its streams end with an error

@@ -222,3 +222,53 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     finally:
         pull.close(linger=0)
         ctx.term()
+
+
+def test_a_push_client_the_core_dropped_is_told_and_its_streams_end(core):
+    """A push client the core dropped (silent for CLIENT_TIMEOUT_S: its requests aborted, its socket closed) learns
+    it from its next heartbeat, which answers False: its EngineClient then counts the core as lost (its streams end
+    with a 503; the next listing joins it again) instead of waiting forever on a channel nobody pushes to."""
+    import asyncio
+
+    import zmq
+
+    from deployments.engine_client import EngineClient
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        assert core.heartbeat("p", 0.0) is True
+        assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
+        core.CLIENT_TIMEOUT_S = 0.05
+        core.IDLE_METRICS_INTERVAL_S = 0.02
+        deadline = time.monotonic() + 10
+        while core._pushers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        core.CLIENT_TIMEOUT_S = 60.0
+        assert not core._pushers
+        assert core.heartbeat("p", 0.0) is False and "p" not in core._last_poll  # (not known again by it)
+
+        class Handle:  # the actor handle's call shape over the in-process core
+            class heartbeat:
+                @staticmethod
+                def remote(*args):
+                    return asyncio.to_thread(core.heartbeat, *args)
+
+        async def run():
+            client = EngineClient(None, "tiny", output_channel="push")
+            handle = Handle()
+            client._cores["c"] = handle
+            client.router.add_replica("c")
+            stream = client._streams["r"] = type("S", (), {"items": [], "put": lambda self, i: self.items.append(i)})()
+            client._where["r"] = "c"
+            await asyncio.wait_for(client._heartbeat_loop("c", handle), 10)
+            return client, stream
+
+        client, stream = asyncio.run(run())
+        assert "c" not in client._cores and not client._streams
+        assert [(rid, reason, final["status"]) for rid, _, reason, _, _, final in stream.items] == [("r", "error", 503)]
+    finally:
+        pull.close(linger=0)
+        ctx.term()
