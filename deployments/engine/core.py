@@ -475,6 +475,8 @@ class EngineCore:
                 self._last_poll.pop(c, None)
                 self._outbox.pop(c, None)
             rids = [rid for rid, c in self._owner.items() if c in clients]
+            for rid in rids:  # (a step in flight publishes nothing for them: nobody would take it)
+                del self._owner[rid]
         with self._send_lock:
             for c in clients:
                 sock = self._pushers.pop(c, None)

@@ -272,3 +272,27 @@ def test_a_push_client_the_core_dropped_is_told_and_its_streams_end(core):
     finally:
         pull.close(linger=0)
         ctx.term()
+
+
+def test_a_disconnected_push_client_leaves_no_outputs_behind(core):
+    """A client that disconnects while its request is mid-stream: the step in flight then publishes nothing for it
+    (nobody would ever take it: no poll, no push channel, no timeout any more), and its request is aborted."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
+        while core.engine.num_steps < 3:  # (mid-stream: a step in flight when it leaves)
+            time.sleep(0.001)
+        core.disconnect("p")
+        deadline = time.monotonic() + 10
+        while core.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert "p" not in core._outbox and "r" not in core._owner and core.engine.scheduler.kv_usage == 0.0
+    finally:
+        pull.close(linger=0)
+        ctx.term()
