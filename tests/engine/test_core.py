@@ -296,3 +296,48 @@ def test_a_disconnected_push_client_leaves_no_outputs_behind(core):
     finally:
         pull.close(linger=0)
         ctx.term()
+
+
+def test_the_engine_clients_core_calls_run_outside_the_requests_context():
+    """Ray keeps an async actor's current task in a context variable: a core call the EngineClient makes on behalf
+    of several requests (a batch's submit, aborts; the heartbeats and listings started by the first request) must
+    not inherit the context of the request that set it off, or Ray cancels it with that request when its client
+    disconnects (the core then looked lost: a 503 to every stream on it, their aborts dropped). A context variable
+    the request sets stands for Ray's here."""
+    import asyncio
+    import contextvars
+
+    from deployments.engine_client import EngineClient
+
+    request = contextvars.ContextVar("request", default=None)
+    seen = []
+
+    class Handle:  # the actor handle's call shape, recording the context each call is made in
+        class submit:
+            @staticmethod
+            async def remote(client_id, batch):
+                seen.append(("submit", request.get()))
+                return [None] * len(batch)
+
+        class abort:
+            @staticmethod
+            def remote(rids):
+                seen.append(("abort", request.get()))
+
+    async def run():
+        client = EngineClient(None, "tiny", output_channel="poll")
+        client._cores["c"] = Handle()
+        client.router.add_replica("c")
+
+        async def a_request():
+            request.set("the first request")
+            done = asyncio.get_running_loop().create_future()
+            client._route(("r", [1, 2, 3], {}, time.time(), done, 0))
+            assert await done is None
+            client.abort("r")
+
+        await asyncio.create_task(a_request())
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert seen == [("submit", None), ("abort", None)]
