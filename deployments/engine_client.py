@@ -13,6 +13,7 @@ them together (as vLLM's output collector does), so a slow client never makes th
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hmac
 import logging
 import os
@@ -175,6 +176,14 @@ class RequestStream:
                                                   self.num_output)
 
 
+def detached(coro) -> asyncio.Task:
+    """A task on the running loop outside the context of the request that starts it. Ray keeps an async actor's
+    current task in a context variable, so actor calls made from a task that inherited a request's context count as
+    that request's children, and Ray cancels them with it when its client disconnects: the first request's heartbeat
+    (or a shared submit) failed, the core looked lost, every stream on it ended with a 503."""
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
+
+
 def merge_step_time(stats) -> dict:
     """The engines' host time per step, all replicas together: ``step_time`` and ``loop.busy_s`` summed over the
     replicas' stats (cumulative seconds and steps, so a per-step figure from them is the replicas' mean weighted by
@@ -245,7 +254,7 @@ class EngineClient:
             return
         if self._refresher is None or self._refresher.done():
             self._joined = asyncio.Event()
-            self._refresher = asyncio.ensure_future(self._refresh_loop())
+            self._refresher = detached(self._refresh_loop())
         try:
             await asyncio.wait_for(self._joined.wait(), self.CONNECT_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -267,7 +276,7 @@ class EngineClient:
                     if self._stopped.get(name) == "draining":
                         continue
                     self._joining.add(name)
-                    asyncio.ensure_future(self._join(name, probe=name in self._stopped))
+                    detached(self._join(name, probe=name in self._stopped))
                 for name in set(self._cores) - names:
                     self._lost(name, RuntimeError("its replica is gone"))
             except Exception as e:  # noqa: BLE001 - the GCS is briefly unreachable: try again
@@ -317,7 +326,7 @@ class EngineClient:
         self.router.add_replica(name)
         logger.info("engine core %s joined (%d connected; outputs by %s)", name, len(self._cores), self.output_channel)
         if self.output_channel == "push":
-            self._heartbeats[name] = asyncio.ensure_future(self._heartbeat_loop(name, core))
+            self._heartbeats[name] = detached(self._heartbeat_loop(name, core))
         else:
             threading.Thread(target=self._poll_loop, args=(name, core, asyncio.get_running_loop()),
                              name="engine-poll", daemon=True).start()
@@ -395,13 +404,13 @@ class EngineClient:
         self._unanswered.add(item[0])
         pending = self._pending.setdefault(name, [])
         if not pending:
-            asyncio.get_running_loop().call_soon(self._flush, name)
+            asyncio.get_running_loop().call_soon(self._flush, name, context=contextvars.Context())
         pending.append(item)
 
     def _flush(self, name: str) -> None:
         batch = self._pending.pop(name, [])
         if batch:
-            asyncio.ensure_future(self._submit(name, batch))
+            detached(self._submit(name, batch))
 
     async def _submit(self, name: str, batch: list[tuple]) -> None:
         core = self._cores.get(name)
@@ -457,7 +466,7 @@ class EngineClient:
             return
         aborts = self._aborts.setdefault(name, [])
         if not aborts:
-            asyncio.get_running_loop().call_soon(self._flush_aborts, name)
+            asyncio.get_running_loop().call_soon(self._flush_aborts, name, context=contextvars.Context())
         aborts.append(rid)
 
     def _flush_aborts(self, name: str) -> None:
@@ -562,7 +571,11 @@ class EngineClient:
         and a call that fails says the core died (its streams end with a 503)."""
         try:
             while self._cores.get(name) is core:
-                await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S)
+                if not await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S):
+                    # it dropped this replica (its requests aborted, nothing pushed here any more): lost, and
+                    # joined again at the next listing if it still serves
+                    self._lost(name, RuntimeError("it stopped pushing to this ingress replica"), core)
+                    return
         except asyncio.CancelledError:
             return
         except Exception as e:  # noqa: BLE001 - the core went away: its streams end with an error

@@ -218,12 +218,17 @@ class EngineCore:
         still streams aborted."""
         self._forget({client})
 
-    def heartbeat(self, client: str, timeout_s: float = 1.0) -> None:
+    def heartbeat(self, client: str, timeout_s: float = 1.0) -> bool:
         """A push client's liveness: keeps it known (CLIENT_TIMEOUT_S) and returns after ``timeout_s``; the call
-        fails at once if this process dies, which is how the client learns of it."""
+        fails at once if this process dies, which is how the client learns of it. False: the client's push channel
+        is gone (dropped as silent for CLIENT_TIMEOUT_S, or the core is shutting down), its requests aborted; it
+        must treat this core as lost (and connect again), or its streams and new requests would wait forever."""
         with self._lock:
+            if client not in self._pushers:
+                return False
             self._last_poll[client] = time.monotonic()
         self._closed.wait(timeout_s)
+        return client in self._pushers
 
     def poll(self, client: str, timeout_s: float = 1.0) -> list[tuple]:
         """Every output for ``client`` since its last poll (``pack_output`` tuples, oldest first); waits up to
@@ -470,6 +475,8 @@ class EngineCore:
                 self._last_poll.pop(c, None)
                 self._outbox.pop(c, None)
             rids = [rid for rid, c in self._owner.items() if c in clients]
+            for rid in rids:  # (a step in flight publishes nothing for them: nobody would take it)
+                del self._owner[rid]
         with self._send_lock:
             for c in clients:
                 sock = self._pushers.pop(c, None)

@@ -428,14 +428,15 @@ class Scheduler:
         step appends; when pages run out, the newest running requests are preempted until they fit."""
         reqs: list[Request] = []
         running, i = self.running, 0
-        grow_by = self.decode_max_advance
         while i < len(running):
             req = running[i]
             i += 1
             if req.num_inflight and self._ends_in_flight(req):
                 continue
-            try:  # its length once its in-flight steps land, at most, plus what this step appends
-                self._grow(req, req.num_tokens + req.num_inflight * grow_by - 1 + self.decode_lookahead)
+            try:  # its length once its in-flight steps land, at most, plus what this step appends (counted as what
+                # the step in flight appends at most, as _ends_in_flight does: past the page table's width otherwise)
+                self._grow(req, req.num_tokens + req.num_inflight * self._inflight_advance(req) - 1
+                           + self.decode_lookahead)
                 reqs.append(req)
             except OutOfPages:  # the newest request gives way (it comes after every request taken so far)
                 i -= 1
@@ -475,11 +476,14 @@ class Scheduler:
         """The request's length once its in-flight steps land, at most."""
         return req.num_tokens + req.num_inflight * self.decode_max_advance
 
+    def _inflight_advance(self, req: Request) -> int:
+        """The most tokens its step in flight appends."""
+        plan = req.inflight_plan
+        return plan.max_advance if plan is not None and plan.max_advance is not None else self.decode_max_advance
+
     def _ends_in_flight(self, req: Request) -> bool:
         """Its in-flight tokens may already reach max_tokens or the context length: no further step for it now."""
-        plan = req.inflight_plan
-        most = plan.max_advance if plan is not None and plan.max_advance is not None else self.decode_max_advance
-        ahead = req.num_inflight * most
+        ahead = req.num_inflight * self._inflight_advance(req)
         return req.num_inflight > 0 and (len(req.output_ids) + ahead >= req.params.max_tokens
                                          or req.num_tokens + ahead >= self.max_model_len)
 

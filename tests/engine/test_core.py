@@ -222,3 +222,122 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     finally:
         pull.close(linger=0)
         ctx.term()
+
+
+def test_a_push_client_the_core_dropped_is_told_and_its_streams_end(core):
+    """A push client the core dropped (silent for CLIENT_TIMEOUT_S: its requests aborted, its socket closed) learns
+    it from its next heartbeat, which answers False: its EngineClient then counts the core as lost (its streams end
+    with a 503; the next listing joins it again) instead of waiting forever on a channel nobody pushes to."""
+    import asyncio
+
+    import zmq
+
+    from deployments.engine_client import EngineClient
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        assert core.heartbeat("p", 0.0) is True
+        assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
+        core.CLIENT_TIMEOUT_S = 0.05
+        core.IDLE_METRICS_INTERVAL_S = 0.02
+        deadline = time.monotonic() + 10
+        while core._pushers and time.monotonic() < deadline:
+            time.sleep(0.01)
+        core.CLIENT_TIMEOUT_S = 60.0
+        assert not core._pushers
+        assert core.heartbeat("p", 0.0) is False and "p" not in core._last_poll  # (not known again by it)
+
+        class Handle:  # the actor handle's call shape over the in-process core
+            class heartbeat:
+                @staticmethod
+                def remote(*args):
+                    return asyncio.to_thread(core.heartbeat, *args)
+
+        async def run():
+            client = EngineClient(None, "tiny", output_channel="push")
+            handle = Handle()
+            client._cores["c"] = handle
+            client.router.add_replica("c")
+            stream = client._streams["r"] = type("S", (), {"items": [], "put": lambda self, i: self.items.append(i)})()
+            client._where["r"] = "c"
+            await asyncio.wait_for(client._heartbeat_loop("c", handle), 10)
+            return client, stream
+
+        client, stream = asyncio.run(run())
+        assert "c" not in client._cores and not client._streams
+        assert [(rid, reason, final["status"]) for rid, _, reason, _, _, final in stream.items] == [("r", "error", 503)]
+    finally:
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_a_disconnected_push_client_leaves_no_outputs_behind(core):
+    """A client that disconnects while its request is mid-stream: the step in flight then publishes nothing for it
+    (nobody would ever take it: no poll, no push channel, no timeout any more), and its request is aborted."""
+    import zmq
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
+        while core.engine.num_steps < 3:  # (mid-stream: a step in flight when it leaves)
+            time.sleep(0.001)
+        core.disconnect("p")
+        deadline = time.monotonic() + 10
+        while core.engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert "p" not in core._outbox and "r" not in core._owner and core.engine.scheduler.kv_usage == 0.0
+    finally:
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_the_engine_clients_core_calls_run_outside_the_requests_context():
+    """Ray keeps an async actor's current task in a context variable: a core call the EngineClient makes on behalf
+    of several requests (a batch's submit, aborts; the heartbeats and listings started by the first request) must
+    not inherit the context of the request that set it off, or Ray cancels it with that request when its client
+    disconnects (the core then looked lost: a 503 to every stream on it, their aborts dropped). A context variable
+    the request sets stands for Ray's here."""
+    import asyncio
+    import contextvars
+
+    from deployments.engine_client import EngineClient
+
+    request = contextvars.ContextVar("request", default=None)
+    seen = []
+
+    class Handle:  # the actor handle's call shape, recording the context each call is made in
+        class submit:
+            @staticmethod
+            async def remote(client_id, batch):
+                seen.append(("submit", request.get()))
+                return [None] * len(batch)
+
+        class abort:
+            @staticmethod
+            def remote(rids):
+                seen.append(("abort", request.get()))
+
+    async def run():
+        client = EngineClient(None, "tiny", output_channel="poll")
+        client._cores["c"] = Handle()
+        client.router.add_replica("c")
+
+        async def a_request():
+            request.set("the first request")
+            done = asyncio.get_running_loop().create_future()
+            client._route(("r", [1, 2, 3], {}, time.time(), done, 0))
+            assert await done is None
+            client.abort("r")
+
+        await asyncio.create_task(a_request())
+        await asyncio.sleep(0.01)
+
+    asyncio.run(run())
+    assert seen == [("submit", None), ("abort", None)]

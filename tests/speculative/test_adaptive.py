@@ -601,3 +601,24 @@ def test_plain_steps_replay_the_catch_up(spec_models, references):
     fresh.generate([req.all_ids[:n]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     for a, b in zip(_draft_kv(worker, slot, n), _draft_kv(fresh.executor.worker, 0, n)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_plain_step_in_flight_near_the_context_end_stays_within_the_page_table():
+    """A request two tokens short of max_model_len whose step in flight is plain (it appends one token) takes one
+    more step; the pages it is given then still fit the worker's page table (max_model_len + lookahead tokens): the
+    step in flight counts as the one token it appends, not as a full round."""
+    from deployments.engine.pages import PageAllocator
+    from deployments.engine.request import Request, RequestStatus
+    from deployments.engine.scheduler import Scheduler
+
+    page, length, lookahead = 4, 64, 4
+    sched = Scheduler(PageAllocator(64, page), max_num_seqs=2, max_prefill_tokens=64, max_model_len=length,
+                      eos_token_ids=(2,), vocab_size=128, decode_lookahead=lookahead, decode_max_advance=lookahead)
+    req = Request("r", [5] * (length - 4), SamplingParams(max_tokens=1000, ignore_eos=True))
+    req.output_ids = [7, 7]  # (its length: max_model_len - 2)
+    req.req_slot, req.status = 0, RequestStatus.RUNNING
+    sched.allocator.grow(req.pages, req.num_tokens - 1 + lookahead)
+    sched.running = [req]
+    sched._decode_plan([req]).max_advance = 1  # (the engine chose depth 0 for the step in flight)
+    assert sched._decode_rows() == [req]  # (it may still end in the next step: it is not held back)
+    assert len(req.pages) <= -(-(length + lookahead) // page)
