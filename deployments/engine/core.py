@@ -188,6 +188,8 @@ class EngineCore:
         the same socket, a new hello."""
         import zmq
 
+        if self._stop:  # (a stopping replica: the client joins another core)
+            raise EngineStopped("this engine replica is stopping")
         with self._send_lock:
             old = self._pushers.get(client)
             self._push_keys[client] = key
@@ -290,7 +292,7 @@ class EngineCore:
         self.engine.shutdown()
         with self._send_lock:
             for sock in self._pushers.values():
-                sock.close()
+                sock.close(linger=1000)  # the last steps' outputs, queued, get a second to leave
             self._pushers.clear()
             self._push_address.clear()
             self._push_keys.clear()
