@@ -433,10 +433,8 @@ class Scheduler:
             i += 1
             if req.num_inflight and self._ends_in_flight(req):
                 continue
-            try:  # its length once its in-flight steps land, at most, plus what this step appends (counted as what
-                # the step in flight appends at most, as _ends_in_flight does: past the page table's width otherwise)
-                self._grow(req, req.num_tokens + req.num_inflight * self._inflight_advance(req) - 1
-                           + self.decode_lookahead)
+            try:  # its length once its in-flight steps land, at most, plus what this step appends
+                self._grow(req, self._most_tokens(req) - 1 + self.decode_lookahead)
                 reqs.append(req)
             except OutOfPages:  # the newest request gives way (it comes after every request taken so far)
                 i -= 1
@@ -472,14 +470,15 @@ class Scheduler:
             r.inflight_plan = plan
         return plan
 
-    def _most_tokens(self, req: Request) -> int:
-        """The request's length once its in-flight steps land, at most."""
-        return req.num_tokens + req.num_inflight * self.decode_max_advance
-
     def _inflight_advance(self, req: Request) -> int:
-        """The most tokens its step in flight appends."""
+        """The most tokens its step in flight appends (that plan's depth, once chosen; else a full round's)."""
         plan = req.inflight_plan
         return plan.max_advance if plan is not None and plan.max_advance is not None else self.decode_max_advance
+
+    def _most_tokens(self, req: Request) -> int:
+        """The request's length once its in-flight steps land, at most (the one rule for ending, growing and
+        reserving pages: counted otherwise, a plain step near the context's end outgrows the page table)."""
+        return req.num_tokens + req.num_inflight * self._inflight_advance(req)
 
     def _ends_in_flight(self, req: Request) -> bool:
         """Its in-flight tokens may already reach max_tokens or the context length: no further step for it now."""
