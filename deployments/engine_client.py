@@ -4,8 +4,8 @@ per-request work the core leaves to the ingress (detokenizing, stop strings, log
 One ``EngineClient`` per ingress replica. Requests that arrive within one turn of the event loop go to the core in
 one ``submit`` call; every step's outputs for all of this replica's requests come as one message and each request
 gets its share. The outputs' channel (``output_channel``): ``push`` (the default), a ZMQ PULL socket this replica
-binds, read on its event loop, into which every core it joined pushes one message per step; or ``poll``, one long
-poll per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not
+binds and a thread reads, into which every core it joined pushes one message per step; or ``poll``, one long poll
+per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not
 taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one that falls behind gets
 them together (as vLLM's output collector does), so a slow client never makes the others wait.
 """
