@@ -95,8 +95,9 @@ class EngineConfig(Strict):
     page_size: int = Field(16, ge=1)
     max_model_len: int | None = Field(None, ge=16, description="default: the model's max_position_embeddings")
     max_num_seqs: int = Field(64, ge=1, description="running requests at most")
-    max_prefill_tokens: int = Field(2048, ge=16, description="chunked prefill: prompt tokens per step at most "
-                                    "(decode rows included, in a step that mixes them: one token budget)")
+    max_prefill_tokens: int = Field(8192, ge=16, description="chunked prefill: prompt tokens per step at most "
+                                    "(decode rows included, in a step that mixes them: one token budget). vLLM's "
+                                    "served default: a burst of arrivals is admitted in fewer steps")
     mixed_decode_rows: int | None = Field(
         None, ge=0, description="a step that prefills also carries the running requests' decode rows (one EXTEND "
         "forward instead of an EXTEND and a DECODE step) when there are at most this many (0: never). Default: "
