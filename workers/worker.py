@@ -117,7 +117,8 @@ class Worker:
         if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):
             # (a bucket's padding request stores its tokens at positions up to the bucket: within a page table row)
             self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step, min(
-                cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens, self.max_model_len), cfg.max_num_seqs, rank)
+                cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens, self.max_model_len), cfg.max_num_seqs, rank,
+                exact_fit=self.proposer is None)
         # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
         self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)
