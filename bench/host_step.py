@@ -16,6 +16,19 @@ device-bound one:
     python3 -m bench.host_step --device cuda --model /tmp/l1 --no-metrics --prompt-len 128 --new-tokens 128 \\
         --batch-sizes 64,128,256 --profile-batch 256 --out bench/results/host_step/gpu_host_step_1b_h100
 
+``--served`` runs the engine as the served engine core does (no detokenizing: the ingress does it) and also times,
+per step, its metrics calls (``metrics``, part of ``outputs``) and the core's push messages (``publish``: each
+output packed, one pickled and signed message per ingress replica, ``--clients`` of them; the ZMQ send left out):
+
+    python3 -m bench.host_step --model /tmp/micro --served --batch-sizes 64,256 --out bench/results/host_step/cpu_served
+
+``--stub-worker`` replaces the worker's step by a stub that answers each step at once with one token per row (a
+plain step's ``StepResult``): what is left is the engine's own host work, without the model's CPU compute (which
+on this machine is most of a step and varies with its load). ``execute`` is then the stub's:
+
+    python3 -m bench.host_step --model /tmp/micro --served --stub-worker --gc-freeze --batch-sizes 64,256 \
+        --new-tokens 128 --repeats 3 --out bench/results/host_step/cpu_served_stub
+
 ``--messages`` (no model) times the controller<->worker step message on its own: building a DECODE step's
 ``WorkerStep`` (``StepPlan.to_worker_step``), its pickling (dumps on the controller, loads on the worker),
 the worker filling the CUDA graphs' static inputs from it (``StaticInputs.fill``, here into host memory), the
@@ -69,12 +82,87 @@ def make_engine(args, max_batch: int):
         from deployments.engine.metrics import EngineMetrics
 
         metrics = EngineMetrics("host-step")
-    eng = Engine(EngineConfig(**kw), metrics=metrics)
+    eng = Engine(EngineConfig(**kw), metrics=metrics, detokenize=not args.served)
+    if args.stub_worker:
+        stub_worker(eng)
     if args.gc_freeze:  # as the server's controller does after start-up
         from deployments.engine.engine import freeze_startup_heap
 
         freeze_startup_heap()
     return eng
+
+
+class Publisher:
+    """The served engine core's work per step after ``Engine.step`` (``EngineCore._publish`` and ``_push`` without
+    the locks and the ZMQ send): each output packed, and per ingress replica one pickled, signed message. Requests
+    go to ``clients`` replicas in turn."""
+
+    def __init__(self, clients: int):
+        self.clients, self.owner, self.seconds, self.key = clients, {}, 0.0, b"k" * 32
+
+    def add(self, req) -> None:
+        self.owner[req.rid] = f"client{len(self.owner) % self.clients}"
+
+    def __call__(self, outputs) -> None:
+        import pickle
+
+        from deployments.engine.core import pack_output, signed
+
+        t0 = time.perf_counter()
+        boxes: dict[str, list] = {}
+        for out in outputs:
+            client = self.owner.pop(out.rid, None) if out.finished else self.owner.get(out.rid)
+            if client is not None:
+                boxes.setdefault(client, []).append(pack_output(out))
+        for items in boxes.values():
+            signed(self.key, pickle.dumps(items, protocol=5))
+        self.seconds += time.perf_counter() - t0
+
+
+def stub_worker(eng) -> None:
+    """The executor's step answered at once: per launched step a result of one token per row (the tokens a
+    random pool's, never an EOS: the requests ignore it), read back as the worker's would be (overlap: ``keep``)."""
+    from collections import deque
+
+    from workers.messages import StepResult
+
+    vocab = eng.executor.model_config.vocab_size
+    rng = random.Random(0)
+    pool = [rng.randrange(10, vocab - 10) for _ in range(4096)]
+    launched: deque = deque()
+
+    def step(step, keep: int):
+        if step is not None:
+            b = step.batch_size
+            at = rng.randrange(len(pool) - b)
+            launched.append(StepResult(tokens=pool[at:at + b], logprobs=[-0.5] * b, step_id=step.step_id,
+                                       timings={"worker_s": 0.0}))
+        out = []
+        while len(launched) > keep:
+            out.append(launched.popleft())
+        return out
+
+    eng.executor.step = step
+
+
+def timed_metrics(eng) -> dict:
+    """Wraps the engine's metrics calls with a timer; returns its running total ({"s": seconds})."""
+    total = {"s": 0.0}
+    m = eng.metrics
+    if m is None:
+        return total
+    for name in ("record_step", "record_generated", "record_load"):
+        inner = getattr(m, name)
+
+        def call(*a, _inner=inner, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _inner(*a, **kw)
+            finally:
+                total["s"] += time.perf_counter() - t0
+
+        setattr(m, name, call)
+    return total
 
 
 def measure(eng, batch: int, args, profile: bool = False) -> dict:
@@ -83,19 +171,27 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
 
     rng = random.Random(batch)
     vocab = eng.executor.model_config.vocab_size
+    publish = Publisher(args.clients) if args.served else (lambda outputs: None)
+    metric_time = getattr(eng, "_metric_time", None)
+    if metric_time is None:
+        metric_time = eng._metric_time = timed_metrics(eng)
     for _ in range(batch):
-        eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
-                        SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
-                                       top_k=args.top_k, seed=len(eng.scheduler.waiting), ignore_eos=True))
+        req = eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
+                              SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature,
+                                             top_p=args.top_p, top_k=args.top_k, seed=len(eng.scheduler.waiting),
+                                             ignore_eos=True))
+        if args.served:
+            publish.add(req)
     while len(eng.scheduler.running) < batch:  # prefills
-        eng.step()
+        publish(eng.step())
     for _ in range(4):  # into the steady state (overlap: one step in flight)
-        eng.step()
+        publish(eng.step())
     before, t0 = dict(eng.step_time), time.perf_counter()
+    pub0, met0 = getattr(publish, "seconds", 0.0), metric_time["s"]
     n_timed = max(8, args.new_tokens // 2)
     with GCTimer() as gct:
         for _ in range(n_timed):
-            eng.step()
+            publish(eng.step())
     wall = time.perf_counter() - t0
     steps = eng.step_time["steps"] - before["steps"]
     row = {"batch_size": batch, "steps": steps, "wall_ms_per_step": round(wall / steps * 1e3, 3),
@@ -103,10 +199,13 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
            "gc_ms_by_generation": [round(x * 1e3, 2) for x in gct.seconds]}
     for key in STEP_KEYS:
         row[key.replace("_s", "_ms_per_step")] = round((eng.step_time[key] - before[key]) / steps * 1e3, 3)
+    row["metrics_ms_per_step"] = round((metric_time["s"] - met0) / steps * 1e3, 4)
+    if args.served:
+        row["publish_ms_per_step"] = round((publish.seconds - pub0) / steps * 1e3, 4)
     if profile:
         row["profile"] = profile_steps(eng, args.profile_steps)
     while eng.has_work():
-        eng.step()
+        publish(eng.step())
     return row
 
 
@@ -241,14 +340,19 @@ def markdown(meta: dict) -> str:
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
           f"{meta['prompt_len']}-token prompts, {meta['new_tokens']} tokens each ({meta.get('sampling', 'greedy')}), "
           "metrics "
-          f"{'off' if meta['no_metrics'] else 'on (Ray)'}. wall: a step's real time; execute: launching the step "
+          f"{'off' if meta['no_metrics'] else 'on (Ray)'}"
+          f"{'; served (no detokenizing; publish: the core push messages, ' + str(meta.get('clients')) + ' clients)' if meta.get('served') else ''}"
+          f"{'; stub worker (no model compute: execute is the stub answering)' if meta.get('stub_worker') else ''}"
+          ". wall: a step's real time; execute: launching the step "
           "and reading the previous one's results (worker: rank 0's own part, the rest is waiting for the device); "
           + ("on a CPU, execute is the model's own compute." if meta["device"].startswith("CPU") else
              "with the overlap schedule, schedule + outputs hide behind the device's step."), "",
-          "| batch | steps | wall ms | schedule ms | execute ms | worker ms | outputs ms | GC ms (collections) |",
-          "|---|---|---|---|---|---|---|---|"]
+          "| batch | steps | wall ms | schedule ms | execute ms | worker ms | outputs ms | of which metrics ms | "
+          "publish ms | GC ms (collections) |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['batch_size']} | {r['steps']} | {r['wall_ms_per_step']} | {r['schedule_ms_per_step']} | "
            f"{r['execute_ms_per_step']} | {r['worker_ms_per_step']} | {r['outputs_ms_per_step']} | "
+           f"{r.get('metrics_ms_per_step', '')} | {r.get('publish_ms_per_step', '')} | "
            f"{r.get('gc_ms_per_step', '')} ({'/'.join(map(str, r.get('gc_collections', [])))}) |" for r in rows]
     for r in rows:
         prof = r.get("profile")
@@ -515,6 +619,11 @@ def main() -> None:
     ap.add_argument("--no-metrics", action="store_true", help="no Ray metrics (as the offline benchmarks run)")
     ap.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap after building the engine "
                     "(deployments.engine.freeze_startup_heap, as the server does)")
+    ap.add_argument("--served", action="store_true", help="as the served engine core: no detokenizing, and the "
+                    "core's push messages timed (publish)")
+    ap.add_argument("--stub-worker", action="store_true", help="no model compute: the worker's step answers at "
+                    "once with one token per row (the engine's host work alone)")
+    ap.add_argument("--clients", type=int, default=2, help="with --served: ingress replicas the outputs go to")
     ap.add_argument("--profile-batch", type=int, default=None, help="profile the steps at this batch size")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--spec-head", default=None, help="an EAGLE-3 head: compare speculation policies' host time")
@@ -522,7 +631,7 @@ def main() -> None:
     ap.add_argument("--accept-length", type=float, default=1.5, help="with --spec-head: simulated accept length")
     ap.add_argument("--spec-steps", type=int, default=3, help="with --spec-head: the chain's depth")
     ap.add_argument("--spec-timed-steps", type=int, default=40, help="with --spec-head: profiled steps per row")
-    ap.add_argument("--repeats", type=int, default=1, help="with --spec-head: passes over the policies")
+    ap.add_argument("--repeats", type=int, default=1, help="passes over the policies (--spec-head) or the batch sizes")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
@@ -552,12 +661,18 @@ def main() -> None:
             raise SystemExit(f"--profile-batch {args.profile_batch} is not in --batch-sizes")
         eng = make_engine(args, max(sizes))
         measure(eng, min(sizes), args)  # warm-up
-        rows = [measure(eng, b, args, profile=b == args.profile_batch) for b in sizes]
+        rows = []
+        for rep in range(args.repeats):
+            for b in sizes:
+                row = measure(eng, b, args, profile=b == args.profile_batch and rep == 0)
+                row["repeat"] = rep
+                rows.append(row)
         eng.shutdown()
         device = device_name("cuda") if args.device == "cuda" else f"CPU {platform.machine()}"
         meta = {"device": device, "commit": commit(), "command": command(),
                 "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                "no_metrics": args.no_metrics, "rows": rows,
+                "no_metrics": args.no_metrics, "rows": rows, "served": args.served, "clients": args.clients,
+                "stub_worker": args.stub_worker,
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         write_json(out, meta)
     if meta.get("spec"):

@@ -27,6 +27,38 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+class StagedCopies:
+    """Host→device copies of a small int64 array made every step (a DECODE step's page grants) through a few
+    pinned host buffers used in turn, each waiting on its last copy's event before it is written again (under the
+    overlap schedule that copy finished steps ago): ``to_device`` pins a new host tensor per copy, whose caching
+    allocator's event bookkeeping costs more than the copy. Off CUDA, and for arrays past a buffer, ``to_device``."""
+
+    def __init__(self, device, buffers: int = 4, capacity: int = 3 * 1024):
+        self.device = torch.device(device)
+        self.capacity = capacity
+        self.hosts: list[tuple[torch.Tensor, object]] = []
+        self.events: list = []
+        if self.device.type == "cuda":
+            for _ in range(buffers):
+                host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+                self.hosts.append((host, host.numpy()))
+                self.events.append(torch.cuda.Event())
+        self.turn = 0
+
+    def __call__(self, values) -> torch.Tensor:
+        n = values.size
+        if not self.hosts or n > self.capacity:
+            return to_device(values, torch.int64, self.device)
+        i = self.turn
+        self.turn = (i + 1) % len(self.hosts)
+        self.events[i].synchronize()  # (an event never recorded returns at once)
+        host, image = self.hosts[i]
+        image[:n] = values.reshape(-1)
+        out = host[:n].to(self.device, non_blocking=True)
+        self.events[i].record()
+        return out.view(values.shape)
+
+
 @dataclass
 class ForwardBatch:
     """Device tensors for one forward pass plus what the host already knew (no device sync).

@@ -88,6 +88,11 @@ class StaticInputs:
         ints[int_fields.index("req_slots")] = self.pad_slot
         ints[int_fields.index("seq_lens")] = 1
         floats[FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
+        # the host images ``fill`` copies from (pinned on a GPU), used in turn, each with the event of its last copy:
+        # made once, where a pinned tensor per step cost the caching host allocator's event bookkeeping every step
+        self._images: list[tuple[torch.Tensor, np.ndarray]] = []
+        self._copied: list = []
+        self._turn = 0
         self.reset()
 
     def _tables(self, buffer):
@@ -104,14 +109,31 @@ class StaticInputs:
         """Every row a padding row (graphs are captured on these)."""
         self.buffer.copy_(torch.from_numpy(self._padding))
 
+    IMAGES = 2  # host images in turn: an image is written again two fills later, when its copy has long finished
+
+    def _host_image(self) -> tuple[torch.Tensor, np.ndarray, int]:
+        """The next host image (tensor, its numpy view, its index), once its previous copy has finished. Under the
+        overlap schedule the host has read a step's result before it fills the step after next, so the event's
+        wait returns at once; it guards other callers."""
+        pinned = self.buffer.device.type == "cuda"
+        if not self._images:
+            for _ in range(self.IMAGES):
+                host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
+                self._images.append((host, host.numpy()))
+                self._copied.append(torch.cuda.Event() if pinned else None)
+        i = self._turn
+        self._turn = (i + 1) % self.IMAGES
+        if pinned:
+            self._copied[i].synchronize()  # (an event never recorded returns at once)
+        return (*self._images[i], i)
+
     def fill(self, step, bucket: int) -> None:
         """Write the step's rows (padding after them) into the buffers: numpy copies of the step's packed rows into
-        one host buffer, then one host→device copy of the whole buffer (a few KB; the columns past ``bucket`` are
-        not read), from pinned memory the copy holds until it is done (PyTorch's caching host allocator)."""
+        one host image, then one host→device copy of the whole buffer (a few KB; the columns past ``bucket`` are
+        not read), from pinned memory on a GPU (asynchronous: the image is not written again until it is done)."""
         b, n = step.batch_size, len(self.int_fields)
         pinned = self.buffer.device.type == "cuda"
-        host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
-        image = host.numpy()
+        host, image, i = self._host_image()
         image[:] = self._padding
         ints, floats, tokens = self._tables(image)
         ints[:n, :b] = step.ints[:n]
@@ -121,8 +143,11 @@ class StaticInputs:
         if self.max_tokens:  # a prefill: its tokens, then one padding request holding the rest of the bucket's
             t = len(step.input_ids)
             tokens[:t] = step.input_ids
-            ints[self.int_fields.index("seq_lens"), b] = ints[self.int_fields.index("extend_lens"), b] = bucket - t
+            if bucket > t:  # (none left: it stays an empty padding row)
+                ints[self.int_fields.index("seq_lens"), b] = ints[self.int_fields.index("extend_lens"), b] = bucket - t
         self.buffer.copy_(host, non_blocking=pinned)
+        if pinned:
+            self._copied[i].record()
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
         if name in self.int_fields:
@@ -807,8 +832,11 @@ class ExtendGraphs(GraphRunner):
     GPU's work (the first token waits for it; a step in flight does not hide it at one request).
 
     A step's tokens are padded to the token bucket by one extra padding request on ``pad_slot`` (its page table row
-    is all page 0, which nothing reads; it holds at least one token), its requests to the request bucket by padding
-    requests with no tokens. The lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the
+    is all page 0, which nothing reads), its requests to the request bucket by padding requests with no tokens. With
+    a draft, the padding request holds at least one token: an empty request's logits row is the step's last token,
+    which the draft's prefill writes the token after each chunk into (``Proposer.after_extend``), so the last real
+    request's row must not be it. Without one (``exact_fit``), a step of exactly a bucket's tokens replays that
+    bucket (the padding rows' tokens are sampled into the pad slot and never read). The lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the
     attention launch covers the bucket's tokens for every request, and programs past a request's tokens do no work.
     With speculation the draft's prefill over the same tokens is captured with it. Greedy graphs of every bucket
     are captured at start-up, sampling kinds on first use. Only steps without logits processing, prompt or top
@@ -817,9 +845,11 @@ class ExtendGraphs(GraphRunner):
     ``extend``: (token ids, request slots, KV lengths, new-token counts, the token after each chunk, the token
     bucket, sampling) → the sampled ids and their logprobs, as the eager prefill computes them."""
 
-    def __init__(self, device: torch.device, extend: Callable, max_tokens: int, pad_slot: int, rank: int = 0):
+    def __init__(self, device: torch.device, extend: Callable, max_tokens: int, pad_slot: int, rank: int = 0,
+                 exact_fit: bool = False):
         super().__init__(device)
         self.extend = extend
+        self.exact_fit = exact_fit
         self.token_buckets = [t for t in EXTEND_TOKEN_BUCKETS if t <= max_tokens]
         self.request_buckets = list(EXTEND_REQUEST_BUCKETS)
         self.rank = rank
@@ -844,9 +874,9 @@ class ExtendGraphs(GraphRunner):
         t, b = len(step.input_ids), step.batch_size
         if step.mode != ForwardMode.EXTEND:
             return None
-        # at least one padding token: every empty request's logits row is then the padding request's (a draft's
-        # prefill writes the token after each chunk at that row)
-        tb = next((x for x in self.token_buckets if x > t), None)
+        # with a draft, at least one padding token: every empty request's logits row is then the padding request's
+        # (a draft's prefill writes the token after each chunk at that row)
+        tb = next((x for x in self.token_buckets if x > t or (x == t and self.exact_fit)), None)
         rb = next((x for x in self.request_buckets if x >= b), None)
         if tb is None or rb is None or step.logits_processing or step.top_logprobs:
             return None

@@ -43,11 +43,20 @@ class HostCopy:
     """A step's packed outputs on their way to the host: ONE device→host copy, started now (into pinned memory,
     asynchronously) and waited for in ``columns()``."""
 
+    # pinned host buffers of copies already read, by (shape, dtype), for later copies of that shape (a few each):
+    # a pinned tensor per step cost the caching host allocator's event bookkeeping every step
+    _free: dict[tuple, list[torch.Tensor]] = {}
+    KEEP = 4
+
     def __init__(self, packed: PackedOutputs):
         self.widths, self.flat = packed.widths, packed.flat
         self.event = None
         if packed.data.is_cuda:
-            self.host = torch.empty(packed.data.shape, dtype=packed.data.dtype, pin_memory=True)
+            self.key = (tuple(packed.data.shape), packed.data.dtype)
+            try:
+                self.host = self._free[self.key].pop()
+            except (KeyError, IndexError):
+                self.host = torch.empty(packed.data.shape, dtype=packed.data.dtype, pin_memory=True)
             self.host.copy_(packed.data, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record()
@@ -63,6 +72,15 @@ class HostCopy:
             out.append(host[:, start] if flat else host[:, start:start + width])
             start += width
         return out
+
+    def release(self) -> None:
+        """Its values have been read into Python objects (``columns`` waited for the copy): its pinned buffer may
+        serve a later copy of its shape."""
+        if self.event is not None and self.host is not None:
+            free = self._free.setdefault(self.key, [])
+            if len(free) < self.KEEP:
+                free.append(self.host)
+            self.host = None
 
 
 @dataclass
@@ -81,6 +99,7 @@ class Launched:
         if self.error is None:
             try:
                 res = self.finish(self.copy.columns())
+                self.copy.release()  # (every ``finish`` turns the columns into lists)
             except Exception as e:  # noqa: BLE001 - e.g. a device fault surfacing at the copy: this step fails
                 logger.exception("reading a step's results failed")
                 self.error = f"{type(e).__name__}: {e}"

@@ -21,7 +21,7 @@ from speculative.proposers import DraftContext, RoundInputs, make_proposer
 from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
-from workers.forward_batch import to_device
+from workers.forward_batch import StagedCopies, to_device
 from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, graph_refusal, tune_for_graphs
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
@@ -117,7 +117,8 @@ class Worker:
         if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):
             # (a bucket's padding request stores its tokens at positions up to the bucket: within a page table row)
             self.extend_graphs = ExtendGraphs(self.device, self._extend_graph_step, min(
-                cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens, self.max_model_len), cfg.max_num_seqs, rank)
+                cfg.cuda_graph_max_prefill_tokens, cfg.max_prefill_tokens, self.max_model_len), cfg.max_num_seqs, rank,
+                exact_fit=self.proposer is None)
         # adaptive speculation (speculative/adaptive.py): rounds draft the depth each step names, timed per depth
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
         self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)
@@ -134,6 +135,7 @@ class Worker:
             self.graphs.plain_step = self._plain_step
             if self.adaptive and 0 in spec.tiers() and self.proposer.keeps_draft_state:
                 self.proposer.allocate_stash(spec.catch_up_window)
+        self._page_grants = StagedCopies(self.device)  # each step's page grants to the device
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
         self._awaiting_mask: Callable | None = None
@@ -262,7 +264,7 @@ class Worker:
 
     def _apply_pages(self, step: WorkerStep) -> None:
         if step.page_updates.shape[1]:  # (most DECODE steps grant no page) one host→device copy for the three rows
-            slots, pos, ids = to_device(step.page_updates, torch.int64, self.device).unbind(0)
+            slots, pos, ids = self._page_grants(step.page_updates).unbind(0)
             self.page_table.apply(slots, pos, ids)
 
     def _sampling(self, step: WorkerStep, counters=None, slots=None) -> SamplingTensors:

@@ -312,6 +312,8 @@ class EngineCore:
                 engine = self.engine
             self._take_inbox()
             if not engine.has_work():
+                if engine.metrics is not None:  # the last steps' figures, now that no step follows them soon
+                    engine.metrics.flush_pending()
                 self._wake.wait(0.05)
                 self._wake.clear()
                 if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:

@@ -26,6 +26,7 @@ from deployments.engine.request import (
     InvalidRequest,
     Request,
     RequestOutput,
+    RequestStatus,
     SamplingParams,
 )
 from deployments.engine.scheduler import Scheduler, StepPlan
@@ -352,11 +353,12 @@ class Engine:
             self.steps_by_depth[depth] = self.steps_by_depth.get(depth, 0) + 1
             if self.depth_policy is not None:  # (a plain step's: none accepted, without a pass over the batch)
                 self.depth_policy.observe(depth, [c - 1 for c in result.counts] if depth else [0] * len(result.counts))
+        detokenize, finished, generated = self.detokenize, RequestStatus.FINISHED, 0
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
                 grammar.advance(req.matcher, new_ids)
             new_text = ""
-            if self.detokenize:
+            if detokenize:
                 detok = detoks[req.rid]
                 new_text, hit_stop, used = detokenize_run(detok, new_ids, req.finished)
                 if used < len(new_ids):  # a stop string ended it inside a speculative round's run
@@ -375,15 +377,16 @@ class Engine:
                 req.first_token_time = now
             req.last_token_time = now
             n, p = len(new_ids), req.params
+            generated += n
             new_logprobs = req.output_logprobs[-n:] if p.logprobs and n else []
             new_top = req.output_top_logprobs[-n:] if p.top_logprobs and n else []
             # the prompt's logprobs go with its first output (its tokens: this step's)
             first = p.prompt_logprobs is not None and len(req.output_ids) == n
-            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.finished, req.finish_reason, req,
+            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.status is finished, req.finish_reason, req,
                                          new_logprobs, new_top, req.prompt_logprobs if first else None,
                                          req.num_cached_tokens))
         if self.metrics is not None:
-            self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
+            self.metrics.record_generated(generated)
             self.metrics.record_step(self.step_stats(result))
         return outputs
 

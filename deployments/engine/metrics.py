@@ -9,6 +9,8 @@ vLLM query such as ``rate(vllm:spec_decode_num_accepted_tokens_total[1m])`` beco
 
 from __future__ import annotations
 
+import time
+
 from ray.util.metrics import Counter, Gauge, Histogram
 
 # vLLM's bucket boundaries (seconds) for each histogram, so quantiles interpolate alike; the inter-token ones add
@@ -23,7 +25,12 @@ _TAGS = ("model_name",)
 
 
 class EngineMetrics:
-    """The engine core's figures: load gauges, generated tokens, speculation counters (one update per step)."""
+    """The engine core's figures: load gauges, generated tokens, speculation counters. Each step's figures are added
+    up on the host and reach Ray at most every FLUSH_INTERVAL_S (and when the loop goes idle, ``flush_pending``):
+    a Ray metric call costs microseconds and may hand the interpreter lock to another thread, and the loop makes
+    hundreds of steps a second. Counters keep their totals; a gauge shows the newest step's value."""
+
+    FLUSH_INTERVAL_S = 0.1
 
     def __init__(self, model_name: str, replica: str = ""):
         self.tags = {"model_name": model_name}
@@ -49,12 +56,22 @@ class EngineMetrics:
         self._prefix_tags = {**self.tags, "replica": replica}
         self._prefix_seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}  # the totals already counted
         self._accept_length: float | None = None  # the gauge's last value, re-set while idle (see record_load)
+        # recorded, not sent yet: the newest step's stats, generated tokens, steps by depth, and the speculative
+        # counters (drafts, draft tokens, accepted, accepted per position)
+        self._stats: dict | None = None
+        self._generated = 0
+        self._depths: dict[str, int] = {}
+        self._spec = [0, 0, 0]
+        self._per_pos: list[int] = []
+        self._due = 0.0  # (monotonic) when the next recorded step sends
         self.record_load({"running": 0, "waiting": 0, "kv_usage": 0.0})  # exported (as 0) before any request
 
     def record_load(self, stats: dict) -> None:
-        """The gauges: running and waiting requests, KV use, and the last speculative step's mean accept length.
-        Set after every step and, while idle, periodically (Ray drops a gauge from the export when it is not set
-        for a while: an idle server's accept length would vanish from Prometheus)."""
+        """The gauges now (running and waiting requests, KV use, the last speculative step's mean accept length),
+        with whatever the steps recorded since the last flush. Called after requests end outside a step and, while
+        idle, periodically (Ray drops a gauge from the export when it is not set for a while: an idle server's
+        accept length would vanish from Prometheus)."""
+        self.flush_pending()
         t = self.tags
         self.num_running.set(stats["running"], tags=t)
         self.num_waiting.set(stats["waiting"], tags=t)
@@ -63,8 +80,54 @@ class EngineMetrics:
             self.mean_accept_length.set(self._accept_length, tags=t)
 
     def record_step(self, stats: dict) -> None:
+        """A step's figures (``Engine.step_stats``), sent with the others at the next flush."""
+        self._stats = stats
+        if "spec_depth" in stats:
+            depth = str(stats["spec_depth"])
+            self._depths[depth] = self._depths.get(depth, 0) + 1
+        spec = stats.get("spec")
+        if spec and spec["drafts"]:
+            acc = self._spec
+            acc[0] += spec["drafts"]
+            acc[1] += spec["draft_tokens"]
+            acc[2] += spec["accepted"]
+            per = self._per_pos
+            if len(per) < len(spec["per_pos"]):
+                per.extend([0] * (len(spec["per_pos"]) - len(per)))
+            for pos, n in enumerate(spec["per_pos"]):
+                per[pos] += n
+            self._accept_length = 1.0 + spec["accepted"] / spec["drafts"]
+        if time.monotonic() >= self._due:
+            self.flush_pending()
+
+    def record_generated(self, num_tokens: int) -> None:
+        """A step's new tokens, all requests together (sent with its ``record_step``)."""
+        self._generated += num_tokens
+
+    def flush_pending(self) -> None:
+        """Send what the steps recorded since the last flush (nothing to do: no Ray call)."""
+        self._due = time.monotonic() + self.FLUSH_INTERVAL_S
+        stats, self._stats = self._stats, None
         t = self.tags
-        self.record_load(stats)
+        if self._generated:
+            self.generation_tokens.inc(self._generated, tags=t)
+            self._generated = 0
+        for depth, n in self._depths.items():
+            self.steps_by_depth.inc(n, tags={**t, "depth": depth})
+        self._depths.clear()
+        drafts, draft_tokens, accepted = self._spec
+        if drafts:
+            self.num_drafts.inc(drafts, tags=t)
+            self.num_draft_tokens.inc(draft_tokens, tags=t)
+            if accepted:
+                self.num_accepted_tokens.inc(accepted, tags=t)
+            for pos, n in enumerate(self._per_pos):
+                if n:
+                    self.accepted_per_pos.inc(n, tags={**t, "position": str(pos)})
+            self._spec = [0, 0, 0]
+            self._per_pos = []
+        if stats is None:
+            return
         for name, seen in self._prefix_seen.items():
             total = stats.get(name, 0)
             if total < seen:  # a fresh engine (its workers were restarted) counts from 0 again
@@ -72,24 +135,11 @@ class EngineMetrics:
             if total > seen:
                 getattr(self, name).inc(total - seen, tags=self._prefix_tags)
             self._prefix_seen[name] = total
-        if "spec_depth" in stats:
-            self.steps_by_depth.inc(1, tags={**t, "depth": str(stats["spec_depth"])})
-        spec = stats.get("spec")
-        if spec and spec["drafts"]:
-            self.num_drafts.inc(spec["drafts"], tags=t)
-            self.num_draft_tokens.inc(spec["draft_tokens"], tags=t)
-            if spec["accepted"]:
-                self.num_accepted_tokens.inc(spec["accepted"], tags=t)
-            for pos, n in enumerate(spec["per_pos"]):
-                if n:
-                    self.accepted_per_pos.inc(n, tags={**t, "position": str(pos)})
-            self._accept_length = 1.0 + spec["accepted"] / spec["drafts"]
+        self.num_running.set(stats["running"], tags=t)
+        self.num_waiting.set(stats["waiting"], tags=t)
+        self.kv_usage.set(stats["kv_usage"], tags=t)
+        if self._accept_length is not None:
             self.mean_accept_length.set(self._accept_length, tags=t)
-
-    def record_generated(self, num_tokens: int) -> None:
-        """A step's new tokens, all requests together (one counter update per step)."""
-        if num_tokens:
-            self.generation_tokens.inc(num_tokens, tags=self.tags)
 
 
 class RequestMetrics:

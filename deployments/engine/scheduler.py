@@ -46,32 +46,37 @@ class StepPlan:
     # lowers it once the step's draft depth is chosen: a plain step (depth 0) appends one, as without speculation,
     # so a request near its end is not held back a step as if a full round were in flight
     max_advance: int | None = None
+    # the requests' values that stay while they run (``step_constants``), when the scheduler had them already
+    constants: dict | None = None
 
     def to_worker_step(self) -> WorkerStep:
         """The plain-data message sent to every worker (no Request objects cross the process boundary)."""
-        reqs = self.requests
-        params = [r.params for r in reqs]
+        c = self.constants or step_constants(self.requests)
         return WorkerStep.pack(
             self.mode,
-            req_slots=[r.req_slot for r in reqs],
             input_ids=self.input_ids,
             seq_lens=self.seq_lens,
             extend_lens=self.extend_lens,
             page_updates=self.page_updates,
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            min_p=[p.min_p for p in params],
-            seeds=[r.seed for r in reqs],
             counters=self.counters,
             pending=self.pending,
             next_ids=self.next_ids,
             draft_tokens=self.draft_tokens,
-            top_logprobs=any(p.top_logprobs for p in params),
             prompt_logprobs=self.prompt_logprobs,
-            logits_processing=any(p.logits_processing for p in params),
             logits_setup=self.logits_setup,
+            **c,
         )
+
+
+def step_constants(reqs: list[Request]) -> dict:
+    """A step's per-request values that do not change while the requests run (slots, sampling settings, seeds), as
+    ``WorkerStep.pack``'s keywords."""
+    params = [r.params for r in reqs]
+    return {"req_slots": [r.req_slot for r in reqs], "temperature": [p.temperature for p in params],
+            "top_k": [p.top_k for p in params], "top_p": [p.top_p for p in params],
+            "min_p": [p.min_p for p in params], "seeds": [r.seed for r in reqs],
+            "top_logprobs": any(p.top_logprobs for p in params),
+            "logits_processing": any(p.logits_processing for p in params)}
 
 
 class Scheduler:
@@ -110,6 +115,9 @@ class Scheduler:
         self._by_id: dict[str, Request] = {}
         self._page_updates: tuple[list[int], list[int], list[int]] = ([], [], [])
         self.num_preemptions = 0
+        # the last DECODE plan's requests and their ``step_constants``: the next plan over the same requests reuses
+        # them. Dropped whenever a request lets go of its slot (``_release``), the only way its values change
+        self._constants: tuple[list[Request], dict] | None = None
         self.failed: list[Request] = []  # finished with an error during scheduling; the engine reports them
 
     # ---- requests in and out ---------------------------------------------------------------------------------
@@ -205,6 +213,7 @@ class Scheduler:
             ids.extend(new)
 
     def _release(self, req: Request) -> None:
+        self._constants = None
         if self.allocator.cache is not None:  # (its deferred pages stay cached, as one record: see _cache_pages)
             start, end = self.allocator.cache.release_request(req)
             if end > start:
@@ -425,35 +434,51 @@ class Scheduler:
 
     def _decode_rows(self) -> list[Request]:
         """Every running request whose in-flight tokens cannot have ended it, each with KV pages for the most this
-        step appends; when pages run out, the newest running requests are preempted until they fit."""
+        step appends; when pages run out, the newest running requests are preempted until they fit. (``_most_tokens``'s
+        rule inlined: this runs over every row of every step.) A request sits out the step when its in-flight tokens
+        may already reach max_tokens or the context length."""
         reqs: list[Request] = []
         running, i = self.running, 0
+        page, lookahead, max_len = self.allocator.page_size, self.decode_lookahead, self.max_model_len
         while i < len(running):
             req = running[i]
             i += 1
-            if req.num_inflight and self._ends_in_flight(req):
-                continue
-            try:  # its length once its in-flight steps land, at most, plus what this step appends
-                self._grow(req, self._most_tokens(req) - 1 + self.decode_lookahead)
-                reqs.append(req)
-            except OutOfPages:  # the newest request gives way (it comes after every request taken so far)
-                i -= 1
-                victim = running[-1]
-                if victim is req and len(running) == 1:
-                    req.error = "the KV cache cannot hold this request even alone"
-                    self.finish(req, "error")
-                    self.failed.append(req)
+            n_out = len(req.output_ids)
+            n_tokens = len(req.prompt_ids) + n_out
+            ahead = req.num_inflight
+            if ahead:
+                plan = req.inflight_plan
+                ahead *= plan.max_advance if plan is not None and plan.max_advance is not None \
+                    else self.decode_max_advance
+                if n_out + ahead >= req.params.max_tokens or n_tokens + ahead >= max_len:
+                    continue  # its in-flight tokens may already end it
+            # its length once its in-flight steps land, at most, plus what this step appends
+            need = n_tokens + ahead - 1 + lookahead
+            if need > len(req.pages) * page:
+                try:
+                    self._grow(req, need)
+                except OutOfPages:  # the newest request gives way (it comes after every request taken so far)
+                    i -= 1
+                    victim = running[-1]
+                    if victim is req and len(running) == 1:
+                        req.error = "the KV cache cannot hold this request even alone"
+                        self.finish(req, "error")
+                        self.failed.append(req)
+                        continue
+                    self._preempt(victim)
                     continue
-                self._preempt(victim)
+            reqs.append(req)
         return reqs
 
     def _decode_plan(self, reqs: list[Request]) -> StepPlan:
-        seq_lens, counters, pending = [], [], []
+        counters = [len(r.output_ids) for r in reqs]
+        pending = [r.num_inflight for r in reqs]
+        assert max(pending) <= 1, "one step in flight at most"
         plan = StepPlan(
             mode=ForwardMode.DECODE,
             requests=reqs,
             input_ids=[],  # each request's last token is on the device already (it may not have reached the host)
-            seq_lens=seq_lens,
+            seq_lens=[len(r.prompt_ids) + n for r, n in zip(reqs, counters)],
             extend_lens=[1] * len(reqs),
             page_updates=self._take_page_updates(),
             counters=counters,
@@ -461,13 +486,14 @@ class Scheduler:
             draft_tokens=[self.host_drafter(r.all_ids) for r in reqs] if self.host_drafter else None,
         )
         for r in reqs:
-            assert r.num_inflight <= 1, "one step in flight at most"
-            n_out = len(r.output_ids)
-            seq_lens.append(len(r.prompt_ids) + n_out)
-            counters.append(n_out)
-            pending.append(r.num_inflight)
             r.num_inflight += 1
             r.inflight_plan = plan
+        cached = self._constants
+        if cached is not None and cached[0] == reqs:  # (list equality: the very same requests, in order)
+            plan.constants = cached[1]
+        else:
+            plan.constants = step_constants(reqs)
+            self._constants = (reqs, plan.constants)
         return plan
 
     def _inflight_advance(self, req: Request) -> int:
@@ -477,19 +503,17 @@ class Scheduler:
 
     def _most_tokens(self, req: Request) -> int:
         """The request's length once its in-flight steps land, at most (the one rule for ending, growing and
-        reserving pages: counted otherwise, a plain step near the context's end outgrows the page table)."""
+        reserving pages: counted otherwise, a plain step near the context's end outgrows the page table; ``_decode_rows``
+        inlines it)."""
         return req.num_tokens + req.num_inflight * self._inflight_advance(req)
-
-    def _ends_in_flight(self, req: Request) -> bool:
-        """Its in-flight tokens may already reach max_tokens or the context length: no further step for it now."""
-        ahead = req.num_inflight * self._inflight_advance(req)
-        return req.num_inflight > 0 and (len(req.output_ids) + ahead >= req.params.max_tokens
-                                         or req.num_tokens + ahead >= self.max_model_len)
 
     # ---- results ---------------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], tuple | None]]:
         """Apply sampled tokens; returns (request, new tokens, its round's drafts: ``count_accepted``'s ``spec``, or
         None) for every request that produced tokens."""
+        if plan.next_ids is None and result.num_drafts == 0 and result.top_logprobs is None \
+                and result.prompt_logprobs is None and len(result.tokens) == len(plan.requests):
+            return self._update_one_each(plan, result)
         produced = []
         self.landed(plan)
         tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
@@ -510,6 +534,44 @@ class Scheduler:
             produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
                 self.finish(req, req.finish_reason)
+        return produced
+
+    def _update_one_each(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], None]]:
+        """``update`` of a step that appended one token to every row and carries nothing else (a plain DECODE step,
+        or adaptive speculation's depth 0; no prompt chunks, alternatives or prompt logprobs): ``landed`` and
+        ``_append_tokens`` in one pass, with the same stop rules (EOS / stop ids, then the length limit)."""
+        produced = []
+        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        window = self.draft_catch_up_window if result.counts is not None else 0  # (a speculative engine's plain step)
+        kv_ahead = self.decode_max_advance - 1 + self.decode_lookahead  # KV slots each step in flight may write
+        page = self.allocator.page_size
+        for req, tok, lp in zip(plan.requests, result.tokens, result.logprobs, strict=True):
+            req.num_inflight -= 1
+            if req.status is finished:  # aborted, or ended by a token read after this step was launched
+                continue
+            if window:  # as the worker's stash: a plain step on a full one catches the draft up first
+                req.draft_lag = 1 if req.draft_lag >= window else req.draft_lag + 1
+            p, out = req.params, req.output_ids
+            out.append(tok)
+            req.output_logprobs.append(lp)
+            new = [tok]
+            produced.append((req, new, None))
+            n_tokens = len(req.prompt_ids) + len(out)
+            if (tok in eos and not p.ignore_eos) or tok in p.stop_token_ids:
+                req.status, req.finish_reason = finished, "stop"
+            elif len(out) >= p.max_tokens or n_tokens >= max_len:
+                req.status, req.finish_reason = finished, "length"
+            if req.status is finished:
+                self.finish(req, req.finish_reason)
+                continue
+            if req.status is running:  # (as _append_tokens: the newest token's K/V is not written yet)
+                req.num_computed = n_tokens - 1
+                if req.num_computed - req.draft_lag >= req.cache_at:
+                    self._cache_pages(req)
+                keep = req.num_computed + req.num_inflight * kv_ahead
+                if len(req.pages) * page >= keep + page:  # (a page to give back: rare without speculation)
+                    self.allocator.shrink(req.pages, keep)
         return produced
 
     @staticmethod

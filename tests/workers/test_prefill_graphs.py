@@ -127,3 +127,30 @@ def test_prefill_graph_buckets_fit_the_page_table(spec_models):  # noqa: F811
     eager = engine(target, **kw)
     assert out == [[o.token_ids for o in eager.generate(p, params)] for p in (prompts, short)]
     assert all(len(x) == 4 for x in out[0] + out[1])
+
+
+@pytest.mark.parametrize("spec", [None, ("eagle3", 3, 1)], ids=["none", "eagle3"])
+def test_prefill_step_of_exactly_a_bucket(spec_models, spec):  # noqa: F811
+    """Steps of exactly 16, 32 and 64 tokens (64: the largest bucket, as a full ``max_prefill_tokens`` chunk is on a
+    GPU): without a draft each replays its own bucket (its padding request left empty); with one, the next bucket up
+    (the draft's prefill needs a padding token), and the largest runs eagerly. The eager prefill's tokens either way."""
+    target = spec_models["target"]
+    cfg = None if spec is None else SpeculativeConfig(method=spec[0], model=str(spec_models[spec[0]]),
+                                                      num_steps=spec[1], topk=spec[2])
+    waves = [[list(range(10, 26))], [list(range(30, 46)), list(range(50, 66))], [list(range(100, 164))]]
+    out = {}
+    for graphs in (False, True):
+        eng = engine(target, cfg, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=64, max_prefill_tokens=80,
+                     mixed_decode_rows=0 if spec is None else None)
+        keys = []
+        if graphs:
+            eng.executor.worker.capture_graphs()
+            ext = eng.executor.worker.extend_graphs
+            replay = ext.replay
+            ext.replay = lambda key: (keys.append(key[1]), replay(key))[1]
+        out[graphs] = [[(o.token_ids, o.logprobs) for o in eng.generate(w, GREEDY)] for w in waves]
+        if graphs:
+            assert keys == ([16, 32, 64] if spec is None else [32, 64])
+    assert [[t for t, _ in w] for w in out[True]] == [[t for t, _ in w] for w in out[False]]
+    assert all(abs(x - y) < 1e-4 for a, b in zip(out[True], out[False]) for (_, la), (_, lb) in zip(a, b)
+               for x, y in zip(la, lb))
