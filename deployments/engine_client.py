@@ -81,7 +81,7 @@ class RequestStream:
         self.detok = Detokenizer(client.tokenizer, stop)
         self.stream_interval, self.batching_s = stream_interval, batching_s
         self._items: list[tuple] = []
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits for outputs
         self.finished = False
         self.num_output = 0
         self.first_token_time: float | None = None
@@ -89,13 +89,16 @@ class RequestStream:
 
     def put(self, item: tuple) -> None:  # the output channel (on the event loop)
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:  # (a bare future: an Event makes a future per wait and wakes through a loop)
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _take(self) -> Delta:
         """Everything received since the last take, detokenized; a stop string ends the request here and the
         engine is told to drop it (tokens after the stop are never sent)."""
         items, self._items = self._items, []
-        self._ready.clear()
         delta = Delta()
         decode = self.client.token_text
         for rid, token_ids, reason, logprobs, top, final, *prompt_lps in items:
@@ -146,10 +149,20 @@ class RequestStream:
         ``stream_interval`` tokens and, after a send, ``batching_s`` (both off by default: every step's tokens)."""
         pending: Delta | None = None
         last_sent = None
+        every_step = self.stream_interval <= 1 and self.batching_s <= 0
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._ready.wait()
+                if not self._items:
+                    self._waiter = loop.create_future()
+                    await self._waiter
                 delta = self._take()
+                if every_step:
+                    self._record(delta)
+                    yield delta
+                    if self.finished:
+                        return
+                    continue
                 if pending is not None:
                     pending.extend(delta)
                     delta = pending
@@ -169,6 +182,7 @@ class RequestStream:
                 if self.finished:
                     return
         finally:
+            self._waiter = None
             if not self.finished:  # the consumer left (client disconnect): free its KV in the engine
                 self.finished = True
                 self.client.abort(self.rid)
