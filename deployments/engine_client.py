@@ -423,16 +423,25 @@ class EngineClient:
         pending.append(item)
 
     def _flush(self, name: str) -> None:
+        """The batch goes to the core here (an actor call is sent at once, not from a task a turn of the loop
+        later); a task waits for the answer."""
         batch = self._pending.pop(name, [])
-        if batch:
-            detached(self._submit(name, batch))
-
-    async def _submit(self, name: str, batch: list[tuple]) -> None:
+        if not batch:
+            return
         core = self._cores.get(name)
         try:
             if core is None:
                 raise RuntimeError("the engine core is gone")
-            answers = await core.submit.remote(self.client_id, [item[:4] for item in batch])
+            answer = core.submit.remote(self.client_id, [item[:4] for item in batch])
+        except Exception as e:  # noqa: BLE001 - (handled by the task, as a failed answer)
+            answer = e
+        detached(self._submit(name, batch, answer))
+
+    async def _submit(self, name: str, batch: list[tuple], answer) -> None:
+        try:
+            if isinstance(answer, Exception):
+                raise answer
+            answers = await answer
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
             self._lost(name, e)
             for item in batch:

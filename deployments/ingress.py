@@ -102,32 +102,36 @@ class _Streamed(Response):
             await content.aclose()
 
     @staticmethod
-    async def _listen(receive) -> None:
+    async def _listen(receive, writer: asyncio.Task, gone: list) -> None:
+        """Cancels the writer when the client disconnects."""
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
         except Exception:  # noqa: BLE001 - the connection is unusable: as a disconnect
             pass
+        gone.append(True)
+        writer.cancel()
 
     async def __call__(self, scope, receive, send):
-        loop = asyncio.get_running_loop()
-        writer = loop.create_task(self._write(send))
-        listener = loop.create_task(self._listen(receive))
+        # the chunks are written by this task (no task of their own: one turn of the event loop less before the
+        # first), a disconnect cancels it
+        task, gone = asyncio.current_task(), []
+        listener = asyncio.get_running_loop().create_task(self._listen(receive, task, gone))
         try:
-            await asyncio.wait((writer, listener), return_when=asyncio.FIRST_COMPLETED)
+            await self._write(send)
+        except asyncio.CancelledError:
+            if not gone:  # (Serve cancelled the request: its client left)
+                raise
+            if hasattr(task, "uncancel"):  # (3.11+: the cancel was ours, handled here)
+                task.uncancel()
         finally:
             listener.cancel()
-            if not writer.done():  # the client left (or Serve cancelled this request): the generator closes
-                writer.cancel()
-                await asyncio.wait((writer,))
             for s in self._streams:
                 if not s.finished:
                     s.finished = True
                     self._engine.abort(s.rid)
                     self._engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time,
                                                        s.num_output)
-        if not writer.cancelled() and writer.exception() is not None:
-            raise writer.exception()
 
 
 _trim_pending = threading.Event()  # one trim at a time: a burst of refused bodies queues one, not one each
