@@ -94,10 +94,11 @@ def format_us(chat: bool, n: int = 20000) -> dict:
 
 # -- the whole write path: the real ASGI app under uvicorn, streams over local sockets -----------------------------
 
-def _stub_engine(tokenizer: str, token_ids: list[int], step_s: float):
+def _stub_engine(tokenizer: str, token_ids: list[int], step_s: float, ttft: bool = False):
     """The real ``EngineClient`` (streams, delivery, detokenizing, metrics) with its engine core replaced: a thread
     that every ``step_s`` hands the event loop one token for every running request, as the push channel's reader
     does (one ``call_soon_threadsafe`` per step)."""
+    import queue
     import threading
 
     from deployments.engine_client import EngineClient
@@ -110,19 +111,33 @@ def _stub_engine(tokenizer: str, token_ids: list[int], step_s: float):
             self.lock = threading.Lock()
             self.loop = None
             self.steps = 0
+            self.arrived = queue.Queue()
 
         async def core(self):
             return
 
         def _route(self, item):  # accepted at once
+            item[4].set_result(None)
+            if ttft:  # (the first token at once, from a thread, as the push channel's reader hands it over)
+                self.arrived.put((item[0], item[2]["max_tokens"]))
+                return
             with self.lock:
                 self.running[item[0]] = [0, item[2]["max_tokens"]]
-            item[4].set_result(None)
 
         def abort(self, rid):
             super().abort(rid)
             with self.lock:
                 self.running.pop(rid, None)
+
+        def first_token_loop(self, stop: threading.Event):
+            while not stop.is_set():
+                try:
+                    rid, max_tokens = self.arrived.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                self.loop.call_soon_threadsafe(self._deliver, [(rid, [token_ids[0]], None, None, None, None)])
+                with self.lock:
+                    self.running[rid] = [1, max_tokens]
 
         def step_loop(self, stop: threading.Event):
             while not stop.wait(step_s):
@@ -143,7 +158,7 @@ def _stub_engine(tokenizer: str, token_ids: list[int], step_s: float):
     return StubEngine()
 
 
-def _client(port: int, concurrency: int, requests: int, max_tokens: int, chat: bool, out) -> None:
+def _client(port: int, concurrency: int, requests: int, max_tokens: int, chat: bool, out, ttft: bool = False) -> None:
     """(a process of its own) ``concurrency`` connections, each streaming one request after another (raw sockets:
     the client's cost stays small); puts (SSE events, bytes, wall seconds)."""
     import asyncio
@@ -160,20 +175,28 @@ def _client(port: int, concurrency: int, requests: int, max_tokens: int, chat: b
            f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
     left = [requests]
     events = [0, 0]
+    firsts = []  # (ttft) seconds from the request's write to its first token's event
 
     async def worker():
         while left[0] > 0:
             left[0] -= 1
+            if ttft:
+                await asyncio.sleep(0.02)
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            t0 = time.perf_counter()
             writer.write(req)
-            tail = b""
+            tail, seen = b"", 0
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
                     break
                 events[1] += len(data)
                 buf = tail + data
-                events[0] += buf.count(b"data: ") - tail.count(b"data: ")
+                n = buf.count(b"data: ") - tail.count(b"data: ")
+                if seen < 1 + chat <= seen + n:  # (chat: the role's chunk comes first)
+                    firsts.append(time.perf_counter() - t0)
+                seen += n
+                events[0] += n
                 tail = buf[-8:]
             writer.close()
 
@@ -183,11 +206,11 @@ def _client(port: int, concurrency: int, requests: int, max_tokens: int, chat: b
         return time.perf_counter() - t0
 
     wall = asyncio.run(main())
-    out.put((events[0], events[1], wall))
+    out.put((events[0], events[1], wall, firsts))
 
 
 def http_run(tokenizer: str, token_ids: list[int], concurrency: int, requests: int, max_tokens: int, chat: bool,
-             step_s: float) -> dict:
+             step_s: float, ttft: bool = False) -> dict:
     """The real ingress app (``deployments.ingress.app``, its routes, middlewares and streaming response) under
     uvicorn on uvloop, as a replica serves it with direct ingress, with the stub engine; the client in another
     process. Counts the response-body ``send`` calls and the event loop thread's CPU time."""
@@ -205,7 +228,7 @@ def http_run(tokenizer: str, token_ids: list[int], concurrency: int, requests: i
     from deployments.ingress import OpenAIIngress, _Served, app
     from deployments.limits import RequestLimits
 
-    engine = _stub_engine(tokenizer, token_ids, step_s)
+    engine = _stub_engine(tokenizer, token_ids, step_s, ttft)
     ingress = OpenAIIngress.func_or_class.__new__(OpenAIIngress.func_or_class)
     ingress.created = int(time.time())
     served = _Served("specserve-tiny", None, engine,
@@ -237,9 +260,9 @@ def http_run(tokenizer: str, token_ids: list[int], concurrency: int, requests: i
         while not server.started:
             await asyncio.sleep(0.01)
         stop = threading.Event()
-        stepper = threading.Thread(target=engine.step_loop, args=(stop,), daemon=True)
-        stepper.start()
-        proc = ctx.Process(target=_client, args=(port, concurrency, requests, max_tokens, chat, out))
+        for target in (engine.step_loop, engine.first_token_loop) if ttft else (engine.step_loop,):
+            threading.Thread(target=target, args=(stop,), daemon=True).start()
+        proc = ctx.Process(target=_client, args=(port, concurrency, requests, max_tokens, chat, out, ttft))
         proc.start()
         cpu0, t0 = time.thread_time(), time.perf_counter()
         result = await asyncio.to_thread(out.get)
@@ -250,8 +273,14 @@ def http_run(tokenizer: str, token_ids: list[int], concurrency: int, requests: i
         await serving
         return result, cpu, wall
 
-    (events, nbytes, client_wall), cpu, wall = uvloop.run(main())
+    (events, nbytes, client_wall, firsts), cpu, wall = uvloop.run(main())
     tokens = requests * max_tokens
+    if ttft:
+        firsts = sorted(firsts[3:])  # (warm-up)
+        return {"api": "chat" if chat else "completions", "requests": requests, "ttft_ms_p50":
+                round(statistics.median(firsts) * 1e3, 3), "ttft_ms_p10": round(firsts[len(firsts) // 10] * 1e3, 3),
+                "ttft_ms_p90": round(firsts[len(firsts) * 9 // 10] * 1e3, 3),
+                "loop_cpu_ms_per_request": round(cpu / requests * 1e3, 3)}
     return {"api": "chat" if chat else "completions", "concurrency": concurrency, "requests": requests,
             "max_tokens": max_tokens, "step_ms": step_s * 1e3, "events": events, "body_sends": sends[0],
             "steps": engine.steps, "tok_s": round(tokens / client_wall), "offered_tok_s": round(concurrency / step_s),
@@ -273,6 +302,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64, help="(--http) tokens per request")
     ap.add_argument("--step-ms", type=float, default=8.0, help="(--http) the stub engine's step")
     ap.add_argument("--apis", default="completions,chat")
+    ap.add_argument("--ttft", action="store_true", help="(--http) one request at a time, its first token handed over "
+                    "at once: the ingress's own time to first token (request written → first token's event read)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import ray
@@ -288,6 +319,12 @@ def main() -> None:
         token_ids = client.tokenizer.encode(text, add_special_tokens=False)
         for api in args.apis.split(","):
             chat = api == "chat"
+            if args.http and args.ttft:
+                for _ in range(args.repeats):
+                    rows.append(http_run(args.tokenizer, token_ids, 1, args.waves, args.max_tokens, chat,
+                                         args.step_ms / 1e3, ttft=True))
+                    print(rows[-1], flush=True)
+                continue
             if args.http:
                 for c in map(int, args.concurrencies.split(",")):
                     for _ in range(args.repeats):
@@ -308,6 +345,19 @@ def main() -> None:
     res = {"device": device_name("cpu"), "commit": commit(), "command": command(), "rows": rows}
     out = out_path(args.out)
     write_json(out, res)
+    if args.http and args.ttft:
+        md = [f"# An ingress replica's own time to first token over HTTP ({res['device']})", "",
+              f"commit `{res['commit']}` · command `{res['command']}`", "",
+              "One request at a time (20 ms apart, a connection each) to the real ingress app under uvicorn on "
+              "uvloop; its stub engine accepts at once and hands the first token over from a thread as soon as the "
+              "request is submitted. TTFT: the request written → its first token's SSE event read, in the client's "
+              "process (parsing, validation, the chat template and tokenizing, the submit, the hand-off, the "
+              "response's first writes).", "",
+              "| API | requests | TTFT p50 ms (p10, p90) | loop CPU ms per request |", "|---|---|---|---|"]
+        md += [f"| {r['api']} | {r['requests']} | {r['ttft_ms_p50']} ({r['ttft_ms_p10']}, {r['ttft_ms_p90']}) | "
+               f"{r['loop_cpu_ms_per_request']} |" for r in rows]
+        write_markdown(out, md)
+        return
     if args.http:
         md = [f"# An ingress replica's event loop per streamed token, the whole write path ({res['device']})", "",
               f"commit `{res['commit']}` · command `{res['command']}`", "",
