@@ -67,6 +67,55 @@ async def drive(client, ingress_cls, token_ids: list[int], concurrency: int, ste
     return elapsed
 
 
+async def drive_asgi(client, ingress_cls, token_ids: list[int], concurrency: int, steps: int, chat: bool) -> float:
+    """As ``drive``, through the response object the handler returns, run as an ASGI app per stream (its send
+    loop, its generators, the stream's wake-ups; a send that only counts): seconds for ``steps`` steps, the
+    request's last step (its closing writes) not timed."""
+    from deployments.engine_client import RequestStream
+    from deployments.ingress import _Echo, _Streamed
+
+    fake = types.SimpleNamespace(model_id="specserve-tiny", engine=client)
+    never = asyncio.Event()
+    sent, want, reached = [0], [0], asyncio.Event()
+
+    async def receive():
+        await never.wait()
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            sent[0] += 1
+            if sent[0] >= want[0]:
+                reached.set()
+
+    async def until(n: int) -> None:
+        want[0] = n
+        reached.clear()
+        if sent[0] < n:
+            await reached.wait()
+
+    streams, tasks = [], []
+    for c in range(concurrency):
+        rid = f"r{c}"
+        stream = RequestStream(client, rid, 16, [], time.time(), 1, 0.0)
+        echo = _Echo(None, [[1] * 16], 1, 0, False, False, client.token_text)
+        response = _Streamed(ingress_cls._sse(fake, [stream], rid, 1764180000, chat, False, False, echo), [stream],
+                             client)
+        streams.append(stream)
+        tasks.append(asyncio.ensure_future(response({"type": "http"}, receive, send)))
+    await until(concurrency if chat else 0)  # (chat: the role chunks)
+    t0 = time.perf_counter()
+    for step in range(steps + 1):
+        if step == steps:
+            elapsed = time.perf_counter() - t0
+        last = step == steps
+        for c, stream in enumerate(streams):
+            tok = token_ids[(step * 7 + c) % len(token_ids)]
+            stream.put((f"r{c}", [tok], "length" if last else None, None, None, {"spec": None} if last else None))
+        await until(sent[0] + concurrency)
+    await asyncio.gather(*tasks)
+    return elapsed
+
+
 def format_us(chat: bool, n: int = 20000) -> dict:
     """µs per chunk text: ChunkFormat vs json.dumps of the chunk object, on the same texts ({} on a tree from before
     ChunkFormat, which this benchmark also times for A/B runs)."""
@@ -335,9 +384,13 @@ def main() -> None:
             times = [asyncio.run(drive(client, OpenAIIngress.func_or_class, token_ids, args.concurrency, args.steps,
                                        chat)) for _ in range(args.repeats)]
             chunks = args.concurrency * args.steps
+            asgi = [asyncio.run(drive_asgi(client, OpenAIIngress.func_or_class, token_ids, args.concurrency,
+                                           args.steps, chat)) for _ in range(args.repeats)]
             rows.append({"api": api, "concurrency": args.concurrency,
                          "steps": args.steps, "us_per_chunk_median": round(statistics.median(times) / chunks * 1e6, 2),
                          "us_per_chunk_min": round(min(times) / chunks * 1e6, 2),
+                         "asgi_us_per_chunk_median": round(statistics.median(asgi) / chunks * 1e6, 2),
+                         "asgi_us_per_chunk_min": round(min(asgi) / chunks * 1e6, 2),
                          "chunk_text_us": format_us(chat)})
             print(rows[-1], flush=True)
     finally:
@@ -379,10 +432,13 @@ def main() -> None:
           "In-process: C streams fed one token a step and drained through the SSE generator of the HTTP handler "
           "(delivery, detokenizing, request metrics through Ray, the chunk's text); Starlette and uvicorn's writes "
           "not included (`--http` times them). Chunk text alone: `ChunkFormat` against `json.dumps` of the chunk "
-          "object (best of 5).", "",
-          "| API | streams | steps | µs per chunk, median (min) of runs | chunk text µs: json.dumps → ChunkFormat |",
-          "|---|---|---|---|---|"]
+          "object (best of 5). ASGI: the same through the response object the handler returns, run as an ASGI app "
+          "per stream with a send that only counts (its send loop, generators and wake-ups; not the middlewares' and "
+          "uvicorn's sends).", "",
+          "| API | streams | steps | µs per chunk, median (min) of runs | ASGI µs per chunk, median (min) | chunk text "
+          "µs: json.dumps → ChunkFormat |", "|---|---|---|---|---|---|"]
     md += [f"| {r['api']} | {r['concurrency']} | {r['steps']} | {r['us_per_chunk_median']} ({r['us_per_chunk_min']}) "
+           f"| {r.get('asgi_us_per_chunk_median', '-')} ({r.get('asgi_us_per_chunk_min', '-')}) "
            f"| {r['chunk_text_us'].get('json.dumps', '-')} → {r['chunk_text_us'].get('ChunkFormat', '-')} |"
            for r in rows]
     write_markdown(out, md)
