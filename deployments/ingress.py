@@ -587,8 +587,10 @@ class OpenAIIngress:
         source = (streams[0].__aiter__() if single else
                   _interleave([_indexed(i, s) for i, s in enumerate(streams)]))
         try:
-            for i in range(len(streams)) if chat or (echo.texts and not echo.prompt_logprobs) else ():
-                yield chunk(i, echo.text(i), None, first=True)
+            opening = "".join(chunk(i, echo.text(i), None, first=True) for i in range(len(streams))
+                              if chat or (echo.texts and not echo.prompt_logprobs))
+            if opening:  # (chat: every choice's role; completions: every echoed prompt) in one write
+                yield opening
             completion_tokens, spec, left, text = 0, None, len(streams), ""
             async for item in source:
                 i, d = (0, item) if single else item
