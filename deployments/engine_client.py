@@ -81,7 +81,7 @@ class RequestStream:
         self.detok = Detokenizer(client.tokenizer, stop)
         self.stream_interval, self.batching_s = stream_interval, batching_s
         self._items: list[tuple] = []
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None  # the consumer's, while it waits for outputs
         self.finished = False
         self.num_output = 0
         self.first_token_time: float | None = None
@@ -89,13 +89,16 @@ class RequestStream:
 
     def put(self, item: tuple) -> None:  # the output channel (on the event loop)
         self._items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:  # (a bare future: an Event makes a future per wait and wakes through a loop)
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _take(self) -> Delta:
         """Everything received since the last take, detokenized; a stop string ends the request here and the
         engine is told to drop it (tokens after the stop are never sent)."""
         items, self._items = self._items, []
-        self._ready.clear()
         delta = Delta()
         decode = self.client.token_text
         for rid, token_ids, reason, logprobs, top, final, *prompt_lps in items:
@@ -146,10 +149,20 @@ class RequestStream:
         ``stream_interval`` tokens and, after a send, ``batching_s`` (both off by default: every step's tokens)."""
         pending: Delta | None = None
         last_sent = None
+        every_step = self.stream_interval <= 1 and self.batching_s <= 0
+        loop = asyncio.get_running_loop()
         try:
             while True:
-                await self._ready.wait()
+                if not self._items:
+                    self._waiter = loop.create_future()
+                    await self._waiter
                 delta = self._take()
+                if every_step:
+                    self._record(delta)
+                    yield delta
+                    if self.finished:
+                        return
+                    continue
                 if pending is not None:
                     pending.extend(delta)
                     delta = pending
@@ -169,6 +182,7 @@ class RequestStream:
                 if self.finished:
                     return
         finally:
+            self._waiter = None
             if not self.finished:  # the consumer left (client disconnect): free its KV in the engine
                 self.finished = True
                 self.client.abort(self.rid)
@@ -409,16 +423,25 @@ class EngineClient:
         pending.append(item)
 
     def _flush(self, name: str) -> None:
+        """The batch goes to the core here (an actor call is sent at once, not from a task a turn of the loop
+        later); a task waits for the answer."""
         batch = self._pending.pop(name, [])
-        if batch:
-            detached(self._submit(name, batch))
-
-    async def _submit(self, name: str, batch: list[tuple]) -> None:
+        if not batch:
+            return
         core = self._cores.get(name)
         try:
             if core is None:
                 raise RuntimeError("the engine core is gone")
-            answers = await core.submit.remote(self.client_id, [item[:4] for item in batch])
+            answer = core.submit.remote(self.client_id, [item[:4] for item in batch])
+        except Exception as e:  # noqa: BLE001 - (handled by the task, as a failed answer)
+            answer = e
+        detached(self._submit(name, batch, answer))
+
+    async def _submit(self, name: str, batch: list[tuple], answer) -> None:
+        try:
+            if isinstance(answer, Exception):
+                raise answer
+            answers = await answer
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
             self._lost(name, e)
             for item in batch:

@@ -18,7 +18,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -71,19 +71,61 @@ async def _http_error(_: Request, e: StarletteHTTPException):
     return error_response(e.status_code, message, "invalid_request_error" if e.status_code < 500 else "internal_error")
 
 
-class _Streamed(StreamingResponse):
-    """An SSE response that aborts its requests in the engine however it ends. A client that leaves while the
-    response waits on ``send`` cancels it outside our generators, which then end only when collected, possibly much
-    later; until then their requests would run on, unread."""
+_DONE = "data: [DONE]\n\n"
+
+
+class _Streamed(Response):
+    """An SSE response written by a plain ASGI send loop (``content``: an async iterator of SSE text, each item one
+    ``send``, the last one, ending with ``data: [DONE]``, closing the body) that aborts its requests in the engine
+    however it ends. A client that leaves while the response waits on ``send`` cancels it outside our generators,
+    which then end only when collected, possibly much later; until then their requests would run on, unread.
+    Disconnects are watched as Starlette's StreamingResponse does (a task reading ``receive``) under Serve's own."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, content, streams: list, engine):
-        super().__init__(content, media_type="text/event-stream")
+        self.content, self.status_code, self.background = content, 200, None
+        self.init_headers(None)
         self._streams, self._engine = streams, engine
 
-    async def __call__(self, scope, receive, send):
+    async def _write(self, send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        content = self.content
         try:
-            await super().__call__(scope, receive, send)
+            async for text in content:
+                last = text.endswith(_DONE)
+                await send({"type": "http.response.body", "body": text.encode(), "more_body": not last})
+                if last:
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            await content.aclose()
+
+    @staticmethod
+    async def _listen(receive, writer: asyncio.Task, gone: list) -> None:
+        """Cancels the writer when the client disconnects."""
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - the connection is unusable: as a disconnect
+            pass
+        gone.append(True)
+        writer.cancel()
+
+    async def __call__(self, scope, receive, send):
+        # the chunks are written by this task (no task of their own: one turn of the event loop less before the
+        # first), a disconnect cancels it
+        task, gone = asyncio.current_task(), []
+        listener = asyncio.get_running_loop().create_task(self._listen(receive, task, gone))
+        try:
+            await self._write(send)
+        except asyncio.CancelledError:
+            if not gone:  # (Serve cancelled the request: its client left)
+                raise
+            if hasattr(task, "uncancel"):  # (3.11+: the cancel was ours, handled here)
+                task.uncancel()
+        finally:
+            listener.cancel()
             for s in self._streams:
                 if not s.finished:
                     s.finished = True
@@ -216,6 +258,12 @@ async def _collect(stream: RequestStream) -> Delta:
     async for delta in stream:
         whole.extend(delta)
     return whole
+
+
+async def _indexed(i: int, stream: RequestStream):
+    """A choice's deltas, each with the choice's index."""
+    async for d in stream:
+        yield i, d
 
 
 async def _interleave(gens: list):
@@ -519,8 +567,9 @@ class OpenAIIngress:
     async def _sse(self, streams: list[RequestStream], rid: str, created: int, chat: bool, include_usage: bool,
                    logprobs: bool, echo: _Echo):
         """The choices' deltas as SSE chunks in the order they come (each chunk names its choice's index); the
-        usage chunk (asked for) and [DONE] once every choice has finished. An echoed prompt goes first in each
-        choice, at once, or with its logprobs when they come (with the choice's first tokens)."""
+        usage chunk (asked for) and [DONE] once every choice has finished, in the same item as the last choice's
+        last chunk (one write). An echoed prompt goes first in each choice, at once, or with its logprobs when they
+        come (with the choice's first tokens). One choice's stream is read directly, several through a queue."""
         obj = "chat.completion.chunk" if chat else "text_completion"
         sent = [0] * len(streams)  # characters streamed per choice: where its next tokens start (text_offset)
         head = {"id": rid, "object": obj, "created": created, "model": self.model_id}
@@ -533,52 +582,53 @@ class OpenAIIngress:
             return fmt.sse(i, delta_text, finish, lp, first)
 
         cached = [0] * len(echo.prompts)  # per prompt: the most any of its choices found cached
-
-        async def one(i: int, stream: RequestStream):  # a choice's chunks
-            echoed = not echo.prompt_logprobs
-            async for d in stream:
+        echoed = [not echo.prompt_logprobs] * len(streams)
+        single = len(streams) == 1
+        source = (streams[0].__aiter__() if single else
+                  _interleave([_indexed(i, s) for i, s in enumerate(streams)]))
+        try:
+            opening = "".join(chunk(i, echo.text(i), None, first=True) for i in range(len(streams))
+                              if chat or (echo.texts and not echo.prompt_logprobs))
+            if opening:  # (chat: every choice's role; completions: every echoed prompt) in one write
+                yield opening
+            completion_tokens, spec, left, text = 0, None, len(streams), ""
+            async for item in source:
+                i, d = (0, item) if single else item
                 if d.finish_reason == "error":
                     err = {"error": {"message": d.error or "generation failed", "type": _error_type(d.error_status),
                                      "param": None, "code": None}}
-                    yield f"data: {json.dumps(err)}\n\n", d
+                    yield f"data: {json.dumps(err)}\n\n{_DONE}"
                     return
-                if not echoed:  # the prompt and its logprobs, which came with this first delta
-                    echoed = True
+                text = ""
+                if not echoed[i]:  # the prompt and its logprobs, which came with this first delta
+                    echoed[i] = True
                     pairs, tops = echo.prompt_pairs(i, d.prompt_logprobs)
-                    yield chunk(i, echo.text(i), None, pairs=pairs, tops=tops), Delta()
+                    text = chunk(i, echo.text(i), None, pairs=pairs, tops=tops)
                 if echo.echo_only:  # (max_tokens 0: the token sampled is not sent)
                     d.text, d.logprobs, d.top_logprobs, d.completion_tokens = "", [], [], 0
+                if d.text or d.finish_reason or (logprobs and d.logprobs):
+                    text += chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs)
                 if d.finish_reason:
                     cached[i // echo.n] = max(cached[i // echo.n], d.cached_tokens)
-                if d.text or d.finish_reason or (logprobs and d.logprobs):
-                    yield chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs), d
-
-        if len(streams) == 1:
-            merged = one(0, streams[0])
-        else:
-            merged = _interleave([one(i, s) for i, s in enumerate(streams)])
-        try:
-            for i in range(len(streams)) if chat or (echo.texts and not echo.prompt_logprobs) else ():
-                yield chunk(i, echo.text(i), None, first=True)
-            prompt_tokens, completion_tokens, spec, failed = 0, 0, None, False
-            async for text, d in merged:
-                yield text
-                if d.finish_reason == "error":
-                    failed = True
-                    break
-                if d.finish_reason:
                     completion_tokens += d.completion_tokens
                     spec = spec or d.spec
-            if include_usage and not failed:
+                    left -= 1
+                    if not left:
+                        break
+                if text:
+                    yield text
+            else:  # (every stream ends with its finish reason: not reached but on a bug)
+                text = ""
+            if include_usage:
                 # each prompt counts once, whatever its n
                 prompt_tokens = sum(len(p) for p in echo.prompts)
                 payload = {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached))}
                 if spec:
                     payload["spec_decode_stats"] = spec
-                yield f"data: {json.dumps(payload)}\n\n"
-            yield "data: [DONE]\n\n"
+                text += f"data: {json.dumps(payload)}\n\n"
+            yield text + _DONE
         finally:
-            await merged.aclose()
+            await source.aclose()
             for s in streams:  # on client disconnect: the engine drops what is still running
                 if not s.finished:
                     s.finished = True
