@@ -622,3 +622,24 @@ def test_a_plain_step_in_flight_near_the_context_end_stays_within_the_page_table
     sched._decode_plan([req]).max_advance = 1  # (the engine chose depth 0 for the step in flight)
     assert sched._decode_rows() == [req]  # (it may still end in the next step: it is not held back)
     assert len(req.pages) <= -(-(length + lookahead) // page)
+
+
+def test_engine_feeds_the_host_clock(spec_models):
+    """With the host clock on (where decode steps replay graphs; forced here on the CPU) the engine tells the chooser
+    each decode launch: after a few steps at one bucket and depth the chooser holds that depth's host time (the
+    interval between launches less the waits for the device: on the CPU each eager step's whole time, longer than
+    the table's), and its step costs are max(table, host)."""
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
+                             simulated_accept_length=1.0)
+    eng = engine(spec_models["target"], spec)
+    eng.host_clock = True
+    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000)
+    for p in mixed_prompts(4):
+        eng.add_request(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    host = chooser.stats()["host_ms"]["8"]
+    assert host, chooser.stats()
+    for depth, ms in host.items():
+        assert COSTS[64][int(depth)] < ms < 10_000
+        assert chooser.step_cost[8][int(depth)] == pytest.approx(ms, rel=0.03)
