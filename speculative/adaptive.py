@@ -347,10 +347,14 @@ class DepthChooser:
         return 0.0
 
     def _refresh(self, bucket: int) -> None:
-        """The bucket's step costs, max(table, host) per depth; its cached choices are dropped only when one moved
-        by more than ``host_change``."""
+        """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a
+        shallower one (a probe's sample, two intervals less a third, is the noisiest); its cached choices are
+        dropped only when one moved by more than ``host_change``."""
         table = self.costs[bucket]
-        new = {d: max(table[d], self.host_cost(bucket, d)) for d in self.tiers}
+        new, host = {}, 0.0
+        for d in self.tiers:
+            host = max(host, self.host_cost(bucket, d))
+            new[d] = max(table[d], host)
         cur = self.step_cost[bucket]
         if all(abs(new[d] - cur[d]) <= self.host_change * cur[d] for d in self.tiers):
             return
