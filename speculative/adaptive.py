@@ -305,46 +305,45 @@ class DepthChooser:
         n = len(ordered)
         median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
         host = self.host[bucket]
-        if host.get(depth) == median:
+        old = host.get(depth)
+        if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed rarely)
             return
         host[depth] = median
-        if self._learn_increment():
-            for b in self.buckets:
-                self._refresh(b)
-        else:
-            self._refresh(bucket)
+        self._learn_increment()
+        for b in self.buckets:  # (buckets not measured borrow the nearest measured one's)
+            self._refresh(b)
 
-    def _learn_increment(self) -> bool:
+    def _learn_increment(self) -> None:
         """The host's increment per request and draft depth, the median over buckets where a plain step and a
-        round were both measured (a deeper round reads, appends and counts more tokens per request); whether it
-        moved by more than ``host_change``."""
+        round were both measured (a deeper round reads, appends and counts more tokens per request)."""
         incs = sorted(max(0.0, (h[d] - h[0]) / (b * d)) for b, h in self.host.items() if 0 in h
                       for d in h if d > 0)
-        if not incs:
-            return False
-        inc = incs[len(incs) // 2]
-        if abs(inc - self.host_per_depth) <= self.host_change * max(inc, self.host_per_depth):
-            return False
-        self.host_per_depth = inc
-        return True
+        if incs:
+            self.host_per_depth = incs[len(incs) // 2]
 
     def host_cost(self, bucket: int, depth: int) -> float:
         """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
         at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
         else the nearest deeper one less it. Never raised from another depth's excess over the table: a device
-        estimate plus one bucket's noisy walls overshot that way."""
-        host = self.host[bucket]
+        estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch shrinking
+        as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled too:
+        under the truth below it, so the table keeps more say there)."""
+        host, at = self.host[bucket], bucket
+        if not host:
+            measured = [b for b in self.buckets if self.host[b]]
+            if not measured:
+                return 0.0
+            at = min(measured, key=lambda b: (abs(math.log(b / bucket)), -b))
+            host = self.host[at]
+        scale = bucket / at
         if depth in host:
-            return host[depth]
+            return host[depth] * scale
         below = [d for d in host if d < depth]
         if below:
             d = max(below)
-            return host[d] + self.host_per_depth * bucket * (depth - d)
-        above = [d for d in host if d > depth]
-        if above:
-            d = min(above)
-            return max(0.0, host[d] - self.host_per_depth * bucket * (d - depth))
-        return 0.0
+            return (host[d] + self.host_per_depth * at * (depth - d)) * scale
+        d = min(d for d in host if d > depth)
+        return max(0.0, host[d] - self.host_per_depth * at * (d - depth)) * scale
 
     def _refresh(self, bucket: int) -> None:
         """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a
