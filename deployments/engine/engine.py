@@ -377,7 +377,7 @@ class Engine:
             depth = result.num_drafts
             self.steps_by_depth[depth] = self.steps_by_depth.get(depth, 0) + 1
             if self.depth_policy is not None:  # (a plain step's: none accepted, without a pass over the batch)
-                self.depth_policy.observe(depth, [c - 1 for c in result.counts] if depth else ())
+                self.depth_policy.observe(depth, [c - 1 for c in result.counts] if depth else [0] * len(result.counts))
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
                 grammar.advance(req.matcher, new_ids)
