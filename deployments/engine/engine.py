@@ -410,7 +410,7 @@ class Engine:
                                          req.num_cached_tokens))
         if self.metrics is not None:
             self.metrics.record_generated(sum(len(o.new_token_ids) for o in outputs))
-            self.metrics.record_step(self.step_stats(result))
+            self.metrics.record_step(self.step_stats(result, policy=False))
         return outputs
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
@@ -451,7 +451,9 @@ class Engine:
             self.metrics.record_load(self.step_stats())
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
-    def step_stats(self, result: StepResult | None = None) -> dict:
+    def step_stats(self, result: StepResult | None = None, policy: bool = True) -> dict:
+        """The engine's figures (/v1/stats), with ``result`` a step's too; ``policy``: with the depth policy's
+        (the metrics of every step read none of them: a speculative engine's step builds no dicts for them)."""
         # a request whose prompt is being prefilled in chunks counts as running, as in vLLM
         prefilling = self.scheduler.num_admitted_waiting
         cache = self.allocator.cache
@@ -464,10 +466,10 @@ class Engine:
         spec = result.spec() if result is not None else None
         if result is not None and result.counts is not None:  # a speculative step (depth 0: a plain one)
             stats["spec_depth"] = result.num_drafts
-        if self.cfg.speculative_config is not None:
-            policy = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
+        if self.cfg.speculative_config is not None and policy:
+            shown = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
             stats["adaptive"] = {"steps_by_depth": {str(d): n for d, n in sorted(self.steps_by_depth.items())},
-                                 **policy}
+                                 **shown}
         if spec and result.num_drafts:
             per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))
             for _, acc in spec:
