@@ -324,8 +324,8 @@ class DepthChooser:
     def host_cost(self, bucket: int, depth: int) -> float:
         """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
         at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
-        else the nearest deeper one less it. Never raised from another depth's excess over the table: a device
-        estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch shrinking
+        else the nearest deeper one's scaled down (below). Never raised from another depth's excess over the table:
+        a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch shrinking
         as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled too:
         under the truth below it, so the table keeps more say there)."""
         host, at = self.host[bucket], bucket
@@ -342,8 +342,13 @@ class DepthChooser:
         if below:
             d = max(below)
             return (host[d] + self.host_per_depth * at * (depth - d)) * scale
+        # a shallower depth not yet run here: the deeper one's time scaled by the table's ratio (or less the learnt
+        # increment, whichever is less). Optimistic on purpose: a depth the chooser picks gets measured and corrects
+        # itself, while one it never picks would keep an overestimate for good
         d = min(d for d in host if d > depth)
-        return max(0.0, host[d] - self.host_per_depth * at * (d - depth)) * scale
+        table = self.costs[at]
+        less = max(0.0, host[d] - self.host_per_depth * at * (d - depth))
+        return min(host[d] * table[depth] / table[d], less) * scale
 
     def _refresh(self, bucket: int) -> None:
         """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a

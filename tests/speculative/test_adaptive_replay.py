@@ -288,3 +288,26 @@ def test_gpu_bound_8b_choices_unchanged(bs, length, choice):
     assert rate >= 0.99 * fixed, rate / fixed
     assert chooser.step_cost[bs] == H100_8B[bs] or all(
         chooser.step_cost[bs][d] == H100_8B[bs][d] for d in chooser.tiers)
+
+
+def lean_host(bs: int, depth: int) -> float:
+    """A host whose plain steps got cheaper (the H100 1B run at bs 256 after the per-row cuts: a plain step 2.7 ms,
+    a round of 1 about 4.0, host-bound; the table has 2.29 and 3.71)."""
+    return 0.3 + (2.4 + 1.4 * depth) * bs / 256
+
+
+def test_rounds_first_then_plain_steps_are_tried():
+    """A batch that grew from 64 (rounds of 1 win there) to 256, where plain steps win: the chooser has measured
+    rounds only, and a plain step's host time, never run there, is estimated from the round's scaled by the table,
+    not taken as the round's, so it runs plain steps within 3 % of depth 0 held fixed."""
+    chooser = DepthChooser(H100_1B, STEPS)
+    rep = HostReplay(chooser, 1.5, H100_1B, lean_host)
+    rep.run(64, 10**6, seed=1, steps=60)
+    assert rep.depths.count(1) >= 50, rep.depths
+    begin = len(rep.depths)
+    rate = rep.run(256, 10**6, seed=2, steps=300)
+    depths = rep.depths[begin:]
+    fixed = _fixed_rates(H100_1B, 256, 1.5, lean_host, (0, 1))
+    assert max(fixed, key=fixed.get) == 0, fixed
+    assert depths.count(0) >= 0.9 * len(depths), depths
+    assert rate >= 0.97 * fixed[0], rate / fixed[0]
