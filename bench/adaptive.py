@@ -51,7 +51,8 @@ class Bench:
                         "command": command(), "steps": args.steps, "prompt_len": args.prompt_len,
                         "new_tokens": args.new_tokens, "batch_sizes": self.sizes,
                         "accept_lengths": self.accept_lengths, "change": args.change,
-                        "warm_rounds": args.warm_rounds, "shapes": {}}
+                        "warm_rounds": args.warm_rounds, "gc_threshold": None if args.default_gc else "engine core's",
+                        "shapes": {}}
         if not self.cuda:
             self.results["note"] = "CPU smoke run (tiny shape, eager rounds, eager cost model): not a performance result"
 
@@ -107,9 +108,14 @@ class Bench:
                                   **kw))
         print(f"engine ({'spec' if spec else 'no spec'}) ready in {time.time() - t0:.0f}s", flush=True)
         # as a server's engine core does once it is up (``freeze_startup_heap``): a full collection would otherwise
-        # scan the start-up heap (torch, the model, the graphs): a long pause inside a timed batch
+        # scan the start-up heap (torch, the model, the graphs): a long pause inside a timed batch; and its
+        # collector's threshold (``tune_gc_for_steps``), unless --default-gc
         gc.collect()
         gc.freeze()
+        if not self.args.default_gc:
+            from deployments.engine import tune_gc_for_steps
+
+            tune_gc_for_steps()
         return eng
 
     def prompt(self, seed: int, vocab: int) -> list[int]:
@@ -174,6 +180,9 @@ class Bench:
         # the slowest steps: (index after the last first token, ms, depth launched then)
         row["slowest_steps"] = sorted(((i, ms, d) for i, (ms, d) in enumerate(step_ms)), key=lambda x: -x[1])[:4]
         row["gc"] = {"collections": gct.count, "ms": round(sum(gct.seconds) * 1e3, 2)}
+        stats = eng.depth_policy.stats() if eng.depth_policy is not None else {}
+        if stats.get("host_ms"):  # the chooser's host medians and the step costs it chose from, at this point
+            row["chooser"] = {k: stats[k] for k in ("host_ms", "step_cost_ms", "host_ms_per_request_depth")}
         return row
 
     # ---- the suite -----------------------------------------------------------------------------------------------
@@ -349,8 +358,15 @@ class Bench:
                 if spread:
                     lines += ["Step ms, median / slowest (the depth it launched): " + "; ".join(spread) + ".", ""]
                 paused = [f"{name} bs {b}: {row['gc']['ms']} ms ({'/'.join(map(str, row['gc']['collections']))})"
-                          for name, rows in runs.items() for b, row in rows.items()
+                          for name, rows in [("no spec", res["no_spec"]), *runs.items()] for b, row in rows.items()
                           if row.get("gc", {}).get("ms", 0) >= 1]
+                hosts = [f"bs {b}: " + ", ".join(f"d{d} {ms}" for d, ms in row["chooser"]["host_ms"].get(
+                    str(b), next(iter(row["chooser"]["host_ms"].values()))).items())
+                         for b, row in runs.get("adaptive", {}).items() if row.get("chooser")]
+                if hosts:
+                    lines += ["The adaptive chooser's host ms per step by depth after the timed batch (medians of "
+                              "launch intervals less the waits for the device; the table's bucket): "
+                              + "; ".join(hosts) + ".", ""]
                 if paused:
                     lines += ["Garbage collections inside the timed steps, 1 ms or more (collections by generation): "
                               + "; ".join(paused) + ".", ""]
@@ -448,6 +464,8 @@ def main() -> None:
     ap.add_argument("--change-bs", type=int, default=None, help="default 64 (--cpu: 4)")
     ap.add_argument("--change-steps", type=int, default=None, help="decode steps of the change run (default 120, "
                     "--cpu 60)")
+    ap.add_argument("--default-gc", action="store_true", help="keep the interpreter's collector thresholds (not "
+                    "the engine core's, deployments.engine.tune_gc_for_steps)")
     ap.add_argument("--tuning-cache-dir", default=None, help="EngineConfig.tuning_cache_dir (default: the engine's)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")

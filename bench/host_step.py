@@ -85,10 +85,13 @@ def make_engine(args, max_batch: int):
     eng = Engine(EngineConfig(**kw), metrics=metrics, detokenize=not args.served)
     if args.stub_worker:
         stub_worker(eng)
-    if args.gc_freeze:  # as the server's controller does after start-up
+    if args.gc_freeze:  # as the server's engine core does after start-up
+        from deployments.engine import tune_gc_for_steps
         from deployments.engine.engine import freeze_startup_heap
 
         freeze_startup_heap()
+        if not args.default_gc:
+            tune_gc_for_steps()
     return eng
 
 
@@ -400,9 +403,17 @@ def spec_engine(args, max_batch: int, head: str | None):
     spec = None if head is None else SpeculativeConfig(
         method="eagle3", model=head, num_steps=args.spec_steps, topk=1, adaptive=True,
         simulated_accept_length=args.accept_length)
-    return Engine(EngineConfig(model=args.model, device="cpu", max_num_seqs=max_batch, dtype="float32",
-                               max_model_len=args.prompt_len + args.new_tokens + 64, speculative_config=spec,
-                               kv_cache_tokens=max_batch * (args.prompt_len + args.new_tokens + 64)))
+    eng = Engine(EngineConfig(model=args.model, device="cpu", max_num_seqs=max_batch, dtype="float32",
+                              max_model_len=args.prompt_len + args.new_tokens + 64, speculative_config=spec,
+                              kv_cache_tokens=max_batch * (args.prompt_len + args.new_tokens + 64)))
+    if args.gc_freeze:  # as the engine core does once it is up
+        from deployments.engine import tune_gc_for_steps
+        from deployments.engine.engine import freeze_startup_heap
+
+        freeze_startup_heap()
+        if not args.default_gc:
+            tune_gc_for_steps()
+    return eng
 
 
 def _own_and_excluded(stats: pstats.Stats) -> tuple[float, float, float, list]:
@@ -491,12 +502,13 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
             timers.clear()
             timing[0] = True
             t0 = time.perf_counter()
-            for _ in range(timed):
-                eng.step()
+            with GCTimer() as gct:
+                for _ in range(timed):
+                    eng.step()
             plain_wall = time.perf_counter() - t0
             timing[0] = False
             unprofiled.update(wall=plain_wall, device=timers.get("device", 0.0),
-                              catch_up=timers.get("catch_up", 0.0))
+                              catch_up=timers.get("catch_up", 0.0), gc_count=gct.count, gc_s=sum(gct.seconds))
             gc.collect()
             by_depth = dict(eng.steps_by_depth)
             pr = cProfile.Profile()
@@ -551,6 +563,8 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
            "unprofiled_host_ms_per_step": ms(unprofiled["wall"] - unprofiled["device"] - unprofiled["catch_up"]),
            "unprofiled_catch_up_ms_per_step": ms(unprofiled["catch_up"]),
            "unprofiled_wall_ms_per_step": ms(unprofiled["wall"]),
+           # collections in the unprofiled steps (their pauses are in its host time)
+           "gc_collections": unprofiled["gc_count"], "gc_ms_per_step": ms(unprofiled["gc_s"]),
            "catch_up_shapes": shapes,
            "watched_us_per_step": {k: round(v / n * 1e6, 1) for k, v in sorted(watched.items())},
            "host_tottime_us_per_step": [(round(tt / n * 1e6, 1), f"{Path(fn[0]).name}:{fn[1]}({fn[2]})")
@@ -586,13 +600,15 @@ def spec_markdown(meta: dict) -> str:
           "timed plainly, then as many under cProfile. device = what a GPU replays as graphs (eager on a CPU: the "
           "decode forward and sampling, the round, the plain step with its stash, the eager inputs); catch-up = the "
           "draft's lazy catch-up (eager on a GPU too); host = wall less both (scheduler, engine, worker bookkeeping, "
-          "outputs, policy). The adaptive chooser reads the H100 1B start-up table at bs 64 / 256.", "",
-          "| policy | batch | repeat | depths (profiled steps) | host ms | catch-up ms | host ms, profiled | "
-          "catch-up ms, profiled | device ms, profiled |", "|---|---|---|---|---|---|---|---|---|"]
+          "outputs, policy). The adaptive chooser reads the H100 1B start-up table at bs 64 / 256. "
+          f"Collector: {meta.get('gc', 'the interpreter default, heap not frozen')}.", "",
+          "| policy | batch | repeat | depths (profiled steps) | host ms | GC ms (collections) | catch-up ms | "
+          "host ms, profiled | catch-up ms, profiled | device ms, profiled |", "|---|---|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['policy']} | {r['batch_size']} | {r['repeat']} | "
            f"{', '.join(f'd{d}:{n}' for d, n in (r['steps_by_depth'] or {}).items())} | "
-           f"{r['unprofiled_host_ms_per_step']} | {r['unprofiled_catch_up_ms_per_step']} | {r['host_ms_per_step']} | "
-           f"{r['catch_up_ms_per_step']} | {r['device_ms_per_step']} |" for r in rows]
+           f"{r['unprofiled_host_ms_per_step']} | {r.get('gc_ms_per_step', '')} "
+           f"({'/'.join(map(str, r.get('gc_collections', [])))}) | {r['unprofiled_catch_up_ms_per_step']} | "
+           f"{r['host_ms_per_step']} | {r['catch_up_ms_per_step']} | {r['device_ms_per_step']} |" for r in rows]
     for r in rows:
         if r["repeat"] != 0:
             continue
@@ -618,7 +634,10 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--no-metrics", action="store_true", help="no Ray metrics (as the offline benchmarks run)")
     ap.add_argument("--gc-freeze", action="store_true", help="freeze the start-up heap after building the engine "
-                    "(deployments.engine.freeze_startup_heap, as the server does)")
+                    "and set the collector's threshold (deployments.engine.freeze_startup_heap and "
+                    "tune_gc_for_steps, as the engine core does)")
+    ap.add_argument("--default-gc", action="store_true", help="with --gc-freeze: freeze only, the interpreter's "
+                    "thresholds")
     ap.add_argument("--served", action="store_true", help="as the served engine core: no detokenizing, and the "
                     "core's push messages timed (publish)")
     ap.add_argument("--stub-worker", action="store_true", help="no model compute: the worker's step answers at "
@@ -642,6 +661,9 @@ def main() -> None:
         meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "spec": True,
                 "model": args.model, "head": args.spec_head, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "accept_length": args.accept_length, "spec_steps": args.spec_steps,
+                "gc": ("the interpreter default, heap not frozen" if not args.gc_freeze else
+                       "start-up heap frozen, default thresholds" if args.default_gc else
+                       "start-up heap frozen, the engine core's threshold (tune_gc_for_steps)"),
                 "rows": spec_rows(args)}
         write_json(out, meta)
     elif args.messages:

@@ -9,13 +9,20 @@ expected tokens per second of the batch it is about to run, from
   draft's catch-up over L plain steps' tokens per request (negative keys -L of the same table), which a round after
   L plain steps pays first;
 - live acceptance estimates (``AcceptanceEstimate``): per draft position i, the chance that draft i is accepted
-  given that the i - 1 before it were, as decayed averages over the verdicts the host reads anyway.
+  given that the i - 1 before it were, as decayed averages over the verdicts the host reads anyway;
+- the host's time per step: the table times the device alone, but where the host's work per step outlasts the
+  device's (a small model at a large batch) the loop runs at the host's pace. The engine tells the chooser when
+  each decode step is launched and how long the host waited for the device since the last launch (``launched``:
+  host clocks around the waits the loop has anyway, no sync). The interval between launches less that wait is the
+  host's own work (planning, launching, reading and applying a step), which moves far less with the device's load
+  than the interval itself; per (bucket, depth) its median over recent steps (steps with a draft catch-up or a
+  garbage collection of the older generations left out) is the host cost, and a step's cost is max(table, host).
 
 Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
-a round's cost including the catch-up the plain steps before it left (so a marginal gain does not leave depth 0
-only to come back: the catch-up is paid on leaving), and weighed up by ``margin`` against depth 0: the table leaves
-out host time and the context's attention, so a round it shows barely ahead is a coin flip whose losing side costs
-a round; speculation must win clearly to be chosen.
+cost being max(table, host), a round's cost including the catch-up the plain steps before it left (so a marginal
+gain does not leave depth 0 only to come back: the catch-up is paid on leaving), and weighed up by ``margin``
+against depth 0: the table leaves out the context's attention, and a batch's requests finish apart, so a round it
+shows barely ahead is a coin flip whose losing side costs a round; speculation must win clearly to be chosen.
 Before any verdict the estimates are the prior (0.5: a neutral guess, which at a large batch, where a round costs
 1.5 plain steps or more, keeps plain steps until a probe measures acceptance).
 Positions deeper than the chosen depth get no verdicts, so one step at the next tier above the choice (a probe)
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
+from collections import Counter, deque
 from typing import Protocol
 
 
@@ -40,6 +47,11 @@ class DepthPolicy(Protocol):
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         """A round's verdicts: its depth and each request's accepted drafts."""
+
+    def launched(self, now: float, waited: float, contiguous: bool) -> None:
+        """The step just chosen is launched at host time ``now`` (seconds); since the previous launch the host waited
+        ``waited`` seconds for the device; ``contiguous``: that previous launch was a decode step this loop chose
+        and launched, with no prefill, idle loop or collection of the older GC generations in between."""
 
     def stats(self) -> dict:
         """What /v1/stats shows of the policy."""
@@ -106,7 +118,9 @@ class DepthChooser:
     step catches up too)."""
 
     def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.5,
-                 probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05):
+                 probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05,
+                 host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
+                 host_change: float = 0.03):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -134,6 +148,19 @@ class DepthChooser:
         self._probe_every: dict[tuple[int, int, int, int], int] = {}  # (costs only: kept)
         self._totals: dict[tuple[int, int], list[float]] = {}  # (bucket, lag) → each tier's cost (costs only: kept)
         self._buckets: dict[int, int] = {}
+        # the host's cost per step (``launched``): table units per second of host clock; the window of recent
+        # samples per (bucket, depth) whose median it is (once it has ``host_min_samples``); how far a bucket's
+        # step costs must move before its cached choices are recomputed
+        self.host_unit, self.host_samples, self.host_min_samples, self.host_change = (
+            host_unit, host_samples, host_min_samples, host_change)
+        self.host: dict[int, dict[int, float]] = {b: {} for b in self.buckets}  # bucket → {depth: host median}
+        self._host_runs: dict[tuple[int, int], deque[float]] = {}
+        self.host_per_depth = 0.0  # host increment per request and draft depth, from buckets with two depths seen
+        # the costs the choice reads: max(the table's, the host's) per bucket and depth (``_refresh``)
+        self.step_cost: dict[int, dict[int, float]] = {b: dict(self.costs[b]) for b in self.buckets}
+        self._chosen: tuple[int, int, bool] | None = None  # (bucket, depth, caught the draft up) of the last choice
+        # the last launches: [bucket, depth, caught up, launch time, host ms until the next launch (None: unknown)]
+        self._launches: deque[list] = deque(maxlen=4)
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -173,7 +200,7 @@ class DepthChooser:
         bucket = self.bucket(batch_size)
         totals = self._totals.get((bucket, lag))
         if totals is None:
-            cost = self.costs[bucket]
+            cost = self.step_cost[bucket]
             # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
@@ -198,7 +225,7 @@ class DepthChooser:
         included) over ``probe_budget`` of the shallowest tier's step (a plain one where 0 is a tier; the cheapest,
         so that where a choice flips between depths, as at a full stash, probes stay within budget of the steps
         around them), and at least ``probe_interval``."""
-        cost = self.costs[bucket]
+        cost = self.step_cost[bucket]
         due = depth == 0 and not (self.window and lag >= self.window)  # (a full stash catches up either way)
         extra = cost[probe] + (self.catch_up_cost(bucket, lag) if due else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
@@ -221,6 +248,9 @@ class DepthChooser:
         for k in self.tiers:
             if k <= depth:
                 self._seen[k] = self._step
+        # whether this step catches the draft up first (a round after plain steps; a plain step on a full stash):
+        # its host time then holds the catch-up's launches, which are not the depth's own cost
+        self._chosen = (bucket, depth, self.lag > 0 if depth > 0 else bool(self.window and self.lag >= self.window))
         if depth > 0:
             self.lag = 0
         else:  # (a plain step on a full stash catches up first)
@@ -231,9 +261,121 @@ class DepthChooser:
     def observe(self, depth: int, accepted: list[int]) -> None:
         self.estimate.update(depth, accepted, self._step)
 
+    def launched(self, now: float, waited: float, contiguous: bool) -> None:
+        """Host-time samples from consecutive launches (no sync). Under the overlap schedule the interval from
+        launching step n to launching step n + 1 holds step n's launch, reading and applying step n - 1's results
+        (the read waits for the device where it is behind: ``waited``, left out) and planning step n + 1. So the
+        interval less the wait is a sample of depth d's host cost where steps n - 1 and n both ran at d (same
+        bucket, neither catching the draft up). A lone step p at depth d between steps at a base depth b (a probe)
+        spreads over two intervals: their sum less host(b) samples depth d."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is None or not self.host_samples:  # (host_samples 0: the table alone)
+            return
+        runs = self._launches
+        if not contiguous:
+            runs.clear()
+        elif runs:
+            runs[-1][4] = max(0.0, now - runs[-1][3] - waited) * self.host_unit
+        runs.append([*chosen, now, None])
+        if len(runs) < 3:
+            return
+        a, s = runs[-3], runs[-2]
+        bucket = s[0]
+        if a[0] == bucket and a[1] == s[1] and not a[2] and not s[2] and s[4] is not None:
+            self._sample(bucket, s[1], s[4])
+        elif len(runs) == 4:
+            base, p = runs[0], a
+            base_host = self.host[bucket].get(s[1])
+            if (base[0] == p[0] == bucket and base[1] == s[1] != p[1] and not (base[2] or p[2] or s[2])
+                    and p[4] is not None and s[4] is not None and base_host is not None):
+                self._sample(bucket, p[1], p[4] + s[4] - base_host)
+
+    def _sample(self, bucket: int, depth: int, ms: float) -> None:
+        if ms <= 0:
+            return
+        recent = self._host_runs.get((bucket, depth))
+        if recent is None:
+            recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
+        recent.append(ms)
+        if len(recent) < self.host_min_samples:
+            return
+        # the median: a step's own outliers (a collection of the youngest generation, a joining request's catch-up,
+        # the machine's other load) move it little
+        ordered = sorted(recent)
+        n = len(ordered)
+        median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+        host = self.host[bucket]
+        old = host.get(depth)
+        if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed rarely)
+            return
+        host[depth] = median
+        self._learn_increment()
+        for b in self.buckets:  # (buckets not measured borrow the nearest measured one's)
+            self._refresh(b)
+
+    def _learn_increment(self) -> None:
+        """The host's increment per request and draft depth, the median over buckets where a plain step and a
+        round were both measured (a deeper round reads, appends and counts more tokens per request)."""
+        incs = sorted(max(0.0, (h[d] - h[0]) / (b * d)) for b, h in self.host.items() if 0 in h
+                      for d in h if d > 0)
+        if incs:
+            self.host_per_depth = incs[len(incs) // 2]
+
+    def host_cost(self, bucket: int, depth: int) -> float:
+        """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
+        at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
+        else the nearest deeper one's scaled down (below). Never raised from another depth's excess over the table:
+        a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch shrinking
+        as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled too:
+        under the truth below it, so the table keeps more say there)."""
+        host, at = self.host[bucket], bucket
+        if not host:
+            measured = [b for b in self.buckets if self.host[b]]
+            if not measured:
+                return 0.0
+            at = min(measured, key=lambda b: (abs(math.log(b / bucket)), -b))
+            host = self.host[at]
+        scale = bucket / at
+        if depth in host:
+            return host[depth] * scale
+        below = [d for d in host if d < depth]
+        if below:
+            d = max(below)
+            return (host[d] + self.host_per_depth * at * (depth - d)) * scale
+        # a shallower depth not yet run here: the deeper one's time scaled by the table's ratio (or less the learnt
+        # increment, whichever is less). Optimistic on purpose: a depth the chooser picks gets measured and corrects
+        # itself, while one it never picks would keep an overestimate for good
+        d = min(d for d in host if d > depth)
+        table = self.costs[at]
+        less = max(0.0, host[d] - self.host_per_depth * at * (d - depth))
+        return min(host[d] * table[depth] / table[d], less) * scale
+
+    def _refresh(self, bucket: int) -> None:
+        """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a
+        shallower one (a probe's sample, two intervals less a third, is the noisiest); its cached choices are
+        dropped only when one moved by more than ``host_change``."""
+        table = self.costs[bucket]
+        new, host = {}, 0.0
+        for d in self.tiers:
+            host = max(host, self.host_cost(bucket, d))
+            new[d] = max(table[d], host)
+        cur = self.step_cost[bucket]
+        if all(abs(new[d] - cur[d]) <= self.host_change * cur[d] for d in self.tiers):
+            return
+        self.step_cost[bucket] = new
+        for cache in (self._best, self._totals, self._probe_every):
+            for key in [k for k in cache if k[0] == bucket]:
+                del cache[key]
+
     def stats(self) -> dict:
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
-                "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag}
+                "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag,
+                # per bucket with host samples: the host's median per depth, and the costs the choice reads
+                "host_ms": {str(b): {str(d): round(h, 4) for d, h in sorted(o.items())}
+                            for b, o in self.host.items() if o},
+                "step_cost_ms": {str(b): {str(d): round(self.step_cost[b][d], 4) for d in self.tiers}
+                                 for b, o in self.host.items() if o},
+                "host_ms_per_request_depth": round(self.host_per_depth, 6)}
 
 
 class DepthSchedule:
@@ -252,6 +394,9 @@ class DepthSchedule:
         return self.last_depth
 
     def observe(self, depth: int, accepted: list[int]) -> None:
+        pass
+
+    def launched(self, now: float, waited: float, contiguous: bool) -> None:
         pass
 
     def stats(self) -> dict:

@@ -202,7 +202,9 @@ class StepResult:
 
     def offsets(self) -> list[int]:
         """[B + 1]: request i's tokens are ``tokens[offsets[i]:offsets[i + 1]]``."""
-        return list(range(len(self.tokens) + 1)) if self.counts is None else [0, *accumulate(self.counts)]
+        if self.counts is None or not self.num_drafts:  # (a plain step, adaptive depth 0 too: one token each)
+            return list(range(len(self.tokens) + 1))
+        return [0, *accumulate(self.counts)]
 
     def spec(self) -> list[tuple[int, range]] | None:
         """A speculative round's per request (draft tokens proposed, accepted positions); None for a plain step

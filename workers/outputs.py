@@ -51,6 +51,7 @@ class HostCopy:
     def __init__(self, packed: PackedOutputs):
         self.widths, self.flat = packed.widths, packed.flat
         self.event = None
+        self.waited = 0.0  # seconds ``columns`` waited for the device (the host-bound chooser leaves them out)
         if packed.data.is_cuda:
             self.key = (tuple(packed.data.shape), packed.data.dtype)
             try:
@@ -66,7 +67,9 @@ class HostCopy:
     def columns(self) -> list[np.ndarray]:
         """The outputs as float64 host arrays ([B] or [B, W]; views of the copy)."""
         if self.event is not None:
+            t0 = time.perf_counter()
             self.event.synchronize()
+            self.waited = time.perf_counter() - t0
         host, out, start = self.host.numpy(), [], 0
         for width, flat in zip(self.widths, self.flat):
             out.append(host[:, start] if flat else host[:, start:start + width])
@@ -107,6 +110,8 @@ class Launched:
             res = StepResult(tokens=[], logprobs=[], error=self.error)
         res.step_id = self.step_id
         res.timings["worker_s"] = self.launch_s + time.perf_counter() - t0
+        if self.copy is not None:
+            res.timings["wait_s"] = self.copy.waited
         return res
 
 

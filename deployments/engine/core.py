@@ -30,6 +30,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
+from deployments.engine import tune_gc_for_steps
 from deployments.engine.engine import Engine, LocalExecutor, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from workers.config import EngineConfig
@@ -101,6 +102,7 @@ class EngineCore:
             executor = LocalExecutor(cfg) if cfg.distributed_executor_backend == "uni" else RayExecutor.start(cfg)
             engine = Engine(cfg, executor, metrics=EngineMetrics(model_id, replica), detokenize=False)
             freeze_startup_heap()  # this process keeps the engine for its life
+            tune_gc_for_steps()  # (its steps' short-lived objects start no collection each)
         self.engine = engine
         self.cold_start_s = time.time() - t0
         self._lock = threading.Lock()  # guards what the threads share below; never held across a step

@@ -7,6 +7,7 @@ Executors hide where the workers live: ``LocalExecutor`` runs rank 0 in this pro
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -133,6 +134,14 @@ class Engine:
         if spec is not None and costs:
             self.depth_policy = DepthChooser(costs, spec.num_steps)
         self.steps_by_depth: dict[int, int] = {}  # speculative steps applied, by draft depth (0: plain steps)
+        # the depth policy's host clock (``DepthPolicy.launched``), where decode steps replay CUDA graphs (the cost
+        # table then times the device alone; eager, it times the calls, host included): whether the last launch
+        # was a decode step it chose, the seconds the host has waited for the device since, and the collections of
+        # GC generation 1 so far (one since the last launch: a pause that is not the step's cost)
+        self.host_clock = bool(getattr(self.executor, "decode_graphs", False))
+        self._decode_launched = False
+        self._waited = 0.0
+        self._gc_gen1 = gc.get_count()[2]
         self._detok: dict[str, Detokenizer] = {}
         self._eos = sorted(eos)
         self._grammar: grammar.GrammarEngine | None = None  # built on the first structured-output request
@@ -226,6 +235,7 @@ class Engine:
             outputs.append(self._failed_output(req))
         self.scheduler.failed.clear()
         if plan is None and not self.in_flight:
+            self._decode_launched = False  # (idle: the next launch's interval is no step's cost)
             return outputs
         # a prefill overlaps too: the scheduler counts its chunks as done when it plans them, and the next step reads
         # a completed prompt's first token on the device
@@ -241,18 +251,34 @@ class Engine:
                 step.spec_depth = self.depth_policy.choose(step.batch_size)
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
+                self._decode_launched = False
                 return outputs + self._guided_step(plan, step, keep, t0)  # (its rounds run at full depth)
             if step.spec_depth >= 0:  # a plain step appends one token, a round of depth d at most d + 1
                 plan.max_advance = step.spec_depth + 1
         t1 = time.perf_counter()
+        if self.depth_policy is not None and self.host_clock:
+            self._launching(t1, plan is not None and plan.mode == ForwardMode.DECODE)
         try:
             results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
             return outputs + self._workers_failed(e)
         t2 = time.perf_counter()
+        for r in results:  # (the host's waits for the device since this launch: not host work)
+            self._waited += r.timings.get("wait_s", 0.0)
         outputs += self._read(results)
         self._count_step_time(t0, t1, t2, results)
         return outputs
+
+    def _launching(self, now: float, decode: bool) -> None:
+        """Tell the depth policy a decode step it chose is being launched (its host-time samples: the intervals
+        between such launches less the waits for the device; none across a prefill, an idle loop or a collection of
+        the older GC generations, whose pause is no step's cost)."""
+        if decode:
+            gen1 = gc.get_count()[2]
+            self.depth_policy.launched(now, self._waited, self._decode_launched and gen1 == self._gc_gen1)
+            self._gc_gen1 = gen1
+        self._decode_launched = decode
+        self._waited = 0.0
 
     def _workers_failed(self, e: Exception) -> list[RequestOutput]:
         if self.failure is not None and str(e) == self.failure:  # the executor logged why: no trace again
@@ -387,7 +413,7 @@ class Engine:
                                          req.num_cached_tokens))
         if self.metrics is not None:
             self.metrics.record_generated(generated)
-            self.metrics.record_step(self.step_stats(result))
+            self.metrics.record_step(self.step_stats(result, policy=False))
         return outputs
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
@@ -428,7 +454,9 @@ class Engine:
             self.metrics.record_load(self.step_stats())
         return RequestOutput(req.rid, [], "", True, req.finish_reason, req)
 
-    def step_stats(self, result: StepResult | None = None) -> dict:
+    def step_stats(self, result: StepResult | None = None, policy: bool = True) -> dict:
+        """The engine's figures (/v1/stats), with ``result`` a step's too; ``policy``: with the depth policy's
+        (the metrics of every step read none of them: a speculative engine's step builds no dicts for them)."""
         # a request whose prompt is being prefilled in chunks counts as running, as in vLLM
         prefilling = self.scheduler.num_admitted_waiting
         cache = self.allocator.cache
@@ -441,10 +469,10 @@ class Engine:
         spec = result.spec() if result is not None else None
         if result is not None and result.counts is not None:  # a speculative step (depth 0: a plain one)
             stats["spec_depth"] = result.num_drafts
-        if self.cfg.speculative_config is not None:
-            policy = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
+        if self.cfg.speculative_config is not None and policy:
+            shown = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
             stats["adaptive"] = {"steps_by_depth": {str(d): n for d, n in sorted(self.steps_by_depth.items())},
-                                 **policy}
+                                 **shown}
         if spec and result.num_drafts:
             per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))
             for _, acc in spec:

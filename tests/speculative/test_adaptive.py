@@ -622,3 +622,60 @@ def test_a_plain_step_in_flight_near_the_context_end_stays_within_the_page_table
     sched._decode_plan([req]).max_advance = 1  # (the engine chose depth 0 for the step in flight)
     assert sched._decode_rows() == [req]  # (it may still end in the next step: it is not held back)
     assert len(req.pages) <= -(-(length + lookahead) // page)
+
+
+def test_engine_feeds_the_host_clock(spec_models):
+    """With the host clock on (where decode steps replay graphs; forced here on the CPU) the engine tells the chooser
+    each decode launch: after a few steps at one bucket and depth the chooser holds that depth's host time (the
+    interval between launches less the waits for the device: on the CPU each eager step's whole time, longer than
+    the table's), and its step costs are max(table, host)."""
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3,
+                             simulated_accept_length=1.0)
+    eng = engine(spec_models["target"], spec)
+    eng.host_clock = True
+    eng.depth_policy = chooser = DepthChooser({8: COSTS[64]}, num_steps=3, probe_interval=1000)
+    for p in mixed_prompts(4):
+        eng.add_request(p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    while eng.has_work():
+        eng.step()
+    host = chooser.stats()["host_ms"]["8"]
+    assert host, chooser.stats()
+    for depth, ms in host.items():
+        assert COSTS[64][int(depth)] < ms < 10_000
+        assert chooser.step_cost[8][int(depth)] == pytest.approx(ms, rel=0.03)
+
+
+def test_host_samples():
+    """The chooser's host costs from launch times (ms here): consecutive steps at one depth and bucket sample it
+    (the interval less the wait for the device), an interval across a non-contiguous launch does not, a probe
+    between two base steps samples its depth (its two intervals less the base's cost), and a bucket never measured
+    borrows the nearest one's, scaled by the batch."""
+    table = {240: {0: 2.3, 1: 3.6, 2: 5.2, 3: 6.6}, 256: {0: 2.3, 1: 3.7, 2: 5.3, 3: 6.7}}
+    c = DepthChooser(table, num_steps=3, host_unit=1.0, probe_interval=10**6)
+    c.estimate.accepted = [0.0, 0.0, 0.0]  # (acceptance nil: plain steps unless forced)
+    now = 0.0
+
+    def step(depth=None, host=4.0, wait=0.5, contiguous=True):
+        nonlocal now
+        d = c.choose(256)
+        if depth is not None:  # (a forced depth: as a probe would be)
+            c._chosen = (256, depth, False)
+        c.launched(now, wait if contiguous else 0.0, contiguous)
+        now += host + wait
+        return d
+
+    for _ in range(5):  # (the first launch starts the run; samples from the third on; a median from 3 samples)
+        step()
+    assert c.host[256] == {0: 4.0} and c.step_cost[256][0] == 4.0 and c.step_cost[256][3] == 6.7
+    for _ in range(3):  # a pause before each of three launches that follow no decode step (a prefill): no sample
+        step(host=40.0)
+        step(contiguous=False)
+    assert list(c._host_runs[256, 0]).count(4.0) == 4 and 40.0 not in c._host_runs[256, 0]
+    # probes at depth 1, each between plain steps: (I_p + I_next) - host(0), the probe's interval holding its
+    # launch and the plain step's apply (4.0 + 4.4) / 2, the next one the other way round
+    for _ in range(3):
+        step(depth=1, host=4.2)
+        step(host=4.2)
+        step()
+    assert c.host[256][1] == pytest.approx(4.4)
+    assert c.step_cost[240][0] == pytest.approx(4.0 * 240 / 256) and c.step_cost[240][3] == 6.6
