@@ -1,6 +1,8 @@
 """Kernel checks run on the CPU through Triton's interpreter, which must be switched on (TRITON_INTERPRET=1) before
-triton is first imported: each kernel family's test module runs its own ``check()`` in a subprocess.
-tools/compile_kernels.py runs the same modules as its workloads (``WORKLOADS``), recording every launch."""
+triton is first imported, so they run in a subprocess. Each kernel family's test module has its own ``check()``;
+tools/compile_kernels.py runs those modules as its workloads (``WORKLOADS``), recording every launch, and the test
+suite runs that once (``InterpreterChecks``, the ``interpreter_checks`` fixture), each family's test reading its
+verdict. ``run_in_interpreter`` runs a module that is not one of the workloads on its own."""
 
 from __future__ import annotations
 
