@@ -37,3 +37,14 @@ def hf_models(tiny_models):
         m.eval()
         out[arch] = m
     return out
+
+
+@pytest.fixture(scope="session")
+def interpreter_checks(tmp_path_factory):
+    """Every kernel check of tools/compile_kernels.py's workloads (tests/kernels' families, the split-KV attention
+    check) run once under Triton's interpreter in one subprocess, recording their launches on the way: each check's
+    test reads its verdict from here and test_compile_kernels compiles the launches, instead of each running the
+    checks again."""
+    from tests.kernels.interpreter import InterpreterChecks
+
+    return InterpreterChecks.run(tmp_path_factory.mktemp("interpreter"))

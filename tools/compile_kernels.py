@@ -155,13 +155,20 @@ def sparse_shapes() -> None:
                           heads_n=True)
 
 
-def record(workloads, out_path: str) -> None:
+def record(workloads, out_path: str, outcomes_path: str | None = None) -> None:
     """Run each workload in this process under the interpreter, then launch ``model_shapes`` without running its
-    kernels, recording every launch into ``out_path``."""
+    kernels, recording every launch into ``out_path``. With ``outcomes_path``, each workload's stdout and how it
+    ended (its exit code, or the error it raised) go there as JSON and a failing workload does not stop the others
+    (the test suite reads its checks' verdicts from it, so that each check runs once)."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "record under TRITON_INTERPRET=1"
+    import contextlib
+    import io
+    import traceback
+
     from triton.runtime.interpreter import InterpretedFunction
 
     seen: dict[str, dict] = {}
+    outcomes: dict[str, dict] = {}
     original = InterpretedFunction.run
     execute = True
 
@@ -185,16 +192,27 @@ def record(workloads, out_path: str) -> None:
     try:
         for module, args in workloads:
             sys.argv = [module, *args]
+            out, ended = io.StringIO(), {"exit": 0, "error": None}
             try:
-                runpy.run_module(module, run_name="__main__", alter_sys=True)
-            except SystemExit:  # a check's own verdict (bf16 attention is not exact under the interpreter)
-                pass
+                with contextlib.redirect_stdout(out):
+                    runpy.run_module(module, run_name="__main__", alter_sys=True)
+            except SystemExit as e:  # a check's own verdict (bf16 attention is not exact under the interpreter)
+                ended["exit"] = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:
+                if outcomes_path is None:
+                    raise
+                ended.update(exit=1, error=traceback.format_exc()[-4000:])
+            outcomes[" ".join([module, *args])] = {"stdout": out.getvalue(), **ended}
+            if outcomes_path is None:
+                sys.stdout.write(out.getvalue())
         execute = False
         model_shapes()
     finally:
         sys.argv = argv
         InterpretedFunction.run = original
     Path(out_path).write_text(json.dumps(list(seen.values())))
+    if outcomes_path is not None:
+        Path(outcomes_path).write_text(json.dumps(outcomes))
 
 
 def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
@@ -294,20 +312,25 @@ def main() -> int:
     ap.add_argument("--no-pdl", action="store_true", help="compile as launched on the CPU (PDL off)")
     ap.add_argument("--json")
     ap.add_argument("--record-only", metavar="PATH", help=argparse.SUPPRESS)  # the interpreter half
+    ap.add_argument("--outcomes", metavar="PATH", help=argparse.SUPPRESS)  # with --record-only: the checks' verdicts
+    ap.add_argument("--launches", metavar="PATH", help="compile the launches a --record-only run recorded there")
     args = ap.parse_args()
     if args.record_only:
-        record(WORKLOADS, args.record_only)
+        record(WORKLOADS, args.record_only, args.outcomes)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        launches = os.path.join(tmp, "launches.json")
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-        rec = subprocess.run([sys.executable, "-m", "tools.compile_kernels", "--record-only", launches], cwd=ROOT,
-                             env=env, capture_output=True, text=True)
-        if rec.returncode != 0:
-            print(rec.stdout[-3000:], rec.stderr[-3000:], sep="\n")
-            print("recording the launches failed")
-            return 1
-        entries = json.loads(Path(launches).read_text())
+    if args.launches:
+        entries = json.loads(Path(args.launches).read_text())
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            launches = os.path.join(tmp, "launches.json")
+            env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+            rec = subprocess.run([sys.executable, "-m", "tools.compile_kernels", "--record-only", launches],
+                                 cwd=ROOT, env=env, capture_output=True, text=True)
+            if rec.returncode != 0:
+                print(rec.stdout[-3000:], rec.stderr[-3000:], sep="\n")
+                print("recording the launches failed")
+                return 1
+            entries = json.loads(Path(launches).read_text())
     results = compile_all(entries, args.arch, pdl=not args.no_pdl)
     missing = sorted(kernels_in(KERNEL_MODULES) - {r["kernel"] for r in results})
     for r in results:

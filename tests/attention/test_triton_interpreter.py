@@ -14,15 +14,13 @@ from tests.helpers import ROOT
 pytest.importorskip("triton")
 
 
-def test_triton_kernels_match_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    # --min-chunk 64: sequences of up to 150 positions span several KV splits (the last ones partly or wholly empty)
-    res = subprocess.run([sys.executable, "-m", "tests.gpu.check_attention", "--device", "cpu", "--dtype", "float32",
-                          "--small", "--min-chunk", "64"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("triton")]
-    assert len(lines) == 24 and all(ln.endswith(" ok") for ln in lines), res.stdout
+def test_triton_kernels_match_reference_in_interpreter(interpreter_checks):
+    # tools/compile_kernels.py's workload (run once for the session): --min-chunk 64, so sequences of up to 150
+    # positions span several KV splits (the last ones partly or wholly empty)
+    out = interpreter_checks.stdout("tests.gpu.check_attention", "--device", "cpu", "--dtype", "float32", "--small",
+                                    "--min-chunk", "64")
+    lines = [ln for ln in out.splitlines() if ln.startswith("triton")]
+    assert len(lines) == 24 and all(ln.endswith(" ok") for ln in lines), out
 
 
 def test_round_draft_extend_takes_the_split_kv_launch():

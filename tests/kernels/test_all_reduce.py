@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -67,9 +67,9 @@ def check() -> None:
     print("all_reduce ok")
 
 
-def test_one_shot_sum_kernel_in_interpreter():
+def test_one_shot_sum_kernel_in_interpreter(interpreter_checks):
     """_one_shot_sum_kernel as rank 0 of 2."""
-    run_in_interpreter(__name__, "all_reduce ok")
+    interpreter_checks.check(__name__, "all_reduce ok")
 
 
 if __name__ == "__main__":

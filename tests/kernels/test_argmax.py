@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -81,9 +81,9 @@ def check() -> None:
     print("argmax ok")
 
 
-def test_argmax_logsumexp_matches_reference_in_interpreter():
+def test_argmax_logsumexp_matches_reference_in_interpreter(interpreter_checks):
     """argmax_logsumexp / greedy_with_logprob, plain and with the Gumbel race."""
-    run_in_interpreter(__name__, "argmax ok")
+    interpreter_checks.check(__name__, "argmax ok")
 
 
 if __name__ == "__main__":

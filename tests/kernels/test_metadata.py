@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -79,9 +79,9 @@ def check() -> None:
     print("metadata ok")
 
 
-def test_metadata_kernels_match_reference_in_interpreter():
+def test_metadata_kernels_match_reference_in_interpreter(interpreter_checks):
     """uniform_token_metadata and overlap_step_inputs against the PyTorch ops."""
-    run_in_interpreter(__name__, "metadata ok")
+    interpreter_checks.check(__name__, "metadata ok")
 
 
 if __name__ == "__main__":

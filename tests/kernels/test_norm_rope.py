@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -157,9 +157,9 @@ def check() -> None:
     print("norm_rope ok")
 
 
-def test_norm_rope_kernels_match_reference_in_interpreter():
+def test_norm_rope_kernels_match_reference_in_interpreter(interpreter_checks):
     """rms_norm, rms_norm_pair, silu_and_mul, apply_rope_qk, store_kv, apply_rope_store_kv against their references."""
-    run_in_interpreter(__name__, "norm_rope ok")
+    interpreter_checks.check(__name__, "norm_rope ok")
 
 
 if __name__ == "__main__":

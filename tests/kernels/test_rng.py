@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -38,9 +38,9 @@ def check() -> None:
     print("rng ok")
 
 
-def test_rng_noise_matches_reference_in_interpreter():
+def test_rng_noise_matches_reference_in_interpreter(interpreter_checks):
     """gumbel_from_hash, hash32, uniform_noise against their references."""
-    run_in_interpreter(__name__, "rng ok")
+    interpreter_checks.check(__name__, "rng ok")
 
 
 if __name__ == "__main__":

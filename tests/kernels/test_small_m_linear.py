@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -155,9 +155,9 @@ def check() -> None:
     print("small_m_linear ok")
 
 
-def test_small_m_linear_matches_reference_in_interpreter():
+def test_small_m_linear_matches_reference_in_interpreter(interpreter_checks):
     """small_m_linear / linear / activated MLP against F.linear."""
-    run_in_interpreter(__name__, "small_m_linear ok")
+    interpreter_checks.check(__name__, "small_m_linear ok")
 
 
 def test_fused_norms_match_reference_in_interpreter():

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -247,9 +247,9 @@ def check() -> None:
     print("sparse_mla ok")
 
 
-def test_sparse_kernels_match_references_in_interpreter():
+def test_sparse_kernels_match_references_in_interpreter(interpreter_checks):
     """Indexer scores (bf16-valued fp32 and FP8 keys), top-k and sparse MLA against their references."""
-    run_in_interpreter(__name__, "sparse_mla ok", timeout=600)
+    interpreter_checks.check(__name__, "sparse_mla ok")
 
 
 def test_draft_rows_built_once_equal_per_step():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -50,9 +50,9 @@ def check() -> None:
     print("top_filter ok")
 
 
-def test_filter_floor_matches_reference_in_interpreter():
+def test_filter_floor_matches_reference_in_interpreter(interpreter_checks):
     """filter_floor against filter_floor_reference, and the race above each floor."""
-    run_in_interpreter(__name__, "top_filter ok")
+    interpreter_checks.check(__name__, "top_filter ok")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kernels.interpreter import assert_interpreting, run_in_interpreter
+from tests.kernels.interpreter import assert_interpreting
 
 pytest.importorskip("triton")
 
@@ -86,9 +86,9 @@ def check() -> None:
     print("verdict ok")
 
 
-def test_tree_verdict_and_record_round_match_reference_in_interpreter():
+def test_tree_verdict_and_record_round_match_reference_in_interpreter(interpreter_checks):
     """tree_verdict and record_round against the PyTorch ops."""
-    run_in_interpreter(__name__, "verdict ok")
+    interpreter_checks.check(__name__, "verdict ok")
 
 
 if __name__ == "__main__":

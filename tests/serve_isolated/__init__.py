@@ -1,2 +1,2 @@
-"""Serve tests that start their own Ray instance per module (worker kills, limits), apart from tests/serve, whose
-modules share one instance for the whole package."""
+"""Serve tests that start their own Ray instance per module (worker kills, data parallel, Serve's throughput-optimized
+mode), apart from tests/serve, whose modules share one instance for the whole package."""

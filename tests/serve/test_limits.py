@@ -9,7 +9,7 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import serve_app
+from tests.serve.conftest import second_app
 
 MAX_MODEL_LEN = 1024
 LIMITS = {"max_prompt_chars": 600, "max_n": 3, "max_stop_strings": 2, "max_stop_string_chars": 8}
@@ -17,12 +17,12 @@ BODY_LIMIT = 9 << 20  # max_request_body_bytes: every body below fits (the 8 MiB
 
 
 @pytest.fixture(scope="module")
-def base(tiny_models):
-    args = {"model_loading_config": {"model_id": "tiny", "model_source": str(tiny_models["llama"])},
-            "engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
+def base(server):
+    """An application of its own with these limits, on the package's Serve instance."""
+    args = {"engine_kwargs": {"device": "cpu", "page_size": 4, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 4},
             "max_request_body_bytes": BODY_LIMIT, **LIMITS}
-    with serve_app(args, "limits") as url:
-        yield url
+    with second_app(server, "limits", args):
+        yield f"{server['base']}/limits"
 
 
 def _post(base: str, path: str, body: dict) -> httpx.Response:
