@@ -65,6 +65,18 @@ class Replay:
     def catch_up(cost: dict, lag: int) -> float:
         return 0.0 if lag <= 0 else cost[-1] + (cost[-WINDOW] - cost[-1]) * (lag - 1) / (WINDOW - 1)
 
+    def verdicts(self, active: list[int], done: list[int], d: int, seed: int, new_tokens: int) -> tuple[list, int]:
+        """A round of depth ``d``: each active request's accepted drafts (the simulated acceptance), its tokens
+        counted into ``done``; returns (accepted per request, tokens emitted)."""
+        accepted, emitted = [], 0
+        for i in active:
+            a = max(0, min(int(self.length - 1 + _u(seed, i, done[i])), d))
+            accepted.append(a)
+            k = min(a + 1, new_tokens - done[i])
+            done[i] += k
+            emitted += k
+        return accepted, emitted
+
     def run(self, bs: int, new_tokens: int, seed: int = 0, steps: int | None = None) -> float:
         """Decode tokens per ms of the batch (of its first ``steps`` steps if given)."""
         done = [1] * bs  # tokens so far (the prefill's first)
@@ -87,13 +99,8 @@ class Replay:
                     lag = 0
                 ms += cost[0]
                 lag += 1
-            accepted = []
-            for i in active:
-                a = max(0, min(int(self.length - 1 + _u(seed, i, done[i])), d))
-                accepted.append(a)
-                n = min(a + 1, new_tokens - done[i])
-                done[i] += n
-                tokens += n
+            accepted, emitted = self.verdicts(active, done, d, seed, new_tokens)
+            tokens += emitted
             pending = (d, accepted)
             self.depths.append(d)
         if pending is not None:
@@ -221,13 +228,8 @@ class HostReplay(Replay):
             prev_end, end = end, start_dev + gpu
             nxt = max(launch + host, prev_end)  # (the read of step n - 1 waits for the device)
             waited, launch, prev_depth, n = nxt - (launch + host), nxt, d, n + 1
-            accepted = []
-            for i in active:
-                a = max(0, min(int(self.length - 1 + _u(seed, i, done[i])), d))
-                accepted.append(a)
-                k = min(a + 1, new_tokens - done[i])
-                done[i] += k
-                tokens += k
+            accepted, emitted = self.verdicts(active, done, d, seed, new_tokens)
+            tokens += emitted
             pending = (d, accepted)
             self.depths.append(d)
         if pending is not None:
