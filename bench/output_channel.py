@@ -181,11 +181,18 @@ def measure(channel: str, step_ms: float, levels: list[int], tokens: int, tokeni
                          "ingress_cpu_ms_per_step": round(got["ingress_cpu_s"] * 1e3 / max(steps, 1), 3)})
             print(rows[-1], flush=True)
     finally:
-        ray.get(ingress.close.remote())
-        ray.kill(ingress)
-        ray.get(core.shutdown.remote())
-        ray.kill(core)
+        stop(ingress, core)
     return rows
+
+
+def stop(ingress, core) -> None:
+    """Close the ingress actor's channel and the core, then kill both actors."""
+    import ray
+
+    ray.get(ingress.close.remote())
+    ray.kill(ingress)
+    ray.get(core.shutdown.remote())
+    ray.kill(core)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import time
 import types
 
 from bench.common import ROOT, command, commit, out_path, write_json, write_markdown
-from bench.output_channel import CORE_NAME, StubEngine
+from bench.output_channel import CORE_NAME, StubEngine, stop
 
 STAGES = [  # (name, from stamp, to stamp)
     ("ingress: add() to the submit's actor call", "add", "flush"),
@@ -141,10 +141,7 @@ def measure(step_ms: float, requests: int, tokenizer: str) -> dict[str, list[flo
             for name, a, b in STAGES:
                 per_stage[name].append((st[b] - st[a]) * 1e3)
     finally:
-        ray.get(ingress.close.remote())
-        ray.kill(ingress)
-        ray.get(core.shutdown.remote())
-        ray.kill(core)
+        stop(ingress, core)
     return per_stage
 
 

@@ -65,9 +65,10 @@ class Replay:
     def catch_up(cost: dict, lag: int) -> float:
         return 0.0 if lag <= 0 else cost[-1] + (cost[-WINDOW] - cost[-1]) * (lag - 1) / (WINDOW - 1)
 
-    def verdicts(self, active: list[int], done: list[int], d: int, seed: int, new_tokens: int) -> tuple[list, int]:
+    def verdicts(self, active: list[int], done: list[int], d: int, seed: int, new_tokens: int) -> tuple[tuple, int]:
         """A round of depth ``d``: each active request's accepted drafts (the simulated acceptance), its tokens
-        counted into ``done``; returns (accepted per request, tokens emitted)."""
+        counted into ``done``, the depth recorded; returns ((d, accepted per request): the verdicts the policy
+        observes after the next launch, tokens emitted)."""
         accepted, emitted = [], 0
         for i in active:
             a = max(0, min(int(self.length - 1 + _u(seed, i, done[i])), d))
@@ -75,17 +76,24 @@ class Replay:
             k = min(a + 1, new_tokens - done[i])
             done[i] += k
             emitted += k
-        return accepted, emitted
+        self.depths.append(d)
+        return (d, accepted), emitted
+
+    @staticmethod
+    def batches(bs: int, done: list[int], new_tokens: int, steps: int | None):
+        """Each step's active requests (those short of ``new_tokens``) until none is left or ``steps`` were taken."""
+        while steps is None or steps > 0:
+            active = [i for i in range(bs) if done[i] < new_tokens]
+            if not active:
+                return
+            steps = None if steps is None else steps - 1
+            yield active
 
     def run(self, bs: int, new_tokens: int, seed: int = 0, steps: int | None = None) -> float:
         """Decode tokens per ms of the batch (of its first ``steps`` steps if given)."""
         done = [1] * bs  # tokens so far (the prefill's first)
         lag, ms, tokens, pending = 0, 0.0, 0, None  # (a new batch's draft has no lag: the prefill wrote it)
-        while True:
-            active = [i for i in range(bs) if done[i] < new_tokens]
-            if not active or (steps is not None and steps == 0):
-                break
-            steps = None if steps is None else steps - 1
+        for active in self.batches(bs, done, new_tokens, steps):
             d = self.policy.choose(len(active))
             if pending is not None:
                 self.policy.observe(*pending)
@@ -99,10 +107,8 @@ class Replay:
                     lag = 0
                 ms += cost[0]
                 lag += 1
-            accepted, emitted = self.verdicts(active, done, d, seed, new_tokens)
+            pending, emitted = self.verdicts(active, done, d, seed, new_tokens)
             tokens += emitted
-            pending = (d, accepted)
-            self.depths.append(d)
         if pending is not None:
             self.policy.observe(*pending)
         return tokens / ms
@@ -202,11 +208,7 @@ class HostReplay(Replay):
         lag, tokens, pending, n = 0, 0, None, 0
         launch = prev_end = end = 0.0  # (ms from the batch's first launch: this launch, the device's ends of n-1, n)
         waited, prev_depth = 0.0, None
-        while True:
-            active = [i for i in range(bs) if done[i] < new_tokens]
-            if not active or (steps is not None and steps == 0):
-                break
-            steps = None if steps is None else steps - 1
+        for active in self.batches(bs, done, new_tokens, steps):
             d = self.policy.choose(len(active))
             self.policy.launched(launch / 1e3, waited / 1e3, pending is not None)
             if pending is not None:
@@ -228,10 +230,8 @@ class HostReplay(Replay):
             prev_end, end = end, start_dev + gpu
             nxt = max(launch + host, prev_end)  # (the read of step n - 1 waits for the device)
             waited, launch, prev_depth, n = nxt - (launch + host), nxt, d, n + 1
-            accepted, emitted = self.verdicts(active, done, d, seed, new_tokens)
+            pending, emitted = self.verdicts(active, done, d, seed, new_tokens)
             tokens += emitted
-            pending = (d, accepted)
-            self.depths.append(d)
         if pending is not None:
             self.policy.observe(*pending)
         return tokens / end
