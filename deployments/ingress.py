@@ -126,12 +126,17 @@ class _Streamed(Response):
                 task.uncancel()
         finally:
             listener.cancel()
-            for s in self._streams:
-                if not s.finished:
-                    s.finished = True
-                    self._engine.abort(s.rid)
-                    self._engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time,
-                                                       s.num_output)
+            _abandon(self._streams, self._engine)
+
+
+def _abandon(streams: list, engine) -> None:
+    """The streams still running when their response ends: aborted in the engine, each counted once as an "abort"
+    finish (several choices' own generators end later, cancelled, and find them finished already)."""
+    for s in streams:
+        if not s.finished:
+            s.finished = True
+            engine.abort(s.rid)
+            engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time, s.num_output)
 
 
 _trim_pending = threading.Event()  # one trim at a time: a burst of refused bodies queues one, not one each
@@ -530,10 +535,7 @@ class OpenAIIngress:
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
         finally:
-            for s in streams:
-                if not s.finished:
-                    s.finished = True
-                    self.engine.abort(s.rid)
+            _abandon(streams, self.engine)
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
         cached = [0] * len(prompts)  # per prompt: the most any of its choices found cached
         for i, r in enumerate(results):
@@ -629,7 +631,4 @@ class OpenAIIngress:
             yield text + _DONE
         finally:
             await source.aclose()
-            for s in streams:  # on client disconnect: the engine drops what is still running
-                if not s.finished:
-                    s.finished = True
-                    self.engine.abort(s.rid)
+            _abandon(streams, self.engine)  # on client disconnect: the engine drops what is still running

@@ -101,3 +101,34 @@ def test_a_disconnect_aborts_the_request(tmp_path):
 
     stream = asyncio.run(run())
     assert client.aborted == ["r0"] and stream.finished
+
+
+def test_a_disconnect_counts_every_choice_as_aborted(tmp_path):
+    """n=2: both choices' requests are aborted in the engine and each counts once as an "abort" finish."""
+    save_tokenizer(tmp_path, 64)
+    client = _Client(load_tokenizer(str(tmp_path)))
+    finishes = []
+    client.metrics.record_finish = lambda reason, *a: finishes.append(reason)
+
+    async def run():
+        streams = [RequestStream(client, f"r{i}", 3, [], time.time(), 1, 0.0) for i in range(2)]
+        fake = types.SimpleNamespace(model_id="m", engine=client)
+        echo = _Echo(None, [[5, 6, 7]], 2, 0, False, False, client.token_text)
+        app = _Streamed(OpenAIIngress.func_or_class._sse(fake, streams, "r", 1, False, False, False, echo), streams,
+                        client)
+        sent = asyncio.Event()
+
+        async def receive():
+            await sent.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(msg):
+            if msg["type"] == "http.response.body":
+                sent.set()
+
+        streams[0].put(("r0", [10], None, None, None, None))
+        await asyncio.wait_for(app({"type": "http"}, receive, send), 5)
+        await asyncio.sleep(0)  # (the choices' pumps, cancelled, end)
+
+    asyncio.run(run())
+    assert sorted(client.aborted) == ["r0", "r1"] and finishes == ["abort", "abort"]
