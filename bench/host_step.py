@@ -82,9 +82,16 @@ def make_engine(args, max_batch: int):
         from deployments.engine.metrics import EngineMetrics
 
         metrics = EngineMetrics("host-step")
+    if args.spec_head is not None:  # (with --stub-worker: a speculative engine's host work, rounds simulated)
+        from workers.config import SpeculativeConfig
+
+        kw["speculative_config"] = SpeculativeConfig(method="eagle3", model=args.spec_head, num_steps=args.spec_steps,
+                                                     topk=1)
+        kw["max_model_len"] += args.new_tokens * args.spec_steps  # (rounds append up to spec_steps + 1 tokens)
+        kw["kv_cache_tokens"] = max_batch * kw["max_model_len"]
     eng = Engine(EngineConfig(**kw), metrics=metrics, detokenize=not args.served)
     if args.stub_worker:
-        stub_worker(eng)
+        stub_worker(eng, args.spec_steps if args.spec_head is not None else 0, args.accept_length)
     if args.gc_freeze:  # as the server's engine core does after start-up
         from deployments.engine import tune_gc_for_steps
         from deployments.engine.engine import freeze_startup_heap
@@ -122,12 +129,14 @@ class Publisher:
         self.seconds += time.perf_counter() - t0
 
 
-def stub_worker(eng) -> None:
+def stub_worker(eng, depth: int = 0, accept_length: float = 1.0) -> None:
     """The executor's step answered at once: per launched step a result of one token per row (the tokens a
-    random pool's, never an EOS: the requests ignore it), read back as the worker's would be (overlap: ``keep``)."""
+    random pool's, never an EOS: the requests ignore it), read back as the worker's would be (overlap: ``keep``).
+    ``depth`` > 0 (a speculative engine): each DECODE step is a round of ``depth`` drafts whose rows append
+    ``accept_length`` - 1, ``accept_length`` or ``accept_length`` + 1 tokens (clipped to 1 ... ``depth`` + 1)."""
     from collections import deque
 
-    from workers.messages import StepResult
+    from workers.messages import ForwardMode, StepResult
 
     vocab = eng.executor.model_config.vocab_size
     rng = random.Random(0)
@@ -137,9 +146,16 @@ def stub_worker(eng) -> None:
     def step(step, keep: int):
         if step is not None:
             b = step.batch_size
-            at = rng.randrange(len(pool) - b)
-            launched.append(StepResult(tokens=pool[at:at + b], logprobs=[-0.5] * b, step_id=step.step_id,
-                                       timings={"worker_s": 0.0}))
+            if depth and step.mode == ForwardMode.DECODE:
+                counts = [min(depth + 1, max(1, round(accept_length + rng.choice((-1, 0, 1))))) for _ in range(b)]
+                n = sum(counts)
+                at = rng.randrange(len(pool) - n)
+                launched.append(StepResult(tokens=pool[at:at + n], logprobs=[-0.5] * n, counts=counts,
+                                           num_drafts=depth, step_id=step.step_id, timings={"worker_s": 0.0}))
+            else:
+                at = rng.randrange(len(pool) - b)
+                launched.append(StepResult(tokens=pool[at:at + b], logprobs=[-0.5] * b, step_id=step.step_id,
+                                           timings={"worker_s": 0.0}))
         out = []
         while len(launched) > keep:
             out.append(launched.popleft())
@@ -178,9 +194,10 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
     metric_time = getattr(eng, "_metric_time", None)
     if metric_time is None:
         metric_time = eng._metric_time = timed_metrics(eng)
+    per_step = args.spec_steps + 1 if args.spec_head is not None else 1  # (the most tokens a step appends)
     for _ in range(batch):
         req = eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
-                              SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature,
+                              SamplingParams(max_tokens=args.new_tokens * per_step, temperature=args.temperature,
                                              top_p=args.top_p, top_k=args.top_k, seed=len(eng.scheduler.waiting),
                                              ignore_eos=True))
         if args.served:
@@ -657,7 +674,7 @@ def main() -> None:
     out = out_path(args.out)
     if args.report_only:
         meta = json.loads(out.with_suffix(".json").read_text())
-    elif args.spec_head is not None:
+    elif args.spec_head is not None and not args.stub_worker:
         meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "spec": True,
                 "model": args.model, "head": args.spec_head, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "accept_length": args.accept_length, "spec_steps": args.spec_steps,
@@ -695,6 +712,8 @@ def main() -> None:
                 "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                 "no_metrics": args.no_metrics, "rows": rows, "served": args.served, "clients": args.clients,
                 "stub_worker": args.stub_worker,
+                **({"spec_head": args.spec_head, "spec_steps": args.spec_steps, "accept_length": args.accept_length}
+                   if args.spec_head is not None else {}),
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         write_json(out, meta)
     if meta.get("spec"):

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import replace
 from typing import Protocol
 
@@ -466,20 +466,18 @@ class Engine:
                  "prefix_cache_queries": cache.queries if cache is not None else 0,
                  "prefix_cache_hits": cache.hits if cache is not None else 0,
                  "step_time": dict(self.step_time)}
-        spec = result.spec() if result is not None else None
         if result is not None and result.counts is not None:  # a speculative step (depth 0: a plain one)
             stats["spec_depth"] = result.num_drafts
         if self.cfg.speculative_config is not None and policy:
             shown = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
             stats["adaptive"] = {"steps_by_depth": {str(d): n for d, n in sorted(self.steps_by_depth.items())},
                                  **shown}
-        if spec and result.num_drafts:
-            per_pos = [0] * (max((len(acc) for _, acc in spec), default=0))
-            for _, acc in spec:
-                for p in acc:
-                    per_pos[p] += 1
-            stats["spec"] = {"drafts": len(spec), "draft_tokens": sum(n for n, _ in spec),
-                             "accepted": sum(len(a) for _, a in spec), "per_pos": per_pos}
+        if result is not None and result.counts and result.num_drafts:  # a round: rows append accepted + 1 each
+            counts = result.counts
+            by_count = Counter(counts)  # (per position: the rows that accepted past it, from a count per length)
+            per_pos = [sum(n for c, n in by_count.items() if c - 1 > p) for p in range(max(by_count) - 1)]
+            stats["spec"] = {"drafts": len(counts), "draft_tokens": result.num_drafts * len(counts),
+                             "accepted": sum(counts) - len(counts), "per_pos": per_pos}
         return stats
 
     # ---- offline API -----------------------------------------------------------------------------------------

@@ -514,6 +514,9 @@ class Scheduler:
         if plan.next_ids is None and result.num_drafts == 0 and result.top_logprobs is None \
                 and result.prompt_logprobs is None and len(result.tokens) == len(plan.requests):
             return self._update_one_each(plan, result)
+        if plan.next_ids is None and result.num_drafts and result.counts is not None and result.top_logprobs is None \
+                and result.prompt_logprobs is None and len(result.counts) == len(plan.requests):
+            return self._update_round(plan, result)
         produced = []
         self.landed(plan)
         tops, specs, at = result.top_logprobs, result.spec(), result.offsets()
@@ -571,6 +574,59 @@ class Scheduler:
                     self._cache_pages(req)
                 keep = req.num_computed + req.num_inflight * kv_ahead
                 if len(req.pages) * page >= keep + page:  # (a page to give back: rare without speculation)
+                    self.allocator.shrink(req.pages, keep)
+        return produced
+
+    def _update_round(self, plan: StepPlan, result: StepResult) -> list[tuple[Request, list[int], tuple]]:
+        """``update`` of a speculative round that carries nothing else (no prompt chunks, alternatives or prompt
+        logprobs): ``landed`` and ``_append_tokens`` in one pass over the flat tokens, with the same stop rules (EOS /
+        stop ids within the accepted run, then the length limit) and the same KV shrink and page caching."""
+        produced = []
+        finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
+        eos, max_len = self.eos_token_ids, self.max_model_len
+        window = self.draft_catch_up_window  # (a round leaves the draft caught up)
+        kv_ahead = self.decode_max_advance - 1 + self.decode_lookahead  # KV slots each step in flight may write
+        page = self.allocator.page_size
+        depth, tokens, logprobs = result.num_drafts, result.tokens, result.logprobs
+        b = 0
+        for req, c in zip(plan.requests, result.counts, strict=True):
+            a, b = b, b + c
+            req.num_inflight -= 1
+            if req.status is finished:  # aborted, or ended by a token read after this step was launched
+                continue
+            if window:
+                req.draft_lag = 0
+            p, out = req.params, req.output_ids
+            run = tokens[a:b]
+            stop_ids = p.stop_token_ids
+            n_prompt = len(req.prompt_ids)
+            limit = min(p.max_tokens, max_len - n_prompt) - len(out)  # output tokens left before the length limit
+            n, reason = c, None
+            if limit <= c or (not p.ignore_eos and not eos.isdisjoint(run)) \
+                    or (stop_ids and any(t in stop_ids for t in run)):  # (else: the whole run is kept)
+                stop_eos = () if p.ignore_eos else eos
+                for j, tok in enumerate(run):
+                    if tok in stop_eos or tok in stop_ids:
+                        n, reason = j + 1, "stop"
+                        break
+                    if j + 1 >= limit:
+                        n, reason = j + 1, "length"
+                        break
+            if n < c:
+                run = run[:n]
+            out.extend(run)
+            req.output_logprobs.extend(logprobs[a:a + n])
+            produced.append((req, run, (depth, range(c - 1))))
+            if reason is not None:
+                req.status, req.finish_reason = finished, reason
+                self.finish(req, reason)
+                continue
+            if req.status is running:  # (as _append_tokens: the newest token's K/V is not written yet)
+                req.num_computed = n_prompt + len(out) - 1
+                if req.num_computed - req.draft_lag >= req.cache_at:
+                    self._cache_pages(req)
+                keep = req.num_computed + req.num_inflight * kv_ahead
+                if len(req.pages) * page >= keep + page:  # (pages past the accepted run: rejected drafts' KV)
                     self.allocator.shrink(req.pages, keep)
         return produced
 
