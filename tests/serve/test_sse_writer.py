@@ -79,22 +79,28 @@ def test_chunks_tokens_once_and_one_closing_write(tmp_path):
     assert client.aborted == []
 
 
+def _disconnect_after_first_body():
+    """ASGI receive / send for a client that goes away once the first body chunk is sent."""
+    sent = asyncio.Event()
+
+    async def receive():
+        await sent.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        if msg["type"] == "http.response.body":
+            sent.set()
+
+    return receive, send
+
+
 def test_a_disconnect_aborts_the_request(tmp_path):
     save_tokenizer(tmp_path, 64)
     client = _Client(load_tokenizer(str(tmp_path)))
 
     async def run():
         stream, app = _app(client, chat=False)
-        sent = asyncio.Event()
-
-        async def receive():
-            await sent.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg):
-            if msg["type"] == "http.response.body":
-                sent.set()
-
+        receive, send = _disconnect_after_first_body()
         stream.put(("r0", [10], None, None, None, None))
         await asyncio.wait_for(app({"type": "http"}, receive, send), 5)  # returns: the writer was cancelled
         return stream
@@ -116,16 +122,7 @@ def test_a_disconnect_counts_every_choice_as_aborted(tmp_path):
         echo = _Echo(None, [[5, 6, 7]], 2, 0, False, False, client.token_text)
         app = _Streamed(OpenAIIngress.func_or_class._sse(fake, streams, "r", 1, False, False, False, echo), streams,
                         client)
-        sent = asyncio.Event()
-
-        async def receive():
-            await sent.wait()
-            return {"type": "http.disconnect"}
-
-        async def send(msg):
-            if msg["type"] == "http.response.body":
-                sent.set()
-
+        receive, send = _disconnect_after_first_body()
         streams[0].put(("r0", [10], None, None, None, None))
         await asyncio.wait_for(app({"type": "http"}, receive, send), 5)
         await asyncio.sleep(0)  # (the choices' pumps, cancelled, end)
