@@ -27,35 +27,48 @@ def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     return t
 
 
+class PinnedRing:
+    """A few host buffers of one shape and dtype (pinned on CUDA) handed out in turn for host→device copies: each
+    waits on the event of its last copy before it is written again (under the overlap schedule that copy finished
+    steps ago), so no pinned tensor is allocated per step (the caching host allocator's event bookkeeping costs more
+    than a small copy). ``take`` → (tensor, its numpy view, index); ``copied(index)`` after queueing its copy."""
+
+    def __init__(self, shape, dtype: torch.dtype, device, buffers: int):
+        self.pinned = torch.device(device).type == "cuda"
+        self.hosts = [torch.empty(shape, dtype=dtype, pin_memory=self.pinned) for _ in range(buffers)]
+        self.views = [h.numpy() for h in self.hosts]
+        self.events = [torch.cuda.Event() for _ in self.hosts] if self.pinned else None
+        self.turn = 0
+
+    def take(self):
+        i = self.turn
+        self.turn = (i + 1) % len(self.hosts)
+        if self.pinned:
+            self.events[i].synchronize()  # (an event never recorded returns at once)
+        return self.hosts[i], self.views[i], i
+
+    def copied(self, i: int) -> None:
+        if self.pinned:
+            self.events[i].record()
+
+
 class StagedCopies:
-    """Host→device copies of a small int64 array made every step (a DECODE step's page grants) through a few
-    pinned host buffers used in turn, each waiting on its last copy's event before it is written again (under the
-    overlap schedule that copy finished steps ago): ``to_device`` pins a new host tensor per copy, whose caching
-    allocator's event bookkeeping costs more than the copy. Off CUDA, and for arrays past a buffer, ``to_device``."""
+    """Host→device copies of a small int64 array made every step (a DECODE step's page grants) through a
+    ``PinnedRing``. Off CUDA, and for arrays past a buffer, ``to_device``."""
 
     def __init__(self, device, buffers: int = 4, capacity: int = 3 * 1024):
         self.device = torch.device(device)
         self.capacity = capacity
-        self.hosts: list[tuple[torch.Tensor, object]] = []
-        self.events: list = []
-        if self.device.type == "cuda":
-            for _ in range(buffers):
-                host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
-                self.hosts.append((host, host.numpy()))
-                self.events.append(torch.cuda.Event())
-        self.turn = 0
+        self.ring = PinnedRing((capacity,), torch.int64, device, buffers) if self.device.type == "cuda" else None
 
     def __call__(self, values) -> torch.Tensor:
         n = values.size
-        if not self.hosts or n > self.capacity:
+        if self.ring is None or n > self.capacity:
             return to_device(values, torch.int64, self.device)
-        i = self.turn
-        self.turn = (i + 1) % len(self.hosts)
-        self.events[i].synchronize()  # (an event never recorded returns at once)
-        host, image = self.hosts[i]
+        host, image, i = self.ring.take()
         image[:n] = values.reshape(-1)
         out = host[:n].to(self.device, non_blocking=True)
-        self.events[i].record()
+        self.ring.copied(i)
         return out.view(values.shape)
 
 

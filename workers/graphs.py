@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from attention.base import AttentionLayerSpec, int_specialisation
 from speculative.proposers import RoundInputs
+from workers.forward_batch import PinnedRing
 from workers.kernels.launch import capturing, pdl_launches
 from workers.kernels.metadata import overlap_step_inputs
 from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
@@ -88,11 +89,9 @@ class StaticInputs:
         ints[int_fields.index("req_slots")] = self.pad_slot
         ints[int_fields.index("seq_lens")] = 1
         floats[FLOAT_FIELDS.index("top_p")] = 1.0  # greedy (temperature 0), top_p and min_p off
-        # the host images ``fill`` copies from (pinned on a GPU), used in turn, each with the event of its last copy:
-        # made once, where a pinned tensor per step cost the caching host allocator's event bookkeeping every step
-        self._images: list[tuple[torch.Tensor, np.ndarray]] = []
-        self._copied: list = []
-        self._turn = 0
+        # the host images ``fill`` copies from (pinned on a GPU), used in turn: made on the first fill; an image is
+        # written again two fills later, when its copy has long finished
+        self._images: PinnedRing | None = None
         self.reset()
 
     def _tables(self, buffer):
@@ -109,31 +108,15 @@ class StaticInputs:
         """Every row a padding row (graphs are captured on these)."""
         self.buffer.copy_(torch.from_numpy(self._padding))
 
-    IMAGES = 2  # host images in turn: an image is written again two fills later, when its copy has long finished
-
-    def _host_image(self) -> tuple[torch.Tensor, np.ndarray, int]:
-        """The next host image (tensor, its numpy view, its index), once its previous copy has finished. Under the
-        overlap schedule the host has read a step's result before it fills the step after next, so the event's
-        wait returns at once; it guards other callers."""
-        pinned = self.buffer.device.type == "cuda"
-        if not self._images:
-            for _ in range(self.IMAGES):
-                host = torch.empty(self.buffer.shape, dtype=torch.uint8, pin_memory=pinned)
-                self._images.append((host, host.numpy()))
-                self._copied.append(torch.cuda.Event() if pinned else None)
-        i = self._turn
-        self._turn = (i + 1) % self.IMAGES
-        if pinned:
-            self._copied[i].synchronize()  # (an event never recorded returns at once)
-        return (*self._images[i], i)
-
     def fill(self, step, bucket: int) -> None:
         """Write the step's rows (padding after them) into the buffers: numpy copies of the step's packed rows into
         one host image, then one host→device copy of the whole buffer (a few KB; the columns past ``bucket`` are
         not read), from pinned memory on a GPU (asynchronous: the image is not written again until it is done)."""
         b, n = step.batch_size, len(self.int_fields)
         pinned = self.buffer.device.type == "cuda"
-        host, image, i = self._host_image()
+        if self._images is None:
+            self._images = PinnedRing(self.buffer.shape, torch.uint8, self.buffer.device, buffers=2)
+        host, image, i = self._images.take()
         image[:] = self._padding
         ints, floats, tokens = self._tables(image)
         ints[:n, :b] = step.ints[:n]
@@ -146,8 +129,7 @@ class StaticInputs:
             if bucket > t:  # (none left: it stays an empty padding row)
                 ints[self.int_fields.index("seq_lens"), b] = ints[self.int_fields.index("extend_lens"), b] = bucket - t
         self.buffer.copy_(host, non_blocking=pinned)
-        if pinned:
-            self._copied[i].record()
+        self._images.copied(i)
 
     def column(self, name: str, bucket: int) -> torch.Tensor:
         if name in self.int_fields:
