@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from collections import Counter, deque
 from typing import Protocol
 
@@ -301,9 +302,7 @@ class DepthChooser:
             return
         # the median: a step's own outliers (a collection of the youngest generation, a joining request's catch-up,
         # the machine's other load) move it little
-        ordered = sorted(recent)
-        n = len(ordered)
-        median = ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+        median = statistics.median(recent)
         host = self.host[bucket]
         old = host.get(depth)
         if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed rarely)
@@ -325,9 +324,9 @@ class DepthChooser:
         """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
         at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
         else the nearest deeper one's scaled down (below). Never raised from another depth's excess over the table:
-        a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch shrinking
-        as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled too:
-        under the truth below it, so the table keeps more say there)."""
+        a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch
+        shrinking as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled
+        too: under the truth below it, so the table keeps more say there)."""
         host, at = self.host[bucket], bucket
         if not host:
             measured = [b for b in self.buckets if self.host[b]]

@@ -818,8 +818,9 @@ class ExtendGraphs(GraphRunner):
     a draft, the padding request holds at least one token: an empty request's logits row is the step's last token,
     which the draft's prefill writes the token after each chunk into (``Proposer.after_extend``), so the last real
     request's row must not be it. Without one (``exact_fit``), a step of exactly a bucket's tokens replays that
-    bucket (the padding rows' tokens are sampled into the pad slot and never read). The lengths exist only on the device (``ForwardBatch.build(max_extend=...)``); the
-    attention launch covers the bucket's tokens for every request, and programs past a request's tokens do no work.
+    bucket (the padding rows' tokens are sampled into the pad slot and never read). The lengths exist only on the
+    device (``ForwardBatch.build(max_extend=...)``); the attention launch covers the bucket's tokens for every
+    request, and programs past a request's tokens do no work.
     With speculation the draft's prefill over the same tokens is captured with it. Greedy graphs of every bucket
     are captured at start-up, sampling kinds on first use. Only steps without logits processing, prompt or top
     logprobs, structured output or decode rows (``buckets_for``): the others run eagerly.

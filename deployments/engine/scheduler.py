@@ -434,9 +434,9 @@ class Scheduler:
 
     def _decode_rows(self) -> list[Request]:
         """Every running request whose in-flight tokens cannot have ended it, each with KV pages for the most this
-        step appends; when pages run out, the newest running requests are preempted until they fit. (``_most_tokens``'s
-        rule inlined: this runs over every row of every step.) A request sits out the step when its in-flight tokens
-        may already reach max_tokens or the context length."""
+        step appends; when pages run out, the newest running requests are preempted until they fit
+        (``_most_tokens``'s rule inlined: this runs over every row of every step). A request sits out the step when
+        its in-flight tokens may already reach max_tokens or the context length."""
         reqs: list[Request] = []
         running, i = self.running, 0
         page, lookahead, max_len = self.allocator.page_size, self.decode_lookahead, self.max_model_len
@@ -503,8 +503,8 @@ class Scheduler:
 
     def _most_tokens(self, req: Request) -> int:
         """The request's length once its in-flight steps land, at most (the one rule for ending, growing and
-        reserving pages: counted otherwise, a plain step near the context's end outgrows the page table; ``_decode_rows``
-        inlines it)."""
+        reserving pages: counted otherwise, a plain step near the context's end outgrows the page table;
+        ``_decode_rows`` inlines it)."""
         return req.num_tokens + req.num_inflight * self._inflight_advance(req)
 
     # ---- results ---------------------------------------------------------------------------------------------
