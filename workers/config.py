@@ -103,6 +103,11 @@ class EngineConfig(Strict):
         "forward instead of an EXTEND and a DECODE step) when there are at most this many (0: never). Default: "
         "any number where decode steps run eagerly anyway (CPU, CUDA graphs off or refused), none where they replay "
         "CUDA graphs (docs/design.md, Scheduling). Never with speculation")
+    scheduler_delay_factor: float = Field(
+        0.0, ge=0, description="while requests run, arrivals wait to be prefilled until the oldest has waited this "
+        "many times the last prefill step's wall, or until they fill a prefill step (vLLM's option of the same "
+        "name): arrivals that come spread over a few steps are prefilled in one step instead of stalling every "
+        "running request once per piece. 0: admitted at the next step")
     kv_cache_tokens: int | None = Field(None, ge=16, description="KV budget in tokens (default: from memory)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     prefill_attention_backend: AttentionBackendName = Field("auto", description="auto: triton on GPUs, torch_native "

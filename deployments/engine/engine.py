@@ -126,6 +126,7 @@ class Engine:
             host_drafter=host_drafter,
             mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
             draft_catch_up_window=spec.catch_up_window if spec is not None and spec.method != "ngram" else 0,
+            delay_factor=cfg.scheduler_delay_factor,
         )
         # adaptive speculation: the policy choosing each speculative step's draft depth (None: num_steps). Tests
         # and benchmarks may replace it (``speculative.adaptive.DepthSchedule``)

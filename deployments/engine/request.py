@@ -147,6 +147,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     arrival_time: float = field(default_factory=time.time)
+    queued_at: float = 0.0  # when the scheduler queued it (its clock: monotonic), for the prefill delay
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # when params.top_logprobs

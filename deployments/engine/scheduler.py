@@ -16,6 +16,7 @@ is known only when they are read: the next step has by then computed for it, and
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -95,6 +96,8 @@ class Scheduler:
         host_drafter=None,
         mixed_decode_rows: int = 0,
         draft_catch_up_window: int = 0,
+        delay_factor: float = 0.0,
+        clock=time.monotonic,
     ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -109,6 +112,13 @@ class Scheduler:
         self.mixed_decode_rows = mixed_decode_rows  # most running requests whose decode rows prefill chunks join
         # adaptive speculation with a draft that keeps KV: the worker's stash size (0: no plain steps leave a lag)
         self.draft_catch_up_window = draft_catch_up_window
+        # arrivals wait while requests run, up to this many times the last prefill step's wall (vLLM's
+        # scheduler_delay_factor): a burst that reaches the engine spread over a few steps then costs one prefill
+        # step, not one stall of every running request per piece
+        self.delay_factor = delay_factor
+        self.clock = clock
+        self._prefill_wall = 0.0  # the wall of the last prefill step (from its plan to the next plan)
+        self._prefill_planned: float | None = None  # when that step was planned, until the next plan
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -164,6 +174,7 @@ class Scheduler:
         """Queue a request. Raises InvalidRequest (nothing queued) for bad input, OverflowError when full."""
         self.check(req)
         self._by_id[req.rid] = req
+        req.queued_at = self.clock()
         self.waiting.append(req)
 
     def abort(self, rid: str) -> Request | None:
@@ -289,9 +300,35 @@ class Scheduler:
 
     # ---- scheduling ------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        if self.waiting and self._may_mix():
-            return self._schedule_mixed()
-        return self._schedule_extend() or self._schedule_decode()
+        due = bool(self.waiting)
+        if self.delay_factor:
+            now = self.clock()
+            if self._prefill_planned is not None:
+                self._prefill_wall, self._prefill_planned = now - self._prefill_planned, None
+            due = due and self._prefill_due(now)
+        plan = None
+        if due:
+            plan = self._schedule_mixed() if self._may_mix() else self._schedule_extend()
+            if plan is not None and plan.mode == ForwardMode.EXTEND and self.delay_factor:
+                self._prefill_planned = now
+        return plan or self._schedule_decode()
+
+    def _prefill_due(self, now: float) -> bool:
+        """Whether the waiting requests are admitted now: when nothing runs, when the first is partly prefilled or
+        has waited ``delay_factor`` times the last prefill step's wall (it is the oldest: admission is in order),
+        or when they already fill a step (its token budget, or the free batch slots), which waiting would not
+        make larger."""
+        first = self.waiting[0]
+        if (not self.running or first.req_slot is not None
+                or now - first.queued_at >= self.delay_factor * self._prefill_wall):
+            return True
+        slots, tokens = self.max_num_seqs - len(self.running), 0
+        for r in self.waiting:
+            tokens += r.num_tokens - r.num_computed
+            slots -= 1
+            if tokens >= self.max_prefill_tokens or slots <= 0:
+                return True
+        return False
 
     def _may_mix(self) -> bool:
         """Whether this step's prefill chunks ride in a step with the running requests' decode rows: only without

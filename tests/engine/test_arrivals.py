@@ -122,3 +122,47 @@ def test_speculative_rounds_with_arrivals_keep_the_target_output(tiny_models, hf
     assert [r.output_ids for r in reqs] == [hf_greedy(hf_models["llama"], p, 8 + 3 * i)
                                              for i, p in enumerate(PROMPTS)]
     assert counts["mixed"] == 0 and counts["extend"] > 1 and counts["read_at_once"] <= 1, counts
+
+
+def ticking(engine: Engine) -> Engine:
+    """The scheduler's clock advanced one unit at each plan: every step's wall is 1.0."""
+    now, sched = [0.0], engine.scheduler
+    real = sched.schedule
+
+    def schedule():
+        now[0] += 1.0
+        return real()
+
+    sched.clock, sched.schedule = (lambda: now[0]), schedule
+    return engine
+
+
+def test_a_prefill_delay_gathers_arrivals_into_fewer_prefill_steps(tiny_models, hf_models):
+    """With ``scheduler_delay_factor`` 2, an arrival while others run waits two prefill walls, and what arrives
+    meanwhile joins its prefill step (vLLM's rule); outputs are unchanged. A huge factor still admits arrivals once
+    they fill a step's budget or nothing runs (no request waits for ever)."""
+    prompts = [p[:6] for p in PROMPTS]  # short: two arrivals never fill the 24-token budget
+    greedy = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0) for i in range(len(prompts))]
+    reference = [hf_greedy(hf_models["qwen3"], p, 8 + 3 * i) for i, p in enumerate(prompts)]
+    counts = {}
+    for factor in (0.0, 2.0, 1e9):
+        engine = ticking(make_engine(tiny_models["qwen3"], mixed_decode_rows=0, scheduler_delay_factor=factor))
+        reqs, counts[factor] = drive(engine, greedy, prompts)
+        assert [r.output_ids for r in reqs] == reference, f"scheduler_delay_factor {factor}"
+    assert counts[2.0]["extend"] < counts[0.0]["extend"], counts
+    assert counts[1e9]["extend"] <= counts[2.0]["extend"], counts
+
+
+def test_the_prefill_delay_admits_at_once_what_fills_a_step(tiny_models):
+    engine = ticking(make_engine(tiny_models["qwen3"], mixed_decode_rows=0, scheduler_delay_factor=1e9))
+    sched = engine.scheduler
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0))
+    engine.step()  # nothing ran: admitted at once
+    engine.step()
+    assert len(sched.running) == 1 and not sched.waiting
+    short = engine.add_request(PROMPTS[5][:5], SamplingParams(max_tokens=4, temperature=0.0))
+    assert sched.schedule().mode == ForwardMode.DECODE and list(sched.waiting) == [short]
+    # 5 + 20 prompt tokens fill the 24-token budget: no reason to wait
+    long = engine.add_request(PROMPTS[5][:20], SamplingParams(max_tokens=4, temperature=0.0))
+    plan = sched.schedule()
+    assert plan.mode == ForwardMode.EXTEND and plan.requests == [short, long] and plan.extend_lens == [5, 19]
