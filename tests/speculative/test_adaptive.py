@@ -670,7 +670,7 @@ def test_host_samples():
         nonlocal now
         d = c.choose(256)
         if depth is not None:  # (a forced depth: as a probe would be)
-            c._chosen = (256, depth, False)
+            c._chosen = (256, depth, False, 0)
         c.launched(now, wait if contiguous else 0.0, contiguous)
         now += host + wait
         return d
@@ -690,3 +690,41 @@ def test_host_samples():
         step()
     assert c.host[256][1] == pytest.approx(4.4)
     assert c.step_cost[240][0] == pytest.approx(4.0 * 240 / 256) and c.step_cost[240][3] == 6.6
+    # a round that catches the draft up short of a full stash (after 5 plain steps): its interval holds the
+    # catch-up's launches, its sample is that interval less its depth's host cost; the choice then charges it
+    assert not c.catch_up_host and c.catch_up_charge(256, 5) == c.catch_up_cost(256, 5)
+    for _ in range(5):
+        step()
+    d = c.choose(256)
+    assert d == 0 and c._chosen == (256, 0, False, 0)  # (nil acceptance: a plain step; forced to a round below)
+    c._chosen = (256, 1, True, 5)
+    c.launched(now, 0.5, True)
+    now += 4.4 + 8.0 + 0.5
+    step()
+    assert c.catch_up_host == {256: pytest.approx(8.0)} and c.catch_up_charge(256, 5) == pytest.approx(8.0)
+    assert c.stats()["catch_up_host_ms"] == {"256": pytest.approx(8.0)}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
+    """The chooser's count of plain steps is the worker's (the most behind of the batch's requests) at every decode
+    step, over batches back to back: the engine sets it at a batch's first decode step, where none is in flight.
+    (Counted on from the last batch, its full stashes, where a catch-up is due whatever the choice and most
+    probes fall, were not the worker's.)"""
+    import numpy as np
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
+                 disable_overlap_schedule=not overlap)
+    # plain steps best, a probe one tier up every 5 steps: rounds after plain steps, plain steps on full stashes
+    eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
+                                              num_steps=3, probe_interval=5, probe_budget=1.0)
+    worker = eng.executor.worker
+    counted, behind = [], []
+    choose, lazy = chooser.choose, worker._lazy_catch_up
+    chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
+    worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
+        step, **kw)
+    for n in (9, 7, 12):  # (batches of other lengths: the count a batch leaves is not the next one's)
+        eng.generate(mixed_prompts(3), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    assert counted == behind and max(behind) == 4 and len(behind) > 20
+    assert {0, 1} <= set(eng.steps_by_depth)
