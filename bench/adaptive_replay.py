@@ -81,7 +81,8 @@ def main() -> None:
           "| shape | host | catch-up host | L | bs | best fixed | adaptive vs best | vs depth 0 | its depths | "
           "table only vs best | its depths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda d: ", ".join(f"d{k}:{n}" for k, n in d.items())  # noqa: E731
-    md += [f"| {r['shape']} | {r['host']} | {r['catch_up_host']} | {r['accept_length']:g} | {r['batch_size']} | {r['best_fixed']} | "
+    md += [f"| {r['shape']} | {r['host']} | {r['catch_up_host']} | {r['accept_length']:g} | {r['batch_size']} | "
+           f"{r['best_fixed']} | "
            f"**{r['adaptive_vs_best']}x** | {r['adaptive_vs_depth0']}x | {fmt(r['adaptive_depths'])} | "
            f"{r['table_only_vs_best']}x | {fmt(r['table_only_depths'])} |" for r in meta["rows"]]
     write_markdown(out, md)
