@@ -2,10 +2,10 @@
 (per batch size an untimed batch of 16 new tokens, then a timed one; the chooser fresh per shape, first warmed at
 bs 16) against every fixed depth, with a host model per step (``tests/speculative/test_adaptive_replay.py``'s
 ``HostReplay``: the host's ms per step by batch and depth, +-10 % noise and a 3x pause every 13th step, under the
-overlap schedule). What it shows is the chooser's logic on those tables and host models, not a measurement of the
-engine.
+overlap schedule; with a catch-up host model, the host's ms of the draft's catch-up too). What it shows is the
+chooser's logic on those tables and host models, not a measurement of the engine.
 
-    python3 -m bench.adaptive_replay --out bench/results/adaptive/cpu_replay_hostcost
+    python3 -m bench.adaptive_replay --out bench/results/adaptive/cpu_replay_catchup --repeats 3
 """
 
 from __future__ import annotations
@@ -24,15 +24,20 @@ def main() -> None:
     ap.add_argument("--accept-lengths", default="1.5,2,3")
     ap.add_argument("--batch-sizes", default="16,64,128,256")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1, help="timed batches per point, back to back (their mean)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = out_path(a.out)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
-    cases = [("1b", t.H100_1B, "light", t.light_host), ("1b", t.H100_1B, "heavy", t.heavy_host),
-             ("1b", t.H100_1B, "none", None), ("8b", t.H100_8B, "heavy", t.heavy_host)]
+    # (shape, table, host model, its function, catch-up host model, its function)
+    cases = [("1b", t.H100_1B, "light", t.light_host, "none", None),
+             ("1b", t.H100_1B, "heavy", t.heavy_host, "none", None),
+             ("1b", t.H100_1B, "lean", t.lean_host, "eager", t.eager_catch_up_host),
+             ("1b", t.H100_1B, "lean", t.lean_host, "graph", t.graph_catch_up_host),
+             ("1b", t.H100_1B, "none", None, "none", None), ("8b", t.H100_8B, "heavy", t.heavy_host, "none", None)]
     meta = {"device": "CPU (this machine): a replay of H100 tables", "commit": commit(), "command": command(),
-            "new_tokens": a.new_tokens, "rows": []}
-    for shape, costs, host_name, host in cases:
+            "new_tokens": a.new_tokens, "repeats": a.repeats, "rows": []}
+    for shape, costs, host_name, host, cu_name, cu in cases:
         for length in (float(x) for x in a.accept_lengths.split(",")):
             rates: dict[str, dict[int, tuple[float, dict]]] = {}
             for name in ["adaptive", "table only"] + [f"depth{d}" for d in range(t.STEPS + 1)]:
@@ -40,19 +45,19 @@ def main() -> None:
                     policy = DepthSchedule([int(name[-1])])
                 else:
                     policy = DepthChooser(costs, t.STEPS, host_samples=0 if name == "table only" else 15)
-                rep = t.HostReplay(policy, length, costs, host) if host else t.Replay(policy, length, costs)
+                rep = t.HostReplay(policy, length, costs, host, cu) if host else t.Replay(policy, length, costs)
                 if not name.startswith("depth"):
                     rep.run(16, 16, seed=16)
                 for bs in sizes:
                     rep.run(bs, 16, seed=bs)
                     start = len(rep.depths)
-                    rate = rep.run(bs, a.new_tokens, seed=bs)
+                    rate = sum(rep.run(bs, a.new_tokens, seed=bs + i) for i in range(a.repeats)) / a.repeats
                     rates.setdefault(name, {})[bs] = (rate, dict(sorted(Counter(rep.depths[start:]).items())))
             for bs in sizes:
                 fixed = {d: rates[f"depth{d}"][bs][0] for d in range(t.STEPS + 1)}
                 best = max(fixed, key=fixed.get)
-                row = {"shape": shape, "host": host_name, "accept_length": length, "batch_size": bs,
-                       "best_fixed": best}
+                row = {"shape": shape, "host": host_name, "catch_up_host": cu_name, "accept_length": length,
+                       "batch_size": bs, "best_fixed": best}
                 for name in ("adaptive", "table only"):
                     rate, depths = rates[name][bs]
                     key = name.replace(" ", "_")
@@ -66,13 +71,18 @@ def main() -> None:
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
           "Host models (ms per step, bs = batch, d = depth): light = 0.5 + (3.4 + 0.25 d) bs / 256 (the H100 1B run "
           "at bs 256: 3.9 a plain step, 4.15 a round of 1); heavy = 0.5 + bs (3.4 / 256 + 0.004 d) (another H100 at "
-          "bs 128: 2.4 and 2.9); none = the table's times alone. adaptive: the chooser with its host samples; table "
-          "only: without (host_samples 0). Each ratio is the timed batch's decode rate over the fixed depth's "
-          f"({meta['new_tokens']} new tokens, after an untimed batch of 16).", "",
-          "| shape | host | L | bs | best fixed | adaptive vs best | vs depth 0 | its depths | table only vs best | "
-          "its depths |", "|---|---|---|---|---|---|---|---|---|---|"]
+          "bs 128: 2.4 and 2.9); lean = 0.3 + (2.4 + 1.4 d) bs / 256 (2.7 and 4.1 at bs 256); none = the table's times "
+          "alone. Catch-up host (ms added to a step that catches the draft up): eager = 0.5 + 7.5 bs / 256 before a "
+          "round short of a full stash (8 at bs 256; the table has 0.3-0.5 of device time), 0.05 on a full stash "
+          "(its graph); graph = 0.05 for every catch-up (a graph per span); none = 0. adaptive: the chooser with its "
+          "host samples; table only: without (host_samples 0). Each ratio is the timed batches' mean decode rate "
+          f"over the fixed depth's ({meta['new_tokens']} new tokens, {meta['repeats']} batch(es) back to back after "
+          "an untimed batch of 16).", "",
+          "| shape | host | catch-up host | L | bs | best fixed | adaptive vs best | vs depth 0 | its depths | "
+          "table only vs best | its depths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda d: ", ".join(f"d{k}:{n}" for k, n in d.items())  # noqa: E731
-    md += [f"| {r['shape']} | {r['host']} | {r['accept_length']:g} | {r['batch_size']} | {r['best_fixed']} | "
+    md += [f"| {r['shape']} | {r['host']} | {r['catch_up_host']} | {r['accept_length']:g} | {r['batch_size']} | "
+           f"{r['best_fixed']} | "
            f"**{r['adaptive_vs_best']}x** | {r['adaptive_vs_depth0']}x | {fmt(r['adaptive_depths'])} | "
            f"{r['table_only_vs_best']}x | {fmt(r['table_only_depths'])} |" for r in meta["rows"]]
     write_markdown(out, md)

@@ -17,6 +17,10 @@ expected tokens per second of the batch it is about to run, from
   host's own work (planning, launching, reading and applying a step), which moves far less with the device's load
   than the interval itself; per (bucket, depth) its median over recent steps (steps with a draft catch-up or a
   garbage collection of the older generations left out) is the host cost, and a step's cost is max(table, host).
+  Likewise a round's catch-up after fewer plain steps than the stash holds: the host time of the steps that carried
+  one, less their depth's host cost, per bucket (its median), and the catch-up charged is max(table, host): where
+  it runs eagerly its launches cost the host several plain steps on a host-bound shape, while the table times the
+  device alone.
 
 Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
 cost being max(table, host), a round's cost including the catch-up the plain steps before it left (so a marginal
@@ -48,6 +52,10 @@ class DepthPolicy(Protocol):
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         """A round's verdicts: its depth and each request's accepted drafts."""
+
+    def sync_lag(self, lag: int) -> None:
+        """The batch about to be chosen for has run ``lag`` plain steps since its draft last caught up (the most of
+        its requests'), told where no decode step is in flight (so the engine's counts are the worker's)."""
 
     def launched(self, now: float, waited: float, contiguous: bool) -> None:
         """The step just chosen is launched at host time ``now`` (seconds); since the previous launch the host waited
@@ -159,9 +167,16 @@ class DepthChooser:
         self.host_per_depth = 0.0  # host increment per request and draft depth, from buckets with two depths seen
         # the costs the choice reads: max(the table's, the host's) per bucket and depth (``_refresh``)
         self.step_cost: dict[int, dict[int, float]] = {b: dict(self.costs[b]) for b in self.buckets}
-        self._chosen: tuple[int, int, bool] | None = None  # (bucket, depth, caught the draft up) of the last choice
-        # the last launches: [bucket, depth, caught up, launch time, host ms until the next launch (None: unknown)]
+        # (bucket, depth, caught the draft up, the lag of a round's catch-up short of a full stash else 0) of the
+        # last choice
+        self._chosen: tuple[int, int, bool, int] | None = None
+        # the last launches: [bucket, depth, caught up, short catch-up's lag, launch time, host ms until the next
+        # launch (None: unknown)]
         self._launches: deque[list] = deque(maxlen=4)
+        # the host's ms of a round's catch-up short of a full stash, per bucket: its recent samples and their median
+        # (from the first: such a catch-up is rare, and each one the chooser underprices costs several plain steps)
+        self._catch_up_runs: dict[int, deque[float]] = {}
+        self.catch_up_host: dict[int, float] = {}
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -192,6 +207,16 @@ class DepthChooser:
         (l0, c0), (l1, c1) = pts[0], pts[-1]
         return max(0.0, c0 + (c1 - c0) * (lag - l0) / (l1 - l0))
 
+    def catch_up_charge(self, bucket: int, lag: int) -> float:
+        """What a round's catch-up over ``lag`` plain steps costs: max(the table's device time, the host's observed
+        time at the bucket, else at the nearest observed bucket: at a smaller one scaled down by the batch, at a
+        larger one as it is, since its launches do not shrink with the batch)."""
+        table = self.catch_up_cost(bucket, lag)
+        if lag <= 0 or not self.catch_up_host:
+            return table
+        at = min(self.catch_up_host, key=lambda b: (abs(math.log(b / bucket)), -b))
+        return max(table, self.catch_up_host[at] * min(1.0, bucket / at))
+
     def best(self, batch_size: int, p: list[float] | None = None, lag: int | None = None) -> int:
         """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower), after ``lag`` plain steps (default:
         the steps since the last round): a round first catches the draft up on them, and so does a plain step whose
@@ -206,7 +231,7 @@ class DepthChooser:
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
             full = self.window and lag >= self.window
-            catch_up = 0.0 if full else self.catch_up_cost(bucket, lag)
+            catch_up = 0.0 if full else self.catch_up_charge(bucket, lag)
             totals = self._totals[(bucket, lag)] = [
                 (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
         # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
@@ -228,7 +253,7 @@ class DepthChooser:
         around them), and at least ``probe_interval``."""
         cost = self.step_cost[bucket]
         due = depth == 0 and not (self.window and lag >= self.window)  # (a full stash catches up either way)
-        extra = cost[probe] + (self.catch_up_cost(bucket, lag) if due else 0.0) - cost[depth]
+        extra = cost[probe] + (self.catch_up_charge(bucket, lag) if due else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int) -> int:
@@ -251,7 +276,9 @@ class DepthChooser:
                 self._seen[k] = self._step
         # whether this step catches the draft up first (a round after plain steps; a plain step on a full stash):
         # its host time then holds the catch-up's launches, which are not the depth's own cost
-        self._chosen = (bucket, depth, self.lag > 0 if depth > 0 else bool(self.window and self.lag >= self.window))
+        full = bool(self.window and self.lag >= self.window)
+        self._chosen = (bucket, depth, self.lag > 0 if depth > 0 else full,
+                        self.lag if depth > 0 and not full else 0)
         if depth > 0:
             self.lag = 0
         else:  # (a plain step on a full stash catches up first)
@@ -262,13 +289,21 @@ class DepthChooser:
     def observe(self, depth: int, accepted: list[int]) -> None:
         self.estimate.update(depth, accepted, self._step)
 
+    def sync_lag(self, lag: int) -> None:
+        """The count of plain steps is the batch's own: a new batch's requests start with none behind, and one
+        counted on from the last batch put the chooser's full stashes (where a catch-up is due whatever the
+        choice, and most probes fall) where the worker's are not."""
+        self.lag = lag
+
     def launched(self, now: float, waited: float, contiguous: bool) -> None:
         """Host-time samples from consecutive launches (no sync). Under the overlap schedule the interval from
         launching step n to launching step n + 1 holds step n's launch, reading and applying step n - 1's results
         (the read waits for the device where it is behind: ``waited``, left out) and planning step n + 1. So the
         interval less the wait is a sample of depth d's host cost where steps n - 1 and n both ran at d (same
         bucket, neither catching the draft up). A lone step p at depth d between steps at a base depth b (a probe)
-        spreads over two intervals: their sum less host(b) samples depth d."""
+        spreads over two intervals: their sum less host(b) samples depth d. A round that caught the draft up short
+        of a full stash samples the catch-up's host time: its interval (its launch, the catch-up's included) less
+        the host cost of its depth."""
         chosen, self._chosen = self._chosen, None
         if chosen is None or not self.host_samples:  # (host_samples 0: the table alone)
             return
@@ -276,20 +311,40 @@ class DepthChooser:
         if not contiguous:
             runs.clear()
         elif runs:
-            runs[-1][4] = max(0.0, now - runs[-1][3] - waited) * self.host_unit
+            runs[-1][5] = max(0.0, now - runs[-1][4] - waited) * self.host_unit
+            if runs[-1][3]:
+                self._sample_catch_up(runs[-1])
         runs.append([*chosen, now, None])
         if len(runs) < 3:
             return
         a, s = runs[-3], runs[-2]
         bucket = s[0]
-        if a[0] == bucket and a[1] == s[1] and not a[2] and not s[2] and s[4] is not None:
-            self._sample(bucket, s[1], s[4])
+        if a[0] == bucket and a[1] == s[1] and not a[2] and not s[2] and s[5] is not None:
+            self._sample(bucket, s[1], s[5])
         elif len(runs) == 4:
             base, p = runs[0], a
             base_host = self.host[bucket].get(s[1])
             if (base[0] == p[0] == bucket and base[1] == s[1] != p[1] and not (base[2] or p[2] or s[2])
-                    and p[4] is not None and s[4] is not None and base_host is not None):
-                self._sample(bucket, p[1], p[4] + s[4] - base_host)
+                    and p[5] is not None and s[5] is not None and base_host is not None):
+                self._sample(bucket, p[1], p[5] + s[5] - base_host)
+
+    def _sample_catch_up(self, run: list) -> None:
+        """A round's catch-up short of a full stash: its interval less its depth's host cost (where one is known)."""
+        bucket, depth, host_ms = run[0], run[1], run[5]
+        own = self.host_cost(bucket, depth)
+        if own <= 0:
+            return
+        recent = self._catch_up_runs.get(bucket)
+        if recent is None:
+            recent = self._catch_up_runs[bucket] = deque(maxlen=self.host_samples)
+        recent.append(max(0.0, host_ms - own))
+        median = statistics.median(recent)
+        old = self.catch_up_host.get(bucket)
+        if old is not None and abs(median - old) <= self.host_change * max(old, self.step_cost[bucket][0]):
+            return
+        self.catch_up_host[bucket] = median
+        for cache in (self._best, self._totals, self._probe_every):  # (buckets not observed borrow it: all)
+            cache.clear()
 
     def _sample(self, bucket: int, depth: int, ms: float) -> None:
         if ms <= 0:
@@ -374,7 +429,9 @@ class DepthChooser:
                             for b, o in self.host.items() if o},
                 "step_cost_ms": {str(b): {str(d): round(self.step_cost[b][d], 4) for d in self.tiers}
                                  for b, o in self.host.items() if o},
-                "host_ms_per_request_depth": round(self.host_per_depth, 6)}
+                "host_ms_per_request_depth": round(self.host_per_depth, 6),
+                # per bucket observed: the host's ms of a round's catch-up short of a full stash
+                "catch_up_host_ms": {str(b): round(h, 4) for b, h in sorted(self.catch_up_host.items())}}
 
 
 class DepthSchedule:
@@ -393,6 +450,9 @@ class DepthSchedule:
         return self.last_depth
 
     def observe(self, depth: int, accepted: list[int]) -> None:
+        pass
+
+    def sync_lag(self, lag: int) -> None:
         pass
 
     def launched(self, now: float, waited: float, contiguous: bool) -> None:

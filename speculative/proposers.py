@@ -367,28 +367,33 @@ class EagleProposer(_ModelProposer):
         """Whether ``catch_up_fixed`` can run the catch-up (a one-layer head with its stash allocated)."""
         return self.kv_only_catch_up and self.stash_tokens is not None
 
-    def catch_up_fixed(self, slots: torch.Tensor, root_pos: torch.Tensor, lags: torch.Tensor, pad_slot: int) -> None:
-        """``catch_up`` from device tensors [B] in shapes that depend on B alone (what a CUDA graph replays), for a
-        one-layer head: the KV-only pass over ``catch_up_window`` - 1 rows per request, the positions before its
-        ``lags[b]`` - 1 rows read from the padding slot's stash and written to its page (page 0); then the whole layer
-        at each request's last position. A row of lag 0 (not behind) runs on the padding slot: it changes nothing.
-        The KV and state written are ``catch_up``'s (on the rows it uses, the same computation)."""
+    def catch_up_fixed(self, slots: torch.Tensor, root_pos: torch.Tensor, lags: torch.Tensor, pad_slot: int,
+                       span: int | None = None) -> None:
+        """``catch_up`` from device tensors [B] in shapes that depend on B and ``span`` alone (what a CUDA graph
+        replays), for a one-layer head and lags of at most ``span`` (default ``catch_up_window``): the KV-only pass
+        over ``span`` - 1 rows per request, the positions before its ``lags[b]`` - 1 rows read from the padding
+        slot's stash and written to its page (page 0); then the whole layer at each request's last position. A row
+        of lag 0 (not behind) runs on the padding slot: it changes nothing. The KV and state written are
+        ``catch_up``'s (on the rows it uses, the same computation)."""
         w = self.catch_up_window
+        span = w if span is None else span
+        if not 1 <= span <= w:
+            raise ValueError(f"a catch-up span of {span} outside the stash's 1..{w}")
         b = slots.shape[0]
         live = (lags > 0).long()
         slots = pad_slot + (slots - pad_slot) * live
         root = w + (root_pos - w) * live  # (the padding slot's positions 0 .. w - 1)
         feats = self.stash_features
-        if w > 1:
-            j = torch.arange(w - 1, device=slots.device)
-            valid = (j >= (w - lags).unsqueeze(1)).long()  # [B, w - 1]: positions root - lag .. root - 2
+        if span > 1:
+            j = torch.arange(span - 1, device=slots.device)
+            valid = (j >= (span - lags).unsqueeze(1)).long()  # [B, span - 1]: positions root - lag .. root - 2
             tok_slot = (pad_slot + (slots.unsqueeze(1) - pad_slot) * valid).reshape(-1)
-            tok_pos = (j + (root.unsqueeze(1) - w) * valid).reshape(-1)  # (padding rows: page 0's positions)
-            rows = tok_slot * w + tok_pos % w
+            tok_pos = (j + (root.unsqueeze(1) - span) * valid).reshape(-1)  # (padding rows: page 0's positions)
+            rows = tok_slot * w + tok_pos % w  # (the ring's column: by the stash's window)
             ids = self.stash_tokens.view(-1).index_select(0, rows)
             raw = None if feats is None else feats.view(-1, feats.shape[-1]).index_select(0, rows)
             # one token per row: a row's K/V read only its own input, so the requests' rows need no grouping
-            kfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, tok_slot, tok_pos + 1, [1] * (b * (w - 1)),
+            kfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, tok_slot, tok_pos + 1, [1] * (b * (span - 1)),
                                         page_table=self.ctx.page_table)
             self.runner.store_kv(kfb, features=self._fuse(raw))
         rows = slots * w + (root - 1) % w

@@ -15,10 +15,12 @@ faster kept (``DecodeGraphs._capture_faster_fusion``). ``graph_refusal`` says wh
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import logging
 import os
 import time
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -300,8 +302,8 @@ class DecodeGraphs(GraphRunner):
         # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
         # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
         self.plain_step: Callable | None = None
-        # a plain step on a full stash: the draft's catch-up replayed from a graph per bucket (``capture_catch_up``),
-        # its per-row lags read from ``catch_up_lags``; False: it runs eagerly
+        # the draft's catch-up (a plain step on a full stash, a round after plain steps) replayed from a graph per
+        # bucket and span (``_capture_catch_up``), its per-row lags read from ``catch_up_lags``; False: it runs eagerly
         self.catch_up_graphs = False
         self.catch_up_lags: torch.Tensor | None = None
 
@@ -346,7 +348,7 @@ class DecodeGraphs(GraphRunner):
         self.static.fill(step, bucket)
         if catch_up_lags is not None:
             self._fill_catch_up_lags(catch_up_lags, bucket)
-            self.replay(("catch_up", bucket))
+            self.replay(("catch_up", bucket, self.catch_up_span(int(catch_up_lags.max()))))
         for name in self.phases[at]:  # the last phase returns the packed outputs
             out = self.replay((name,) + at)
         return out.rows(step.batch_size)
@@ -698,31 +700,46 @@ class DecodeGraphs(GraphRunner):
 
     # ---- the draft's catch-up on a plain step, replayed -----------------------------------------------------------
     def _captures_catch_up(self) -> bool:
-        """Whether plain steps replay the draft's catch-up (adaptive speculation with depth 0 among its tiers, a
-        draft whose catch-up runs in fixed shapes: ``Proposer.fixed_shape_catch_up``). A plain step catches up when
-        a request's stash is full, every ``catch_up_window`` plain steps: eagerly, its launches (over a hundred)
-        cost the host more than a plain step's replay, and where the host sets the pace (a small model at a large
-        batch), that is time every such step waits."""
+        """Whether the draft's catch-up replays graphs (adaptive speculation with depth 0 among its tiers, a draft
+        whose catch-up runs in fixed shapes: ``Proposer.fixed_shape_catch_up``). A plain step catches up when a
+        request's stash is full, every ``catch_up_window`` plain steps, and a round after plain steps first:
+        eagerly, its launches (over a hundred) cost the host more than a plain step's replay, and where the host
+        sets the pace (a small model at a large batch), that is time every such step waits."""
         proposer = None if self.spec_round is None else self.spec_round.proposer
         return (self.plain_step is not None and 0 in self.depth_tiers
                 and bool(getattr(proposer, "fixed_shape_catch_up", False)))
 
+    def catch_up_spans(self) -> list[int]:
+        """The longest lags the catch-up graphs of a bucket cover: the stash's size (a full stash) and the powers of
+        two below it (a round after fewer plain steps: its graph pads each request to the span, so a lag pays at
+        most twice the KV-only rows it needs, where the full stash's graph would run the whole window's)."""
+        window = self.spec_round.proposer.catch_up_window
+        return sorted({window} | {1 << i for i in range(window.bit_length()) if 1 << i < window})
+
+    def catch_up_span(self, lag: int) -> int:
+        """The span whose graph replays a catch-up of longest lag ``lag``."""
+        spans = self.catch_up_spans()
+        return spans[bisect.bisect_left(spans, lag)]
+
     def _capture_catch_up(self, bucket: int) -> None:
-        """The bucket's catch-up graph (``Proposer.catch_up_fixed``): request slots and root positions from the
-        static inputs (which the plain step replayed after it reads too), each row's lag from ``catch_up_lags``;
-        captured on padding rows (lag 0: the padding slot alone)."""
+        """The bucket's catch-up graphs (``Proposer.catch_up_fixed``), one per span (``catch_up_spans``, the longest
+        first: the shorter reuse its pool memory): request slots and root positions from the static inputs (which
+        the step replayed after it reads too), each row's lag from ``catch_up_lags``; captured on padding rows (lag
+        0: the padding slot alone). On the host each is one replay where the eager catch-up launches over a hundred
+        kernels, which on a host-bound shape costs more than the step it precedes."""
         proposer = self.spec_round.proposer
         if self.catch_up_lags is None:
             self.catch_up_lags = torch.zeros(self.static.max_bs, dtype=torch.int64, device=self.device)
         self.static.reset()
         self.catch_up_lags.zero_()
 
-        def catch_up():
+        def catch_up(span: int) -> None:
             proposer.catch_up_fixed(self.static.column("req_slots", bucket),
                                     self.static.column("seq_lens", bucket) - 1, self.catch_up_lags[:bucket],
-                                    self.static.pad_slot)
+                                    self.static.pad_slot, span)
 
-        self.capture(("catch_up", bucket), catch_up)
+        for span in reversed(self.catch_up_spans()):
+            self.capture(("catch_up", bucket, span), partial(catch_up, span))
 
     def _fill_catch_up_lags(self, lags: np.ndarray, bucket: int) -> None:
         """The rows' lags, then zeros (padding rows), in one host→device copy from pinned memory (as ``fill``)."""

@@ -394,7 +394,7 @@ class Worker:
         depth = None
         if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps and not masked:
             depth = step.spec_depth
-        catch_up_lags = None  # (a plain step's catch-up replayed before it)
+        catch_up_lags = None  # (the draft's catch-up replayed before the step)
         if self.spec_round is not None:
             replayed = bucket is not None and not masked and self.graphs.catch_up_graphs
             step, catch_up_lags = self._lazy_catch_up(step, plain=depth == 0, replayed=replayed)
@@ -464,11 +464,11 @@ class Worker:
 
         - a request whose last step was plain appended exactly one token there, so its lengths come from the host
           (plain steps leave the device's per-slot ``advance`` as it was, as no-speculation decoding does);
-        - before a round, the draft catches up on every position its requests' plain steps left (one eager
-          DRAFT_EXTEND: the requests behind and how far are known only now, and vary); before a plain step only
-          when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the step replays its
-          bucket's graphs, and the catch-up has its own: ``DecodeGraphs._capture_catch_up``) a catch-up on a full
-          stash is left to that graph (its shapes are a full stash's).
+        - before a round, the draft catches up on every position its requests' plain steps left; before a plain step
+          only when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the step replays
+          its bucket's graphs, and the catch-up has its own per span of lags: ``DecodeGraphs._capture_catch_up``)
+          the catch-up is left to those graphs (their rows padded to the span); else it runs eagerly, one ragged
+          DRAFT_EXTEND over exactly the positions behind (over a hundred launches).
 
         Returns the step (with the lengths moved where they are known) and, where the graph is to catch up, each
         row's lag (0: not behind); else None."""
@@ -488,7 +488,7 @@ class Worker:
             step = replace(step, ints=ints)
             full = run.max() >= p.catch_up_window
             if p.keeps_draft_state and (not plain or full):
-                if replayed and full:  # (a round's catch-up short of a full stash runs over exactly what is behind)
+                if replayed:
                     lags = run
                 else:
                     i = np.flatnonzero(behind)

@@ -141,6 +141,9 @@ class Engine:
         # GC generation 1 so far (one since the last launch: a pause that is not the step's cost)
         self.host_clock = bool(getattr(self.executor, "decode_graphs", False))
         self._decode_launched = False
+        # whether a decode step may be in flight: if not, the requests' landed draft lags are the worker's, and the
+        # depth policy's count of plain steps is set from them (``DepthPolicy.sync_lag``)
+        self._decode_in_flight = False
         self._waited = 0.0
         self._gc_gen1 = gc.get_count()[2]
         self._detok: dict[str, Detokenizer] = {}
@@ -238,6 +241,8 @@ class Engine:
         if plan is None and not self.in_flight:
             self._decode_launched = False  # (idle: the next launch's interval is no step's cost)
             return outputs
+        if plan is None:  # (the steps in flight are read now)
+            self._decode_in_flight = False
         # a prefill overlaps too: the scheduler counts its chunks as done when it plans them, and the next step reads
         # a completed prompt's first token on the device
         keep = 1 if self.overlap and plan is not None else 0
@@ -249,7 +254,10 @@ class Engine:
             if plan.mode == ForwardMode.EXTEND:
                 self.step_time["extend_steps"] += 1
             if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+                if not self._decode_in_flight:  # (a new batch's requests have no lag: the policy's count may be old)
+                    self.depth_policy.sync_lag(max(r.draft_lag for r in plan.requests))
                 step.spec_depth = self.depth_policy.choose(step.batch_size)
+            self._decode_in_flight = bool(keep) and plan.mode == ForwardMode.DECODE
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
                 self._decode_launched = False

@@ -516,10 +516,12 @@ def test_plain_steps_overlap_to_a_requests_last_token(spec_models):
     assert tokens == ref and round_idle > idle
 
 
-def test_fixed_shape_catch_up_equals_the_catch_up(spec_models):
-    """``catch_up_fixed`` (the plain step's catch-up as a CUDA graph replays it: window - 1 KV rows per request, a
-    padding row and a row not behind on the padding slot) writes the draft KV and state that ``catch_up`` writes
-    for the same requests and lags (mixed), and nothing else outside the padding page (fp32)."""
+@pytest.mark.parametrize("span", [None, 3])
+def test_fixed_shape_catch_up_equals_the_catch_up(spec_models, span):
+    """``catch_up_fixed`` (the catch-up as a CUDA graph replays it: span - 1 KV rows per request, the span the
+    window's or a shorter one's that covers the lags, a padding row and a row not behind on the padding slot) writes
+    the draft KV and state that ``catch_up`` writes for the same requests and lags (mixed), and nothing else outside
+    the padding page (fp32)."""
     import numpy as np
 
     eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
@@ -549,7 +551,7 @@ def test_fixed_shape_catch_up_equals_the_catch_up(spec_models):
         pad = worker.cfg.max_num_seqs  # rows: the three requests (the second not behind: lag 0 there), padding
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         p.catch_up_fixed(t([slots[0], slots[1], slots[2], pad]), t([root[0], root[1], root[2], 0]),
-                         t([3, 0, 2, 0]), pad)
+                         t([3, 0, 2, 0]), pad, span)
         fixed = snapshot()
         p.catch_up(slots[[0, 2]], root[[0, 2]], lags[[0, 2]])
         eager = snapshot()
@@ -570,8 +572,9 @@ def test_fixed_shape_catch_up_equals_the_catch_up(spec_models):
 
 def test_plain_steps_replay_the_catch_up(spec_models, references):
     """On the graph path a plain step on a full stash replays its bucket's catch-up graph (requests joining apart:
-    mixed lags, some not behind), rounds after plain steps catch up eagerly: the tokens are no speculation's, and
-    one request's draft KV is what one prefill of its tokens writes (fp32)."""
+    mixed lags, some not behind), and a round after fewer plain steps the graph of the shortest span that covers
+    its lags, never the eager catch-up: the tokens are no speculation's, and one request's draft KV is what one
+    prefill of its tokens writes (fp32)."""
     prompts, ref = references
     # (tiers 0 and 3: a shorter start-up cost model; depths 1 and 2 are captured at their first use)
     eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=3,
@@ -579,15 +582,21 @@ def test_plain_steps_replay_the_catch_up(spec_models, references):
                  cuda_graph_max_bs=8, max_num_seqs=8, page_size=4, max_prefill_tokens=24)
     worker = eng.executor.worker
     worker.capture_graphs()
-    assert worker.graphs.catch_up_graphs
+    assert worker.graphs.catch_up_graphs and worker.graphs.catch_up_spans() == [1, 2, 3]
     keys, replay = [], worker.graphs.replay
-    worker.graphs.replay = lambda key: keys.append(key[0]) or replay(key)
-    # full stashes in plain steps and before a round (3 plain steps, then a round), a round short of one (eager)
+    worker.graphs.replay = lambda key: keys.append(key) or replay(key)
+    eager, catch_up = [], worker.proposer.catch_up
+    worker.proposer.catch_up = lambda *a: eager.append(a) or catch_up(*a)
+    # full stashes in plain steps and before a round (3 plain steps, then a round), rounds short of one
     eng.depth_policy = DepthSchedule([0, 0, 0, 2, 0, 0, 0, 0, 1, 0, 3])
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
+    worker.proposer.catch_up = catch_up
     assert set(eng.steps_by_depth) == {0, 1, 2, 3}
-    after = [keys[i + 1] for i, k in enumerate(keys[:-1]) if k == "catch_up"]
-    assert "decode" in after and ({"round", "draft"} & set(after))  # before a plain step, and before a round
+    after = [(keys[i][2], keys[i + 1][0]) for i, k in enumerate(keys[:-1]) if k[0] == "catch_up"]
+    names = {name for _, name in after}
+    assert "decode" in names and ({"round", "draft"} & names)  # before a plain step, and before a round
+    assert {span for span, name in after if name != "decode"} & {1, 2}, after  # a round short of a full stash
+    assert not eager and worker.catch_ups[0] == len(after)
     eng.depth_policy = DepthSchedule([0])  # one request, runs of plain steps only
     req = eng.add_request(prompts[3], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
     while not req.output_ids:
@@ -661,7 +670,7 @@ def test_host_samples():
         nonlocal now
         d = c.choose(256)
         if depth is not None:  # (a forced depth: as a probe would be)
-            c._chosen = (256, depth, False)
+            c._chosen = (256, depth, False, 0)
         c.launched(now, wait if contiguous else 0.0, contiguous)
         now += host + wait
         return d
@@ -681,3 +690,41 @@ def test_host_samples():
         step()
     assert c.host[256][1] == pytest.approx(4.4)
     assert c.step_cost[240][0] == pytest.approx(4.0 * 240 / 256) and c.step_cost[240][3] == 6.6
+    # a round that catches the draft up short of a full stash (after 5 plain steps): its interval holds the
+    # catch-up's launches, its sample is that interval less its depth's host cost; the choice then charges it
+    assert not c.catch_up_host and c.catch_up_charge(256, 5) == c.catch_up_cost(256, 5)
+    for _ in range(5):
+        step()
+    d = c.choose(256)
+    assert d == 0 and c._chosen == (256, 0, False, 0)  # (nil acceptance: a plain step; forced to a round below)
+    c._chosen = (256, 1, True, 5)
+    c.launched(now, 0.5, True)
+    now += 4.4 + 8.0 + 0.5
+    step()
+    assert c.catch_up_host == {256: pytest.approx(8.0)} and c.catch_up_charge(256, 5) == pytest.approx(8.0)
+    assert c.stats()["catch_up_host_ms"] == {"256": pytest.approx(8.0)}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
+    """The chooser's count of plain steps is the worker's (the most behind of the batch's requests) at every decode
+    step, over batches back to back: the engine sets it at a batch's first decode step, where none is in flight.
+    (Counted on from the last batch, its full stashes, where a catch-up is due whatever the choice and most
+    probes fall, were not the worker's.)"""
+    import numpy as np
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
+                 disable_overlap_schedule=not overlap)
+    # plain steps best, a probe one tier up every 5 steps: rounds after plain steps, plain steps on full stashes
+    eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
+                                              num_steps=3, probe_interval=5, probe_budget=1.0)
+    worker = eng.executor.worker
+    counted, behind = [], []
+    choose, lazy = chooser.choose, worker._lazy_catch_up
+    chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
+    worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
+        step, **kw)
+    for n in (9, 7, 12):  # (batches of other lengths: the count a batch leaves is not the next one's)
+        eng.generate(mixed_prompts(3), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    assert counted == behind and max(behind) == 4 and len(behind) > 20
+    assert {0, 1} <= set(eng.steps_by_depth)
