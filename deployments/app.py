@@ -92,7 +92,7 @@ def _controller(cfg: LLMConfig, name: str | None = None):
 def build_app(args: dict) -> Application:
     cfg = resolve_config(dict(args))
     controller, m = _controller(cfg)
-    return OpenAIIngress.options(**cfg.ingress_deployment_config).bind(
+    return OpenAIIngress.options(**cfg.ingress_options()).bind(
         controller, m["model_id"], cfg.api_key_env, cfg.api_key_file, m["stream_interval"],
         m["stream_batching_interval_ms"], m["tokenizer"], cfg.max_request_body_bytes, m["limits"],
         router=m["router"], output_channel=m["output_channel"])
@@ -123,7 +123,7 @@ def build_openai_app(args: dict) -> Application:
             if f in c.model_fields_set and getattr(c, f) != getattr(first, f):
                 raise ValueError(f"llm_configs: {f} is the application's (one ingress serves every model): give "
                                  f"it in the first config only, or the same in all")
-    ingress_options = args.get("ingress_deployment_config") or first.ingress_deployment_config
+    ingress_options = first.ingress_options(args.get("ingress_deployment_config") or None)
     bound = [_controller(c, None if len(configs) == 1 else "LLMController-" + re.sub(r"[^A-Za-z0-9_.-]", "_",
                                                                    c.model_loading_config.model_id))
              for c in configs]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results.tgz
+# GPU checks and benchmarks, one stage per `device` call (see docs/performance.md, "How to measure"). Results go to $OUT/results_STAGE.tgz
 # (the device returns at most 8 files). Needs PYTHONPATH with pydantic (and flashinfer for the flashinfer stage;
 # ray[serve] and openai for the serving stage).
 #   bash tools/device_checks.sh gpu|flashinfer|engine|kernels|perf8b|perf1b|hfbase [1b|8b]|serving|served|rayllm|reliability|tp|tpfp32|raytp
@@ -14,6 +14,9 @@ set -uo pipefail
 stage=$1
 R=$OUT/r
 mkdir -p "$R"
+# this invocation's pack (a second stage in the same call gets its own: $R is emptied at the end of each)
+PACK=$OUT/results_$stage.tgz n=1
+while [[ -e $PACK ]]; do n=$((n + 1)); PACK=$OUT/results_${stage}_$n.tgz; done
 fail=0
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
 tag=$(grep -o -E "H100|H200|A100|L40S|B200" <<<"$gpu" | head -n 1 | tr A-Z a-z)
@@ -22,7 +25,7 @@ tag=${tag:-gpu}
 run() { echo "=== $*"; timeout "${T:-900}" "$@" 2>&1 | grep -v -E "Warning|warn\(" | tail -n 60
         local rc=${PIPESTATUS[0]}
         if ((rc)); then echo "!!! FAILED (exit $rc): $*"; fail=1; fi
-        tar czf "$OUT/results_$stage.tgz" -C "$R" .; }
+        tar czf "$PACK" -C "$R" .; }
 # serving: `serve run` as its own process group, stopped on every exit path (SIGINT lets Serve shut down and Ray stop;
 # then SIGKILL to whatever is left of the group; on the bare GPU machine also `ray stop --force`)
 SERVER=
@@ -54,7 +57,7 @@ serve_bench() {  # NAME CONFIG: serve the config, run python3 -m bench.serving a
   if [[ -z $state || $state == Z* ]]; then echo "!!! the server exited early"; fail=1; fi
   if ((fail)); then echo "--- tail of serve_$name.log"; tail -n 40 "$log"; fi
   stop_server
-  tar czf "$OUT/results_$stage.tgz" -C "$R" .
+  tar czf "$PACK" -C "$R" .
 }
 case $stage in
   gpu)  # `gpu [PYTEST -k EXPRESSION]`: all of tests/gpu takes longer than one call's limit on one GPU
@@ -238,7 +241,7 @@ int(sys.argv[1]), sys.argv[2]); print('healthy')" "$SERVER" "$log"
     if [[ -z $state || $state == Z* ]]; then echo "!!! the server exited early"; fail=1; fi
     if ((fail)); then echo "--- tail of serve_reliability.log"; tail -n 40 "$log"; fi
     stop_server
-    tar czf "$OUT/results_$stage.tgz" -C "$R" .
+    tar czf "$PACK" -C "$R" .
     ;;
   tp)  # nvidia-h200-x2: collectives (NCCL, one-shot custom all-reduce) eager and in graphs, with all GPUs visible and
     # isolated as under Ray, and their latency; then TP=2 vs TP=1 in bf16 (speed, NCCL only and custom, kernel tables)

@@ -213,3 +213,21 @@ def test_two_models_in_one_app_routed_by_model(server, tiny_models):
         assert lines[0].endswith(f":{port}")
     finally:
         serve.delete("multi")
+
+
+def test_the_ingress_runs_two_replicas_by_default_on_gpus_only():
+    """One ingress replica's CPU falls behind a GPU engine's streams (docs/design.md, Serving): 2 by default there;
+    what a config gives (a count, or autoscaling) is kept, and CPU engines get 1."""
+    from deployments.config import LLMConfig
+
+    def cfg(device, ingress=None):
+        return LLMConfig(model_loading_config={"model_id": "m", "model_source": "/nowhere"},
+                         engine_kwargs={"device": device}, ingress_deployment_config=ingress or {})
+
+    assert cfg("cuda").ingress_options() == {"num_replicas": 2}
+    assert cfg("cpu").ingress_options() == {"num_replicas": 1}
+    assert cfg("cuda", {"num_replicas": 1, "max_ongoing_requests": 64}).ingress_options() == {
+        "num_replicas": 1, "max_ongoing_requests": 64}
+    scaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
+    assert cfg("cuda", scaled).ingress_options() == scaled
+    assert cfg("cuda").ingress_options({"max_ongoing_requests": 8}) == {"max_ongoing_requests": 8, "num_replicas": 2}
