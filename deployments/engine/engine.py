@@ -113,6 +113,10 @@ class Engine:
             def host_drafter(tokens: list[int]) -> list[int]:
                 return propose_ngram(tokens, spec.num_steps, spec.ngram_min, spec.ngram_max)
 
+        # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
+        # previous one's tokens are read, so the host's work (reading tokens, detokenizing, planning) hides behind
+        # the device's. Host-drafted n-grams need the tokens first: those rounds run one at a time.
+        self.overlap = not cfg.disable_overlap_schedule and host_drafter is None
         self.scheduler = Scheduler(
             self.allocator,
             max_num_seqs=cfg.max_num_seqs,
@@ -127,6 +131,7 @@ class Engine:
             mixed_decode_rows=self._mixed_decode_rows(cfg, self.executor),
             draft_catch_up_window=spec.catch_up_window if spec is not None and spec.method != "ngram" else 0,
             delay_factor=cfg.scheduler_delay_factor,
+            overlap=int(self.overlap),
         )
         # adaptive speculation: the policy choosing each speculative step's draft depth (None: num_steps). Tests
         # and benchmarks may replace it (``speculative.adaptive.DepthSchedule``)
@@ -150,10 +155,6 @@ class Engine:
         self._eos = sorted(eos)
         self._grammar: grammar.GrammarEngine | None = None  # built on the first structured-output request
         self._grammar_lock = threading.Lock()  # (requests are validated on the core's submitting thread)
-        # overlap (SGLang's overlap scheduler): the next DECODE step (or speculative round) is launched before the
-        # previous one's tokens are read, so the host's work (reading tokens, detokenizing, planning) hides behind
-        # the device's. Host-drafted n-grams need the tokens first: those rounds run one at a time.
-        self.overlap = not cfg.disable_overlap_schedule and host_drafter is None
         self.in_flight: deque[tuple[int, StepPlan]] = deque()  # (step id, plan) launched, results unread, oldest first
         self._step_ids = itertools.count(1)
         self.num_steps = 0

@@ -98,6 +98,7 @@ class Scheduler:
         draft_catch_up_window: int = 0,
         delay_factor: float = 0.0,
         clock=time.monotonic,
+        overlap: int = 0,
     ):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
@@ -117,8 +118,13 @@ class Scheduler:
         # step, not one stall of every running request per piece
         self.delay_factor = delay_factor
         self.clock = clock
-        self._prefill_wall = 0.0  # the wall of the last prefill step (from its plan to the next plan)
-        self._prefill_planned: float | None = None  # when that step was planned, until the next plan
+        # steps the engine leaves in flight after each plan (overlap: 1): a step's device time then falls in the
+        # interval between the next two plans, not between its own plan and the next (which holds the step before)
+        self.overlap = overlap
+        self._prefill_wall = 0.0  # the wall of the last prefill step measured (``_measure_prefill``)
+        self._prefill_age: int | None = None  # plans since that step's own, while it is measured
+        self._prefill_longest = 0.0  # the longest interval between plans since it was planned
+        self._last_plan = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -303,15 +309,26 @@ class Scheduler:
         due = bool(self.waiting)
         if self.delay_factor:
             now = self.clock()
-            if self._prefill_planned is not None:
-                self._prefill_wall, self._prefill_planned = now - self._prefill_planned, None
+            self._measure_prefill(now)
             due = due and self._prefill_due(now)
         plan = None
         if due:
             plan = self._schedule_mixed() if self._may_mix() else self._schedule_extend()
             if plan is not None and plan.mode == ForwardMode.EXTEND and self.delay_factor:
-                self._prefill_planned = now
+                self._prefill_age, self._prefill_longest = 0, 0.0
         return plan or self._schedule_decode()
+
+    def _measure_prefill(self, now: float) -> None:
+        """The last prefill step's wall: the longest interval between plans from its plan to the ``overlap`` + 1-th
+        plan after it. Read at once, a step's wall is the interval to the next plan; overlapped, that interval holds
+        its launch and the read of the step before (a decode step, on a busy device), and its own device time falls
+        in the interval after."""
+        if self._prefill_age is not None:
+            self._prefill_age += 1
+            self._prefill_longest = max(self._prefill_longest, now - self._last_plan)
+            if self._prefill_age > self.overlap:
+                self._prefill_wall, self._prefill_age = self._prefill_longest, None
+        self._last_plan = now
 
     def _prefill_due(self, now: float) -> bool:
         """Whether the waiting requests are admitted now: when nothing runs, when the first is partly prefilled or

@@ -166,3 +166,36 @@ def test_the_prefill_delay_admits_at_once_what_fills_a_step(tiny_models):
     long = engine.add_request(PROMPTS[5][:20], SamplingParams(max_tokens=4, temperature=0.0))
     plan = sched.schedule()
     assert plan.mode == ForwardMode.EXTEND and plan.requests == [short, long] and plan.extend_lens == [5, 19]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_prefill_delay_scales_with_the_prefill_steps_own_wall(tiny_models, overlap):
+    """The delay is F times the prefill step's own wall, overlapped too. On a device clock (a step's cost counted
+    when its results are read: a prefill 10, a decode step 1), read at once the interval from a prefill's plan to the
+    next holds the prefill; overlapped it holds the read of the step before (a decode step, or nothing) and the
+    prefill falls in the interval after, which the delay must scale by instead."""
+    engine = make_engine(tiny_models["qwen3"], mixed_decode_rows=0, scheduler_delay_factor=2.0,
+                         disable_overlap_schedule=not overlap)
+    sched, real_step, now, cost = engine.scheduler, engine.executor.step, [0.0], {}
+    sched.clock = lambda: now[0]
+
+    def device_clock(step, keep):
+        if step is not None:
+            cost[step.step_id] = 10.0 if step.mode == ForwardMode.EXTEND else 1.0
+        results = real_step(step, keep)
+        now[0] += sum(cost[r.step_id] for r in results)
+        return results
+
+    engine.executor.step = device_clock
+    engine.add_request(PROMPTS[0], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # its prefill (nothing runs: at once), then decode steps
+        engine.step()
+    assert sched._prefill_wall == 10.0, f"the prefill's wall measured as {sched._prefill_wall}, not its 10"
+    late = engine.add_request(PROMPTS[5][:5], SamplingParams(max_tokens=4, temperature=0.0))
+    while late in sched.waiting:  # (5 tokens: it fills no step; it waits 2 x 10 of decode steps)
+        planned_at = now[0]  # (the step's plan reads the clock before its read advances it)
+        engine.step()
+    assert 20.0 <= planned_at - late.queued_at < 21.0, (planned_at, late.queued_at)
+    while engine.has_work():
+        engine.step()
+    assert late.finished and len(late.output_ids) == 4
