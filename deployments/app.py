@@ -123,7 +123,9 @@ def build_openai_app(args: dict) -> Application:
             if f in c.model_fields_set and getattr(c, f) != getattr(first, f):
                 raise ValueError(f"llm_configs: {f} is the application's (one ingress serves every model): give "
                                  f"it in the first config only, or the same in all")
-    ingress_options = first.ingress_options(args.get("ingress_deployment_config") or None)
+    # (one ingress serves every model: 2 replicas by default where any of their engines runs on GPUs)
+    ingress_options = first.ingress_options(args.get("ingress_deployment_config") or None,
+                                            any(c.on_gpus() for c in configs))
     bound = [_controller(c, None if len(configs) == 1 else "LLMController-" + re.sub(r"[^A-Za-z0-9_.-]", "_",
                                                                    c.model_loading_config.model_id))
              for c in configs]

@@ -47,8 +47,9 @@ class LLMConfig(Strict):
     ingress_deployment_config: dict = Field(default_factory=dict, description="Serve options of the ingress "
                                             "deployment (HTTP, tokenizing, detokenizing): num_replicas, "
                                             "autoscaling_config, max_ongoing_requests. Without num_replicas or "
-                                            "autoscaling_config: 2 replicas where the engine runs on GPUs (one "
-                                            "replica's CPU cannot keep up with a GPU engine's streams), else 1")
+                                            "autoscaling_config: 2 replicas where the engine (with several models: any "
+                                            "of theirs) runs on GPUs (one replica's CPU cannot keep up with a GPU "
+                                            "engine's streams), else 1")
     placement_group_config: PlacementGroupConfig = Field(default_factory=PlacementGroupConfig)
     api_key_env: str = Field("SPECSERVE_API_KEY", description="the environment variable that holds the API key (as "
                              "vLLM's VLLM_API_KEY): when it is set where the ingress replicas run, requests need "
@@ -218,14 +219,20 @@ class LLMConfig(Strict):
     def request_limits(self) -> dict:
         return {name: getattr(self, name) for name in LIMIT_FIELDS}
 
-    def ingress_options(self, given: dict | None = None) -> dict:
+    def ingress_options(self, given: dict | None = None, on_gpus: bool | None = None) -> dict:
         """The ingress deployment's Serve options: ``given`` (default: ``ingress_deployment_config``), with 2
-        replicas where neither a count nor autoscaling is given and the engine runs on GPUs (docs/design.md,
-        Serving)."""
+        replicas where neither a count nor autoscaling is given and an engine behind it runs on GPUs (``on_gpus``;
+        default: this config's engine) (docs/design.md, Serving)."""
         options = dict(self.ingress_deployment_config if given is None else given)
         if "num_replicas" not in options and "autoscaling_config" not in options:
-            options["num_replicas"] = 2 if self.engine_config().resolved_device() == "cuda" else 1
+            if on_gpus is None:
+                on_gpus = self.on_gpus()
+            options["num_replicas"] = 2 if on_gpus else 1
         return options
+
+    def on_gpus(self) -> bool:
+        """Whether the engine runs on GPUs (``device: auto`` as resolved where the application is built)."""
+        return self.engine_config().resolved_device() == "cuda"
 
     def engine_config(self) -> EngineConfig:
         kwargs = dict(self.engine_kwargs)

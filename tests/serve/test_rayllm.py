@@ -231,3 +231,17 @@ def test_the_ingress_runs_two_replicas_by_default_on_gpus_only():
     scaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
     assert cfg("cuda", scaled).ingress_options() == scaled
     assert cfg("cuda").ingress_options({"max_ongoing_requests": 8}) == {"max_ongoing_requests": 8, "num_replicas": 2}
+
+
+def test_a_multi_model_ingress_gets_two_replicas_when_any_engine_runs_on_gpus():
+    """One ingress serves every model of build_openai_app: a GPU engine's streams behind it want 2 replicas even
+    where the first model runs on CPU."""
+    from deployments.app import build_openai_app
+
+    def app(*devices):
+        return build_openai_app({"llm_configs": [
+            {"model_loading_config": {"model_id": f"m{i}", "model_source": "/nowhere"}, "engine_kwargs": {"device": d}}
+            for i, d in enumerate(devices)]})._bound_deployment.num_replicas
+
+    assert app("cpu", "cuda") == 2, "a GPU engine behind the ingress, not first"
+    assert app("cuda", "cpu") == 2 and app("cpu", "cpu") == 1
