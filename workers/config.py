@@ -104,7 +104,7 @@ class EngineConfig(Strict):
         "any number where decode steps run eagerly anyway (CPU, CUDA graphs off or refused), none where they replay "
         "CUDA graphs (docs/design.md, Scheduling). Never with speculation")
     scheduler_delay_factor: float = Field(
-        0.0, ge=0, description="while requests run, arrivals wait to be prefilled until the oldest has waited this "
+        0.0, ge=0, allow_inf_nan=False, description="while requests run, arrivals wait to be prefilled until the oldest has waited this "
         "many times the last prefill step's wall, or until they fill a prefill step (vLLM's option of the same "
         "name): arrivals that come spread over a few steps are prefilled in one step instead of stalling every "
         "running request once per piece. 0: admitted at the next step")
