@@ -157,8 +157,9 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
     [[ -f $ck/config.json && -f $ck-eagle3/config.json ]] || \
       run python3 -m bench.common --shape "$shape" --out "$ck" --eagle3-head "$ck-eagle3"
     for variant in ${@:3}; do  # nospec|eagle3, +to: RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (Ray Serve's own switch: gRPC
-      # to the replicas, user code on the replica's main loop, direct ingress), +direct: requests to the ingress
-      # replica's own port (direct ingress) instead of the proxy's 8000, +ha: HAProxy as the proxy on 8000
+      # to the replicas, user code on the replica's main loop, direct ingress), +direct: requests to one ingress
+      # replica's own port (direct ingress; add +ing1: GPU engines get 2 replicas by default) instead of the
+      # proxy's 8000, +ha: HAProxy as the proxy on 8000
       # (RAY_SERVE_ENABLE_HA_PROXY=1 with the throughput switch: it forwards to the replicas' own ports), +ingN: N
       # ingress replicas, +nopc: prefix caching off (the workload shares no prefix: what the cache costs), +nopg:
       # prefills run eagerly (no prefill graphs), +uni: the worker inside the engine core's process (TP=1), +mixN:
