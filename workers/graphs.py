@@ -306,6 +306,7 @@ class DecodeGraphs(GraphRunner):
         # bucket and span (``_capture_catch_up``), its per-row lags read from ``catch_up_lags``; False: it runs eagerly
         self.catch_up_graphs = False
         self.catch_up_lags: torch.Tensor | None = None
+        self._lag_images: PinnedRing | None = None  # the host images ``_fill_catch_up_lags`` copies from
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -730,6 +731,7 @@ class DecodeGraphs(GraphRunner):
         proposer = self.spec_round.proposer
         if self.catch_up_lags is None:
             self.catch_up_lags = torch.zeros(self.static.max_bs, dtype=torch.int64, device=self.device)
+            self._lag_images = PinnedRing((self.static.max_bs,), torch.int64, self.device, buffers=2)
         self.static.reset()
         self.catch_up_lags.zero_()
 
@@ -742,11 +744,13 @@ class DecodeGraphs(GraphRunner):
             self.capture(("catch_up", bucket, span), partial(catch_up, span))
 
     def _fill_catch_up_lags(self, lags: np.ndarray, bucket: int) -> None:
-        """The rows' lags, then zeros (padding rows), in one host→device copy from pinned memory (as ``fill``)."""
-        pinned = self.catch_up_lags.device.type == "cuda"
-        host = torch.zeros(bucket, dtype=torch.int64, pin_memory=pinned)
-        host.numpy()[:len(lags)] = lags
-        self.catch_up_lags[:bucket].copy_(host, non_blocking=pinned)
+        """The rows' lags, then zeros (padding rows), in one host→device copy of the bucket's rows from a pinned
+        image used in turn (as ``fill``: no pinned tensor allocated per catch-up, on the step it already slows)."""
+        host, image, i = self._lag_images.take()
+        image[:len(lags)] = lags
+        image[len(lags):bucket] = 0
+        self.catch_up_lags[:bucket].copy_(host[:bucket], non_blocking=self._lag_images.pinned)
+        self._lag_images.copied(i)
 
     # ---- the catch-up's compiles at start-up ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -456,6 +455,7 @@ class Worker:
         return None if proposal is None else (HostCopy(proposal), proposal_result)
 
     _SEQ, _COUNTERS, _PENDING = (INT_FIELDS.index(f) for f in ("seq_lens", "counters", "pending"))
+    _SEQ_AND_COUNTERS = slice(_SEQ, _COUNTERS + 1, _COUNTERS - _SEQ)
 
     def _lazy_catch_up(self, step: WorkerStep, plain: bool, replayed: bool = False
                        ) -> tuple[WorkerStep, np.ndarray | None]:
@@ -474,29 +474,35 @@ class Worker:
         row's lag (0: not behind); else None."""
         slots = step.req_slots
         run = self.plain_run[slots]
-        behind = run > 0
+        longest = int(run.max()) if len(run) else 0  # (run >= 0: a request is behind where it is > 0)
         lags = None
+        caught_up = False
         p = self.proposer
         if plain and p.keeps_draft_state and p.catch_up_window == 0:  # a plain step forced without adaptive
             p.allocate_stash(self.cfg.speculative_config.catch_up_window)
-        if behind.any():
+        if longest:
+            # pending is 0 or 1 (one step in flight at most): it moves where the request is behind. Few whole-row
+            # numpy ops and no dataclasses.replace: this runs on every plain step, over every row
+            moved = np.minimum(step.pending, run)
             ints = step.ints.copy()
-            moved = step.pending * behind
-            ints[self._SEQ] += moved
-            ints[self._COUNTERS] += moved
+            ints[self._SEQ_AND_COUNTERS] += moved  # (both rows in one op: a strided view)
             ints[self._PENDING] -= moved
-            step = replace(step, ints=ints)
-            full = run.max() >= p.catch_up_window
-            if p.keeps_draft_state and (not plain or full):
+            step = _with_ints(step, ints)
+            if p.keeps_draft_state and (not plain or longest >= p.catch_up_window):
                 if replayed:
                     lags = run
                 else:
-                    i = np.flatnonzero(behind)
+                    i = np.flatnonzero(run)
                     p.catch_up(slots[i], step.seq_lens[i] - 1, run[i])
                 self.catch_ups[0] += 1
                 self.catch_ups[1] += int(run.sum())
-                run = np.zeros_like(run)
-        self.plain_run[slots] = run + 1 if plain else 0
+                caught_up = True
+        if not plain:
+            self.plain_run[slots] = 0
+        elif caught_up or not longest:  # (every row's run is now 1: no new array)
+            self.plain_run[slots] = 1
+        else:
+            self.plain_run[slots] = run + 1
         return step, lags
 
     def _plain_step(self, inp: RoundInputs, top: bool = False) -> tuple[torch.Tensor, ...]:
@@ -544,3 +550,12 @@ class Worker:
         self._on_device()
         self.graphs = None  # captured graphs hold NCCL kernels: release them before the communicator
         close_distributed(self.tp)
+
+
+def _with_ints(step: WorkerStep, ints: np.ndarray) -> WorkerStep:
+    """``step`` with other ``ints``, a shallow copy (``dataclasses.replace`` runs ``__init__`` over every field, and
+    ``copy.copy`` would go through ``WorkerStep.__getstate__``'s bytes): the caller's step is left as it was."""
+    moved = object.__new__(WorkerStep)
+    moved.__dict__.update(step.__dict__)
+    moved.ints = ints
+    return moved

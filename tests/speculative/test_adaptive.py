@@ -728,3 +728,49 @@ def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
         eng.generate(mixed_prompts(3), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     assert counted == behind and max(behind) == 4 and len(behind) > 20
     assert {0, 1} <= set(eng.steps_by_depth)
+
+
+def test_plain_steps_move_their_lengths_on_a_copy(spec_models):
+    """Before a step, each request behind (its last steps plain) has its in-flight token added to its length and
+    sampling counter on the host and no longer counts as pending; the others keep theirs. The moves go to a copy:
+    the caller's step (the engine's message, read-only where it was unpickled) stays as it was, and every other
+    field of the copy is the caller's."""
+    import numpy as np
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=3),
+                 cuda_graph_max_bs=8)
+    eng.executor.worker.capture_graphs()
+    eng.depth_policy = DepthSchedule([0, 0, 0, 0, 1, 0, 0])
+    worker = eng.executor.worker
+    seen, lazy = [], worker._lazy_catch_up
+
+    def recorded(step, **kw):
+        ints, run = step.ints.copy(), worker.plain_run[step.req_slots].copy()
+        step.ints.flags.writeable = False  # (as an unpickled message's)
+        moved, lags = lazy(step, **kw)
+        seen.append((step, ints, run, moved))
+        return moved, lags
+
+    worker._lazy_catch_up = recorded
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    prompts = mixed_prompts(5)
+    reqs = [eng.add_request(p, params) for p in prompts[:3]]
+    while len(seen) < 3:  # (the later requests join a batch whose rows are behind: mixed rows)
+        eng.step()
+    reqs += [eng.add_request(p, params) for p in prompts[3:]]
+    while eng.has_work():
+        eng.step()
+    assert all(len(r.output_ids) == 14 for r in reqs)
+    behind_pending = mixed = 0
+    for step, ints, run, moved in seen:
+        assert np.array_equal(step.ints, ints)  # the caller's step unchanged
+        shift = np.where(run > 0, ints[5], 0)  # (row 5: pending)
+        expected = ints.copy()
+        expected[1] += shift  # seq_lens
+        expected[4] += shift  # counters
+        expected[5] -= shift
+        assert np.array_equal(moved.ints, expected)
+        assert all(getattr(moved, k) is getattr(step, k) for k in vars(step) if k != "ints")
+        behind_pending += int(shift.sum())
+        mixed += bool(run.any() and ((run == 0) & (ints[5] > 0)).any())  # rows behind, and pending rows not
+    assert behind_pending > 10 and mixed and {0, 1} <= set(eng.steps_by_depth)
