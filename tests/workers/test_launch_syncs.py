@@ -3,11 +3,14 @@ before it still runs; anything in the launch that makes the host wait for the GP
 blocking host→device copy) stalls the pipeline until the step in flight is done, and the device then idles while the
 host plans. On a CPU nothing waits, so this runs the launches under a dispatch mode that records the operations which
 synchronize on a GPU: EXTEND steps (prompts arriving while speculative rounds run) and DECODE steps through the
-graph path (static inputs, callables run as they are here), with and without speculation."""
+graph path (static inputs, callables run as they are here), with and without speculation. And a speculative engine's
+plain step launches, outside its graph replays, what a step without speculation launches (on a GPU anything more is
+host work or a copy every step; on a CPU, below the noise of a timing)."""
 
 from __future__ import annotations
 
 import traceback
+from collections import Counter
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from tests.engine.test_arrivals import drive
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
+from workers.messages import ForwardMode
 
 aten = torch.ops.aten
 # their result is a host value (or a shape) computed from device data: the host waits for the device
@@ -78,16 +82,18 @@ class SyncLint(TorchDispatchMode):
 
 
 def _lint_launches(eng) -> tuple[SyncLint, dict]:
-    """Every step launch of ``eng``'s worker runs under one SyncLint; returns it and the launches by mode."""
+    """Every call of ``eng``'s worker's step runs under one SyncLint (the page grants' copy, the launch, and the
+    reading of the older steps' results); returns it and the launches by mode."""
     worker = eng.executor.worker
-    launch, lint, modes = worker._launch, SyncLint(), {}
+    worker_step, lint, modes = worker.step, SyncLint(), {}
 
-    def linted(step):
-        modes[step.mode.value] = modes.get(step.mode.value, 0) + 1
+    def linted(step, keep=0):
+        if step is not None:
+            modes[step.mode.value] = modes.get(step.mode.value, 0) + 1
         with lint:
-            return launch(step)
+            return worker_step(step, keep)
 
-    worker._launch = linted
+    worker.step = linted
     return lint, modes
 
 
@@ -179,3 +185,82 @@ def test_the_lint_sees_what_waits():
             b.tolist()
     assert [f.split(" (")[0] for f in lint.found] == ["aten.item.default"] * 2 + ["Tensor.tolist"]
     assert torch.Tensor.tolist is not None and b.tolist() == [0] * 4
+
+
+class OutsideReplays(TorchDispatchMode):
+    """Counts the operations a worker's DECODE steps run outside their graph replays (on a GPU each is an eager
+    kernel or copy the host launches every step; inside a replay, on a CPU, the captured callables run), keyed by
+    (operation, the worker file and function that ran it), and the replays by graph name."""
+
+    def __init__(self, graphs):
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.replays: Counter = Counter()
+        self._inside = False
+        replay = graphs.replay
+
+        def counted(key):
+            self.replays[key[0]] += 1
+            self._inside = True
+            try:
+                return replay(key)
+            finally:
+                self._inside = False
+
+        graphs.replay = counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._inside:
+            frame = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/torch/" not in f.filename
+                         and not f.filename.endswith("test_launch_syncs.py"))
+            self.ops[(str(func), f"{frame.filename.rsplit('/', 1)[-1]}:{frame.name}")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_steps_outside_replays(eng, params, prompts) -> tuple[OutsideReplays, int]:
+    worker = eng.executor.worker
+    worker.capture_graphs()
+    count, worker_step, steps = OutsideReplays(worker.graphs), worker.step, [0]
+
+    def step(s, keep=0):
+        if s is None or s.mode != ForwardMode.DECODE:
+            return worker_step(s, keep)
+        steps[0] += 1
+        with count:
+            return worker_step(s, keep)
+
+    worker.step = step
+    for prompt, p in zip(prompts, params):  # (one batch within the largest bucket: every DECODE step replays)
+        eng.add_request(prompt, p)
+    while eng.has_work():
+        eng.step()
+    return count, steps[0]
+
+
+def test_plain_steps_launch_what_no_speculation_launches(spec_models):  # noqa: F811
+    """A speculative engine's plain step (adaptive depth 0) on the graph path launches what a step without
+    speculation launches: the same kinds of operations outside its replays (the static inputs' copy, the page
+    grants, the outputs' rows; grants fall on other steps, its requests reserving pages for a round's drafts) and
+    one replay, plus on a full stash the catch-up's lags copy and its graph's replay. Anything else there is host
+    work on a GPU that the step without speculation does not pay (an eager kernel, a copy, a second replay), which
+    the CPU's timings of the host path cannot tell from noise."""
+    from speculative.adaptive import DepthSchedule
+
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in range(8)]
+    prompts = mixed_prompts(8, seed=3)
+    kw = dict(cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
+    base, base_steps = _decode_steps_outside_replays(engine(spec_models["target"], **kw), params, prompts)
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, catch_up_window=4,
+                             adaptive=True)
+    eng = engine(spec_models["target"], spec, **kw)
+    eng.depth_policy = DepthSchedule([0])
+    plain, plain_steps = _decode_steps_outside_replays(eng, params, prompts)
+    catch_ups = eng.executor.worker.catch_ups[0]
+    assert set(eng.steps_by_depth) == {0} and catch_ups >= 2, (eng.steps_by_depth, catch_ups)
+    assert base.replays == {"decode": base_steps}
+    assert plain.replays == {"decode": plain_steps, "catch_up": catch_ups}  # (the catch-ups replayed, not eager)
+    lags = {(op, "graphs.py:_fill_catch_up_lags") for op in ("aten.copy_.default", "aten.slice.Tensor")}
+    assert set(plain.ops) <= set(base.ops) | lags, set(plain.ops) - set(base.ops) - lags
+    assert plain.ops[("aten.copy_.default", "graphs.py:_fill_catch_up_lags")] == catch_ups
+    for count, steps in ((base, base_steps), (plain, plain_steps)):  # one static inputs' copy a step
+        assert count.ops[("aten.copy_.default", "graphs.py:fill")] == steps
