@@ -47,6 +47,17 @@ the draft's catch-up (eager on a GPU too) is shown apart:
 
     python3 -m bench.host_step --model /tmp/micro --spec-head /tmp/micro-eagle3 --batch-sizes 64,256 \
         --out bench/results/host_step/cpu_spec_host_step
+
+``--spec-depth N`` with ``--spec-head`` times the speculative engine as the rows above time one without it, every
+DECODE step forced to depth N (0: adaptive speculation's plain steps), so the same command with and without it
+compares the two on one machine; on a GPU with ``--profile-batch`` each adds the kernel timeline (busy, idle gaps,
+kernels per step) and the CUDA runtime calls per step (graph launches, copies, and where the host waits for the
+device: synchronizes, blocking copies):
+
+    python3 -m bench.common --shape llama-3.2-1b --out /tmp/l1 --eagle3-head /tmp/l1-eagle3
+    python3 -m bench.host_step --device cuda --model /tmp/l1 --no-metrics --gc-freeze --prompt-len 128 \
+        --new-tokens 160 --max-model-len 4096 --batch-sizes 128,256 --profile-batch 256 --profile-steps 16 \
+        [--spec-head /tmp/l1-eagle3 --spec-depth 0] --out /tmp/host_step_1b_{nospec,d0}
 """
 
 from __future__ import annotations
@@ -85,11 +96,18 @@ def make_engine(args, max_batch: int):
     if args.spec_head is not None:  # (with --stub-worker: a speculative engine's host work, rounds simulated)
         from workers.config import SpeculativeConfig
 
+        # (--spec-depth: adaptive on, as bench.adaptive runs it: the stash and the catch-up graphs of depth 0)
         kw["speculative_config"] = SpeculativeConfig(method="eagle3", model=args.spec_head, num_steps=args.spec_steps,
-                                                     topk=1)
+                                                     topk=1, adaptive=True if args.spec_depth is not None else None,
+                                                     simulated_accept_length=None if args.spec_depth is None
+                                                     else args.accept_length)
         kw["max_model_len"] += args.new_tokens * args.spec_steps  # (rounds append up to spec_steps + 1 tokens)
         kw["kv_cache_tokens"] = max_batch * kw["max_model_len"]
     eng = Engine(EngineConfig(**kw), metrics=metrics, detokenize=not args.served)
+    if args.spec_depth is not None:  # every DECODE step at that depth (0: plain steps, the draft catching up lazily)
+        from speculative.adaptive import DepthSchedule
+
+        eng.depth_policy = DepthSchedule([args.spec_depth])
     if args.stub_worker:
         stub_worker(eng, args.spec_steps if args.spec_head is not None else 0, args.accept_length)
     if args.gc_freeze:  # as the server's engine core does after start-up
@@ -194,7 +212,9 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
     metric_time = getattr(eng, "_metric_time", None)
     if metric_time is None:
         metric_time = eng._metric_time = timed_metrics(eng)
-    per_step = args.spec_steps + 1 if args.spec_head is not None else 1  # (the most tokens a step appends)
+    # (the most tokens a step appends: a forced depth's requests then run as many steps as without speculation)
+    depth = args.spec_depth if args.spec_depth is not None else args.spec_steps
+    per_step = 1 if args.spec_head is None else depth + 1
     for _ in range(batch):
         req = eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
                               SamplingParams(max_tokens=args.new_tokens * per_step, temperature=args.temperature,
@@ -206,7 +226,7 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
         publish(eng.step())
     for _ in range(4):  # into the steady state (overlap: one step in flight)
         publish(eng.step())
-    before, t0 = dict(eng.step_time), time.perf_counter()
+    before, by_depth, t0 = dict(eng.step_time), dict(eng.steps_by_depth), time.perf_counter()
     pub0, met0 = getattr(publish, "seconds", 0.0), metric_time["s"]
     n_timed = max(8, args.new_tokens // 2)
     with GCTimer() as gct:
@@ -220,6 +240,9 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
     for key in STEP_KEYS:
         row[key.replace("_s", "_ms_per_step")] = round((eng.step_time[key] - before[key]) / steps * 1e3, 3)
     row["metrics_ms_per_step"] = round((metric_time["s"] - met0) / steps * 1e3, 4)
+    depths = {str(d): n - by_depth.get(d, 0) for d, n in sorted(eng.steps_by_depth.items()) if n - by_depth.get(d, 0)}
+    if depths:  # (a speculative engine: its timed steps by depth)
+        row["steps_by_depth"] = depths
     if args.served:
         row["publish_ms_per_step"] = round((publish.seconds - pub0) / steps * 1e3, 4)
     if profile:
@@ -247,6 +270,15 @@ def profile_steps(eng, steps: int) -> dict:
         summary = timeline_summary(kernel_timeline(prof), steps)
         summary["kernels"] = summary["kernels"][:25]
         out["device"] = summary
+        # separate steps with the host's side too: the CUDA runtime calls per step (eager launches, copies, and
+        # the host's waits for the device: an event / stream synchronize, or a copy that blocks)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step()
+            torch.cuda.synchronize()
+        out["runtime_calls"] = runtime_call_summary(
+            [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CPU], steps)
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(steps):
@@ -256,6 +288,22 @@ def profile_steps(eng, steps: int) -> dict:
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
     out["host_tottime"] = s.getvalue().splitlines()
     return out
+
+
+def runtime_call_summary(events: list[tuple[str, float]], steps: int) -> list[dict]:
+    """Per CUDA runtime / driver call name (``cuda*`` / ``cu*`` host events of a torch.profiler run: (name, µs)):
+    calls and µs per step, the longest call, longest first. The trailing synchronize of the profiled window (one
+    call) is in it."""
+    by: dict[str, list[float]] = {}
+    for name, us in events:
+        if not (name.startswith("cuda") or (name.startswith("cu") and name[2:3].isupper())):
+            continue
+        row = by.setdefault(name, [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += us
+        row[2] = max(row[2], us)
+    return [{"call": name, "per_step": round(n / steps, 2), "us_per_step": round(t / steps, 1),
+             "longest_us": round(m, 1)} for name, (n, t, m) in sorted(by.items(), key=lambda kv: -kv[1][1])]
 
 
 MESSAGE_KEYS = ("build_step_us", "step_bytes", "step_dumps_us", "step_loads_us", "fill_static_us",
@@ -354,6 +402,14 @@ def message_markdown(meta: dict) -> str:
     return "\n".join(md) + "\n"
 
 
+def _forced_depth(meta: dict) -> str:
+    if meta.get("spec_depth") is None:
+        return ""
+    return (f"; speculative engine (EAGLE-3 head, chain of {meta['spec_steps']}), every DECODE step at depth "
+            f"{meta['spec_depth']}" + (" (plain steps, the draft catching up lazily)" if meta["spec_depth"] == 0
+                                       else f" (simulated accept length {meta['accept_length']})"))
+
+
 def markdown(meta: dict) -> str:
     rows = meta["rows"]
     md = [f"# Engine host time per DECODE step ({meta['device']})", "",
@@ -363,6 +419,7 @@ def markdown(meta: dict) -> str:
           f"{'off' if meta['no_metrics'] else 'on (Ray)'}"
           f"{'; served (no detokenizing; publish: the core push messages, ' + str(meta.get('clients')) + ' clients)' if meta.get('served') else ''}"
           f"{'; stub worker (no model compute: execute is the stub answering)' if meta.get('stub_worker') else ''}"
+          f"{_forced_depth(meta)}"
           ". wall: a step's real time; execute: launching the step "
           "and reading the previous one's results (worker: rank 0's own part, the rest is waiting for the device); "
           + ("on a CPU, execute is the model's own compute." if meta["device"].startswith("CPU") else
@@ -374,6 +431,10 @@ def markdown(meta: dict) -> str:
            f"{r['execute_ms_per_step']} | {r['worker_ms_per_step']} | {r['outputs_ms_per_step']} | "
            f"{r.get('metrics_ms_per_step', '')} | {r.get('publish_ms_per_step', '')} | "
            f"{r.get('gc_ms_per_step', '')} ({'/'.join(map(str, r.get('gc_collections', [])))}) |" for r in rows]
+    depths = [f"bs {r['batch_size']}: " + ", ".join(f"d{d}:{n}" for d, n in r["steps_by_depth"].items())
+              for r in rows if r.get("steps_by_depth")]
+    if depths:
+        md += ["", "Timed steps by depth: " + "; ".join(depths) + "."]
     for r in rows:
         prof = r.get("profile")
         if not prof:
@@ -386,6 +447,11 @@ def markdown(meta: dict) -> str:
                    "| kernel | per step | mean µs | µs per step | gap before µs |", "|---|---|---|---|---|"]
             md += [f"| `{k['kernel']}` | {k['per_step']} | {k['mean_us']} | {k['us_per_step']} | "
                    f"{k['gap_before_us']} |" for k in dev["kernels"][:15]]
+        calls = prof.get("runtime_calls")
+        if calls:
+            md += ["", "CUDA runtime calls (other steps, profiled with the host's side):", "",
+                   "| call | per step | µs per step | longest µs |", "|---|---|---|---|"]
+            md += [f"| `{c['call']}` | {c['per_step']} | {c['us_per_step']} | {c['longest_us']} |" for c in calls[:15]]
         md += ["", "host functions by own time (cProfile):", "", "```", *prof["host_tottime"][:45], "```"]
     return "\n".join(md) + "\n"
 
@@ -666,6 +732,9 @@ def main() -> None:
     ap.add_argument("--policies", default=SPEC_POLICIES, help="with --spec-head: nospec, depthN, adaptive")
     ap.add_argument("--accept-length", type=float, default=1.5, help="with --spec-head: simulated accept length")
     ap.add_argument("--spec-steps", type=int, default=3, help="with --spec-head: the chain's depth")
+    ap.add_argument("--spec-depth", type=int, default=None, help="with --spec-head: the engine's steps timed per part "
+                    "as without it (the rows, --profile-batch's kernels and runtime calls), every DECODE step forced "
+                    "to this depth (0: plain steps); compare with the same command without --spec-head")
     ap.add_argument("--spec-timed-steps", type=int, default=40, help="with --spec-head: profiled steps per row")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the policies (--spec-head) or the batch sizes")
     ap.add_argument("--out", required=True)
@@ -674,7 +743,7 @@ def main() -> None:
     out = out_path(args.out)
     if args.report_only:
         meta = json.loads(out.with_suffix(".json").read_text())
-    elif args.spec_head is not None and not args.stub_worker:
+    elif args.spec_head is not None and not args.stub_worker and args.spec_depth is None:
         meta = {"device": f"CPU {platform.machine()}", "commit": commit(), "command": command(), "spec": True,
                 "model": args.model, "head": args.spec_head, "prompt_len": args.prompt_len,
                 "new_tokens": args.new_tokens, "accept_length": args.accept_length, "spec_steps": args.spec_steps,
@@ -712,8 +781,8 @@ def main() -> None:
                 "model": args.model, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                 "no_metrics": args.no_metrics, "rows": rows, "served": args.served, "clients": args.clients,
                 "stub_worker": args.stub_worker,
-                **({"spec_head": args.spec_head, "spec_steps": args.spec_steps, "accept_length": args.accept_length}
-                   if args.spec_head is not None else {}),
+                **({"spec_head": args.spec_head, "spec_steps": args.spec_steps, "accept_length": args.accept_length,
+                    "spec_depth": args.spec_depth} if args.spec_head is not None else {}),
                 "sampling": f"temperature {args.temperature}, top_p {args.top_p}, top_k {args.top_k}"}
         write_json(out, meta)
     if meta.get("spec"):

@@ -4,6 +4,7 @@ the speculation summary's ratios."""
 from types import SimpleNamespace
 
 from bench.gpu_perf import Suite
+from bench.host_step import runtime_call_summary
 from bench.profile_decode import exposed_by_kernel, verify_layers
 
 
@@ -33,6 +34,19 @@ def test_verify_layers_roles_and_span():
     got = verify_layers(kernels, 2)
     assert got == {"per_layer_us": 168.0, "_add_rms_norm": 2.0, "q/k/v": 20.0, "_rope_qk": 2.0,
                    "_split_kv_attention": 5.0, "_merge_splits": 3.0, "o": 13.0, "gate/up": 80.0, "down": 43.0}
+
+
+def test_runtime_call_summary_keeps_cuda_calls_per_step():
+    """The host-side profile's CUDA runtime and driver calls per step, longest first (host waits show as long
+    synchronizes or copies); aten ops and Python frames are left out."""
+    events = [("cudaGraphLaunch", 12.0), ("aten::copy_", 30.0), ("cudaMemcpyAsync", 4.0), ("cudaGraphLaunch", 10.0),
+              ("cudaEventSynchronize", 900.0), ("cuLaunchKernelEx", 6.0), ("cudaMemcpyAsync", 300.0),
+              ("custom_op", 50.0), ("worker.py(217): step", 80.0)]
+    got = runtime_call_summary(events, steps=2)
+    assert got == [{"call": "cudaEventSynchronize", "per_step": 0.5, "us_per_step": 450.0, "longest_us": 900.0},
+                   {"call": "cudaMemcpyAsync", "per_step": 1.0, "us_per_step": 152.0, "longest_us": 300.0},
+                   {"call": "cudaGraphLaunch", "per_step": 1.0, "us_per_step": 11.0, "longest_us": 12.0},
+                   {"call": "cuLaunchKernelEx", "per_step": 0.5, "us_per_step": 3.0, "longest_us": 6.0}]
 
 
 def test_speculation_summary_ratios():
