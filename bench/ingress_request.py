@@ -39,7 +39,8 @@ STAGES = [  # (name, from stamp, to stamp)
     ("EngineClient.add: the stream and detokenizer, routing", "add", "flush0"),
     ("the submit call (pickling the batch, Ray's send)", "flush0", "flush1"),
     ("total: arrival → the submit call left", "asgi", "flush1"),
-    ("(after) the submit's answer → response headers sent", "flush1", "start"),
+    ("(after) the submit call left → its answer awaited on the loop (Ray's reply)", "flush1", "answer"),
+    ("(after) the submit's answer → response headers sent", "answer", "start"),
     ("(after) first token delivered → its chunk sent", "deliver0", "chunk0"),
     ("(after) last token delivered → last chunk, usage, [DONE], the call's end", "deliver1", "end"),
 ]
@@ -115,11 +116,25 @@ def setup(tokenizer_path: str, stamps: dict):
             stamp("add")
             return await super().add(*args, **kwargs)
 
+        async def _submit(self, name, batch, answer):
+            return await super()._submit(name, batch, answer if isinstance(answer, Exception) else _Stamped(answer))
+
         def _flush(self, name):
             stamp("flush0")
             super()._flush(name)
             stamp("flush1")
             self.submits += 1
+
+    class _Stamped:
+        """The submit's answer (an ObjectRef), stamped when the event loop has it."""
+
+        def __init__(self, ref):
+            self.ref = ref
+
+        def __await__(self):
+            result = yield from self.ref.__await__()
+            stamp("answer")
+            return result
 
     engine = Client()
     ingress = OpenAIIngress.func_or_class.__new__(OpenAIIngress.func_or_class)
