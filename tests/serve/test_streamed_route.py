@@ -151,7 +151,7 @@ def test_refusals_are_the_same_openai_errors(served, path, body, param):
     ("/v1/completions", b'[1, 2]', None),  # not an object
     ("/v1/completions", json.dumps({**STREAM, "prompt": [5]}).encode(), []),  # no content type
     ("/v1/completions", json.dumps({**STREAM, "prompt": [5]}).encode(), [(b"content-type", b"text/plain")]),
-    ("/v1/completions", json.dumps({**STREAM, "prompt": [5], "stream": False}).encode(), None),  # not streamed
+    ("/v1/completions", json.dumps({"model": "m", "max_tokens": 2, "prompt": [5, 6]}).encode(), None),  # not streamed
     ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), None),
     ("/v1/completions/", json.dumps({**STREAM, "prompt": [5]}).encode(), None),  # no such route
 ])
