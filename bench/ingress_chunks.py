@@ -283,6 +283,7 @@ def http_run(tokenizer: str, token_ids: list[int], concurrency: int, requests: i
     served = _Served("specserve-tiny", None, engine,
                      RequestLimits(**{k: LLMConfig.model_fields[k].default for k in LIMIT_FIELDS}))
     ingress.models, ingress.default = {"specserve-tiny": served}, served
+    app.state.ingress = ingress  # (as the replica's constructor sets it)
     # (Serve's class-based routes take ``self`` from the replica context)
     ray.serve.get_replica_context = lambda: types.SimpleNamespace(servable_object=ingress)
     app.state.auth_header, app.state.max_body_bytes = None, None

@@ -211,8 +211,71 @@ class _Authenticate:
         await self.asgi_app(scope, receive, send)
 
 
+class _StreamedRoute:
+    """A streamed completion's way in without FastAPI's per-request machinery (route matching, the body's
+    content-type parse, ``json.loads`` and the validation of the dict, dependency solving: most of an arrival's cost
+    before our handler, paid on the one event loop that parses a wave of arrivals one after another). A POST to
+    /v1/completions or /v1/chat/completions with a JSON body that validates (pydantic's JSON parser) and asks for a
+    stream calls its handler directly; anything else (not JSON, invalid, not streamed) goes through FastAPI with its
+    body, so every error and every non-streamed answer stays FastAPI's."""
+
+    HANDLERS = {"/v1/completions": ("completions", CompletionRequest),
+                "/v1/chat/completions": ("chat", ChatCompletionRequest)}
+
+    def __init__(self, asgi_app):
+        self.asgi_app = asgi_app
+
+    async def __call__(self, scope, receive, send):
+        route = self.HANDLERS.get(_route_path(scope)) if scope["type"] == "http" and scope["method"] == "POST" else None
+        ingress = getattr(scope["app"].state, "ingress", None) if route is not None else None
+        if ingress is None or not _json_content(scope["headers"]):
+            return await self.asgi_app(scope, receive, send)
+        events, chunks = [], []
+        while True:
+            event = await receive()
+            events.append(event)
+            if event["type"] != "http.request":  # (a disconnect: FastAPI's path handles it as before)
+                chunks = None
+                break
+            chunks.append(event.get("body", b""))
+            if not event.get("more_body"):
+                break
+        body = None
+        if chunks is not None:
+            try:
+                body = route[1].model_validate_json(b"".join(chunks))
+            except ValueError:  # (pydantic's ValidationError: FastAPI's path says what is wrong, as it always did)
+                pass
+        if body is None or not body.stream:
+            async def replay():
+                return events.pop(0) if events else await receive()
+
+            return await self.asgi_app(scope, replay, send)
+        try:
+            response = await getattr(ingress, route[0])(body)
+        except APIError as e:
+            response = error_response(e.status, e.message, e.type, e.param, e.code)
+        await response(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path the router matches (the app's root path, Serve's route prefix, taken off)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
+def _json_content(headers) -> bool:
+    """Whether the body is declared as JSON (``application/json``, parameters allowed), as FastAPI takes it."""
+    for name, value in headers:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
+app.add_middleware(_StreamedRoute)
 app.add_middleware(_LimitBody)
 app.add_middleware(_Authenticate)  # (added last: runs first, before any byte of the body is read)
+# (so the order is _Authenticate, _LimitBody, _StreamedRoute, then FastAPI's routing)
 
 
 @app.exception_handler(RequestValidationError)
@@ -360,6 +423,7 @@ class OpenAIIngress:
         key = read_api_key(api_key_env, api_key_file)
         app.state.auth_header = None if key is None else f"Bearer {key}".encode()  # the middlewares read these
         app.state.max_body_bytes = max_request_body_bytes
+        app.state.ingress = self  # (_StreamedRoute calls the streamed routes' handlers on it)
         self.created = int(time.time())
         first = dict(controller=controller, model_id=model_id, stream_interval=stream_interval,
                      stream_batching_interval_ms=stream_batching_interval_ms, tokenizer=tokenizer, limits=limits,
@@ -455,7 +519,7 @@ class OpenAIIngress:
             self.limits.check_prompt(prompt, info["max_model_len"])  # before tokenizing, or sending ids to the engine
             if isinstance(prompt, list):  # token ids: in range before anything decodes them (echo) or the engine sees them
                 vocab = info["vocab_size"]
-                if any(not 0 <= t < vocab for t in prompt):
+                if prompt and (min(prompt) < 0 or max(prompt) >= vocab):  # (C loops: no Python per id)
                     raise APIError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         if body.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported", param="best_of")
@@ -511,10 +575,16 @@ class OpenAIIngress:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         n = body.n or 1
         total = n * len(prompts)
-        added = await asyncio.gather(*(self.engine.add(
-            rid if total == 1 else f"{rid}-{i}", prompts[i // n],
-            dict(params, seed=None if params["seed"] is None else params["seed"] ^ (i % n)), arrival)
-            for i in range(total)), return_exceptions=True)
+        if total == 1:  # (awaited here: no task, and no turn of the event loop, for the one request)
+            try:
+                added = [await self.engine.add(rid, prompts[0], params, arrival)]
+            except Exception as e:  # noqa: BLE001 - as gather's return_exceptions: handled below
+                added = [e]
+        else:
+            added = await asyncio.gather(*(self.engine.add(
+                f"{rid}-{i}", prompts[i // n],
+                dict(params, seed=None if params["seed"] is None else params["seed"] ^ (i % n)), arrival)
+                for i in range(total)), return_exceptions=True)
         refused = next((a for a in added if isinstance(a, BaseException)), None)
         if refused is not None:
             for a in added:
