@@ -8,6 +8,7 @@ over shared-memory channels), far cheaper per step than a regular actor call; pl
 from __future__ import annotations
 
 import logging
+import random
 import socket
 import threading
 from typing import Callable
@@ -54,6 +55,23 @@ class WorkerActor(Worker):
 
 
 def _free_port() -> int:
+    """A port free now for rank 0's rendezvous store, chosen between Ray's worker ports (10002-19999 by default) and
+    the kernel's ephemeral range: it must stay free until rank 0 binds it, and outgoing connections (Ray opens many)
+    take their local ports from the ephemeral range, where one once took it first (EADDRINUSE)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(64):
+        port = rng.randrange(20000, max(20001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        return port
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]

@@ -335,3 +335,19 @@ def test_tp2_norms_in_linears_equal_tp1(tp_models, tmp_path):
     assert len(got["logits"]) == len(ref) == len(FORWARDS)
     for a, b in zip(got["logits"], ref):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4), (a - b).abs().max()
+
+
+def test_the_rendezvous_port_is_outside_the_ephemeral_range():
+    """Rank 0 binds the port a moment after the executor picks it; a port from the ephemeral range could meanwhile
+    become an outgoing connection's local port (a CI run once failed with EADDRINUSE there)."""
+    import socket
+
+    from deployments.engine.executor import _free_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    for _ in range(20):
+        port = _free_port()
+        assert 20000 <= port < low, port
+        with socket.socket() as s:
+            s.bind(("", port))  # free when picked
