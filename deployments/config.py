@@ -222,7 +222,7 @@ class LLMConfig(Strict):
     def ingress_options(self, given: dict | None = None, on_gpus: bool | None = None) -> dict:
         """The ingress deployment's Serve options: ``given`` (default: ``ingress_deployment_config``), with 2
         replicas where neither a count nor autoscaling is given and an engine behind it runs on GPUs (``on_gpus``;
-        default: this config's engine) (docs/design.md, Serving)."""
+        default: this config's engine) (docs/design.md, Streaming)."""
         options = dict(self.ingress_deployment_config if given is None else given)
         if "num_replicas" not in options and "autoscaling_config" not in options:
             if on_gpus is None:

@@ -31,7 +31,7 @@ def tune_gc_for_steps(threshold: int = STEP_GC_THRESHOLD) -> None:
     700 (the interpreter's default). A decode step keeps about four new objects alive, but at a large batch it holds
     over a thousand at once while it runs (each request's output and its lists; at 256 requests about 1,300), all
     freed by their reference counts when the step ends; with the default that transient alone started a collection
-    in nearly every step (on the CPU at bs 256: 106 in 115 steps, 0.4-0.6 ms a step, a host-bound step's tenth).
+    in nearly every step (what that cost is in docs/performance.md).
     With the threshold above the largest batch's transient, collections follow what really accumulates (new
     requests' state): rare, each over at most ``threshold`` young objects. Process-local, like the freeze; the older
     generations' thresholds stay the interpreter's."""
