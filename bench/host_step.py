@@ -465,7 +465,7 @@ H100_1B_COSTS = {64: {0: 1.4562, 1: 1.8179, 2: 2.195, 3: 2.48, -1: 0.2042, -16: 
 DEVICE_FUNCS = {("workers/worker.py", "_decode"), ("workers/worker.py", "_plain_step"),
                 ("workers/worker.py", "_eager_inputs"), ("speculative/round.py", "run"),
                 ("workers/outputs.py", "pack")}
-CATCH_UP_FUNCS = {("speculative/proposers.py", "catch_up")}
+CATCH_UP_FUNCS = {("speculative/proposers.py", "catch_up"), ("speculative/proposers.py", "catch_up_behind")}
 SPEC_POLICIES = "nospec,depth0,adaptive,depth1"
 # host functions whose cumulative time each row reports (file suffix, name)
 WATCHED = [("deployments/engine/scheduler.py", "schedule"), ("deployments/engine/scheduler.py", "to_worker_step"),
@@ -513,8 +513,9 @@ def _own_and_excluded(stats: pstats.Stats) -> tuple[float, float, float, list]:
         k = key(fn)
         if k in DEVICE_FUNCS:
             device += ct
-        elif k in CATCH_UP_FUNCS:
-            catch_up += ct
+        elif k in CATCH_UP_FUNCS:  # (called from another catch-up function: counted there)
+            catch_up += sum(c[3] for caller, c in callers.items() if key(caller) not in CATCH_UP_FUNCS) \
+                if callers else ct
     # own times of the host's functions: those reached from the profiled calls without entering an excluded one
     callees: dict = {}
     for fn, (cc, nc, tt, ct, callers) in stats.stats.items():
@@ -616,19 +617,24 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
         eng.depth_policy = DepthSchedule([int(policy.removeprefix("depth"))])
     shapes: list = []
     if worker.proposer is not None:  # the catch-ups of the timed steps: (requests, longest lag, uniform, KV rows)
-        inner = worker.proposer.catch_up
+        def logged(inner):
+            def call(slots, root_pos, lags):
+                if recording[0] and not timing[0]:  # (a plain step's catch_up_behind may run catch_up inside)
+                    lags_ = [int(x) for x in lags]
+                    shapes.append((len(lags_), max(lags_), len(set(lags_)) == 1, sum(x - 1 for x in lags_ if x > 1)))
+                t0, outer = time.perf_counter(), not timing[0]
+                timing[0] = True
+                try:
+                    return inner(slots, root_pos, lags)
+                finally:
+                    if outer:
+                        timing[0] = False
+                        timers["catch_up"] = timers.get("catch_up", 0.0) + time.perf_counter() - t0
+            return call
 
-        def logged(slots, root_pos, lags):
-            if recording[0]:
-                lags_ = [int(x) for x in lags]
-                shapes.append((len(lags_), max(lags_), len(set(lags_)) == 1, sum(x - 1 for x in lags_ if x > 1)))
-            t0 = time.perf_counter()
-            try:
-                return inner(slots, root_pos, lags)
-            finally:
-                timers["catch_up"] = timers.get("catch_up", 0.0) + time.perf_counter() - t0
-
-        worker.proposer.catch_up = logged
+        timing = [False]
+        for name in ("catch_up", "catch_up_behind"):
+            setattr(worker.proposer, name, logged(getattr(worker.proposer, name)))
     pr, wall, depths = run(args.new_tokens, args.spec_timed_steps)
     if worker.proposer is not None:
         del worker.proposer.catch_up

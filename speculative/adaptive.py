@@ -66,6 +66,16 @@ class DepthPolicy(Protocol):
         """What /v1/stats shows of the policy."""
 
 
+def lag_after_plain_step(lag: int, window: int) -> int:
+    """A request's draft lag (plain steps whose positions its draft has not consumed) after a plain step that found
+    it at ``lag``, with a stash of ``window`` positions (0: no draft to keep): one more; on a full stash the step
+    first catches the draft up on all but the newest position (``Proposer.catch_up_behind``), so 2 (1 where the stash
+    holds one position: that one is consumed too). The worker, the scheduler and the chooser each count by it."""
+    if window and lag >= window:
+        return min(window, 2)
+    return lag + 1
+
+
 def expected_tokens(p: list[float], depth: int) -> float:
     """1 + sum_{j<=depth} prod_{i<=j} p_i: the tokens a chain round of ``depth`` drafts emits on average."""
     total, run = 1.0, 1.0
@@ -129,7 +139,7 @@ class DepthChooser:
     def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.5,
                  probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05,
                  host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
-                 host_change: float = 0.03):
+                 host_change: float = 0.03, host_ttl: int = 256):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -164,6 +174,10 @@ class DepthChooser:
             host_unit, host_samples, host_min_samples, host_change)
         self.host: dict[int, dict[int, float]] = {b: {} for b in self.buckets}  # bucket → {depth: host median}
         self._host_runs: dict[tuple[int, int], deque[float]] = {}
+        # a host median above the table that no step has sampled for ``host_ttl`` steps is dropped (``_expire``):
+        # a depth it priced out is not run again, so one measured in a slow spell would otherwise stand for good
+        self.host_ttl = host_ttl
+        self._sampled_at: dict[tuple[int, int], int] = {}  # (bucket, depth) → the step of its last sample
         self.host_per_depth = 0.0  # host increment per request and draft depth, from buckets with two depths seen
         # the costs the choice reads: max(the table's, the host's) per bucket and depth (``_refresh``)
         self.step_cost: dict[int, dict[int, float]] = {b: dict(self.costs[b]) for b in self.buckets}
@@ -258,8 +272,10 @@ class DepthChooser:
 
     def choose(self, batch_size: int) -> int:
         bucket = self.bucket(batch_size)
-        depth = self._cached_best(batch_size, bucket, self.lag)
         self._step += 1
+        if self._step % 16 == 0 and self._sampled_at:
+            self._expire()
+        depth = self._cached_best(batch_size, bucket, self.lag)
         # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder)
         base = min(depth, self._cached_best(batch_size, bucket, 0))
         i = self.tiers.index(base)
@@ -282,7 +298,7 @@ class DepthChooser:
         if depth > 0:
             self.lag = 0
         else:  # (a plain step on a full stash catches up first)
-            self.lag = 1 if self.window and self.lag >= self.window else self.lag + 1
+            self.lag = lag_after_plain_step(self.lag, self.window)
         self.last_depth = depth
         return depth
 
@@ -349,6 +365,7 @@ class DepthChooser:
     def _sample(self, bucket: int, depth: int, ms: float) -> None:
         if ms <= 0:
             return
+        self._sampled_at[bucket, depth] = self._step
         recent = self._host_runs.get((bucket, depth))
         if recent is None:
             recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
@@ -365,6 +382,21 @@ class DepthChooser:
         host[depth] = median
         self._learn_increment()
         for b in self.buckets:  # (buckets not measured borrow the nearest measured one's)
+            self._refresh(b)
+
+    def _expire(self) -> None:
+        """Drop the host medians above the table that were last sampled over ``host_ttl`` steps ago: such a depth
+        is then estimated from the depths measured since (``host_cost``: optimistic), so it is chosen again where
+        the table favours it and measured anew; if the host really is that slow there, a few steps bring it back."""
+        stale = [(b, d) for (b, d), at in self._sampled_at.items()
+                 if self._step - at > self.host_ttl and self.host[b].get(d, 0.0) > self.costs[b][d]]
+        if not stale:
+            return
+        for b, d in stale:
+            del self.host[b][d], self._sampled_at[b, d]
+            self._host_runs.pop((b, d), None)
+        self._learn_increment()
+        for b in self.buckets:
             self._refresh(b)
 
     def _learn_increment(self) -> None:

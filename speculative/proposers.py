@@ -17,10 +17,12 @@ EAGLE's draft position p holds the pair (token p+1, target feature p); the stand
 Lazy catch-up (adaptive speculation's plain steps): a depth-0 step is the target's plain decode step. It leaves the
 draft's position m (its root's) unconsumed and only ``stash``es what the draft needs there (EAGLE: the sampled
 token and the target's features at m; the standalone draft: the root) in a per-slot ring of ``catch_up_window``
-positions. Before the next round (or when the ring is full), ``catch_up`` runs the draft over every stashed
-position at once (one DRAFT_EXTEND), which leaves its KV and state as if it had followed every step. A head of
-one layer writes only its KV at each request's positions but the last (a position's K/V read its own input alone),
-and runs the whole layer at the last one, whose outputs the next round starts from.
+positions. Before the next round, ``catch_up`` runs the draft over every stashed position at once (one
+DRAFT_EXTEND), which leaves its KV and state as if it had followed every step. A head of one layer writes only its
+KV at each request's positions but the last (a position's K/V read its own input alone), and runs the whole layer
+at the last one, whose outputs the next round starts from. When the ring is full, a plain step first consumes all
+but each request's newest position (``catch_up_behind``): no round follows yet, so the whole-layer pass waits for
+the one that does.
 """
 
 from __future__ import annotations
@@ -134,6 +136,14 @@ class Proposer:
         """The draft consumes the ``lags[i]`` positions before each root (``root_pos[i]``) of request slot
         ``slots[i]`` from the stash (host arrays, every lag in 1..catch_up_window): afterwards its KV and state are
         what following every plain step would have left."""
+
+    def catch_up_behind(self, slots: np.ndarray, root_pos: np.ndarray, lags: np.ndarray) -> None:
+        """``catch_up`` over each request's stashed positions but its newest (a plain step on a full stash frees
+        a column of the ring; the newest position stays stashed for the catch-up before the next round)."""
+        slots, root_pos, lags = (np.asarray(x, np.int64) for x in (slots, root_pos, lags))
+        behind = lags > 1
+        if behind.any():
+            self.catch_up(slots[behind], root_pos[behind] - 1, lags[behind] - 1)
 
     def _root_only(self, inp: "RoundInputs") -> DraftTree:
         return chain_tree(inp.root, inp.root.new_empty(inp.batch_size, 0))
@@ -353,14 +363,20 @@ class EagleProposer(_ModelProposer):
     def catch_up(self, slots, root_pos, lags):
         if self.kv_only_catch_up:
             slots, root_pos, lags = (np.asarray(x, np.int64) for x in (slots, root_pos, lags))
-            behind = lags > 1
-            if behind.any():  # every stashed position but each request's last: its KV alone
-                kfb, raw = self._stashed(slots[behind], root_pos[behind] - 1, lags[behind] - 1)
-                self.runner.store_kv(kfb, features=self._fuse(raw))
+            self.catch_up_behind(slots, root_pos, lags)  # every stashed position but each request's last
             lags = np.ones_like(lags)  # the last: the whole layer, attending over the KV just stored
         fb, raw = self._stashed(slots, root_pos, lags)
         (logp, d2t), feat = self._draft_forward(fb, self._fuse(raw))
         self._save_state(fb.req_slots, logp, d2t, feat)  # from each request's last pair: the root's first draft
+
+    def catch_up_behind(self, slots, root_pos, lags):
+        if not self.kv_only_catch_up:
+            return super().catch_up_behind(slots, root_pos, lags)
+        slots, root_pos, lags = (np.asarray(x, np.int64) for x in (slots, root_pos, lags))
+        behind = lags > 1
+        if behind.any():  # a one-layer head: the KV alone (its state is the last position's, left for later)
+            kfb, raw = self._stashed(slots[behind], root_pos[behind] - 1, lags[behind] - 1)
+            self.runner.store_kv(kfb, features=self._fuse(raw))
 
     @property
     def fixed_shape_catch_up(self) -> bool:
@@ -368,13 +384,13 @@ class EagleProposer(_ModelProposer):
         return self.kv_only_catch_up and self.stash_tokens is not None
 
     def catch_up_fixed(self, slots: torch.Tensor, root_pos: torch.Tensor, lags: torch.Tensor, pad_slot: int,
-                       span: int | None = None) -> None:
+                       span: int | None = None, whole_last: bool = True) -> None:
         """``catch_up`` from device tensors [B] in shapes that depend on B and ``span`` alone (what a CUDA graph
         replays), for a one-layer head and lags of at most ``span`` (default ``catch_up_window``): the KV-only pass
         over ``span`` - 1 rows per request, the positions before its ``lags[b]`` - 1 rows read from the padding
-        slot's stash and written to its page (page 0); then the whole layer at each request's last position. A row
-        of lag 0 (not behind) runs on the padding slot: it changes nothing. The KV and state written are
-        ``catch_up``'s (on the rows it uses, the same computation)."""
+        slot's stash and written to its page (page 0); then, with ``whole_last``, the whole layer at each request's
+        last position (without: ``catch_up_behind``). A row of lag 0 (not behind) runs on the padding slot: it
+        changes nothing. The KV and state written are ``catch_up``'s (on the rows it uses, the same computation)."""
         w = self.catch_up_window
         span = w if span is None else span
         if not 1 <= span <= w:
@@ -396,6 +412,8 @@ class EagleProposer(_ModelProposer):
             kfb = self.runner.new_batch(ForwardMode.DRAFT_EXTEND, ids, tok_slot, tok_pos + 1, [1] * (b * (span - 1)),
                                         page_table=self.ctx.page_table)
             self.runner.store_kv(kfb, features=self._fuse(raw))
+        if not whole_last:
+            return
         rows = slots * w + (root - 1) % w
         ids = self.stash_tokens.view(-1).index_select(0, rows)
         raw = None if feats is None else feats.view(-1, feats.shape[-1]).index_select(0, rows)

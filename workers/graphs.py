@@ -349,7 +349,7 @@ class DecodeGraphs(GraphRunner):
         self.static.fill(step, bucket)
         if catch_up_lags is not None:
             self._fill_catch_up_lags(catch_up_lags, bucket)
-            self.replay(("catch_up", bucket, self.catch_up_span(int(catch_up_lags.max()))))
+            self.replay(self._catch_up_key(bucket, int(catch_up_lags.max()), plain=depth == 0))
         for name in self.phases[at]:  # the last phase returns the packed outputs
             out = self.replay((name,) + at)
         return out.rows(step.batch_size)
@@ -722,9 +722,19 @@ class DecodeGraphs(GraphRunner):
         spans = self.catch_up_spans()
         return spans[bisect.bisect_left(spans, lag)]
 
+    def _catch_up_key(self, bucket: int, longest: int, plain: bool) -> tuple:
+        """The graph of a catch-up before a step: before a plain step (a full stash) all but each request's newest
+        position (``Proposer.catch_up_behind``, where the stash holds more than one), before a round every position
+        (the graph of the shortest span covering the longest lag)."""
+        window = self.spec_round.proposer.catch_up_window
+        if plain and window > 1:
+            return ("catch_up_behind", bucket, window)
+        return ("catch_up", bucket, self.catch_up_span(longest))
+
     def _capture_catch_up(self, bucket: int) -> None:
         """The bucket's catch-up graphs (``Proposer.catch_up_fixed``), one per span (``catch_up_spans``, the longest
-        first: the shorter reuse its pool memory): request slots and root positions from the static inputs (which
+        first: the shorter reuse its pool memory) and a plain step's (``_catch_up_key``, the KV-only pass of the
+        window's): request slots and root positions from the static inputs (which
         the step replayed after it reads too), each row's lag from ``catch_up_lags``; captured on padding rows (lag
         0: the padding slot alone). On the host each is one replay where the eager catch-up launches over a hundred
         kernels, which on a host-bound shape costs more than the step it precedes."""
@@ -735,13 +745,16 @@ class DecodeGraphs(GraphRunner):
         self.static.reset()
         self.catch_up_lags.zero_()
 
-        def catch_up(span: int) -> None:
+        def catch_up(span: int, whole_last: bool = True) -> None:
             proposer.catch_up_fixed(self.static.column("req_slots", bucket),
                                     self.static.column("seq_lens", bucket) - 1, self.catch_up_lags[:bucket],
-                                    self.static.pad_slot, span)
+                                    self.static.pad_slot, span, whole_last)
 
         for span in reversed(self.catch_up_spans()):
             self.capture(("catch_up", bucket, span), partial(catch_up, span))
+        if proposer.catch_up_window > 1:
+            self.capture(("catch_up_behind", bucket, proposer.catch_up_window),
+                         partial(catch_up, proposer.catch_up_window, False))
 
     def _fill_catch_up_lags(self, lags: np.ndarray, bucket: int) -> None:
         """The rows' lags, then zeros (padding rows), in one host→device copy of the bucket's rows from a pinned

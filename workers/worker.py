@@ -465,10 +465,12 @@ class Worker:
         - a request whose last step was plain appended exactly one token there, so its lengths come from the host
           (plain steps leave the device's per-slot ``advance`` as it was, as no-speculation decoding does);
         - before a round, the draft catches up on every position its requests' plain steps left; before a plain step
-          only when some request's stash is full (``catch_up_window`` positions). With ``replayed`` (the step replays
-          its bucket's graphs, and the catch-up has its own per span of lags: ``DecodeGraphs._capture_catch_up``)
-          the catch-up is left to those graphs (their rows padded to the span); else it runs eagerly, one ragged
-          DRAFT_EXTEND over exactly the positions behind (over a hundred launches).
+          only when some request's stash is full (``catch_up_window`` positions), and then on all but each
+          request's newest (``Proposer.catch_up_behind``: the whole-layer pass there waits for a round). With
+          ``replayed`` (the step replays its bucket's graphs, and the catch-up has its own per span of lags:
+          ``DecodeGraphs._capture_catch_up``) the catch-up is left to those graphs (their rows padded to the span);
+          else it runs eagerly, one ragged DRAFT_EXTEND over exactly the positions behind (over a hundred
+          launches).
 
         Returns the step (with the lengths moved where they are known) and, where the graph is to catch up, each
         row's lag (0: not behind); else None."""
@@ -480,6 +482,8 @@ class Worker:
         p = self.proposer
         if plain and p.keeps_draft_state and p.catch_up_window == 0:  # a plain step forced without adaptive
             p.allocate_stash(self.cfg.speculative_config.catch_up_window)
+        # a plain step's catch-up frees one column of the ring, keeping the newest position (``lag_after_plain_step``)
+        keep_newest = plain and p.catch_up_window > 1
         if longest:
             # pending is 0 or 1 (one step in flight at most): it moves where the request is behind. Few whole-row
             # numpy ops and no dataclasses.replace: this runs on every plain step, over every row
@@ -493,13 +497,17 @@ class Worker:
                     lags = run
                 else:
                     i = np.flatnonzero(run)
-                    p.catch_up(slots[i], step.seq_lens[i] - 1, run[i])
+                    (p.catch_up_behind if keep_newest else p.catch_up)(slots[i], step.seq_lens[i] - 1, run[i])
                 self.catch_ups[0] += 1
-                self.catch_ups[1] += int(run.sum())
+                self.catch_ups[1] += int(run.sum()) - (int(np.count_nonzero(run)) if keep_newest else 0)
                 caught_up = True
         if not plain:
             self.plain_run[slots] = 0
-        elif caught_up or not longest:  # (every row's run is now 1: no new array)
+        elif not longest:  # (every row's run is now 1: no new array)
+            self.plain_run[slots] = 1
+        elif caught_up and keep_newest:  # (each row behind kept its newest position)
+            self.plain_run[slots] = np.minimum(run, 1) + 1
+        elif caught_up:
             self.plain_run[slots] = 1
         else:
             self.plain_run[slots] = run + 1

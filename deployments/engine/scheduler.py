@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from deployments.engine.pages import OutOfPages, PageAllocator
 from deployments.engine.request import NEVER, InvalidRequest, Request, RequestStatus
+from speculative.adaptive import lag_after_plain_step
 from workers.messages import ForwardMode, LogitsSetup, StepResult, WorkerStep
 
 
@@ -586,7 +587,7 @@ class Scheduler:
                 continue  # a prompt chunk with more to go: its sampled token is not output
             a, b = at[i], at[i + 1]
             if window:  # as the worker's stash: a plain step on a full one catches the draft up first
-                req.draft_lag = (1 if req.draft_lag >= window else req.draft_lag + 1) if plain else 0
+                req.draft_lag = lag_after_plain_step(req.draft_lag, window) if plain else 0
             new = self._append_tokens(req, result.tokens[a:b], result.logprobs[a:b], tops[i] if tops else None)
             produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
@@ -608,7 +609,7 @@ class Scheduler:
             if req.status is finished:  # aborted, or ended by a token read after this step was launched
                 continue
             if window:  # as the worker's stash: a plain step on a full one catches the draft up first
-                req.draft_lag = 1 if req.draft_lag >= window else req.draft_lag + 1
+                req.draft_lag = lag_after_plain_step(req.draft_lag, window)
             p, out = req.params, req.output_ids
             out.append(tok)
             req.output_logprobs.append(lp)

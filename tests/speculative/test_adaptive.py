@@ -516,12 +516,13 @@ def test_plain_steps_overlap_to_a_requests_last_token(spec_models):
     assert tokens == ref and round_idle > idle
 
 
-@pytest.mark.parametrize("span", [None, 3])
-def test_fixed_shape_catch_up_equals_the_catch_up(spec_models, span):
+@pytest.mark.parametrize("span, behind", [(None, False), (3, False), (None, True)])
+def test_fixed_shape_catch_up_equals_the_catch_up(spec_models, span, behind):
     """``catch_up_fixed`` (the catch-up as a CUDA graph replays it: span - 1 KV rows per request, the span the
     window's or a shorter one's that covers the lags, a padding row and a row not behind on the padding slot) writes
     the draft KV and state that ``catch_up`` writes for the same requests and lags (mixed), and nothing else outside
-    the padding page (fp32)."""
+    the padding page (fp32); without its whole-layer pass (a plain step's graph), the KV that ``catch_up_behind``
+    writes, and no draft state."""
     import numpy as np
 
     eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
@@ -551,9 +552,9 @@ def test_fixed_shape_catch_up_equals_the_catch_up(spec_models, span):
         pad = worker.cfg.max_num_seqs  # rows: the three requests (the second not behind: lag 0 there), padding
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
         p.catch_up_fixed(t([slots[0], slots[1], slots[2], pad]), t([root[0], root[1], root[2], 0]),
-                         t([3, 0, 2, 0]), pad, span)
+                         t([3, 0, 2, 0]), pad, span, whole_last=not behind)
         fixed = snapshot()
-        p.catch_up(slots[[0, 2]], root[[0, 2]], lags[[0, 2]])
+        (p.catch_up_behind if behind else p.catch_up)(slots[[0, 2]], root[[0, 2]], lags[[0, 2]])
         eager = snapshot()
     page = worker.cfg.page_size
     n = len(kv.k + kv.v)
@@ -567,7 +568,41 @@ def test_fixed_shape_catch_up_equals_the_catch_up(spec_models, span):
         torch.testing.assert_close(a[:pad], b[:pad], atol=1e-5, rtol=1e-5)
         assert (b[slots[1]] == s[slots[1]]).all()  # (not behind: untouched)
     feat = fixed[-1]  # (a chain's state is its draft ids and output feature)
-    assert all((feat[i] != saved[-1][i]).any() for i in slots[[0, 2]])
+    assert all((feat[i] != saved[-1][i]).any() != behind for i in slots[[0, 2]])
+
+
+@pytest.mark.parametrize("method", ["eagle3", "draft"])
+def test_a_full_stash_keeps_its_newest_position(spec_models, method):
+    """Eagerly, a plain step on a full stash (3) catches the draft up on all but the newest position, so the
+    request is 2 behind after it (the scheduler's count the worker's), and the draft's KV of every position consumed
+    is what one prefill of the same tokens writes (fp32)."""
+    prompt = mixed_prompts(4)[2]
+    eng = engine(spec_models["target"], _spec(spec_models, method, catch_up_window=3), page_size=4,
+                 disable_overlap_schedule=True)
+    eng.depth_policy = DepthSchedule([0])
+    req = eng.add_request(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    worker, runs, slot, lags = eng.executor.worker, [], None, []
+    while eng.has_work():
+        eng.step()
+        if req.output_ids:
+            slot = req.req_slot if slot is None else slot
+            runs.append(int(worker.plain_run[slot]))
+            lags.append(req.draft_lag)
+    assert runs[:7] == [0, 1, 2, 3, 2, 3, 2], runs  # (the prefill's step leaves none behind)
+    assert lags[:-1] == runs[:-1], lags  # (the scheduler's count, until the request ends and frees its slot)
+    assert worker.catch_ups[1] == worker.catch_ups[0] * 2  # each over the 2 positions before the newest
+    n = len(req.all_ids) - 1 - runs[-1]  # the positions consumed
+    fresh = engine(spec_models["target"], _spec(spec_models, method))
+    fresh.generate([req.all_ids[:n]], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    for a, b in zip(_draft_kv(worker, slot, n), _draft_kv(fresh.executor.worker, 0, n)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_lag_after_plain_step():
+    from speculative.adaptive import lag_after_plain_step
+
+    assert [lag_after_plain_step(lag, 4) for lag in range(5)] == [1, 2, 3, 4, 2]
+    assert lag_after_plain_step(1, 1) == 1 and lag_after_plain_step(7, 0) == 8  # (one column: all consumed)
 
 
 def test_plain_steps_replay_the_catch_up(spec_models, references):
@@ -592,10 +627,12 @@ def test_plain_steps_replay_the_catch_up(spec_models, references):
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
     worker.proposer.catch_up = catch_up
     assert set(eng.steps_by_depth) == {0, 1, 2, 3}
-    after = [(keys[i][2], keys[i + 1][0]) for i, k in enumerate(keys[:-1]) if k[0] == "catch_up"]
-    names = {name for _, name in after}
+    after = [(k[0], k[2], keys[i + 1][0]) for i, k in enumerate(keys[:-1]) if k[0].startswith("catch_up")]
+    names = {name for _, _, name in after}
     assert "decode" in names and ({"round", "draft"} & names)  # before a plain step, and before a round
-    assert {span for span, name in after if name != "decode"} & {1, 2}, after  # a round short of a full stash
+    # a plain step (a full stash) consumes all but each request's newest position, a round every position
+    assert all((kind == "catch_up_behind") == (name == "decode") for kind, _, name in after), after
+    assert {span for _, span, name in after if name != "decode"} & {1, 2}, after  # a round short of a full stash
     assert not eager and worker.catch_ups[0] == len(after)
     eng.depth_policy = DepthSchedule([0])  # one request, runs of plain steps only
     req = eng.add_request(prompts[3], SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True))
@@ -654,6 +691,36 @@ def test_engine_feeds_the_host_clock(spec_models):
     for depth, ms in host.items():
         assert table[int(depth)] < ms < 10_000
         assert chooser.step_cost[8][int(depth)] == pytest.approx(ms, rel=0.03)
+
+
+def test_a_host_cost_measured_in_a_slow_spell_expires():
+    """A plain step's host time measured high (a slow spell of the machine) prices depth 0 out, and a depth the
+    chooser no longer picks gets no samples to correct it: after ``host_ttl`` steps without one, a median above the
+    table is dropped, depth 0 is chosen again and measured anew, and stays chosen where it is now cheaper."""
+    table = {256: {0: 2.3, 1: 3.7, 2: 5.3, 3: 6.7}}
+    c = DepthChooser(table, num_steps=3, host_unit=1.0, probe_interval=10**6, host_ttl=64)
+    now = 0.0
+
+    def step(host: dict) -> int:
+        nonlocal now
+        d = c.choose(256)
+        c.launched(now, 0.2, True)
+        now += host[d] + 0.2
+        return d
+
+    c.estimate.accepted = [0.0, 0.0, 0.0]  # (plain steps first: acceptance nil)
+    for _ in range(5):
+        step({0: 4.7})
+    assert c.host[256] == {0: 4.7}
+    c.estimate.accepted = [0.5, 0.5, 0.5]  # a round now beats a plain step priced at 4.7 ms
+    slow = {0: 4.7, 1: 3.5, 2: 4.0, 3: 4.5}
+    depths = [step(slow) for _ in range(40)]
+    assert 0 not in depths and len(set(depths)) == 1, depths
+    fast = {0: 2.5, 1: 3.5, 2: 4.0, 3: 4.5}  # the spell is over: a plain step costs the host 2.5 ms
+    depths = [step(fast) for _ in range(80)]
+    first = depths.index(0)  # (40 + first steps since depth 0's last sample: past the ttl, at a multiple of 16)
+    assert 40 + first <= 64 + 16 + 1 and set(depths[first:]) == {0}, depths
+    assert c.host[256][0] == pytest.approx(2.5) and c.step_cost[256][0] == pytest.approx(2.5)
 
 
 def test_host_samples():
