@@ -126,3 +126,25 @@ def test_serving_per_step_counts_prefill_steps_and_requests_per_submit():
     assert row["requests_per_submit"] == 8.0 and row["loop_wall_ms"] == 2.5
     old = {"step_time": {k: v for k, v in stats(300, 0, 0, 0, 0)["step_time"].items() if k != "extend_steps"}}
     assert "extend_steps" not in per_step(old, old | {"step_time": {**old["step_time"], "steps": 301}})
+
+
+def test_adaptive_ab_summary_from_a_trace():
+    """bench.adaptive_ab: medians over repeats against no speculation's, and a trace's launches by depth (the
+    interval to the next launch, its wait, host = the difference; none across a non-contiguous launch)."""
+    from bench.adaptive_ab import summary
+
+    res = {"rows": {"no_spec": [{"decode_tok_s": 100.0, "median_step_ms": 2.0},
+                                {"decode_tok_s": 90.0, "median_step_ms": 2.2},
+                                {"decode_tok_s": 110.0, "median_step_ms": 1.8}],
+                    "adaptive": [{"decode_tok_s": 95.0, "median_step_ms": 2.1}]},
+           "trace": {"adaptive": [["choose", 0.0, 8, 0, 0], ["launch", 1.000, 0.0, True],
+                                  ["choose", 0.0, 8, 0, 1], ["launch", 1.003, 0.0005, True],
+                                  ["choose", 0.0, 8, 1, 2], ["launch", 1.006, 0.001, True],
+                                  ["choose", 0.0, 8, 0, 0], ["launch", 1.011, 0.002, True],
+                                  ["choose", 0.0, 8, 0, 1], ["launch", 1.050, 0.0, False]]}}
+    got = summary(res)
+    assert got["no_spec"] == {"tok_s": 100.0, "vs_no_spec": 1.0, "median_step_ms": 2.0}
+    assert got["adaptive"]["vs_no_spec"] == 0.95
+    by = got["adaptive"]["launches_by_depth"]
+    assert by["0"] == {"n": 2, "interval_ms": 3.0, "waited_ms": 0.75, "host_ms": 2.25}
+    assert by["1"] == {"n": 1, "interval_ms": 5.0, "waited_ms": 2.0, "host_ms": 3.0}

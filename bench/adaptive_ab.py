@@ -1,0 +1,199 @@
+"""#41 at one batch size: no speculation against forced depths and the adaptive chooser, per tree, on one machine.
+
+``bench.adaptive`` sweeps every batch size and depth; this times one batch size (default the 1B shape at bs 256, the
+host-bound point) with more repeats, and can be run from several trees in one device call (a copy of an older
+commit beside the checkout: ``git archive C --prefix=ab_C/ | tar -x``, then ``cd ab_C && python3
+../bench/adaptive_ab.py ...``), so that a difference between commits is not one between machines. Per policy: each
+timed batch's decode tok/s and median step, the chooser's host medians and, with ``--trace``, every launch the
+policy was told of in the last repeat (host time = the interval between launches less the waits for the device).
+
+    python3 -m bench.adaptive_ab --tag main --out bench/results/adaptive/ab/ab_main_h100.json [--trace]
+    python3 -m bench.adaptive_ab --report bench/results/adaptive/ab/ab_h100 FILE.json [FILE.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+POLICIES = {"adaptive": 0.01, "adaptive_p005": 0.005}  # the chooser at its probe budget
+
+
+def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
+    return argparse.Namespace(
+        cpu=a.cpu, shapes=a.shape, ckpt_dir=a.ckpt_dir, steps=3, accept_lengths=str(a.accept_length),
+        batch_sizes=str(a.bs), prompt_len=16 if a.cpu else 128, new_tokens=a.new_tokens, warm_rounds=16,
+        catch_up_window=None, repeats=1, change="3.0,1.2", change_bs=4, change_steps=60, default_gc=False,
+        tuning_cache_dir=None, out=a.out + "_bench", report_only=False, merge=False)
+
+
+def _traced(policy, log: list) -> None:
+    """Record each choice, launch and host sample the policy sees (the chooser's own methods, wrapped)."""
+    choose, launched = policy.choose, policy.launched
+
+    def on_choose(bs):
+        d = choose(bs)
+        log.append(["choose", time.perf_counter(), bs, d, getattr(policy, "lag", None)])
+        return d
+
+    def on_launch(now, waited, contiguous):
+        log.append(["launch", now, waited, contiguous])
+        return launched(now, waited, contiguous)
+
+    policy.choose, policy.launched = on_choose, on_launch
+
+
+def run(a) -> None:
+    sys.path.insert(0, os.getcwd())  # (the tree run from: a copy of another commit imports its own modules)
+    from bench.adaptive import Bench
+    from speculative.adaptive import DepthChooser, DepthSchedule
+    from workers.config import SpeculativeConfig
+
+    b = Bench(_args(a))
+    ckpt, head = b.checkpoint(a.shape)
+    res = {"tag": a.tag, "device": b.results["device"], "commit": b.results["commit"], "command": b.results["command"],
+           "shape": a.shape, "batch_size": a.bs, "accept_length": a.accept_length, "new_tokens": a.new_tokens,
+           "rows": {}}
+
+    def keep(name, row):
+        res["rows"].setdefault(name, []).append(row)
+        print(a.tag, name, row["decode_tok_s"], row["median_step_ms"], row.get("steps_by_depth"), flush=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+    eng = b.engine(ckpt)
+    b._decode_rate(eng, 1, 8)
+    b._decode_rate(eng, a.bs, 16)
+    for _ in range(a.repeats):
+        keep("no_spec", b._decode_rate(eng, a.bs))
+    del eng
+    b.free()
+    spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=3, topk=1, adaptive=True,
+                             simulated_accept_length=a.accept_length)
+    eng = b.engine(ckpt, spec)
+    costs = eng.executor.depth_costs
+    res["cost_ms"] = {str(k): {str(d): round(v, 4) for d, v in row.items()} for k, row in costs.items()}
+    eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
+    for name in a.policies.split(","):
+        if name in POLICIES:
+            eng.depth_policy = DepthChooser(costs, 3, probe_budget=POLICIES[name])
+            b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
+        else:
+            eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
+        b._decode_rate(eng, a.bs, 16)
+        for i in range(a.repeats):
+            log: list = []
+            if a.trace and i == a.repeats - 1:
+                _traced(eng.depth_policy, log)
+            keep(name, b._decode_rate(eng, a.bs))
+            if log:
+                res.setdefault("trace", {})[name] = log
+    res["summary"] = summary(res)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+    print(a.tag, "summary", json.dumps(res["summary"]), flush=True)
+
+
+def summary(res: dict) -> dict:
+    """Per policy: median tok/s over the repeats, its ratio to no speculation's, the median step; and from a trace,
+    per depth, the median launch interval, wait for the device and host time (the interval less the wait)."""
+    base = statistics.median(r["decode_tok_s"] for r in res["rows"]["no_spec"])
+    out = {}
+    for name, rows in res["rows"].items():
+        tok = statistics.median(r["decode_tok_s"] for r in rows)
+        out[name] = {"tok_s": tok, "vs_no_spec": round(tok / base, 4),
+                     "median_step_ms": statistics.median(r["median_step_ms"] for r in rows)}
+    for name, log in res.get("trace", {}).items():
+        launches, depth = [], None
+        for e in log:
+            if e[0] == "choose":
+                depth = e[3]
+            elif e[0] == "launch" and depth is not None:
+                launches.append((depth, e[1], e[2], e[3]))
+                depth = None
+        per: dict = {}
+        for (d, t0, _, _), (_, t1, waited, contiguous) in zip(launches, launches[1:]):
+            if contiguous:
+                per.setdefault(d, []).append(((t1 - t0) * 1e3, waited * 1e3))
+        out[name]["launches_by_depth"] = {str(d): {
+            "n": len(v), "interval_ms": round(statistics.median(x for x, _ in v), 3),
+            "waited_ms": round(statistics.median(w for _, w in v), 3),
+            "host_ms": round(statistics.median(x - w for x, w in v), 3)} for d, v in sorted(per.items())}
+    return out
+
+
+def report(out: str, files: list[str]) -> None:
+    from bench.common import out_path, pyplot, write_json, write_markdown
+
+    results = [json.loads(Path(f).read_text()) for f in files]
+    for r in results:
+        r["summary"] = summary(r)
+    path = out_path(out)
+    write_json(path, {"runs": [{k: v for k, v in r.items() if k != "trace"} for r in results]})
+    names = sorted({n for r in results for n in r["summary"]}, key=lambda n: (n != "no_spec", n))
+    lines = ["# Adaptive speculation at one batch size, per tree (#41)", ""]
+    for r in results:
+        lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`"]
+    r0 = results[0]
+    lines += ["", f"{r0['shape']}, bs {r0['batch_size']}, simulated accept length {r0['accept_length']}, "
+              f"{r0['new_tokens']} new tokens; median of the repeats (decode tok/s, ratio to no speculation in the "
+              "same run, median step ms).", "",
+              "| tree | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for r in results:
+        s = r["summary"]
+        cells = [f"{s[n]['tok_s']:,.0f} ({s[n]['vs_no_spec']:.3f}x, {s[n]['median_step_ms']:.3f})" if n in s else ""
+                 for n in names]
+        lines.append(f"| {r['tag']} | " + " | ".join(cells) + " |")
+    traced = [(r, n, s) for r in results for n, s in r["summary"].items() if "launches_by_depth" in s]
+    if traced:
+        lines += ["", "Launches of the last repeat by depth (interval between launches, wait for the device, host "
+                  "= interval less wait; medians, ms):", "", "| tree | policy | depth | n | interval | waited | host |",
+                  "|---|---|---|---|---|---|---|"]
+        for r, n, s in traced:
+            for d, v in s["launches_by_depth"].items():
+                lines.append(f"| {r['tag']} | {n} | {d} | {v['n']} | {v['interval_ms']} | {v['waited_ms']} | "
+                             f"{v['host_ms']} |")
+    write_markdown(path, lines)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ax.bar([j + i * width for j in range(len(results))],
+               [r["summary"].get(n, {}).get("vs_no_spec", 0) for r in results], width, label=n)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(results))], [r["tag"] for r in results], fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.6)
+    ax.set_ylim(0.8, 1.05)
+    ax.set_ylabel("decode tok/s vs no speculation")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tag", default="tree")
+    ap.add_argument("--out", default=None, help="the run's JSON")
+    ap.add_argument("--report", nargs="+", metavar=("OUT", "FILE"), help="render OUT.md/.json/.png from runs' JSON")
+    ap.add_argument("--cpu", action="store_true", help="the tiny shape on the CPU (a smoke run)")
+    ap.add_argument("--shape", default=None, help="default llama-3.2-1b (--cpu: llama-smoke)")
+    ap.add_argument("--ckpt-dir", default="/tmp")
+    ap.add_argument("--bs", type=int, default=256)
+    ap.add_argument("--accept-length", type=float, default=1.5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--policies", default="depth0,adaptive", help="depthN and " + ", ".join(POLICIES))
+    ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
+    a = ap.parse_args()
+    if a.report:
+        return report(a.report[0], a.report[1:])
+    if a.out is None:
+        ap.error("--out is required to run")
+    a.shape = a.shape or ("llama-smoke" if a.cpu else "llama-3.2-1b")
+    run(a)
+
+
+if __name__ == "__main__":
+    main()
