@@ -637,7 +637,7 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
             setattr(worker.proposer, name, logged(getattr(worker.proposer, name)))
     pr, wall, depths = run(args.new_tokens, args.spec_timed_steps)
     if worker.proposer is not None:
-        del worker.proposer.catch_up
+        del worker.proposer.catch_up, worker.proposer.catch_up_behind
     for obj, name in restore:
         delattr(obj, name)
     stats = pstats.Stats(pr)
