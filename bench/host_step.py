@@ -619,20 +619,21 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
     if worker.proposer is not None:  # the catch-ups of the timed steps: (requests, longest lag, uniform, KV rows)
         def logged(inner):
             def call(slots, root_pos, lags):
-                if recording[0] and not timing[0]:  # (a plain step's catch_up_behind may run catch_up inside)
+                outer = not inside[0]  # (a catch-up may run another inside: catch_up_behind, catch_up)
+                if recording[0] and outer:
                     lags_ = [int(x) for x in lags]
                     shapes.append((len(lags_), max(lags_), len(set(lags_)) == 1, sum(x - 1 for x in lags_ if x > 1)))
-                t0, outer = time.perf_counter(), not timing[0]
-                timing[0] = True
+                t0 = time.perf_counter()
+                inside[0] = True
                 try:
                     return inner(slots, root_pos, lags)
                 finally:
                     if outer:
-                        timing[0] = False
+                        inside[0] = False
                         timers["catch_up"] = timers.get("catch_up", 0.0) + time.perf_counter() - t0
             return call
 
-        timing = [False]
+        inside = [False]
         for name in ("catch_up", "catch_up_behind"):
             setattr(worker.proposer, name, logged(getattr(worker.proposer, name)))
     pr, wall, depths = run(args.new_tokens, args.spec_timed_steps)
