@@ -66,14 +66,18 @@ class DepthPolicy(Protocol):
         """What /v1/stats shows of the policy."""
 
 
-def lag_after_plain_step(lag: int, window: int) -> int:
+def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -> int:
     """A request's draft lag (plain steps whose positions its draft has not consumed) after a plain step that found
-    it at ``lag``, with a stash of ``window`` positions (0: no draft to keep): one more; on a full stash the step
-    first catches the draft up on all but the newest position (``Proposer.catch_up_behind``), so 2 (1 where the stash
-    holds one position: that one is consumed too). The worker, the scheduler and the chooser each count by it."""
-    if window and lag >= window:
-        return min(window, 2)
-    return lag + 1
+    it at ``lag``, with a stash of ``window`` positions (0: no draft to keep): one more; where the step caught up
+    first (``caught_up``; None: where this request's stash is full) the draft consumes all but the newest position
+    (``Proposer.catch_up_behind``), so 2 (1 where the stash holds one position, or nothing was behind). The worker
+    catches up every row behind once any row's stash is full, so a row short of full is caught up too: the
+    scheduler counts by the step's ``caught_up``, the chooser (the batch's most) by its own lag."""
+    if caught_up is None:
+        caught_up = bool(window) and lag >= window
+    if not caught_up:
+        return lag + 1
+    return 2 if lag and window > 1 else 1
 
 
 def expected_tokens(p: list[float], depth: int) -> float:

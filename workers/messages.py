@@ -190,6 +190,9 @@ class StepResult:
     logprobs: list[float]
     counts: list[int] | None = None  # tokens per request (None: one each)
     num_drafts: int = 0  # a speculative round: draft tokens proposed per request
+    # adaptive depth 0: the step caught the draft up first (some row's stash was full), every row behind, not only
+    # the full ones (``lag_after_plain_step``: the scheduler's per-request count follows the worker's by it)
+    caught_up: bool = False
     timings: dict = field(default_factory=dict)
     error: str | None = None  # the step failed (its requests fail; the worker goes on)
     step_id: int = 0  # WorkerStep.step_id of the step this is the result of

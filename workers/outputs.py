@@ -124,11 +124,12 @@ def token_result(cols: list[np.ndarray]) -> StepResult:
     return res
 
 
-def plain_round_result(cols: list[np.ndarray]) -> StepResult:
+def plain_round_result(cols: list[np.ndarray], caught_up: bool = False) -> StepResult:
     """Adaptive speculation's depth 0 (a plain step in a speculative engine): ``token_result`` read as a round of
-    no drafts, one token each."""
+    no drafts, one token each; ``caught_up``: the step caught the draft up first (``StepResult.caught_up``)."""
     res = token_result(cols)
     res.counts = [1] * len(res.tokens)
+    res.caught_up = caught_up
     return res
 
 

@@ -130,6 +130,7 @@ class Worker:
         # on a first forced plain step)
         self.plain_run = np.zeros(cfg.max_num_seqs + 1, dtype=np.int64)
         self.catch_ups = [0, 0]  # catch-ups run, positions they covered (tests, stats)
+        self._caught_up = False  # whether the last ``_lazy_catch_up`` caught up (its plain step's result says so)
         if spec is not None:
             self.graphs.plain_step = self._plain_step
             if self.adaptive and 0 in spec.tiers() and self.proposer.keeps_draft_state:
@@ -413,8 +414,8 @@ class Worker:
         # copied now: the next replay overwrites a graph's outputs
         if self.spec_round is None:
             return HostCopy(packed), token_result
-        if depth == 0:
-            return HostCopy(packed), plain_round_result
+        if depth == 0:  # (the scheduler counts each row's lag by whether the step caught up: the whole batch did)
+            return HostCopy(packed), partial(plain_round_result, caught_up=self._caught_up)
         tree_size = self.proposer.tree_size if depth is None else depth + 1
         finish = partial(round_result, tree_size=tree_size)
         return HostCopy(packed), finish
@@ -501,6 +502,7 @@ class Worker:
                 self.catch_ups[0] += 1
                 self.catch_ups[1] += int(run.sum()) - (int(np.count_nonzero(run)) if keep_newest else 0)
                 caught_up = True
+        self._caught_up = caught_up
         if not plain:
             self.plain_run[slots] = 0
         elif not longest:  # (every row's run is now 1: no new array)

@@ -386,6 +386,7 @@ class Scheduler:
                 if need_new + taken > self.allocator.num_free - reserve:
                     break
                 req.req_slot = self._free_slots.pop()
+                req.draft_lag = 0  # (a preempted request's step in flight, read after its release, counted on)
                 self._share_prefix(req, hit)
                 reserve += need_new
                 admitted = True
@@ -578,7 +579,8 @@ class Scheduler:
         prompt_lps = result.prompt_logprobs
         window = self.draft_catch_up_window if result.counts is not None else 0  # (a speculative DECODE step)
         plain = window and result.num_drafts == 0
-        after_full = lag_after_plain_step(window, window)  # (a request's lag after a plain step on a full stash)
+        caught = result.caught_up  # (the worker caught every row behind up: one row's stash was full)
+        after_full = lag_after_plain_step(window, window)  # (a row behind's lag after a plain step that caught up)
         for i, req in enumerate(plan.requests):
             if req.status == RequestStatus.FINISHED:  # aborted, or ended by a token read after this step was launched
                 continue
@@ -588,7 +590,7 @@ class Scheduler:
                 continue  # a prompt chunk with more to go: its sampled token is not output
             a, b = at[i], at[i + 1]
             if window:  # as the worker's stash: a plain step on a full one catches the draft up first
-                req.draft_lag = (after_full if req.draft_lag >= window else req.draft_lag + 1) if plain else 0
+                req.draft_lag = ((after_full if req.draft_lag else 1) if caught else req.draft_lag + 1) if plain else 0
             new = self._append_tokens(req, result.tokens[a:b], result.logprobs[a:b], tops[i] if tops else None)
             produced.append((req, new, specs[i] if specs else None))
             if req.status == RequestStatus.FINISHED:
@@ -603,6 +605,7 @@ class Scheduler:
         finished, running = RequestStatus.FINISHED, RequestStatus.RUNNING
         eos, max_len = self.eos_token_ids, self.max_model_len
         window = self.draft_catch_up_window if result.counts is not None else 0  # (a speculative engine's plain step)
+        caught = result.caught_up  # (the worker caught every row behind up: one row's stash was full)
         after_full = lag_after_plain_step(window, window)  # (inline below: this loop runs over every row)
         kv_ahead = self.decode_max_advance - 1 + self.decode_lookahead  # KV slots each step in flight may write
         page = self.allocator.page_size
@@ -611,7 +614,7 @@ class Scheduler:
             if req.status is finished:  # aborted, or ended by a token read after this step was launched
                 continue
             if window:  # as the worker's stash: a plain step on a full one catches the draft up first
-                req.draft_lag = after_full if req.draft_lag >= window else req.draft_lag + 1
+                req.draft_lag = (after_full if req.draft_lag else 1) if caught else req.draft_lag + 1
             p, out = req.params, req.output_ids
             out.append(tok)
             req.output_logprobs.append(lp)

@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 
-from deployments.engine.request import SamplingParams
+from deployments.engine.request import RequestStatus, SamplingParams
 from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
+from workers.messages import ForwardMode
 
 SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
 # every depth, each followed by every other (plain steps between rounds, rounds of every depth after plain steps)
@@ -603,6 +604,55 @@ def test_lag_after_plain_step():
 
     assert [lag_after_plain_step(lag, 4) for lag in range(5)] == [1, 2, 3, 4, 2]
     assert lag_after_plain_step(1, 1) == 1 and lag_after_plain_step(7, 0) == 8  # (one column: all consumed)
+    # a step that caught up because another row's stash was full: every row behind keeps its newest position
+    assert [lag_after_plain_step(lag, 4, caught_up=True) for lag in range(5)] == [1, 2, 2, 2, 2]
+    assert [lag_after_plain_step(lag, 1, caught_up=True) for lag in range(2)] == [1, 1]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_scheduler_counts_each_rows_lag_as_the_worker(spec_models, overlap):
+    """Requests joining a run of plain steps at different times (rows of mixed lags in one batch; a plain step that
+    finds any row's stash full catches every row behind up) and, with the overlap schedule, requests preempted while
+    a step of theirs is in flight: after every decode step each running request's ``draft_lag`` (what the prefix
+    cache reads as the draft KV not written yet) is the worker's count of its row, never below it."""
+    import numpy as np
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", catch_up_window=4), page_size=4,
+                 kv_cache_tokens=160, max_prefill_tokens=32, disable_overlap_schedule=not overlap)
+    eng.depth_policy = DepthSchedule([0] * 11 + [1])
+    worker, sched = eng.executor.worker, eng.scheduler
+    counted, updated = {}, {}
+    lazy, update = worker._lazy_catch_up, sched.update
+
+    def lazy_recorded(step, **kw):
+        out = lazy(step, **kw)
+        counted[step.step_id] = {int(s): int(worker.plain_run[s]) for s in step.req_slots}
+        return out
+
+    def update_recorded(plan, result):
+        out = update(plan, result)
+        if plan.mode == ForwardMode.DECODE:
+            updated[result.step_id] = {r.req_slot: r.draft_lag for r in plan.requests if r.req_slot is not None
+                                       and r.status == RequestStatus.RUNNING}
+        return out
+
+    worker._lazy_catch_up, sched.update = lazy_recorded, update_recorded
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts, added, n = mixed_prompts(6), 0, 0
+    while added < len(prompts) or eng.has_work():
+        if added < len(prompts) and n % 3 == 0:  # (one request joins every third step)
+            eng.add_request(prompts[added], params)
+            added += 1
+        eng.step()
+        n += 1
+    assert len(updated) > 30 and set(updated) <= set(counted)
+    drift = [(i, slot, lag, counted[i][slot]) for i, rows in updated.items() for slot, lag in rows.items()
+             if lag != counted[i][slot]]
+    assert not drift, drift  # (step, slot, the scheduler's lag, the worker's)
+    assert max(max(rows.values(), default=0) for rows in counted.values()) == 4
+    assert len({lag for rows in updated.values() if len(set(rows.values())) > 1 for lag in rows.values()}) > 1
+    if overlap:
+        assert sched.num_preemptions > 0
 
 
 def test_plain_steps_replay_the_catch_up(spec_models, references):
