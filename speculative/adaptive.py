@@ -70,14 +70,15 @@ def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -
     """A request's draft lag (plain steps whose positions its draft has not consumed) after a plain step that found
     it at ``lag``, with a stash of ``window`` positions (0: no draft to keep): one more; where the step caught up
     first (``caught_up``; None: where this request's stash is full) the draft consumes all but the newest position
-    (``Proposer.catch_up_behind``), so 2 (1 where the stash holds one position, or nothing was behind). The worker
+    (``Proposer.catch_up_behind``), so 2 (1 where nothing was behind, or the stash holds two positions or fewer: it
+    is consumed whole there, else every plain step would catch up and none would sample depth 0's host cost). The worker
     catches up every row behind once any row's stash is full, so a row short of full is caught up too: the
     scheduler counts by the step's ``caught_up``, the chooser (the batch's most) by its own lag."""
     if caught_up is None:
         caught_up = bool(window) and lag >= window
     if not caught_up:
         return lag + 1
-    return 2 if lag and window > 1 else 1
+    return 2 if lag and window > 2 else 1
 
 
 def expected_tokens(p: list[float], depth: int) -> float:

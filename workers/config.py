@@ -37,8 +37,8 @@ class SpeculativeConfig(Strict):
         None, description="adaptive: the depths whose graphs are captured at start-up and chosen among (default "
         "every depth 0..num_steps); fewer tiers, fewer graphs")
     catch_up_window: int = Field(
-        16, ge=1, le=256, description="adaptive: plain steps a request may run before its draft catches up on "
-        "them (the draft's inputs of that many positions are kept per request); a round catches up first anyway")
+        16, ge=1, le=256, description="adaptive: the draft's inputs of this many plain steps are kept per request; "
+        "when they fill, the draft catches up on all but the newest; a round catches up first anyway")
 
     @model_validator(mode="after")
     def _check(self):

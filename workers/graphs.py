@@ -724,10 +724,10 @@ class DecodeGraphs(GraphRunner):
 
     def _catch_up_key(self, bucket: int, longest: int, plain: bool) -> tuple:
         """The graph of a catch-up before a step: before a plain step (a full stash) all but each request's newest
-        position (``Proposer.catch_up_behind``, where the stash holds more than one), before a round every position
+        position (``Proposer.catch_up_behind``, where the stash holds more than two), before a round every position
         (the graph of the shortest span covering the longest lag)."""
         window = self.spec_round.proposer.catch_up_window
-        if plain and window > 1:
+        if plain and window > 2:  # (``lag_after_plain_step``)
             return ("catch_up_behind", bucket, window)
         return ("catch_up", bucket, self.catch_up_span(longest))
 
@@ -752,7 +752,7 @@ class DecodeGraphs(GraphRunner):
 
         for span in reversed(self.catch_up_spans()):
             self.capture(("catch_up", bucket, span), partial(catch_up, span))
-        if proposer.catch_up_window > 1:
+        if proposer.catch_up_window > 2:
             self.capture(("catch_up_behind", bucket, proposer.catch_up_window),
                          partial(catch_up, proposer.catch_up_window, False))
 

@@ -604,6 +604,7 @@ def test_lag_after_plain_step():
 
     assert [lag_after_plain_step(lag, 4) for lag in range(5)] == [1, 2, 3, 4, 2]
     assert lag_after_plain_step(1, 1) == 1 and lag_after_plain_step(7, 0) == 8  # (one column: all consumed)
+    assert [lag_after_plain_step(lag, 2) for lag in range(3)] == [1, 2, 1]  # (two columns: all consumed too)
     # a step that caught up because another row's stash was full: every row behind keeps its newest position
     assert [lag_after_plain_step(lag, 4, caught_up=True) for lag in range(5)] == [1, 2, 2, 2, 2]
     assert [lag_after_plain_step(lag, 1, caught_up=True) for lag in range(2)] == [1, 1]
