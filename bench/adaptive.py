@@ -90,7 +90,7 @@ class Bench:
             make_head("eagle3", ckpt, head, seed=0, draft_vocab=min(32000, SHAPES[shape]["vocab_size"]))
         return ckpt, head
 
-    def engine(self, ckpt: Path, spec=None):
+    def engine(self, ckpt: Path, spec=None, **overrides):
         from deployments.engine.engine import Engine
         from workers.config import EngineConfig
 
@@ -103,6 +103,7 @@ class Bench:
             kw = {"max_model_len": 1024, "max_num_seqs": max_bs, "kv_cache_tokens": 16384, "dtype": "float32"}
         if self.args.tuning_cache_dir is not None:
             kw["tuning_cache_dir"] = self.args.tuning_cache_dir
+        kw.update(overrides)
         t0 = time.time()
         eng = Engine(EngineConfig(model=str(ckpt), device="cuda" if self.cuda else "cpu", speculative_config=spec,
                                   **kw))

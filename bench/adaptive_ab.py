@@ -1,7 +1,8 @@
 """#41 at one batch size: no speculation against forced depths and the adaptive chooser, per tree, on one machine.
 
 ``bench.adaptive`` sweeps every batch size and depth; this times one batch size (default the 1B shape at bs 256, the
-host-bound point) with more repeats, and can be run from several trees in one device call (a copy of an older
+host-bound point) with more repeats (``--interleave``: both engines built at once and every policy timed in each
+repeat, so that a machine's slow spell falls on all of them), and can be run from several trees in one device call (a copy of an older
 commit beside the checkout: ``git archive C --prefix=ab_C/ | tar -x``, then ``cd ab_C && python3
 ../bench/adaptive_ab.py ...``), so that a difference between commits is not one between machines. Per policy: each
 timed batch's decode tok/s and median step, the chooser's host medians and, with ``--trace``, every launch the
@@ -65,36 +66,56 @@ def run(a) -> None:
         print(a.tag, name, row["decode_tok_s"], row["median_step_ms"], row.get("steps_by_depth"), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
 
-    eng = b.engine(ckpt)
-    b._decode_rate(eng, 1, 8)
-    b._decode_rate(eng, a.bs, 16)
-    for _ in range(a.repeats):
-        keep("no_spec", b._decode_rate(eng, a.bs))
-    del eng
-    b.free()
+    # --interleave: both engines at once (half the memory each), each repeat timing every policy in turn, so that a
+    # machine's slow spell falls on all of them; else no speculation's repeats first, then each policy's
+    mem = {"gpu_memory_utilization": 0.4} if a.interleave and not a.cpu else {}
+    plain = b.engine(ckpt, **mem)
+    b._decode_rate(plain, 1, 8)
+    b._decode_rate(plain, a.bs, 16)
+    if not a.interleave:
+        for _ in range(a.repeats):
+            keep("no_spec", b._decode_rate(plain, a.bs))
+        del plain
+        b.free()
     spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=3, topk=1, adaptive=True,
                              simulated_accept_length=a.accept_length)
-    eng = b.engine(ckpt, spec)
+    eng = b.engine(ckpt, spec, **mem)
     costs = eng.executor.depth_costs
     res["cost_ms"] = {str(k): {str(d): round(v, 4) for d, v in row.items()} for k, row in costs.items()}
     eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
+    policies = {}
     for name in a.policies.split(","):
         if name in POLICIES:
-            eng.depth_policy = DepthChooser(costs, 3, probe_budget=POLICIES[name])
+            policies[name] = DepthChooser(costs, 3, probe_budget=POLICIES[name])
+            eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:
-            eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
+            policies[name] = eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
         b._decode_rate(eng, a.bs, 16)
+        if a.interleave:
+            continue
         for i in range(a.repeats):
-            log: list = []
-            if a.trace and i == a.repeats - 1:
-                _traced(eng.depth_policy, log)
-            keep(name, b._decode_rate(eng, a.bs))
-            if log:
-                res.setdefault("trace", {})[name] = log
+            time_policy(b, eng, a, res, keep, name, policies[name], last=i == a.repeats - 1)
+    if a.interleave:
+        for i in range(a.repeats):
+            keep("no_spec", b._decode_rate(plain, a.bs))
+            for name, policy in policies.items():
+                time_policy(b, eng, a, res, keep, name, policy, last=i == a.repeats - 1)
+        res["interleaved"] = True
     res["summary"] = summary(res)
     Path(a.out).write_text(json.dumps(res, indent=1))
     print(a.tag, "summary", json.dumps(res["summary"]), flush=True)
+
+
+def time_policy(b, eng, a, res: dict, keep, name: str, policy, last: bool) -> None:
+    """One timed batch of ``policy`` (a chooser keeps what it learnt across its batches), traced if asked and last."""
+    eng.depth_policy = policy
+    log: list = []
+    if a.trace and last:
+        _traced(policy, log)
+    keep(name, b._decode_rate(eng, a.bs))
+    if log:
+        res.setdefault("trace", {})[name] = log
 
 
 def summary(res: dict) -> dict:
@@ -136,7 +157,8 @@ def report(out: str, files: list[str]) -> None:
     names = sorted({n for r in results for n in r["summary"]}, key=lambda n: (n != "no_spec", n))
     lines = ["# Adaptive speculation at one batch size, per tree (#41)", ""]
     for r in results:
-        lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`"]
+        order = "; policies interleaved in each repeat" if r.get("interleaved") else ""
+        lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`{order}"]
     r0 = results[0]
     lines += ["", f"{r0['shape']}, bs {r0['batch_size']}, simulated accept length {r0['accept_length']}, "
               f"{r0['new_tokens']} new tokens; median of the repeats (decode tok/s, ratio to no speculation in the "
@@ -186,6 +208,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policies", default="depth0,adaptive", help="depthN and " + ", ".join(POLICIES))
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
+    ap.add_argument("--interleave", action="store_true", help="both engines at once, every policy timed in each "
+                    "repeat in turn (a slow spell of the machine then falls on all)")
     a = ap.parse_args()
     if a.report:
         return report(a.report[0], a.report[1:])
