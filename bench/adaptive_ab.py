@@ -2,8 +2,8 @@
 
 ``bench.adaptive`` sweeps every batch size and depth; this times one batch size (default the 1B shape at bs 256, the
 host-bound point) with more repeats (``--interleave``: both engines built at once and every policy timed in each
-repeat, so that a machine's slow spell falls on all of them), and can be run from several trees in one device call (a copy of an older
-commit beside the checkout: ``git archive C --prefix=ab_C/ | tar -x``, then ``cd ab_C && python3
+repeat, so that a machine's slow spell falls on all of them), and can be run from several trees in one device call
+(a copy of an older commit beside the checkout: ``git archive C --prefix=ab_C/ | tar -x``, then ``cd ab_C && python3
 ../bench/adaptive_ab.py ...``), so that a difference between commits is not one between machines. Per policy: each
 timed batch's decode tok/s and median step, the chooser's host medians and, with ``--trace``, every launch the
 policy was told of in the last repeat (host time = the interval between launches less the waits for the device).
@@ -66,9 +66,9 @@ def run(a) -> None:
         print(a.tag, name, row["decode_tok_s"], row["median_step_ms"], row.get("steps_by_depth"), flush=True)
         Path(a.out).write_text(json.dumps(res, indent=1))
 
-    # --interleave: both engines at once (half the memory each), each repeat timing every policy in turn, so that a
-    # machine's slow spell falls on all of them; else no speculation's repeats first, then each policy's
-    # (the utilization counts what is in use on the device: the second engine's 0.8 leaves it what the first left)
+    # --interleave: both engines at once, each repeat timing every policy in turn, so that a machine's slow spell
+    # falls on all of them; else no speculation's repeats first, then each policy's (the utilization counts what is
+    # in use on the device: the first engine takes 0.4 of it, the second up to 0.8 in all)
     mem = {"gpu_memory_utilization": 0.4} if a.interleave and not a.cpu else {}
     plain = b.engine(ckpt, **mem)
     mem = {"gpu_memory_utilization": 0.8} if mem else {}
