@@ -262,6 +262,8 @@ class Engine:
             # (no pass over the batch until a structured-output request has been seen)
             if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
                 self._decode_launched = False
+                if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+                    self.depth_policy.sync_lag(0)  # (a full round whatever was chosen: the draft caught up)
                 return outputs + self._guided_step(plan, step, keep, t0)  # (its rounds run at full depth)
             if step.spec_depth >= 0:  # a plain step appends one token, a round of depth d at most d + 1
                 plan.max_advance = step.spec_depth + 1

@@ -848,6 +848,41 @@ def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
     assert {0, 1} <= set(eng.steps_by_depth)
 
 
+def test_chooser_counts_a_structured_round_as_a_round(spec_models):
+    """A batch with a structured-output request runs full rounds whatever the chooser picked (the worker catches
+    the draft up and counts no plain step): the chooser's count of plain steps restarts there too, so that at
+    every decode step it is the worker's."""
+    import json
+
+    import numpy as np
+
+    from deployments.engine.grammar import GuidedSpec
+    from tests.engine.test_structured import SCHEMAS
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4))
+    # plain steps best at once (acceptance nil), no probes
+    eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
+                                              num_steps=3, probe_interval=10**6)
+    chooser.estimate.accepted = [0.0, 0.0, 0.0]
+    worker = eng.executor.worker
+    counted, behind = [], []
+    choose, lazy = chooser.choose, worker._lazy_catch_up
+    chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
+    worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
+        step, **kw)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    reqs = [eng.add_request(p, params) for p in mixed_prompts(2)]
+    for _ in range(6):  # plain steps
+        eng.step()
+    guided = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                            guided=GuidedSpec("json_schema", json.dumps(SCHEMAS[0])))
+    reqs.append(eng.add_request(mixed_prompts(3)[2], guided))
+    while eng.has_work():
+        eng.step()
+    assert counted == behind and 0 in eng.steps_by_depth and max(behind) >= 2, (counted, behind)
+    assert all(r.output_ids for r in reqs)
+
+
 def test_plain_steps_move_their_lengths_on_a_copy(spec_models):
     """Before a step, each request behind (its last steps plain) has its in-flight token added to its length and
     sampling counter on the host and no longer counts as pending; the others keep theirs. The moves go to a copy:
