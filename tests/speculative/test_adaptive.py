@@ -823,25 +823,32 @@ def test_host_samples():
     assert c.stats()["catch_up_host_ms"] == {"256": pytest.approx(8.0)}
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
-    """The chooser's count of plain steps is the worker's (the most behind of the batch's requests) at every decode
-    step, over batches back to back: the engine sets it at a batch's first decode step, where none is in flight.
-    (Counted on from the last batch, its full stashes, where a catch-up is due whatever the choice and most
-    probes fall, were not the worker's.)"""
+def _record_counts(eng, chooser) -> tuple[list[int], list[int]]:
+    """At every decode step, the chooser's count of plain steps as it chooses, and the worker's (the batch's most
+    behind) as it launches."""
     import numpy as np
 
-    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
-                 disable_overlap_schedule=not overlap)
-    # plain steps best, a probe one tier up every 5 steps: rounds after plain steps, plain steps on full stashes
-    eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
-                                              num_steps=3, probe_interval=5, probe_budget=1.0)
     worker = eng.executor.worker
     counted, behind = [], []
     choose, lazy = chooser.choose, worker._lazy_catch_up
     chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
     worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
         step, **kw)
+    return counted, behind
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_chooser_counts_the_batchs_own_plain_steps(spec_models, overlap):
+    """The chooser's count of plain steps is the worker's (the most behind of the batch's requests) at every decode
+    step, over batches back to back: the engine sets it at a batch's first decode step, where none is in flight.
+    (Counted on from the last batch, its full stashes, where a catch-up is due whatever the choice and most
+    probes fall, were not the worker's.)"""
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", adaptive=True, catch_up_window=4),
+                 disable_overlap_schedule=not overlap)
+    # plain steps best, a probe one tier up every 5 steps: rounds after plain steps, plain steps on full stashes
+    eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
+                                              num_steps=3, probe_interval=5, probe_budget=1.0)
+    counted, behind = _record_counts(eng, chooser)
     for n in (9, 7, 12):  # (batches of other lengths: the count a batch leaves is not the next one's)
         eng.generate(mixed_prompts(3), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     assert counted == behind and max(behind) == 4 and len(behind) > 20
@@ -854,8 +861,6 @@ def test_chooser_counts_a_structured_round_as_a_round(spec_models):
     every decode step it is the worker's."""
     import json
 
-    import numpy as np
-
     from deployments.engine.grammar import GuidedSpec
     from tests.engine.test_structured import SCHEMAS
 
@@ -864,12 +869,7 @@ def test_chooser_counts_a_structured_round_as_a_round(spec_models):
     eng.depth_policy = chooser = DepthChooser({8: {0: 1.0, 1: 1.5, 2: 2.0, 3: 2.5, -1: 0.01, -4: 0.02}},
                                               num_steps=3, probe_interval=10**6)
     chooser.estimate.accepted = [0.0, 0.0, 0.0]
-    worker = eng.executor.worker
-    counted, behind = [], []
-    choose, lazy = chooser.choose, worker._lazy_catch_up
-    chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
-    worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
-        step, **kw)
+    counted, behind = _record_counts(eng, chooser)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [eng.add_request(p, params) for p in mixed_prompts(2)]
     for _ in range(6):  # plain steps
