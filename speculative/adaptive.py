@@ -66,19 +66,26 @@ class DepthPolicy(Protocol):
         """What /v1/stats shows of the policy."""
 
 
+def keeps_newest(window: int) -> bool:
+    """Whether a plain step that catches the draft up leaves each request's newest stashed position for the next
+    catch-up (``Proposer.catch_up_behind``): where the stash holds more than two positions (with two kept at 2, every
+    plain step would catch up, and none would sample depth 0's host cost)."""
+    return window > 2
+
+
 def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -> int:
     """A request's draft lag (plain steps whose positions its draft has not consumed) after a plain step that found
     it at ``lag``, with a stash of ``window`` positions (0: no draft to keep): one more; where the step caught up
     first (``caught_up``; None: where this request's stash is full) the draft consumes all but the newest position
-    (``Proposer.catch_up_behind``), so 2 (1 where nothing was behind, or the stash holds two positions or fewer: it
-    is consumed whole there, else every plain step would catch up and none would sample depth 0's host cost). The worker
-    catches up every row behind once any row's stash is full, so a row short of full is caught up too: the
-    scheduler counts by the step's ``caught_up``, the chooser (the batch's most) by its own lag."""
+    (``Proposer.catch_up_behind``), so 2 (1 where nothing was behind, or the stash is consumed whole:
+    ``keeps_newest``). The worker catches up every row behind once any row's stash is full, so a row short of full
+    is caught up too: the scheduler counts by the step's ``caught_up``, the chooser (the batch's most) by its own
+    lag."""
     if caught_up is None:
         caught_up = bool(window) and lag >= window
     if not caught_up:
         return lag + 1
-    return 2 if lag and window > 2 else 1
+    return 2 if lag and keeps_newest(window) else 1
 
 
 def expected_tokens(p: list[float], depth: int) -> float:

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from speculative.adaptive import keeps_newest
 from speculative.tree import DraftTree, TreeCandidates, chain_tree
 from speculative.verify import Verdict
 from workers.forward_batch import ForwardBatch, to_device
@@ -136,6 +137,11 @@ class Proposer:
         """The draft consumes the ``lags[i]`` positions before each root (``root_pos[i]``) of request slot
         ``slots[i]`` from the stash (host arrays, every lag in 1..catch_up_window): afterwards its KV and state are
         what following every plain step would have left."""
+
+    @property
+    def keeps_newest(self) -> bool:
+        """Whether a plain step on a full stash runs ``catch_up_behind`` (else ``catch_up``): ``keeps_newest``."""
+        return keeps_newest(self.catch_up_window)
 
     def catch_up_behind(self, slots: np.ndarray, root_pos: np.ndarray, lags: np.ndarray) -> None:
         """``catch_up`` over each request's stashed positions but its newest (a plain step on a full stash frees

@@ -726,9 +726,9 @@ class DecodeGraphs(GraphRunner):
         """The graph of a catch-up before a step: before a plain step (a full stash) all but each request's newest
         position (``Proposer.catch_up_behind``, where the stash holds more than two), before a round every position
         (the graph of the shortest span covering the longest lag)."""
-        window = self.spec_round.proposer.catch_up_window
-        if plain and window > 2:  # (``lag_after_plain_step``)
-            return ("catch_up_behind", bucket, window)
+        proposer = self.spec_round.proposer
+        if plain and proposer.keeps_newest:
+            return ("catch_up_behind", bucket, proposer.catch_up_window)
         return ("catch_up", bucket, self.catch_up_span(longest))
 
     def _capture_catch_up(self, bucket: int) -> None:
@@ -752,7 +752,7 @@ class DecodeGraphs(GraphRunner):
 
         for span in reversed(self.catch_up_spans()):
             self.capture(("catch_up", bucket, span), partial(catch_up, span))
-        if proposer.catch_up_window > 2:
+        if proposer.keeps_newest:
             self.capture(("catch_up_behind", bucket, proposer.catch_up_window),
                          partial(catch_up, proposer.catch_up_window, False))
 

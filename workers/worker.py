@@ -484,7 +484,7 @@ class Worker:
         if plain and p.keeps_draft_state and p.catch_up_window == 0:  # a plain step forced without adaptive
             p.allocate_stash(self.cfg.speculative_config.catch_up_window)
         # a plain step's catch-up frees one column of the ring, keeping the newest position (``lag_after_plain_step``)
-        keep_newest = plain and p.catch_up_window > 2  # (a ring of 2 kept at 2 would catch up on every plain step)
+        keep_newest = plain and p.keeps_newest
         if longest:
             # pending is 0 or 1 (one step in flight at most): it moves where the request is behind. Few whole-row
             # numpy ops and no dataclasses.replace: this runs on every plain step, over every row
