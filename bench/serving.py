@@ -189,7 +189,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
 
         for _ in range(min(concurrency, n)):
             add()
-        extends = engine.step_time["extend_steps"]
+        extends, steps = engine.step_time["extend_steps"], engine.step_time["steps"]
+        phases = dict(engine.request_phases)
         while engine.has_work():
             for o in engine.step():
                 now = time.perf_counter()
@@ -205,7 +206,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
         return {"concurrency": concurrency, "num_requests": n, "output_tok_s": round(sum(count.values()) / wall, 1),
                 "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
                 "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3),
-                "extend_steps": engine.step_time["extend_steps"] - extends}
+                "extend_steps": engine.step_time["extend_steps"] - extends,
+                "steps": engine.step_time["steps"] - steps, "phases_ms": phase_means(phases, engine.request_phases)}
 
     run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
     run(8, 8)
@@ -226,6 +228,15 @@ def server_stats(base: str, api_key: str | None = None) -> dict:
         return resp.json() if resp.status_code == 200 else {}
     except (httpx.HTTPError, ValueError):
         return {}
+
+
+def phase_means(before: dict, after: dict) -> dict:
+    """The mean of each request phase (``Request.phases``) in ms over the requests that finished between two
+    readings of the engine's ``request_phases`` totals."""
+    n = after.get("requests", 0) - before.get("requests", 0)
+    if n <= 0:
+        return {}
+    return {k[:-2]: round((v - before.get(k, 0.0)) / n * 1e3, 2) for k, v in after.items() if k.endswith("_s")}
 
 
 def per_step(before: dict, after: dict) -> dict:
@@ -249,6 +260,8 @@ def per_step(before: dict, after: dict) -> dict:
             row["requests_per_submit"] = round((after["requests"] - before["requests"]) / submits, 2)
     if "extend_steps" in a and "extend_steps" in b:  # prefill (or mixed) steps: the pieces the arrivals came in
         row["extend_steps"] = a["extend_steps"] - b["extend_steps"]
+    if "request_phases" in after:  # where the level's requests spent their time, on average
+        row["phases_ms"] = phase_means(before.get("request_phases") or {}, after["request_phases"])
     return row
 
 
@@ -473,6 +486,18 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                f"{p.get('extend_steps', '')} ({r.get('offline', {}).get('extend_steps', '-')}) | "
                f"{p.get('requests_per_submit', '')} |"
                for r in steps for p in [r["server_per_step"]]]
+    phased = [r for r in steps if r["server_per_step"].get("phases_ms")]
+    if phased:
+        names = ("receive", "inbox", "queue", "prefill", "decode")
+        md += ["", "Where a request's time went, mean ms per finished request over the level (the engine core's "
+               "timestamps): receive (the ingress's arrival until the core had it), inbox (until the engine loop "
+               "queued it), queue (until its prefill was planned), prefill (until its first token), decode (first "
+               "token to last); offline in brackets; and engine steps over the level, served (offline).", "",
+               f"| {head} | " + " | ".join(names) + " | steps |", "|---|" + "---|" * (len(names) + 1)]
+        md += [f"| {r[key]} | " + " | ".join(f"{p.get(n, '')}" + (f" ({o[n]})" if n in o else "") for n in names)
+               + f" | {r['server_per_step']['steps']} ({r.get('offline', {}).get('steps', '-')}) |"
+               for r in phased for p, o in [(r["server_per_step"]["phases_ms"],
+                                             r.get("offline", {}).get("phases_ms") or {})]]
     cpu = [r for r in rows if r.get("server_cpu_cores")]
     if cpu:
         roles = sorted({k for r in cpu for k in r["server_cpu_cores"]})

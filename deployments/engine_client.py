@@ -86,6 +86,7 @@ class RequestStream:
         self.num_output = 0
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.phases: dict | None = None  # the engine's account of its phases, with its last output
 
     def put(self, item: tuple) -> None:  # the output channel (on the event loop)
         self._items.append(item)
@@ -129,6 +130,7 @@ class RequestStream:
                     delta.error, delta.error_status = final.get("error"), final.get("status", 500)
                 delta.spec = final.get("spec")
                 delta.cached_tokens = final.get("cached_tokens") or 0
+                self.phases = final.get("phases")
         self.num_output += len(delta.token_ids)
         if self.finished:
             delta.prompt_tokens, delta.completion_tokens = self.num_prompt, self.num_output
@@ -142,7 +144,8 @@ class RequestStream:
             self.first_token_time = self.first_token_time or now
             self.last_token_time = now
         if self.finished:
-            metrics.record_finish(delta.finish_reason, self.arrival, now, self.first_token_time, self.num_output)
+            metrics.record_finish(delta.finish_reason, self.arrival, now, self.first_token_time, self.num_output,
+                                  self.phases)
 
     async def __aiter__(self):
         """Deltas until the request ends. The first tokens and the last go at once; between, a delta waits for
@@ -200,16 +203,16 @@ def detached(coro) -> asyncio.Task:
 
 
 def merge_step_time(stats) -> dict:
-    """The engines' host time per step, all replicas together: ``step_time`` and ``loop.busy_s`` summed over the
-    replicas' stats (cumulative seconds and steps, so a per-step figure from them is the replicas' mean weighted by
-    their steps), as one core's stats carry them."""
-    step_time: dict[str, float] = {}
-    loop: dict[str, float] = {}
+    """The engines' cumulative figures, all replicas together: ``step_time``, ``loop.busy_s`` and
+    ``request_phases`` summed over the replicas' stats (totals of seconds, steps and requests, so a figure per step
+    or per request from them is the replicas' mean weighted by their steps or requests), as one core's stats carry
+    them."""
+    merged: dict[str, dict] = {"step_time": {}, "loop": {}, "request_phases": {}}
     for s in stats:
-        for into, part in ((step_time, s.get("step_time") or {}), (loop, s.get("loop") or {})):
-            for k, v in part.items():
+        for key, into in merged.items():
+            for k, v in (s.get(key) or {}).items():
                 into[k] = into.get(k, 0) + v
-    return {"step_time": step_time, "loop": loop} if step_time else {}
+    return merged if merged["step_time"] else {}
 
 
 class EngineClient:

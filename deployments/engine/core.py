@@ -66,7 +66,8 @@ def pack_output(out: RequestOutput) -> tuple:
         final = {"prompt_tokens": len(req.prompt_ids), "completion_tokens": len(req.output_ids),
                  "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error,
                  # (the output's figure, or the request's where the cache keeps it there)
-                 "cached_tokens": max(out.num_cached_tokens, getattr(req, "num_cached_tokens", 0) or 0)}
+                 "cached_tokens": max(out.num_cached_tokens, getattr(req, "num_cached_tokens", 0) or 0),
+                 "phases": req.phases()}  # (the ingress records them as vLLM's request-phase histograms)
     packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item
@@ -150,6 +151,7 @@ class EngineCore:
         answers: list[dict | None] = []
         accepted = []
         generation = self._generation
+        received = time.time()
         for rid, prompt_ids, params, arrival in batch:
             try:
                 if self.error is not None or self._restarting is not None or self.engine.failure is not None:
@@ -158,8 +160,10 @@ class EngineCore:
                     raise Draining("this engine replica is stopping")
                 if rid in self._owner:
                     raise InvalidRequest(f"duplicate request id {rid!r}")
-                accepted.append(self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
-                                                        queued=len(self._inbox) + len(accepted)))
+                req = self.engine.new_request(prompt_ids, SamplingParams(**params), rid, arrival,
+                                              queued=len(self._inbox) + len(accepted))
+                req.received_time = received
+                accepted.append(req)
                 answers.append(None)
             except (InvalidRequest, OverflowError, EngineStopped, TypeError) as e:
                 answers.append(refusal(InvalidRequest(str(e)) if isinstance(e, TypeError) else e))
@@ -252,6 +256,7 @@ class EngineCore:
         stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits,
                          "clients": len(self._last_poll)}  # (ingress replicas known: pushed to, or polling)
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
+        stats["request_phases"] = dict(self.engine.request_phases)
         return stats
 
     def check_health(self, serving: bool = False) -> None:

@@ -161,6 +161,8 @@ class Engine:
         # host time of every step, cumulative (served at /v1/stats)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0,
                           "grammar_s": 0.0, "extend_steps": 0}  # (extend_steps: how many pieces arrivals came in)
+        # finished requests' phases (``Request.phases``), summed: where a request's time went, served at /v1/stats
+        self.request_phases: dict = {"requests": 0}
 
     @staticmethod
     def _mixed_decode_rows(cfg: EngineConfig, executor: Executor) -> int:
@@ -210,6 +212,7 @@ class Engine:
 
     def enqueue(self, req: Request) -> None:
         """Queue a request from ``new_request`` (on the thread that steps)."""
+        req.queued_time = time.time()
         self.scheduler.add(req)
         if self.detokenize:
             self._detok[req.rid] = Detokenizer(self.tokenizer, req.params.stop)
@@ -254,6 +257,10 @@ class Engine:
             self.in_flight.append((step.step_id, plan))
             if plan.mode == ForwardMode.EXTEND:
                 self.step_time["extend_steps"] += 1
+                now = time.time()
+                for req in plan.requests:  # (a prefill's first plan ends its queue time)
+                    if req.scheduled_time is None:
+                        req.scheduled_time = now
             if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
                 if not self._decode_in_flight:  # (a new batch's requests have no lag: the policy's count may be old)
                     self.depth_policy.sync_lag(max(r.draft_lag for r in plan.requests))
@@ -420,13 +427,26 @@ class Engine:
             new_top = req.output_top_logprobs[-n:] if p.top_logprobs and n else []
             # the prompt's logprobs go with its first output (its tokens: this step's)
             first = p.prompt_logprobs is not None and len(req.output_ids) == n
-            outputs.append(RequestOutput(req.rid, new_ids, new_text, req.status is finished, req.finish_reason, req,
+            done = req.status is finished
+            if done:
+                self._count_phases(req)
+            outputs.append(RequestOutput(req.rid, new_ids, new_text, done, req.finish_reason, req,
                                          new_logprobs, new_top, req.prompt_logprobs if first else None,
                                          req.num_cached_tokens))
         if self.metrics is not None:
             self.metrics.record_generated(generated)
             self.metrics.record_step(self.step_stats(result, policy=False))
         return outputs
+
+    def _count_phases(self, req: Request) -> None:
+        """A finished request's phases added to the totals /v1/stats serves (``request_phases``)."""
+        phases = req.phases()
+        if phases is None:
+            return
+        totals = self.request_phases
+        totals["requests"] += 1
+        for name, seconds in phases.items():
+            totals[name + "_s"] = totals.get(name + "_s", 0.0) + seconds
 
     def _fail_in_flight(self, error: str) -> list[RequestOutput]:
         """Every launched step fails; results the workers may still hold are dropped (they would be taken for a

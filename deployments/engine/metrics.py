@@ -158,9 +158,18 @@ class RequestMetrics:
         self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
                       "after the first", _ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        # the engine's phases of a finished request (vLLM's request metrics, from the engine core's timestamps); the
+        # parts of TTFT get TTFT's finer buckets, as Ray exports a histogram's sum from its buckets' midpoints
+        self.phases = {
+            "queue": h("request_queue_time_seconds", "Time spent in WAITING phase for request", _TTFT_BUCKETS),
+            "prefill": h("request_prefill_time_seconds", "Time spent in PREFILL phase for request", _TTFT_BUCKETS),
+            "decode": h("request_decode_time_seconds", "Time spent in DECODE phase for request", _REQUEST_BUCKETS),
+            "inference": h("request_inference_time_seconds", "Time spent in RUNNING phase for request",
+                           _REQUEST_BUCKETS)}
         # the model tag as every metric's default: a record without tags skips Ray's merge of tag dicts (an
         # inter-token sample is recorded for every streamed chunk)
-        for metric in (self.prompt_tokens, self.request_success, self.ttft, self.itl, self.tpot, self.e2e):
+        for metric in (self.prompt_tokens, self.request_success, self.ttft, self.itl, self.tpot, self.e2e,
+                       *self.phases.values()):
             metric.set_default_tags(self.tags)
 
     def record_tokens(self, num_prompt: int, arrival: float, now: float, prev_token_time: float | None) -> None:
@@ -173,9 +182,13 @@ class RequestMetrics:
             self.itl.observe(now - prev_token_time)
 
     def record_finish(self, reason: str, arrival: float, now: float, first_token_time: float | None,
-                      num_output: int) -> None:
-        """A request that ended, for whatever reason (stop, length, abort, error)."""
+                      num_output: int, phases: dict | None = None) -> None:
+        """A request that ended, for whatever reason (stop, length, abort, error); ``phases``: the engine's
+        ``Request.phases`` of one it finished."""
         self.request_success.inc(1, tags={"finished_reason": reason})
         self.e2e.observe(now - arrival)
         if first_token_time is not None and num_output > 1:
             self.tpot.observe((now - first_token_time) / (num_output - 1))
+        if phases:
+            for name, histogram in self.phases.items():
+                histogram.observe(phases[name])

@@ -177,12 +177,32 @@ class Request:
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""
+    # when (wall clock, as ``arrival_time``) the engine core received it, the loop queued it, and its prefill was
+    # first planned: with the token times, its phases (vLLM's queue / prefill / decode times)
+    received_time: float | None = None
+    queued_time: float | None = None
+    scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     matcher: object | None = None  # structured output: the grammar matcher, advanced along the output
 
     def __post_init__(self):
         self.seed = sampler_seed(self.params.seed if self.params.seed is not None else random.getrandbits(64))
+
+    def phases(self) -> dict | None:
+        """A finished request's time in each phase, in seconds, as vLLM's request metrics: ``queue`` (queued until
+        its prefill was first planned), ``prefill`` (until its first token), ``decode`` (first token to last),
+        ``inference`` (prefill + decode); served, also ``receive`` (the ingress's arrival until the engine core had
+        it) and ``inbox`` (until the loop queued it). None for one that never got a token."""
+        first, queued, planned = self.first_token_time, self.queued_time, self.scheduled_time
+        if first is None or queued is None or planned is None:
+            return None
+        out = {"queue": planned - queued, "prefill": first - planned, "decode": self.last_token_time - first,
+               "inference": self.last_token_time - planned}
+        if self.received_time is not None:
+            out["receive"] = self.received_time - self.arrival_time
+            out["inbox"] = queued - self.received_time
+        return out
 
     @property
     def all_ids(self) -> list[int]:

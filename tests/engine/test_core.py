@@ -58,6 +58,35 @@ def test_requests_submitted_together_are_admitted_together(core):
     assert stats["step_time"]["extend_steps"] == 1
 
 
+def test_each_request_carries_its_phases_and_the_totals_add_them_up(tiny_models):
+    """A finished request's last output carries its phases (the ingress records them as vLLM's queue / prefill /
+    decode / inference histograms) and /v1/stats sums them. Four requests for two batch slots: the last two wait in
+    the queue for as long as the first ones ran, from their prefill's plan to their last token."""
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=2)
+    core = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    try:
+        sent = time.time() - 0.05  # (as if the ingress had received them 50 ms before this submit)
+        assert core.submit("c", [(f"r{i}", [5 + i, 6, 7], GREEDY, sent) for i in range(4)]) == [None] * 4
+        finals = {rid: final for items in _drain(core, "c", {f"r{i}" for i in range(4)})
+                  for rid, _, reason, _, _, final in items if reason is not None}
+        totals = core.stats()["request_phases"]
+    finally:
+        core.shutdown()
+    phases = {rid: final["phases"] for rid, final in finals.items()}
+    for rid, p in phases.items():
+        assert set(p) == {"receive", "inbox", "queue", "prefill", "decode", "inference"}, (rid, p)
+        assert all(v >= 0 for v in p.values()), (rid, p)
+        assert p["receive"] >= 0.05, (rid, p)  # from the ingress's arrival time, not the core's
+        assert p["inference"] == pytest.approx(p["prefill"] + p["decode"]), (rid, p)
+    ran_first = min(phases[rid]["inference"] for rid in ("r0", "r1"))
+    for rid in ("r2", "r3"):
+        assert phases[rid]["queue"] >= ran_first, (rid, phases[rid], ran_first)
+    assert totals["requests"] == 4
+    for name in ("receive", "inbox", "queue", "prefill", "decode", "inference"):
+        assert totals[f"{name}_s"] == pytest.approx(sum(p[name] for p in phases.values())), name
+
+
 def test_refusals_are_answered_at_submit(core):
     long_prompt = list(range(5, 260))
     answers = core.submit("c", [("ok", [5, 6, 7], GREEDY, time.time()),

@@ -27,7 +27,8 @@ COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
             "request_success", "prefix_cache_queries", "prefix_cache_hits"}
 GAUGES = {"spec_decode_mean_accept_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
 HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
-              "e2e_request_latency_seconds"}
+              "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
+              "request_decode_time_seconds", "request_inference_time_seconds"}
 FAMILIES = ({f"ray_vllm_{n}_total" for n in COUNTERS} | {f"ray_vllm_{n}" for n in GAUGES}
             | {f"ray_vllm_{n}" for n in HISTOGRAMS})
 
@@ -292,6 +293,9 @@ def test_dashboard_queries(dashboard):
             got.add(m.group(1))
         assert got == quantiles, title
     assert any("by (finished_reason)" in e for e in exprs["Finished requests/s"])
+    phases = [re.fullmatch(r"histogram_quantile\(0\.5, sum by \(le\) \(rate\(ray_vllm_request_(\w+)_time_seconds_bucket"
+                           r"\{[^}]*\}\[1m\]\)\)\)", e) for e in exprs["Request phases (p50 of finished requests)"]]
+    assert [m and m.group(1) for m in phases] == ["queue", "prefill", "decode", "inference"], phases
     (hit_rate,) = exprs["Prefix cache hit rate"]
     assert re.fullmatch(r"sum\(rate\(ray_vllm_prefix_cache_hits_total\{[^}]*\}\[1m\]\)\) / "
                         r"sum\(rate\(ray_vllm_prefix_cache_queries_total\{[^}]*\}\[1m\]\)\)", hit_rate), hit_rate
@@ -319,8 +323,9 @@ def test_dashboard_names_match_exporter():
     metrics = pytest.importorskip("ray.util.metrics")
     engine_metrics = pytest.importorskip("deployments.engine.metrics")
     names = set()
-    registered = {**vars(engine_metrics.EngineMetrics("x")), **vars(engine_metrics.RequestMetrics("x"))}
-    for m in registered.values():
+    registered = [*vars(engine_metrics.EngineMetrics("x")).values(), *vars(engine_metrics.RequestMetrics("x")).values()]
+    registered += [m for group in registered if isinstance(group, dict) for m in group.values()]  # (grouped ones)
+    for m in registered:
         if isinstance(m, metrics.Counter):
             names.add(f"ray_{m._name}_total")
         elif isinstance(m, (metrics.Histogram, metrics.Gauge)):  # histograms: the family of _bucket/_sum/_count

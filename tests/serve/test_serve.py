@@ -141,6 +141,7 @@ def test_prometheus_has_spec_counters(server, client):
               "ray_vllm_e2e_request_latency_seconds_count", "ray_vllm_generation_tokens_total",
               "ray_vllm_kv_cache_usage_perc", "ray_vllm_spec_decode_mean_accept_length"]
     wanted.append("ray_vllm_request_time_per_output_token_seconds_count")
+    wanted += [f"ray_vllm_request_{p}_time_seconds_count" for p in ("queue", "prefill", "decode", "inference")]
     values: dict[str, float] = {}
     reasons: dict[str, float] = {}
     for _ in range(60):
@@ -170,6 +171,10 @@ def test_prometheus_has_spec_counters(server, client):
     # per-token samples would number every generated token but each request's first
     later_tokens = values["ray_vllm_generation_tokens_total"] - values["ray_vllm_time_to_first_token_seconds_count"]
     assert 0 < values["ray_vllm_inter_token_latency_seconds_count"] < later_tokens
+    # the engine's phases: one sample each per request it finished (the aborted one has none)
+    counts = {values[f"ray_vllm_request_{p}_time_seconds_count"] for p in ("queue", "prefill", "decode", "inference")}
+    assert len(counts) == 1 and 0 < counts.pop() <= values["ray_vllm_e2e_request_latency_seconds_count"] - reasons[
+        "abort"], values
 
 
 def test_null_fields_omitted_model_and_auth_before_the_body(server):
