@@ -260,6 +260,13 @@ def per_step(before: dict, after: dict) -> dict:
             row["requests_per_submit"] = round((after["requests"] - before["requests"]) / submits, 2)
     if "extend_steps" in a and "extend_steps" in b:  # prefill (or mixed) steps: the pieces the arrivals came in
         row["extend_steps"] = a["extend_steps"] - b["extend_steps"]
+    la, lb = after.get("loop") or {}, before.get("loop") or {}
+    if "slow_steps" in la and "slow_steps" in lb:  # steps that stalled every stream (the core's SLOW_STEP_S)
+        row["slow_steps"] = la["slow_steps"] - lb["slow_steps"]
+        row["slow_steps_ms"] = round((la["slow_steps_s"] - lb["slow_steps_s"]) * 1e3, 1)
+    if "gc" in after and "gc" in before:  # the engine core's garbage collections over the level
+        row["gc"] = {g: {"collections": a["collections"] - before["gc"][g]["collections"],
+                         "ms": round((a["s"] - before["gc"][g]["s"]) * 1e3, 1)} for g, a in after["gc"].items()}
     if "request_phases" in after:  # where the level's requests spent their time, on average
         row["phases_ms"] = phase_means(before.get("request_phases") or {}, after["request_phases"])
     return row
@@ -489,13 +496,18 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     phased = [r for r in steps if r["server_per_step"].get("phases_ms")]
     if phased:
         names = ("receive", "inbox", "queue", "prefill", "decode")
+        stalls = lambda p: (f"{p.get('slow_steps', '')} / {p.get('slow_steps_ms', '')} ms" + (  # noqa: E731
+            " · GC gen2 {collections} / {ms} ms".format(**p["gc"]["gen2"]) if "gc" in p else ""))
         md += ["", "Where a request's time went, mean ms per finished request over the level (the engine core's "
                "timestamps): receive (the ingress's arrival until the core had it), inbox (until the engine loop "
                "queued it), queue (until its prefill was planned), prefill (until its first token), decode (first "
-               "token to last); offline in brackets; and engine steps over the level, served (offline).", "",
-               f"| {head} | " + " | ".join(names) + " | steps |", "|---|" + "---|" * (len(names) + 1)]
+               "token to last); offline in brackets; engine steps over the level, served (offline); and the steps "
+               "that stalled every stream (loop wall over 50 ms: how many / their total), with the engine core's "
+               "full garbage collections (how many / their total).", "",
+               f"| {head} | " + " | ".join(names) + " | steps | slow steps |", "|---|" + "---|" * (len(names) + 2)]
         md += [f"| {r[key]} | " + " | ".join(f"{p.get(n, '')}" + (f" ({o[n]})" if n in o else "") for n in names)
-               + f" | {r['server_per_step']['steps']} ({r.get('offline', {}).get('steps', '-')}) |"
+               + f" | {r['server_per_step']['steps']} ({r.get('offline', {}).get('steps', '-')}) | "
+               + f"{stalls(r['server_per_step'])} |"
                for r in phased for p, o in [(r["server_per_step"]["phases_ms"],
                                              r.get("offline", {}).get("phases_ms") or {})]]
     cpu = [r for r in rows if r.get("server_cpu_cores")]

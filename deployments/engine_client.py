@@ -203,15 +203,15 @@ def detached(coro) -> asyncio.Task:
 
 
 def merge_step_time(stats) -> dict:
-    """The engines' cumulative figures, all replicas together: ``step_time``, ``loop.busy_s`` and
-    ``request_phases`` summed over the replicas' stats (totals of seconds, steps and requests, so a figure per step
+    """The engines' cumulative figures, all replicas together: ``step_time``, ``loop`` and ``request_phases``
+    summed over the replicas' stats (the longest step: the longest of any) (totals of seconds, steps and requests, so a figure per step
     or per request from them is the replicas' mean weighted by their steps or requests), as one core's stats carry
     them."""
     merged: dict[str, dict] = {"step_time": {}, "loop": {}, "request_phases": {}}
     for s in stats:
         for key, into in merged.items():
             for k, v in (s.get(key) or {}).items():
-                into[k] = into.get(k, 0) + v
+                into[k] = max(into.get(k, 0), v) if k.startswith("longest") else into.get(k, 0) + v
     return merged if merged["step_time"] else {}
 
 

@@ -1,9 +1,10 @@
 """The engine on the host (see docs/structure.md). ``freeze_startup_heap`` lives here, torch-free, because both the
 engine core and the ingress replicas (which import no engine) freeze their start-up heaps; ``tune_gc_for_steps``
-beside it (the engine core's collector)."""
+beside it (the engine core's collector), and ``GcTimer``, which times its collections."""
 
 import atexit
 import gc
+import time
 
 
 def freeze_startup_heap() -> None:
@@ -37,3 +38,32 @@ def tune_gc_for_steps(threshold: int = STEP_GC_THRESHOLD) -> None:
     generations' thresholds stay the interpreter's."""
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(threshold, older, oldest)
+
+
+class GcTimer:
+    """The collections of this process, timed (``gc.callbacks``): per generation how many, their total and their
+    longest, in seconds. A full collection over a large heap is a pause inside whatever step triggers it, which
+    /v1/stats should show rather than leave to guesswork. ``close`` removes the callback."""
+
+    def __init__(self):
+        self.by_generation = {g: [0, 0.0, 0.0] for g in range(3)}  # generation -> [count, total s, longest s]
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        took = time.perf_counter() - self._start
+        row = self.by_generation[info["generation"]]
+        row[0] += 1
+        row[1] += took
+        row[2] = max(row[2], took)
+
+    def stats(self) -> dict:
+        return {f"gen{g}": {"collections": n, "s": round(total, 6), "longest_s": round(longest, 6)}
+                for g, (n, total, longest) in self.by_generation.items()}
+
+    def close(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)

@@ -30,7 +30,7 @@ import threading
 import time
 from collections import defaultdict, deque
 
-from deployments.engine import tune_gc_for_steps
+from deployments.engine import GcTimer, tune_gc_for_steps
 from deployments.engine.engine import Engine, LocalExecutor, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
 from workers.config import EngineConfig
@@ -87,6 +87,7 @@ class EngineCore:
     # (workers that keep dying are better on a fresh replica, perhaps on another node)
     MAX_RESTARTS = 3
     RESTART_WINDOW_S = 300.0
+    SLOW_STEP_S = 0.05  # a step whose loop wall is longer is counted in /v1/stats (a stall every stream feels)
     RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
 
     def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
@@ -104,6 +105,9 @@ class EngineCore:
             engine = Engine(cfg, executor, metrics=EngineMetrics(model_id, replica), detokenize=False)
             freeze_startup_heap()  # this process keeps the engine for its life
             tune_gc_for_steps()  # (its steps' short-lived objects start no collection each)
+            self.gc_timer: GcTimer | None = GcTimer()  # (this process's collections, its engine's own)
+        else:
+            self.gc_timer = None
         self.engine = engine
         self.cold_start_s = time.time() - t0
         self._lock = threading.Lock()  # guards what the threads share below; never held across a step
@@ -130,6 +134,8 @@ class EngineCore:
         self._restarts: deque[float] = deque()  # when the workers were restarted (monotonic), within the window
         self.restarts = 0  # in the actor's life (served at /v1/stats)
         self.busy_s = 0.0  # loop wall time of steps that ran (with the outputs' hand-off)
+        # the steps whose loop wall exceeded SLOW_STEP_S: how many, their total wall, the longest step's
+        self.slow_steps, self.slow_steps_s, self.longest_step_s = 0, 0.0, 0.0
         self._stop = False
         self._draining = False  # (drain) new requests are refused, those running finish
         if hasattr(self.engine.executor, "on_failure"):  # a dead worker fails every request at once, not at a step
@@ -254,7 +260,11 @@ class EngineCore:
     def stats(self) -> dict:
         stats = self.engine.step_stats()
         stats["loop"] = {"busy_s": self.busy_s, "worker_restarts": self.restarts, "submits": self.num_submits,
-                         "clients": len(self._last_poll)}  # (ingress replicas known: pushed to, or polling)
+                         "clients": len(self._last_poll),  # (ingress replicas known: pushed to, or polling)
+                         "slow_steps": self.slow_steps, "slow_steps_s": self.slow_steps_s,
+                         "longest_step_s": self.longest_step_s}
+        if self.gc_timer is not None:
+            stats["gc"] = self.gc_timer.stats()
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
         stats["request_phases"] = dict(self.engine.request_phases)
         return stats
@@ -297,6 +307,8 @@ class EngineCore:
         self._closed.set()
         self._thread.join(timeout=10)
         self.engine.shutdown()
+        if self.gc_timer is not None:
+            self.gc_timer.close()
         with self._send_lock:
             for sock in self._pushers.values():
                 sock.close(linger=1000)  # the last steps' outputs, queued, get a second to leave
@@ -342,7 +354,12 @@ class EngineCore:
             self._step_since = None
             self._publish(outputs)
             if engine.step_time["steps"] != steps_before:  # a step ran (not only a schedule with nothing to do)
-                self.busy_s += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                self.busy_s += wall
+                if wall > self.SLOW_STEP_S:
+                    self.slow_steps += 1
+                    self.slow_steps_s += wall
+                    self.longest_step_s = max(self.longest_step_s, wall)
             if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
                 self._drop_gone_clients()
                 load_set = time.monotonic()

@@ -87,6 +87,35 @@ def test_each_request_carries_its_phases_and_the_totals_add_them_up(tiny_models)
         assert totals[f"{name}_s"] == pytest.approx(sum(p[name] for p in phases.values())), name
 
 
+def test_slow_steps_are_counted(core):
+    """/v1/stats counts the steps whose loop wall passed SLOW_STEP_S (here every one: the threshold at 0) with their
+    total wall and the longest, the same walls as ``busy_s``."""
+    core.SLOW_STEP_S = 0.0  # (the loop reads it on the instance)
+    assert core.submit("c", [("r", [5, 6, 7], GREEDY, time.time())]) == [None]
+    _drain(core, "c", {"r"})
+    loop, steps = core.stats()["loop"], core.stats()["step_time"]["steps"]
+    assert loop["slow_steps"] == steps > 0, (loop, steps)
+    assert loop["slow_steps_s"] == pytest.approx(loop["busy_s"]) and 0 < loop["longest_step_s"] <= loop["busy_s"]
+
+
+def test_gc_timer_times_each_generation():
+    import gc
+
+    from deployments.engine import GcTimer
+
+    timer = GcTimer()
+    try:
+        gc.collect(2)
+        gc.collect(0)
+    finally:
+        timer.close()
+    stats = timer.stats()
+    assert stats["gen2"]["collections"] >= 1 and stats["gen0"]["collections"] >= 1, stats
+    assert 0 < stats["gen2"]["longest_s"] <= stats["gen2"]["s"], stats
+    gc.collect(2)  # closed: no longer counted
+    assert timer.stats() == stats
+
+
 def test_refusals_are_answered_at_submit(core):
     long_prompt = list(range(5, 260))
     answers = core.submit("c", [("ok", [5, 6, 7], GREEDY, time.time()),
