@@ -88,6 +88,7 @@ class EngineCore:
     MAX_RESTARTS = 3
     RESTART_WINDOW_S = 300.0
     SLOW_STEP_S = 0.05  # a step whose loop wall is longer is counted in /v1/stats (a stall every stream feels)
+    LOG_STEP_S = 0.5  # and logged, with where its time went, when longer than this
     RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
 
     def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
@@ -342,7 +343,8 @@ class EngineCore:
                     load_set = time.monotonic()
                 continue
             t0 = time.perf_counter()
-            steps_before = engine.step_time["steps"]
+            st = engine.step_time
+            steps_before, split_before = st["steps"], (st["schedule_s"], st["execute_s"], st["outputs_s"])
             self._step_since = time.monotonic()
             try:
                 outputs = engine.step()
@@ -360,6 +362,12 @@ class EngineCore:
                     self.slow_steps += 1
                     self.slow_steps_s += wall
                     self.longest_step_s = max(self.longest_step_s, wall)
+                    if wall > self.LOG_STEP_S:
+                        split = [1e3 * (st[k] - b) for k, b in zip(("schedule_s", "execute_s", "outputs_s"),
+                                                                     split_before)]
+                        logger.warning("an engine step took %.0f ms (schedule %.1f, execute %.1f, outputs %.1f "
+                                       "ms); collections so far: %s", wall * 1e3, *split,
+                                       self.gc_timer.stats() if self.gc_timer is not None else "not timed")
             if time.monotonic() - load_set > self.IDLE_METRICS_INTERVAL_S:
                 self._drop_gone_clients()
                 load_set = time.monotonic()
