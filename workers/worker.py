@@ -22,6 +22,7 @@ from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import StagedCopies, to_device
 from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, graph_refusal, tune_for_graphs
+from workers.kernels.launch import compile_watch
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.logits_processing import LogitsState, record_tokens
@@ -206,6 +207,8 @@ class Worker:
             self.depth_costs = self.graphs.depth_costs(self.cfg.speculative_config.tiers())
             if self.device.type == "cuda":  # the eager catch-up's Triton compiles now, not in a server's first steps
                 self.graphs.warm_catch_up()
+        if self.device.type == "cuda":  # from here on a compile is a stall inside a step: logged, counted
+            compile_watch().start()
         return self.depth_costs
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------

@@ -24,3 +24,24 @@ def test_pdl_only_inside_graph_scopes_and_never_on_cpu():
         assert launch.pdl_launch(x) == {}  # no CUDA here
     assert seen == {"inside": True, "other": False} and not launch._pdl_scope.on
     assert not launch.pdl_supported("cpu")
+
+
+def test_compile_watch_counts_and_logs_each_compile_and_keeps_earlier_hooks(caplog):
+    """After start-up every Triton compile is a stall inside a step: the watch times each (between Triton's hook
+    before the compile and the one after it), logs its kernel's specialisation, and still calls the hooks that were
+    set before it (one that takes a compile over skips the timing)."""
+    from workers.kernels.launch import CompileWatch
+
+    calls = []
+    watch = CompileWatch()
+    watch._chained = (lambda **kw: calls.append(("before", kw["key"])) or kw["key"] == "taken",
+                      lambda **kw: calls.append(("after", kw["key"])))
+    with caplog.at_level("WARNING", logger="workers.kernels.launch"):
+        assert watch.before(key=("k", 1), repr="_kernel[num_warps=4](n: i32)") is None
+        watch.after(key=("k", 1), repr="_kernel[num_warps=4](n: i32)")
+        assert watch.before(key="taken", repr="_other") is True
+    assert calls == [("before", ("k", 1)), ("after", ("k", 1)), ("before", "taken")]
+    stats = watch.stats()
+    assert stats["compiles"] == 1 and 0 <= stats["longest_s"] <= stats["s"], stats
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "_kernel[num_warps=4](n: i32)" in line and "inside a step" in line, line

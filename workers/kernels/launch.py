@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import os
 import threading
+import time
 
 import torch
 
@@ -21,6 +23,8 @@ try:
 except ImportError:  # a Triton without grid dependency control: kernels start when the previous one has ended
     gdc_launch_dependents = gdc_wait = None
 
+
+logger = logging.getLogger(__name__)
 
 _INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter runs the kernels on CPU tensors
 
@@ -130,3 +134,57 @@ def capturing(graph: torch.cuda.CUDAGraph, **kwargs):
     """``torch.cuda.graph(graph, **kwargs)`` with the garbage collector paused (``gc_paused``)."""
     with gc_paused(), torch.cuda.graph(graph, **kwargs):
         yield
+
+
+# ---- compiles while serving ----------------------------------------------------------------------------------------
+class CompileWatch:
+    """Triton's compiles in this process from ``start`` on (Triton's JIT hooks), each logged with its kernel's
+    specialisation and how long it took. After start-up a compile runs inside a step and stalls every stream for up
+    to seconds; the warm-ups exist to prevent that, and a compile that still happens should say which kernel and
+    which specialisation it was (vLLM logs its post-start compiles likewise). A kernel Triton finds in its disk
+    cache passes the same hooks, in milliseconds. The hooks are process-wide: ``compile_watch()`` is the one."""
+
+    def __init__(self):
+        self.compiles = 0  # since start
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self._began: dict[str, float] = {}
+        self._chained: tuple = (None, None)  # the hooks set before ours, still called
+        self.started = False
+
+    def start(self) -> None:
+        if self.started or triton is None or _INTERPRETER:
+            return
+        try:
+            from triton import knobs
+        except ImportError:  # (a Triton without its hooks: nothing to watch)
+            return
+        self._chained = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self.before, self.after
+        self.started = True
+
+    def before(self, **kwargs):
+        first = self._chained[0]
+        if first is not None and first(**kwargs):
+            return True  # (that hook took the compile over)
+        self._began[str(kwargs.get("key"))] = time.perf_counter()
+        return None
+
+    def after(self, **kwargs):
+        took = time.perf_counter() - self._began.pop(str(kwargs.get("key")), time.perf_counter())
+        self.compiles += 1
+        self.seconds += took
+        self.longest_s = max(self.longest_s, took)
+        logger.warning("Triton compiled (or loaded from its cache) %s after start-up in %.0f ms, inside a step",
+                       kwargs.get("repr"), took * 1e3)
+        second = self._chained[1]
+        return second(**kwargs) if second is not None else None
+
+    def stats(self) -> dict:
+        return {"compiles": self.compiles, "s": round(self.seconds, 6), "longest_s": round(self.longest_s, 6)}
+
+
+@functools.cache
+def compile_watch() -> CompileWatch:
+    """This process's watch (started by the worker once its start-up compiles are done)."""
+    return CompileWatch()
