@@ -30,18 +30,28 @@ def test_compile_watch_counts_and_logs_each_compile_and_keeps_earlier_hooks(capl
     """After start-up every Triton compile is a stall inside a step: the watch times each (between Triton's hook
     before the compile and the one after it), logs its kernel's specialisation, and still calls the hooks that were
     set before it (one that takes a compile over skips the timing)."""
+    import types
+
     from workers.kernels.launch import CompileWatch
+    from workers.kernels.launch import specialisation as launch_specialisation
 
     calls = []
     watch = CompileWatch()
     watch._chained = (lambda **kw: calls.append(("before", kw["key"])) or kw["key"] == "taken",
                       lambda **kw: calls.append(("after", kw["key"])))
+    # Triton's hook arguments (3.6): the signature by name, constexprs by argument path (an int equal to 1 is one),
+    # divisibility by 16 as an attribute by path
+    fn = types.SimpleNamespace(name="_kernel")
+    compile_args = {"signature": {"X": "*fp32", "n": "i32", "m": "constexpr", "rows": "i32", "BLOCK": "constexpr"},
+                    "constants": {(2,): 1, (4,): 64}, "configs": [{(0,): [["tt.divisibility", 16]],
+                                                                   (3,): [["tt.divisibility", 16]]}]}
     with caplog.at_level("WARNING", logger="workers.kernels.launch"):
-        assert watch.before(key=("k", 1), repr="_kernel[num_warps=4](n: i32)") is None
-        watch.after(key=("k", 1), repr="_kernel[num_warps=4](n: i32)")
+        assert watch.before(key=("k", 1), repr="_kernel[...]") is None
+        watch.after(key=("k", 1), repr="_kernel[...]", fn=fn, compile=compile_args)
         assert watch.before(key="taken", repr="_other") is True
     assert calls == [("before", ("k", 1)), ("after", ("k", 1)), ("before", "taken")]
     stats = watch.stats()
     assert stats["compiles"] == 1 and 0 <= stats["longest_s"] <= stats["s"], stats
     (line,) = [r.getMessage() for r in caplog.records]
-    assert "_kernel[num_warps=4](n: i32)" in line and "inside a step" in line, line
+    assert "_kernel(X:*fp32%16, n:i32, m=1, rows:i32%16, BLOCK=64)" in line and "inside a step" in line, line
+    assert launch_specialisation({"repr": "as Triton wrote it"}) == "as Triton wrote it"  # (another shape of args)

@@ -176,12 +176,34 @@ class CompileWatch:
         self.seconds += took
         self.longest_s = max(self.longest_s, took)
         logger.warning("Triton compiled (or loaded from its cache) %s after start-up in %.0f ms, inside a step",
-                       kwargs.get("repr"), took * 1e3)
+                       specialisation(kwargs), took * 1e3)
         second = self._chained[1]
         return second(**kwargs) if second is not None else None
 
     def stats(self) -> dict:
         return {"compiles": self.compiles, "s": round(self.seconds, 6), "longest_s": round(self.longest_s, 6)}
+
+
+def specialisation(hook_kwargs: dict) -> str:
+    """A compile's kernel and what it was specialised on, from Triton's hook arguments: each argument's type, an
+    int's or pointer's divisibility by 16 (``%16``), and constexprs (an int equal to 1 becomes one) with their value;
+    Triton's own ``repr`` where the arguments are not in the shape this reads."""
+    try:
+        c = hook_kwargs["compile"]
+        name = hook_kwargs["fn"].name
+        consts = c.get("constants") or {}
+        divisible = {path[0] for path, attr in ((c.get("configs") or [{}])[0] or {}).items()
+                     if any(item[0] == "tt.divisibility" for item in attr)}
+        parts = []
+        for i, (arg, ty) in enumerate(c["signature"].items()):
+            if ty == "constexpr":
+                value = consts.get((i,))
+                parts.append(f"{arg}={getattr(value, 'value', value)}")
+            else:
+                parts.append(f"{arg}:{ty}{'%16' if i in divisible else ''}")
+        return f"{name}({', '.join(parts)})"
+    except (KeyError, AttributeError, TypeError, IndexError):
+        return str(hook_kwargs.get("repr"))
 
 
 @functools.cache
