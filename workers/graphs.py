@@ -835,6 +835,30 @@ def catch_up_shapes(window: int, max_requests: int, key: Callable[[int, int, boo
     return shapes
 
 
+def eager_extend_shapes(max_requests: int, max_len: int, max_tokens: int,
+                        key: Callable[[int, int, bool], tuple | None]) -> list[tuple[int, int, bool]]:
+    """Eager prefills' shapes (requests, longest chunk, whether every chunk has that length; else the others have
+    one token) up to ``max_requests`` requests, chunks of ``max_len`` tokens and ``max_tokens`` a step, one per
+    distinct ``key(requests, longest, uniform)`` (what their kernels are compiled for; None: a shape that replays
+    a prefill graph), each with the fewest requests. Chunk lengths: the powers of two and their neighbours, where
+    the attention's blocks and Triton's specialisation of a length (= 1, divisible by 16) change."""
+    lengths, p = set(), 1
+    while p <= 2 * max_len:
+        lengths |= {x for x in (p - 1, p, p + 1) if 1 <= x <= max_len}
+        p *= 2
+    seen, shapes = set(), []
+    for uniform in (True, False):
+        for n in sorted(lengths):
+            for b in range(1 if uniform else 2, max_requests + 1):
+                if (n * b if uniform else n + b - 1) > max_tokens:
+                    break
+                k = key(b, n, uniform)
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    shapes.append((b, n, uniform))
+    return shapes
+
+
 # prefills whose graphs are captured: tokens per step (padded up to a bucket) and requests per step
 EXTEND_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 EXTEND_REQUEST_BUCKETS = (1, 2, 4, 8)
@@ -886,22 +910,26 @@ class ExtendGraphs(GraphRunner):
         for t, r in tqdm(shapes, desc="capturing prefill graphs", disable=self.rank != 0):
             self._capture(t, r, "greedy")
 
-    def buckets_for(self, step) -> tuple[int, int] | None:
-        """(token bucket, request bucket) of an EXTEND step that can replay a graph, else None (it runs eagerly)."""
-        t, b = len(step.input_ids), step.batch_size
-        if step.mode != ForwardMode.EXTEND:
-            return None
+    def takes(self, tokens: int, requests: int) -> tuple[int, int] | None:
+        """(token bucket, request bucket) of a plain prefill of this size, else None (it runs eagerly)."""
         # with a draft, at least one padding token: every empty request's logits row is then the padding request's
         # (a draft's prefill writes the token after each chunk at that row)
-        tb = next((x for x in self.token_buckets if x > t or (x == t and self.exact_fit)), None)
-        rb = next((x for x in self.request_buckets if x >= b), None)
-        if tb is None or rb is None or step.logits_processing or step.top_logprobs:
+        tb = next((x for x in self.token_buckets if x > tokens or (x == tokens and self.exact_fit)), None)
+        rb = next((x for x in self.request_buckets if x >= requests), None)
+        return None if tb is None or rb is None else (tb, rb)
+
+    def buckets_for(self, step) -> tuple[int, int] | None:
+        """(token bucket, request bucket) of an EXTEND step that can replay a graph, else None (it runs eagerly)."""
+        if step.mode != ForwardMode.EXTEND:
+            return None
+        buckets = self.takes(len(step.input_ids), step.batch_size)
+        if buckets is None or step.logits_processing or step.top_logprobs:
             return None
         if step.mask_follows or step.token_mask is not None or int(step.input_ids.min()) < 0:
             return None
         if step.prompt_logprobs is not None and max(step.prompt_logprobs) >= 0:
             return None
-        return tb, rb
+        return buckets
 
     def replay_step(self, step, tb: int, rb: int, kind: str) -> PackedOutputs:
         """Run ``step`` through its buckets' graph (captured now on first use of ``kind``); returns its rows' packed

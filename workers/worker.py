@@ -16,13 +16,17 @@ from typing import Callable
 import numpy as np
 import torch
 
+from attention.base import AttentionLayerSpec, int_specialisation
 from speculative.proposers import DraftContext, RoundInputs, make_proposer
 from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import StagedCopies, to_device
-from workers.graphs import LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, graph_refusal, tune_for_graphs
+from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, eager_extend_shapes,
+                            graph_refusal, tune_for_graphs)
 from workers.kernels.launch import compile_watch
+from workers.kernels.metadata import uniform_token_block
+from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
 from workers.kv_cache import PageTable
 from workers.layers import TPGroup
 from workers.logits_processing import LogitsState, record_tokens
@@ -207,9 +211,60 @@ class Worker:
             self.depth_costs = self.graphs.depth_costs(self.cfg.speculative_config.tiers())
             if self.device.type == "cuda":  # the eager catch-up's Triton compiles now, not in a server's first steps
                 self.graphs.warm_catch_up()
-        if self.device.type == "cuda":  # from here on a compile is a stall inside a step: logged, counted
-            compile_watch().start()
+        if self.device.type == "cuda":
+            try:  # (and the eager prefills')
+                self.warm_eager_extend()
+            except Exception:  # noqa: BLE001 - without it the server still serves, compiling inside its first steps
+                logger.exception("the eager prefill warm-up failed")
+            compile_watch().start()  # from here on a compile is a stall inside a step: logged, counted
         return self.depth_costs
+
+    @torch.inference_mode()
+    def warm_eager_extend(self) -> list[tuple[int, int, bool]]:
+        """Run an eager prefill once at every shape whose kernels compile differently (``eager_extend_shapes``):
+        more requests or tokens than the prefill graphs take, chunks cut by the token budget. Served arrivals come
+        in such pieces, and each new variant compiled inside a step stalled every stream for 0.1-1 s. On the padding
+        slot (its page-table row is page 0, which nothing reads, as the prefill graphs' padding request), greedy,
+        every chunk ending its prompt; no request's KV or state changes. Returns the shapes run."""
+        t0 = time.perf_counter()
+        pad = self.cfg.max_num_seqs
+        shapes = eager_extend_shapes(self.cfg.max_num_seqs, min(self.cfg.max_prefill_tokens, self.max_model_len),
+                                     self.cfg.max_prefill_tokens, self._eager_extend_key())
+        for b, n, uniform in shapes:
+            lens = [n] * b if uniform else [n] + [1] * (b - 1)
+            zeros = [0] * b
+            self.execute(WorkerStep.pack(ForwardMode.EXTEND, req_slots=[pad] * b, input_ids=[0] * sum(lens),
+                                         seq_lens=lens, extend_lens=lens, page_updates=([], [], []),
+                                         temperature=[0.0] * b, top_k=zeros, top_p=[1.0] * b, min_p=[0.0] * b,
+                                         seeds=zeros, counters=zeros))
+        logger.info("eager prefill warm-up: %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
+        return shapes
+
+    def _eager_extend_key(self) -> Callable[[int, int, bool], tuple | None]:
+        """key(requests, longest chunk, uniform) of an eager prefill (None where it replays a prefill graph): the
+        target's and the draft's attention launch (the backends' ``compile_key``), how Triton specialises the
+        chunk length (and the uniform metadata kernel's block for it), the request and token counts the other
+        kernels take as ints, and the row bucket of the logits rows (the small-M linears' tiles, up to 16 rows)."""
+        graphs = self.extend_graphs if self.extend_graphs is not None and self.extend_graphs.captured else None
+        capacity = self.page_table.table.shape[1] * self.page_table.page_size
+        parts = [(self.target, ForwardMode.EXTEND)]
+        if getattr(self.proposer, "runner", None) is not None:
+            parts.append((self.proposer.runner, ForwardMode.DRAFT_EXTEND))
+        attention = [(runner, mode, spec) for runner, mode in parts
+                     for spec in [next((m.spec for m in runner.model.modules()
+                                        if isinstance(getattr(m, "spec", None), AttentionLayerSpec)), None)]
+                     if spec is not None]
+
+        def key(b: int, n: int, uniform: bool) -> tuple | None:
+            tokens = n * b if uniform else n + b - 1
+            if graphs is not None and graphs.takes(tokens, b) is not None:
+                return None
+            return (uniform, (int_specialisation(n), uniform_token_block(n)) if uniform else None,
+                    int_specialisation(b), int_specialisation(tokens), row_bucket(b) if b <= MAX_ROWS else None,
+                    tuple(runner.attn_backend.compile_key(mode, b, n, uniform, spec, capacity)
+                          for runner, mode, spec in attention))
+
+        return key
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
     def capture_graphs(self) -> None:

@@ -47,6 +47,11 @@ if triton is not None:
         tl.store(OutLoc + b * n + j, page * page_size + pos % page_size, mask=ok)
 
 
+def uniform_token_block(n: int) -> int:
+    """``uniform_token_metadata``'s block for ``n`` tokens a request: few distinct compiles whatever the length."""
+    return min(1024, max(16, 1 << max(0, n - 1).bit_length()))
+
+
 def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, table: torch.Tensor,
                            page_size: int, *, seq_offset: int = 0, steps: int = 1, seq_step: int = 0,
                            logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
@@ -75,7 +80,7 @@ def uniform_token_metadata(slots: torch.Tensor, seq_lens: torch.Tensor, n: int, 
     last = torch.empty(rows, dtype=torch.int64, device=device)
     storage_pos = torch.empty(rows * n, dtype=torch.int64, device=device)
     out_loc = torch.empty_like(storage_pos)
-    block = min(1024, max(16, triton.next_power_of_2(n)))  # few distinct compiles whatever the prefill length
+    block = uniform_token_block(n)
     _uniform_tokens[(rows, triton.cdiv(max(n, 1), block))](
         slots, seq_lens, table, logits_at.contiguous() if logits_at is not None else last, seq, ext, start, last,
         storage_pos,
