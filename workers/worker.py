@@ -244,7 +244,8 @@ class Worker:
         """key(requests, longest chunk, uniform) of an eager prefill (None where it replays a prefill graph): the
         target's and the draft's attention launch (the backends' ``compile_key``), how Triton specialises the
         chunk length (and the uniform metadata kernel's block for it), the request and token counts the other
-        kernels take as ints, and the row bucket of the logits rows (the small-M linears' tiles, up to 16 rows)."""
+        kernels take as ints, and the row buckets of the logits rows and of the tokens (the small-M linears' tiles,
+        up to 16 rows)."""
         graphs = self.extend_graphs if self.extend_graphs is not None and self.extend_graphs.captured else None
         capacity = self.page_table.table.shape[1] * self.page_table.page_size
         parts = [(self.target, ForwardMode.EXTEND)]
@@ -261,6 +262,7 @@ class Worker:
                 return None
             return (uniform, (int_specialisation(n), uniform_token_block(n)) if uniform else None,
                     int_specialisation(b), int_specialisation(tokens), row_bucket(b) if b <= MAX_ROWS else None,
+                    row_bucket(tokens) if tokens <= MAX_ROWS else None,
                     tuple(runner.attn_backend.compile_key(mode, b, n, uniform, spec, capacity)
                           for runner, mode, spec in attention))
 
