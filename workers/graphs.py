@@ -849,6 +849,8 @@ def eager_extend_shapes(max_requests: int, max_len: int, max_tokens: int,
     seen, shapes = set(), []
     for uniform in (True, False):
         for n in sorted(lengths):
+            if not uniform and n == 1:  # (one token each: that is a uniform batch)
+                continue
             for b in range(1 if uniform else 2, max_requests + 1):
                 if (n * b if uniform else n + b - 1) > max_tokens:
                     break

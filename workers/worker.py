@@ -214,8 +214,13 @@ class Worker:
         if self.device.type == "cuda":
             try:  # (and the eager prefills')
                 self.warm_eager_extend()
-            except Exception:  # noqa: BLE001 - without it the server still serves, compiling inside its first steps
-                logger.exception("the eager prefill warm-up failed")
+            except Exception:
+                # without it a lone rank still serves, compiling inside its first steps; but ranks that run
+                # collectives in lockstep would be left out of step, and a CUDA error stays in the context
+                if self.tp.size > 1:
+                    raise
+                torch.cuda.synchronize()
+                logger.exception("the eager prefill warm-up failed; serving without it")
             compile_watch().start()  # from here on a compile is a stall inside a step: logged, counted
         return self.depth_costs
 

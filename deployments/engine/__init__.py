@@ -60,6 +60,10 @@ class GcTimer:
         row[1] += took
         row[2] = max(row[2], took)
 
+    def seconds(self) -> float:
+        """Every generation's collections, their time so far."""
+        return sum(row[1] for row in self.by_generation.values())
+
     def stats(self) -> dict:
         return {f"gen{g}": {"collections": n, "s": round(total, 6), "longest_s": round(longest, 6)}
                 for g, (n, total, longest) in self.by_generation.items()}

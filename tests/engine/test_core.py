@@ -120,6 +120,7 @@ def test_gc_timer_times_each_generation():
     stats = timer.stats()
     assert stats["gen2"]["collections"] >= 1 and stats["gen0"]["collections"] >= 1, stats
     assert 0 < stats["gen2"]["longest_s"] <= stats["gen2"]["s"], stats
+    assert timer.seconds() == pytest.approx(sum(row["s"] for row in stats.values()), abs=1e-5)
     gc.collect(2)  # closed: no longer counted
     assert timer.stats() == stats
 

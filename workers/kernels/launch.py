@@ -208,5 +208,6 @@ def specialisation(hook_kwargs: dict) -> str:
 
 @functools.cache
 def compile_watch() -> CompileWatch:
-    """This process's watch (started by the worker once its start-up compiles are done)."""
+    """This process's watch (started by the worker once its start-up compiles are done; its counts are for tools
+    and tests, the log is what a server shows)."""
     return CompileWatch()
