@@ -228,21 +228,33 @@ class Worker:
     def warm_eager_extend(self) -> list[tuple[int, int, bool]]:
         """Run an eager prefill once at every shape whose kernels compile differently (``eager_extend_shapes``):
         more requests or tokens than the prefill graphs take, chunks cut by the token budget. Served arrivals come
-        in such pieces, and each new variant compiled inside a step stalled every stream for 0.1-1 s. On the padding
-        slot (its page-table row is page 0, which nothing reads, as the prefill graphs' padding request), greedy,
-        every chunk ending its prompt; no request's KV or state changes. Returns the shapes run."""
+        in such pieces, and each new variant compiled inside a step stalled every stream for 0.1-1 s. Greedy; the
+        sampling kernels (plain, and with a top-k / top-p / min-p floor), whose compiles follow only the request
+        count's specialisation, once per such class. On the padding slot (its page-table row is page 0, which
+        nothing reads, as the prefill graphs' padding request), every chunk ending its prompt; no request's KV or
+        state changes. Returns the shapes run greedily."""
         t0 = time.perf_counter()
         pad = self.cfg.max_num_seqs
         shapes = eager_extend_shapes(self.cfg.max_num_seqs, min(self.cfg.max_prefill_tokens, self.max_model_len),
                                      self.cfg.max_prefill_tokens, self._eager_extend_key())
-        for b, n, uniform in shapes:
-            lens = [n] * b if uniform else [n] + [1] * (b - 1)
-            zeros = [0] * b
+
+        def prefill(b: int, n: int, uniform: bool, temperature: float = 0.0, top_k: int = 0) -> None:
+            lens, zeros = [n] * b if uniform else [n] + [1] * (b - 1), [0] * b
             self.execute(WorkerStep.pack(ForwardMode.EXTEND, req_slots=[pad] * b, input_ids=[0] * sum(lens),
                                          seq_lens=lens, extend_lens=lens, page_updates=([], [], []),
-                                         temperature=[0.0] * b, top_k=zeros, top_p=[1.0] * b, min_p=[0.0] * b,
-                                         seeds=zeros, counters=zeros))
-        logger.info("eager prefill warm-up: %d shapes in %.1f s", len(shapes), time.perf_counter() - t0)
+                                         temperature=[temperature] * b, top_k=[top_k] * b, top_p=[1.0] * b,
+                                         min_p=[0.0] * b, seeds=zeros, counters=zeros))
+
+        for shape in shapes:
+            prefill(*shape)
+        sampled = {}
+        for b, n, uniform in shapes:  # (the first, short, eager shape of each request-count class)
+            sampled.setdefault((int_specialisation(b), row_bucket(b) if b <= MAX_ROWS else None), (b, n, uniform))
+        for shape in sampled.values():
+            prefill(*shape, temperature=1.0)  # "sample"
+            prefill(*shape, temperature=1.0, top_k=20)  # "filter"
+        logger.info("eager prefill warm-up: %d shapes in %.1f s", len(shapes) + 2 * len(sampled),
+                    time.perf_counter() - t0)
         return shapes
 
     def _eager_extend_key(self) -> Callable[[int, int, bool], tuple | None]:
