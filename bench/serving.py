@@ -267,6 +267,9 @@ def per_step(before: dict, after: dict) -> dict:
     if "gc" in after and "gc" in before:  # the engine core's garbage collections over the level
         row["gc"] = {g: {"collections": a["collections"] - before["gc"][g]["collections"],
                          "ms": round((a["s"] - before["gc"][g]["s"]) * 1e3, 1)} for g, a in after["gc"].items()}
+    if "compiles" in after and "compiles" in before:  # Triton compiles inside the level's steps (rank 0 in the core)
+        row["compiles"] = after["compiles"]["compiles"] - before["compiles"]["compiles"]
+        row["compiles_ms"] = round((after["compiles"]["s"] - before["compiles"]["s"]) * 1e3, 1)
     if "request_phases" in after:  # where the level's requests spent their time, on average
         row["phases_ms"] = phase_means(before.get("request_phases") or {}, after["request_phases"])
     return row
@@ -497,13 +500,15 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
     if phased:
         names = ("receive", "inbox", "queue", "prefill", "decode")
         stalls = lambda p: (f"{p.get('slow_steps', '')} / {p.get('slow_steps_ms', '')} ms" + (  # noqa: E731
-            " · GC gen2 {collections} / {ms} ms".format(**p["gc"]["gen2"]) if "gc" in p else ""))
+            " · GC gen2 {collections} / {ms} ms".format(**p["gc"]["gen2"]) if "gc" in p else "") + (
+            f" · Triton compiles {p['compiles']} / {p['compiles_ms']} ms" if "compiles" in p else ""))
         md += ["", "Where a request's time went, mean ms per finished request over the level (the engine core's "
                "timestamps): receive (the ingress's arrival until the core had it), inbox (until the engine loop "
                "queued it), queue (until its prefill was planned), prefill (until its first token), decode (first "
                "token to last); offline in brackets; engine steps over the level, served (offline); and the steps "
                "that stalled every stream (loop wall over 50 ms: how many / their total), with the engine core's "
-               "full garbage collections (how many / their total).", "",
+               "full garbage collections and, with rank 0 in the core, the Triton compiles inside steps (how many / "
+               "their total).", "",
                f"| {head} | " + " | ".join(names) + " | steps | slow steps |", "|---|" + "---|" * (len(names) + 2)]
         md += [f"| {r[key]} | " + " | ".join(f"{p.get(n, '')}" + (f" ({o[n]})" if n in o else "") for n in names)
                + f" | {r['server_per_step']['steps']} ({r.get('offline', {}).get('steps', '-')}) | "

@@ -257,6 +257,12 @@ class Worker:
                     time.perf_counter() - t0)
         return shapes
 
+    @staticmethod
+    def compile_stats() -> dict | None:
+        """This process's Triton compiles since the worker's start-up (``CompileWatch``), None before it started."""
+        watch = compile_watch()
+        return watch.stats() if watch.started else None
+
     def _eager_extend_key(self) -> Callable[[int, int, bool], tuple | None]:
         """key(requests, longest chunk, uniform) of an eager prefill (None where it replays a prefill graph): the
         target's and the draft's attention launch (the backends' ``compile_key``), how Triton specialises the

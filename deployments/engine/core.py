@@ -268,6 +268,9 @@ class EngineCore:
                          "longest_step_s": self.longest_step_s}
         if self.gc_timer is not None:
             stats["gc"] = self.gc_timer.stats()
+        compiles = getattr(self.engine.executor, "compile_stats", None)  # (a rank in this process: "uni")
+        if compiles is not None and (counted := compiles()) is not None:
+            stats["compiles"] = counted
         stats["replica"], stats["requests"] = self.replica, self.num_accepted
         stats["request_phases"] = dict(self.engine.request_phases)
         return stats

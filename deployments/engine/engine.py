@@ -82,6 +82,10 @@ class LocalExecutor:
             self.failure = f"the in-process worker failed: {type(e).__name__}"
             raise
 
+    def compile_stats(self) -> dict | None:
+        """The in-process worker's Triton compiles after its start-up (each a stall inside a step), or None."""
+        return self.worker.compile_stats()
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
