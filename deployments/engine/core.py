@@ -87,11 +87,11 @@ class EngineCore:
     # (workers that keep dying are better on a fresh replica, perhaps on another node)
     MAX_RESTARTS = 3
     RESTART_WINDOW_S = 300.0
+    RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
     # a step whose loop wall is longer is counted in /v1/stats: every running stream waits for it (a large model's
     # full prefill step counts too); a step longer than LOG_STEP_S is also logged, with where its time went
     SLOW_STEP_S = 0.05
     LOG_STEP_S = 1.0
-    RESTART_TIMEOUT_S = 120.0  # a restart still running after this long fails the health check (no bundle free...)
 
     def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
         """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing).
