@@ -155,8 +155,12 @@ def test_prometheus_has_spec_counters(server, client):
                 if m.group(1) == "ray_vllm_request_success_total" and reason:
                     reasons[reason.group(1)] = float(m.group(3))
         idle = values.get("ray_vllm_num_requests_running") == 0 == values.get("ray_vllm_num_requests_waiting")
+        # (the agent exports each process's metrics on its own schedule: the engine core's token counter may trail
+        # the ingress's latency samples by an export)
+        caught_up = values.get("ray_vllm_generation_tokens_total", 0) - values.get(
+            "ray_vllm_time_to_first_token_seconds_count", 0) > values.get("ray_vllm_inter_token_latency_seconds_count", 0)
         if all(values.get(w, 0) > 0 for w in wanted if w != "ray_vllm_kv_cache_usage_perc") and "abort" in reasons \
-                and idle:  # (the agent exports what the engine set a report interval ago)
+                and idle and caught_up:  # (the agent exports what the engine set a report interval ago)
             break
         time.sleep(1)
     for w in wanted:
