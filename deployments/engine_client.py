@@ -203,10 +203,10 @@ def detached(coro) -> asyncio.Task:
 
 
 def merge_step_time(stats) -> dict:
-    """The engines' cumulative figures, all replicas together: ``step_time``, ``loop`` and ``request_phases``
-    summed over the replicas' stats (the longest step: the longest of any) (totals of seconds, steps and requests, so a figure per step
-    or per request from them is the replicas' mean weighted by their steps or requests), as one core's stats carry
-    them."""
+    """The engines' cumulative figures, all replicas together, as one core's stats carry them: ``step_time``,
+    ``loop`` and ``request_phases`` summed over the replicas' stats (totals of seconds, steps and requests, so a
+    figure per step or per request from them is the replicas' mean weighted by their steps or requests; the longest
+    step is the longest of any)."""
     merged: dict[str, dict] = {"step_time": {}, "loop": {}, "request_phases": {}}
     for s in stats:
         for key, into in merged.items():
