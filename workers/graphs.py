@@ -793,9 +793,7 @@ class DecodeGraphs(GraphRunner):
         KV-only catch-up (``EagleProposer.kv_only_catch_up``) runs attention on one row per request only."""
         proposer = self.spec_round.proposer
         runner = getattr(proposer, "runner", None)
-        layer = None if runner is None else next(
-            (m.spec for m in runner.model.modules() if isinstance(getattr(m, "spec", None), AttentionLayerSpec)),
-            None)
+        layer = None if runner is None else attention_layer_spec(runner)
         table = self.spec_round.ctx.page_table
         capacity = table.table.shape[1] * table.page_size
 
@@ -817,6 +815,12 @@ class DecodeGraphs(GraphRunner):
             return uniform, int_specialisation(n) if uniform else None, rows(t), rows(b), attn(b, n, uniform)
 
         return key
+
+
+def attention_layer_spec(runner) -> AttentionLayerSpec | None:
+    """A model runner's (dense) attention layer shape, which its backend's ``compile_key`` reads; None without."""
+    return next((m.spec for m in runner.model.modules() if isinstance(getattr(m, "spec", None), AttentionLayerSpec)),
+                None)
 
 
 def catch_up_shapes(window: int, max_requests: int, key: Callable[[int, int, bool], tuple]

@@ -16,14 +16,14 @@ from typing import Callable
 import numpy as np
 import torch
 
-from attention.base import AttentionLayerSpec, int_specialisation
+from attention.base import int_specialisation
 from speculative.proposers import DraftContext, RoundInputs, make_proposer
 from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import StagedCopies, to_device
-from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, eager_extend_shapes,
-                            graph_refusal, tune_for_graphs)
+from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, attention_layer_spec,
+                            eager_extend_shapes, graph_refusal, tune_for_graphs)
 from workers.kernels.launch import compile_watch
 from workers.kernels.metadata import uniform_token_block
 from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
@@ -275,9 +275,7 @@ class Worker:
         if getattr(self.proposer, "runner", None) is not None:
             parts.append((self.proposer.runner, ForwardMode.DRAFT_EXTEND))
         attention = [(runner, mode, spec) for runner, mode in parts
-                     for spec in [next((m.spec for m in runner.model.modules()
-                                        if isinstance(getattr(m, "spec", None), AttentionLayerSpec)), None)]
-                     if spec is not None]
+                     for spec in [attention_layer_spec(runner)] if spec is not None]
 
         def key(b: int, n: int, uniform: bool) -> tuple | None:
             tokens = n * b if uniform else n + b - 1
