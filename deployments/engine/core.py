@@ -67,9 +67,7 @@ def pack_output(out: RequestOutput) -> tuple:
                  "spec": req.spec.as_dict() if req.spec.num_drafts else None, "error": req.error,
                  # (the output's figure, or the request's where the cache keeps it there)
                  "cached_tokens": max(out.num_cached_tokens, getattr(req, "num_cached_tokens", 0) or 0),
-                 # (the ingress records them as vLLM's request-phase histograms; the engine's totals leave out a
-                 # failed request's, and so do they)
-                 "phases": req.phases() if req.error is None else None}
+                 "phases": req.phase_times}  # (the ingress records them as vLLM's request-phase histograms)
     packed = (out.rid, out.new_token_ids, out.finish_reason if out.finished else None, out.new_logprobs or None,
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item

@@ -443,8 +443,9 @@ class Engine:
         return outputs
 
     def _count_phases(self, req: Request) -> None:
-        """A finished request's phases added to the totals /v1/stats serves (``request_phases``)."""
-        phases = req.phases()
+        """A finished request's phases added to the totals /v1/stats serves (``request_phases``), and kept on it for
+        its last output (``Request.phase_times``)."""
+        phases = req.phase_times = req.phases()
         if phases is None:
             return
         totals = self.request_phases

@@ -182,6 +182,7 @@ class Request:
     received_time: float | None = None
     queued_time: float | None = None
     scheduled_time: float | None = None
+    phase_times: dict | None = None  # ``phases()`` once it finished normally (counted in the engine's totals)
     first_token_time: float | None = None
     last_token_time: float | None = None
     matcher: object | None = None  # structured output: the grammar matcher, advanced along the output
