@@ -468,6 +468,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                + (f" · stream_batching_interval_ms: {meta['stream_batching_interval_ms']}"
                   if meta.get("stream_batching_interval_ms") is not None else "")
                + (f" · output_channel: {meta['output_channel']}" if meta.get("output_channel") else "")]
+    if meta.get("startup_s") is not None:
+        md += ["", f"server start-up (serve.run until healthy): {meta['startup_s']} s"]
     md += ["", f"| {head} | req/s | output tok/s | TTFT median / p99 ms | TPOT median / p99 ms | "
            "ITL median / p99 ms |" + (" accept length |" if spec else ""),
            "|---|---|---|---|---|---|" + ("---|" if spec else "")]
@@ -611,14 +613,16 @@ def main() -> None:
                     "replicas and the engine core (it must be on PATH); raw samples go beside --out")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    engine_kwargs = stream_interval = app_args = None
+    engine_kwargs = stream_interval = app_args = startup_s = None
     offline = {}
     if args.offline:
         if not (args.config and args.concurrencies):
             ap.error("--offline needs --config and --concurrencies")
         offline = measure_offline(Path(args.config), args)
     if args.config:
+        t0 = time.perf_counter()
         base, model, vocab, device = start_app(Path(args.config), args.stream_interval, args.output_channel)
+        startup_s = round(time.perf_counter() - t0, 1)  # serve.run until healthy: loading, graphs, warm-ups
         app_args = server_config(Path(args.config))[2]
         engine_kwargs = app_args.get("engine_kwargs")
         stream_interval = args.stream_interval or app_args.get("stream_interval", 1)
@@ -657,7 +661,7 @@ def main() -> None:
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels,
-            "waves": args.waves}
+            "waves": args.waves, "startup_s": startup_s}
     rows = []
     # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
     asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
