@@ -59,12 +59,13 @@ def start_app(config: Path, stream_interval: int | None = None,
     return base + "/v1", model, vocab_size(args), args.get("engine_kwargs", {}).get("device", "auto")
 
 
-async def one_request(http, url: str, headers: dict, model: str, prompt: list[int], max_tokens: int) -> dict:
+async def one_request(http, url: str, headers: dict, model: str, prompt: list[int], max_tokens: int,
+                      sampling: dict | None = None) -> dict:
     """One streamed completion over plain HTTP (aiohttp; SSE lines read as raw bytes, only the usage chunk parsed: the
     client must never be what limits the figure): time to the first token, the gaps between chunks that carry text,
-    the server's token count and speculation stats."""
+    the server's token count and speculation stats. ``sampling``: temperature / top_p (default greedy)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}
+            "stream_options": {"include_usage": True}, "ignore_eos": True, **(sampling or {})}
     t0 = time.perf_counter()
     stamps, tokens, spec = [], 0, None
     async with http.post(url, json=body, headers=headers) as resp:
@@ -92,7 +93,7 @@ async def one_request(http, url: str, headers: dict, model: str, prompt: list[in
 
 
 async def requests_share(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
-                         api_key: str | None = None, seed: int = 0) -> list[dict]:
+                         api_key: str | None = None, seed: int = 0, sampling: dict | None = None) -> list[dict]:
     """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight."""
     import aiohttp
 
@@ -103,7 +104,7 @@ async def requests_share(base: str, model: str, prompts, out_lens, rate: float, 
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
         async def limited(p, n):
             async with gate:
-                return await one_request(http, base + "/completions", headers, model, p, n)
+                return await one_request(http, base + "/completions", headers, model, p, n, sampling)
 
         tasks = []
         for p, n in zip(prompts, out_lens):
@@ -118,7 +119,7 @@ def _share_in_process(args: tuple) -> list[dict]:
 
 
 async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
-                   api_key: str | None = None, procs: int = 1) -> dict:
+                   api_key: str | None = None, procs: int = 1, sampling: dict | None = None) -> dict:
     """One level: requests at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight; with
     ``procs`` > 1 (all at once only), the requests and the in-flight limit are split over that many client
     processes, so that many hundreds of streams do not wait on one client's event loop. (One share runs here: a
@@ -128,7 +129,7 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
         import multiprocessing
 
         shares = [(base, model, prompts[i::procs], out_lens[i::procs], rate,
-                   max(1, max_concurrency // procs + (i < max_concurrency % procs)), api_key, i)
+                   max(1, max_concurrency // procs + (i < max_concurrency % procs)), api_key, i, sampling)
                   for i in range(procs) if prompts[i::procs]]
         with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) \
                 as pool:
@@ -136,7 +137,8 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
             results = [r for share in await asyncio.gather(*(loop.run_in_executor(pool, _share_in_process, a)
                                                              for a in shares)) for r in share]
     else:
-        results = await requests_share(base, model, prompts, out_lens, rate, max_concurrency, api_key)
+        results = await requests_share(base, model, prompts, out_lens, rate, max_concurrency, api_key,
+                                       sampling=sampling)
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
 
     def stats(values: list[float]) -> dict:
@@ -161,7 +163,8 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
     return row
 
 
-def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_file: str, waves: int = 2) -> None:
+def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_file: str, waves: int = 2,
+                   sampling: dict | None = None) -> None:
     """The same workload through the in-process engine (``Engine.step`` in a loop, no HTTP, no Ray): for each C,
     ``waves``·C requests (2C by default) with C in flight, the next one added as soon as one finishes. Writes {C: row}
     to ``out_file``."""
@@ -183,8 +186,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
 
         def add() -> None:
             i = todo.pop(0)
-            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=out_lens[i], temperature=0.0,
-                                                                ignore_eos=True)).rid
+            rid = engine.add_request(prompts[i], SamplingParams(max_tokens=out_lens[i], ignore_eos=True,
+                                                                **{"temperature": 0.0, **(sampling or {})})).rid
             added[rid] = time.perf_counter()
 
         for _ in range(min(concurrency, n)):
@@ -270,6 +273,10 @@ def per_step(before: dict, after: dict) -> dict:
     if "compiles" in after and "compiles" in before:  # Triton compiles inside the level's steps (rank 0 in the core)
         row["compiles"] = after["compiles"]["compiles"] - before["compiles"]["compiles"]
         row["compiles_ms"] = round((after["compiles"]["s"] - before["compiles"]["s"]) * 1e3, 1)
+        if "graph_captures" in after["compiles"] and "graph_captures" in before["compiles"]:  # graphs on first use
+            row["graph_captures"] = after["compiles"]["graph_captures"] - before["compiles"]["graph_captures"]
+            row["graph_captures_ms"] = round((after["compiles"]["graph_capture_s"]
+                                              - before["compiles"]["graph_capture_s"]) * 1e3, 1)
     if "request_phases" in after:  # where the level's requests spent their time, on average
         row["phases_ms"] = phase_means(before.get("request_phases") or {}, after["request_phases"])
     return row
@@ -460,7 +467,8 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
           f", input {meta['input_len']} / output {meta['output_len']} tokens "
           f"(±{meta['range_ratio']:.0%}), " + (f"{meta.get('waves', 2)}C requests at once with C in flight" if meta.get("concurrencies")
                                                 else f"at most {meta['max_concurrency']} in flight") +
-          ", greedy, streamed, ignore_eos"]
+          ", " + (", ".join(f"{k} {v}" for k, v in meta["sampling"].items()) if meta.get("sampling") else "greedy")
+          + ", streamed, ignore_eos"]
     if meta.get("engine_kwargs"):
         md += ["", f"server engine_kwargs: `{json.dumps(meta['engine_kwargs'])}`"]
     if meta.get("stream_interval") is not None:
@@ -503,14 +511,15 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
         names = ("receive", "inbox", "queue", "prefill", "decode")
         stalls = lambda p: (f"{p.get('slow_steps', '')} / {p.get('slow_steps_ms', '')} ms" + (  # noqa: E731
             " · GC gen2 {collections} / {ms} ms".format(**p["gc"]["gen2"]) if "gc" in p else "") + (
-            f" · Triton compiles {p['compiles']} / {p['compiles_ms']} ms" if "compiles" in p else ""))
+            f" · Triton compiles {p['compiles']} / {p['compiles_ms']} ms" if "compiles" in p else "") + (
+            f" · graphs captured {p['graph_captures']} / {p['graph_captures_ms']} ms" if "graph_captures" in p else ""))
         md += ["", "Where a request's time went, mean ms per finished request over the level (the engine core's "
                "timestamps): receive (the ingress's arrival until the core had it), inbox (until the engine loop "
                "queued it), queue (until its prefill was planned), prefill (until its first token), decode (first "
                "token to last); offline in brackets; engine steps over the level, served (offline); and the steps "
                "that stalled every stream (loop wall over 50 ms: how many / their total), with the engine core's "
-               "full garbage collections and, with rank 0 in the core, the Triton compiles inside steps (how many / "
-               "their total).", "",
+               "full garbage collections and, with rank 0 in the core, the Triton compiles and CUDA graph captures "
+               "inside steps (how many / their total).", "",
                f"| {head} | " + " | ".join(names) + " | steps | slow steps |", "|---|" + "---|" * (len(names) + 2)]
         md += [f"| {r[key]} | " + " | ".join(f"{p.get(n, '')}" + (f" ({o[n]})" if n in o else "") for n in names)
                + f" | {r['server_per_step']['steps']} ({r.get('offline', {}).get('steps', '-')}) | "
@@ -558,6 +567,11 @@ def workload(args, vocab: int) -> tuple[list[int], list[list[int]], list[int]]:
     return levels, prompts, lens(args.output_len)
 
 
+def sampling(args) -> dict:
+    """The requests' sampling fields (none: greedy)."""
+    return {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p)) if v is not None}
+
+
 def measure_offline(config: Path, args) -> dict[int, dict]:
     """``offline_levels`` in a child process, so that its device memory is free again before the server starts."""
     import multiprocessing
@@ -567,7 +581,7 @@ def measure_offline(config: Path, args) -> dict[int, dict]:
     levels, prompts, out_lens = workload(argparse.Namespace(**vars(args)), vocab_size(app_args))
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         child = multiprocessing.get_context("spawn").Process(
-            target=offline_levels, args=(app_args, prompts, out_lens, levels, f.name, args.waves))
+            target=offline_levels, args=(app_args, prompts, out_lens, levels, f.name, args.waves, sampling(args)))
         child.start()
         child.join()
         if child.exitcode != 0:
@@ -604,6 +618,8 @@ def main() -> None:
                     "flight (e.g. 1,16,64,128,256)")
     ap.add_argument("--waves", type=int, default=2, help="with --concurrencies: waves x C requests per level (more waves: a longer steady state, less of the start and the tail)")
     ap.add_argument("--api-key", default=None, help="the server's API key, if it needs one")
+    ap.add_argument("--temperature", type=float, default=None, help="sample at this temperature (default: greedy)")
+    ap.add_argument("--top-p", type=float, default=None, help="with --temperature: nucleus sampling")
     ap.add_argument("--offline", action="store_true", help="with --config and --concurrencies: first the same "
                     "workload through the in-process engine (in a child process), reported beside the served rows")
     ap.add_argument("--max-concurrency", type=int, default=64)
@@ -661,11 +677,11 @@ def main() -> None:
             "model_id": model, "engine_kwargs": engine_kwargs,
             "num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
             "range_ratio": args.range_ratio, "max_concurrency": args.max_concurrency, "concurrencies": levels,
-            "waves": args.waves, "startup_s": startup_s}
+            "waves": args.waves, "startup_s": startup_s, "sampling": sampling(args)}
     rows = []
     # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes), as the offline run does
-    asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key))
-    asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key))
+    asyncio.run(run_rate(base, model, prompts[:2], [8] * 2, float("inf"), 1, args.api_key, sampling=sampling(args)))
+    asyncio.run(run_rate(base, model, prompts[:8], [8] * 8, float("inf"), 8, args.api_key, sampling=sampling(args)))
     # this process may be the server's Ray driver, with the whole application imported: its heap is frozen, so that
     # no full collection of it lands in a level's clients
     gc.collect()
@@ -680,7 +696,7 @@ def main() -> None:
         cpu = LevelCPU(str(out_path(args.out)) + "_py-spy" if spy else None, f"c{level:g}")
         try:
             rows.append(asyncio.run(run_rate(base, model, prompts[:n], out_lens[:n], rate, concurrency,
-                                             args.api_key, procs)))
+                                             args.api_key, procs, sampling(args))))
         finally:
             cpu.stop()  # (a failed level leaves no profiler running)
         rows[-1]["server_cpu_cores"] = cpu.done()

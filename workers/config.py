@@ -135,6 +135,11 @@ class EngineConfig(Strict):
         2048, ge=0, description="prefill steps of up to this many tokens (and 8 requests) replay CUDA graphs, "
         "captured per token bucket at start-up (with the draft's prefill), so a short prompt's first token does not "
         "wait for the host to launch every layer; 0: prefills run eagerly. Dense attention (triton) only")
+    cuda_graph_sampling_kinds: list[Literal["sample", "filter"]] = Field(
+        ["sample", "filter"], description="sampling kinds whose decode, round and prefill graphs are captured at "
+        "start-up with the greedy ones (sample: temperature only; filter: with top-k / top-p / min-p, which most "
+        "checkpoints' generation defaults set, and which hold a sort's buffers in the graph pool). A kind left out "
+        "is captured on first use at each batch size, inside a step that every running stream waits for")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")

@@ -3,14 +3,14 @@
 A captured callable reads only the static input buffers (``StaticInputs``: an int64 and a float32 table in one
 device buffer, filled with one host→device copy per step) and the worker's device state (each request's last token
 and last advance, the page table, the KV cache), and returns device tensors that stay valid until its next replay.
-``DecodeGraphs`` captures, per batch-size bucket and sampling kind (greedy at start, "sample" / "filter" on first use:
-see ``workers.sampling``), and with or without top logprobs: the plain DECODE step (forward + sampling), and for
-speculative decoding either the whole round in ONE graph (``speculative.round.SpecRound``: draft loop + TARGET_VERIFY
-+ acceptance + KV compaction + DRAFT_EXTEND) or its three phases as separate graphs replayed back to back. All graphs
-share one memory pool. Batches are padded to the bucket with rows that write their K/V into the reserved page 0.
-Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are captured both ways, timed, and the
-faster kept (``DecodeGraphs._capture_faster_fusion``). ``graph_refusal`` says when graphs are off;
-``tune_for_graphs`` sets up the small-M kernels they run.
+``DecodeGraphs`` captures, per batch-size bucket and sampling kind (greedy, and by default "sample" / "filter", at
+start-up: see ``workers.sampling``), and with or without top logprobs (on first use): the plain DECODE step (forward
++ sampling), and for speculative decoding either the whole round in ONE graph (``speculative.round.SpecRound``:
+draft loop + TARGET_VERIFY + acceptance + KV compaction + DRAFT_EXTEND) or its three phases as separate graphs
+replayed back to back. All graphs share one memory pool. Batches are padded to the bucket with rows that write
+their K/V into the reserved page 0. Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are
+captured both ways, timed, and the faster kept (``DecodeGraphs._capture_faster_fusion``). ``graph_refusal`` says
+when graphs are off; ``tune_for_graphs`` sets up the small-M kernels they run.
 """
 
 from __future__ import annotations
@@ -173,6 +173,10 @@ class GraphRunner:
     def __init__(self, device: torch.device):
         self.device = device
         self.use_graphs = device.type == "cuda"
+        # set once the worker has started: a capture from then on runs inside a step every stream waits for, so it
+        # is logged and counted (``late_captures``: how many, their seconds)
+        self.serving = False
+        self.late_captures, self.late_capture_s = 0, 0.0
         self.clear()
 
     def clear(self) -> None:
@@ -182,6 +186,15 @@ class GraphRunner:
         self.num_replays = 0
 
     def capture(self, key: tuple, fn: Callable[[], object]) -> None:
+        t0 = time.perf_counter()
+        self._capture_graph(key, fn)
+        if self.serving:
+            took = time.perf_counter() - t0
+            self.late_captures += 1
+            self.late_capture_s += took
+            logger.warning("captured the CUDA graph %s after start-up in %.0f ms, inside a step", key, took * 1e3)
+
+    def _capture_graph(self, key: tuple, fn: Callable[[], object]) -> None:
         if not self.use_graphs:
             self.graphs[key] = (None, fn)
             return
@@ -310,9 +323,10 @@ class DecodeGraphs(GraphRunner):
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
-        """Capture the greedy graphs of every bucket now (largest first, so smaller graphs reuse its pool memory);
-        the sampling variants of a bucket ("sample": temperatures only; "filter": with the top-k/top-p sort, which
-        needs much more memory) and the variants with top logprobs on their first use."""
+        """Capture every bucket's graphs now (largest first, so smaller graphs reuse its pool memory): greedy, and
+        the sampling kinds of ``cuda_graph_sampling_kinds`` ("sample": temperatures only; "filter": with the
+        top-k/top-p sort, which needs much more memory); the other kinds and the variants with top logprobs, logits
+        processing or masks on their first use."""
         from tqdm import tqdm
 
         self.clear()
@@ -326,9 +340,10 @@ class DecodeGraphs(GraphRunner):
         self.buckets = buckets
         self.catch_up_graphs = self._captures_catch_up()
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
-            self._capture(bucket, "greedy", top=False)  # (the full round first: it makes the norm-fusion choice)
-            for depth in self._other_depths(self.depth_tiers):
-                self._capture(bucket, "greedy", False, depth)
+            for kind in ("greedy", *self.cfg.cuda_graph_sampling_kinds):
+                self._capture(bucket, kind, top=False)  # (greedy's full round first: it makes the norm-fusion choice)
+                for depth in self._other_depths(self.depth_tiers):
+                    self._capture(bucket, kind, False, depth)
             if self.catch_up_graphs:
                 self._capture_catch_up(bucket)
         if self.tuning_cache is not None:
@@ -886,7 +901,7 @@ class ExtendGraphs(GraphRunner):
     device (``ForwardBatch.build(max_extend=...)``); the attention launch covers the bucket's tokens for every
     request, and programs past a request's tokens do no work.
     With speculation the draft's prefill over the same tokens is captured with it. Greedy graphs of every bucket
-    are captured at start-up, sampling kinds on first use. Only steps without logits processing, prompt or top
+    are captured at start-up, with the sampling kinds the worker asks for; other kinds on first use. Only steps without logits processing, prompt or top
     logprobs, structured output or decode rows (``buckets_for``): the others run eagerly.
 
     ``extend``: (token ids, request slots, KV lengths, new-token counts, the token after each chunk, the token
@@ -905,8 +920,9 @@ class ExtendGraphs(GraphRunner):
         self.captured: set[tuple[int, int, str]] = set()
 
     @torch.inference_mode()
-    def capture_all(self, pool=None) -> None:
-        """The greedy graphs of every (token, request) bucket, largest first, in ``pool`` (the decode graphs')."""
+    def capture_all(self, pool=None, kinds: tuple[str, ...] = ("greedy",)) -> None:
+        """The graphs of every (token, request) bucket and sampling kind in ``kinds``, largest first, in ``pool``
+        (the decode graphs')."""
         from tqdm import tqdm
 
         self.clear()
@@ -914,7 +930,8 @@ class ExtendGraphs(GraphRunner):
         self.pool = pool
         shapes = [(t, r) for t in reversed(self.token_buckets) for r in reversed(self.request_buckets)]
         for t, r in tqdm(shapes, desc="capturing prefill graphs", disable=self.rank != 0):
-            self._capture(t, r, "greedy")
+            for kind in kinds:
+                self._capture(t, r, kind)
 
     def takes(self, tokens: int, requests: int) -> tuple[int, int] | None:
         """(token bucket, request bucket) of a plain prefill of this size, else None (it runs eagerly)."""

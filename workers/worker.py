@@ -222,6 +222,9 @@ class Worker:
                 torch.cuda.synchronize()
                 logger.exception("the eager prefill warm-up failed; serving without it")
             compile_watch().start()  # from here on a compile is a stall inside a step: logged, counted
+            for runner in (self.graphs, self.extend_graphs):  # and so is a graph captured on first use
+                if runner is not None:
+                    runner.serving = True
         return self.depth_costs
 
     @torch.inference_mode()
@@ -257,11 +260,15 @@ class Worker:
                     time.perf_counter() - t0)
         return shapes
 
-    @staticmethod
-    def compile_stats() -> dict | None:
-        """This process's Triton compiles since the worker's start-up (``CompileWatch``), None before it started."""
+    def compile_stats(self) -> dict | None:
+        """What was built inside steps since the worker's start-up, each a stall of every stream: this process's
+        Triton compiles (``CompileWatch``; None before it started) and the CUDA graphs captured on first use."""
         watch = compile_watch()
-        return watch.stats() if watch.started else None
+        if not watch.started:
+            return None
+        runners = [r for r in (self.graphs, self.extend_graphs) if r is not None]
+        return {**watch.stats(), "graph_captures": sum(r.late_captures for r in runners),
+                "graph_capture_s": round(sum(r.late_capture_s for r in runners), 6)}
 
     def _eager_extend_key(self) -> Callable[[int, int, bool], tuple | None]:
         """key(requests, longest chunk, uniform) of an eager prefill (None where it replays a prefill graph): the
@@ -293,7 +300,7 @@ class Worker:
     def capture_graphs(self) -> None:
         self.graphs.capture_all(self.tuning_cache)
         if self.extend_graphs is not None and self.extend_graphs.token_buckets:
-            self.extend_graphs.capture_all(self.graphs.pool)
+            self.extend_graphs.capture_all(self.graphs.pool, ("greedy", *self.cfg.cuda_graph_sampling_kinds))
 
     # ---- stepping: launch now, results later ----------------------------------------------------------------------
     def step(self, step: WorkerStep | None, keep: int = 0) -> list[StepResult]:

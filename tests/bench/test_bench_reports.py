@@ -126,6 +126,23 @@ def test_serving_per_step_counts_prefill_steps_and_requests_per_submit():
     assert row["requests_per_submit"] == 8.0 and row["loop_wall_ms"] == 2.5
     old = {"step_time": {k: v for k, v in stats(300, 0, 0, 0, 0)["step_time"].items() if k != "extend_steps"}}
     assert "extend_steps" not in per_step(old, old | {"step_time": {**old["step_time"], "steps": 301}})
+    # what was built inside the level's steps: Triton compiles, and graphs captured on first use
+    before = stats(100, 4, 3, 10, 1.0) | {"compiles": {"compiles": 1, "s": 0.5, "graph_captures": 2,
+                                                       "graph_capture_s": 0.25}}
+    after = stats(300, 10, 7, 42, 1.5) | {"compiles": {"compiles": 1, "s": 0.5, "graph_captures": 5,
+                                                      "graph_capture_s": 1.0}}
+    row = per_step(before, after)
+    assert (row["compiles"], row["graph_captures"], row["graph_captures_ms"]) == (0, 3, 750.0)
+
+
+def test_serving_sampling_fields():
+    """bench.serving's --temperature / --top-p become the requests' fields; none given: greedy (no field)."""
+    import argparse
+
+    from bench.serving import sampling
+
+    assert sampling(argparse.Namespace(temperature=None, top_p=None)) == {}
+    assert sampling(argparse.Namespace(temperature=0.6, top_p=0.9)) == {"temperature": 0.6, "top_p": 0.9}
 
 
 def test_adaptive_ab_summary_from_a_trace():

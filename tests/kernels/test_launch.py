@@ -55,13 +55,3 @@ def test_compile_watch_counts_and_logs_each_compile_and_keeps_earlier_hooks(capl
     (line,) = [r.getMessage() for r in caplog.records]
     assert "_kernel(X:*fp32%16, n:i32, m=1, rows:i32%16, BLOCK=64)" in line and "inside a step" in line, line
     assert launch_specialisation({"repr": "as Triton wrote it"}) == "as Triton wrote it"  # (another shape of args)
-
-
-def test_a_worker_reports_compiles_only_once_its_watch_has_started():
-    from workers.kernels.launch import compile_watch
-    from workers.worker import Worker
-
-    watch = compile_watch()
-    assert Worker.compile_stats() == (watch.stats() if watch.started else None)
-    if not watch.started:  # (the CPU: no watch, so the engine core's stats carry no "compiles")
-        assert Worker.compile_stats() is None

@@ -46,20 +46,37 @@ def test_buckets():
     assert batch_buckets(64)[-3:] == [48, 56, 64]
 
 
-def _run(target, spec, params, prompts, graphs: bool, **kw):
+def _run(target, spec, params, prompts, graphs: bool, kinds=None, caplog=None, **kw):
+    """``kinds``: the sampling kinds captured at start-up (None: the default, both)."""
+    if kinds is not None:
+        kw["cuda_graph_sampling_kinds"] = kinds
     eng = engine(target, spec, cuda_graph_max_bs=8, **kw)
     worker = eng.executor.worker
     if graphs:
         worker.capture_graphs()
+        at_start = set(worker.graphs.phases)
+        for runner in (worker.graphs, worker.extend_graphs):  # as once a GPU worker has started: a capture from
+            if runner is not None:  # now on is counted and logged
+                runner.serving = True
+        assert worker.compile_stats() is None  # (the CPU: no compile watch, so the core's stats carry none)
     out = [o.token_ids for o in eng.generate(prompts, params)]
-    if graphs:  # every bucket greedy, the batch's sampling kind when used; the pad slot's page stays unused
+    if graphs:  # every bucket greedy and the start-up kinds, others when used; the pad slot's page stays unused
         phases = len(next(iter(worker.graphs.phases.values())))
         assert len(worker.graphs.graphs) == len(worker.graphs.phases) * phases
-        greedy = {b for b, kind, _ in worker.graphs.phases if kind == "greedy"}
-        sampled = {(b, kind) for b, kind, _ in worker.graphs.phases if kind != "greedy"}
-        assert greedy == set(worker.graphs.buckets)  # all captured at start
-        assert {kind for _, kind in sampled} == ({KIND[id(params)]} if params.temperature > 0 else set())
-        assert {b for b, _ in sampled} <= greedy  # sampling variants: on first use
+        start_kinds = {"greedy", *(["sample", "filter"] if kinds is None else kinds)}
+        assert at_start == {(b, k, False) for b in worker.graphs.buckets for k in start_kinds}
+        late = set(worker.graphs.phases) - at_start
+        kind = KIND[id(params)] if params.temperature > 0 else "greedy"
+        assert {k for _, k, _ in late} == ({kind} if kind not in start_kinds else set())
+        assert worker.graphs.late_captures == len(late) * phases  # one per graph
+        ext = worker.extend_graphs
+        if ext is not None:  # the prefill graphs likewise (the kind's prefills came first)
+            assert {k for _, _, k in ext.captured} == start_kinds | {kind}
+            assert ext.late_captures == (0 if kind in start_kinds else len({(t, r) for t, r, k in ext.captured
+                                                                                 if k == kind}))
+        if caplog is not None:  # each logged
+            assert sum("after start-up" in r.getMessage() for r in caplog.records) == \
+                worker.graphs.late_captures + (ext.late_captures if ext is not None else 0)
         assert int(worker.page_table.table[worker.graphs.static.pad_slot].abs().sum()) == 0
         assert worker.graphs.num_replays >= 10
     assert eng.allocator.num_free == eng.allocator.capacity_pages
@@ -77,15 +94,18 @@ CASES = [  # (method, steps, topk, draft tokens, fused round)
 
 
 @pytest.mark.parametrize("method,steps,topk,ndt,fused", CASES, ids=[f"{c[0]}-fused{c[4]}" for c in CASES])
-def test_graph_path_matches_eager(spec_models, method, steps, topk, ndt, fused):  # noqa: F811
+def test_graph_path_matches_eager(spec_models, method, steps, topk, ndt, fused, caplog):  # noqa: F811
     spec = None
     if method is not None:
         spec = SpeculativeConfig(method=method, model=None if method == "ngram" else str(spec_models[
             "eagle" if method == "naive" else method]), num_steps=steps, topk=topk, num_draft_tokens=ndt)
     prompts = mixed_prompts(6)  # 6 running requests, padded to the bucket of 8
-    for params in (GREEDY, SAMPLED, TEMPERATURE_ONLY):
+    # each sampling kind once captured at start-up (the default, both), once on first use
+    for params, kinds in ((GREEDY, None), (SAMPLED, ["sample"]), (TEMPERATURE_ONLY, ["filter"]), (SAMPLED, None)):
         eager = _run(spec_models["target"], spec, params, prompts, graphs=False)
-        static = _run(spec_models["target"], spec, params, prompts, graphs=True, fuse_speculative_round=fused)
+        static = _run(spec_models["target"], spec, params, prompts, graphs=True, kinds=kinds,
+                      fuse_speculative_round=fused, caplog=caplog)
+        caplog.clear()
         assert static == eager
 
 
