@@ -629,6 +629,8 @@ def main() -> None:
                     "replicas and the engine core (it must be on PATH); raw samples go beside --out")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.top_p is not None and not args.temperature:
+        ap.error("--top-p needs --temperature above 0 (a greedy request ignores it)")
     engine_kwargs = stream_interval = app_args = startup_s = None
     offline = {}
     if args.offline:
@@ -638,7 +640,8 @@ def main() -> None:
     if args.config:
         t0 = time.perf_counter()
         base, model, vocab, device = start_app(Path(args.config), args.stream_interval, args.output_channel)
-        startup_s = round(time.perf_counter() - t0, 1)  # serve.run until healthy: loading, graphs, warm-ups
+        # serve.run until healthy: loading, graphs, warm-ups (only a server started here: --config)
+        startup_s = round(time.perf_counter() - t0, 1)
         app_args = server_config(Path(args.config))[2]
         engine_kwargs = app_args.get("engine_kwargs")
         stream_interval = args.stream_interval or app_args.get("stream_interval", 1)

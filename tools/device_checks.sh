@@ -167,14 +167,17 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # prompt tokens per prefill step at most N (max_prefill_tokens: N), +poll: outputs to the ingress by the long
       # poll (output_channel: poll) instead of the ZMQ push, +dlyF: scheduler_delay_factor F, +kinds0: only the
       # greedy graphs at start-up (cuda_graph_sampling_kinds: [], sampling kinds captured on first use);
-      # SERVED_SAMPLING=T,P: requests sampled at temperature T, top_p P (default greedy);
+      # SERVED_SAMPLING=T[,P]: requests sampled at temperature T (and top_p P; default greedy);
       # SERVED_WAVES: requests per level in units of C (2); SERVED_PY_SPY: levels (e.g. 128,256) at which py-spy
       # samples the ingress replicas and the engine core (bench.serving --py-spy-levels)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       nmix=$(grep -o -E "mix[0-9]+" <<<"$variant" | tr -dc 0-9) npf=$(grep -o -E "pf[0-9]+" <<<"$variant" | tr -dc 0-9)
       dly=$(grep -o -E "dly[0-9.]+" <<<"$variant" | tr -dc 0-9.)
       [[ $variant == *+direct* ]] && client=(--client-url http://127.0.0.1:30000/v1)
-      [[ -n ${SERVED_SAMPLING:-} ]] && client+=(--temperature "${SERVED_SAMPLING%%,*}" --top-p "${SERVED_SAMPLING##*,}")
+      if [[ -n ${SERVED_SAMPLING:-} ]]; then  # T or T,P
+        client+=(--temperature "${SERVED_SAMPLING%%,*}")
+        [[ $SERVED_SAMPLING == *,* ]] && client+=(--top-p "${SERVED_SAMPLING##*,}")
+      fi
       cfg=$R/served_${2}_$variant.yaml
       python3 -c "import sys, yaml; c = yaml.safe_load(open('configs/gpu-bench-llama1b-random.yaml')); \
 a = c['applications'][0]['args']; e = a['engine_kwargs']; a['model_loading_config'] = {'model_id': 'random', \

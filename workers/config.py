@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_TREE_BLOCK = 63  # positions a per-token int64 bitmask can cover (tree masks)
 
@@ -139,7 +139,8 @@ class EngineConfig(Strict):
         ["sample", "filter"], description="sampling kinds whose decode, round and prefill graphs are captured at "
         "start-up with the greedy ones (sample: temperature only; filter: with top-k / top-p / min-p, which most "
         "checkpoints' generation defaults set, and which hold a sort's buffers in the graph pool). A kind left out "
-        "is captured on first use at each batch size, inside a step that every running stream waits for")
+        "is captured on first use at each batch bucket and draft depth (and prefill bucket), inside a step that "
+        "every running stream waits for")
     fuse_speculative_round: bool = Field(True, description="capture a whole speculative round in one CUDA graph "
                                          "(False: draft, verify and draft-extend graphs replayed back to back)")
     max_queue_len: int = Field(1024, ge=1, description="waiting requests beyond this are refused (HTTP 503)")
@@ -151,6 +152,13 @@ class EngineConfig(Strict):
                                          "for later starts (default: $SPECSERVE_CACHE_DIR, else "
                                          "$XDG_CACHE_HOME/specserve or ~/.cache/specserve); '' times them at every "
                                          "start")
+
+    @field_validator("cuda_graph_sampling_kinds")
+    @classmethod
+    def _distinct_kinds(cls, kinds: list[str]) -> list[str]:
+        if len(set(kinds)) != len(kinds):  # (each would be captured twice)
+            raise ValueError(f"cuda_graph_sampling_kinds lists a kind twice: {kinds}")
+        return kinds
 
     @model_validator(mode="after")
     def _check_executor(self):

@@ -309,8 +309,8 @@ class DecodeGraphs(GraphRunner):
         self.norm_fusion: dict[int, bool] = {}  # bucket → its graphs run the norms inside the linears
         self.plain_norm_fusion: dict[int, bool] = {}  # the same for a speculative worker's plain step (depth 0)
         self.tuning_cache = None  # where fusion choices are read and kept (TuningCache)
-        # adaptive speculation: the draft depths besides num_steps whose greedy graphs are captured at start-up
-        # (others on first use); a phase key ends with its depth, none for num_steps
+        # adaptive speculation: the draft depths besides num_steps whose graphs (of every start-up kind) are
+        # captured at start-up (others on first use); a phase key ends with its depth, none for num_steps
         self.depth_tiers: list[int] = []
         # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
         # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
@@ -330,6 +330,7 @@ class DecodeGraphs(GraphRunner):
         from tqdm import tqdm
 
         self.clear()
+        serving, self.serving = self.serving, False  # (what this captures is start-up's, whenever it runs)
         self.tuning_cache = tuning_cache
         buckets = batch_buckets(min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs))
         draft_cols = self.spec_round.proposer.num_steps if self.spec_round is not None else 0
@@ -346,6 +347,7 @@ class DecodeGraphs(GraphRunner):
                     self._capture(bucket, kind, False, depth)
             if self.catch_up_graphs:
                 self._capture_catch_up(bucket)
+        self.serving = serving
         if self.tuning_cache is not None:
             self.tuning_cache.save()
 
@@ -901,8 +903,9 @@ class ExtendGraphs(GraphRunner):
     device (``ForwardBatch.build(max_extend=...)``); the attention launch covers the bucket's tokens for every
     request, and programs past a request's tokens do no work.
     With speculation the draft's prefill over the same tokens is captured with it. Greedy graphs of every bucket
-    are captured at start-up, with the sampling kinds the worker asks for; other kinds on first use. Only steps without logits processing, prompt or top
-    logprobs, structured output or decode rows (``buckets_for``): the others run eagerly.
+    are captured at start-up, with the sampling kinds the worker asks for; other kinds on first use. Only steps
+    without logits processing, prompt or top logprobs, structured output or decode rows (``buckets_for``): the
+    others run eagerly.
 
     ``extend``: (token ids, request slots, KV lengths, new-token counts, the token after each chunk, the token
     bucket, sampling) → the sampled ids and their logprobs, as the eager prefill computes them."""
@@ -929,9 +932,11 @@ class ExtendGraphs(GraphRunner):
         self.captured.clear()
         self.pool = pool
         shapes = [(t, r) for t in reversed(self.token_buckets) for r in reversed(self.request_buckets)]
+        serving, self.serving = self.serving, False  # (what this captures is start-up's, whenever it runs)
         for t, r in tqdm(shapes, desc="capturing prefill graphs", disable=self.rank != 0):
             for kind in kinds:
                 self._capture(t, r, kind)
+        self.serving = serving
 
     def takes(self, tokens: int, requests: int) -> tuple[int, int] | None:
         """(token bucket, request bucket) of a plain prefill of this size, else None (it runs eagerly)."""

@@ -65,6 +65,9 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
     assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
+    # every start-up kind at every tier (a sampled batch picks its depth as a greedy one does)
+    assert {(k[1], k[3]) for k in worker.graphs.phases if len(k) == 4} == {
+        (kind, d) for kind in ("greedy", "sample", "filter") for d in (0, 1, 2)}
     # depth 0 replays the plain decode step's graph
     assert all(worker.graphs.phases[(b, "greedy", False, 0)] == ["decode"] for b in worker.graphs.buckets)
     eng.depth_policy = DepthSchedule(SCHEDULE + LAZY_SCHEDULE)

@@ -40,6 +40,16 @@ def test_captures_pause_the_garbage_collector():
         gc.enable()
 
 
+def test_sampling_kinds_listed_once():
+    from pydantic import ValidationError
+
+    from workers.config import EngineConfig
+
+    assert EngineConfig(model="m").cuda_graph_sampling_kinds == ["sample", "filter"]
+    with pytest.raises(ValidationError, match="lists a kind twice"):  # (its graphs would be captured twice)
+        EngineConfig(model="m", cuda_graph_sampling_kinds=["filter", "filter"])
+
+
 def test_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
@@ -152,3 +162,26 @@ def test_top_logprobs_match_plain_decode(spec_models, method, steps, topk, ndt, 
     while eng.has_work():
         eng.step()
     assert len(asks.output_top_logprobs) == 10 and plain.output_top_logprobs == [] and plain.output_ids == ref_ids[1]
+
+
+def test_late_captures_reach_the_compile_stats(spec_models, monkeypatch):  # noqa: F811
+    """Graphs captured after start-up (a kind's first use) are summed over the decode and prefill graphs into the
+    worker's compile stats, beside the Triton compiles; capturing everything again (start-up's capture) adds none."""
+    from workers.kernels.launch import compile_watch
+
+    eng = engine(spec_models["target"], None, cuda_graph_max_bs=4, cuda_graph_max_prefill_tokens=32,
+                 cuda_graph_sampling_kinds=[])
+    worker = eng.executor.worker
+    worker.capture_graphs()
+    assert worker.compile_stats() is None  # (the CPU: the compile watch never starts)
+    monkeypatch.setattr(compile_watch(), "started", True)  # as on a GPU once the worker is up
+    for runner in (worker.graphs, worker.extend_graphs):
+        runner.serving = True
+    eng.generate([[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]], SAMPLED)  # "filter": prefill and decode graphs
+    stats = worker.compile_stats()
+    assert stats["graph_captures"] == worker.graphs.late_captures + worker.extend_graphs.late_captures
+    assert worker.graphs.late_captures > 0 and worker.extend_graphs.late_captures > 0, stats
+    assert stats["compiles"] == compile_watch().compiles and stats["graph_capture_s"] >= 0
+    worker.capture_graphs()
+    assert worker.compile_stats()["graph_captures"] == stats["graph_captures"]
+    assert worker.graphs.serving and worker.extend_graphs.serving  # (still counting what comes later)
