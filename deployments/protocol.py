@@ -206,11 +206,21 @@ def message_text(content) -> str:
     return "".join(parts)
 
 
+LOGPROB_FLOOR = -9999.0  # (vLLM's): JSON has no -Infinity or NaN, which a token of probability 0 would give
+
+
+def _finite(lp: float | None) -> float | None:
+    return lp if lp is None or lp >= LOGPROB_FLOOR else LOGPROB_FLOOR  # (NaN compares false: floored too)
+
+
 def logprobs_body(pairs: list, chat: bool, text_offset: int = 0, tops: list | None = None) -> dict | None:
     """OpenAI's logprobs object for [(token text, logprob), ...] and, when asked for, each token's alternatives
     [[(token text, logprob), ...], ...]: chat's ``content`` list, or the completions API's parallel lists
-    (``text_offset``: where the first token starts in the choice's text)."""
-    tops = tops or [[] for _ in pairs]
+    (``text_offset``: where the first token starts in the choice's text). Logprobs below LOGPROB_FLOOR (or NaN) are
+    sent as LOGPROB_FLOOR."""
+    pairs = [(t, _finite(lp)) for t, lp in pairs]
+    tops = ([None if top is None else [(a, _finite(alp)) for a, alp in top] for top in tops] if tops
+            else [[] for _ in pairs])
     if chat:
         entry = lambda t, lp: {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))}  # noqa: E731
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top]}

@@ -74,8 +74,12 @@ class SpecRound:
         fb, hidden, logits = forward
         # structured output: each node's allowed tokens (the host's matcher along the node's path), so a draft
         # the grammar refuses has target probability 0 and the target's own choice is a masked draw
-        logits = apply_token_mask(logits, token_mask)
-        verdict = self.accept(inp, tree, logits)
+        verdict = self.accept(inp, tree, apply_token_mask(logits, token_mask))
+        if token_mask is not None:  # each emitted token's logprob under the raw distribution of the node that chose it
+            b, d, v = logits.shape
+            # (past accept + 1 the emitted tokens are padding, clamped to stay in range)
+            chosen = logits.reshape(b, d * v).gather(1, verdict.path * v + verdict.out_tokens.clamp(0, v - 1)).float()
+            verdict.out_logprobs = chosen - torch.logsumexp(logits.float(), dim=-1).gather(1, verdict.path)
         self.compact_kv(inp, verdict)
         alternatives = None
         if top:  # at each emitted token's position: the node whose logits chose it (verdict.path)

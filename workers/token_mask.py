@@ -25,3 +25,11 @@ def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | torch.Tensor | Non
     shifts = torch.arange(8, dtype=torch.uint8, device=logits.device)
     refused = ((octets.unsqueeze(-1) >> shifts) & 1).flatten(-2)[..., :v] == 0
     return logits.masked_fill(refused, float("-inf"))
+
+
+def raw_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 log-probabilities of ``ids`` (logits' shape without its last dim) under the model's raw distribution,
+    ``logits`` before any mask: a guided request reports what an unguided one would (vLLM's default), never the
+    renormalised or -inf values of the masked distribution."""
+    lf = logits.float()
+    return lf.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, dim=-1)

@@ -43,7 +43,7 @@ from workers.outputs import (
     token_result,
     with_prompt_logprobs,
 )
-from workers.token_mask import apply_token_mask
+from workers.token_mask import apply_token_mask, raw_logprobs
 from workers.sampling import (
     TOP_LOGPROBS,
     SamplingTensors,
@@ -391,6 +391,8 @@ class Worker:
                        logits: torch.Tensor, token_mask) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
         """An EXTEND step from its logits on: sampling (under ``token_mask``), the draft's catch-up, outputs."""
         ids, logprobs = sample(apply_token_mask(logits, token_mask), sampling)
+        if token_mask is not None:
+            logprobs = raw_logprobs(logits, ids)
         if sampling.logits_state is not None:  # a chunk that does not end its prompt samples a token nobody keeps
             record_tokens(sampling, ids.unsqueeze(1), to_device(step.next_ids < 0, torch.bool, self.device)[:, None])
         self._prefill_sampled(fb, hidden, ids, step.next_ids)
@@ -640,6 +642,8 @@ class Worker:
     def _decode_sample(self, inp: RoundInputs, logits: torch.Tensor, top: bool = False,
                        token_mask=None) -> tuple[torch.Tensor, ...]:
         ids, logprobs = sample(apply_token_mask(logits, token_mask), inp.sampling)
+        if token_mask is not None:
+            logprobs = raw_logprobs(logits, ids)
         self.last_token[inp.req_slots] = ids
         record_tokens(inp.sampling, ids.unsqueeze(1))
         return (ids, logprobs, *top_logprobs(logits, TOP_LOGPROBS)) if top else (ids, logprobs)

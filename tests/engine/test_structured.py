@@ -220,3 +220,32 @@ def test_batched_mask_fill_equals_one_by_one(models):
     assert np.array_equal(ref, got)
     assert (got[2, 3] == -1).all() and not (got[1, 1] == -1).all()
     assert np.array_equal(step_masks(ms, words), one)  # rolled back
+
+
+def _finish(eng: Engine, prompts: list[list[int]], params: SamplingParams) -> list:
+    reqs = [eng.add_request(p, params) for p in prompts]
+    while eng.has_work():
+        eng.step()
+    return reqs
+
+
+@pytest.mark.parametrize("name", ["none", "draft", "eagle3"])
+def test_guided_logprobs_are_the_raw_distributions(models, name):
+    """A guided request's logprobs are the model's raw distribution's, as an unguided request's (and vLLM's by
+    default), not the masked one renormalised (whose forbidden tokens would be -inf): each generated token's logprob
+    equals its prompt logprob when prompt and output are sent back as a prompt; at some position the grammar forced a
+    token other than the raw model's choice, and its logprob is still finite and below 0."""
+    eng = engine(models, name)
+    prompts = [[5, 6, 7], [40, 41], [300, 2, 9, 11]]
+    guided = _finish(eng, prompts, SamplingParams(max_tokens=24, temperature=0.0, logprobs=True, guided=GuidedSpec(
+        "regex", "[a-f]{3}-[0-9]{1,2}")))
+    free = _finish(eng, prompts, SamplingParams(max_tokens=1, temperature=0.0))
+    forced = 0
+    for p, g, f in zip(prompts, guided, free):
+        assert len(g.output_logprobs) == len(g.output_ids) > 0
+        back = _finish(eng, [p + g.output_ids], SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0))[0]
+        raw = [e[0] for e in back.prompt_logprobs[len(p):]]
+        assert np.allclose(g.output_logprobs, raw, atol=1e-4), (name, g.output_logprobs, raw)
+        assert all(np.isfinite(g.output_logprobs)) and max(g.output_logprobs) <= 0
+        forced += g.output_ids[0] != f.output_ids[0]
+    assert forced  # (the grammar chose against the raw argmax: the case a masked logprob would get wrong)

@@ -25,3 +25,18 @@ def test_chunks_equal_json_dumps(chat, include_usage):
                     for first in (False, True) if chat else (False,):
                         assert fmt.sse(i, text, finish, lp, first) == json_dumps_sse(
                             (head, chat, include_usage), i, text, finish, lp, first)
+
+
+def test_logprobs_are_finite_json():
+    """A token of probability 0 (or a NaN) is sent as vLLM's floor, -9999.0: JSON has no -Infinity, and a strict
+    parser (JavaScript's JSON.parse) refuses the chunk that holds one."""
+    import json
+
+    inf, nan = float("-inf"), float("nan")
+    body = logprobs_body([("a", inf), ("b", -0.5)], False, 0, [[("x", nan)], [("y", -1.0)]])
+    assert body["token_logprobs"] == [-9999.0, -0.5] and body["top_logprobs"][0] == {"x": -9999.0, "a": -9999.0}
+    chat = logprobs_body([("a", inf)], True, 0, [[("x", inf)]])
+    assert chat["content"][0]["logprob"] == chat["content"][0]["top_logprobs"][0]["logprob"] == -9999.0
+    json.loads(json.dumps(body, allow_nan=False))  # (raises on a non-finite value)
+    echo = logprobs_body([("p", None), ("q", -2.0)], False, 0, [None, [("r", inf)]])  # an echoed prompt's first
+    assert echo["token_logprobs"] == [None, -2.0] and echo["top_logprobs"] == [None, {"r": -9999.0, "q": -2.0}]
