@@ -76,9 +76,9 @@ class RequestStream:
     """One engine request as its HTTP handler sees it: ``async for delta in stream``."""
 
     def __init__(self, client: "EngineClient", rid: str, num_prompt: int, stop: list[str], arrival: float,
-                 stream_interval: int, batching_s: float):
+                 stream_interval: int, batching_s: float, min_tokens: int = 0):
         self.client, self.rid, self.num_prompt, self.arrival = client, rid, num_prompt, arrival
-        self.detok = Detokenizer(client.tokenizer, stop)
+        self.detok = Detokenizer(client.tokenizer, stop, min_tokens=min_tokens)
         self.stream_interval, self.batching_s = stream_interval, batching_s
         self._items: list[tuple] = []
         self._waiter: asyncio.Future | None = None  # the consumer's, while it waits for outputs
@@ -107,7 +107,12 @@ class RequestStream:
                 break
             if prompt_lps:  # (the first output of a request that asked for them)
                 delta.prompt_logprobs = prompt_lps[0]
-            text, hit, used = detokenize_run(self.detok, token_ids, final=reason is not None)
+            # the engine ended it at EOS or a stop token id: that token counts, its text is not output (as vLLM)
+            by_token = reason == "stop" and bool(token_ids)
+            text, hit, used = detokenize_run(self.detok, token_ids[:-1] if by_token else token_ids,
+                                             final=reason is not None)
+            if not hit:
+                used = len(token_ids)
             if hit:
                 if reason is None:
                     self.client.abort(self.rid)
@@ -396,7 +401,8 @@ class EngineClient:
         """Submit one request (with whatever else arrives in this turn of the event loop) to the core the router
         picks; raises APIError when the engine refuses it."""
         await self.core()
-        stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval, self.batching_s)
+        stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval,
+                               self.batching_s, params.get("min_tokens") or 0)
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
         self._route((rid, prompt_ids, params, arrival, done, 0))

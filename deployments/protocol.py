@@ -23,13 +23,28 @@ def error_response(status: int, message: str, type_: str, param=None, code=None)
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: usage in every chunk; not implemented, refused when true)
+
+
+# fields of OpenAI's or vLLM's request that this server does not implement, with the values that ask for nothing
+# (their defaults): any other value is a 400 naming the field. Fields no API defines are ignored, as vLLM does.
+NOT_IMPLEMENTED: dict[str, tuple] = {
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
+    "use_beam_search": (False,), "length_penalty": (1.0,), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "guided_grammar": (None,), "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (False,), "priority": (0,), "continue_final_message": (False,),
+    "add_generation_prompt": (True,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None,), "echo": (None, False), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,),
+}
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
     model's generation_config.json defaults where it has them, else OpenAI's."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # (kept to be checked against NOT_IMPLEMENTED)
     model: str | None = None  # as vLLM: omitted means the served model
     max_tokens: int | None = Field(None)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -110,6 +125,10 @@ class SamplingFields(BaseModel):
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
         }
+        for name, value in (self.model_extra or {}).items():
+            unsupported[name] = name in NOT_IMPLEMENTED and value not in NOT_IMPLEMENTED[name]
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            unsupported["stream_options.continuous_usage_stats"] = True
         for name, refused in unsupported.items():
             if refused:
                 raise APIError(400, f"{name} is not supported by this server", param=name)

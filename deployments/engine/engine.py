@@ -219,7 +219,7 @@ class Engine:
         req.queued_time = time.time()
         self.scheduler.add(req)
         if self.detokenize:
-            self._detok[req.rid] = Detokenizer(self.tokenizer, req.params.stop)
+            self._detok[req.rid] = Detokenizer(self.tokenizer, req.params.stop, min_tokens=req.params.min_tokens)
 
     def abort(self, rid: str) -> bool:
         req = self.scheduler.abort(rid)
@@ -405,11 +405,21 @@ class Engine:
         detokenize, finished, generated = self.detokenize, RequestStatus.FINISHED, 0
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
-                grammar.advance(req.matcher, new_ids)
+                used = grammar.advance(req.matcher, new_ids)
+                # the grammar is complete: the output ends here even where its stop token does not end it (ignore_eos)
+                if req.matcher.is_terminated() and not req.finished:
+                    if used < len(new_ids):
+                        self.scheduler.drop_newest(req, len(new_ids) - used)
+                        new_ids = new_ids[:used]
+                    self.scheduler.finish(req, "stop")
             new_text = ""
             if detokenize:
                 detok = detoks[req.rid]
-                new_text, hit_stop, used = detokenize_run(detok, new_ids, req.finished)
+                # ended at EOS or a stop token id (or the grammar's end): that token counts, its text is not output
+                by_token = req.finished and req.finish_reason == "stop" and bool(new_ids)
+                new_text, hit_stop, used = detokenize_run(detok, new_ids[:-1] if by_token else new_ids, req.finished)
+                if not hit_stop:
+                    used = len(new_ids)
                 if used < len(new_ids):  # a stop string ended it inside a speculative round's run
                     self.scheduler.drop_newest(req, len(new_ids) - used)
                     new_ids = new_ids[:used]

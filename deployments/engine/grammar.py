@@ -71,14 +71,16 @@ class GrammarEngine:
         return self._xgr.GrammarMatcher(self.compile(spec))
 
 
-def advance(matcher, token_ids: list[int]) -> None:
-    """The request was given these tokens: the matcher follows (past its end it ignores them: the request ended)."""
-    for t in token_ids:
+def advance(matcher, token_ids: list[int]) -> int:
+    """The request was given these tokens: the matcher follows. Returns how many it took: all, or those up to the one
+    that ended the grammar (the rest came after its end: with ``ignore_eos``, or a round's run past its stop token)."""
+    for i, t in enumerate(token_ids):
         if matcher.is_terminated():
-            return
+            return i
         if not matcher.accept_token(t):  # cannot happen under the mask; logged, not fatal
             logger.warning("grammar matcher refused token %d", t)
-            return
+            return len(token_ids)
+    return len(token_ids)
 
 
 def fill(matcher, out: np.ndarray) -> None:

@@ -93,6 +93,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequest(f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})",
                                  "min_tokens")
+        if self.min_tokens and self.guided is not None:  # (it would hold back the stop token a complete grammar needs)
+            raise InvalidRequest("min_tokens cannot be combined with structured output: the grammar decides where "
+                                 "the output ends", "min_tokens")
         if self.min_tokens and len(self.stop_token_ids) > MAX_MIN_TOKENS_STOP_IDS - 8:
             raise InvalidRequest(f"with min_tokens, at most {MAX_MIN_TOKENS_STOP_IDS - 8} stop_token_ids",
                                  "stop_token_ids")

@@ -71,8 +71,10 @@ class Detokenizer:
 
     FLUSH_CONTEXT = 8  # ids decoded before the pending ones when a stream's incomplete tail is flushed
 
-    def __init__(self, tokenizer, stop: list[str], stream: bool = True):
+    def __init__(self, tokenizer, stop: list[str], stream: bool = True, min_tokens: int = 0):
         self.tokenizer = tokenizer
+        # (vLLM's rule) stop strings are looked for only once the output has more than min_tokens tokens
+        self.min_tokens, self._count = min_tokens, 0
         factory = _decode_stream_factory(tokenizer) if stream else None
         if factory is not None:
             self._backend, make_stream = factory
@@ -148,7 +150,8 @@ class Detokenizer:
         """Add tokens; returns (new text, whether a stop string was hit)."""
         new_text = self._stream_text(new_ids, final) if self._stream is not None else self._window_text(new_ids, final)
         unsent, hit = self._unsent + new_text if new_text else self._unsent, False
-        if self.stop:
+        self._count += len(new_ids)
+        if self.stop and self._count > self.min_tokens:
             hits = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
             if hits:
                 unsent, hit, final = unsent[: min(hits)], True, True

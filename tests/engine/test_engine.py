@@ -135,6 +135,8 @@ def test_stop_conditions(tiny_models):
     by_id = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                      stop_token_ids=[stop_tok]))[0]
     assert by_id.token_ids == free.token_ids[: first + 1] and by_id.finish_reason == "stop"
+    # the stop token counts but its text is not output (as vLLM), so the text is the tokens' before it
+    assert by_id.text == engine.tokenizer.decode(free.token_ids[:first], skip_special_tokens=True), by_id.text
     text = free.text
     if len(text.strip()) >= 4:
         stop = text.strip()[1:3]
@@ -419,6 +421,17 @@ def test_incremental_detokenizer_matches_full_decode(stream):
         out += delta
         assert not hit
     assert out == full  # "end" was held back at the end as the start of "end!", and the final push emits it
+    # min_tokens (vLLM's rule): no stop string ends the output before it has more than min_tokens tokens
+    stop = full[10:13]
+    k = next(j for j in range(1, len(ids)) if stop in tok.decode(ids[:j], skip_special_tokens=True))
+    for min_tokens, ends_at_first in ((0, True), (k, False)):
+        d, out = Detokenizer(tok, [stop], stream, min_tokens=min_tokens), ""
+        for i in range(len(ids)):
+            delta, hit = d.push(ids[i:i + 1], final=i == len(ids) - 1)
+            out += delta
+            if hit:
+                break
+        assert hit and (out == full[:10]) == ends_at_first and len(out) >= 10, (min_tokens, out[:40])
 
 
 def test_freeze_startup_heap_keeps_collecting_new_garbage():

@@ -249,3 +249,20 @@ def test_guided_logprobs_are_the_raw_distributions(models, name):
         assert all(np.isfinite(g.output_logprobs)) and max(g.output_logprobs) <= 0
         forced += g.output_ids[0] != f.output_ids[0]
     assert forced  # (the grammar chose against the raw argmax: the case a masked logprob would get wrong)
+
+
+@pytest.mark.parametrize("name", ["none", "draft"])
+def test_output_ends_with_the_grammar_even_with_ignore_eos(models, name):
+    """ignore_eos does not carry a guided request past its grammar's end (the masks allow every token there): it
+    stops with the grammar, its text one of the choices; min_tokens, which would hold back the stop token a complete
+    grammar needs, is refused naming it."""
+    eng = engine(models, name)
+    choices = ("alpha", "beta gamma")
+    outs = eng.generate([[5, 6, 7]] * 4, [SamplingParams(max_tokens=40, temperature=1.0, seed=i, ignore_eos=True,
+                                                         guided=GuidedSpec("choice", choices)) for i in range(4)])
+    for o in outs:
+        assert o.text in choices and o.finish_reason == "stop", (o.text, o.finish_reason)
+        assert len(o.token_ids) < 40
+    with pytest.raises(InvalidRequest, match="min_tokens") as e:
+        eng.add_request([5, 6, 7], SamplingParams(max_tokens=40, min_tokens=5, guided=GuidedSpec("choice", choices)))
+    assert e.value.param == "min_tokens"

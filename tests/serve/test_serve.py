@@ -221,6 +221,15 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
     ("chat", {"presence_penalty": -2.5}, "presence_penalty"),
     ("chat", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"min_tokens": -1}, "min_tokens"),
+    # vLLM's extensions this server does not implement
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"guided_grammar": 'root ::= "a"'}, "guided_grammar"),
+    ("completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
+    ("chat", {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    ("chat", {"echo": True}, "echo"),
+    ("chat", {"guided_choice": ["a", "b"], "min_tokens": 2}, "min_tokens"),  # (the grammar decides the end)
 ])
 def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra, param):
     h = {"Authorization": f"Bearer {API_KEY}"}
@@ -231,7 +240,8 @@ def test_unsupported_parameters_are_refused_not_ignored(server, endpoint, extra,
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     # their no-op values are fine
     ok = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 0,
-          "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none"}
+          "presence_penalty": 0, "logit_bias": {}, "response_format": {"type": "text"}, "tool_choice": "none",
+          "skip_special_tokens": True, "include_stop_str_in_output": False, "echo": False, "no_such_field": 1}
     assert httpx.post(server["base"] + "/v1/chat/completions", json=ok, headers=h, timeout=120).status_code == 200
 
 
@@ -569,3 +579,34 @@ def test_inputs_that_used_to_give_500s_get_a_400_or_404_naming_the_parameter(ser
                    headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code in (400, 404), (r.status_code, r.text[:300])
     assert r.json()["error"]["param"].split(".")[0] == param, r.text  # (a field's path within it, if known)
+
+
+def test_stop_token_text_is_not_output_and_min_tokens_defers_stop_strings(server, client):
+    """As vLLM: a stop_token_ids token counts in usage but its text is not output (streamed or not); with
+    min_tokens, a stop string found before the output has more than min_tokens tokens does not end it."""
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from workers.config import EngineConfig
+
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(**kw).choices[0].text
+    # the served greedy tokens (lossless speculation: the target's own greedy ones), from the engine in-process
+    eng = Engine(EngineConfig(model=server["target"], device="cpu", max_model_len=256))
+    prompt = eng.tokenizer.encode("import os\n", add_special_tokens=True)
+    ids = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    eng.shutdown()
+    tok = eng.tokenizer
+    assert tok.decode(ids, skip_special_tokens=True) == free
+    j = next(i for i in range(2, len(ids)) if tok.decode([ids[i]]) and ids[i] not in ids[:i])
+    r = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[j]]}})
+    before = tok.decode(ids[:j], skip_special_tokens=True)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == before, (r.choices[0].text, before)
+    assert r.usage.completion_tokens == j + 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        stream=True, **{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[j]]}}) if c.choices)
+    assert streamed == before
+    stop = free[1:3]  # a stop string inside the first tokens' text
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    held = client.completions.create(stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": 6}})
+    assert cut.text == free[:1] and cut.finish_reason == "stop"
+    assert held.choices[0].text.startswith(free[:3]) and held.usage.completion_tokens >= 6
