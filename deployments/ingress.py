@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import rayllm
 from deployments.config import LIMIT_FIELDS, LLMConfig, read_api_key
+from deployments.engine.request import SpecStats
 from deployments.engine.tokenizer import ChatTemplateError
 from deployments.engine_client import Delta, EngineClient, RequestStream
 from deployments.limits import RequestLimits
@@ -606,7 +607,7 @@ class OpenAIIngress:
             results = await asyncio.gather(*(_collect(s) for s in streams))
         finally:
             _abandon(streams, self.engine)
-        choices, completion_tokens, prompt_tokens, spec = [], 0, 0, None
+        choices, completion_tokens, prompt_tokens, spec = [], 0, 0, []
         cached = [0] * len(prompts)  # per prompt: the most any of its choices found cached
         for i, r in enumerate(results):
             if r.finish_reason == "error":
@@ -628,12 +629,12 @@ class OpenAIIngress:
                 prompt_tokens += r.prompt_tokens
             cached[i // n] = max(cached[i // n], r.cached_tokens)
             completion_tokens += r.completion_tokens
-            spec = spec or r.spec
+            spec += [r.spec] if r.spec else []
         resp = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": self.model_id, "choices": choices,
                 "usage": _usage(prompt_tokens, completion_tokens, sum(cached))}
-        if spec is not None:
-            resp["spec_decode_stats"] = spec
+        if spec:  # every choice's rounds (each an engine request)
+            resp["spec_decode_stats"] = SpecStats.summed(spec)
         return resp
 
     async def _sse(self, streams: list[RequestStream], rid: str, created: int, chat: bool, include_usage: bool,
@@ -663,7 +664,7 @@ class OpenAIIngress:
                               if chat or (echo.texts and not echo.prompt_logprobs))
             if opening:  # (chat: every choice's role; completions: every echoed prompt) in one write
                 yield opening
-            completion_tokens, spec, left, text = 0, None, len(streams), ""
+            completion_tokens, spec, left, text = 0, [], len(streams), ""
             async for item in source:
                 i, d = (0, item) if single else item
                 if d.finish_reason == "error":
@@ -683,7 +684,7 @@ class OpenAIIngress:
                 if d.finish_reason:
                     cached[i // echo.n] = max(cached[i // echo.n], d.cached_tokens)
                     completion_tokens += d.completion_tokens
-                    spec = spec or d.spec
+                    spec += [d.spec] if d.spec else []
                     left -= 1
                     if not left:
                         break
@@ -696,7 +697,7 @@ class OpenAIIngress:
                 prompt_tokens = sum(len(p) for p in echo.prompts)
                 payload = {**head, "choices": [], "usage": _usage(prompt_tokens, completion_tokens, sum(cached))}
                 if spec:
-                    payload["spec_decode_stats"] = spec
+                    payload["spec_decode_stats"] = SpecStats.summed(spec)
                 text += f"data: {json.dumps(payload)}\n\n"
             yield text + _DONE
         finally:

@@ -118,6 +118,20 @@ class SpecStats:
     def accept_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    @classmethod
+    def summed(cls, dicts: list[dict]) -> dict:
+        """Several requests' ``as_dict`` (a response's choices) as one: counts summed per field and position."""
+        total = cls()
+        for d in dicts:
+            total.num_drafts += d["num_drafts"]
+            total.num_draft_tokens += d["num_draft_tokens"]
+            total.num_accepted_tokens += d["num_accepted_tokens"]
+            per = total.accepted_per_position
+            per.extend([0] * (len(d["accepted_per_position"]) - len(per)))
+            for i, n in enumerate(d["accepted_per_position"]):
+                per[i] += n
+        return total.as_dict()
+
     def as_dict(self) -> dict:
         return {
             "num_drafts": self.num_drafts,

@@ -149,6 +149,8 @@ class Scheduler:
             raise InvalidRequest(f"logit_bias keys must be token ids in [0, {self.vocab_size})", "logit_bias")
         if any(not 0 <= t < self.vocab_size for t in req.prompt_ids):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if any(not 0 <= t < self.vocab_size for t in req.params.stop_token_ids):  # (one no step could emit)
+            raise InvalidRequest(f"stop_token_ids must be token ids in [0, {self.vocab_size})", "stop_token_ids")
         if n >= self.max_model_len:
             raise InvalidRequest(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has {n} tokens",

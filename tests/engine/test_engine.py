@@ -162,6 +162,10 @@ def test_bad_input_is_rejected_and_others_keep_going(tiny_models):
         engine.add_request([10**6], GREEDY)
     with pytest.raises(InvalidRequest, match="temperature"):
         engine.add_request(good[0], SamplingParams(temperature=-1))
+    for bad in ([10**9], [-1]):  # a stop id no step could emit is a mistake, not a no-op
+        with pytest.raises(InvalidRequest, match="stop_token_ids must be token ids") as e:
+            engine.add_request(good[0], SamplingParams(stop_token_ids=bad))
+        assert e.value.param == "stop_token_ids"
     assert not engine.has_work()
     assert engine.allocator.num_free == engine.allocator.capacity_pages
 

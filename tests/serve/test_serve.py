@@ -610,3 +610,16 @@ def test_stop_token_text_is_not_output_and_min_tokens_defers_stop_strings(server
     held = client.completions.create(stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": 6}})
     assert cut.text == free[:1] and cut.finish_reason == "stop"
     assert held.choices[0].text.startswith(free[:3]) and held.usage.completion_tokens >= 6
+
+
+def test_spec_decode_stats_cover_every_choice(client):
+    """n choices are n engine requests: the response's spec_decode_stats sum all of their rounds (one choice's
+    rounds can hold at most max_tokens - 1 drafted or accepted tokens), streamed or not."""
+    kw = dict(model="tiny", prompt="import os\n", max_tokens=12, temperature=0, n=2, extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    spec = r.model_extra["spec_decode_stats"]
+    assert r.usage.completion_tokens == 24
+    assert 11 < spec["num_drafts"] + spec["num_accepted_tokens"] <= 22, spec
+    assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
+    last = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1]
+    assert last.model_extra["spec_decode_stats"] == spec
