@@ -53,8 +53,12 @@ class EngineMetrics:
         self.prefix_cache_queries = c("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
                                       _TAGS + ("replica",))
         self.prefix_cache_hits = c("prefix_cache_hits", "Prompt tokens found in the prefix cache", _TAGS + ("replica",))
-        self._prefix_tags = {**self.tags, "replica": replica}
-        self._prefix_seen = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}  # the totals already counted
+        self.num_preemptions = c("num_preemptions", "Cumulative number of preemption from the engine",
+                                 _TAGS + ("replica",))
+        self._replica_tags = {**self.tags, "replica": replica}
+        # the engine's cumulative stats fed to counters per replica: stat name -> (counter, the total already counted)
+        self._totals = {"prefix_cache_queries": [self.prefix_cache_queries, 0],
+                        "prefix_cache_hits": [self.prefix_cache_hits, 0], "preemptions": [self.num_preemptions, 0]}
         self._accept_length: float | None = None  # the gauge's last value, re-set while idle (see record_load)
         # recorded, not sent yet: the newest step's stats, generated tokens, steps by depth, and the speculative
         # counters (drafts, draft tokens, accepted, accepted per position)
@@ -128,13 +132,13 @@ class EngineMetrics:
             self._per_pos = []
         if stats is None:
             return
-        for name, seen in self._prefix_seen.items():
+        for name, (counter, seen) in self._totals.items():
             total = stats.get(name, 0)
             if total < seen:  # a fresh engine (its workers were restarted) counts from 0 again
                 seen = 0
             if total > seen:
-                getattr(self, name).inc(total - seen, tags=self._prefix_tags)
-            self._prefix_seen[name] = total
+                counter.inc(total - seen, tags=self._replica_tags)
+            self._totals[name][1] = total
         self.num_running.set(stats["running"], tags=t)
         self.num_waiting.set(stats["waiting"], tags=t)
         self.kv_usage.set(stats["kv_usage"], tags=t)

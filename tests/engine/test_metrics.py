@@ -25,7 +25,7 @@ def test_engine_metrics_send_the_sum_of_the_steps_at_a_flush():
         setattr(metric, "inc" if hasattr(metric, "inc") else "set", call)
 
     for name in ("generation_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
-                 "steps_by_depth", "prefix_cache_queries", "num_running", "mean_accept_length"):
+                 "steps_by_depth", "prefix_cache_queries", "num_preemptions", "num_running", "mean_accept_length"):
         watch(getattr(m, name), name)
     m.FLUSH_INTERVAL_S = 3600.0
     m.flush_pending()  # (the next flush is an hour away)
@@ -33,14 +33,15 @@ def test_engine_metrics_send_the_sum_of_the_steps_at_a_flush():
         spec = {"drafts": 2, "draft_tokens": 2 * depth, "accepted": accepted, "per_pos": per_pos} if depth else None
         m.record_generated(2 + accepted)
         m.record_step({"running": 2 + i, "waiting": 0, "kv_usage": 0.5, "prefix_cache_queries": 10 * (i + 1),
-                       "spec_depth": depth, **({"spec": spec} if spec else {})})
+                       "preemptions": i, "spec_depth": depth, **({"spec": spec} if spec else {})})
     assert sent == []  # three steps, no Ray call
     m.flush_pending()
     assert sorted(sent, key=str) == sorted([
         ("generation_tokens", None, 10), ("num_drafts", None, 4), ("num_draft_tokens", None, 6),
         ("num_accepted_tokens", None, 4), ("accepted_per_pos", "0", 3), ("accepted_per_pos", "1", 1),
         ("steps_by_depth", "2", 1), ("steps_by_depth", "0", 1), ("steps_by_depth", "1", 1),
-        ("prefix_cache_queries", None, 30), ("num_running", None, 4), ("mean_accept_length", None, 1.5)], key=str)
+        ("prefix_cache_queries", None, 30), ("num_preemptions", None, 2), ("num_running", None, 4),
+        ("mean_accept_length", None, 1.5)], key=str)
     sent.clear()
     m.flush_pending()  # nothing new: nothing sent
     assert sent == []
