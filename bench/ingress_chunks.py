@@ -22,14 +22,16 @@ from pathlib import Path
 from bench.common import ROOT, command, commit, device_name, out_path, write_json, write_markdown
 
 
-def json_dumps_sse(fmt_args: tuple, index: int, text, finish, logprobs=None, first=False) -> str:
+def json_dumps_sse(fmt_args: tuple, index: int, text, finish, logprobs=None, first=False, stop_reason=None) -> str:
     """The chunk's text as the ingress wrote it before ``ChunkFormat``: the whole object through json.dumps."""
     head, chat, include_usage = fmt_args
     if chat:
         delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "stop_reason": stop_reason,
+                  "logprobs": logprobs}
     else:
-        choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "text": text or "", "finish_reason": finish, "stop_reason": stop_reason,
+                  "logprobs": logprobs}
     payload = {**head, "choices": [choice]}
     if include_usage:
         payload["usage"] = None

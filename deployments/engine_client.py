@@ -52,6 +52,8 @@ class Delta:
     logprobs: list[tuple[str, float]] = field(default_factory=list)  # (token text, logprob) per token, if asked
     top_logprobs: list[list[tuple[str, float]]] = field(default_factory=list)
     finish_reason: str | None = None  # set on the last delta
+    # with finish_reason "stop" (vLLM's field): the stop string matched, or the stop_token_ids token; None at EOS
+    stop_reason: str | int | None = None
     error: str | None = None  # the engine failed this request
     error_status: int | None = None  # with ``error``: 503 when the engine is gone or being replaced, else 500
     prompt_tokens: int = 0  # on the last delta
@@ -65,8 +67,8 @@ class Delta:
         self.text += other.text
         self.logprobs += other.logprobs
         self.top_logprobs += other.top_logprobs
-        for name in ("finish_reason", "error", "error_status", "prompt_tokens", "completion_tokens", "cached_tokens",
-                     "spec", "prompt_logprobs"):
+        for name in ("finish_reason", "stop_reason", "error", "error_status", "prompt_tokens", "completion_tokens",
+                     "cached_tokens", "spec", "prompt_logprobs"):
             value = getattr(other, name)
             if value:
                 setattr(self, name, value)
@@ -76,8 +78,9 @@ class RequestStream:
     """One engine request as its HTTP handler sees it: ``async for delta in stream``."""
 
     def __init__(self, client: "EngineClient", rid: str, num_prompt: int, stop: list[str], arrival: float,
-                 stream_interval: int, batching_s: float, min_tokens: int = 0):
+                 stream_interval: int, batching_s: float, min_tokens: int = 0, stop_token_ids=()):
         self.client, self.rid, self.num_prompt, self.arrival = client, rid, num_prompt, arrival
+        self.stop_token_ids = stop_token_ids
         self.detok = Detokenizer(client.tokenizer, stop, min_tokens=min_tokens)
         self.stream_interval, self.batching_s = stream_interval, batching_s
         self._items: list[tuple] = []
@@ -113,6 +116,10 @@ class RequestStream:
                                              final=reason is not None)
             if not hit:
                 used = len(token_ids)
+            if hit:
+                delta.stop_reason = self.detok.matched
+            elif by_token and token_ids[-1] in self.stop_token_ids:
+                delta.stop_reason = token_ids[-1]
             if hit:
                 if reason is None:
                     self.client.abort(self.rid)
@@ -402,7 +409,7 @@ class EngineClient:
         picks; raises APIError when the engine refuses it."""
         await self.core()
         stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval,
-                               self.batching_s, params.get("min_tokens") or 0)
+                               self.batching_s, params.get("min_tokens") or 0, params.get("stop_token_ids") or ())
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
         self._route((rid, prompt_ids, params, arrival, done, 0))

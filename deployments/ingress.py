@@ -619,7 +619,7 @@ class OpenAIIngress:
                 pairs, tops = echo_view.prompt_pairs(i, r.prompt_logprobs)
                 pairs, tops = pairs + r.logprobs, tops + (r.top_logprobs or [[] for _ in r.logprobs])
                 lp = logprobs_body(pairs, chat, 0, tops)
-            choice = {"index": i, "finish_reason": r.finish_reason, "logprobs": lp}
+            choice = {"index": i, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason, "logprobs": lp}
             if chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
             else:
@@ -649,10 +649,10 @@ class OpenAIIngress:
         fmt = ChunkFormat(head, chat, include_usage)
 
         def chunk(i: int, delta_text: str | None, finish: str | None, first: bool = False, pairs=None,
-                  tops=None) -> str:
+                  tops=None, stop_reason=None) -> str:
             lp = logprobs_body(pairs or [], chat, sent[i], tops) if logprobs and not first else None
             sent[i] += len(delta_text or "")
-            return fmt.sse(i, delta_text, finish, lp, first)
+            return fmt.sse(i, delta_text, finish, lp, first, stop_reason)
 
         cached = [0] * len(echo.prompts)  # per prompt: the most any of its choices found cached
         echoed = [not echo.prompt_logprobs] * len(streams)
@@ -680,7 +680,8 @@ class OpenAIIngress:
                 if echo.echo_only:  # (max_tokens 0: the token sampled is not sent)
                     d.text, d.logprobs, d.top_logprobs, d.completion_tokens = "", [], [], 0
                 if d.text or d.finish_reason or (logprobs and d.logprobs):
-                    text += chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs)
+                    text += chunk(i, d.text, d.finish_reason, pairs=d.logprobs, tops=d.top_logprobs,
+                                  stop_reason=d.stop_reason)
                 if d.finish_reason:
                     cached[i // echo.n] = max(cached[i // echo.n], d.cached_tokens)
                     completion_tokens += d.completion_tokens

@@ -274,16 +274,18 @@ class ChunkFormat:
         self._suffix = '}]' + (', "usage": null' if include_usage else '') + '}\n\n'
 
     def sse(self, index: int, text: str | None, finish: str | None, logprobs: dict | None = None,
-            first: bool = False) -> str:
-        """One choice's chunk: its new text (chat: the delta; ``first``: the assistant role), its finish reason and
-        logprobs object."""
+            first: bool = False, stop_reason: str | int | None = None) -> str:
+        """One choice's chunk: its new text (chat: the delta; ``first``: the assistant role), its finish reason
+        (with vLLM's stop_reason: the stop string or token id that ended it) and logprobs object."""
         if self.chat:
             body = ('"delta": {"role": "assistant", "content": ""}' if first else
                     '"delta": {"content": ' + _json_str(text) + '}' if text else '"delta": {}')
         else:
             body = '"text": ' + _json_str(text or "")
+        stop = "null" if stop_reason is None else json.dumps(stop_reason)
         return (f'{self._prefix}{index}, {body}, "finish_reason": {"null" if finish is None else _json_str(finish)}, '
-                f'"logprobs": {"null" if logprobs is None else json.dumps(logprobs)}{self._suffix}')
+                f'"stop_reason": {stop}, "logprobs": {"null" if logprobs is None else json.dumps(logprobs)}'
+                f'{self._suffix}')
 
 
 # a string as json.dumps writes it (ensure_ascii): its C encoder alone, without dumps' per-call set-up

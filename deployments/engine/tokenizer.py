@@ -90,6 +90,7 @@ class Detokenizer:
             self._window: list[int] = []  # the ids decoding restarts from: last step's read tokens, then the unread
             self._read = 0  # window[:_read] is decoded text already; window[_read:] is not yet
         self.stop = [s for s in stop if s]
+        self.matched: str | None = None  # the stop string that ended the text (vLLM's stop_reason)
         self._unsent = ""  # decoded but not emitted (held back: it may begin a stop string)
         self._sent: list[str] = []  # the emitted deltas
 
@@ -152,9 +153,10 @@ class Detokenizer:
         unsent, hit = self._unsent + new_text if new_text else self._unsent, False
         self._count += len(new_ids)
         if self.stop and self._count > self.min_tokens:
-            hits = [i for i in (unsent.find(s) for s in self.stop) if i >= 0]
+            hits = [(i, s) for i, s in ((unsent.find(s), s) for s in self.stop) if i >= 0]
             if hits:
-                unsent, hit, final = unsent[: min(hits)], True, True
+                at, self.matched = min(hits)
+                unsent, hit, final = unsent[:at], True, True
         delta = unsent if final else unsent[: len(unsent) - self._held_back(unsent)] if self.stop else unsent
         self._unsent = unsent[len(delta):]
         if delta:

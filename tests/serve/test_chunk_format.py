@@ -23,8 +23,9 @@ def test_chunks_equal_json_dumps(chat, include_usage):
             for finish in (None, "stop", "length", "abort"):
                 for lp in (None, logprobs_body([("a", -0.5), ("é", -1.25)], chat, 4, [[("b", -0.7)], []])):
                     for first in (False, True) if chat else (False,):
-                        assert fmt.sse(i, text, finish, lp, first) == json_dumps_sse(
-                            (head, chat, include_usage), i, text, finish, lp, first)
+                        for stop in (None, "\n\"end", 7) if finish == "stop" else (None,):
+                            assert fmt.sse(i, text, finish, lp, first, stop) == json_dumps_sse(
+                                (head, chat, include_usage), i, text, finish, lp, first, stop)
 
 
 def test_logprobs_are_finite_json():

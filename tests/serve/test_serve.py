@@ -601,14 +601,14 @@ def test_stop_token_text_is_not_output_and_min_tokens_defers_stop_strings(server
     r = client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[j]]}})
     before = tok.decode(ids[:j], skip_special_tokens=True)
     assert r.choices[0].finish_reason == "stop" and r.choices[0].text == before, (r.choices[0].text, before)
-    assert r.usage.completion_tokens == j + 1
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        stream=True, **{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[j]]}}) if c.choices)
-    assert streamed == before
+    assert r.usage.completion_tokens == j + 1 and r.choices[0].model_extra["stop_reason"] == ids[j]
+    chunks = [c.choices[0] for c in client.completions.create(
+        stream=True, **{**kw, "extra_body": {"ignore_eos": True, "stop_token_ids": [ids[j]]}}) if c.choices]
+    assert "".join(c.text for c in chunks) == before and chunks[-1].model_extra["stop_reason"] == ids[j]
     stop = free[1:3]  # a stop string inside the first tokens' text
     cut = client.completions.create(stop=[stop], **kw).choices[0]
     held = client.completions.create(stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "min_tokens": 6}})
-    assert cut.text == free[:1] and cut.finish_reason == "stop"
+    assert cut.text == free[:1] and cut.finish_reason == "stop" and cut.model_extra["stop_reason"] == stop
     assert held.choices[0].text.startswith(free[:3]) and held.usage.completion_tokens >= 6
 
 
