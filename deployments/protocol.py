@@ -44,7 +44,9 @@ class SamplingFields(BaseModel):
     """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
     model's generation_config.json defaults where it has them, else OpenAI's."""
 
-    model_config = ConfigDict(extra="allow")  # (kept to be checked against NOT_IMPLEMENTED)
+    # extras are kept to be checked against NOT_IMPLEMENTED; a NaN or infinity is refused as not finite (rather than
+    # as out of range)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None  # as vLLM: omitted means the served model
     max_tokens: int | None = Field(None)
     temperature: float | None = Field(None, ge=0.0, le=2.0)

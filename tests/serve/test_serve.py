@@ -623,3 +623,14 @@ def test_spec_decode_stats_cover_every_choice(client):
     assert sum(spec["accepted_per_position"]) == spec["num_accepted_tokens"]
     last = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))[-1]
     assert last.model_extra["spec_decode_stats"] == spec
+
+
+def test_a_non_finite_number_is_refused_as_such(server):
+    """NaN or Infinity (JSON extensions Python writes) in a float field: a 400 naming the field, saying it must be
+    finite (not that it is out of range)."""
+    h = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for value in ("NaN", "Infinity"):
+        r = httpx.post(server["base"] + "/v1/completions", headers=h, timeout=120,
+                       content='{"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": %s}' % value)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        assert "finite" in r.json()["error"]["message"], r.text
