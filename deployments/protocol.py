@@ -5,7 +5,7 @@ import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from deployments.engine.grammar import GuidedSpec
 
@@ -44,9 +44,9 @@ class SamplingFields(BaseModel):
     """Fields both endpoints share. Optional fields accept null (OpenAI marks them nullable); unset ones take the
     model's generation_config.json defaults where it has them, else OpenAI's."""
 
-    # extras are kept to be checked against NOT_IMPLEMENTED; a NaN or infinity is refused as not finite (rather than
-    # as out of range)
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # a NaN or infinity is refused as not finite (rather than as out of range)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _not_implemented: dict = PrivateAttr(default_factory=dict)  # the request's NOT_IMPLEMENTED fields, as sent
     model: str | None = None  # as vLLM: omitted means the served model
     max_tokens: int | None = Field(None)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -76,6 +76,17 @@ class SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_not_implemented(cls, data, handler):
+        """Other fields outside the model stay ignored (as vLLM ignores them), unread: their names may not even be
+        valid text."""
+        request = handler(data)
+        if isinstance(data, dict):
+            request._not_implemented = {k: data[k] for k in NOT_IMPLEMENTED.keys() & data.keys()
+                                        if k not in cls.model_fields}
+        return request
 
     def guided_spec(self) -> GuidedSpec | None:
         """What the output must match (one of response_format / guided_* / structured_outputs), or None. A
@@ -127,8 +138,8 @@ class SamplingFields(BaseModel):
             "tools": bool(self.tools),
             "tool_choice": self.tool_choice not in (None, "none", "auto"),
         }
-        for name, value in (self.model_extra or {}).items():
-            unsupported[name] = name in NOT_IMPLEMENTED and value not in NOT_IMPLEMENTED[name]
+        for name, value in self._not_implemented.items():
+            unsupported[name] = value not in NOT_IMPLEMENTED[name]
         if self.stream_options is not None and self.stream_options.continuous_usage_stats:
             unsupported["stream_options.continuous_usage_stats"] = True
         for name, refused in unsupported.items():

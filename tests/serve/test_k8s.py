@@ -24,7 +24,7 @@ K8S = ROOT / "k8s"
 # with `vllm:` written `vllm_` (Ray no longer accepts ':' in metric names).
 COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
             "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_steps", "prompt_tokens", "generation_tokens",
-            "request_success", "prefix_cache_queries", "prefix_cache_hits"}
+            "request_success", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions"}
 GAUGES = {"spec_decode_mean_accept_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
 HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
