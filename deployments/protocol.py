@@ -84,8 +84,8 @@ class SamplingFields(BaseModel):
         valid text."""
         request = handler(data)
         if isinstance(data, dict):
-            request._not_implemented = {k: data[k] for k in NOT_IMPLEMENTED.keys() & data.keys()
-                                        if k not in cls.model_fields}
+            request._not_implemented = {k: v for k, v in data.items()  # (in the request's order)
+                                        if k in NOT_IMPLEMENTED and k not in cls.model_fields}
         return request
 
     def guided_spec(self) -> GuidedSpec | None:
