@@ -35,8 +35,8 @@ NOT_IMPLEMENTED: dict[str, tuple] = {
     "truncate_prompt_tokens": (None,), "prompt_logprobs": (None,), "logits_processors": (None,),
     "return_tokens_as_token_ids": (False,), "priority": (0,), "continue_final_message": (False,),
     "add_generation_prompt": (True,), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "documents": (None,), "echo": (None, False), "functions": (None, []), "function_call": (None, "none", "auto"), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,),
+    "documents": (None,), "echo": (None, False), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 
 
