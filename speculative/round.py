@@ -11,6 +11,7 @@ import torch
 from speculative.proposers import DraftContext, Proposer, RoundInputs
 from speculative.tree import DraftTree
 from speculative.verify import Verdict, simulated_acceptance, verify_tree
+from workers.kernels.argmax import argmax_logsumexp
 from workers.kernels.verdict import record_round
 from workers.logits_processing import record_tokens
 from workers.messages import ForwardMode
@@ -79,7 +80,8 @@ class SpecRound:
             b, d, v = logits.shape
             # (past accept + 1 the emitted tokens are padding, clamped to stay in range)
             chosen = logits.reshape(b, d * v).gather(1, verdict.path * v + verdict.out_tokens.clamp(0, v - 1)).float()
-            verdict.out_logprobs = chosen - torch.logsumexp(logits.float(), dim=-1).gather(1, verdict.path)
+            verdict.out_logprobs = chosen - argmax_logsumexp(logits.reshape(b * d, v))[1].view(b, d).gather(
+                1, verdict.path)
         self.compact_kv(inp, verdict)
         alternatives = None
         if top:  # at each emitted token's position: the node whose logits chose it (verdict.path)

@@ -1,11 +1,13 @@
 """Structured output on the device: a step's packed allowed-token bits (``WorkerStep.token_mask``) applied to its
 logits before sampling or verification (-inf where a token is not allowed), so every draw and every verified draft
-comes from the masked distribution."""
+comes from the masked distribution; the logprobs reported are still the raw distribution's (``raw_logprobs``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+
+from workers.kernels.argmax import argmax_logsumexp
 
 
 def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | torch.Tensor | None) -> torch.Tensor:
@@ -28,8 +30,7 @@ def apply_token_mask(logits: torch.Tensor, mask: np.ndarray | torch.Tensor | Non
 
 
 def raw_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 log-probabilities of ``ids`` (logits' shape without its last dim) under the model's raw distribution,
-    ``logits`` before any mask: a guided request reports what an unguided one would (vLLM's default), never the
-    renormalised or -inf values of the masked distribution."""
-    lf = logits.float()
-    return lf.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(lf, dim=-1)
+    """fp32 log-probabilities of ``ids`` [N] under the model's raw distribution, ``logits`` [N, V] before any mask: a
+    guided request reports what an unguided one would (vLLM's default, and computed as ``sampling.sample`` does),
+    never the renormalised or -inf values of the masked distribution."""
+    return logits.gather(1, ids.unsqueeze(1)).squeeze(1).float() - argmax_logsumexp(logits)[1]
