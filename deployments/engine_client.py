@@ -110,15 +110,12 @@ class RequestStream:
                 break
             if prompt_lps:  # (the first output of a request that asked for them)
                 delta.prompt_logprobs = prompt_lps[0]
-            # the engine ended it at EOS or a stop token id: that token counts, its text is not output (as vLLM)
-            by_token = reason == "stop" and bool(token_ids)
-            text, hit, used = detokenize_run(self.detok, token_ids[:-1] if by_token else token_ids,
-                                             final=reason is not None)
-            if not hit:
-                used = len(token_ids)
+            # (reason "stop" from the engine: EOS or a stop token id ended it)
+            text, hit, used = detokenize_run(self.detok, token_ids, final=reason is not None,
+                                             stop_token=reason == "stop")
             if hit:
                 delta.stop_reason = self.detok.matched
-            elif by_token and token_ids[-1] in self.stop_token_ids:
+            elif reason == "stop" and token_ids and token_ids[-1] in self.stop_token_ids:
                 delta.stop_reason = token_ids[-1]
             if hit:
                 if reason is None:

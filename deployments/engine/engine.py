@@ -415,11 +415,8 @@ class Engine:
             new_text = ""
             if detokenize:
                 detok = detoks[req.rid]
-                # ended at EOS or a stop token id (or the grammar's end): that token counts, its text is not output
-                by_token = req.finished and req.finish_reason == "stop" and bool(new_ids)
-                new_text, hit_stop, used = detokenize_run(detok, new_ids[:-1] if by_token else new_ids, req.finished)
-                if not hit_stop:
-                    used = len(new_ids)
+                new_text, hit_stop, used = detokenize_run(detok, new_ids, req.finished,
+                                                          stop_token=req.finished and req.finish_reason == "stop")
                 if used < len(new_ids):  # a stop string ended it inside a speculative round's run
                     self.scheduler.drop_newest(req, len(new_ids) - used)
                     new_ids = new_ids[:used]

@@ -164,10 +164,15 @@ class Detokenizer:
         return delta, hit
 
 
-def detokenize_run(detok: Detokenizer, new_ids: list[int], final: bool) -> tuple[str, bool, int]:
+def detokenize_run(detok: Detokenizer, new_ids: list[int], final: bool,
+                   stop_token: bool = False) -> tuple[str, bool, int]:
     """(new text, whether a stop string was hit, how many of ``new_ids`` are output). With stop strings, a run of
     several tokens (a speculative round's) goes in one token at a time: the tokens after the one that completes a
-    stop string are not output, as they never would have been without speculation."""
+    stop string are not output, as they never would have been without speculation. ``stop_token``: the run's last
+    token ended the request (EOS, a stop token id, the grammar's end): it counts, but its text is not output (vLLM)."""
+    if stop_token and new_ids:
+        text, hit, used = detokenize_run(detok, new_ids[:-1], final)
+        return text, hit, used if hit else len(new_ids)
     if not detok.stop or len(new_ids) < 2:
         text, hit = detok.push(new_ids, final=final)
         return text, hit, len(new_ids)
