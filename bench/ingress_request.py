@@ -3,8 +3,10 @@ call) to the engine ``submit`` call leaving, then the response's headers, the fi
 
 The real FastAPI app (``deployments.ingress.app``: middlewares, routing, body parsing and validation, our handler,
 ``EngineClient``'s batched submit) driven in-process by ASGI calls, as uvicorn makes them; the engine core a Ray actor
-whose ``submit`` accepts at once (the call's pickling and sending are the ingress's real cost); the first token and
-the last handed to ``EngineClient._deliver`` as the output channel's reader does. Each stage is the event loop
+whose ``submit`` accepts at once (the call's pickling and sending are the ingress's real cost), or with ``--intake``
+a thread that reads the ZMQ intake socket the client sends its submissions to and pushes the answers back to the
+client's output channel, as the engine core's intake does; the first token and the last handed to
+``EngineClient._deliver`` as the output channel's reader does. Each stage is the event loop
 thread's CPU time (``time.thread_time``) between stamps, so other processes' load on the machine counts little.
 The bodies are ``bench.serving``'s (streamed, ``ignore_eos``, ``stream_options.include_usage``, temperature 0) with
 a 256-token prompt as token ids or as text, and a chat request of the same text.
@@ -37,9 +39,10 @@ STAGES = [  # (name, from stamp, to stamp)
     ("tokenizing / chat template", "text0", "text1"),
     ("handler: the engine request (sampling params, rid)", "text1", "add"),
     ("EngineClient.add: the stream and detokenizer, routing", "add", "flush0"),
-    ("the submit call (pickling the batch, Ray's send)", "flush0", "flush1"),
-    ("total: arrival → the submit call left", "asgi", "flush1"),
-    ("(after) the submit call left → its answer awaited on the loop (Ray's reply)", "flush1", "answer"),
+    ("the submission (pickling the batch, Ray's or ZMQ's send)", "flush0", "flush1"),
+    ("total: arrival → the submission left", "asgi", "flush1"),
+    ("(after) the submission left → its answer on the loop (Ray's reply, or the output channel's)", "flush1",
+     "answer"),
     ("(after) the submit's answer → response headers sent", "answer", "start"),
     ("(after) first token delivered → its chunk sent", "deliver0", "chunk0"),
     ("(after) last token delivered → last chunk, usage, [DONE], the call's end", "deliver1", "end"),
@@ -60,8 +63,40 @@ def bodies(tokenizer, prompt_tokens: int, max_tokens: int) -> dict[str, tuple[st
                      json.dumps({**common, "messages": [{"role": "user", "content": prompt_text}]}).encode())}
 
 
-def setup(tokenizer_path: str, stamps: dict):
-    """The ingress app with the stub core, its ``EngineClient`` stamping each stage."""
+def intake_core(client, stop) -> str:
+    """(--intake) A thread standing for the engine core's intake: each submission read, checked and answered (all
+    accepted) on the client's output channel, as ``EngineCore._intake_loop`` does. Returns the intake's address."""
+    import threading
+
+    import zmq
+
+    from deployments.engine.signing import signed, verified
+
+    ctx = zmq.Context.instance()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(client._channel())
+
+    def serve():
+        while not stop.is_set():
+            if not pull.poll(100):
+                continue
+            _, msg = pull.recv_multipart()
+            kind, body = verified(client._push_key, msg)
+            if kind == "submit":
+                push.send(signed(client._push_key, {"answers": [(item[0], None) for item in body], "core": "core0"}))
+        pull.close(linger=0)
+        push.close(linger=0)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{port}"
+
+
+def setup(tokenizer_path: str, stamps: dict, intake: bool = False):
+    """The ingress app with the stub core, its ``EngineClient`` stamping each stage (with ``intake``, the client
+    submits over ZMQ and an async set-up, ``engine.start_intake()``, must run on the event loop first)."""
+    import threading
+
     import fastapi.routing
     import ray
     import ray.serve
@@ -92,6 +127,15 @@ def setup(tokenizer_path: str, stamps: dict):
             self._cores = {"core0": core}
             self.router.add_replica("core0")
             self.submits = 0
+            self.stop_intake = threading.Event()
+
+        async def start_intake(self):
+            if intake:
+                self._open_intake("core0", intake_core(self, self.stop_intake))
+
+        def _answered(self, name, batch, answers):
+            stamp("answer")
+            return super()._answered(name, batch, answers)
 
         async def core(self):
             return
@@ -117,7 +161,7 @@ def setup(tokenizer_path: str, stamps: dict):
             return await super().add(*args, **kwargs)
 
         async def _submit(self, name, batch, answer):
-            return await super()._submit(name, batch, answer if isinstance(answer, Exception) else _Stamped(answer))
+            return await super()._submit(name, batch, answer if isinstance(answer, Exception) else _Ref(answer))
 
         def _flush(self, name):
             stamp("flush0")
@@ -125,16 +169,14 @@ def setup(tokenizer_path: str, stamps: dict):
             stamp("flush1")
             self.submits += 1
 
-    class _Stamped:
-        """The submit's answer (an ObjectRef), stamped when the event loop has it."""
+    class _Ref:
+        """The submit's answer (an ObjectRef), awaited (as the client awaits it)."""
 
         def __init__(self, ref):
             self.ref = ref
 
         def __await__(self):
-            result = yield from self.ref.__await__()
-            stamp("answer")
-            return result
+            return (yield from self.ref.__await__())
 
     engine = Client()
     ingress = OpenAIIngress.func_or_class.__new__(OpenAIIngress.func_or_class)
@@ -269,6 +311,8 @@ def main() -> None:
     ap.add_argument("--waves", type=int, default=5)
     ap.add_argument("--apis", default="completions_ids,completions_text,chat")
     ap.add_argument("--tokenizer", default=str(ROOT / "models" / "specserve-tiny"))
+    ap.add_argument("--intake", action="store_true", help="submissions over the ZMQ intake (the push channel's "
+                    "way in) instead of Ray's submit call")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import gc
@@ -279,7 +323,7 @@ def main() -> None:
     stamps: dict = {}
     rows = []
     try:
-        app, engine, stamp = setup(args.tokenizer, stamps)
+        app, engine, stamp = setup(args.tokenizer, stamps, args.intake)
         reqs = bodies(engine.tokenizer, args.prompt_tokens, args.max_tokens)
         gc.freeze()  # (as the replica freezes its start-up heap)
 
@@ -287,6 +331,7 @@ def main() -> None:
         words = engine.tokenizer.encode(" the cat sat on a mat and then", add_special_tokens=False)
 
         async def run_all():
+            await engine.start_intake()
             for api in args.apis.split(","):
                 path, body = reqs[api]
                 per_stage = {name: [] for name, _, _ in STAGES}
@@ -314,6 +359,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
 
         asyncio.run(run_all())
+        engine.stop_intake.set()
     finally:
         ray.shutdown()
     res = {"device": device_name("cpu"), "commit": commit(), "command": command(), "rows": rows}
@@ -322,8 +368,9 @@ def main() -> None:
     apis = [r["api"] for r in rows]
     md = [f"# An ingress replica's CPU per request on the way in, stage by stage ({res['device']})", "",
           f"commit `{res['commit']}` · command `{res['command']}`", "",
-          "The real ingress app driven in-process by ASGI calls (no uvicorn), a Ray actor as the engine core whose "
-          "submit accepts at once; the event loop thread's CPU time between stamps, median of "
+          "The real ingress app driven in-process by ASGI calls (no uvicorn), "
+          + ("a thread reading the client's ZMQ intake as the engine core, answering on the output channel"
+             if args.intake else "a Ray actor as the engine core whose submit accepts at once") + "; the event loop thread's CPU time between stamps, median of "
           f"{args.requests} requests one at a time (µs). Bodies as `bench.serving` sends them: streamed, ignore_eos, "
           f"include_usage, a {args.prompt_tokens}-token prompt as token ids or text; chat: the same text as one user "
           "message.", "",

@@ -1,11 +1,12 @@
 """The ingress replica's side of the engine core: batched submissions, one output channel for every stream, and the
 per-request work the core leaves to the ingress (detokenizing, stop strings, logprob text, request metrics).
 
-One ``EngineClient`` per ingress replica. Requests that arrive within one turn of the event loop go to the core in
-one ``submit`` call; every step's outputs for all of this replica's requests come as one message and each request
-gets its share. The outputs' channel (``output_channel``): ``push`` (the default), a ZMQ PULL socket this replica
-binds and a thread reads, into which every core it joined pushes one message per step; or ``poll``, one long poll
-per core (a Ray actor call after another, on a thread). A ``RequestStream`` keeps what its consumer has not
+One ``EngineClient`` per ingress replica. Requests that arrive within one turn of the event loop go to the core
+together, as one submission; every step's outputs for all of this replica's requests come as one message and each
+request gets its share. The channel (``output_channel``): ``push`` (the default), ZMQ both ways: a PULL socket this
+replica binds and a thread reads, into which every core it joined pushes one message per step (and the answers to
+its submissions), and a PUSH socket to each core's intake for submissions and aborts; or ``poll``, Ray calls only
+(``submit`` and ``abort``, and one long poll per core after another, on a thread). A ``RequestStream`` keeps what its consumer has not
 taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one that falls behind gets
 them together (as vLLM's output collector does), so a slow client never makes the others wait.
 """
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import hmac
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 from deployments.engine import freeze_startup_heap
 from deployments.engine.metrics import RequestMetrics
+from deployments.engine.signing import signed, verified
 from deployments.engine.tokenizer import Detokenizer, chat_prompt_ids, detokenize_run, load_tokenizer
 from deployments.protocol import APIError
 
@@ -269,7 +269,9 @@ class EngineClient:
         self._joined: asyncio.Event | None = None
         self._streams: dict[str, RequestStream] = {}
         self._where: dict[str, str] = {}  # rid -> the core serving it
-        self._unanswered: set[str] = set()  # rids routed whose submit has not answered (a lost core's are re-routed)
+        # rid -> its routed item, for those whose submission has not been answered (a lost core's are re-routed)
+        self._unanswered: dict[str, tuple] = {}
+        self._intakes: dict[str, object] = {}  # (push) core name -> the PUSH socket to its intake
         self._pending: dict[str, list[tuple]] = {}  # core -> (rid, prompt ids, params, arrival, future) to submit
         self._aborts: dict[str, list[str]] = {}
         self._token_text: dict[int, str] = {}
@@ -336,7 +338,7 @@ class EngineClient:
         if self.output_channel == "push":  # (before it is routed to: its first outputs need the channel)
             hello = self._hellos[name] = asyncio.get_running_loop().create_future()
             try:
-                await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
+                intake = await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
                 await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
             except asyncio.TimeoutError:  # (tried again at the next listing)
                 logger.error("engine core %s cannot reach this ingress replica's output socket %s in %.0f s (a "
@@ -349,6 +351,8 @@ class EngineClient:
             finally:
                 self._hellos.pop(name, None)
         self.info = self.info or info
+        if self.output_channel == "push":
+            self._open_intake(name, intake)
         self._cores[name] = core
         self.router.add_replica(name)
         logger.info("engine core %s joined (%d connected; outputs by %s)", name, len(self._cores), self.output_channel)
@@ -424,23 +428,32 @@ class EngineClient:
             name = self.router.choose(item[1])
         except LookupError:
             self._where.pop(item[0], None)
-            self._unanswered.discard(item[0])
+            self._unanswered.pop(item[0], None)
             item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
                                 "message": "the engine is not available: no engine replica is up"})
             return
         self._where[item[0]] = name
-        self._unanswered.add(item[0])
+        self._unanswered[item[0]] = item
         pending = self._pending.setdefault(name, [])
         if not pending:
             asyncio.get_running_loop().call_soon(self._flush, name, context=contextvars.Context())
         pending.append(item)
 
     def _flush(self, name: str) -> None:
-        """The batch goes to the core here (an actor call is sent at once, not from a task a turn of the loop
-        later); a task waits for the answer."""
+        """The batch goes to the core here (a message or an actor call is sent at once, not from a task a turn of
+        the loop later). Over the intake, the answers come on the output channel (``_answers_came``); over Ray, a task
+        waits for the call's answer."""
         batch = self._pending.pop(name, [])
         if not batch:
             return
+        intake = self._intakes.get(name)
+        if intake is not None:
+            try:
+                self._send_intake(intake, ("submit", [item[:4] for item in batch]))
+                return
+            except Exception as e:  # noqa: BLE001 - (its socket was closed: the core was lost meanwhile)
+                self._resubmit(name, batch, e)
+                return
         core = self._cores.get(name)
         try:
             if core is None:
@@ -456,16 +469,33 @@ class EngineClient:
                 raise answer
             answers = await answer
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
-            self._lost(name, e)
-            for item in batch:
-                if item[5] < self.MAX_RESUBMITS and self._cores:
-                    self._route((*item[:5], item[5] + 1))
-                else:
-                    self._where.pop(item[0], None)
-                    self._unanswered.discard(item[0])
-                    item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
-                                        "message": "the engine is not available"})
+            self._resubmit(name, batch, e)
             return
+        self._answered(name, batch, answers)
+
+    def _resubmit(self, name: str, batch: list[tuple], error: Exception) -> None:
+        """The core went away before it answered: the batch goes to another core (each request at most
+        MAX_RESUBMITS times), or its requests get a 503."""
+        self._lost(name, error)
+        for item in batch:
+            if item[5] < self.MAX_RESUBMITS and self._cores:
+                self._route((*item[:5], item[5] + 1))
+            else:
+                self._where.pop(item[0], None)
+                self._unanswered.pop(item[0], None)
+                item[4].set_result({"status": 503, "type": "server_unavailable", "code": None,
+                                    "message": "the engine is not available"})
+
+    def _answers_came(self, name: str, answers: list[tuple]) -> None:
+        """(push) Core ``name``'s answers to a submission over its intake, as (rid, answer) pairs. One whose request
+        is no longer waiting for that core (sent to another when this one was lost) is dropped."""
+        mine = [(self._unanswered[rid], a) for rid, a in answers
+                if rid in self._unanswered and self._where.get(rid) == name]
+        if mine:
+            self._answered(name, [item for item, _ in mine], [a for _, a in mine])
+
+    def _answered(self, name: str, batch: list[tuple], answers: list[dict | None]) -> None:
+        """Each request's answer (None: accepted, else the refusal) from core ``name``."""
         if any(a is not None and a.get("code") == "draining" for a in answers):
             # its replica is stopping: no new requests go there, but it is polled until its streams finish
             self._stopped[name] = "draining"
@@ -475,7 +505,7 @@ class EngineClient:
             self._stopped[name] = "failed"
             self._lost(name, RuntimeError("its engine stopped"))
         for item, answer in zip(batch, answers):
-            self._unanswered.discard(item[0])
+            self._unanswered.pop(item[0], None)
             if item[4].cancelled():  # its client left while this was in flight: accepted, it would run unread
                 if answer is None:
                     self.abort(item[0])
@@ -508,9 +538,35 @@ class EngineClient:
 
     def _flush_aborts(self, name: str) -> None:
         rids = self._aborts.pop(name, [])
-        core = self._cores.get(name)
-        if core is not None and rids:
-            core.abort.remote(rids)  # fire and forget: nothing to wait for
+        core, intake = self._cores.get(name), self._intakes.get(name)
+        if core is None or not rids:
+            return
+        if intake is not None:  # (after the submissions sent there: in order)
+            try:
+                self._send_intake(intake, ("abort", rids))
+            except Exception as e:  # noqa: BLE001 - (the core was lost meanwhile: nothing left to abort)
+                logger.warning("aborting on engine core %s failed: %s", name, e)
+            return
+        core.abort.remote(rids)  # fire and forget: nothing to wait for
+
+    # ---- the intake (push): submissions and aborts over ZMQ -----------------------------------------------------
+    def _open_intake(self, name: str, address: str) -> None:
+        import zmq
+
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)  # (never blocks the event loop: the core reads as fast as it validates)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        old = self._intakes.pop(name, None)
+        if old is not None:
+            old.close()
+        self._intakes[name] = sock
+
+    def _send_intake(self, sock, message: tuple) -> None:
+        """On the event loop (the only user of the intake sockets): one signed message, this replica's id first."""
+        import zmq
+
+        sock.send_multipart([self.client_id.encode("ascii"), signed(self._push_key, message)], zmq.NOBLOCK)
 
     async def stats(self) -> dict:
         """One core's stats as they are; with several, each by its replica's name, the load summed, and the
@@ -562,7 +618,7 @@ class EngineClient:
                         return
                     logger.error("reading the engine's outputs failed: %s", e)
                     continue
-                batch, hellos = [], []
+                batch, hellos, answers = [], [], []
                 while True:
                     try:
                         msg = sock.recv(zmq.NOBLOCK, copy=True)
@@ -572,13 +628,18 @@ class EngineClient:
                         logger.error("reading the engine's outputs failed: %s", e)
                         break
                     items = self._verified(msg)
-                    if type(items) is dict:  # a joining core's hello: it reaches this socket
-                        hellos.append(items["hello"])
+                    if type(items) is dict:  # a joining core's hello (it reaches this socket), or answers
+                        if "hello" in items:
+                            hellos.append(items["hello"])
+                        else:
+                            answers.append((items["core"], items["answers"]))
                     elif items is not None:
                         batch += items
                 try:
                     for name in hellos:
                         loop.call_soon_threadsafe(self._hello_came, name)
+                    for name, pairs in answers:  # (before the outputs read with them)
+                        loop.call_soon_threadsafe(self._answers_came, name, pairs)
                     if batch:
                         loop.call_soon_threadsafe(self._deliver, batch)
                 except RuntimeError:  # (the event loop closed: the replica is stopping)
@@ -588,15 +649,13 @@ class EngineClient:
 
     def _verified(self, msg: bytes):
         """A pushed message's content, or None (logged) if a core did not sign it or it does not unpickle."""
-        mac, payload = msg[:32], memoryview(msg)[32:]
-        if not hmac.compare_digest(mac, hmac.digest(self._push_key, payload, "sha256")):
-            logger.error("a message on the output channel not signed by an engine core was dropped")
-            return None
         try:
-            return pickle.loads(payload)
+            return verified(self._push_key, msg)
+        except ValueError:
+            logger.error("a message on the output channel not signed by an engine core was dropped")
         except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
             logger.exception("reading the engine's outputs failed")
-            return None
+        return None
 
     def _hello_came(self, name: str) -> None:
         hello = self._hellos.get(name)
@@ -630,6 +689,9 @@ class EngineClient:
                     core.disconnect.remote(self.client_id)  # fire and forget
                 except Exception:  # noqa: BLE001 - (Ray is down already)
                     pass
+        for sock in self._intakes.values():
+            sock.close()
+        self._intakes.clear()
         tasks = [*self._heartbeats.values(), self._refresher]
         self._heartbeats.clear()
         self._reader = self._refresher = None
@@ -673,11 +735,18 @@ class EngineClient:
             return
         logger.error("lost engine core %s: %s", name, error)
         del self._cores[name]
+        intake = self._intakes.pop(name, None)
+        if intake is not None:
+            intake.close()
         if not self._cores and self._joined is not None:
             self._joined.clear()  # requests wait (up to CONNECT_TIMEOUT_S) for a replica to join
         self.router.remove_replica(name)
         self._aborts.pop(name, None)
-        # (requests not yet answered are not failed here: their submit fails and sends them to another core)
+        # (requests not yet answered are not failed here: their Ray submit fails and sends them to another core; those
+        # sent over the intake go to another core now, as a batch whose core went away)
+        unanswered = [item for rid, item in self._unanswered.items() if self._where.get(rid) == name]
+        if intake is not None and unanswered:
+            asyncio.get_running_loop().call_soon(self._resubmit, name, unanswered, error)
         for rid in [rid for rid, where in self._where.items() if where == name and rid not in self._unanswered]:
             del self._where[rid]
             stream = self._streams.pop(rid, None)

@@ -9,7 +9,10 @@ thread steps the engine without pause while there is work; the actor's other thr
 - ``connect(client, address)``: a push channel to that client (``output_channel: push``, the default): after each
   step the loop sends the client's outputs of the step as ONE ZMQ message to the PULL socket the client bound at
   ``address``. ``heartbeat(client)``, a call that blocks for a while and returns, is then the client's liveness
-  (its failure tells the client the core died; its absence tells the core the client did).
+  (its failure tells the client the core died; its absence tells the core the client did). ``connect`` answers with
+  the core's own intake socket: the client then sends its submissions and aborts there as signed ZMQ messages, which
+  a thread of the core takes as ``submit`` and ``abort`` calls, and the answers go back on the push channel (no Ray
+  task per submission: one is ~1 ms of Ray's machinery to reach a busy actor's method).
 - ``poll(client)`` (``output_channel: poll``): a long poll returning every step output for that client's requests
   since its last poll, as one message. However many requests a replica streams, it costs one message per step
   (fewer when steps are quicker than a round trip: the outputs of several steps then travel together).
@@ -23,9 +26,7 @@ Serve replaces the replica.
 
 from __future__ import annotations
 
-import hmac
 import logging
-import pickle
 import threading
 import time
 from collections import defaultdict, deque
@@ -33,6 +34,7 @@ from collections import defaultdict, deque
 from deployments.engine import GcTimer, tune_gc_for_steps
 from deployments.engine.engine import Engine, LocalExecutor, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
+from deployments.engine.signing import signed, verified
 from workers.config import EngineConfig
 
 logger = logging.getLogger("specserve")
@@ -72,11 +74,6 @@ def pack_output(out: RequestOutput) -> tuple:
               out.new_top_logprobs or None, final)
     # the prompt's logprobs, on the first output of a request that asked: a 7th item
     return packed if out.prompt_logprobs is None else (*packed, out.prompt_logprobs)
-
-
-def signed(key: bytes, payload: bytes) -> bytes:
-    """A push message: the payload's HMAC-SHA256 under the client's key (32 bytes), then the payload."""
-    return hmac.digest(key, payload, "sha256") + payload
 
 
 class EngineCore:
@@ -126,8 +123,13 @@ class EngineCore:
         self._pushers: dict[str, object] = {}
         self._push_address: dict[str, str] = {}
         self._push_keys: dict[str, bytes] = {}
+        self._push_names: dict[str, str] = {}  # client -> what it calls this core (its hello), sent with answers
         self._send_lock = threading.Lock()
         self._zmq = None  # the ZMQ context, made by the first ``connect``
+        # the intake: a PULL socket every push client sends its submissions and aborts to, bound by the first
+        # ``connect`` and read by its own thread (``_intake_loop``)
+        self._intake = None
+        self._intake_address: str | None = None
         self._closed = threading.Event()  # (shutdown) heartbeats answer at once
         self.error: BaseException | None = None
         self._ended = False  # every request was failed (the loop or the workers failed): no more are accepted
@@ -195,31 +197,34 @@ class EngineCore:
             self._aborts.extend(rids)
         self._wake.set()
 
-    def connect(self, client: str, address: str, key: bytes, hello: str) -> None:
+    def connect(self, client: str, address: str, key: bytes, hello: str) -> str:
         """Push ``client``'s outputs to its PULL socket at ``address`` (tcp://ip:port) from now on: one message per
         step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
         client unpickles only what the core signed: anyone on the network can reach its port). First comes
         ``{"hello": hello}``, which tells the client that this core reaches its socket. Again with the same address:
-        the same socket, a new hello."""
+        the same socket, a new hello. Returns the intake's address, where the client may send ``intake_message``s
+        signed with the same key instead of calling ``submit`` and ``abort``."""
         import zmq
 
         if self._stop:  # (a stopping replica: the client joins another core)
             raise EngineStopped("this engine replica is stopping")
         with self._send_lock:
             old = self._pushers.get(client)
-            self._push_keys[client] = key
-            if old is not None and self._push_address.get(client) == address:
-                old.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
-                return
+            self._push_keys[client], self._push_names[client] = key, hello
             if self._zmq is None:
                 self._zmq = zmq.Context(io_threads=1)
+            if self._intake is None:
+                self._bind_intake(zmq)
+            if old is not None and self._push_address.get(client) == address:
+                old.send(signed(key, {"hello": hello}), zmq.NOBLOCK)
+                return self._intake_address
             sock = self._zmq.socket(zmq.PUSH)
             # never block the loop: no high-water mark (a client that stops reading is dropped after
             # CLIENT_TIMEOUT_S with its queue), and nothing kept once closed
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
-            sock.send(signed(key, pickle.dumps({"hello": hello}, protocol=5)), zmq.NOBLOCK)
+            sock.send(signed(key, {"hello": hello}), zmq.NOBLOCK)
             if old is not None:
                 old.close()
             self._push_address[client] = address
@@ -228,7 +233,67 @@ class EngineCore:
                 self._last_poll[client] = time.monotonic()
                 pending = self._outbox.pop(client, None)  # (outputs queued for it before: none in practice)
             if pending:
-                sock.send(signed(key, pickle.dumps(pending, protocol=5)), zmq.NOBLOCK)
+                sock.send(signed(key, pending), zmq.NOBLOCK)
+        return self._intake_address
+
+    def _bind_intake(self, zmq) -> None:
+        """(under _send_lock) The intake's PULL socket, on this node's IP at a free port (ingress replicas on other
+        nodes reach it), and the thread that reads it."""
+        import ray
+
+        sock = self._zmq.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 0)  # (the clients' sockets never block: no high-water mark either side)
+        sock.setsockopt(zmq.LINGER, 0)
+        ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        port = sock.bind_to_random_port(f"tcp://{ip}")
+        self._intake, self._intake_address = sock, f"tcp://{ip}:{port}"
+        threading.Thread(target=self._intake_loop, args=(sock,), name="engine-intake", daemon=True).start()
+
+    def _intake_loop(self, sock) -> None:
+        """A thread: each intake message, checked against its client's key, taken as that client's ``submit`` (the
+        answers pushed back to it at once, as ``{"answers": [(rid, answer), ...], "core": its hello}``) or ``abort``. A message from a
+        client not connected, or not signed by it, is dropped (logged)."""
+        import zmq
+
+        try:
+            while self._intake is sock:
+                try:
+                    if not sock.poll(200):  # (wakes now and then to notice shutdown)
+                        continue
+                    client, msg = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                except zmq.ZMQError as e:
+                    if self._intake is not sock:
+                        return
+                    logger.error("reading the engine's intake failed: %s", e)
+                    continue
+                client = client.decode("ascii", "replace")
+                try:
+                    kind, body = verified(self._push_keys.get(client), msg)
+                except Exception:  # noqa: BLE001 - (not unpickled unless signed)
+                    logger.error("an intake message not signed by a connected ingress replica was dropped")
+                    continue
+                try:
+                    if kind == "submit":
+                        answers = self.submit(client, body)
+                        self._send(client, {"answers": [(item[0], a) for item, a in zip(body, answers)],
+                                            "core": self._push_names.get(client)})
+                    elif kind == "abort":
+                        self.abort(body)
+                except Exception:  # noqa: BLE001 - a malformed message (its client's bug): the next one is read
+                    logger.exception("an intake message could not be taken")
+        finally:
+            sock.close(linger=0)
+
+    def _send(self, client: str, message) -> None:
+        """One message to a push client, if it is still connected."""
+        import zmq
+
+        with self._send_lock:
+            sock, key = self._pushers.get(client), self._push_keys.get(client)
+            if sock is not None and key is not None:
+                sock.send(signed(key, message), zmq.NOBLOCK)
 
     def disconnect(self, client: str) -> None:
         """The client's replica is stopping: its push channel closed now (not after CLIENT_TIMEOUT_S), whatever it
@@ -316,11 +381,13 @@ class EngineCore:
         if self.gc_timer is not None:
             self.gc_timer.close()
         with self._send_lock:
+            self._intake = None  # (its thread closes it and ends)
             for sock in self._pushers.values():
                 sock.close(linger=1000)  # the last steps' outputs, queued, get a second to leave
             self._pushers.clear()
             self._push_address.clear()
             self._push_keys.clear()
+            self._push_names.clear()
             if self._zmq is not None:
                 self._zmq.term()
                 self._zmq = None
@@ -414,7 +481,7 @@ class EngineCore:
                            if self._outbox.get(c)]
             for sock, key, items in batches:
                 try:
-                    sock.send(signed(key, pickle.dumps(items, protocol=5)), zmq.NOBLOCK)
+                    sock.send(signed(key, items), zmq.NOBLOCK)
                 except zmq.ZMQError as e:  # (no high-water mark: only a closed socket raises)
                     logger.warning("pushing outputs to an ingress replica failed: %s", e)
 
@@ -524,6 +591,7 @@ class EngineCore:
                 sock = self._pushers.pop(c, None)
                 self._push_address.pop(c, None)
                 self._push_keys.pop(c, None)
+                self._push_names.pop(c, None)
                 if sock is not None:
                     sock.close()
         self.abort(rids)

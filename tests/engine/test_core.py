@@ -408,3 +408,86 @@ def test_the_engine_clients_core_calls_run_outside_the_requests_context():
 
     asyncio.run(run())
     assert seen == [("submit", None), ("abort", None)]
+
+
+def test_submissions_and_aborts_travel_over_the_cores_intake(core):
+    """A push client's submissions and aborts go to the core's intake socket as signed ZMQ messages (no Ray call):
+    the answers come back on the push channel (accepted, or the refusal as an HTTP answer), the outputs follow, an
+    abort frees the request's KV, a message the client did not sign is dropped, and a submission whose core was lost
+    before it answered goes to another core."""
+    import asyncio
+
+    import zmq
+
+    from deployments.engine.signing import signed
+    from deployments.engine_client import EngineClient
+
+    class Stream:  # what the output channel hands a request's stream
+        def __init__(self):
+            self.items = []
+
+        def put(self, item):
+            self.items.append(item)
+
+    async def wait_for(cond, what, timeout_s=60.0):
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.01)
+
+    async def run():
+        client = EngineClient(None, "tiny", output_channel="push")
+        intake = await asyncio.to_thread(core.connect, client.client_id, client._channel(), client._push_key, "c")
+        assert intake.startswith("tcp://")
+        client._open_intake("c", intake)
+        client._cores["c"] = object()  # (no Ray call is made on the handle over the intake)
+        client.router.add_replica("c")
+        loop = asyncio.get_running_loop()
+
+        def route(rid, ids, params):
+            client._streams[rid] = Stream()
+            done = loop.create_future()
+            client._route((rid, ids, params, time.time(), done, 0))
+            return done
+
+        ok, long_, bad = (route("ok", [5, 6, 7], GREEDY), route("long", list(range(5, 260)), GREEDY),
+                          route("bad", [5, 6, 7], dict(GREEDY, temperature=-1.0)))
+        assert await asyncio.wait_for(ok, 30) is None
+        assert (await long_)["code"] == "context_length_exceeded" and "temperature" in (await bad)["message"]
+        assert core.num_submits == 1  # (the three together, one message)
+        await wait_for(lambda: "ok" not in client._streams, "the accepted request's end")
+        assert sum(len(i[1]) for i in client._streams.get("ok", Stream()).items) == 0  # (its stream was taken)
+
+        # an abort over the intake frees the request at once
+        assert await asyncio.wait_for(route("long200", [5, 6, 7], dict(GREEDY, max_tokens=200)), 30) is None
+        await wait_for(lambda: core.engine.scheduler.kv_usage > 0, "the request to run")
+        client.abort("long200")
+        await wait_for(lambda: not core.engine.has_work() and core.engine.scheduler.kv_usage == 0.0, "the abort")
+
+        # a message signed with another key is dropped: nothing accepted, no answer
+        forged = zmq.Context.instance().socket(zmq.PUSH)
+        forged.connect(intake)
+        accepted = core.num_accepted
+        forged.send_multipart([client.client_id.encode(), signed(b"x" * 32, ("submit", [("f", [5], GREEDY, 0.0)]))])
+        await asyncio.sleep(0.3)
+        forged.close(linger=0)
+        assert core.num_accepted == accepted and "f" not in core._owner
+
+        # a core lost before it answered: its unanswered requests go to the one left
+        dead = zmq.Context.instance().socket(zmq.PUSH)
+        dead.setsockopt(zmq.LINGER, 0)
+        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+        client._intakes["dead"], client._cores["dead"] = dead, object()
+        client.router.add_replica("dead")
+        client.router.remove_replica("c")  # (so that the router picks the dead one)
+        moved = route("moved", [5, 6, 7], GREEDY)
+        await asyncio.sleep(0.05)
+        assert client._where["moved"] == "dead" and not moved.done()
+        client.router.add_replica("c")
+        client._lost("dead", RuntimeError("its replica is gone"))
+        assert await asyncio.wait_for(moved, 30) is None and client._where.get("moved", "c") == "c"
+        await wait_for(lambda: "moved" not in client._streams, "the moved request's end")
+        client.close()
+
+    asyncio.run(run())
+    assert core.engine.scheduler.kv_usage == 0.0
