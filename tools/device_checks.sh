@@ -169,7 +169,8 @@ c['applications'][0]['args']['engine_kwargs'].pop('speculative_config', None); y
       # greedy graphs at start-up (cuda_graph_sampling_kinds: [], sampling kinds captured on first use);
       # SERVED_SAMPLING=T[,P]: requests sampled at temperature T (and top_p P; default greedy);
       # SERVED_WAVES: requests per level in units of C (2); SERVED_PY_SPY: levels (e.g. 128,256) at which py-spy
-      # samples the ingress replicas and the engine core (bench.serving --py-spy-levels)
+      # samples the ingress replicas and the engine core (bench.serving --py-spy-levels); SERVED_CLIENT_PROCS: client
+      # processes at every level (bench.serving --client-procs; default one per 32 streams)
       spec=${variant%%+*} client=() ning=$(grep -o -E "ing[0-9]+" <<<"$variant" | tr -dc 0-9)
       nmix=$(grep -o -E "mix[0-9]+" <<<"$variant" | tr -dc 0-9) npf=$(grep -o -E "pf[0-9]+" <<<"$variant" | tr -dc 0-9)
       dly=$(grep -o -E "dly[0-9.]+" <<<"$variant" | tr -dc 0-9.)
@@ -203,6 +204,7 @@ yaml.safe_dump(c, open(sys.argv[1], 'w'))" "$cfg" "$ck" "$spec" "$ning" "$varian
         run python3 -m bench.serving --config "$cfg" "${offline[@]}" "${client[@]}" --concurrencies \
           "${SERVED_C:-1,16,64,128,256}" --waves "${SERVED_WAVES:-2}" --input-len 256 --output-len 256 \
           --range-ratio 0 --device-label "$gpu" ${SERVED_PY_SPY:+--py-spy-levels "$SERVED_PY_SPY"} \
+          ${SERVED_CLIENT_PROCS:+--client-procs "$SERVED_CLIENT_PROCS"} \
           --out "$R/served_${2}_${variant}_$tag"
         exit $fail ) || fail=1
       ray stop --force >/dev/null 2>&1
