@@ -81,6 +81,7 @@ class RequestStream:
                  stream_interval: int, batching_s: float, min_tokens: int = 0, stop_token_ids=()):
         self.client, self.rid, self.num_prompt, self.arrival = client, rid, num_prompt, arrival
         self.stop_token_ids = stop_token_ids
+        self.max_tokens: int | None = None  # (the request's parameter, for the metrics)
         self.detok = Detokenizer(client.tokenizer, stop, min_tokens=min_tokens)
         self.stream_interval, self.batching_s = stream_interval, batching_s
         self._items: list[tuple] = []
@@ -154,7 +155,7 @@ class RequestStream:
             self.last_token_time = now
         if self.finished:
             metrics.record_finish(delta.finish_reason, self.arrival, now, self.first_token_time, self.num_output,
-                                  self.phases)
+                                  self.phases, self.num_prompt, self.max_tokens)
 
     async def __aiter__(self):
         """Deltas until the request ends. The first tokens and the last go at once; between, a delta waits for
@@ -199,7 +200,7 @@ class RequestStream:
                 self.finished = True
                 self.client.abort(self.rid)
                 self.client.metrics.record_finish("abort", self.arrival, time.time(), self.first_token_time,
-                                                  self.num_output)
+                                                  self.num_output, None, self.num_prompt, self.max_tokens)
 
 
 def detached(coro) -> asyncio.Task:
@@ -411,6 +412,7 @@ class EngineClient:
         await self.core()
         stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval,
                                self.batching_s, params.get("min_tokens") or 0, params.get("stop_token_ids") or ())
+        stream.max_tokens = params.get("max_tokens")
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
         self._route((rid, prompt_ids, params, arrival, done, 0))

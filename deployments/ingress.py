@@ -137,7 +137,8 @@ def _abandon(streams: list, engine) -> None:
         if not s.finished:
             s.finished = True
             engine.abort(s.rid)
-            engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time, s.num_output)
+            engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time, s.num_output, None,
+                                         s.num_prompt, s.max_tokens)
 
 
 _trim_pending = threading.Event()  # one trim at a time: a burst of refused bodies queues one, not one each
@@ -597,6 +598,8 @@ class OpenAIIngress:
                 refused.param = {"prompt": "messages", "max_tokens": tokens}.get(refused.param, refused.param)
             raise refused
         streams: list[RequestStream] = list(added)
+        for _ in prompts:
+            self.engine.metrics.record_n(n)
         created = int(time.time())
         echo_view = _Echo(echo, prompts, n, top, prompt_logprobs, echo_only, self.engine.token_text)
         if body.stream:

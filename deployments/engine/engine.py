@@ -445,7 +445,12 @@ class Engine:
                                          new_logprobs, new_top, req.prompt_logprobs if first else None,
                                          req.num_cached_tokens))
         if self.metrics is not None:
-            self.metrics.record_generated(generated)
+            prompt_tokens = 0
+            if plan.mode == ForwardMode.EXTEND:  # its prompt chunks (a mixed step's decode rows, first, have id -1)
+                ids, lens = plan.input_ids, plan.extend_lens
+                rows = next((i for i, t in enumerate(ids) if t != -1), len(ids))
+                prompt_tokens = sum(lens) - rows
+            self.metrics.record_generated(generated, prompt_tokens)
             self.metrics.record_step(self.step_stats(result, policy=False))
         return outputs
 

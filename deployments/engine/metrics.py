@@ -21,6 +21,11 @@ _ITL_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
                 20.0, 40.0, 80.0]
 _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0]
+# token counts per request (vLLM's 1-2-5 series, here up to a million tokens whatever the model's context, so every
+# replica and model registers the same boundaries), n, and tokens per engine step (vLLM's)
+_TOKEN_BUCKETS = [m * 10 ** e for e in range(6) for m in (1, 2, 5)] + [1_000_000]
+_N_BUCKETS = [1, 2, 5, 10, 20]
+_ITERATION_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 _TAGS = ("model_name",)
 
 
@@ -45,6 +50,10 @@ class EngineMetrics:
                                 "depth 0: a plain step)", _TAGS + ("depth",))
         self.mean_accept_length = g("spec_decode_mean_accept_length", "1 + accepted / drafts over the last step")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
+        self.iteration_tokens = Histogram("vllm_iteration_tokens_total", "Tokens per engine step: prompt tokens "
+                                          "computed and tokens generated", boundaries=_ITERATION_BUCKETS,
+                                          tag_keys=_TAGS)
+        self.iteration_tokens.set_default_tags(self.tags)
         self.num_running = g("num_requests_running", "Requests in the running batch")
         self.num_waiting = g("num_requests_waiting", "Requests waiting for admission")
         self.kv_usage = g("kv_cache_usage_perc", "Fraction of KV pages in use (0..1)")
@@ -64,6 +73,7 @@ class EngineMetrics:
         # counters (drafts, draft tokens, accepted, accepted per position)
         self._stats: dict | None = None
         self._generated = 0
+        self._iterations: list[int] = []  # each step's tokens (prompt tokens computed + generated)
         self._depths: dict[str, int] = {}
         self._spec = [0, 0, 0]
         self._per_pos: list[int] = []
@@ -104,9 +114,11 @@ class EngineMetrics:
         if time.monotonic() >= self._due:
             self.flush_pending()
 
-    def record_generated(self, num_tokens: int) -> None:
-        """A step's new tokens, all requests together (sent with its ``record_step``)."""
+    def record_generated(self, num_tokens: int, num_prompt_tokens: int = 0) -> None:
+        """A step's new tokens, all requests together, and the prompt tokens it computed (sent with its
+        ``record_step``)."""
         self._generated += num_tokens
+        self._iterations.append(num_tokens + num_prompt_tokens)
 
     def flush_pending(self) -> None:
         """Send what the steps recorded since the last flush (nothing to do: no Ray call)."""
@@ -116,6 +128,9 @@ class EngineMetrics:
         if self._generated:
             self.generation_tokens.inc(self._generated, tags=t)
             self._generated = 0
+        for n in self._iterations:
+            self.iteration_tokens.observe(n)
+        self._iterations.clear()
         for depth, n in self._depths.items():
             self.steps_by_depth.inc(n, tags={**t, "depth": depth})
         self._depths.clear()
@@ -162,6 +177,13 @@ class RequestMetrics:
         self.tpot = h("request_time_per_output_token_seconds", "A finished request's mean time per output token "
                       "after the first", _ITL_BUCKETS)
         self.e2e = h("e2e_request_latency_seconds", "End-to-end request latency", _REQUEST_BUCKETS)
+        self.request_prompt_tokens = h("request_prompt_tokens", "Number of prefill tokens processed (a finished "
+                                       "request's prompt)", _TOKEN_BUCKETS)
+        self.request_generation_tokens = h("request_generation_tokens", "Number of generation tokens processed (a "
+                                           "finished request's output)", _TOKEN_BUCKETS)
+        self.request_max_tokens = h("request_params_max_tokens", "Histogram of the max_tokens request parameter",
+                                    _TOKEN_BUCKETS)
+        self.request_n = h("request_params_n", "Histogram of the n request parameter", _N_BUCKETS)
         # the engine's phases of a finished request (vLLM's request metrics, from the engine core's timestamps); the
         # parts of TTFT get TTFT's finer buckets, as Ray exports a histogram's sum from its buckets' midpoints
         self.phases = {
@@ -173,7 +195,8 @@ class RequestMetrics:
         # the model tag as every metric's default: a record without tags skips Ray's merge of tag dicts (an
         # inter-token sample is recorded for every streamed chunk)
         for metric in (self.prompt_tokens, self.request_success, self.ttft, self.itl, self.tpot, self.e2e,
-                       *self.phases.values()):
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
+                       self.request_n, *self.phases.values()):
             metric.set_default_tags(self.tags)
 
     def record_tokens(self, num_prompt: int, arrival: float, now: float, prev_token_time: float | None) -> None:
@@ -185,12 +208,21 @@ class RequestMetrics:
         else:
             self.itl.observe(now - prev_token_time)
 
+    def record_n(self, n: int) -> None:
+        """An API request's ``n`` (per prompt: vLLM's requests are a prompt's)."""
+        self.request_n.observe(n)
+
     def record_finish(self, reason: str, arrival: float, now: float, first_token_time: float | None,
-                      num_output: int, phases: dict | None = None) -> None:
+                      num_output: int, phases: dict | None = None, num_prompt: int = 0,
+                      max_tokens: int | None = None) -> None:
         """A request that ended, for whatever reason (stop, length, abort, error); ``phases``: the engine's
         ``Request.phases`` of one it finished."""
         self.request_success.inc(1, tags={"finished_reason": reason})
         self.e2e.observe(now - arrival)
+        self.request_prompt_tokens.observe(num_prompt)
+        self.request_generation_tokens.observe(num_output)
+        if max_tokens is not None:
+            self.request_max_tokens.observe(max_tokens)
         if first_token_time is not None and num_output > 1:
             self.tpot.observe((now - first_token_time) / (num_output - 1))
         if phases:

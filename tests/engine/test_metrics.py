@@ -27,15 +27,18 @@ def test_engine_metrics_send_the_sum_of_the_steps_at_a_flush():
     for name in ("generation_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
                  "steps_by_depth", "prefix_cache_queries", "num_preemptions", "num_running", "mean_accept_length"):
         watch(getattr(m, name), name)
+    observed = []
+    m.iteration_tokens.observe = lambda value, tags=None: observed.append(value)
     m.FLUSH_INTERVAL_S = 3600.0
     m.flush_pending()  # (the next flush is an hour away)
     for i, (depth, accepted, per_pos) in enumerate([(2, 3, [2, 1]), (0, 0, []), (1, 1, [1])]):
         spec = {"drafts": 2, "draft_tokens": 2 * depth, "accepted": accepted, "per_pos": per_pos} if depth else None
-        m.record_generated(2 + accepted)
+        m.record_generated(2 + accepted, 100 if i == 0 else 0)  # (the first step also computed 100 prompt tokens)
         m.record_step({"running": 2 + i, "waiting": 0, "kv_usage": 0.5, "prefix_cache_queries": 10 * (i + 1),
                        "preemptions": i, "spec_depth": depth, **({"spec": spec} if spec else {})})
-    assert sent == []  # three steps, no Ray call
+    assert sent == [] and observed == []  # three steps, no Ray call
     m.flush_pending()
+    assert observed == [105, 2, 3]  # each step's tokens (vLLM's iteration_tokens_total), one sample a step
     assert sorted(sent, key=str) == sorted([
         ("generation_tokens", None, 10), ("num_drafts", None, 4), ("num_draft_tokens", None, 6),
         ("num_accepted_tokens", None, 4), ("accepted_per_pos", "0", 3), ("accepted_per_pos", "1", 1),
@@ -44,4 +47,4 @@ def test_engine_metrics_send_the_sum_of_the_steps_at_a_flush():
         ("mean_accept_length", None, 1.5)], key=str)
     sent.clear()
     m.flush_pending()  # nothing new: nothing sent
-    assert sent == []
+    assert sent == [] and observed == [105, 2, 3]

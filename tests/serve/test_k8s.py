@@ -28,7 +28,8 @@ COUNTERS = {"spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_deco
 GAUGES = {"spec_decode_mean_accept_length", "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
 HISTOGRAMS = {"time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
               "e2e_request_latency_seconds", "request_queue_time_seconds", "request_prefill_time_seconds",
-              "request_decode_time_seconds", "request_inference_time_seconds"}
+              "request_decode_time_seconds", "request_inference_time_seconds", "request_prompt_tokens",
+              "request_generation_tokens", "request_params_max_tokens", "request_params_n", "iteration_tokens_total"}
 FAMILIES = ({f"ray_vllm_{n}_total" for n in COUNTERS} | {f"ray_vllm_{n}" for n in GAUGES}
             | {f"ray_vllm_{n}" for n in HISTOGRAMS})
 

@@ -142,6 +142,9 @@ def test_prometheus_has_spec_counters(server, client):
               "ray_vllm_kv_cache_usage_perc", "ray_vllm_spec_decode_mean_accept_length"]
     wanted.append("ray_vllm_request_time_per_output_token_seconds_count")
     wanted += [f"ray_vllm_request_{p}_time_seconds_count" for p in ("queue", "prefill", "decode", "inference")]
+    wanted += [f"ray_vllm_{h}_count" for h in ("request_prompt_tokens", "request_generation_tokens",
+                                                "request_params_max_tokens", "request_params_n",
+                                                "iteration_tokens_total")]
     values: dict[str, float] = {}
     reasons: dict[str, float] = {}
     for _ in range(60):
@@ -179,6 +182,9 @@ def test_prometheus_has_spec_counters(server, client):
     counts = {values[f"ray_vllm_request_{p}_time_seconds_count"] for p in ("queue", "prefill", "decode", "inference")}
     assert len(counts) == 1 and 0 < counts.pop() <= values["ray_vllm_e2e_request_latency_seconds_count"] - reasons[
         "abort"], values
+    # vLLM's request-size histograms: one sample per finished request, aborted ones included
+    assert values["ray_vllm_request_prompt_tokens_count"] == values["ray_vllm_request_generation_tokens_count"] == \
+        values["ray_vllm_e2e_request_latency_seconds_count"], values
 
 
 def test_null_fields_omitted_model_and_auth_before_the_body(server):

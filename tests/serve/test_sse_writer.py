@@ -18,7 +18,8 @@ from deployments.ingress import OpenAIIngress, _Echo, _Streamed
 class _Client:
     def __init__(self, tokenizer):
         self.tokenizer, self.aborted = tokenizer, []
-        self.metrics = types.SimpleNamespace(record_tokens=lambda *a: None, record_finish=lambda *a: None)
+        self.metrics = types.SimpleNamespace(record_tokens=lambda *a: None, record_finish=lambda *a: None,
+                                             record_n=lambda n: None)
 
     def token_text(self, t: int) -> str:
         return self.tokenizer.decode([t])

@@ -25,7 +25,8 @@ class _Engine(EngineClient):
 
     def __init__(self, tokenizer: str):
         super().__init__(None, "m", tokenizer)
-        self.metrics = types.SimpleNamespace(record_tokens=lambda *a: None, record_finish=lambda *a: None)
+        self.metrics = types.SimpleNamespace(record_tokens=lambda *a: None, record_finish=lambda *a: None,
+                                             record_n=lambda n: None)
         self.info = {"max_model_len": 4096, "vocab_size": len(self.tokenizer), "sampling_defaults": {}}
         self.submitted = []
 
