@@ -105,9 +105,11 @@ TOP_LOGPROBS = 20  # alternatives computed when a request asks for any (OpenAI's
 
 
 def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` most likely tokens of each row under the model's raw distribution: (ids [..., k], logprobs)."""
-    vals, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-    return ids, vals
+    """The ``k`` most likely tokens of each row under the model's raw distribution: (ids [..., k], logprobs). Each is
+    its logit less the row's ``argmax_logsumexp``, as the chosen token's own logprob is, so the two agree exactly."""
+    vals, ids = logits.topk(min(k, logits.shape[-1]), dim=-1)
+    lse = argmax_logsumexp(logits.reshape(-1, logits.shape[-1]))[1].view(logits.shape[:-1])
+    return ids, vals.float() - lse.unsqueeze(-1)
 
 
 def sample(logits: torch.Tensor, p: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor]:
