@@ -337,23 +337,31 @@ class EngineClient:
         if self.info is None:  # the first core: the replica is up (its tokenizer loaded). Frozen, the start-up heap
             freeze_startup_heap()  # is left out of every full collection, each a pause of every stream it serves
         if self.output_channel == "push":  # (before it is routed to: its first outputs need the channel)
-            hello = self._hellos[name] = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            hello = self._hellos[name] = loop.create_future()
+            where = f"this ingress replica's output socket {self._pull_address}"
             try:
                 intake = await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
                 await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
+                # and the other way: a ping sent to its intake comes back as a second hello
+                where = f"its intake socket {intake} from this ingress replica"
+                hello = self._hellos[name] = loop.create_future()
+                self._open_intake(name, intake)
+                self._send_intake(self._intakes[name], ("ping", name))
+                await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
             except asyncio.TimeoutError:  # (tried again at the next listing)
-                logger.error("engine core %s cannot reach this ingress replica's output socket %s in %.0f s (a "
-                             "firewall or network policy between the nodes?); output_channel: poll needs only Ray's "
-                             "connections", name, self._pull_address, self.CONNECT_TIMEOUT_S)
+                logger.error("engine core %s: %s not reached in %.0f s (a firewall or network policy between the "
+                             "nodes?); output_channel: poll needs only Ray's connections", name, where,
+                             self.CONNECT_TIMEOUT_S)
+                self._close_intake(name)
                 return
             except Exception as e:  # noqa: BLE001 - it died meanwhile: the next listing no longer shows it
                 logger.warning("engine core %s did not connect: %s", name, e)
+                self._close_intake(name)
                 return
             finally:
                 self._hellos.pop(name, None)
         self.info = self.info or info
-        if self.output_channel == "push":
-            self._open_intake(name, intake)
         self._cores[name] = core
         self.router.add_replica(name)
         logger.info("engine core %s joined (%d connected; outputs by %s)", name, len(self._cores), self.output_channel)
@@ -559,10 +567,13 @@ class EngineClient:
         sock.setsockopt(zmq.SNDHWM, 0)  # (never blocks the event loop: the core reads as fast as it validates)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
-        old = self._intakes.pop(name, None)
-        if old is not None:
-            old.close()
+        self._close_intake(name)
         self._intakes[name] = sock
+
+    def _close_intake(self, name: str) -> None:
+        sock = self._intakes.pop(name, None)
+        if sock is not None:
+            sock.close()
 
     def _send_intake(self, sock, message: tuple) -> None:
         """On the event loop (the only user of the intake sockets): one signed message, this replica's id first."""
@@ -737,9 +748,8 @@ class EngineClient:
             return
         logger.error("lost engine core %s: %s", name, error)
         del self._cores[name]
-        intake = self._intakes.pop(name, None)
-        if intake is not None:
-            intake.close()
+        intake = self._intakes.get(name)
+        self._close_intake(name)
         if not self._cores and self._joined is not None:
             self._joined.clear()  # requests wait (up to CONNECT_TIMEOUT_S) for a replica to join
         self.router.remove_replica(name)

@@ -251,7 +251,8 @@ class EngineCore:
 
     def _intake_loop(self, sock) -> None:
         """A thread: each intake message, checked against its client's key, taken as that client's ``submit`` (the
-        answers pushed back to it at once, as ``{"answers": [(rid, answer), ...], "core": its hello}``) or ``abort``. A message from a
+        answers pushed back to it at once, as ``{"answers": [(rid, answer), ...], "core": its hello}``) or ``abort``,
+        or answered (``ping``: a ``{"hello": ...}`` back, which tells a joining client its messages arrive). A message from a
         client not connected, or not signed by it, is dropped (logged)."""
         import zmq
 
@@ -281,6 +282,8 @@ class EngineCore:
                                             "core": self._push_names.get(client)})
                     elif kind == "abort":
                         self.abort(body)
+                    elif kind == "ping":  # (a joining client: its messages reach the intake)
+                        self._send(client, {"hello": body})
                 except Exception:  # noqa: BLE001 - a malformed message (its client's bug): the next one is read
                     logger.exception("an intake message could not be taken")
         finally:

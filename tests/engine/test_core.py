@@ -411,7 +411,8 @@ def test_the_engine_clients_core_calls_run_outside_the_requests_context():
 
 
 def test_submissions_and_aborts_travel_over_the_cores_intake(core):
-    """A push client's submissions and aborts go to the core's intake socket as signed ZMQ messages (no Ray call):
+    """A push client's submissions and aborts go to the core's intake socket as signed ZMQ messages (no Ray call; a
+    ping there comes back as a hello on the output channel, which is how a joining client knows it reaches it):
     the answers come back on the push channel (accepted, or the refusal as an HTTP answer), the outputs follow, an
     abort frees the request's KV, a message the client did not sign is dropped, and a submission whose core was lost
     before it answered goes to another core."""
@@ -440,6 +441,10 @@ def test_submissions_and_aborts_travel_over_the_cores_intake(core):
         intake = await asyncio.to_thread(core.connect, client.client_id, client._channel(), client._push_key, "c")
         assert intake.startswith("tcp://")
         client._open_intake("c", intake)
+        # a joining client's ping over the intake comes back as a hello on its output channel
+        pong = client._hellos["c"] = asyncio.get_running_loop().create_future()
+        client._send_intake(client._intakes["c"], ("ping", "c"))
+        await asyncio.wait_for(pong, 30)
         client._cores["c"] = object()  # (no Ray call is made on the handle over the intake)
         client.router.add_replica("c")
         loop = asyncio.get_running_loop()
