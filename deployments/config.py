@@ -32,6 +32,11 @@ class PlacementGroupConfig(Strict):
                                                        "TP rank, after the controller's")
 
 
+# ingress replicas where an engine runs on GPUs and the config sets no count (each parses, detokenizes and writes
+# its streams in one Python process; docs/design.md, Streaming, says why four)
+GPU_INGRESS_REPLICAS = 4
+
+
 class LLMConfig(Strict):
     model_loading_config: ModelLoadingConfig
     engine_kwargs: dict = Field(default_factory=dict)
@@ -220,14 +225,14 @@ class LLMConfig(Strict):
         return {name: getattr(self, name) for name in LIMIT_FIELDS}
 
     def ingress_options(self, given: dict | None = None, on_gpus: bool | None = None) -> dict:
-        """The ingress deployment's Serve options: ``given`` (default: ``ingress_deployment_config``), with 2
-        replicas where neither a count nor autoscaling is given and an engine behind it runs on GPUs (``on_gpus``;
-        default: this config's engine) (docs/design.md, Streaming)."""
+        """The ingress deployment's Serve options: ``given`` (default: ``ingress_deployment_config``), with
+        GPU_INGRESS_REPLICAS replicas where neither a count nor autoscaling is given and an engine behind it runs on
+        GPUs (``on_gpus``; default: this config's engine), else 1 (docs/design.md, Streaming)."""
         options = dict(self.ingress_deployment_config if given is None else given)
         if "num_replicas" not in options and "autoscaling_config" not in options:
             if on_gpus is None:
                 on_gpus = self.on_gpus()
-            options["num_replicas"] = 2 if on_gpus else 1
+            options["num_replicas"] = GPU_INGRESS_REPLICAS if on_gpus else 1
         return options
 
     def on_gpus(self) -> bool:

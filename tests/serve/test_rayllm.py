@@ -215,8 +215,8 @@ def test_two_models_in_one_app_routed_by_model(server, tiny_models):
         serve.delete("multi")
 
 
-def test_the_ingress_runs_two_replicas_by_default_on_gpus_only():
-    """One ingress replica's CPU falls behind a GPU engine's streams (docs/design.md, Serving): 2 by default there;
+def test_the_ingress_runs_four_replicas_by_default_on_gpus_only():
+    """One ingress replica's CPU falls behind a GPU engine's streams (docs/design.md, Streaming): 4 by default there;
     what a config gives (a count, or autoscaling) is kept, and CPU engines get 1."""
     from deployments.config import LLMConfig
 
@@ -224,17 +224,17 @@ def test_the_ingress_runs_two_replicas_by_default_on_gpus_only():
         return LLMConfig(model_loading_config={"model_id": "m", "model_source": "/nowhere"},
                          engine_kwargs={"device": device}, ingress_deployment_config=ingress or {})
 
-    assert cfg("cuda").ingress_options() == {"num_replicas": 2}
+    assert cfg("cuda").ingress_options() == {"num_replicas": 4}
     assert cfg("cpu").ingress_options() == {"num_replicas": 1}
     assert cfg("cuda", {"num_replicas": 1, "max_ongoing_requests": 64}).ingress_options() == {
         "num_replicas": 1, "max_ongoing_requests": 64}
     scaled = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}
     assert cfg("cuda", scaled).ingress_options() == scaled
-    assert cfg("cuda").ingress_options({"max_ongoing_requests": 8}) == {"max_ongoing_requests": 8, "num_replicas": 2}
+    assert cfg("cuda").ingress_options({"max_ongoing_requests": 8}) == {"max_ongoing_requests": 8, "num_replicas": 4}
 
 
-def test_a_multi_model_ingress_gets_two_replicas_when_any_engine_runs_on_gpus():
-    """One ingress serves every model of build_openai_app: a GPU engine's streams behind it want 2 replicas even
+def test_a_multi_model_ingress_gets_gpu_replicas_when_any_engine_runs_on_gpus():
+    """One ingress serves every model of build_openai_app: a GPU engine's streams behind it want 4 replicas even
     where the first model runs on CPU."""
     from deployments.app import build_openai_app
 
@@ -243,5 +243,5 @@ def test_a_multi_model_ingress_gets_two_replicas_when_any_engine_runs_on_gpus():
             {"model_loading_config": {"model_id": f"m{i}", "model_source": "/nowhere"}, "engine_kwargs": {"device": d}}
             for i, d in enumerate(devices)]})._bound_deployment.num_replicas
 
-    assert app("cpu", "cuda") == 2, "a GPU engine behind the ingress, not first"
-    assert app("cuda", "cpu") == 2 and app("cpu", "cpu") == 1
+    assert app("cpu", "cuda") == 4, "a GPU engine behind the ingress, not first"
+    assert app("cuda", "cpu") == 4 and app("cpu", "cpu") == 1
