@@ -573,6 +573,136 @@ def test_the_intake_outlives_a_message_of_the_wrong_shape(core):
         ctx.term()
 
 
+def test_a_request_that_ends_before_its_answer_comes_is_still_answered(core):
+    """The core's loop may push a request's last output before the intake thread pushes the answer to its submission
+    (both share the client's socket, in whichever order they take it): the request then counts as accepted (it ran)
+    and its submitter gets its stream, not a wait forever; the router counts it ended once."""
+    import asyncio
+
+    real_send = core._send
+
+    def late_answer(client, message):  # (the intake thread descheduled while the loop steps and pushes)
+        if "answers" in message:
+            deadline = time.monotonic() + 30
+            while core._owner and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+        real_send(client, message)
+
+    core._send = late_answer
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        done, stream = _routed(client, "r", [5, 6, 7], dict(GREEDY, max_tokens=1))
+        assert await asyncio.wait_for(done, 30) is None, "its answer was dropped"
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 1 and reason == "length"
+        assert client.router.in_flight["c"] == 0 and not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_a_batch_refused_as_stopped_goes_to_the_other_core_once(core, tiny_models):
+    """A core that refuses a submission as stopped (its workers restarting) is dropped and the batch goes to the other
+    core: once (sent twice, the second copy is refused there as a duplicate id, its future answered twice, and the
+    router counts it in flight for ever)."""
+    import asyncio
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, max_queue_len=8)
+    other = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "a")
+        await _join_over_intake(client, other, "b")
+        core._restarting = time.monotonic()  # (its workers are being restarted: it refuses as stopped)
+        client.router.remove_replica("b")  # (so that the router picks "a")
+        done, stream = _routed(client, "r", [5, 6, 7], GREEDY)
+        client.router.add_replica("b")
+        assert await asyncio.wait_for(done, 30) is None
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 8 and reason == "length"
+        await asyncio.sleep(0.3)  # (a second copy's answer would come by now)
+        assert other.num_accepted == 1 and client.router.in_flight["b"] == 0, client.router.snapshot()
+        assert not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        core._restarting = None
+        other.shutdown()
+
+
+def test_a_batch_not_yet_sent_when_its_core_is_lost_goes_to_another_core_once(core):
+    """A core lost while a batch routed to it waits for the end of the loop's turn: the batch goes to another core
+    once (not once by ``_lost`` and again by the failed send)."""
+    import asyncio
+
+    import zmq
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        dead = zmq.Context.instance().socket(zmq.PUSH)
+        dead.setsockopt(zmq.LINGER, 0)
+        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+        client._intakes["dead"], client._cores["dead"] = dead, object()
+        client.router.add_replica("dead")
+        client.router.remove_replica("c")
+        done, stream = _routed(client, "r", [5, 6, 7], GREEDY)
+        client.router.add_replica("c")
+        client._lost("dead", RuntimeError("its replica is gone"))  # (in the same turn: the batch is not sent yet)
+        assert await asyncio.wait_for(done, 30) is None
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 8 and reason == "length"
+        await asyncio.sleep(0.3)
+        assert core.num_accepted == 1 and client.router.in_flight["c"] == 0, client.router.snapshot()
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_left_is_dropped_when_its_core_is_lost(core):
+    """A request whose client disconnected before its submission was answered, on a core lost before it answered
+    and no other core up: dropped (its future is cancelled: no 503 can be set on it), the others of its batch
+    still answered."""
+    import asyncio
+
+    import zmq
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        dead = zmq.Context.instance().socket(zmq.PUSH)
+        dead.setsockopt(zmq.LINGER, 0)
+        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+        client._intakes["dead"], client._cores["dead"] = dead, object()
+        client.router.add_replica("dead")
+        left, _ = _routed(client, "left", [5, 6, 7], GREEDY)
+        stays, _ = _routed(client, "stays", [5, 6, 7], GREEDY)
+        await asyncio.sleep(0.05)
+        assert not left.done() and not stays.done()
+        left.cancel()
+        client._lost("dead", RuntimeError("its replica is gone"))
+        answer = await asyncio.wait_for(stays, 5)
+        assert answer["status"] == 503
+        assert not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
 def test_shutdown_ends_while_the_intake_is_answering(tiny_models):
     """The intake thread may be answering a submission (waiting for the push sockets' lock) as the core shuts down:
     shutdown must not hold that lock while the ZMQ context waits for the intake's socket to close."""
