@@ -485,9 +485,16 @@ class EngineClient:
 
     def _resubmit(self, name: str, batch: list[tuple], error: Exception) -> None:
         """The core went away before it answered: the batch goes to another core (each request at most
-        MAX_RESUBMITS times), or its requests get a 503."""
+        MAX_RESUBMITS times), or its requests get a 503. An item no longer waiting on that core (answered, or sent
+        elsewhere already: ``_lost`` and a failed send both resubmit) is left as it is."""
         self._lost(name, error)
         for item in batch:
+            if self._unanswered.get(item[0]) is not item or self._where.get(item[0]) != name:
+                continue
+            if item[4].cancelled():  # its client left: nothing to run it for, and no answer can be set
+                self._where.pop(item[0], None)
+                self._unanswered.pop(item[0], None)
+                continue
             if item[5] < self.MAX_RESUBMITS and self._cores:
                 self._route((*item[:5], item[5] + 1))
             else:
@@ -498,7 +505,10 @@ class EngineClient:
 
     def _answers_came(self, name: str, answers: list[tuple]) -> None:
         """(push) Core ``name``'s answers to a submission over its intake, as (rid, answer) pairs. One whose request
-        is no longer waiting for that core (sent to another when this one was lost) is dropped."""
+        is no longer waiting for that core (sent to another when this one was lost) is dropped, as is every answer of a
+        core lost (its unanswered requests are being sent to another)."""
+        if name not in self._cores:
+            return
         mine = [(self._unanswered[rid], a) for rid, a in answers
                 if rid in self._unanswered and self._where.get(rid) == name]
         if mine:
@@ -521,6 +531,8 @@ class EngineClient:
                     self.abort(item[0])
                 else:
                     self._ended(item[0])
+                continue
+            if item[4].done():  # (it ended before this answer came: its last output answered it)
                 continue
             if answer is not None:  # refused: it holds no place there
                 self._ended(item[0])
@@ -736,6 +748,10 @@ class EngineClient:
         for item in items:
             if item[2] is not None:
                 self._ended(item[0])
+                # it ended before its submission's answer came (the core's loop pushed first): it was accepted
+                waiting = self._unanswered.pop(item[0], None)
+                if waiting is not None and not waiting[4].done():
+                    waiting[4].set_result(None)
             stream = streams.get(item[0])
             if stream is not None:
                 stream.put(item)

@@ -261,7 +261,7 @@ class EngineCore:
                 try:
                     if not sock.poll(200):  # (wakes now and then to notice shutdown)
                         continue
-                    client, msg = sock.recv_multipart(zmq.NOBLOCK)
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     continue
                 except zmq.ZMQError as e:
@@ -269,9 +269,12 @@ class EngineCore:
                         return
                     logger.error("reading the engine's intake failed: %s", e)
                     continue
-                client = client.decode("ascii", "replace")
+                if len(frames) != 2:  # (anyone on the network reaches this port: this thread must outlive it)
+                    logger.error("an intake message not of (client, message) was dropped")
+                    continue
+                client = frames[0].decode("ascii", "replace")
                 try:
-                    kind, body = verified(self._push_keys.get(client), msg)
+                    kind, body = verified(self._push_keys.get(client), frames[1])
                 except Exception:  # noqa: BLE001 - (not unpickled unless signed)
                     logger.error("an intake message not signed by a connected ingress replica was dropped")
                     continue
@@ -391,9 +394,10 @@ class EngineCore:
             self._push_address.clear()
             self._push_keys.clear()
             self._push_names.clear()
-            if self._zmq is not None:
-                self._zmq.term()
-                self._zmq = None
+            context, self._zmq = self._zmq, None
+        # (not under _send_lock: term waits for the intake's socket, whose thread may wait for that lock to answer)
+        if context is not None:
+            context.term()
 
     # ---- the loop (its own thread: the only one that touches the engine) -----------------------------------
     def _run(self) -> None:

@@ -496,3 +496,258 @@ def test_submissions_and_aborts_travel_over_the_cores_intake(core):
 
     asyncio.run(run())
     assert core.engine.scheduler.kv_usage == 0.0
+
+
+def _intake_client():
+    from deployments.engine_client import EngineClient
+
+    return EngineClient(None, "tiny", output_channel="push")
+
+
+async def _join_over_intake(client, core, name: str) -> None:
+    """``client`` joined to ``core`` as ``name`` over the push channel and the intake, as ``_join`` joins it, less
+    the Ray calls (no heartbeat: the test says when a core is lost)."""
+    import asyncio
+
+    intake = await asyncio.to_thread(core.connect, client.client_id, client._channel(), client._push_key, name)
+    client._open_intake(name, intake)
+    client._cores[name] = object()  # (no Ray call is made on the handle over the intake)
+    client.router.add_replica(name)
+
+
+def _routed(client, rid: str, ids, params):
+    """A request routed as ``EngineClient.add`` routes it: (its future, its stream)."""
+    import asyncio
+
+    from deployments.engine_client import RequestStream
+
+    stream = client._streams[rid] = RequestStream(client, rid, len(ids), [], time.time(), 1, 0.0)
+    done = asyncio.get_running_loop().create_future()
+    client._route((rid, ids, params, time.time(), done, 0))
+    return done, stream
+
+
+def _loop_errors():
+    """The running loop's unhandled callback errors, collected (an InvalidStateError in a callback is only logged)."""
+    import asyncio
+
+    errors = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    return errors
+
+
+async def _outputs(stream, timeout_s: float = 30.0) -> list[tuple]:
+    """What the output channel handed ``stream`` once its last output came: (tokens, finish reason)."""
+    import asyncio
+
+    deadline = time.monotonic() + timeout_s
+    while not any(item[2] is not None for item in stream._items):
+        assert time.monotonic() < deadline, f"no end for {stream.rid}"
+        await asyncio.sleep(0.01)
+    return [t for item in stream._items for t in item[1]], stream._items[-1][2]
+
+
+def test_the_intake_outlives_a_message_of_the_wrong_shape(core):
+    """Anyone on the network reaches the intake's port: a message that is not (client id, signed body), one frame or
+    three, is dropped and the intake thread still takes the next submission (a dead intake thread would leave every
+    later submission unanswered, its request waiting forever)."""
+    import pickle
+
+    import zmq
+
+    from deployments.engine.signing import signed
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    try:
+        key = b"k" * 32
+        intake = core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+        assert pull.poll(30_000), "no hello"
+        pull.recv()
+        push.connect(intake)
+        push.send(b"one frame")
+        push.send_multipart([b"p", b"two", b"three"])
+        push.send_multipart([b"p", signed(key, ("submit", [("r", [5, 6, 7], GREEDY, time.time())]))])
+        assert pull.poll(30_000), "the submission after the malformed messages was never answered"
+        assert pickle.loads(pull.recv()[32:]) == {"answers": [("r", None)], "core": "core-a"}
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
+
+
+def test_a_request_that_ends_before_its_answer_comes_is_still_answered(core):
+    """The core's loop may push a request's last output before the intake thread pushes the answer to its submission
+    (both share the client's socket, in whichever order they take it): the request then counts as accepted (it ran)
+    and its submitter gets its stream, not a wait forever; the router counts it ended once."""
+    import asyncio
+
+    real_send = core._send
+
+    def late_answer(client, message):  # (the intake thread descheduled while the loop steps and pushes)
+        if "answers" in message:
+            deadline = time.monotonic() + 30
+            while core._owner and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)
+        real_send(client, message)
+
+    core._send = late_answer
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        done, stream = _routed(client, "r", [5, 6, 7], dict(GREEDY, max_tokens=1))
+        assert await asyncio.wait_for(done, 30) is None, "its answer was dropped"
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 1 and reason == "length"
+        assert client.router.in_flight["c"] == 0 and not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_a_batch_refused_as_stopped_goes_to_the_other_core_once(core, tiny_models):
+    """A core that refuses a submission as stopped (its workers restarting) is dropped and the batch goes to the other
+    core: once (sent twice, the second copy is refused there as a duplicate id, its future answered twice, and the
+    router counts it in flight for ever)."""
+    import asyncio
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, max_queue_len=8)
+    other = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "a")
+        await _join_over_intake(client, other, "b")
+        core._restarting = time.monotonic()  # (its workers are being restarted: it refuses as stopped)
+        client.router.remove_replica("b")  # (so that the router picks "a")
+        done, stream = _routed(client, "r", [5, 6, 7], GREEDY)
+        client.router.add_replica("b")
+        assert await asyncio.wait_for(done, 30) is None
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 8 and reason == "length"
+        await asyncio.sleep(0.3)  # (a second copy's answer would come by now)
+        assert other.num_accepted == 1 and client.router.in_flight["b"] == 0, client.router.snapshot()
+        assert not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        core._restarting = None
+        other.shutdown()
+
+
+def test_a_batch_not_yet_sent_when_its_core_is_lost_goes_to_another_core_once(core):
+    """A core lost while a batch routed to it waits for the end of the loop's turn: the batch goes to another core
+    once (not once by ``_lost`` and again by the failed send)."""
+    import asyncio
+
+    import zmq
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        dead = zmq.Context.instance().socket(zmq.PUSH)
+        dead.setsockopt(zmq.LINGER, 0)
+        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+        client._intakes["dead"], client._cores["dead"] = dead, object()
+        client.router.add_replica("dead")
+        client.router.remove_replica("c")
+        done, stream = _routed(client, "r", [5, 6, 7], GREEDY)
+        client.router.add_replica("c")
+        client._lost("dead", RuntimeError("its replica is gone"))  # (in the same turn: the batch is not sent yet)
+        assert await asyncio.wait_for(done, 30) is None
+        tokens, reason = await _outputs(stream)
+        assert len(tokens) == 8 and reason == "length"
+        await asyncio.sleep(0.3)
+        assert core.num_accepted == 1 and client.router.in_flight["c"] == 0, client.router.snapshot()
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_whose_client_left_is_dropped_when_its_core_is_lost(core):
+    """A request whose client disconnected before its submission was answered, on a core lost before it answered
+    and no other core up: dropped (its future is cancelled: no 503 can be set on it), the others of its batch
+    still answered."""
+    import asyncio
+
+    import zmq
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        dead = zmq.Context.instance().socket(zmq.PUSH)
+        dead.setsockopt(zmq.LINGER, 0)
+        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+        client._intakes["dead"], client._cores["dead"] = dead, object()
+        client.router.add_replica("dead")
+        left, _ = _routed(client, "left", [5, 6, 7], GREEDY)
+        stays, _ = _routed(client, "stays", [5, 6, 7], GREEDY)
+        await asyncio.sleep(0.05)
+        assert not left.done() and not stays.done()
+        left.cancel()
+        client._lost("dead", RuntimeError("its replica is gone"))
+        answer = await asyncio.wait_for(stays, 5)
+        assert answer["status"] == 503
+        assert not client._unanswered and not client._where
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_shutdown_ends_while_the_intake_is_answering(tiny_models):
+    """The intake thread may be answering a submission (waiting for the push sockets' lock) as the core shuts down:
+    shutdown must not hold that lock while the ZMQ context waits for the intake's socket to close."""
+    import threading
+
+    import zmq
+
+    from deployments.engine.signing import signed
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, max_queue_len=8)
+    core = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push = ctx.socket(zmq.PUSH)
+    reached, gate = threading.Event(), threading.Event()
+    real_send = core._send
+
+    def gated(client, message):
+        reached.set()
+        gate.wait()
+        real_send(client, message)
+
+    core._send = gated
+    try:
+        key = b"k" * 32
+        push.connect(core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a"))
+        push.send_multipart([b"p", signed(key, ("submit", [("r", [5, 6, 7], GREEDY, time.time())]))])
+        assert reached.wait(30), "the submission never reached the intake thread"
+        stopping = threading.Thread(target=core.shutdown, daemon=True)
+        stopping.start()
+        deadline = time.monotonic() + 30
+        while core._intake is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gate.set()
+        stopping.join(15)
+        assert not stopping.is_alive(), "shutdown hung (the intake thread waits for the lock it holds)"
+    finally:
+        gate.set()
+        push.close(linger=0)
+        pull.close(linger=0)
+        ctx.term()
