@@ -370,7 +370,8 @@ def main() -> None:
           f"commit `{res['commit']}` · command `{res['command']}`", "",
           "The real ingress app driven in-process by ASGI calls (no uvicorn), "
           + ("a thread reading the client's ZMQ intake as the engine core, answering on the output channel"
-             if args.intake else "a Ray actor as the engine core whose submit accepts at once") + "; the event loop thread's CPU time between stamps, median of "
+             if args.intake else "a Ray actor as the engine core whose submit accepts at once")
+          + "; the event loop thread's CPU time between stamps, median of "
           f"{args.requests} requests one at a time (µs). Bodies as `bench.serving` sends them: streamed, ignore_eos, "
           f"include_usage, a {args.prompt_tokens}-token prompt as token ids or text; chat: the same text as one user "
           "message.", "",

@@ -6,9 +6,10 @@ together, as one submission; every step's outputs for all of this replica's requ
 request gets its share. The channel (``output_channel``): ``push`` (the default), ZMQ both ways: a PULL socket this
 replica binds and a thread reads, into which every core it joined pushes one message per step (and the answers to
 its submissions), and a PUSH socket to each core's intake for submissions and aborts; or ``poll``, Ray calls only
-(``submit`` and ``abort``, and one long poll per core after another, on a thread). A ``RequestStream`` keeps what its consumer has not
-taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one that falls behind gets
-them together (as vLLM's output collector does), so a slow client never makes the others wait.
+(``submit`` and ``abort``, and one long poll per core after another, on a thread). A ``RequestStream`` keeps what
+its consumer has not taken yet and merges it: a consumer that keeps up gets every step's tokens as they come, one
+that falls behind gets them together (as vLLM's output collector does), so a slow client never makes the others
+wait.
 """
 
 from __future__ import annotations

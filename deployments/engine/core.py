@@ -252,8 +252,8 @@ class EngineCore:
     def _intake_loop(self, sock) -> None:
         """A thread: each intake message, checked against its client's key, taken as that client's ``submit`` (the
         answers pushed back to it at once, as ``{"answers": [(rid, answer), ...], "core": its hello}``) or ``abort``,
-        or answered (``ping``: a ``{"hello": ...}`` back, which tells a joining client its messages arrive). A message from a
-        client not connected, or not signed by it, is dropped (logged)."""
+        or answered (``ping``: a ``{"hello": ...}`` back, which tells a joining client its messages arrive). A message
+        from a client not connected, or not signed by it, is dropped (logged)."""
         import zmq
 
         try:
