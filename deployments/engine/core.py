@@ -12,7 +12,7 @@ thread steps the engine without pause while there is work; the actor's other thr
   (its failure tells the client the core died; its absence tells the core the client did). ``connect`` answers with
   the core's own intake socket: the client then sends its submissions and aborts there as signed ZMQ messages, which
   a thread of the core takes as ``submit`` and ``abort`` calls, and the answers go back on the push channel (no Ray
-  task per submission: one is ~1 ms of Ray's machinery to reach a busy actor's method).
+  task per submission, whose machinery competes with the engine loop for this process's interpreter lock).
 - ``poll(client)`` (``output_channel: poll``): a long poll returning every step output for that client's requests
   since its last poll, as one message. However many requests a replica streams, it costs one message per step
   (fewer when steps are quicker than a round trip: the outputs of several steps then travel together).
@@ -202,8 +202,8 @@ class EngineCore:
         step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
         client unpickles only what the core signed: anyone on the network can reach its port). First comes
         ``{"hello": hello}``, which tells the client that this core reaches its socket. Again with the same address:
-        the same socket, a new hello. Returns the intake's address, where the client may send ``intake_message``s
-        signed with the same key instead of calling ``submit`` and ``abort``."""
+        the same socket, a new hello. Returns the intake's address, where the client may send ``(kind, body)``
+        messages signed with the same key (``_intake_loop``) instead of calling ``submit`` and ``abort``."""
         import zmq
 
         if self._stop:  # (a stopping replica: the client joins another core)
