@@ -1,0 +1,102 @@
+"""Logprobs on the GPU path: each emitted token's logprob and its ``top_logprobs`` (through the graph variant with
+alternatives, under the overlap schedule), against the torch-native backend run eagerly with overlap off, in fp32:
+without speculation, with an EAGLE-3 chain and with an EAGLE-3 tree.
+
+    python -m tests.gpu.check_logprobs [--device cuda] [--json F]
+
+Tokens and the alternatives' ids must equal the reference's and their logprobs agree within 1e-4; in each engine a
+token's logprob must equal its own entry among its alternatives exactly (the exit status says so); the variant with
+alternatives must have been replayed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(engine, prompts, params) -> list:
+    reqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    return [(r.output_ids, r.output_logprobs, r.output_top_logprobs) for r in reqs]
+
+
+def own_entry_equal(out) -> bool:
+    """Each token's logprob is exactly its entry among its alternatives, where it is among them."""
+    for ids, lps, tops in out:
+        for tok, lp, top in zip(ids, lps, tops):
+            entry = dict(top).get(tok)
+            if entry is not None and entry != lp:
+                return False
+    return True
+
+
+def main() -> None:
+    from deployments.engine.engine import Engine
+    from deployments.engine.request import SamplingParams
+    from deployments.make_heads import make_head
+    from deployments.make_tiny import make_tiny
+    from workers.config import EngineConfig, SpeculativeConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (torch-native on both sides)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    base = Path(tempfile.mkdtemp())
+    target = make_tiny("llama", base / "llama", layers=2, hidden=64, vocab=512, max_position=1024)
+    head = make_head("eagle3", target, base / "eagle3", seed=2, draft_vocab=200)
+    prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42, 43], [7, 7, 7, 7, 7, 9, 11], [100, 3, 250, 17, 9]]
+    # greedy and seeded sampling, with and without alternatives (a batch mixes them)
+    params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 == 0 else 0.8, seed=40 + i, ignore_eos=True,
+                             logprobs=True, top_logprobs=5 if i != 2 else 0) for i in range(len(prompts))]
+    cfg = dict(model=str(target), device=args.device, dtype="float32", max_model_len=512, kv_cache_tokens=8192,
+               max_num_seqs=8, cuda_graph_max_bs=8)
+    ref_backends = dict(prefill_attention_backend="torch_native", decode_attention_backend="torch_native")
+    gpu = {"prefill_attention_backend": "triton", "decode_attention_backend": "triton"} if args.device == "cuda" else {}
+    specs = [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head), num_steps=3)),
+             ("eagle3 tree", SpeculativeConfig(method="eagle3", model=str(head), num_steps=2, topk=3,
+                                               num_draft_tokens=5))]
+    rows, ok = [], True
+    for name, spec in specs:
+        ref = Engine(EngineConfig(**cfg, **ref_backends, disable_cuda_graph=True, disable_overlap_schedule=True,
+                                  speculative_config=spec))
+        ref_out = run(ref, prompts, params)
+        del ref
+        eng = Engine(EngineConfig(**cfg, **gpu, speculative_config=spec))
+        if args.device == "cpu":  # the dry run: the graph path's callables, run as they are off CUDA
+            eng.executor.worker.capture_graphs()
+        out = run(eng, prompts, params)
+        graphs = eng.executor.worker.graphs
+        lp_diff = max((abs(a - b) for (_, lps, _), (_, rlps, _) in zip(out, ref_out) for a, b in zip(lps, rlps)),
+                      default=0.0)
+        top_diff = max((abs(a[1] - b[1]) for (_, _, tops), (_, _, rtops) in zip(out, ref_out)
+                        for t, rt in zip(tops, rtops) for a, b in zip(t, rt)), default=0.0)
+        row = {"spec": name, "graphs": bool(eng.executor.decode_graphs),
+               "tokens_equal": [o[0] == r[0] for o, r in zip(out, ref_out)],
+               "top_ids_equal": [[[t for t, _ in x] for x in o[2]] == [[t for t, _ in x] for x in r[2]]
+                                 for o, r in zip(out, ref_out)],
+               "max_logprob_diff": lp_diff, "max_top_logprob_diff": top_diff,
+               "own_entry_equal": own_entry_equal(out), "reference_own_entry_equal": own_entry_equal(ref_out),
+               "top_variants": sum(bool(t) for _, _, t in graphs.phases), "replays": graphs.num_replays}
+        ok &= all(row["tokens_equal"]) and all(row["top_ids_equal"]) and lp_diff < 1e-4 and top_diff < 1e-4
+        ok &= row["own_entry_equal"] and row["reference_own_entry_equal"]
+        ok &= args.device == "cpu" or row["top_variants"] > 0
+        rows.append(row)
+        print(row, flush=True)
+        del eng
+    if args.json:
+        from bench.common import commit, device_name
+
+        Path(args.json).write_text(json.dumps({"device": device_name(args.device), "commit": commit(),
+                                               "command": " ".join(["python3"] + sys.argv),
+                                               "reference": "torch-native, eager, overlap off, fp32", "rows": rows},
+                                              indent=2))
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
