@@ -425,7 +425,16 @@ class EngineClient:
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
         self._route((rid, prompt_ids, params, arrival, done, 0))
-        refused = await done
+        try:
+            refused = await done
+        except asyncio.CancelledError:
+            # cancelled (its client left) in the turn its answer came: accepted, it would run to its end unread
+            if done.done() and not done.cancelled():
+                if done.result() is None:
+                    self.abort(rid)
+                else:
+                    self._streams.pop(rid, None)
+            raise  # (a cancelled ``done``: ``_answered`` drops it when its answer comes)
         if refused is not None:
             self._streams.pop(rid, None)
             raise APIError(refused["status"], refused["message"], refused["type"], refused.get("param"),

@@ -583,10 +583,16 @@ class OpenAIIngress:
             except Exception as e:  # noqa: BLE001 - as gather's return_exceptions: handled below
                 added = [e]
         else:
-            added = await asyncio.gather(*(self.engine.add(
+            adds = [asyncio.ensure_future(self.engine.add(
                 f"{rid}-{i}", prompts[i // n],
-                dict(params, seed=None if params["seed"] is None else params["seed"] ^ (i % n)), arrival)
-                for i in range(total)), return_exceptions=True)
+                dict(params, seed=None if params["seed"] is None else params["seed"] ^ (i % n)), arrival))
+                for i in range(total)]
+            try:
+                added = await asyncio.gather(*adds, return_exceptions=True)
+            except asyncio.CancelledError:  # the client left: the choices accepted already would run unread
+                _abandon([a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None],
+                         self.engine)
+                raise
         refused = next((a for a in added if isinstance(a, BaseException)), None)
         if refused is not None:
             for a in added:

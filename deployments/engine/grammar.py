@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,9 @@ class GrammarEngine:
                 rule = " | ".join(json.dumps(c) for c in choices)
                 return self.compiler.compile_grammar(f"root ::= {rule}")
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises RuntimeError for a bad schema/regex
-            raise InvalidRequest(f"invalid {spec.param}: {str(e).strip().splitlines()[-1]}", spec.param) from None
+            # (less xgrammar's "[time] its/source.cc:line: " prefix: the client gets the reason, not our internals)
+            reason = re.sub(r"^\[[\d:.]+\] \S+:\d+: ", "", str(e).strip().splitlines()[-1])
+            raise InvalidRequest(f"invalid {spec.param}: {reason}", spec.param) from None
         raise InvalidRequest(f"unsupported {spec.param} type {spec.kind!r}", spec.param)
 
     def matcher(self, spec: GuidedSpec):

@@ -708,6 +708,80 @@ def test_a_request_whose_client_left_is_dropped_when_its_core_is_lost(core):
     asyncio.run(run())
 
 
+def test_a_request_whose_client_leaves_as_its_answer_comes_is_aborted(core):
+    """Serve may cancel a handler (its client left) in the turn of the event loop in which its submission's answer
+    comes: ``add`` then gets the cancellation though its request was accepted, and must abort it, else it runs to
+    max_tokens with nobody reading it, holding its KV."""
+    import asyncio
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        answered, task = client._answered, None
+
+        def answered_then_left(name, batch, answers):
+            answered(name, batch, answers)
+            task.cancel()  # (the disconnect, handled in the same turn)
+
+        client._answered = answered_then_left
+        task = asyncio.ensure_future(client.add("r", [5, 6, 7], dict(GREEDY, max_tokens=240), time.time()))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), 30)
+        assert "r" not in client._streams and "r" not in client._where
+        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while core._inbox or core._aborts or core.engine.has_work():
+            assert time.monotonic() < deadline, "the request never ended"
+            await asyncio.sleep(0.01)
+        assert core.engine.request_phases["requests"] == 0, "it ran to its end, unread: never aborted"
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
+def test_choices_accepted_before_their_client_left_are_aborted(core):
+    """A request of several choices whose client leaves once every choice's ``add`` has returned but before the
+    handler resumes from gathering them: the handler gets the cancellation, and the accepted choices must be
+    aborted (nobody holds their streams any more: they would run to max_tokens unread)."""
+    import asyncio
+
+    from deployments.ingress import OpenAIIngress, _Served
+    from deployments.protocol import CompletionRequest
+
+    async def run():
+        errors = _loop_errors()
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        client.info = {"max_model_len": 256, "sampling_defaults": {}}
+        ingress = OpenAIIngress.func_or_class.__new__(OpenAIIngress.func_or_class)
+        ingress.default = _Served("tiny", None, client, None)
+        loop, answered, task = asyncio.get_running_loop(), client._answered, None
+
+        def answered_then_left(name, batch, answers):
+            answered(name, batch, answers)
+            loop.call_soon(task.cancel)  # (the disconnect, after the adds returned, before the handler resumes)
+
+        client._answered = answered_then_left
+        body = CompletionRequest(model="tiny", prompt=[5, 6, 7], n=2, max_tokens=240, temperature=0.0,
+                                 ignore_eos=True)
+        task = asyncio.ensure_future(ingress._serve(body, [[5, 6, 7]], time.time(), chat=False, logprobs=False))
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(task), 30)
+        assert not client._streams and not client._where, client._streams
+        await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while core._inbox or core._aborts or core.engine.has_work():
+            assert time.monotonic() < deadline, "the choices never ended"
+            await asyncio.sleep(0.01)
+        assert core.engine.request_phases["requests"] == 0, "they ran to their end, unread: never aborted"
+        assert not errors, errors
+        client.close()
+
+    asyncio.run(run())
+
+
 def test_shutdown_ends_while_the_intake_is_answering(tiny_models):
     """The intake thread may be answering a submission (waiting for the push sockets' lock) as the core shuts down:
     shutdown must not hold that lock while the ZMQ context waits for the intake's socket to close."""
