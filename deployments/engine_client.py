@@ -421,7 +421,8 @@ class EngineClient:
         await self.core()
         stream = RequestStream(self, rid, len(prompt_ids), params.get("stop") or [], arrival, self.stream_interval,
                                self.batching_s, params.get("min_tokens") or 0, params.get("stop_token_ids") or ())
-        stream.max_tokens = params.get("max_tokens")
+        # (none given: the context left after the prompt, the engine's default unless its KV cache holds less)
+        stream.max_tokens = params.get("max_tokens") or max(1, self.info["max_model_len"] - len(prompt_ids))
         self._streams[rid] = stream  # before the submit: its first outputs may come before the answer
         done = asyncio.get_running_loop().create_future()
         self._route((rid, prompt_ids, params, arrival, done, 0))

@@ -185,6 +185,8 @@ def test_prometheus_has_spec_counters(server, client):
     # vLLM's request-size histograms: one sample per finished request, aborted ones included
     assert values["ray_vllm_request_prompt_tokens_count"] == values["ray_vllm_request_generation_tokens_count"] == \
         values["ray_vllm_e2e_request_latency_seconds_count"], values
+    # max_tokens too, where a request gave none (the context left after its prompt, as vLLM's server fills it in)
+    assert values["ray_vllm_request_params_max_tokens_count"] == values["ray_vllm_request_prompt_tokens_count"], values
 
 
 def test_null_fields_omitted_model_and_auth_before_the_body(server):
