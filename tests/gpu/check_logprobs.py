@@ -11,11 +11,9 @@ alternatives must have been replayed.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
-from pathlib import Path
+
+from tests.gpu.tiny_check import REFERENCE_BACKENDS, checked_backends, parse_args, tiny_llama_and_eagle3, write_result
 
 
 def run(engine, prompts, params) -> list:
@@ -38,31 +36,23 @@ def own_entry_equal(out) -> bool:
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
-    from deployments.make_heads import make_head
-    from deployments.make_tiny import make_tiny
     from workers.config import EngineConfig, SpeculativeConfig
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (torch-native on both sides)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    base = Path(tempfile.mkdtemp())
-    target = make_tiny("llama", base / "llama", layers=2, hidden=64, vocab=512, max_position=1024)
-    head = make_head("eagle3", target, base / "eagle3", seed=2, draft_vocab=200)
+    args = parse_args()
+    target, head = tiny_llama_and_eagle3()
     prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42, 43], [7, 7, 7, 7, 7, 9, 11], [100, 3, 250, 17, 9]]
     # greedy and seeded sampling, with and without alternatives (a batch mixes them)
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 == 0 else 0.8, seed=40 + i, ignore_eos=True,
                              logprobs=True, top_logprobs=5 if i != 2 else 0) for i in range(len(prompts))]
     cfg = dict(model=str(target), device=args.device, dtype="float32", max_model_len=512, kv_cache_tokens=8192,
                max_num_seqs=8, cuda_graph_max_bs=8)
-    ref_backends = dict(prefill_attention_backend="torch_native", decode_attention_backend="torch_native")
-    gpu = {"prefill_attention_backend": "triton", "decode_attention_backend": "triton"} if args.device == "cuda" else {}
+    gpu = checked_backends(args.device)
     specs = [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head), num_steps=3)),
              ("eagle3 tree", SpeculativeConfig(method="eagle3", model=str(head), num_steps=2, topk=3,
                                                num_draft_tokens=5))]
     rows, ok = [], True
     for name, spec in specs:
-        ref = Engine(EngineConfig(**cfg, **ref_backends, disable_cuda_graph=True, disable_overlap_schedule=True,
+        ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True, disable_overlap_schedule=True,
                                   speculative_config=spec))
         ref_out = run(ref, prompts, params)
         del ref
@@ -88,13 +78,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         del eng
-    if args.json:
-        from bench.common import commit, device_name
-
-        Path(args.json).write_text(json.dumps({"device": device_name(args.device), "commit": commit(),
-                                               "command": " ".join(["python3"] + sys.argv),
-                                               "reference": "torch-native, eager, overlap off, fp32", "rows": rows},
-                                              indent=2))
+    write_result(args.json, args.device, "torch-native, eager, overlap off, fp32", rows)
     sys.exit(0 if ok else 1)
 
 

@@ -11,28 +11,20 @@ sampling with penalties must give the same tokens with speculation as without it
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
+
+from tests.gpu.tiny_check import REFERENCE_BACKENDS, checked_backends, parse_args, tiny_llama_and_eagle3, write_result
 
 
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.grammar import GuidedSpec
     from deployments.engine.request import SamplingParams
-    from deployments.make_heads import make_head
-    from deployments.make_tiny import make_tiny
     from workers.config import EngineConfig, SpeculativeConfig
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script (torch-native on both sides)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    base = Path(tempfile.mkdtemp())
-    target = make_tiny("llama", base / "llama", layers=2, hidden=64, vocab=512, max_position=1024)
-    head = make_head("eagle3", target, base / "eagle3", seed=2, draft_vocab=200)
+    args = parse_args()
+    target, head = tiny_llama_and_eagle3()
     schema = {"type": "object", "properties": {"b": {"type": "boolean"}, "c": {"enum": ["x", "y"]}},
               "required": ["b", "c"], "additionalProperties": False}  # short: complete within max_tokens
     prompts = [[5, 9, 17, 33, 2, 8], [40, 41, 42, 43], [7, 7, 7, 7, 7, 9, 11], [100, 3, 250, 17, 9],
@@ -46,11 +38,10 @@ def main() -> None:
     seeded = [SamplingParams(temperature=0.9, seed=40 + i, max_tokens=24, ignore_eos=True, frequency_penalty=0.4,
                              repetition_penalty=1.1) for i in range(len(prompts))]
     cfg = dict(model=str(target), device=args.device, dtype="float32", max_model_len=512, kv_cache_tokens=8192)
-    ref = Engine(EngineConfig(**cfg, prefill_attention_backend="torch_native", decode_attention_backend="torch_native",
-                              disable_cuda_graph=True))
+    ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True))
     ref_out = ref.generate(prompts, params)
     del ref
-    gpu = {"prefill_attention_backend": "triton", "decode_attention_backend": "triton"} if args.device == "cuda" else {}
+    gpu = checked_backends(args.device)
     rows, ok, no_spec_seeded = [], True, None
     for name, spec in [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head),
                                                                           num_steps=3))]:
@@ -72,12 +63,7 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
         del eng
-    if args.json:
-        from bench.common import commit, device_name
-
-        Path(args.json).write_text(json.dumps({"device": device_name(args.device), "commit": commit(),
-                                               "command": " ".join(["python3"] + sys.argv),
-                                               "reference": "torch-native, eager, fp32", "rows": rows}, indent=2))
+    write_result(args.json, args.device, "torch-native, eager, fp32", rows)
     sys.exit(0 if ok else 1)
 
 
