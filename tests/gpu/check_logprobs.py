@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import sys
 
-from tests.gpu.tiny_check import REFERENCE_BACKENDS, checked_backends, parse_args, tiny_llama_and_eagle3, write_result
+from tests.gpu.tiny_check import (REFERENCE_BACKENDS, checked_backends, engine_kwargs, parse_args,
+                                  speculation_cases, tiny_llama_and_eagle3, write_result)
 
 
 def run(engine, prompts, params) -> list:
@@ -36,7 +37,7 @@ def own_entry_equal(out) -> bool:
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
-    from workers.config import EngineConfig, SpeculativeConfig
+    from workers.config import EngineConfig
 
     args = parse_args()
     target, head = tiny_llama_and_eagle3()
@@ -44,12 +45,9 @@ def main() -> None:
     # greedy and seeded sampling, with and without alternatives (a batch mixes them)
     params = [SamplingParams(max_tokens=24, temperature=0.0 if i % 2 == 0 else 0.8, seed=40 + i, ignore_eos=True,
                              logprobs=True, top_logprobs=5 if i != 2 else 0) for i in range(len(prompts))]
-    cfg = dict(model=str(target), device=args.device, dtype="float32", max_model_len=512, kv_cache_tokens=8192,
-               max_num_seqs=8, cuda_graph_max_bs=8)
+    cfg = engine_kwargs(target, args.device)
     gpu = checked_backends(args.device)
-    specs = [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head), num_steps=3)),
-             ("eagle3 tree", SpeculativeConfig(method="eagle3", model=str(head), num_steps=2, topk=3,
-                                               num_draft_tokens=5))]
+    specs = speculation_cases(head)
     rows, ok = [], True
     for name, spec in specs:
         ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True, disable_overlap_schedule=True,

@@ -14,14 +14,15 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.gpu.tiny_check import REFERENCE_BACKENDS, checked_backends, parse_args, tiny_llama_and_eagle3, write_result
+from tests.gpu.tiny_check import (REFERENCE_BACKENDS, checked_backends, engine_kwargs, parse_args,
+                                  speculation_cases, tiny_llama_and_eagle3, write_result)
 
 
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.grammar import GuidedSpec
     from deployments.engine.request import SamplingParams
-    from workers.config import EngineConfig, SpeculativeConfig
+    from workers.config import EngineConfig
     from workers.graphs import MASK_VARIANT
 
     args = parse_args()
@@ -42,12 +43,9 @@ def main() -> None:
         g = None if i % 3 == 2 else GuidedSpec("json_schema", json.dumps(schemas[i % len(schemas)]))
         params.append(SamplingParams(max_tokens=64 if g else 24, temperature=0.0 if i % 2 else 0.9, seed=30 + i,
                                      guided=g, ignore_eos=g is None))
-    cfg = dict(model=str(target), device=args.device, dtype="float32", max_model_len=512, kv_cache_tokens=8192,
-               max_num_seqs=8, cuda_graph_max_bs=8)
+    cfg = engine_kwargs(target, args.device)
     gpu = checked_backends(args.device)
-    specs = [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head), num_steps=3)),
-             ("eagle3 tree", SpeculativeConfig(method="eagle3", model=str(head), num_steps=2, topk=3,
-                                               num_draft_tokens=5))]
+    specs = speculation_cases(head)
     rows, ok = [], True
     for name, spec in specs:
         ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True, disable_overlap_schedule=True,

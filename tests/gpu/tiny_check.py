@@ -32,6 +32,21 @@ def tiny_llama_and_eagle3() -> tuple[Path, Path]:
     return target, make_head("eagle3", target, base / "eagle3", seed=2, draft_vocab=200)
 
 
+def engine_kwargs(target: Path, device: str) -> dict:
+    """The engines' shared settings: fp32, batches of up to 8 (graphs for each)."""
+    return dict(model=str(target), device=device, dtype="float32", max_model_len=512, kv_cache_tokens=8192,
+                max_num_seqs=8, cuda_graph_max_bs=8)
+
+
+def speculation_cases(head: Path) -> list:
+    """(name, speculative config): none, an EAGLE-3 chain of 3, an EAGLE-3 tree (2 steps, top 3, 5 draft tokens)."""
+    from workers.config import SpeculativeConfig
+
+    return [("none", None), ("eagle3 chain", SpeculativeConfig(method="eagle3", model=str(head), num_steps=3)),
+            ("eagle3 tree", SpeculativeConfig(method="eagle3", model=str(head), num_steps=2, topk=3,
+                                              num_draft_tokens=5))]
+
+
 def checked_backends(device: str) -> dict:
     """The checked engine's attention: Triton on the GPU (on the CPU dry run, the default torch-native)."""
     return {"prefill_attention_backend": "triton", "decode_attention_backend": "triton"} if device == "cuda" else {}
