@@ -197,11 +197,15 @@ class RequestStream:
                     return
         finally:
             self._waiter = None
-            if not self.finished:  # the consumer left (client disconnect): free its KV in the engine
-                self.finished = True
-                self.client.abort(self.rid)
-                self.client.metrics.record_finish("abort", self.arrival, time.time(), self.first_token_time,
-                                                  self.num_output, None, self.num_prompt, self.max_tokens)
+            self.abandon()  # (the consumer left, a client disconnect: free its KV in the engine)
+
+    def abandon(self) -> None:
+        """Unless it has finished: aborted in the engine and counted once as an "abort" finish."""
+        if not self.finished:
+            self.finished = True
+            self.client.abort(self.rid)
+            self.client.metrics.record_finish("abort", self.arrival, time.time(), self.first_token_time,
+                                              self.num_output, None, self.num_prompt, self.max_tokens)
 
 
 def detached(coro) -> asyncio.Task:

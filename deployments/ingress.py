@@ -84,10 +84,10 @@ class _Streamed(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content, streams: list, engine):
+    def __init__(self, content, streams: list):
         self.content, self.status_code, self.background = content, 200, None
         self.init_headers(None)
-        self._streams, self._engine = streams, engine
+        self._streams = streams
 
     async def _write(self, send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
@@ -127,18 +127,14 @@ class _Streamed(Response):
                 task.uncancel()
         finally:
             listener.cancel()
-            _abandon(self._streams, self._engine)
+            _abandon(self._streams)
 
 
-def _abandon(streams: list, engine) -> None:
+def _abandon(streams: list) -> None:
     """The streams still running when their response ends: aborted in the engine, each counted once as an "abort"
     finish (several choices' own generators end later, cancelled, and find them finished already)."""
     for s in streams:
-        if not s.finished:
-            s.finished = True
-            engine.abort(s.rid)
-            engine.metrics.record_finish("abort", s.arrival, time.time(), s.first_token_time, s.num_output, None,
-                                         s.num_prompt, s.max_tokens)
+        s.abandon()
 
 
 _trim_pending = threading.Event()  # one trim at a time: a burst of refused bodies queues one, not one each
@@ -590,8 +586,7 @@ class OpenAIIngress:
             try:
                 added = await asyncio.gather(*adds, return_exceptions=True)
             except asyncio.CancelledError:  # the client left: the choices accepted already would run unread
-                _abandon([a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None],
-                         self.engine)
+                _abandon([a.result() for a in adds if a.done() and not a.cancelled() and a.exception() is None])
                 raise
         refused = next((a for a in added if isinstance(a, BaseException)), None)
         if refused is not None:
@@ -610,12 +605,11 @@ class OpenAIIngress:
         echo_view = _Echo(echo, prompts, n, top, prompt_logprobs, echo_only, self.engine.token_text)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _Streamed(self._sse(streams, rid, created, chat, include_usage, logprobs, echo_view), streams,
-                             self.engine)
+            return _Streamed(self._sse(streams, rid, created, chat, include_usage, logprobs, echo_view), streams)
         try:
             results = await asyncio.gather(*(_collect(s) for s in streams))
         finally:
-            _abandon(streams, self.engine)
+            _abandon(streams)
         choices, completion_tokens, prompt_tokens, spec = [], 0, 0, []
         cached = [0] * len(prompts)  # per prompt: the most any of its choices found cached
         for i, r in enumerate(results):
@@ -712,4 +706,4 @@ class OpenAIIngress:
             yield text + _DONE
         finally:
             await source.aclose()
-            _abandon(streams, self.engine)  # on client disconnect: the engine drops what is still running
+            _abandon(streams)  # on client disconnect: the engine drops what is still running

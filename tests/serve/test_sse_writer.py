@@ -33,7 +33,7 @@ def _app(client, chat: bool):
     fake = types.SimpleNamespace(model_id="m", engine=client)
     echo = _Echo(None, [[5, 6, 7]], 1, 0, False, False, client.token_text)
     sse = OpenAIIngress.func_or_class._sse(fake, [stream], "r0", 1, chat, True, False, echo)
-    return stream, _Streamed(sse, [stream], client)
+    return stream, _Streamed(sse, [stream])
 
 
 def test_chunks_tokens_once_and_one_closing_write(tmp_path):
@@ -121,8 +121,7 @@ def test_a_disconnect_counts_every_choice_as_aborted(tmp_path):
         streams = [RequestStream(client, f"r{i}", 3, [], time.time(), 1, 0.0) for i in range(2)]
         fake = types.SimpleNamespace(model_id="m", engine=client)
         echo = _Echo(None, [[5, 6, 7]], 2, 0, False, False, client.token_text)
-        app = _Streamed(OpenAIIngress.func_or_class._sse(fake, streams, "r", 1, False, False, False, echo), streams,
-                        client)
+        app = _Streamed(OpenAIIngress.func_or_class._sse(fake, streams, "r", 1, False, False, False, echo), streams)
         receive, send = _disconnect_after_first_body()
         streams[0].put(("r0", [10], None, None, None, None))
         await asyncio.wait_for(app({"type": "http"}, receive, send), 5)
