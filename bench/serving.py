@@ -67,14 +67,17 @@ async def one_request(http, url: str, headers: dict, model: str, prompt: list[in
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True, **(sampling or {})}
     t0 = time.perf_counter()
-    stamps, tokens, spec = [], 0, None
+    stamps, tokens, spec, last_line = [], 0, None, None
     async with http.post(url, json=body, headers=headers) as resp:
+        headers_at = time.perf_counter()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.read())[:300]!r}")
         async for line in resp.content:
+            if not line.startswith(b"data: "):
+                continue
+            now = last_line = time.perf_counter()
             if not line.startswith(b"data: {"):
                 continue
-            now = time.perf_counter()
             if b'"usage"' in line and b'"usage": null' not in line and b'"usage":null' not in line:
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
@@ -87,9 +90,12 @@ async def one_request(http, url: str, headers: dict, model: str, prompt: list[in
             stamps.append(now)
     end = time.perf_counter()
     stamps = stamps or [end]  # no visible text at all: the first token is taken to arrive with the end
+    # where a request's time outside the engine goes: the way in up to the response's headers (sent once the core
+    # has accepted it), and from the last text chunk to the response's end (the usage chunk, [DONE], the close)
     return {"ttft": stamps[0] - t0, "e2e": end - t0, "tokens": tokens, "asked": max_tokens, "spec": spec,
             "tpot": (end - stamps[0]) / max(tokens - 1, 1), "itl": [b - a for a, b in zip(stamps, stamps[1:])],
-            "start": t0, "end": end}
+            "start": t0, "end": end, "to_headers": headers_at - t0, "last_text_to_end": end - stamps[-1],
+            "last_line_to_end": end - (last_line or end)}
 
 
 async def requests_share(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
@@ -102,6 +108,21 @@ async def requests_share(base: str, model: str, prompts, out_lens, rate: float, 
     rng = random.Random(seed)
     connector = aiohttp.TCPConnector(limit=max_concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        if rate == float("inf"):  # closed loop: each of the C slots sends its next request when its last one ends
+            todo = iter(zip(prompts, out_lens))
+
+            async def slot() -> list[dict]:
+                done, prev_end = [], None
+                for p, n in todo:
+                    r = await one_request(http, base + "/completions", headers, model, p, n, sampling)
+                    # the client's own turn-around: its last response's end to this request's send
+                    r["slot_gap"] = None if prev_end is None else r["start"] - prev_end
+                    prev_end = r["end"]
+                    done.append(r)
+                return done
+
+            return [r for rs in await asyncio.gather(*(slot() for _ in range(max_concurrency))) for r in rs]
+
         async def limited(p, n):
             async with gate:
                 return await one_request(http, base + "/completions", headers, model, p, n, sampling)
@@ -109,8 +130,7 @@ async def requests_share(base: str, model: str, prompts, out_lens, rate: float, 
         tasks = []
         for p, n in zip(prompts, out_lens):
             tasks.append(asyncio.create_task(limited(p, n)))
-            if rate != float("inf"):
-                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.sleep(rng.expovariate(rate))
         return await asyncio.gather(*tasks)
 
 
@@ -155,7 +175,14 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
            "num_requests": len(results), "client_processes": procs if rate == float("inf") else 1,
            "duration_s": round(wall, 2), "request_throughput": round(len(results) / wall, 3),
            "output_tok_s": round(out_tokens / wall, 1), "ttft": stats([r["ttft"] for r in results]),
-           "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]])}
+           "tpot": stats([r["tpot"] for r in results]), "itl": stats([g for r in results for g in r["itl"]]),
+           "to_headers": stats([r["to_headers"] for r in results]),
+           "last_text_to_end": stats([r["last_text_to_end"] for r in results]),
+           "last_line_to_end": stats([r["last_line_to_end"] for r in results]),
+           "e2e_mean_ms": round(statistics.fmean(r["e2e"] for r in results) * 1e3, 2)}
+    gaps = [r["slot_gap"] for r in results if r.get("slot_gap") is not None]
+    if gaps:
+        row["slot_gap"] = stats(gaps)
     specs = [r["spec"] for r in results if r["spec"]]
     drafts = sum(x.get("num_drafts", 0) for x in specs)
     if drafts:  # the server's own per-request counters, summed over the requests
@@ -492,6 +519,23 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
         md += [f"| {r[key]} | {r['output_tok_s']} | {o['output_tok_s']} | {r['served_over_offline']} | "
                f"{r['ttft']['median_ms']} / {o['ttft_median_ms']} | {r['tpot']['median_ms']} / {o['tpot_median_ms']} |"
                for r in rows if "offline" in r for o in [r["offline"]]]
+    split = [r for r in rows if r.get("slot_gap")]
+    if split:
+        md += ["", "A closed-loop request's cycle from the client's side, mean ms (p50 in brackets): the slot's turn-around "
+               "(its last response's end to this send), send → response headers (the front end's way in and the "
+               "core's acceptance), headers → first text, first text → last text, and the last text → the "
+               "response's end (the usage chunk, [DONE] and the close). The cycle is their sum; C × 1000 ÷ it is "
+               "the requests per second the level can run.", "",
+               f"| {head} | turn-around | send → headers | headers → first text | first → last text | last text "
+               "→ end | cycle |", "|---|---|---|---|---|---|---|"]
+        for r in split:
+            parts = [r["slot_gap"], r["to_headers"]]
+            h2f = r["ttft"]["mean_ms"] - r["to_headers"]["mean_ms"]
+            body = r["e2e_mean_ms"] - r["ttft"]["mean_ms"] - r["last_text_to_end"]["mean_ms"]
+            cycle = r["slot_gap"]["mean_ms"] + r["e2e_mean_ms"]
+            md += [f"| {r[key]} | " + " | ".join(f"{x['mean_ms']} ({x['median_ms']})" for x in parts)
+                   + f" | {h2f:.2f} | {body:.2f} | {r['last_text_to_end']['mean_ms']} "
+                   f"({r['last_text_to_end']['median_ms']}) | {cycle:.2f} |"]
     steps = [r for r in rows if r.get("server_per_step", {}).get("steps")]
     if steps:
         md += ["", "Server host time per engine step (from /v1/stats): schedule, execute (the workers' step, round "
