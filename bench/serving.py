@@ -220,6 +220,7 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
         for _ in range(min(concurrency, n)):
             add()
         extends, steps = engine.step_time["extend_steps"], engine.step_time["steps"]
+        before = {"step_time": dict(engine.step_time)}
         phases = dict(engine.request_phases)
         while engine.has_work():
             for o in engine.step():
@@ -237,7 +238,8 @@ def offline_levels(app_args: dict, prompts, out_lens, levels: list[int], out_fil
                 "ttft_median_ms": round(statistics.median(ttft) * 1e3, 2),
                 "tpot_median_ms": round(statistics.median(tpot) * 1e3, 3),
                 "extend_steps": engine.step_time["extend_steps"] - extends,
-                "steps": engine.step_time["steps"] - steps, "phases_ms": phase_means(phases, engine.request_phases)}
+                "steps": engine.step_time["steps"] - steps, "phases_ms": phase_means(phases, engine.request_phases),
+                "per_step": per_step(before, {"step_time": dict(engine.step_time)})}
 
     run(2, 1)  # warm-up: a prompt alone, then several at once (the kernels of both prefill shapes)
     run(8, 8)
@@ -550,6 +552,14 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
                f"{p.get('extend_steps', '')} ({r.get('offline', {}).get('extend_steps', '-')}) | "
                f"{p.get('requests_per_submit', '')} |"
                for r in steps for p in [r["server_per_step"]]]
+        offline = [(r, r["offline"]["per_step"]) for r in steps if r.get("offline", {}).get("per_step")]
+        if offline:
+            md += ["", "The offline engine's host time per step over the same level (no loop around it):", "",
+                   f"| {head} | steps | schedule ms | execute ms | worker ms | outputs ms | wall ms |",
+                   "|---|---|---|---|---|---|---|"]
+            md += [f"| {r[key]} | {o['steps']} | {o['schedule_ms']} | {o['execute_ms']} | {o['worker_ms']} | "
+                   f"{o['outputs_ms']} | {round(o['schedule_ms'] + o['execute_ms'] + o['outputs_ms'], 3)} |"
+                   for r, o in offline]
     phased = [r for r in steps if r["server_per_step"].get("phases_ms")]
     if phased:
         names = ("receive", "inbox", "queue", "prefill", "decode")
