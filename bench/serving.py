@@ -283,6 +283,9 @@ def per_step(before: dict, after: dict) -> dict:
     ms = lambda key, x=a, y=b: round((x[key] - y[key]) / steps * 1e3, 3)  # noqa: E731
     row = {"steps": steps, "schedule_ms": ms("schedule_s"), "execute_ms": ms("execute_s"),
            "worker_ms": ms("worker_s"), "outputs_ms": ms("outputs_s")}
+    if "wait_s" in a and "wait_s" in b:  # the host's waits for the device per step; prefill steps' wall, in all
+        row["wait_ms"] = ms("wait_s")
+        row["extend_wall_ms_total"] = round((a["extend_wall_s"] - b["extend_wall_s"]) * 1e3, 1)
     if "loop" in after and "loop" in before:
         row["loop_wall_ms"] = ms("busy_s", after["loop"], before["loop"])
         # the engine core's wall time per step that ran (with handing its outputs to the polls)
@@ -560,6 +563,13 @@ def write(meta: dict, rows: list[dict], out: Path) -> None:
             md += [f"| {r[key]} | {o['steps']} | {o['schedule_ms']} | {o['execute_ms']} | {o['worker_ms']} | "
                    f"{o['outputs_ms']} | {round(o['schedule_ms'] + o['execute_ms'] + o['outputs_ms'], 3)} |"
                    for r, o in offline]
+        waits = [r for r in steps if "wait_ms" in r["server_per_step"]]
+        if waits:
+            md += ["", "The host's waits for the device per step (in execute), and all prefill steps' wall over the "
+                   "level, served (offline):", "", f"| {head} | wait ms | prefill steps' wall ms |", "|---|---|---|"]
+            md += [f"| {r[key]} | {p['wait_ms']} ({o.get('wait_ms', '-')}) | {p['extend_wall_ms_total']} "
+                   f"({o.get('extend_wall_ms_total', '-')}) |"
+                   for r in waits for p, o in [(r["server_per_step"], r.get("offline", {}).get("per_step") or {})]]
     phased = [r for r in steps if r["server_per_step"].get("phases_ms")]
     if phased:
         names = ("receive", "inbox", "queue", "prefill", "decode")

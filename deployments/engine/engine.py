@@ -164,7 +164,8 @@ class Engine:
         self.num_steps = 0
         # host time of every step, cumulative (served at /v1/stats)
         self.step_time = {"steps": 0, "schedule_s": 0.0, "execute_s": 0.0, "worker_s": 0.0, "outputs_s": 0.0,
-                          "grammar_s": 0.0, "extend_steps": 0}  # (extend_steps: how many pieces arrivals came in)
+                          "grammar_s": 0.0, "extend_steps": 0,  # (extend_steps: how many pieces arrivals came in)
+                          "wait_s": 0.0, "extend_wall_s": 0.0}  # (the host's waits for the device; prefill steps' wall)
         # finished requests' phases (``Request.phases``), summed: where a request's time went, served at /v1/stats
         self.request_phases: dict = {"requests": 0}
 
@@ -289,7 +290,7 @@ class Engine:
         for r in results:  # (the host's waits for the device since this launch: not host work)
             self._waited += r.timings.get("wait_s", 0.0)
         outputs += self._read(results)
-        self._count_step_time(t0, t1, t2, results)
+        self._count_step_time(t0, t1, t2, results, plan is not None and plan.mode == ForwardMode.EXTEND)
         return outputs
 
     def _launching(self, now: float, decode: bool) -> None:
@@ -310,14 +311,19 @@ class Engine:
             logger.exception("step failed")
         return self._fail_in_flight(f"{type(e).__name__}: {e}")
 
-    def _count_step_time(self, t0: float, t1: float, t2: float, results: list[StepResult]) -> None:
+    def _count_step_time(self, t0: float, t1: float, t2: float, results: list[StepResult],
+                         extend: bool = False) -> None:
         st = self.step_time
         st["steps"] += 1
         st["schedule_s"] += t1 - t0
         st["execute_s"] += t2 - t1
         # rank 0's own time: execute minus this is transport (and, overlapped, waiting)
         st["worker_s"] += sum(r.timings.get("worker_s", 0.0) for r in results)
-        st["outputs_s"] += time.perf_counter() - t2
+        st["wait_s"] += sum(r.timings.get("wait_s", 0.0) for r in results)
+        end = time.perf_counter()
+        st["outputs_s"] += end - t2
+        if extend:
+            st["extend_wall_s"] += end - t0
 
     def _read(self, results: list[StepResult]) -> list[RequestOutput]:
         """Apply the results of the oldest steps in flight, in order."""
