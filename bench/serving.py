@@ -99,8 +99,10 @@ async def one_request(http, url: str, headers: dict, model: str, prompt: list[in
 
 
 async def requests_share(base: str, model: str, prompts, out_lens, rate: float, max_concurrency: int,
-                         api_key: str | None = None, seed: int = 0, sampling: dict | None = None) -> list[dict]:
-    """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight."""
+                         api_key: str | None = None, seed: int = 0, sampling: dict | None = None,
+                         start_at: float | None = None) -> list[dict]:
+    """Requests arriving at ``rate`` per second (inf: all at once), at most ``max_concurrency`` in flight; from
+    ``start_at`` (``time.time()``) if given, so that client processes spawned one after the other start together."""
     import aiohttp
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -108,6 +110,10 @@ async def requests_share(base: str, model: str, prompts, out_lens, rate: float, 
     rng = random.Random(seed)
     connector = aiohttp.TCPConnector(limit=max_concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        late = None
+        if start_at is not None:
+            late = time.time() - start_at
+            await asyncio.sleep(max(0.0, -late))
         if rate == float("inf"):  # closed loop: each of the C slots sends its next request when its last one ends
             todo = iter(zip(prompts, out_lens))
 
@@ -121,7 +127,11 @@ async def requests_share(base: str, model: str, prompts, out_lens, rate: float, 
                     done.append(r)
                 return done
 
-            return [r for rs in await asyncio.gather(*(slot() for _ in range(max_concurrency))) for r in rs]
+            results = [r for rs in await asyncio.gather(*(slot() for _ in range(max_concurrency))) for r in rs]
+            if late is not None and results:  # (how late this process was for the common start, if it was)
+                results[0]["late_s"] = max(0.0, late)
+                results[0]["proc_start"] = min(r["start"] for r in results)
+            return results
 
         async def limited(p, n):
             async with gate:
@@ -148,8 +158,11 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
         import concurrent.futures
         import multiprocessing
 
+        # every process starts at one moment, well after the slowest one's spawn: the level's wall is then not
+        # stretched by processes that came up late (fewer than C in flight at its start and end)
+        start_at = time.time() + 5.0
         shares = [(base, model, prompts[i::procs], out_lens[i::procs], rate,
-                   max(1, max_concurrency // procs + (i < max_concurrency % procs)), api_key, i, sampling)
+                   max(1, max_concurrency // procs + (i < max_concurrency % procs)), api_key, i, sampling, start_at)
                   for i in range(procs) if prompts[i::procs]]
         with concurrent.futures.ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) \
                 as pool:
@@ -160,6 +173,7 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
         results = await requests_share(base, model, prompts, out_lens, rate, max_concurrency, api_key,
                                        sampling=sampling)
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    late = [r["late_s"] for r in results if "late_s" in r]
 
     def stats(values: list[float]) -> dict:
         v = sorted(values) or [float("nan")]
@@ -180,6 +194,10 @@ async def run_rate(base: str, model: str, prompts, out_lens, rate: float, max_co
            "last_text_to_end": stats([r["last_text_to_end"] for r in results]),
            "last_line_to_end": stats([r["last_line_to_end"] for r in results]),
            "e2e_mean_ms": round(statistics.fmean(r["e2e"] for r in results) * 1e3, 2)}
+    if late:  # a client process that came up after the common start: its share started that much late
+        row["client_late_ms"] = round(max(late) * 1e3, 1)
+        starts = [r["proc_start"] for r in results if "proc_start" in r]
+        row["client_start_spread_ms"] = round((max(starts) - min(starts)) * 1e3, 2)
     gaps = [r["slot_gap"] for r in results if r.get("slot_gap") is not None]
     if gaps:
         row["slot_gap"] = stats(gaps)
