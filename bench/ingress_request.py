@@ -70,21 +70,24 @@ def intake_core(client, stop) -> str:
 
     import zmq
 
-    from deployments.engine.signing import signed, verified
+    from deployments.engine.signing import INTAKE, OUTPUT, Session, verified
 
     ctx = zmq.Context.instance()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push.connect(client._channel())
+    push.connect(client._channel(client.info["max_model_len"]))
+    join = Session(client._sessions.setdefault("core0", Session()).id)  # (the core's end of the client's join)
 
     def serve():
         while not stop.is_set():
             if not pull.poll(100):
                 continue
             _, msg = pull.recv_multipart()
-            kind, body = verified(client._push_key, msg)
+            session, number, (kind, body) = verified(client._push_key, msg, INTAKE)
+            assert join.accepts(session, number)
             if kind == "submit":
-                push.send(signed(client._push_key, {"answers": [(item[0], None) for item in body], "core": "core0"}))
+                push.send(join.signed(client._push_key, OUTPUT,
+                                      ("core0", {"answers": [(item[0], None) for item in body]})))
         pull.close(linger=0)
         push.close(linger=0)
 
@@ -131,7 +134,10 @@ def setup(tokenizer_path: str, stamps: dict, intake: bool = False):
 
         async def start_intake(self):
             if intake:
-                self._open_intake("core0", intake_core(self, self.stop_intake))
+                from deployments.engine.signing import DEFAULT_MAX_REQUEST_BODY_BYTES, intake_max_bytes
+
+                limit = intake_max_bytes(self.info["max_model_len"], DEFAULT_MAX_REQUEST_BODY_BYTES)
+                self._open_intake("core0", intake_core(self, self.stop_intake), limit)
 
         def _answered(self, name, batch, answers):
             stamp("answer")

@@ -112,11 +112,11 @@ class Ingress:
         latency = self.latency = []
 
         class Client(EngineClient):
-            def _deliver(self, items):
+            def _deliver(self, items, core=None):
                 now = time.time()
                 for item in items:
                     latency.append(now - item[3][0])
-                super()._deliver([(*item[:3], None, None, *item[5:]) for item in items])
+                super()._deliver([(*item[:3], None, None, *item[5:]) for item in items], core)
 
         self.client = Client(None, "stub", output_channel=channel)
         self.client.tokenizer = load_tokenizer(tokenizer)

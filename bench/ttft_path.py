@@ -97,9 +97,9 @@ class Ingress:
                 stamps.setdefault("flush", time.monotonic())
                 super()._flush(name)
 
-            def _deliver(self, items):
+            def _deliver(self, items, core=None):
                 stamps.setdefault("deliver", time.monotonic())
-                super()._deliver([(*item[:3], None, None, *item[5:]) for item in items])
+                super()._deliver([(*item[:3], None, None, *item[5:]) for item in items], core)
 
         self.client = Client(None, "stub", output_channel="push")
         self.client.tokenizer = load_tokenizer(tokenizer)

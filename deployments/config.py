@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from deployments.engine.signing import DEFAULT_MAX_REQUEST_BODY_BYTES
 from deployments.rayllm import translate_engine_kwargs
 from deployments.routing import RouterConfig
 from workers.config import EngineConfig, Strict
@@ -72,8 +73,9 @@ class LLMConfig(Strict):
                                                     "socket the replica binds, into which each engine core sends after "
                                                     "every step; needs pyzmq) or poll (one long-poll Ray actor call "
                                                     "per engine core after another)")
-    max_request_body_bytes: int = Field(16 << 20, ge=1024, description="larger request bodies get a 413 before "
-                                        "they are read (default 16 MiB)")
+    max_request_body_bytes: int = Field(DEFAULT_MAX_REQUEST_BODY_BYTES, ge=1024, description="larger request "
+                                        "bodies get a 413 before they are read (default 16 MiB); it also bounds the "
+                                        "engine core's intake messages (docs/design.md, Streaming)")
     # per-request limits: a request over one gets a 400 naming the parameter, before anything costly is done for it
     max_prompt_chars: int | None = Field(None, ge=1, description="most characters of a completion's prompt, or of "
                                          "a chat's message contents and roles together, counted before tokenizing; "

@@ -67,7 +67,8 @@ class LLMController:
         # health checks
         self.core = ray.remote(EngineCore).options(
             num_cpus=0, num_gpus=gpus, max_concurrency=64, name=self.core_name, namespace=CORE_NAMESPACE,
-            **placement).remote(engine_cfg, config.model_loading_config.model_id, replica=self.replica)
+            **placement).remote(engine_cfg, config.model_loading_config.model_id, replica=self.replica,
+                                max_request_body_bytes=config.max_request_body_bytes)
         ray.get(self.core.check_health.remote())  # the replica is ready once the engine is
 
     def core_handle(self):

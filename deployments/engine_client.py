@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from deployments.engine import freeze_startup_heap
 from deployments.engine.metrics import RequestMetrics
-from deployments.engine.signing import signed, verified
+from deployments.engine.signing import INTAKE, OUTPUT, Session, output_max_bytes, packed, verified
 from deployments.engine.tokenizer import Detokenizer, chat_prompt_ids, detokenize_run, load_tokenizer
 from deployments.protocol import APIError
 
@@ -278,6 +278,10 @@ class EngineClient:
         # rid -> its routed item, for those whose submission has not been answered (a lost core's are re-routed)
         self._unanswered: dict[str, tuple] = {}
         self._intakes: dict[str, object] = {}  # (push) core name -> the PUSH socket to its intake
+        self._intake_limits: dict[str, int] = {}  # (push) core name -> its intake's message size limit
+        # (push) core name -> its current join (signing.Session, made for each ``connect``): only that join's
+        # messages are taken from it, each once, and what this replica sends to its intake is numbered in it
+        self._sessions: dict[str, Session] = {}
         self._pending: dict[str, list[tuple]] = {}  # core -> (rid, prompt ids, params, arrival, future) to submit
         self._aborts: dict[str, list[str]] = {}
         self._token_text: dict[int, str] = {}
@@ -307,6 +311,7 @@ class EngineClient:
                 names = {a["name"] for a in listed if a["namespace"] == CORE_NAMESPACE
                          and a["name"].startswith(self.prefix)}
                 self._stopped = {n: why for n, why in self._stopped.items() if n in names}
+                self._sessions = {n: join for n, join in self._sessions.items() if n in names}
                 for name in names - set(self._cores) - self._joining:
                     if self._stopped.get(name) == "draining":
                         continue
@@ -344,15 +349,18 @@ class EngineClient:
         if self.output_channel == "push":  # (before it is routed to: its first outputs need the channel)
             loop = asyncio.get_running_loop()
             hello = self._hellos[name] = loop.create_future()
-            where = f"this ingress replica's output socket {self._pull_address}"
+            address = self._channel(info["max_model_len"])
+            where = f"this ingress replica's output socket {address}"
+            # a new join: what the core sent before (an earlier join's outputs still on their way) is not taken
+            join = self._sessions[name] = Session()
             try:
-                intake = await core.connect.remote(self.client_id, self._channel(), self._push_key, name)
+                intake, limit = await core.connect.remote(self.client_id, address, self._push_key, name, join.id)
                 await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
                 # and the other way: a ping sent to its intake comes back as a second hello
                 where = f"its intake socket {intake} from this ingress replica"
                 hello = self._hellos[name] = loop.create_future()
-                self._open_intake(name, intake)
-                self._send_intake(self._intakes[name], ("ping", name))
+                self._open_intake(name, intake, limit)
+                self._send_intake(name, "ping", name)
                 await asyncio.wait_for(hello, self.CONNECT_TIMEOUT_S)
             except asyncio.TimeoutError:  # (tried again at the next listing)
                 logger.error("engine core %s: %s not reached in %.0f s (a firewall or network policy between the "
@@ -474,11 +482,15 @@ class EngineClient:
         intake = self._intakes.get(name)
         if intake is not None:
             try:
-                self._send_intake(intake, ("submit", [item[:4] for item in batch]))
-                return
+                over = self._send_intake(name, "submit", [item[:4] for item in batch])
             except Exception as e:  # noqa: BLE001 - (its socket was closed: the core was lost meanwhile)
                 self._resubmit(name, batch, e)
                 return
+            if over:  # (each alone larger than its intake takes: refused here, as the engine would refuse it)
+                rids = {entry[0] for entry in over}
+                refused = [item for item in batch if item[0] in rids]
+                self._answered(name, refused, [self._too_large(name, item) for item in refused])
+            return
         core = self._cores.get(name)
         try:
             if core is None:
@@ -580,14 +592,15 @@ class EngineClient:
             return
         if intake is not None:  # (after the submissions sent there: in order)
             try:
-                self._send_intake(intake, ("abort", rids))
+                self._send_intake(name, "abort", rids)
             except Exception as e:  # noqa: BLE001 - (the core was lost meanwhile: nothing left to abort)
                 logger.warning("aborting on engine core %s failed: %s", name, e)
             return
         core.abort.remote(rids)  # fire and forget: nothing to wait for
 
     # ---- the intake (push): submissions and aborts over ZMQ -----------------------------------------------------
-    def _open_intake(self, name: str, address: str) -> None:
+    def _open_intake(self, name: str, address: str, limit: int) -> None:
+        """A PUSH socket to core ``name``'s intake at ``address``, which takes messages of up to ``limit`` bytes."""
         import zmq
 
         sock = zmq.Context.instance().socket(zmq.PUSH)
@@ -595,18 +608,42 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
         self._close_intake(name)
-        self._intakes[name] = sock
+        self._intakes[name], self._intake_limits[name] = sock, limit
 
     def _close_intake(self, name: str) -> None:
         sock = self._intakes.pop(name, None)
+        self._intake_limits.pop(name, None)
         if sock is not None:
             sock.close()
 
-    def _send_intake(self, sock, message: tuple) -> None:
-        """On the event loop (the only user of the intake sockets): one signed message, this replica's id first."""
+    def _send_intake(self, name: str, kind: str, body) -> list:
+        """On the event loop (the only user of the intake sockets): ``(kind, body)`` to core ``name``'s intake,
+        signed in its join, this replica's id first; a submission's or abort's list in parts if one message would
+        exceed the intake's limit. Returns the entries of ``body`` that alone exceed it (not sent)."""
         import zmq
 
-        sock.send_multipart([self.client_id.encode("ascii"), signed(self._push_key, message)], zmq.NOBLOCK)
+        sock, join, key = self._intakes[name], self._sessions[name], self._push_key
+        sign = lambda m: join.signed(key, INTAKE, m)  # noqa: E731
+        if kind == "ping":
+            msgs, over = [sign((kind, body))], []
+        else:
+            msgs, over = packed(sign, body, self._intake_limits[name], lambda part: (kind, part))
+        client = self.client_id.encode("ascii")
+        for msg in msgs:
+            sock.send_multipart([client, msg], zmq.NOBLOCK)
+        return over
+
+    def _too_large(self, name: str, item: tuple) -> dict:
+        """The refusal of a request too large to send to core ``name`` (with a prompt over the context, the engine's
+        own; the intake's limit holds any other request the ingress's limits let through)."""
+        max_model_len = (self.info or {}).get("max_model_len")
+        if max_model_len is not None and len(item[1]) >= max_model_len:
+            return {"status": 400, "type": "invalid_request_error", "code": "context_length_exceeded",
+                    "param": "prompt", "message": f"this model's maximum context length is {max_model_len} tokens; "
+                                                  f"the prompt has {len(item[1])} tokens"}
+        return {"status": 400, "type": "invalid_request_error", "code": None, "param": None,
+                "message": f"the request is larger than the engine takes ({self._intake_limits.get(name)} bytes, "
+                           "from max_model_len and max_request_body_bytes)"}
 
     async def stats(self) -> dict:
         """One core's stats as they are; with several, each by its replica's name, the load summed, and the
@@ -623,9 +660,10 @@ class EngineClient:
         return {**total, **merge_step_time(per.values()), "replicas": per, "router": self.router.snapshot()}
 
     # ---- outputs -------------------------------------------------------------------------------------------------
-    def _channel(self) -> str:
+    def _channel(self, max_model_len: int) -> str:
         """(push) This replica's PULL socket's address, bound on the first call (tcp on this node's IP, a free
-        port, so cores on other nodes reach it), and the thread that reads it."""
+        port, so cores on other nodes reach it), and the thread that reads it. ``max_model_len``: the engine's
+        (its cores', one model's), which bounds their messages."""
         if self._pull is None:
             import ray
             import zmq
@@ -633,6 +671,9 @@ class EngineClient:
             sock = zmq.Context.instance().socket(zmq.PULL)
             sock.setsockopt(zmq.RCVHWM, 0)  # (the core never blocks on a full queue: it has no high-water mark)
             sock.setsockopt(zmq.LINGER, 0)
+            # anyone may send here, and a message is read whole before its MAC is checked: ZMQ drops (and
+            # disconnects a peer for) one larger than a request's largest output, the cores send more in parts
+            sock.setsockopt(zmq.MAXMSGSIZE, output_max_bytes(max_model_len))
             ip = ray.util.get_node_ip_address()
             port = sock.bind_to_random_port(f"tcp://{ip}")
             self._pull, self._pull_address = sock, f"tcp://{ip}:{port}"
@@ -658,7 +699,7 @@ class EngineClient:
                         return
                     logger.error("reading the engine's outputs failed: %s", e)
                     continue
-                batch, hellos, answers = [], [], []
+                messages = []
                 while True:
                     try:
                         msg = sock.recv(zmq.NOBLOCK, copy=True)
@@ -667,35 +708,52 @@ class EngineClient:
                     except zmq.ZMQError as e:
                         logger.error("reading the engine's outputs failed: %s", e)
                         break
-                    items = self._verified(msg)
-                    if type(items) is dict:  # a joining core's hello (it reaches this socket), or answers
-                        if "hello" in items:
-                            hellos.append(items["hello"])
-                        else:
-                            answers.append((items["core"], items["answers"]))
-                    elif items is not None:
-                        batch += items
-                try:
-                    for name in hellos:
-                        loop.call_soon_threadsafe(self._hello_came, name)
-                    for name, pairs in answers:  # (before the outputs read with them)
-                        loop.call_soon_threadsafe(self._answers_came, name, pairs)
-                    if batch:
-                        loop.call_soon_threadsafe(self._deliver, batch)
-                except RuntimeError:  # (the event loop closed: the replica is stopping)
-                    return
+                    got = self._verified(msg)
+                    if got is not None:
+                        messages.append(got)
+                if messages:
+                    try:
+                        loop.call_soon_threadsafe(self._received, messages)
+                    except RuntimeError:  # (the event loop closed: the replica is stopping)
+                        return
         finally:
             sock.close(linger=0)
 
     def _verified(self, msg: bytes):
-        """A pushed message's content, or None (logged) if a core did not sign it or it does not unpickle."""
+        """A pushed message as (session id, number, core name, content), or None (logged) if a core did not sign it
+        for this channel or it does not unpickle."""
         try:
-            return verified(self._push_key, msg)
+            session, number, (name, body) = verified(self._push_key, msg, OUTPUT)
+            return session, number, name, body
         except ValueError:
-            logger.error("a message on the output channel not signed by an engine core was dropped")
+            logger.error("a message on the output channel not signed for it by an engine core was dropped")
         except Exception:  # noqa: BLE001 - as a poll's answer: the next message is still read
             logger.exception("reading the engine's outputs failed")
         return None
+
+    def _received(self, messages: list[tuple]) -> None:
+        """On the event loop: what the reader took from the output channel since its last hand-off, in order. Each
+        message counts only as the next of its core's current join (not an earlier join's, not a replay); then a
+        hello (the core reaches this socket, or a ping came back), a submission's answers (before the outputs read
+        with them) or a step's outputs, which only the requests routed to that core take."""
+        hellos, answers, outputs = [], [], []
+        for session, number, name, body in messages:
+            join = self._sessions.get(name)
+            if join is None or not join.accepts(session, number):
+                logger.error("a message on the output channel from engine core %s of an earlier join, or taken "
+                             "before (a replay), was dropped", name)
+            elif type(body) is list:
+                outputs.append((name, body))
+            elif "hello" in body:
+                hellos.append(name)
+            else:
+                answers.append((name, body["answers"]))
+        for name in hellos:
+            self._hello_came(name)
+        for name, pairs in answers:
+            self._answers_came(name, pairs)
+        for name, items in outputs:
+            self._deliver(items, name)
 
     def _hello_came(self, name: str) -> None:
         hello = self._hellos.get(name)
@@ -755,12 +813,18 @@ class EngineClient:
                 loop.call_soon_threadsafe(self._lost, name, e, core)
                 return
             if items:
-                loop.call_soon_threadsafe(self._deliver, items)
+                loop.call_soon_threadsafe(self._deliver, items, name)
 
-    def _deliver(self, items: list[tuple]) -> None:
-        """On the event loop: each request its share of the steps."""
-        streams = self._streams
+    def _deliver(self, items: list[tuple], core: str | None = None) -> None:
+        """On the event loop: each request its share of the steps, from engine core ``core`` (None: no core's, a
+        stand-in's). A request takes only the outputs of the core it was routed to: another's (one it was taken from,
+        lost before it answered, that ran it after all) are dropped."""
+        streams, where = self._streams, self._where
+        strays = 0
         for item in items:
+            if core is not None and where.get(item[0]) != core:
+                strays += item[0] in where  # (one routed nowhere any more, ended or aborted here: dropped quietly)
+                continue
             if item[2] is not None:
                 self._ended(item[0])
                 # it ended before its submission's answer came (the core's loop pushed first): it was accepted
@@ -772,6 +836,9 @@ class EngineClient:
                 stream.put(item)
                 if item[2] is not None:
                     del streams[item[0]]
+        if strays:
+            logger.error("%d outputs from engine core %s for requests routed to another core were dropped", strays,
+                         core)
 
     def _lost(self, name: str, error: Exception, core=None) -> None:
         """A core died or vanished: the router forgets it, and its requests end with a 503."""

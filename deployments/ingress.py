@@ -36,6 +36,7 @@ from deployments.protocol import (
     ChunkFormat,
     CompletionRequest,
     SamplingFields,
+    error_param,
     error_response,
     logprobs_body,
     prompt_logprobs_body,
@@ -277,11 +278,12 @@ app.add_middleware(_Authenticate)  # (added last: runs first, before any byte of
 
 
 @app.exception_handler(RequestValidationError)
-async def _validation_error(_: Request, e: RequestValidationError):
+async def _validation_error(request: Request, e: RequestValidationError):
     first = e.errors()[0] if e.errors() else {}
     if first.get("type") == "json_invalid":
         return error_response(400, f"the body is not valid JSON: {first.get('msg', '')}", "invalid_request_error")
-    loc = ".".join(str(x) for x in first.get("loc", [])[1:]) or None
+    route = _StreamedRoute.HANDLERS.get(_route_path(request.scope))  # (the body's model, where the route has one)
+    loc = error_param(route[1] if route else None, first.get("loc", [])[1:])
     # the message names the field, never echoes its value (it may be megabytes)
     return error_response(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else
                           first.get("msg", "invalid request"), "invalid_request_error", loc)

@@ -2,6 +2,8 @@
 object of a response, and the error body."""
 
 import json
+import types
+import typing
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
@@ -19,6 +21,31 @@ class APIError(Exception):
 def error_response(status: int, message: str, type_: str, param=None, code=None) -> JSONResponse:
     return JSONResponse(status_code=status,
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def error_param(model: type[BaseModel] | None, loc) -> str | None:
+    """The parameter that a validation error of ``model`` at pydantic's ``loc`` (the body's part) names: the path of
+    fields and indices, up to a union-typed field. Past one, pydantic's location names the member type it tried
+    (``guided_json.str`` for a number given as ``guided_json``), which is no parameter; which member the client meant
+    is unknown, so the union field is named."""
+    path, tp = [], model
+    for part in loc:
+        if tp is not None:
+            if typing.get_origin(tp) in (typing.Union, types.UnionType):
+                members = [a for a in typing.get_args(tp) if a is not type(None)]
+                if len(members) > 1:
+                    break
+                tp = members[0]
+            origin, args = typing.get_origin(tp), typing.get_args(tp)
+            if isinstance(tp, type) and issubclass(tp, BaseModel):
+                field = tp.model_fields.get(part) if isinstance(part, str) else None
+                tp = field.annotation if field is not None else None
+            elif origin in (list, tuple, dict) and args:
+                tp = args[-1] if origin is dict else args[0]
+            else:
+                tp = None  # (below a type it does not walk: the rest as pydantic gives it)
+        path.append(str(part))
+    return ".".join(path) or None
 
 
 class StreamOptions(BaseModel):

@@ -34,7 +34,8 @@ from collections import defaultdict, deque
 from deployments.engine import GcTimer, tune_gc_for_steps
 from deployments.engine.engine import Engine, LocalExecutor, freeze_startup_heap
 from deployments.engine.request import InvalidRequest, RequestOutput, SamplingParams
-from deployments.engine.signing import signed, verified
+from deployments.engine.signing import (DEFAULT_MAX_REQUEST_BODY_BYTES, INTAKE, OUTPUT, Session,
+                                        intake_max_bytes, output_max_bytes, packed, verified)
 from workers.config import EngineConfig
 
 logger = logging.getLogger("specserve")
@@ -90,9 +91,11 @@ class EngineCore:
     SLOW_STEP_S = 0.05
     LOG_STEP_S = 1.0
 
-    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = ""):
+    def __init__(self, cfg: EngineConfig, model_id: str, engine: Engine | None = None, replica: str = "",
+                 max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES):
         """Starts the workers and the engine (or drives ``engine``, one made by the caller without detokenizing).
-        ``replica``: the engine deployment's replica this core serves (data parallel), in its stats and metrics."""
+        ``replica``: the engine deployment's replica this core serves (data parallel), in its stats and metrics.
+        ``max_request_body_bytes``: the ingress's limit (LLMConfig's), which bounds what its submissions carry."""
         from deployments.engine.executor import RayExecutor
         from deployments.engine.metrics import EngineMetrics
 
@@ -109,6 +112,9 @@ class EngineCore:
         else:
             self.gc_timer = None
         self.engine = engine
+        # the ZMQ channels' message limits (signing.py): the intake's, and each push client's output socket's
+        self._intake_limit = intake_max_bytes(engine.max_model_len, max_request_body_bytes)
+        self._output_limit = output_max_bytes(engine.max_model_len)
         self.cold_start_s = time.time() - t0
         self._lock = threading.Lock()  # guards what the threads share below; never held across a step
         self._output_ready = threading.Condition(self._lock)
@@ -123,7 +129,10 @@ class EngineCore:
         self._pushers: dict[str, object] = {}
         self._push_address: dict[str, str] = {}
         self._push_keys: dict[str, bytes] = {}
-        self._push_names: dict[str, str] = {}  # client -> what it calls this core (its hello), sent with answers
+        self._push_names: dict[str, str] = {}  # client -> what it calls this core (its hello), in every message
+        # client -> its current join (signing.Session): what the core signs is numbered in it, and the intake takes
+        # only that join's messages, each once (the intake thread alone counts them)
+        self._push_sessions: dict[str, Session] = {}
         self._send_lock = threading.Lock()
         self._zmq = None  # the ZMQ context, made by the first ``connect``
         # the intake: a PULL socket every push client sends its submissions and aborts to, bound by the first
@@ -197,34 +206,41 @@ class EngineCore:
             self._aborts.extend(rids)
         self._wake.set()
 
-    def connect(self, client: str, address: str, key: bytes, hello: str) -> str:
+    def connect(self, client: str, address: str, key: bytes, hello: str, session: bytes) -> tuple[str, int]:
         """Push ``client``'s outputs to its PULL socket at ``address`` (tcp://ip:port) from now on: one message per
-        step, a pickled list of ``pack_output`` tuples (oldest first) behind its HMAC-SHA256 under ``key`` (the
-        client unpickles only what the core signed: anyone on the network can reach its port). First comes
-        ``{"hello": hello}``, which tells the client that this core reaches its socket. Again with the same address:
-        the same socket, a new hello. Returns the intake's address, where the client may send ``(kind, body)``
-        messages signed with the same key (``_intake_loop``) instead of calling ``submit`` and ``abort``."""
+        step (in parts if it would exceed the socket's limit, ``output_max_bytes``), a pickled list of
+        ``pack_output`` tuples (oldest first) as ``(hello, list)`` behind its HMAC-SHA256 under ``key`` (the client
+        unpickles only what the core signed: anyone on the network can reach its port), in the join ``session`` (an
+        id the client made for this call: see signing.py). First comes ``{"hello": hello}``, which tells the client
+        that this core reaches its socket. Again with the same address: the same socket, a new session and hello.
+        Returns the intake's address, where the client may send ``(kind, body)`` messages signed with the same key in
+        the same session (``_intake_loop``) instead of calling ``submit`` and ``abort``, and their size limit."""
         import zmq
 
         if self._stop:  # (a stopping replica: the client joins another core)
             raise EngineStopped("this engine replica is stopping")
         with self._send_lock:
             old = self._pushers.get(client)
+            old_session = self._push_sessions.get(client)
+            if old_session is not None:  # (the intake thread may hold it: none of its messages is taken from now on)
+                old_session.id = b""
+            join = self._push_sessions[client] = Session(session)
             self._push_keys[client], self._push_names[client] = key, hello
             if self._zmq is None:
                 self._zmq = zmq.Context(io_threads=1)
             if self._intake is None:
                 self._bind_intake(zmq)
+            answer = self._intake_address, self._intake_limit
             if old is not None and self._push_address.get(client) == address:
-                old.send(signed(key, {"hello": hello}), zmq.NOBLOCK)
-                return self._intake_address
+                old.send(join.signed(key, OUTPUT, (hello, {"hello": hello})), zmq.NOBLOCK)
+                return answer
             sock = self._zmq.socket(zmq.PUSH)
             # never block the loop: no high-water mark (a client that stops reading is dropped after
             # CLIENT_TIMEOUT_S with its queue), and nothing kept once closed
             sock.setsockopt(zmq.SNDHWM, 0)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(address)
-            sock.send(signed(key, {"hello": hello}), zmq.NOBLOCK)
+            sock.send(join.signed(key, OUTPUT, (hello, {"hello": hello})), zmq.NOBLOCK)
             if old is not None:
                 old.close()
             self._push_address[client] = address
@@ -233,8 +249,9 @@ class EngineCore:
                 self._last_poll[client] = time.monotonic()
                 pending = self._outbox.pop(client, None)  # (outputs queued for it before: none in practice)
             if pending:
-                sock.send(signed(key, pending), zmq.NOBLOCK)
-        return self._intake_address
+                for msg in self._messages(client, pending):
+                    sock.send(msg, zmq.NOBLOCK)
+        return answer
 
     def _bind_intake(self, zmq) -> None:
         """(under _send_lock) The intake's PULL socket, on this node's IP at a free port (ingress replicas on other
@@ -244,16 +261,20 @@ class EngineCore:
         sock = self._zmq.socket(zmq.PULL)
         sock.setsockopt(zmq.RCVHWM, 0)  # (the clients' sockets never block: no high-water mark either side)
         sock.setsockopt(zmq.LINGER, 0)
+        # anyone may send here, and a message is read whole before its MAC is checked: ZMQ drops (and disconnects a
+        # peer for) one larger than any request the engine could accept; clients send larger submissions in parts
+        sock.setsockopt(zmq.MAXMSGSIZE, self._intake_limit)
         ip = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
         port = sock.bind_to_random_port(f"tcp://{ip}")
         self._intake, self._intake_address = sock, f"tcp://{ip}:{port}"
         threading.Thread(target=self._intake_loop, args=(sock,), name="engine-intake", daemon=True).start()
 
     def _intake_loop(self, sock) -> None:
-        """A thread: each intake message, checked against its client's key, taken as that client's ``submit`` (the
-        answers pushed back to it at once, as ``{"answers": [(rid, answer), ...], "core": its hello}``) or ``abort``,
-        or answered (``ping``: a ``{"hello": ...}`` back, which tells a joining client its messages arrive). A message
-        from a client not connected, or not signed by it, is dropped (logged)."""
+        """A thread: each intake message, checked against its client's key and join, taken as that client's
+        ``submit`` (the answers pushed back to it at once, as ``{"answers": [(rid, answer), ...]}``) or ``abort``, or
+        answered (``ping``: a ``{"hello": ...}`` back, which tells a joining client its messages arrive). A message
+        from a client not connected, not signed by it for the intake, of another join or taken before (a replay) is
+        dropped (logged)."""
         import zmq
 
         try:
@@ -274,15 +295,20 @@ class EngineCore:
                     continue
                 client = frames[0].decode("ascii", "replace")
                 try:
-                    kind, body = verified(self._push_keys.get(client), frames[1])
+                    session, number, (kind, body) = verified(self._push_keys.get(client), frames[1], INTAKE)
                 except Exception:  # noqa: BLE001 - (not unpickled unless signed)
-                    logger.error("an intake message not signed by a connected ingress replica was dropped")
+                    logger.error("an intake message not signed for the intake by a connected ingress replica was "
+                                 "dropped")
+                    continue
+                join = self._push_sessions.get(client)
+                if join is None or not join.accepts(session, number):
+                    logger.error("an intake message of ingress replica %s from an earlier join, or taken before (a "
+                                 "replay), was dropped", client)
                     continue
                 try:
                     if kind == "submit":
                         answers = self.submit(client, body)
-                        self._send(client, {"answers": [(item[0], a) for item, a in zip(body, answers)],
-                                            "core": self._push_names.get(client)})
+                        self._send(client, {"answers": [(item[0], a) for item, a in zip(body, answers)]})
                     elif kind == "abort":
                         self.abort(body)
                     elif kind == "ping":  # (a joining client: its messages reach the intake)
@@ -292,14 +318,38 @@ class EngineCore:
         finally:
             sock.close(linger=0)
 
-    def _send(self, client: str, message) -> None:
-        """One message to a push client, if it is still connected."""
+    def _send(self, client: str, message: dict) -> None:
+        """``{"answers": ...}`` or ``{"hello": ...}`` to a push client, if it is still connected."""
         import zmq
 
         with self._send_lock:
-            sock, key = self._pushers.get(client), self._push_keys.get(client)
-            if sock is not None and key is not None:
-                sock.send(signed(key, message), zmq.NOBLOCK)
+            sock = self._pushers.get(client)
+            if sock is None or client not in self._push_sessions:
+                return
+            if "answers" in message:
+                msgs = self._messages(client, message["answers"], answers=True)
+            else:
+                name = self._push_names[client]
+                msgs = [self._push_sessions[client].signed(self._push_keys[client], OUTPUT, (name, message))]
+            for msg in msgs:
+                sock.send(msg, zmq.NOBLOCK)
+
+    def _messages(self, client: str, items: list, answers: bool = False) -> list:
+        """(under _send_lock) ``items`` (outputs, or answers as (rid, answer) pairs) as ``client``'s next signed
+        messages, each with this core's name and within its socket's limit: one, or in parts (a step's outputs for
+        many requests with their prompts' logprobs). An item over the limit alone (none within the engine's limits)
+        ends its request with an error instead."""
+        join, key, name = self._push_sessions[client], self._push_keys[client], self._push_names[client]
+        sign = lambda m: join.signed(key, OUTPUT, m)  # noqa: E731
+        wrap = (lambda part: (name, {"answers": part})) if answers else (lambda part: (name, part))
+        msgs, over = packed(sign, items, self._output_limit, wrap)
+        if over:
+            error = f"the engine's answer exceeded the output channel's limit ({self._output_limit} bytes)"
+            logger.error("%d %s: %s", len(over), "answers" if answers else "outputs", error)
+            msgs += packed(sign, [(item[0], {"status": 500, "type": "server_error", "message": error, "code": None})
+                                  if answers else (item[0], [], "error", None, None, {"error": error, "status": 500})
+                                  for item in over], self._output_limit, wrap)[0]
+        return msgs
 
     def disconnect(self, client: str) -> None:
         """The client's replica is stopping: its push channel closed now (not after CLIENT_TIMEOUT_S), whatever it
@@ -394,6 +444,7 @@ class EngineCore:
             self._push_address.clear()
             self._push_keys.clear()
             self._push_names.clear()
+            self._push_sessions.clear()
             context, self._zmq = self._zmq, None
         # (not under _send_lock: term waits for the intake's socket, whose thread may wait for that lock to answer)
         if context is not None:
@@ -484,11 +535,11 @@ class EngineCore:
 
         with self._send_lock:
             with self._lock:
-                batches = [(sock, self._push_keys[c], self._outbox.pop(c)) for c, sock in self._pushers.items()
-                           if self._outbox.get(c)]
-            for sock, key, items in batches:
+                batches = [(c, sock, self._outbox.pop(c)) for c, sock in self._pushers.items() if self._outbox.get(c)]
+            for client, sock, items in batches:
                 try:
-                    sock.send(signed(key, items), zmq.NOBLOCK)
+                    for msg in self._messages(client, items):
+                        sock.send(msg, zmq.NOBLOCK)
                 except zmq.ZMQError as e:  # (no high-water mark: only a closed socket raises)
                     logger.warning("pushing outputs to an ingress replica failed: %s", e)
 
@@ -599,6 +650,9 @@ class EngineCore:
                 self._push_address.pop(c, None)
                 self._push_keys.pop(c, None)
                 self._push_names.pop(c, None)
+                join = self._push_sessions.pop(c, None)
+                if join is not None:  # (the intake thread may hold it)
+                    join.id = b""
                 if sock is not None:
                     sock.close()
         self.abort(rids)

@@ -235,10 +235,9 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     """A client that connected gets its outputs pushed (one pickled list per step, oldest first, signed with its
     key) and none in its poll; one that then stops calling heartbeat is dropped after CLIENT_TIMEOUT_S, its socket
     closed."""
-    import hmac
-    import pickle
-
     import zmq
+
+    from deployments.engine.signing import OUTPUT, Session, verified
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -246,10 +245,11 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
     try:
         key = b"k" * 32
         for _ in range(2):  # (the second: a rejoin, the same socket stays)
-            core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+            join = Session()
+            core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a", join.id)
             assert pull.poll(30_000), "no hello"
-            msg = pull.recv()
-            assert msg[:32] == hmac.digest(key, msg[32:], "sha256") and pickle.loads(msg[32:]) == {"hello": "core-a"}
+            session, number, message = verified(key, pull.recv(), OUTPUT)
+            assert join.accepts(session, number) and message == ("core-a", {"hello": "core-a"})
         assert len(core._pushers) == 1
         rids = {"a", "b"}
         assert core.submit("p", [(rid, [5, 6, 7], GREEDY, time.time()) for rid in sorted(rids)]) == [None, None]
@@ -257,9 +257,8 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
         messages = 0
         while rids:
             assert pull.poll(30_000), "no message"
-            msg = pull.recv()
-            assert msg[:32] == hmac.digest(key, msg[32:], "sha256")
-            items = pickle.loads(msg[32:])
+            session, number, (name, items) = verified(key, pull.recv(), OUTPUT)
+            assert join.accepts(session, number) and name == "core-a"
             messages += 1
             assert len({rid for rid, *_ in items}) == len(items)  # one step: each request once
             for rid, ids, reason, *_ in items:
@@ -278,7 +277,7 @@ def test_push_channel_sends_each_step_as_one_message_in_order(core):
             time.sleep(0.01)
         assert not core._pushers  # gone: its socket closed
         core.CLIENT_TIMEOUT_S = 60.0
-        core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+        core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a", Session().id)
         assert core._pushers and core.submit("p", [("c", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())])
         core.disconnect("p")  # (its replica stops): closed at once, its request aborted
         assert not core._pushers and "p" not in core._last_poll
@@ -305,7 +304,7 @@ def test_a_push_client_the_core_dropped_is_told_and_its_streams_end(core):
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
-        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c", bytes(16))
         assert core.heartbeat("p", 0.0) is True
         assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
         core.CLIENT_TIMEOUT_S = 0.05
@@ -350,7 +349,7 @@ def test_a_disconnected_push_client_leaves_no_outputs_behind(core):
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     try:
-        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c")
+        core.connect("p", f"tcp://127.0.0.1:{port}", b"k" * 32, "c", bytes(16))
         assert core.submit("p", [("r", [5, 6, 7], dict(GREEDY, max_tokens=200), time.time())]) == [None]
         while core.engine.num_steps < 3:  # (mid-stream: a step in flight when it leaves)
             time.sleep(0.001)
@@ -420,7 +419,7 @@ def test_submissions_and_aborts_travel_over_the_cores_intake(core):
 
     import zmq
 
-    from deployments.engine.signing import signed
+    from deployments.engine.signing import INTAKE, signed
     from deployments.engine_client import EngineClient
 
     class Stream:  # what the output channel hands a request's stream
@@ -438,12 +437,11 @@ def test_submissions_and_aborts_travel_over_the_cores_intake(core):
 
     async def run():
         client = EngineClient(None, "tiny", output_channel="push")
-        intake = await asyncio.to_thread(core.connect, client.client_id, client._channel(), client._push_key, "c")
+        intake = await _join_over_intake(client, core, "c", routed=False)
         assert intake.startswith("tcp://")
-        client._open_intake("c", intake)
         # a joining client's ping over the intake comes back as a hello on its output channel
         pong = client._hellos["c"] = asyncio.get_running_loop().create_future()
-        client._send_intake(client._intakes["c"], ("ping", "c"))
+        client._send_intake("c", "ping", "c")
         await asyncio.wait_for(pong, 30)
         client._cores["c"] = object()  # (no Ray call is made on the handle over the intake)
         client.router.add_replica("c")
@@ -473,17 +471,14 @@ def test_submissions_and_aborts_travel_over_the_cores_intake(core):
         forged = zmq.Context.instance().socket(zmq.PUSH)
         forged.connect(intake)
         accepted = core.num_accepted
-        forged.send_multipart([client.client_id.encode(), signed(b"x" * 32, ("submit", [("f", [5], GREEDY, 0.0)]))])
+        forged.send_multipart([client.client_id.encode(), signed(b"x" * 32, INTAKE, client._sessions["c"].id, 1 << 40,
+                                                                 ("submit", [("f", [5], GREEDY, 0.0)]))])
         await asyncio.sleep(0.3)
         forged.close(linger=0)
         assert core.num_accepted == accepted and "f" not in core._owner
 
         # a core lost before it answered: its unanswered requests go to the one left
-        dead = zmq.Context.instance().socket(zmq.PUSH)
-        dead.setsockopt(zmq.LINGER, 0)
-        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
-        client._intakes["dead"], client._cores["dead"] = dead, object()
-        client.router.add_replica("dead")
+        _dead_core(client, "dead")
         client.router.remove_replica("c")  # (so that the router picks the dead one)
         moved = route("moved", [5, 6, 7], GREEDY)
         await asyncio.sleep(0.05)
@@ -504,15 +499,37 @@ def _intake_client():
     return EngineClient(None, "tiny", output_channel="push")
 
 
-async def _join_over_intake(client, core, name: str) -> None:
+async def _join_over_intake(client, core, name: str, routed: bool = True) -> str:
     """``client`` joined to ``core`` as ``name`` over the push channel and the intake, as ``_join`` joins it, less
-    the Ray calls (no heartbeat: the test says when a core is lost)."""
+    the Ray calls (no heartbeat: the test says when a core is lost; ``routed``: and routed to). Returns the intake's
+    address."""
     import asyncio
 
-    intake = await asyncio.to_thread(core.connect, client.client_id, client._channel(), client._push_key, name)
-    client._open_intake(name, intake)
-    client._cores[name] = object()  # (no Ray call is made on the handle over the intake)
+    from deployments.engine.signing import Session
+
+    join = client._sessions[name] = Session()
+    intake, limit = await asyncio.to_thread(core.connect, client.client_id, client._channel(core.engine.max_model_len),
+                                            client._push_key, name, join.id)
+    client._open_intake(name, intake, limit)
+    if routed:
+        client._cores[name] = object()  # (no Ray call is made on the handle over the intake)
+        client.router.add_replica(name)
+    return intake
+
+
+def _dead_core(client, name: str):
+    """A core joined to ``client`` whose intake nobody reads (it died), routed to."""
+    import zmq
+
+    from deployments.engine.signing import Session
+
+    dead = zmq.Context.instance().socket(zmq.PUSH)
+    dead.setsockopt(zmq.LINGER, 0)
+    dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
+    client._intakes[name], client._intake_limits[name], client._cores[name] = dead, 1 << 20, object()
+    client._sessions[name] = Session()
     client.router.add_replica(name)
+    return dead
 
 
 def _routed(client, rid: str, ids, params):
@@ -551,27 +568,26 @@ def test_the_intake_outlives_a_message_of_the_wrong_shape(core):
     """Anyone on the network reaches the intake's port: a message that is not (client id, signed body), one frame or
     three, is dropped and the intake thread still takes the next submission (a dead intake thread would leave every
     later submission unanswered, its request waiting forever)."""
-    import pickle
-
     import zmq
 
-    from deployments.engine.signing import signed
+    from deployments.engine.signing import INTAKE, OUTPUT, signed, verified
 
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     push = ctx.socket(zmq.PUSH)
     try:
-        key = b"k" * 32
-        intake = core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a")
+        key, session = b"k" * 32, b"s" * 16
+        intake, _ = core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a", session)
         assert pull.poll(30_000), "no hello"
         pull.recv()
         push.connect(intake)
         push.send(b"one frame")
         push.send_multipart([b"p", b"two", b"three"])
-        push.send_multipart([b"p", signed(key, ("submit", [("r", [5, 6, 7], GREEDY, time.time())]))])
+        submission = ("submit", [("r", [5, 6, 7], GREEDY, time.time())])
+        push.send_multipart([b"p", signed(key, INTAKE, session, 1, submission)])
         assert pull.poll(30_000), "the submission after the malformed messages was never answered"
-        assert pickle.loads(pull.recv()[32:]) == {"answers": [("r", None)], "core": "core-a"}
+        assert verified(key, pull.recv(), OUTPUT)[2] == ("core-a", {"answers": [("r", None)]})
     finally:
         push.close(linger=0)
         pull.close(linger=0)
@@ -651,17 +667,11 @@ def test_a_batch_not_yet_sent_when_its_core_is_lost_goes_to_another_core_once(co
     once (not once by ``_lost`` and again by the failed send)."""
     import asyncio
 
-    import zmq
-
     async def run():
         errors = _loop_errors()
         client = _intake_client()
         await _join_over_intake(client, core, "c")
-        dead = zmq.Context.instance().socket(zmq.PUSH)
-        dead.setsockopt(zmq.LINGER, 0)
-        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
-        client._intakes["dead"], client._cores["dead"] = dead, object()
-        client.router.add_replica("dead")
+        _dead_core(client, "dead")
         client.router.remove_replica("c")
         done, stream = _routed(client, "r", [5, 6, 7], GREEDY)
         client.router.add_replica("c")
@@ -683,16 +693,10 @@ def test_a_request_whose_client_left_is_dropped_when_its_core_is_lost(core):
     still answered."""
     import asyncio
 
-    import zmq
-
     async def run():
         errors = _loop_errors()
         client = _intake_client()
-        dead = zmq.Context.instance().socket(zmq.PUSH)
-        dead.setsockopt(zmq.LINGER, 0)
-        dead.connect("tcp://127.0.0.1:9")  # (nobody reads there)
-        client._intakes["dead"], client._cores["dead"] = dead, object()
-        client.router.add_replica("dead")
+        _dead_core(client, "dead")
         left, _ = _routed(client, "left", [5, 6, 7], GREEDY)
         stays, _ = _routed(client, "stays", [5, 6, 7], GREEDY)
         await asyncio.sleep(0.05)
@@ -789,7 +793,7 @@ def test_shutdown_ends_while_the_intake_is_answering(tiny_models):
 
     import zmq
 
-    from deployments.engine.signing import signed
+    from deployments.engine.signing import INTAKE, signed
 
     cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
                        max_num_seqs=8, max_queue_len=8)
@@ -809,8 +813,9 @@ def test_shutdown_ends_while_the_intake_is_answering(tiny_models):
     core._send = gated
     try:
         key = b"k" * 32
-        push.connect(core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a"))
-        push.send_multipart([b"p", signed(key, ("submit", [("r", [5, 6, 7], GREEDY, time.time())]))])
+        push.connect(core.connect("p", f"tcp://127.0.0.1:{port}", key, "core-a", b"s" * 16)[0])
+        submission = ("submit", [("r", [5, 6, 7], GREEDY, time.time())])
+        push.send_multipart([b"p", signed(key, INTAKE, b"s" * 16, 1, submission)])
         assert reached.wait(30), "the submission never reached the intake thread"
         stopping = threading.Thread(target=core.shutdown, daemon=True)
         stopping.start()

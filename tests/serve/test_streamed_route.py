@@ -147,6 +147,25 @@ def test_refusals_are_the_same_openai_errors(served, path, body, param):
     assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error", (status, err)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {**STREAM, "prompt": "x", "guided_json": 5}, "guided_json"),
+    ("/v1/completions", {**STREAM, "prompt": [5, "a"]}, "prompt"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "stop": 5}, "stop"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "stop": ["a", 5]}, "stop"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "tool_choice": 5}, "tool_choice"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "structured_outputs": 5}, "structured_outputs"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "response_format": 5}, "response_format"),
+    ("/v1/chat/completions", {**STREAM, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ("/v1/chat/completions", {**STREAM, "messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
+])
+def test_a_refused_union_field_is_named_not_its_member_type(served, path, body, param):
+    """Pydantic's location of an error in a union-typed field ends with the member type it tried (guided_json.str):
+    the error names the field (the path down to it), which is the parameter the client sent."""
+    status, out, *_ = _same(served, path, body)
+    err = json.loads(out)["error"]
+    assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error", (status, err)
+
+
 @pytest.mark.parametrize("path,body,headers", [
     ("/v1/completions", b'{"prompt": [5], "stream": tru', None),  # not JSON
     ("/v1/completions", b'[1, 2]', None),  # not an object
