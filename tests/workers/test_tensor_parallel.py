@@ -1,4 +1,4 @@
-"""Tensor parallelism over Ray worker actors with gloo (CPU): greedy tokens with TP=2 equal TP=1."""
+"""Tensor parallelism over Ray worker actors with gloo (CPU): greedy tokens with TP=2 and TP=4 equal TP=1."""
 
 from __future__ import annotations
 
@@ -73,6 +73,18 @@ def test_tp2_equals_tp1(ray_cluster, tp_models, reference, spec):
     else:  # TP=1 through the Ray executor too (with speculation, the executor's path is the same one)
         assert run(tp_models, 1, sc) == reference
     assert run(tp_models, 2, sc) == reference
+
+
+@pytest.mark.parametrize("spec", [
+    None,
+    {"method": "eagle3", "num_steps": 2, "topk": 2, "num_draft_tokens": 4},
+    {"method": "draft", "num_steps": 2, "draft_tensor_parallel_size": 4},
+], ids=["plain", "eagle3-tree", "draft-tp4"])
+def test_tp4_equals_tp1(ray_cluster, tp_models, reference, spec):
+    """Four ranks: one query head each, the target's single KV head (and the draft's two) replicated on every rank,
+    the vocabulary's 509 rows in padded shards of 128."""
+    sc = None if spec is None else SpeculativeConfig(model=str(tp_models[spec["method"]]), **spec)
+    assert run(tp_models, 4, sc) == reference
 
 
 def test_tp2_forced_depths_equal_tp1(ray_cluster, tp_models, reference):
