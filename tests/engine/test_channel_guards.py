@@ -109,6 +109,29 @@ def test_the_limits_hold_the_largest_legitimate_messages():
     assert size <= intake_max_bytes(n, body_limit) and size > 2.5 * body_limit, size
 
 
+@pytest.mark.parametrize("schema", [
+    '{"type": "string", "description": "' + "\x7f" * ((1 << 20) - 200) + '"}',  # (json.dumps: \u007f, 6 bytes)
+    '{"enum": [' + ",".join(["1e15"] * (((1 << 20) - 200) // 5)) + ']}',  # (1000000000000000.0, 18 bytes)
+], ids=["DEL characters", "numbers"])
+@pytest.mark.parametrize("field", ["guided_json", "response_format"])
+def test_a_schema_that_json_dumps_expands_most_still_fits_the_intake(schema, field):
+    """A body at the body limit whose schema json.dumps rewrites largest (a DEL character escaped 6x, 1e15 written
+    out 4x) still fits intake_max_bytes: the ingress would otherwise refuse it as larger than the engine takes."""
+    from deployments.protocol import CompletionRequest
+
+    body_limit = 1 << 20
+    if field == "response_format":
+        schema = '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + schema + '}}'
+    body = ('{"prompt": "a", "' + field + '": ' + schema + '}').encode()
+    assert len(body) <= body_limit
+    req = CompletionRequest.model_validate_json(body)
+    params = dict(req.sampling_params(16, {}, False), guided=req.guided_spec())
+    entry = ("cmpl-" + "f" * 32, [2**31 - 1] * 2047, params, time.time())
+    size = len(signed(KEY, INTAKE, bytes(16), 1, ("submit", [entry])))
+    assert size > 3.5 * body_limit, size  # (the rewrite is as large as claimed: not vacuous)
+    assert size <= intake_max_bytes(2048, body_limit), (size, intake_max_bytes(2048, body_limit))
+
+
 # ---- the intake (replica -> core) ----------------------------------------------------------------------------
 def test_the_intake_takes_each_message_of_a_clients_current_join_once(core):
     """A submission captured and sent again (a replay), an output message sent to the intake (signed the other
