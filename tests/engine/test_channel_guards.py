@@ -358,3 +358,30 @@ def test_a_step_whose_outputs_exceed_the_output_channels_limit_comes_in_parts(co
         client.close()
 
     asyncio.run(run())
+
+
+def test_a_refusal_that_quotes_a_large_value_still_comes_back_as_a_400(core):
+    """A schema the grammar engine refuses with a message quoting it (xgrammar's 'Unsupported type "..."'), larger
+    than the output channel takes: the request still gets its 400 naming the field, with the reason cut short, not a
+    500 that says the engine's answer was too large for the channel."""
+    import json
+
+    from deployments.engine.grammar import GuidedSpec
+
+    schema = json.dumps({"type": "nosuch" * 40000})  # (240 KB, over output_max_bytes(256))
+    assert len(schema) > output_max_bytes(256)
+
+    async def run():
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        params = dict(GREEDY, guided=GuidedSpec("json_schema", schema, "guided_json"))
+        bad, _ = _routed(client, "bad", [5, 6, 7], params)
+        ok, _ = _routed(client, "ok", [5, 6, 7], GREEDY)
+        answers = await asyncio.wait_for(asyncio.gather(bad, ok), 60)
+        client.close()
+        return answers
+
+    bad, ok = asyncio.run(run())
+    assert ok is None
+    assert (bad["status"], bad["type"], bad["param"]) == (400, "invalid_request_error", "guided_json"), bad
+    assert 'Unsupported type "nosuch' in bad["message"] and len(bad["message"]) <= 2000, bad["message"][:300]
