@@ -470,8 +470,11 @@ class OpenAIIngress:
     def _check_model(self, model: str | None) -> None:
         served = self.default if model is None else self.models.get(model)
         if served is None:
-            # (the name as JSON escapes it: a lone surrogate in it must not break the answer)
-            raise APIError(404, f"The model {json.dumps(model)} does not exist. Available: "
+            # (the name as JSON escapes it: a lone surrogate in it must not break the answer; cut, as it may be
+            # megabytes)
+            shown = json.dumps(model)
+            shown = shown if len(shown) <= 80 else shown[:80] + '..."'
+            raise APIError(404, f"The model {shown} does not exist. Available: "
                            f"{', '.join(self.models)}", "invalid_request_error", "model", "model_not_found")
         rayllm.CURRENT_MODEL.set(served)
 

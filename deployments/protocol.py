@@ -23,6 +23,13 @@ def error_response(status: int, message: str, type_: str, param=None, code=None)
                         content={"error": {"message": message, "type": type_, "param": param, "code": code}})
 
 
+def quoted(value, limit: int = 40) -> str:
+    """``value`` as an error message shows it: its repr, cut to ``limit`` characters (a client's value may be
+    megabytes, which the error body would otherwise carry back)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def error_param(model: type[BaseModel] | None, loc) -> str | None:
     """The parameter that a validation error of ``model`` at pydantic's ``loc`` (the body's part) names: the path of
     fields and indices, up to a union-typed field. Past one, pydantic's location names the member type it tried
@@ -133,7 +140,7 @@ class SamplingFields(BaseModel):
                                    param="response_format")
                 found.append(GuidedSpec("json_schema", json.dumps(schema), "response_format"))
             else:
-                raise APIError(400, f"response_format type {kind!r} is not supported (text, json_object, "
+                raise APIError(400, f"response_format type {quoted(kind)} is not supported (text, json_object, "
                                "json_schema)", param="response_format")
         if self.guided_json is not None:
             gj = self.guided_json
@@ -257,7 +264,8 @@ def message_text(content) -> str:
         if not isinstance(part, dict):
             raise APIError(400, "a message's content parts must be objects", param="messages")
         if part.get("type") != "text":
-            raise APIError(400, f"unsupported content part type {part.get('type')!r}: only text", param="messages")
+            raise APIError(400, f"unsupported content part type {quoted(part.get('type'))}: only text",
+                           param="messages")
         text = part.get("text", "")
         if not isinstance(text, str):
             raise APIError(400, "a text content part's text must be a string", param="messages")

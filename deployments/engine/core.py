@@ -49,14 +49,22 @@ class Draining(EngineStopped):
     """The engine's replica is being stopped (scaled down): it finishes what it runs and takes nothing new."""
 
 
+# a refusal's message is cut to this many characters: one may quote the client's value (the grammar engine's reason
+# for a schema), megabytes that the answer's output message could not carry (signing.output_max_bytes)
+MAX_REFUSAL_CHARS = 1000
+
+
 def refusal(e: Exception) -> dict:
     """A refused request's answer: an OpenAI error's fields and the HTTP status."""
+    message = str(e)
+    if len(message) > MAX_REFUSAL_CHARS:
+        message = f"{message[:MAX_REFUSAL_CHARS]}... ({len(message)} characters, cut)"
     if isinstance(e, InvalidRequest):
-        code = e.code or ("context_length_exceeded" if "context length" in str(e) else None)
-        return {"status": 400, "type": "invalid_request_error", "message": str(e), "code": code, "param": e.param}
+        code = e.code or ("context_length_exceeded" if "context length" in message else None)
+        return {"status": 400, "type": "invalid_request_error", "message": message, "code": code, "param": e.param}
     if isinstance(e, OverflowError):
-        return {"status": 503, "type": "server_overloaded", "message": str(e), "code": None}
-    return {"status": 503, "type": "server_unavailable", "message": str(e),
+        return {"status": 503, "type": "server_overloaded", "message": message, "code": None}
+    return {"status": 503, "type": "server_unavailable", "message": message,
             "code": "draining" if isinstance(e, Draining) else None}
 
 

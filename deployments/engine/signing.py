@@ -24,9 +24,10 @@ _HEADER = struct.Struct(">c16sQ")  # direction, session id, number (covered by t
 # the configured value)
 DEFAULT_MAX_REQUEST_BODY_BYTES = 16 << 20
 # message size limits, from what the largest legitimate message can hold (pickle's opcodes counted): a token id is
-# at most 5 bytes (BININT), an (id, logprob) pair 16 (with BINFLOAT, TUPLE2, MEMOIZE); a body byte becomes at most 3
-# (json.dumps re-escapes a 2-byte character of a guided_json schema as a 6-byte \uXXXX)
-ID_BYTES, PAIR_BYTES, BODY_EXPANSION = 5, 16, 3
+# at most 5 bytes (BININT), an (id, logprob) pair 16 (with BINFLOAT, TUPLE2, MEMOIZE); a body byte becomes at most 6
+# (json.dumps rewrites a guided_json schema: a DEL character, 1 byte, as \u007f; a number 1e15 with its comma, 5
+# bytes, as "1000000000000000.0, ", 20)
+ID_BYTES, PAIR_BYTES, BODY_EXPANSION = 5, 16, 6
 MAX_TOP_LOGPROBS = 20  # (SamplingParams.validate: top_logprobs and prompt_logprobs are at most 20)
 # a token's share of an output at most: its id and logprob (or a prompt token's logprob) and its alternatives, in
 # their lists and tuple

@@ -109,6 +109,29 @@ def test_the_limits_hold_the_largest_legitimate_messages():
     assert size <= intake_max_bytes(n, body_limit) and size > 2.5 * body_limit, size
 
 
+@pytest.mark.parametrize("schema", [
+    '{"type": "string", "description": "' + "\x7f" * ((1 << 20) - 200) + '"}',  # (json.dumps: \u007f, 6 bytes)
+    '{"enum": [' + ",".join(["1e15"] * (((1 << 20) - 200) // 5)) + ']}',  # (1000000000000000.0, 18 bytes)
+], ids=["DEL characters", "numbers"])
+@pytest.mark.parametrize("field", ["guided_json", "response_format"])
+def test_a_schema_that_json_dumps_expands_most_still_fits_the_intake(schema, field):
+    """A body at the body limit whose schema json.dumps rewrites largest (a DEL character escaped 6x, 1e15 written
+    out 4x) still fits intake_max_bytes: the ingress would otherwise refuse it as larger than the engine takes."""
+    from deployments.protocol import CompletionRequest
+
+    body_limit = 1 << 20
+    if field == "response_format":
+        schema = '{"type": "json_schema", "json_schema": {"name": "x", "schema": ' + schema + '}}'
+    body = ('{"prompt": "a", "' + field + '": ' + schema + '}').encode()
+    assert len(body) <= body_limit
+    req = CompletionRequest.model_validate_json(body)
+    params = dict(req.sampling_params(16, {}, False), guided=req.guided_spec())
+    entry = ("cmpl-" + "f" * 32, [2**31 - 1] * 2047, params, time.time())
+    size = len(signed(KEY, INTAKE, bytes(16), 1, ("submit", [entry])))
+    assert size > 3.5 * body_limit, size  # (the rewrite is as large as claimed: not vacuous)
+    assert size <= intake_max_bytes(2048, body_limit), (size, intake_max_bytes(2048, body_limit))
+
+
 # ---- the intake (replica -> core) ----------------------------------------------------------------------------
 def test_the_intake_takes_each_message_of_a_clients_current_join_once(core):
     """A submission captured and sent again (a replay), an output message sent to the intake (signed the other
@@ -335,3 +358,30 @@ def test_a_step_whose_outputs_exceed_the_output_channels_limit_comes_in_parts(co
         client.close()
 
     asyncio.run(run())
+
+
+def test_a_refusal_that_quotes_a_large_value_still_comes_back_as_a_400(core):
+    """A schema the grammar engine refuses with a message quoting it (xgrammar's 'Unsupported type "..."'), larger
+    than the output channel takes: the request still gets its 400 naming the field, with the reason cut short, not a
+    500 that says the engine's answer was too large for the channel."""
+    import json
+
+    from deployments.engine.grammar import GuidedSpec
+
+    schema = json.dumps({"type": "nosuch" * 40000})  # (240 KB, over output_max_bytes(256))
+    assert len(schema) > output_max_bytes(256)
+
+    async def run():
+        client = _intake_client()
+        await _join_over_intake(client, core, "c")
+        params = dict(GREEDY, guided=GuidedSpec("json_schema", schema, "guided_json"))
+        bad, _ = _routed(client, "bad", [5, 6, 7], params)
+        ok, _ = _routed(client, "ok", [5, 6, 7], GREEDY)
+        answers = await asyncio.wait_for(asyncio.gather(bad, ok), 60)
+        client.close()
+        return answers
+
+    bad, ok = asyncio.run(run())
+    assert ok is None
+    assert (bad["status"], bad["type"], bad["param"]) == (400, "invalid_request_error", "guided_json"), bad
+    assert 'Unsupported type "nosuch' in bad["message"] and len(bad["message"]) <= 2000, bad["message"][:300]

@@ -208,6 +208,26 @@ def test_null_fields_omitted_model_and_auth_before_the_body(server):
     assert httpx.get(server["base"] + "/health", timeout=60).status_code == 200  # probes need no key
 
 
+@pytest.mark.parametrize("endpoint,body,status,param", [
+    ("completions", {"model": "m" * 200000, "prompt": "hi"}, 404, "model"),
+    ("completions", {"model": "tiny", "prompt": "hi", "response_format": {"type": "t" * 200000}}, 400,
+     "response_format"),
+    ("chat", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "t" * 200000}]}]}, 400,
+     "messages"),
+    ("completions", {"model": "tiny", "prompt": "hi", "guided_json": {"type": "t" * 200000}}, 400, "guided_json"),
+])
+def test_an_error_quotes_only_the_start_of_the_clients_value(server, endpoint, body, status, param):
+    """A refusal that names the client's value (an unknown model, an unsupported type, a schema the grammar engine
+    refuses) shows its start, not all of it: the value may be megabytes, which the error body would carry back."""
+    h = {"Authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(f"{server['base']}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}", json=body,
+                   headers=h, timeout=120)
+    err = r.json()["error"]
+    assert (r.status_code, err["param"]) == (status, param), r.text[:500]
+    assert "tttttttttt" in err["message"] or "mmmmmmmmmm" in err["message"], err["message"][:300]
+    assert len(r.content) < 2000, f"{len(r.content)} bytes: {err['message'][:300]}"
+
+
 @pytest.mark.parametrize("endpoint,extra,param", [
     ("completions", {"frequency_penalty": 2.5}, "frequency_penalty"),  # out of range: penalties are supported
     ("completions", {"logit_bias": {"5": 101.0}}, "logit_bias"),
