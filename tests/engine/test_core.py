@@ -733,16 +733,23 @@ def test_a_request_whose_client_leaves_as_its_answer_comes_is_aborted(core):
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(task), 30)
         assert "r" not in client._streams and "r" not in client._where
-        await asyncio.sleep(0.2)
-        deadline = time.monotonic() + 60
-        while core._inbox or core._aborts or core.engine.has_work():
-            assert time.monotonic() < deadline, "the request never ended"
-            await asyncio.sleep(0.01)
-        assert core.engine.request_phases["requests"] == 0, "it ran to its end, unread: never aborted"
+        await _ended_unfinished(core, "it ran to its end, unread: never aborted")
         assert not errors, errors
         client.close()
 
     asyncio.run(run())
+
+
+async def _ended_unfinished(core, unread: str) -> None:
+    """Wait until the core has nothing queued or running; none of its requests may have run to its end."""
+    import asyncio
+
+    await asyncio.sleep(0.2)
+    deadline = time.monotonic() + 60
+    while core._inbox or core._aborts or core.engine.has_work():
+        assert time.monotonic() < deadline, "the request never ended"
+        await asyncio.sleep(0.01)
+    assert core.engine.request_phases["requests"] == 0, unread
 
 
 def test_choices_accepted_before_their_client_left_are_aborted(core):
@@ -774,12 +781,7 @@ def test_choices_accepted_before_their_client_left_are_aborted(core):
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(asyncio.shield(task), 30)
         assert not client._streams and not client._where, client._streams
-        await asyncio.sleep(0.2)
-        deadline = time.monotonic() + 60
-        while core._inbox or core._aborts or core.engine.has_work():
-            assert time.monotonic() < deadline, "the choices never ended"
-            await asyncio.sleep(0.01)
-        assert core.engine.request_phases["requests"] == 0, "they ran to their end, unread: never aborted"
+        await _ended_unfinished(core, "they ran to their end, unread: never aborted")
         assert not errors, errors
         client.close()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from tests.gpu.tiny_check import (REFERENCE_BACKENDS, checked_backends, engine_kwargs, parse_args,
+from tests.gpu.tiny_check import (EAGER_REFERENCE, checked_backends, engine_kwargs, parse_args,
                                   speculation_cases, tiny_llama_and_eagle3, write_result)
 
 
@@ -50,8 +50,7 @@ def main() -> None:
     specs = speculation_cases(head)
     rows, ok = [], True
     for name, spec in specs:
-        ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True, disable_overlap_schedule=True,
-                                  speculative_config=spec))
+        ref = Engine(EngineConfig(**cfg, **EAGER_REFERENCE, speculative_config=spec))
         ref_out = run(ref, prompts, params)
         del ref
         eng = Engine(EngineConfig(**cfg, **gpu, speculative_config=spec))

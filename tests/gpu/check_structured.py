@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.gpu.tiny_check import (REFERENCE_BACKENDS, checked_backends, engine_kwargs, parse_args,
+from tests.gpu.tiny_check import (EAGER_REFERENCE, checked_backends, engine_kwargs, parse_args,
                                   speculation_cases, tiny_llama_and_eagle3, write_result)
 
 
@@ -48,8 +48,7 @@ def main() -> None:
     specs = speculation_cases(head)
     rows, ok = [], True
     for name, spec in specs:
-        ref = Engine(EngineConfig(**cfg, **REFERENCE_BACKENDS, disable_cuda_graph=True, disable_overlap_schedule=True,
-                                  speculative_config=spec))
+        ref = Engine(EngineConfig(**cfg, **EAGER_REFERENCE, speculative_config=spec))
         ref_out = [o.token_ids for o in ref.generate(prompts, params)]
         del ref
         for overlap in (True, False):

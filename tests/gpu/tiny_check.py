@@ -13,6 +13,8 @@ from pathlib import Path
 
 # the reference side: torch-native attention (run eagerly by each check)
 REFERENCE_BACKENDS = {"prefill_attention_backend": "torch_native", "decode_attention_backend": "torch_native"}
+# ... and, for the checks whose reference runs every step on its own, no graphs and no overlap
+EAGER_REFERENCE = {**REFERENCE_BACKENDS, "disable_cuda_graph": True, "disable_overlap_schedule": True}
 
 
 def parse_args() -> argparse.Namespace:
