@@ -70,31 +70,32 @@ class Case:
 
     def __init__(self, shape: dict, ctx: int, bs: int, rows_per_req: int, fp8: bool, device: str, seed: int = 0):
         s = shape
-        torch.manual_seed(seed)
+        # its own generator: the process's default one may be unusable after foreign kernel libraries load
+        g = torch.Generator(device=device).manual_seed(seed)
         self.shape, self.ctx, self.bs, self.fp8 = s, ctx, bs, fp8
         self.rows_per_req = rows_per_req  # the indexer reads each request's keys once for all its rows
         page = s["page"]
         pages_per = -(-ctx // page)
         num_pages = bs * pages_per + 1
-        self.table = (torch.randperm(num_pages - 1, device=device)[:bs * pages_per] + 1).view(bs, pages_per).to(
-            torch.int32)
+        perm = torch.randperm(num_pages - 1, device=device, generator=g)
+        self.table = (perm[:bs * pages_per] + 1).view(bs, pages_per).to(torch.int32)
         slots = num_pages * page
         dt = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter's bf16 dot is unreliable
-        keys = torch.randn(slots, s["index_dim"], device=device, dtype=dt)
+        keys = torch.randn(slots, s["index_dim"], device=device, dtype=dt, generator=g)
         self.keys = sm.quantize_index_keys(keys, page) if fp8 else keys
         self.keys_bf16 = keys
-        self.cache = torch.randn(slots, s["latent"] + s["rope"], device=device, dtype=dt)
+        self.cache = torch.randn(slots, s["latent"] + s["rope"], device=device, dtype=dt, generator=g)
         r = bs * rows_per_req
         self.rows = r
         self.row_req = torch.arange(bs, device=device, dtype=torch.int32).repeat_interleave(rows_per_req)
         self.row_len = (ctx - rows_per_req + 1 + torch.arange(rows_per_req, device=device)).repeat(bs).to(
             torch.int32)
-        base = torch.randn(bs, 1, s["index_heads"], s["index_dim"], device=device)
-        noise = torch.randn(bs, rows_per_req, s["index_heads"], s["index_dim"], device=device)
+        base = torch.randn(bs, 1, s["index_heads"], s["index_dim"], device=device, generator=g)
+        noise = torch.randn(bs, rows_per_req, s["index_heads"], s["index_dim"], device=device, generator=g)
         self.q_idx = (base + 0.1 * noise).view(r, s["index_heads"], s["index_dim"]).to(dt)
-        self.w = torch.randn(r, s["index_heads"], device=device) * s["index_heads"] ** -0.5
-        self.ql = torch.randn(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
-        self.qr = torch.randn(r, s["mla_heads"], s["rope"], device=device, dtype=dt)
+        self.w = torch.randn(r, s["index_heads"], device=device, generator=g) * s["index_heads"] ** -0.5
+        self.ql = torch.randn(r, s["mla_heads"], s["latent"], device=device, dtype=dt, generator=g)
+        self.qr = torch.randn(r, s["mla_heads"], s["rope"], device=device, dtype=dt, generator=g)
         self.scale = (s["latent"] + s["rope"]) ** -0.5
         self.scores = torch.empty(r, pages_per * page, device=device)
         self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
