@@ -32,9 +32,10 @@ def quoted(value, limit: int = 40) -> str:
 
 def error_param(model: type[BaseModel] | None, loc) -> str | None:
     """The parameter that a validation error of ``model`` at pydantic's ``loc`` (the body's part) names: the path of
-    fields and indices, up to a union-typed field. Past one, pydantic's location names the member type it tried
-    (``guided_json.str`` for a number given as ``guided_json``), which is no parameter; which member the client meant
-    is unknown, so the union field is named."""
+    fields and list indices, up to a union-typed field or a dict-typed one. Past a union, pydantic's location names
+    the member type it tried (``guided_json.str`` for a number given as ``guided_json``), which is no parameter;
+    which member the client meant is unknown, so the union field is named. Past a dict come its keys, the client's
+    data (``logit_bias.1``), so the dict field is named, as OpenAI and vLLM name it."""
     path, tp = [], model
     for part in loc:
         if tp is not None:
@@ -47,8 +48,10 @@ def error_param(model: type[BaseModel] | None, loc) -> str | None:
             if isinstance(tp, type) and issubclass(tp, BaseModel):
                 field = tp.model_fields.get(part) if isinstance(part, str) else None
                 tp = field.annotation if field is not None else None
-            elif origin in (list, tuple, dict) and args:
-                tp = args[-1] if origin is dict else args[0]
+            elif origin is dict or tp is dict:
+                break
+            elif origin in (list, tuple) and args:
+                tp = args[0]
             else:
                 tp = None  # (below a type it does not walk: the rest as pydantic gives it)
         path.append(str(part))
