@@ -217,6 +217,14 @@ def detached(coro) -> asyncio.Task:
     return contextvars.Context().run(asyncio.get_running_loop().create_task, coro)
 
 
+async def settled(call, timeout_s: float) -> None:
+    """Waits up to ``timeout_s`` for a fire-and-forget call, whatever it ends with."""
+    try:
+        await asyncio.wait_for(call, timeout_s)
+    except Exception:  # noqa: BLE001 - (a core gone, or one that does not answer: nothing to do)
+        pass
+
+
 def merge_step_time(stats) -> dict:
     """The engines' cumulative figures, all replicas together, as one core's stats carry them: ``step_time``,
     ``loop`` and ``request_phases`` summed over the replicas' stats (totals of seconds, steps and requests, so a
@@ -235,6 +243,7 @@ class EngineClient:
     # while no engine replica is up (starting, or being replaced) a request waits this long for one, then gets a 503
     CONNECT_TIMEOUT_S = 5.0
     REFRESH_S = 1.0  # how often the live engine cores are listed (replicas added, replaced or scaled away)
+    ABORT_LINGER_MS = 1000  # a lost core's aborts, sent on its intake as it is closed, still go out this long
 
     def __init__(self, controller, model_id: str, tokenizer_path: str | None = None, stream_interval: int = 1,
                  batching_ms: float = 0.0, router: dict | None = None, output_channel: str = "push"):
@@ -587,16 +596,21 @@ class EngineClient:
 
     def _flush_aborts(self, name: str) -> None:
         rids = self._aborts.pop(name, [])
-        core, intake = self._cores.get(name), self._intakes.get(name)
-        if core is None or not rids:
-            return
-        if intake is not None:  # (after the submissions sent there: in order)
-            try:
+        core = self._cores.get(name)
+        if core is not None and rids:
+            self._send_aborts(name, core, rids)
+
+    def _send_aborts(self, name: str, core, rids: list[str]):
+        """``rids`` aborted on core ``name`` (handle ``core``): over its intake if open, else a Ray call, whose
+        reference is returned (nothing to wait for). Never raises: a core gone has nothing left to abort."""
+        try:
+            if name in self._intakes:  # (after the submissions sent there: in order)
                 self._send_intake(name, "abort", rids)
-            except Exception as e:  # noqa: BLE001 - (the core was lost meanwhile: nothing left to abort)
-                logger.warning("aborting on engine core %s failed: %s", name, e)
-            return
-        core.abort.remote(rids)  # fire and forget: nothing to wait for
+                return None
+            return core.abort.remote(rids)
+        except Exception as e:  # noqa: BLE001 - (the core was lost meanwhile)
+            logger.warning("aborting on engine core %s failed: %s", name, e)
+            return None
 
     # ---- the intake (push): submissions and aborts over ZMQ -----------------------------------------------------
     def _open_intake(self, name: str, address: str, limit: int) -> None:
@@ -610,11 +624,12 @@ class EngineClient:
         self._close_intake(name)
         self._intakes[name], self._intake_limits[name] = sock, limit
 
-    def _close_intake(self, name: str) -> None:
+    def _close_intake(self, name: str, linger_ms: int = 0) -> None:
+        """``linger_ms``: what was just sent there still goes out for that long (close never blocks)."""
         sock = self._intakes.pop(name, None)
         self._intake_limits.pop(name, None)
         if sock is not None:
-            sock.close()
+            sock.close(linger=linger_ms)
 
     def _send_intake(self, name: str, kind: str, body) -> list:
         """On the event loop (the only user of the intake sockets): ``(kind, body)`` to core ``name``'s intake,
@@ -768,7 +783,7 @@ class EngineClient:
                 if not await core.heartbeat.remote(self.client_id, self.POLL_TIMEOUT_S):
                     # it dropped this replica (its requests aborted, nothing pushed here any more): lost, and
                     # joined again at the next listing if it still serves
-                    self._lost(name, RuntimeError("it stopped pushing to this ingress replica"), core)
+                    self._lost(name, RuntimeError("it stopped pushing to this ingress replica"), core, dropped=True)
                     return
         except asyncio.CancelledError:
             return
@@ -840,24 +855,35 @@ class EngineClient:
             logger.error("%d outputs from engine core %s for requests routed to another core were dropped", strays,
                          core)
 
-    def _lost(self, name: str, error: Exception, core=None) -> None:
-        """A core died or vanished: the router forgets it, and its requests end with a 503."""
+    def _lost(self, name: str, error: Exception, core=None, dropped: bool = False) -> None:
+        """A core died or vanished, or this replica gave up on it (a heartbeat or poll failed, it refused as
+        stopped): the router forgets it, and its requests end with a 503 (or, not yet answered, go to another core).
+        It may still run (only its channel to this replica broke): it is told to abort them, or they would run to
+        max_tokens there, unread. ``dropped``: it dropped this replica itself, its requests aborted already."""
         if name not in self._cores or (core is not None and self._cores[name] is not core):
             return
         logger.error("lost engine core %s: %s", name, error)
-        del self._cores[name]
+        handle = self._cores.pop(name)
         intake = self._intakes.get(name)
-        self._close_intake(name)
         if not self._cores and self._joined is not None:
             self._joined.clear()  # requests wait (up to CONNECT_TIMEOUT_S) for a replica to join
         self.router.remove_replica(name)
-        self._aborts.pop(name, None)
         # (requests not yet answered are not failed here: their Ray submit fails and sends them to another core; those
         # sent over the intake go to another core now, as a batch whose core went away)
         unanswered = [item for rid, item in self._unanswered.items() if self._where.get(rid) == name]
+        failed = [rid for rid, where in self._where.items() if where == name and rid not in self._unanswered]
+        # aborted there by name, not by ``abort`` (which follows ``_where``: a request sent on elsewhere stays), over
+        # the intake after their submissions, so those sent on elsewhere too; over Ray those not answered yet are
+        # still this core's (their answer comes, or their submit fails and sends them on)
+        rids = self._aborts.pop(name, []) + failed + ([item[0] for item in unanswered] if intake is not None else [])
+        if rids and not dropped:
+            ref = self._send_aborts(name, handle, rids)
+            if ref is not None:  # (read, so that Ray does not log a dead core's failed call as unhandled)
+                detached(settled(ref, self.CONNECT_TIMEOUT_S))
+        self._close_intake(name, linger_ms=self.ABORT_LINGER_MS)
         if intake is not None and unanswered:
             asyncio.get_running_loop().call_soon(self._resubmit, name, unanswered, error)
-        for rid in [rid for rid, where in self._where.items() if where == name and rid not in self._unanswered]:
+        for rid in failed:
             del self._where[rid]
             stream = self._streams.pop(rid, None)
             if stream is not None:

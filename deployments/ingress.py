@@ -36,7 +36,7 @@ from deployments.protocol import (
     ChunkFormat,
     CompletionRequest,
     SamplingFields,
-    error_param,
+    error_message,
     error_response,
     logprobs_body,
     prompt_logprobs_body,
@@ -283,10 +283,10 @@ async def _validation_error(request: Request, e: RequestValidationError):
     if first.get("type") == "json_invalid":
         return error_response(400, f"the body is not valid JSON: {first.get('msg', '')}", "invalid_request_error")
     route = _StreamedRoute.HANDLERS.get(_route_path(request.scope))  # (the body's model, where the route has one)
-    loc = error_param(route[1] if route else None, first.get("loc", [])[1:])
+    model = route[1] if route else None
+    loc, msg = error_message(model, first.get("loc", [])[1:], first.get("msg", "invalid request"))
     # the message names the field, never echoes its value (it may be megabytes)
-    return error_response(400, f"{loc}: {first.get('msg', 'invalid request')}" if loc else
-                          first.get("msg", "invalid request"), "invalid_request_error", loc)
+    return error_response(400, f"{loc}: {msg}" if loc else msg, "invalid_request_error", loc)
 
 
 class _Echo:

@@ -30,29 +30,66 @@ def quoted(value, limit: int = 40) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def error_param(model: type[BaseModel] | None, loc) -> str | None:
-    """The parameter that a validation error of ``model`` at pydantic's ``loc`` (the body's part) names: the path of
-    fields and indices, up to a union-typed field. Past one, pydantic's location names the member type it tried
-    (``guided_json.str`` for a number given as ``guided_json``), which is no parameter; which member the client meant
-    is unknown, so the union field is named."""
+def error_message(model: type[BaseModel] | None, loc, msg: str) -> tuple[str | None, str]:
+    """A validation error's (param, message), from pydantic's ``loc`` (the body's part) and ``msg`` for ``model``.
+    The param is the path of fields and list indices, up to a union-typed field or a dict-typed one. Past a union,
+    pydantic's location names the member type it tried (``guided_json.str`` for a number given as ``guided_json``),
+    which is no parameter, and its message is that member's failure alone (``Input should be a valid string`` for
+    ``prompt: [[1, "a"]]``): which member the client meant is unknown, so the union field is named and the message
+    says what it accepts, from its type. Past a dict come its keys, the client's data (``logit_bias.1``), so the
+    dict field is named, as OpenAI and vLLM name it."""
+    param, union = _located(model, loc)
+    if union is not None:
+        msg = f"Input should be {accepted(union)}"
+    return param, msg
+
+
+def _located(model: type[BaseModel] | None, loc) -> tuple[str | None, Any]:
+    """``error_message``'s param, and the union type it stopped at (else None)."""
     path, tp = [], model
     for part in loc:
         if tp is not None:
             if typing.get_origin(tp) in (typing.Union, types.UnionType):
                 members = [a for a in typing.get_args(tp) if a is not type(None)]
                 if len(members) > 1:
-                    break
+                    return ".".join(path) or None, tp
                 tp = members[0]
             origin, args = typing.get_origin(tp), typing.get_args(tp)
             if isinstance(tp, type) and issubclass(tp, BaseModel):
                 field = tp.model_fields.get(part) if isinstance(part, str) else None
                 tp = field.annotation if field is not None else None
-            elif origin in (list, tuple, dict) and args:
-                tp = args[-1] if origin is dict else args[0]
+            elif origin is dict or tp is dict:
+                break
+            elif origin in (list, tuple) and args:
+                tp = args[0]
             else:
                 tp = None  # (below a type it does not walk: the rest as pydantic gives it)
         path.append(str(part))
-    return ".".join(path) or None
+    return ".".join(path) or None, None
+
+
+_ACCEPTED = {str: ("a string", "strings"), int: ("an integer", "integers"), float: ("a number", "numbers"),
+             bool: ("a boolean", "booleans")}
+
+
+def accepted(tp, plural: bool = False) -> str:
+    """What type ``tp`` accepts, in words (``str | list[str]``: "a string or a list of strings"); null left out."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        words = [accepted(a, plural) for a in args if a is not type(None)]
+        return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+    if origin is typing.Annotated:
+        return accepted(args[0], plural)
+    if origin is Literal:
+        return "one of " + ", ".join(quoted(a) for a in args)
+    if origin in (list, tuple):
+        inner = accepted(args[0], True) if args else "values"
+        return f"lists of {inner}" if plural else f"a list of {inner}"
+    if origin is dict or tp is dict or (isinstance(tp, type) and issubclass(tp, BaseModel)):
+        return "objects" if plural else "an object"
+    if tp in _ACCEPTED:
+        return _ACCEPTED[tp][plural]
+    return "values" if plural else "a value"
 
 
 class StreamOptions(BaseModel):

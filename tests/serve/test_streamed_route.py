@@ -157,13 +157,37 @@ def test_refusals_are_the_same_openai_errors(served, path, body, param):
     ("/v1/completions", {**STREAM, "prompt": "x", "response_format": 5}, "response_format"),
     ("/v1/chat/completions", {**STREAM, "messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
     ("/v1/chat/completions", {**STREAM, "messages": [{"role": "bot", "content": "x"}]}, "messages.0.role"),
+    # a dict's keys are the client's data, not the parameter's name (pydantic's location: logit_bias.<the key>)
+    ("/v1/completions", {**STREAM, "prompt": "x", "logit_bias": {"1": "x"}}, "logit_bias"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "logit_bias": {"5": 1.0, "client-data" * 20: []}}, "logit_bias"),
 ])
 def test_a_refused_union_field_is_named_not_its_member_type(served, path, body, param):
-    """Pydantic's location of an error in a union-typed field ends with the member type it tried (guided_json.str):
-    the error names the field (the path down to it), which is the parameter the client sent."""
+    """Pydantic's location of an error in a union-typed field ends with the member type it tried (guided_json.str),
+    and one in a dict-typed field with the key (logit_bias.1): the error names the field (the path down to it),
+    which is the parameter the client sent."""
     status, out, *_ = _same(served, path, body)
     err = json.loads(out)["error"]
     assert status == 400 and err["param"] == param and err["type"] == "invalid_request_error", (status, err)
+
+
+@pytest.mark.parametrize("path,body,message", [
+    ("/v1/completions", {**STREAM, "prompt": [[1, "a"]]},
+     "prompt: Input should be a string, a list of integers, a list of strings or a list of lists of integers"),
+    ("/v1/completions", {**STREAM, "prompt": [5, "a"]},
+     "prompt: Input should be a string, a list of integers, a list of strings or a list of lists of integers"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "stop": ["a", 5]},
+     "stop: Input should be a string or a list of strings"),
+    ("/v1/completions", {**STREAM, "prompt": "x", "guided_json": 5},
+     "guided_json: Input should be a string or an object"),
+    ("/v1/chat/completions", {**STREAM, "messages": [{"role": "user", "content": 5}]},
+     "messages.0.content: Input should be a string or a list of objects"),
+])
+def test_a_refused_union_field_says_what_it_accepts(served, path, body, message):
+    """Pydantic's message for a union-typed field is its first member's failure alone ("Input should be a valid
+    string" for a prompt of token-id lists with a string in one): the message says what the field accepts."""
+    status, out, *_ = _same(served, path, body)
+    err = json.loads(out)["error"]
+    assert status == 400 and err["message"] == message, (status, err)
 
 
 @pytest.mark.parametrize("path,body,headers", [
