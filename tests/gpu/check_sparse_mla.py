@@ -79,9 +79,11 @@ def main() -> int:
                              and err8b < 0.1, f"rel {err8:.2e} vs the same FP8, {err8b:.2e} vs bf16 keys"))
         want = sm.positions_to_slots(sm.topk_positions_reference(got, c["row_len"], topk), c["table"], c["row_req"],
                                      page)
-        for splits in (1, None, 7):
-            sel = sm.topk_slots(got, c["table"], c["row_req"], c["row_len"], page, topk, num_splits=splits)
-            results.append(check(f"top-k {dt} splits={splits}", torch.equal(sel, want),
+        # (sampled: the threshold from a sample, small enough at the tiny shapes that their long rows are sampled)
+        for splits, sampled in ((1, False), (None, False), (7, False), (1, True), (None, True), (7, True)):
+            sel = sm.topk_slots(got, c["table"], c["row_req"], c["row_len"], page, topk, num_splits=splits,
+                                sampled=sampled, sample=64 if args.small else 1024)
+            results.append(check(f"top-k {dt} splits={splits} sampled={sampled}", torch.equal(sel, want),
                                  f"{int((sel != want).sum())} slots differ"))
         whole = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], c["row_len"], page, topk)
         results.append(check(f"indexer_topk {dt}", torch.equal(whole, want)))

@@ -4,6 +4,8 @@ and the draft round's rows built once against the per-step build."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from tests.kernels.interpreter import assert_interpreting
@@ -42,7 +44,8 @@ def sorted_rows(x):
 def check_topk(g) -> None:
     """The radix top-k against the stable-sort reference on the same scores: rows shorter than, equal to and longer
     than top-k, an empty row, heavy ties (values from a small set: the lower positions win), -inf (masked) entries,
-    negative scores, and page sizes 64 and 24."""
+    negative scores, and page sizes 64 and 24; each also through the sampled threshold (a sample of 64, so rows
+    over 160 are sampled), including rows whose sample misleads it (too few kept, too many) and fall back."""
     import torch
 
     from workers.kernels.sparse_mla import positions_to_slots, topk_positions_reference, topk_slots
@@ -62,22 +65,37 @@ def check_topk(g) -> None:
         scores[8, :] = 1.0  # all equal
         scores[:, :] = torch.where(torch.arange(cap)[None, :] < row_len[:, None], scores, torch.nan)  # not read
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), table, row_req, page_size)
-        for splits in (1, 3):  # one program a row; rows split over programs (their slots in position order too)
-            got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64, num_splits=splits)
+        # one program a row; rows split over programs (their slots in position order too); sampled or not
+        for splits, sampled in itertools.product((1, 3), (False, True)):
+            got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64, num_splits=splits,
+                             sampled=sampled, sample=64)
             assert got.dtype == torch.int32 and got.shape == (r, topk)
-            assert torch.equal(got, ref), (page_size, splits, got, ref)
+            assert torch.equal(got, ref), (page_size, splits, sampled, got, ref)
             n = (got >= 0).sum(1)
             assert n.tolist() == [40, 40, 17, 40, 40, 40, 0, 40, 39, 1], n
     # against torch.topk on a long row with no ties, several blocks and k over a block
     scores = torch.randn(2, 5000, generator=g)
     table = torch.arange(1, 5000 // 50 + 1, dtype=torch.int32).view(1, -1)
     row_req, row_len = torch.zeros(2, dtype=torch.int32), torch.tensor([5000, 3333], dtype=torch.int32)
-    for splits in (1, 4):
-        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits)
+    for splits, sampled in itertools.product((1, 4), (False, True)):
+        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits, sampled=sampled)
         for i in range(2):
             idx = torch.topk(scores[i, :row_len[i]], 700).indices
             want = positions_to_slots(idx[None], table, row_req[:1], 50)
-            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, i)
+            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, sampled, i)
+    # samples that mislead the threshold: the sampled positions high (it keeps them alone: too few for a top-k of
+    # 300, so the row's select reads the whole row; enough for 100) or low (it keeps nearly every score: too many)
+    n, sample = 5000, 256
+    at = torch.arange(sample) * n // sample
+    scores = torch.randn(3, n, generator=g)
+    scores[0, at], scores[1, at], scores[2, at] = 10.0, 10.0, -10.0
+    row_req, row_len = torch.zeros(3, dtype=torch.int32), torch.full((3,), n, dtype=torch.int32)
+    for k in (100, 300):
+        ref = positions_to_slots(topk_positions_reference(scores, row_len, k), table, row_req, 50)
+        for splits in (1, 4):
+            got = topk_slots(scores, table, row_req, row_len, 50, k, block=512, num_splits=splits, sampled=True,
+                             sample=sample)
+            assert torch.equal(got, ref), (k, splits)
 
 
 def check_indexer(g) -> None:

@@ -492,6 +492,139 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
+    def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """Program per row: a threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores
+        spread over it (the smallest key, i.e. every finite one, where the row has at most ``cand_max``), and the
+        row's candidate count reset."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        row_len = tl.load(RowLen + r)
+        j = tl.arange(0, SAMPLE)
+        t = (j.to(tl.int64) * row_len) // SAMPLE  # (distinct: a sampled row is longer than cand_max >= SAMPLE)
+        n = tl.where(row_len > cand_max, SAMPLE, 0)
+        s = tl.load(Scores + r.to(tl.int64) * stride_sr + t, mask=j < n, other=float("-inf"))
+        key = tl.where(s > float("-inf"), _ordered_key(s), -2147483648)
+        ranked = tl.sort(key, descending=True)
+        m = tl.cdiv(3 * topk * SAMPLE, 2 * tl.maximum(row_len, 1)) + 8  # the rank of about 1.5 top-k, with slack
+        tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
+        tau = tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
+        tl.store(Tau + r, tau)
+        tl.store(Count + r, 0)
+
+    @triton.jit
+    def _topk_compact(Scores, RowLen, Tau, Count, Cand, CandPos, num_splits, stride_sr, cand_max,
+                      BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program (row, split): the split's finite scores at or above the row's threshold and their positions,
+        appended to the row's candidates (in no order; the count runs on past ``cand_max``, which marks an
+        overflow)."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        tau = tl.load(Tau + r)
+        row = Scores + r.to(tl.int64) * stride_sr
+        base_out = r.to(tl.int64) * cand_max
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            cand = (s > float("-inf")) & (_ordered_key(s) >= tau)
+            n = tl.sum(cand.to(tl.int32), 0)
+            if n > 0:
+                base = tl.atomic_add(Count + r, n)
+                dest = base + tl.cumsum(cand.to(tl.int32), 0) - 1
+                ok = cand & (dest < cand_max)
+                tl.store(Cand + base_out + dest, s, mask=ok)
+                tl.store(CandPos + base_out + dest, t, mask=ok)
+
+    @triton.jit
+    def _topk_cand_select(Scores, RowLen, Tau, Count, Cand, CandPos, Sel, SplitCnt, topk, num_splits, stride_sr,
+                          cand_max, BLOCK: tl.constexpr, SPLITS_P2: tl.constexpr, PDL: tl.constexpr = False):
+        """Program per row: the exact k-th key T and how many keys equal to it to take (``_topk_select``'s radix
+        passes), over the candidates where they hold the top-k (all of them when the threshold took every finite
+        key), else over the whole row; and each split's count of keys above T and equal to it, for the write."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        row_len = tl.load(RowLen + r)
+        c = tl.load(Count + r)
+        every = tl.load(Tau + r) == -2147483648
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        splits = tl.arange(0, SPLITS_P2)
+        above = tl.zeros([SPLITS_P2], tl.int32)
+        eq = tl.zeros([SPLITS_P2], tl.int32)
+        k_rem = topk
+        prefix = 0
+        if (c <= cand_max) & ((c >= topk) | every):
+            cand = Cand + r.to(tl.int64) * cand_max
+            n_valid = tl.where(every, c, topk)  # (a threshold that held: at least top-k finite keys)
+            k_rem = tl.minimum(k_rem, n_valid)
+            for p in tl.static_range(4):
+                hist = _pass_histogram(cand, 0, c, prefix, p, BLOCK)
+                d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+            for start in range(0, c, BLOCK):
+                i = start + tl.arange(0, BLOCK)
+                m = i < c
+                key = _ordered_key(tl.load(cand + i, mask=m, other=float("-inf")))
+                sp = tl.load(CandPos + r.to(tl.int64) * cand_max + i, mask=m, other=0) // chunk
+                above += tl.histogram(sp, SPLITS_P2, mask=m & (key > prefix))
+                eq += tl.histogram(sp, SPLITS_P2, mask=m & (key == prefix))
+        else:  # the sample misled (or the row is short of finite keys): the whole row, as one program
+            row = Scores + r.to(tl.int64) * stride_sr
+            n_valid = 0
+            for p in tl.static_range(4):
+                hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
+                if p == 0:
+                    n_valid = tl.sum(hist, 0)
+                    k_rem = tl.minimum(k_rem, n_valid)
+                d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+            for start in range(0, row_len, BLOCK):
+                t = start + tl.arange(0, BLOCK)
+                s = tl.load(row + t, mask=t < row_len, other=float("-inf"))
+                key = _ordered_key(s)
+                valid = s > float("-inf")
+                above += tl.histogram(t // chunk, SPLITS_P2, mask=valid & (key > prefix))
+                eq += tl.histogram(t // chunk, SPLITS_P2, mask=valid & (key == prefix))
+        tl.store(Sel + r * 3, prefix)
+        tl.store(Sel + r * 3 + 1, k_rem)
+        tl.store(Sel + r * 3 + 2, n_valid)
+        at = SplitCnt + (r * num_splits + splits) * 2
+        tl.store(at, above, mask=splits < num_splits)
+        tl.store(at + 1, eq, mask=splits < num_splits)
+
+    @triton.jit
+    def _topk_cand_write(Scores, PageTable, RowReq, RowLen, Sel, SplitCnt, Out, topk, page_size, num_splits,
+                         stride_sr, stride_pt, stride_or, SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+        """Program (row, split): ``_topk_split_write`` from the selection's threshold and per-split counts."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        hi = tl.minimum(lo + chunk, row_len)
+        threshold = tl.load(Sel + r * 3)
+        k_rem = tl.load(Sel + r * 3 + 1)
+        n_valid = tl.load(Sel + r * 3 + 2)
+        splits = tl.arange(0, SPLITS_P2)
+        earlier = splits < sp
+        at = SplitCnt + (r * num_splits + splits) * 2
+        above = tl.load(at, mask=earlier, other=0)
+        eq = tl.load(at + 1, mask=splits < num_splits, other=0)
+        eq_before = tl.cumsum(eq, 0) - eq
+        taken_eq = tl.minimum(tl.maximum(k_rem - eq_before, 0), eq)
+        written = tl.sum(tl.where(earlier, above + taken_eq, 0), 0)
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        out_row = Out + r.to(tl.int64) * stride_or
+        _write_selected(Scores + r.to(tl.int64) * stride_sr, table_row, out_row, lo, hi, threshold, k_rem, written,
+                        tl.sum(tl.where(earlier, eq, 0), 0), page_size, BLOCK)
+        if sp == 0:
+            _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
     def _mla_dot(a, b, IEEE: tl.constexpr):
         if IEEE:  # fp32: no TF32 rounding
             return tl.dot(a, b, input_precision="ieee")
@@ -722,11 +855,18 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
 
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
-               num_splits=None, programs_per_sm=8, out=None):
+               num_splits=None, programs_per_sm=8, sampled=None, sample=1024, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
-    lower position), in position order, -1 after them. One program per row (``num_splits`` 1: every radix pass in
-    it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a write,
-    each a launch, the histograms summed through atomics."""
+    lower position), in position order, -1 after them.
+
+    ``sampled``: a threshold from ``sample`` scores spread over the row, one pass keeping the scores at or above it
+    (about 1.5 top-k), the exact radix select over those alone, and a pass writing the slots: two reads of the row
+    instead of five. Where the sample misleads (fewer than top-k kept, or more than 4 top-k) that row's select reads
+    the whole row instead; the result is the same either way. Its select is one program a row, so it pays where the
+    passes it saves are long: by default rows of at least 8 top-k and 2M scores in all. Otherwise one
+    program per row (``num_splits`` 1: every radix pass in it), or each row split over programs (from the shapes:
+    few rows fill the GPU): four histogram passes and a write, each a launch, the histograms summed through
+    atomics."""
     rows, cap = scores.shape
     if not use_triton(scores):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
@@ -738,6 +878,27 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
     num_warps = num_warps or (8 if rows < 8 else 4)  # few rows: each program's passes are the critical path
     pdl = pdl_launch(scores)
+    splits_p2 = max(2, triton.next_power_of_2(num_splits))
+    if sampled if sampled is not None else (cap >= 8 * topk and rows * cap >= 1 << 21):
+        cand_max = max(4 * topk, sample)
+        dev = scores.device
+        tau, count = torch.empty(rows, dtype=torch.int32, device=dev), torch.empty(rows, dtype=torch.int32, device=dev)
+        cand = torch.empty(rows, cand_max, dtype=scores.dtype, device=dev)
+        cand_pos = torch.empty(rows, cand_max, dtype=torch.int32, device=dev)
+        sel = torch.empty(rows, 3, dtype=torch.int32, device=dev)
+        split_cnt = torch.empty(rows, num_splits, 2, dtype=torch.int32, device=dev)
+        _topk_threshold[(rows,)](scores, row_len, tau, count, topk, scores.stride(0), cand_max, SAMPLE=sample,
+                                 num_warps=num_warps, **pdl)
+        _topk_compact[(rows, num_splits)](scores, row_len, tau, count, cand, cand_pos, num_splits, scores.stride(0),
+                                          cand_max, BLOCK=block, num_warps=num_warps, **pdl)
+        _topk_cand_select[(rows,)](scores, row_len, tau, count, cand, cand_pos, sel, split_cnt, topk, num_splits,
+                                   scores.stride(0), cand_max, BLOCK=block, SPLITS_P2=splits_p2,
+                                   num_warps=num_warps, **pdl)
+        _topk_cand_write[(rows, num_splits)](scores, page_table, row_req, row_len, sel, split_cnt, slots, topk,
+                                             page_size, num_splits, scores.stride(0), page_table.stride(0),
+                                             slots.stride(0), SPLITS_P2=splits_p2, BLOCK=block, num_warps=num_warps,
+                                             **pdl)
+        return slots
     if num_splits == 1:
         _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
                               page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
@@ -750,7 +911,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
                                              scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
     _topk_split_write[(rows, num_splits)](
         scores, page_table, row_req, row_len, hist_tot, hist_loc, gt_part, slots, topk, page_size, num_splits,
-        scores.stride(0), page_table.stride(0), slots.stride(0), SPLITS_P2=max(2, triton.next_power_of_2(num_splits)),
+        scores.stride(0), page_table.stride(0), slots.stride(0), SPLITS_P2=splits_p2,
         BLOCK=block, num_warps=num_warps, **pdl)
     return slots
 
