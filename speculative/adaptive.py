@@ -299,6 +299,7 @@ class DepthChooser:
         # base, q (E(depth) / E(base) then: a pin ends where the estimates would carry the ratio past the margin),
         # close (a narrow win), host (the choice's host median then: a narrow win ends where it moves)
         self.verdicts: dict[int, dict] = {}
+        self.check_counts: Counter = Counter()  # checks by outcome: kept, pinned, inconclusive, dropped
         # the check's measured steps by step number: [block, depth, host seconds, wait seconds, tokens] (-1: not
         # measurable); its tokens come with its verdicts (``observe``, the n-th call for the n-th step chosen)
         self._pending: dict[int, list] = {}
@@ -472,7 +473,9 @@ class DepthChooser:
             self._conclude()
         return depth, None
 
-    def _drop_check(self) -> None:
+    def _drop_check(self, outcome: str = "dropped") -> None:
+        if self.check is not None:
+            self.check_counts[outcome] += 1
         self.check = None
         self._pending.clear()
 
@@ -494,13 +497,14 @@ class DepthChooser:
         """The check's verdict from the median of its pairs' ratios (``ratios``: the first pair's, decisive; none
         where fewer than two pairs are intact: the next step at the bucket starts a new check)."""
         check = self.check
-        self._drop_check()
         if ratios is None:
             ratios = check.ratios()
             if len(ratios) < min(2, self.check_pairs):
+                self._drop_check("inconclusive")
                 return
         p, ratio = self.estimate.p, statistics.median(ratios)
         kept = ratio >= 1.0 + self.check_margin
+        self._drop_check("kept" if kept else "pinned")
         # a narrow win is checked again sooner, and as soon as the choice's host median moves by the margin: in the
         # machine's slow spells the host-bound base step slows and a device-bound round does not, so a win measured
         # in one need not outlast it (nor, with it, the base's host median it left, which the choice then rests on)
@@ -699,7 +703,8 @@ class DepthChooser:
                                         "base": v["base"], "rate_vs_base": round(v["ratio"], 4),
                                         "recheck_in": max(0, v["until"] - self._step)}
                                for b, v in sorted(self.verdicts.items())},
-                "checking": self.check.stats() if self.check is not None else None}
+                "checking": self.check.stats() if self.check is not None else None,
+                "checks": dict(self.check_counts)}
 
 
 class DepthSchedule:
