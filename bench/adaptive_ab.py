@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-# the chooser's variants: its keyword arguments (adaptive_nocheck: without the realized-rate check, the chooser before it)
+# the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0}}
 
 

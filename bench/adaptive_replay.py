@@ -140,14 +140,16 @@ def spell_table(rows: list[dict], batches: int) -> list[str]:
           "fixed depth 0's. no check: the chooser without the check (check_pairs 0: as before it); checked: with it.",
           "", "| seed | depth 1 | no check | its depths | checked | its depths | its checks | last verdict |",
           "|---|---|---|---|---|---|---|---|"]
-    md += [f"| {r['seed']} | {r['depth1_vs_depth0']:.3f}x | {r['no_check_vs_depth0']:.3f}x | {fmt(r['no_check_depths'])} "
+    md += [f"| {r['seed']} | {r['depth1_vs_depth0']:.3f}x | {r['no_check_vs_depth0']:.3f}x | "
+           f"{fmt(r['no_check_depths'])} "
            f"| **{r['checked_vs_depth0']:.3f}x** | {fmt(r['checked_depths'])} | "
            + ", ".join(f"{k} {n}" for k, n in sorted(r["checks"].items())) + " | "
            + "; ".join(f"bs {b}: {v['verdict']} d{v['depth']} ({v['rate_vs_base']}x d{v['base']})"
                        for b, v in r["verdicts"].items()) + " |" for r in rows]
     md += [f"| mean | {mean('depth1_vs_depth0'):.3f}x | {mean('no_check_vs_depth0'):.3f}x | | "
            f"**{mean('checked_vs_depth0'):.3f}x** | | | |",
-           f"| min | {min(r['depth1_vs_depth0'] for r in rows):.3f}x | {min(r['no_check_vs_depth0'] for r in rows):.3f}x "
+           f"| min | {min(r['depth1_vs_depth0'] for r in rows):.3f}x | "
+           f"{min(r['no_check_vs_depth0'] for r in rows):.3f}x "
            f"| | **{min(r['checked_vs_depth0'] for r in rows):.3f}x** | | | |"]
     return md
 

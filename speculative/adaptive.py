@@ -494,7 +494,7 @@ class DepthChooser:
                 self._conclude(ratios)
 
     def _conclude(self, ratios: list[float] | None = None) -> None:
-        """The check's verdict from the median of its pairs' ratios (``ratios``: the first pair's, decisive; none
+        """The check's verdict from the median of its pairs' ratios (``ratios``: those in so far, decisive; none
         where fewer than two pairs are intact: the next step at the bucket starts a new check)."""
         check = self.check
         if ratios is None:
