@@ -183,7 +183,8 @@ class Bench:
         row["gc"] = {"collections": gct.count, "ms": round(sum(gct.seconds) * 1e3, 2)}
         stats = eng.depth_policy.stats() if eng.depth_policy is not None else {}
         if stats.get("host_ms"):  # the chooser's host medians and the step costs it chose from, at this point
-            row["chooser"] = {k: stats[k] for k in ("host_ms", "step_cost_ms", "host_ms_per_request_depth")}
+            row["chooser"] = {k: stats[k] for k in ("host_ms", "step_cost_ms", "host_ms_per_request_depth",
+                                                    "rate_check", "checking") if k in stats}
         return row
 
     # ---- the suite -----------------------------------------------------------------------------------------------

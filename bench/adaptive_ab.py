@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-POLICIES = {"adaptive": 0.01, "adaptive_p005": 0.005}  # the chooser at its probe budget
+# the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it)
+POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -88,7 +89,7 @@ def run(a) -> None:
     policies = {}
     for name in a.policies.split(","):
         if name in POLICIES:
-            policies[name] = DepthChooser(costs, 3, probe_budget=POLICIES[name])
+            policies[name] = DepthChooser(costs, 3, **POLICIES[name])
             eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:

@@ -5,7 +5,12 @@ bs 16) against every fixed depth, with a host model per step (``tests/speculativ
 overlap schedule; with a catch-up host model, the host's ms of the draft's catch-up too). What it shows is the
 chooser's logic on those tables and host models, not a measurement of the engine.
 
-    python3 -m bench.adaptive_replay --out bench/results/adaptive/cpu_replay_catchup --repeats 3
+Then the slow-spell case of #41 (``test_adaptive_replay.spell_batches``): the 1B table at bs 256, L 1.5, a host whose
+plain step costs 2.72 ms and round of 1 3.99 ms (4.37 of wall: the device at 1.18x the table), depth 0 the best
+fixed depth, and spells of the machine (+0.27 ms of host a step for 200-600 ms, every 1.5 s on average) per seed:
+fixed depths 0 and 1, the chooser without its realized-rate check (``check_pairs=0``, as before it) and with it.
+
+    python3 -m bench.adaptive_replay --out bench/results/adaptive/cpu_replay_guard --repeats 3
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="16,64,128,256")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=1, help="timed batches per point, back to back (their mean)")
+    ap.add_argument("--spell-seeds", type=int, default=20, help="seeds of the slow-spell case (0: none)")
+    ap.add_argument("--spell-batches", type=int, default=10, help="timed batches of 128 new tokens per seed")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     out = out_path(a.out)
@@ -38,13 +45,14 @@ def main() -> None:
     meta = {"device": "CPU (this machine): a replay of H100 tables", "commit": commit(), "command": command(),
             "new_tokens": a.new_tokens, "repeats": a.repeats, "rows": []}
     for shape, costs, host_name, host, cu_name, cu in cases:
-        for length in (float(x) for x in a.accept_lengths.split(",")):
+        for length in (float(x) for x in a.accept_lengths.split(",") if x):
             rates: dict[str, dict[int, tuple[float, dict]]] = {}
-            for name in ["adaptive", "table only"] + [f"depth{d}" for d in range(t.STEPS + 1)]:
+            for name in ["adaptive", "no check", "table only"] + [f"depth{d}" for d in range(t.STEPS + 1)]:
                 if name.startswith("depth"):
                     policy = DepthSchedule([int(name[-1])])
-                else:
-                    policy = DepthChooser(costs, t.STEPS, host_samples=0 if name == "table only" else 15)
+                else:  # (no check: the chooser without its realized-rate check, as before it)
+                    policy = DepthChooser(costs, t.STEPS, host_samples=0 if name == "table only" else 15,
+                                          check_pairs=0 if name == "no check" else 3)
                 rep = t.HostReplay(policy, length, costs, host, cu) if host else t.Replay(policy, length, costs)
                 if not name.startswith("depth"):
                     rep.run(16, 16, seed=16)
@@ -58,7 +66,7 @@ def main() -> None:
                 best = max(fixed, key=fixed.get)
                 row = {"shape": shape, "host": host_name, "catch_up_host": cu_name, "accept_length": length,
                        "batch_size": bs, "best_fixed": best}
-                for name in ("adaptive", "table only"):
+                for name in ("adaptive", "no check", "table only"):
                     rate, depths = rates[name][bs]
                     key = name.replace(" ", "_")
                     row[f"{key}_vs_best"] = round(rate / fixed[best], 3)
@@ -66,6 +74,7 @@ def main() -> None:
                     row[f"{key}_depths"] = {str(d): n for d, n in depths.items()}
                 meta["rows"].append(row)
                 print(row, flush=True)
+    meta["spell_rows"] = spell_rows(a.spell_seeds, a.spell_batches)
     write_json(out, meta)
     md = [f"# The depth chooser replayed on H100 tables with a host model ({meta['device']})", "",
           f"commit `{meta['commit']}` · command `{meta['command']}`", "",
@@ -75,18 +84,74 @@ def main() -> None:
           "alone. Catch-up host (ms added to a step that catches the draft up): eager = 0.5 + 7.5 bs / 256 before a "
           "round short of a full stash (8 at bs 256; the table has 0.3-0.5 of device time), 0.05 on a full stash "
           "(its graph); graph = 0.05 for every catch-up (a graph per span); none = 0. adaptive: the chooser with its "
-          "host samples; table only: without (host_samples 0). Each ratio is the timed batches' mean decode rate "
+          "host samples and its realized-rate check; no check: without the check (as before it); table only: without "
+          "host samples (host_samples 0). Each ratio is the timed batches' mean decode rate "
           f"over the fixed depth's ({meta['new_tokens']} new tokens, {meta['repeats']} batch(es) back to back after "
           "an untimed batch of 16).", "",
           "| shape | host | catch-up host | L | bs | best fixed | adaptive vs best | vs depth 0 | its depths | "
-          "table only vs best | its depths |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "no check vs best | its depths | table only vs best | its depths |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda d: ", ".join(f"d{k}:{n}" for k, n in d.items())  # noqa: E731
     md += [f"| {r['shape']} | {r['host']} | {r['catch_up_host']} | {r['accept_length']:g} | {r['batch_size']} | "
            f"{r['best_fixed']} | "
            f"**{r['adaptive_vs_best']}x** | {r['adaptive_vs_depth0']}x | {fmt(r['adaptive_depths'])} | "
+           f"{r['no_check_vs_best']}x | {fmt(r['no_check_depths'])} | "
            f"{r['table_only_vs_best']}x | {fmt(r['table_only_depths'])} |" for r in meta["rows"]]
+    md += spell_table(meta["spell_rows"], a.spell_batches)
     write_markdown(out, md)
     print("\n".join(md))
+
+
+def spell_rows(seeds: int, batches: int) -> list[dict]:
+    """Per seed of the slow-spell case: each policy's mean rate over the timed batches against fixed depth 0's, and
+    its depths."""
+    from speculative.adaptive import DepthChooser, DepthSchedule
+    from tests.speculative import test_adaptive_replay as t
+
+    rows = []
+    for seed in range(seeds):
+        policies = {"depth0": DepthSchedule([0]), "depth1": DepthSchedule([1]),
+                    "no check": DepthChooser(t.H100_1B, t.STEPS, check_pairs=0),
+                    "checked": DepthChooser(t.H100_1B, t.STEPS)}
+        rates, row = {}, {"seed": seed}
+        for name, policy in policies.items():
+            rates[name], depths = t.spell_batches(policy, seed, batches)
+            key = name.replace(" ", "_")
+            row[f"{key}_vs_depth0"] = round(rates[name] / rates["depth0"], 4)
+            if name in ("no check", "checked"):
+                row[f"{key}_depths"] = {str(d): n for d, n in sorted(Counter(depths).items())}
+        row["verdicts"] = policies["checked"].stats()["rate_check"]
+        row["checks"] = policies["checked"].stats()["checks"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def spell_table(rows: list[dict], batches: int) -> list[str]:
+    if not rows:
+        return []
+    fmt = lambda d: ", ".join(f"d{k}:{n}" for k, n in d.items())  # noqa: E731
+    mean = lambda k: sum(r[k] for r in rows) / len(rows)  # noqa: E731
+    md = ["", "## Slow spells: the realized-rate check (1B table, bs 256, L 1.5)", "",
+          "Host: a plain step 2.72 ms, a round of 1 3.99 ms (0.3 + (2.42 + 1.27 d) bs / 256), the device at 1.18x the "
+          "table (a round of 1: 4.37 ms of wall), ±10 % noise a step (no 3x pauses); spells of +0.27 ms a step for "
+          "200-600 ms at exponential gaps of mean 1.5 s (seeded). Per seed: the chooser warmed at bs 16, an untimed "
+          f"batch of 16 new tokens, then {batches} timed batches of 128 back to back; each policy's mean rate over "
+          "fixed depth 0's. no check: the chooser without the check (check_pairs 0: as before it); checked: with it.",
+          "", "| seed | depth 1 | no check | its depths | checked | its depths | its checks | last verdict |",
+          "|---|---|---|---|---|---|---|---|"]
+    md += [f"| {r['seed']} | {r['depth1_vs_depth0']:.3f}x | {r['no_check_vs_depth0']:.3f}x | "
+           f"{fmt(r['no_check_depths'])} "
+           f"| **{r['checked_vs_depth0']:.3f}x** | {fmt(r['checked_depths'])} | "
+           + ", ".join(f"{k} {n}" for k, n in sorted(r["checks"].items())) + " | "
+           + "; ".join(f"bs {b}: {v['verdict']} d{v['depth']} ({v['rate_vs_base']}x d{v['base']})"
+                       for b, v in r["verdicts"].items()) + " |" for r in rows]
+    md += [f"| mean | {mean('depth1_vs_depth0'):.3f}x | {mean('no_check_vs_depth0'):.3f}x | | "
+           f"**{mean('checked_vs_depth0'):.3f}x** | | | |",
+           f"| min | {min(r['depth1_vs_depth0'] for r in rows):.3f}x | "
+           f"{min(r['no_check_vs_depth0'] for r in rows):.3f}x "
+           f"| | **{min(r['checked_vs_depth0'] for r in rows):.3f}x** | | | |"]
+    return md
 
 
 if __name__ == "__main__":

@@ -34,6 +34,16 @@ refreshes the first unseen position, spaced so that its expected extra time stay
 plain step's time at that bucket (and at least ``probe_interval`` steps apart): a rise in acceptance is seen within one
 interval per tier, while at a large batch, where a deeper step costs several plain steps, probes stay rare.
 
+Where the host's medians alone move the choice (the table's own costs would keep a shallower depth, and the model's
+expected gain is under ``check_band``), the choice is verified on what matters, tokens per second of wall
+(``RateCheck``): blocks of ``check_block`` steps alternate the choice and the table's depth, so that a slow spell of
+the machine longer than a block weighs on both arms; each base block is compared with the mean of the two around it.
+Unless the choice wins by ``check_margin`` the bucket is held at the table's depth (probes still run) for
+``check_hold`` steps, or until the acceptance estimates would carry the measured ratio past the margin; a choice that
+wins is left to the model as long (a narrow win a quarter of it, or until the choice's host median moves by the
+margin). A host median is one spell's reading, and with the decision's margin the size of the machines' noise no
+model of it decides reliably; paired blocks of the two arms do.
+
 ``DepthSchedule`` forces a depth sequence instead (tests, benchmarks: ``Engine.depth_policy``).
 """
 
@@ -142,6 +152,77 @@ class AcceptanceEstimate:
                 self.at[i] = self.at[i] + 1 if step is None else step
 
 
+class RateCheck:
+    """An A/B of ``depth`` against ``base`` at one bucket on realized throughput: ``2 * pairs + 1`` blocks of ``block``
+    steps at depth, base, depth, ..., depth (the choice first: the check starts where it runs). A block's rate is
+    the tokens its measured steps appended over the sum of their walls. A step's wall is the host's own time of
+    the interval from its launch to the next one, less the wait in it (which is for the step before), plus the
+    host's wait for this step's own result in the next interval: so a device-bound block's backlog is its own, not
+    handed to the block after it. The first ``settle`` steps of a block are left out (the transition: its host time
+    holds the read of the other arm's step, its wait a round's catch-up).
+    Each base block is compared with the mean of the depth blocks on either side, so that a slow spell longer than
+    a block weighs on both arms; a block that another bucket's step or an unexpected round crossed is discarded with
+    its pair."""
+
+    def __init__(self, bucket: int, depth: int, base: int, block: int, pairs: int, settle: int):
+        self.bucket, self.depth, self.base = bucket, depth, base
+        self.block, self.settle = block, settle
+        n = 2 * pairs + 1
+        self.tokens, self.seconds, self.steps = [0] * n, [0.0] * n, [0] * n
+        self.crossed = [False] * n
+        self.waiting = [0] * n  # per block, measured steps whose interval or tokens are still to come
+        self.total = block * n
+        self.issued = 0  # the check's steps chosen so far
+        self.last = 0  # the chooser's step number of the last of them
+
+    def next(self, step: int) -> tuple[int, int]:
+        """The depth of the check's next step, and its block where it is measured (else -1)."""
+        i, k = divmod(self.issued, self.block)
+        self.issued, self.last = self.issued + 1, step
+        if k < self.settle:
+            return (self.base if i % 2 else self.depth), -1
+        self.waiting[i] += 1
+        return (self.base if i % 2 else self.depth), i
+
+    def cross(self, block: int | None = None) -> None:
+        """A step between the check's that was not its own (another bucket), or one of its own that ran another
+        depth (a structured round): the block it fell in is discarded."""
+        if block is None:
+            if not 0 < self.issued < self.total or self.issued % self.block == 0:
+                return  # (between blocks: the next block's first steps are not measured)
+            block = self.issued // self.block
+        self.crossed[block] = True
+
+    def add(self, block: int, tokens: int, seconds: float) -> None:
+        self.waiting[block] -= 1
+        if seconds < 0:  # (no interval: a launch after a prefill or an idle loop)
+            return
+        self.tokens[block] += tokens
+        self.seconds[block] += seconds
+        self.steps[block] += 1
+
+    def ratios(self) -> list[float]:
+        """Per base block whose neighbours are in: the mean of their rates (those intact) over its rate."""
+        need = max(2, (self.block - self.settle) // 2)
+        done = self.issued // self.block
+        rate = [t / s if i < done and not (x or wait) and n >= need and s > 0 else None
+                for i, (t, s, n, x, wait) in enumerate(zip(self.tokens, self.seconds, self.steps, self.crossed,
+                                                           self.waiting))]
+        out = []
+        for i in range(1, len(rate), 2):
+            around = [r for r in (rate[i - 1], rate[i + 1]) if r]
+            if rate[i] and around and (len(around) == 2 or i + 1 < done):  # (one side where the other is lost)
+                out.append(sum(around) / len(around) / rate[i])
+        return out
+
+    def complete(self) -> bool:
+        return self.issued >= self.total and not any(self.waiting)
+
+    def stats(self) -> dict:
+        return {"bucket": self.bucket, "depth": self.depth, "base": self.base, "steps": self.issued,
+                "of": self.total}
+
+
 class DepthChooser:
     """The adaptive policy. ``costs``: batch bucket → {depth: seconds (or ms) of one step at that depth}; its
     depths are the tiers it chooses among (each bucket has every tier). Negative keys -L: the draft's catch-up over
@@ -151,7 +232,9 @@ class DepthChooser:
     def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.5,
                  probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05,
                  host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
-                 host_change: float = 0.03, host_ttl: int = 256):
+                 host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
+                 check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
+                 check_band: float = 0.25, check_hold: int = 1024):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -203,6 +286,25 @@ class DepthChooser:
         # (from the first: such a catch-up is rare, and each one the chooser underprices costs several plain steps)
         self._catch_up_runs: dict[int, deque[float]] = {}
         self.catch_up_host: dict[int, float] = {}
+        # the realized-rate check (``RateCheck``; check_pairs 0: off): per bucket, (the step it was read at, (the
+        # choice, the table's depth) where the host's costs alone make the choice deeper, else ()): read again every
+        # 16 steps, where the bucket's costs move, and at every step of a check there (``_rests_on_host``: not at
+        # each round's new estimates, which move it slowly, for a few microseconds a step)
+        self.check_block, self.check_pairs, self.check_settle = check_block, check_pairs, check_settle
+        self.check_margin, self.check_band, self.check_hold = check_margin, check_band, check_hold
+        self.check_early = check_early
+        self._rests: dict[int, tuple[int, tuple]] = {}
+        self.check: RateCheck | None = None
+        # bucket → the last check's verdict: kept, ratio (the choice's rate over the base's), until (a step), depth,
+        # base, q (E(depth) / E(base) then: a pin ends where the estimates would carry the ratio past the margin),
+        # close (a narrow win), host (the choice's host median then: a narrow win ends where it moves)
+        self.verdicts: dict[int, dict] = {}
+        self.check_counts: Counter = Counter()  # checks by outcome: kept, pinned, inconclusive, dropped
+        # the check's measured steps by step number: [block, depth, host seconds, wait seconds, tokens] (-1: not
+        # measurable); its tokens come with its verdicts (``observe``, the n-th call for the n-th step chosen)
+        self._pending: dict[int, list] = {}
+        self._observed = 0
+        self._launch_at = (0, 0.0)  # (step, host time) of the last launch
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -243,23 +345,24 @@ class DepthChooser:
         at = min(self.catch_up_host, key=lambda b: (abs(math.log(b / bucket)), -b))
         return max(table, self.catch_up_host[at] * min(1.0, bucket / at))
 
-    def best(self, batch_size: int, p: list[float] | None = None, lag: int | None = None) -> int:
+    def best(self, batch_size: int, p: list[float] | None = None, lag: int | None = None, table: bool = False) -> int:
         """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower), after ``lag`` plain steps (default:
         the steps since the last round): a round first catches the draft up on them, and so does a plain step whose
-        stash is full."""
+        stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
         p = self.estimate.p if p is None else p
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
-        totals = self._totals.get((bucket, lag))
+        totals = None if table else self._totals.get((bucket, lag))
         if totals is None:
-            cost = self.step_cost[bucket]
+            cost = self.costs[bucket] if table else self.step_cost[bucket]
             # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
             full = self.window and lag >= self.window
-            catch_up = 0.0 if full else self.catch_up_charge(bucket, lag)
-            totals = self._totals[(bucket, lag)] = [
-                (cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
+            catch_up = 0.0 if full else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
+            totals = [(cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
+            if not table:
+                self._totals[(bucket, lag)] = totals
         # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
         best, best_rate, e, run, at = self.tiers[0], -math.inf, 1.0, 1.0, 0
@@ -288,10 +391,14 @@ class DepthChooser:
         if self._step % 16 == 0 and self._sampled_at:
             self._expire()
         depth = self._cached_best(batch_size, bucket, self.lag)
-        # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder)
+        block = None
+        if self.check_pairs:
+            depth, block = self._verify(batch_size, bucket, depth)
+        # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder);
+        # a check's steps run its blocks' depths alone
         base = min(depth, self._cached_best(batch_size, bucket, 0))
         i = self.tiers.index(base)
-        if i + 1 < len(self.tiers):
+        if block is None and i + 1 < len(self.tiers):
             probe = self.tiers[i + 1]
             key = (bucket, base, probe, self.lag)
             every = self._probe_every.get(key)
@@ -312,10 +419,112 @@ class DepthChooser:
         else:  # (a plain step on a full stash catches up first)
             self.lag = lag_after_plain_step(self.lag, self.window)
         self.last_depth = depth
+        if block is not None and block >= 0:
+            self._pending[self._step] = [block, depth, None, None, None]
         return depth
+
+    def _rests_on_host(self, batch_size: int, bucket: int) -> tuple:
+        """(the choice, the table's) at the bucket (no catch-up due) where the host's medians measured at the
+        bucket alone make the choice deeper and its expected gain over the table's depth is under ``check_band``,
+        else (): a median read in a slow spell is off by up to ~12 %, and a round is charged its host time, not its
+        wall (up to ~10 % less); a gain past both is no misreading. A verdict at the bucket ends here where it no
+        longer holds: a pin where the estimates would carry its measured ratio past the margin, a narrow win where
+        the choice's host median moved by the margin (a slow spell began or ended)."""
+        p, cost = self.estimate.p, self.step_cost[bucket]
+        v = self.verdicts.get(bucket)
+        if v is not None and (
+                v["ratio"] * expected_tokens(p, v["depth"]) / expected_tokens(p, v["base"]) / v["q"]
+                > 1.0 + self.check_margin if not v["kept"] else
+                v["close"] and abs(self.host[bucket].get(v["depth"], 0.0) / v["host"] - 1.0) > self.check_margin):
+            del self.verdicts[bucket]
+        deep = self._cached_best(batch_size, bucket, 0)
+        base = self.best(batch_size, lag=0, table=True)
+        if deep <= base or deep not in self.host[bucket] or base not in self.host[bucket]:
+            return ()  # (where either is estimated, not measured here, the model's own tries come first)
+        gain = expected_tokens(p, deep) / expected_tokens(p, base) * cost[base] / cost[deep]
+        return (deep, base) if gain < 1.0 + self.check_band else ()
+
+    def _verify(self, batch_size: int, bucket: int, depth: int) -> tuple[int, int | None]:
+        """The depth to run where the choice rests on host medians (``_rests_on_host``): a running check's next
+        step (and its block: -1 where not measured), a verdict's (pinned: the table's depth at most; kept: the
+        choice), else the choice (block None)."""
+        check = self.check
+        got = self._rests.get(bucket)
+        if got is None or self._step - got[0] >= (1 if check is not None and check.bucket == bucket else 16):
+            got = self._rests[bucket] = (self._step, self._rests_on_host(batch_size, bucket))
+        rest = got[1]
+        if check is not None and check.bucket != bucket:
+            check.cross()
+        if not rest:
+            if check is not None and check.bucket == bucket:  # (the choice no longer rests on the host's costs)
+                self._drop_check()
+            return depth, None
+        v = self.verdicts.get(bucket)
+        if v is not None and self._step < v["until"]:
+            return (depth if v["kept"] else min(depth, v["base"])), None
+        if check is None or check.bucket != bucket or (check.depth, check.base) != rest:
+            self._drop_check()
+            if depth != rest[0]:  # (it starts where the choice runs: not with a catch-up the model would not pay)
+                return depth, None
+            check = self.check = RateCheck(bucket, *rest, self.check_block, self.check_pairs, self.check_settle)
+        if check.issued < check.total:
+            return check.next(self._step)
+        if self._step - check.last > 4:  # (its last steps' verdicts never came: a failed step)
+            self._conclude()
+        return depth, None
+
+    def _drop_check(self, outcome: str = "dropped") -> None:
+        if self.check is not None:
+            self.check_counts[outcome] += 1
+        self.check = None
+        self._pending.clear()
+
+    def _measured(self, step: int, rec: list) -> None:
+        """A check's step with its interval and tokens both in: added to its block; the verdict where the check is
+        complete, or the pairs in so far all decide it by ``check_early`` (most often the first)."""
+        del self._pending[step]
+        check = self.check
+        check.add(rec[0], rec[4], rec[2] + rec[3] if rec[2] >= 0 and rec[3] >= 0 else -1.0)
+        if check.complete():
+            self._conclude()
+        elif rec[0] % 2 == 0 and rec[0] and not check.waiting[rec[0]]:  # (a pair is in)
+            ratios = check.ratios()
+            if ratios and (min(ratios) >= 1.0 + self.check_margin + self.check_early
+                           or max(ratios) <= 1.0 + self.check_margin - self.check_early / 2):
+                self._conclude(ratios)
+
+    def _conclude(self, ratios: list[float] | None = None) -> None:
+        """The check's verdict from the median of its pairs' ratios (``ratios``: those in so far, decisive; none
+        where fewer than two pairs are intact: the next step at the bucket starts a new check)."""
+        check = self.check
+        if ratios is None:
+            ratios = check.ratios()
+            if len(ratios) < min(2, self.check_pairs):
+                self._drop_check("inconclusive")
+                return
+        p, ratio = self.estimate.p, statistics.median(ratios)
+        kept = ratio >= 1.0 + self.check_margin
+        self._drop_check("kept" if kept else "pinned")
+        # a narrow win is checked again sooner, and as soon as the choice's host median moves by the margin: in the
+        # machine's slow spells the host-bound base step slows and a device-bound round does not, so a win measured
+        # in one need not outlast it (nor, with it, the base's host median it left, which the choice then rests on)
+        close = kept and ratio < 1.0 + self.check_margin + self.check_early
+        self.verdicts[check.bucket] = {
+            "kept": kept, "close": close, "host": self.host[check.bucket].get(check.depth, 0.0) or 1.0,
+            "ratio": ratio, "until": self._step + (self.check_hold // 4 if close else self.check_hold),
+            "depth": check.depth, "base": check.base,
+            "q": expected_tokens(p, check.depth) / expected_tokens(p, check.base)}
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         self.estimate.update(depth, accepted, self._step)
+        self._observed += 1
+        rec = self._pending.get(self._observed) if self._pending else None
+        if rec is not None:  # a check's step: the tokens it appended (one each, and a round's accepted drafts)
+            if depth != rec[1]:  # (not the depth chosen: a structured round)
+                self.check.cross(rec[0])
+            rec[4] = len(accepted) + (sum(accepted) if depth else 0)
+            if rec[3] is not None:
+                self._measured(self._observed, rec)
 
     def sync_lag(self, lag: int) -> None:
         """The count of plain steps is the batch's own: a new batch's requests start with none behind, and one
@@ -332,6 +541,17 @@ class DepthChooser:
         spreads over two intervals: their sum less host(b) samples depth d. A round that caught the draft up short
         of a full stash samples the catch-up's host time: its interval (its launch, the catch-up's included) less
         the host cost of its depth."""
+        if self._pending:  # a check's steps: the host time of the step launched last, the wait for the one before
+            contiguous = contiguous and self._launch_at[0] == self._step - 1
+            rec = self._pending.get(self._step - 1)
+            if rec is not None:
+                rec[2] = now - self._launch_at[1] - waited if contiguous else -1.0
+            rec = self._pending.get(self._step - 2)
+            if rec is not None and rec[3] is None:
+                rec[3] = waited if contiguous else -1.0
+                if rec[4] is not None:
+                    self._measured(self._step - 2, rec)
+        self._launch_at = (self._step, now)
         chosen, self._chosen = self._chosen, None
         if chosen is None or not self.host_samples:  # (host_samples 0: the table alone)
             return
@@ -371,7 +591,7 @@ class DepthChooser:
         if old is not None and abs(median - old) <= self.host_change * max(old, self.step_cost[bucket][0]):
             return
         self.catch_up_host[bucket] = median
-        for cache in (self._best, self._totals, self._probe_every):  # (buckets not observed borrow it: all)
+        for cache in (self._best, self._totals, self._probe_every, self._rests):  # (buckets not observed borrow it)
             cache.clear()
 
     def _sample(self, bucket: int, depth: int, ms: float) -> None:
@@ -461,6 +681,7 @@ class DepthChooser:
         if all(abs(new[d] - cur[d]) <= self.host_change * cur[d] for d in self.tiers):
             return
         self.step_cost[bucket] = new
+        self._rests.pop(bucket, None)
         for cache in (self._best, self._totals, self._probe_every):
             for key in [k for k in cache if k[0] == bucket]:
                 del cache[key]
@@ -475,7 +696,15 @@ class DepthChooser:
                                  for b, o in self.host.items() if o},
                 "host_ms_per_request_depth": round(self.host_per_depth, 6),
                 # per bucket observed: the host's ms of a round's catch-up short of a full stash
-                "catch_up_host_ms": {str(b): round(h, 4) for b, h in sorted(self.catch_up_host.items())}}
+                "catch_up_host_ms": {str(b): round(h, 4) for b, h in sorted(self.catch_up_host.items())},
+                # the realized-rate checks: per bucket the last verdict (the choice kept, or pinned to the table's
+                # depth; its rate over the base's; steps until it is checked again), and the one running
+                "rate_check": {str(b): {"verdict": "kept" if v["kept"] else "pinned", "depth": v["depth"],
+                                        "base": v["base"], "rate_vs_base": round(v["ratio"], 4),
+                                        "recheck_in": max(0, v["until"] - self._step)}
+                               for b, v in sorted(self.verdicts.items())},
+                "checking": self.check.stats() if self.check is not None else None,
+                "checks": dict(self.check_counts)}
 
 
 class DepthSchedule:
