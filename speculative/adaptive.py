@@ -234,7 +234,7 @@ class DepthChooser:
                  host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
                  check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
-                 check_band: float = 0.25, check_hold: int = 1024):
+                 check_band: float = 0.35, check_hold: int = 1024):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
