@@ -57,15 +57,18 @@ def _case(rng: random.Random, torch):
     return scores, torch.tensor(lens, dtype=torch.int32), table, row_req, opts
 
 
-def check(cases: int = CASES, seed: int = 0) -> None:
+def check(cases: int = CASES, seed: int = 0, device: str = "cpu") -> None:
+    """``device`` cuda: the same cases on the GPU's compiled kernels (many more of them: ``--cases``)."""
     import torch
 
     from workers.kernels.sparse_mla import positions_to_slots, topk_positions_reference, topk_slots
 
-    assert_interpreting()
+    if device == "cpu":
+        assert_interpreting()
     rng = random.Random(seed)
     for n in range(cases):
-        scores, row_len, table, row_req, o = _case(rng, torch)
+        scores, row_len, table, row_req, o = (x.to(device) if isinstance(x, torch.Tensor) else x
+                                              for x in _case(rng, torch))
         want = positions_to_slots(topk_positions_reference(scores, row_len, o["topk"]), table, row_req, o["page"])
         # every case sampled; two in three also exact, in turn one program a row or split (the interpreter's time)
         paths = [(True, o["splits"])] + [[(False, 1)], [(False, o["splits"])], []][n % 3]
@@ -83,4 +86,11 @@ def test_topk_paths_equal_the_reference_on_random_rows():
 
 
 if __name__ == "__main__":
-    check()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cases", type=int, default=CASES)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    check(a.cases, a.seed, a.device)
