@@ -507,23 +507,36 @@ class EngineClient:
             answer = core.submit.remote(self.client_id, [item[:4] for item in batch])
         except Exception as e:  # noqa: BLE001 - (handled by the task, as a failed answer)
             answer = e
-        detached(self._submit(name, batch, answer))
+        detached(self._submit(name, batch, answer, core))
 
-    async def _submit(self, name: str, batch: list[tuple], answer) -> None:
+    async def _submit(self, name: str, batch: list[tuple], answer, core=None) -> None:
         try:
             if isinstance(answer, Exception):
                 raise answer
             answers = await answer
         except Exception as e:  # noqa: BLE001 - the core went away before it answered: try another
-            self._resubmit(name, batch, e)
+            self._resubmit(name, batch, e, core)
+            return
+        if core is not None and self._cores.get(name) is not core:
+            # counted lost while the call ran (it may run on): as over the intake, what it took is aborted there
+            # and the batch goes to another core; accepted there, it would wait here for outputs no poll reads
+            taken = [item[0] for item, a in zip(batch, answers)
+                     if a is None and self._unanswered.get(item[0]) is item and self._where.get(item[0]) == name]
+            if taken:  # (over this handle: an intake of that name now would be a core that joined since)
+                try:
+                    detached(settled(core.abort.remote(taken), self.CONNECT_TIMEOUT_S))
+                except Exception as e:  # noqa: BLE001 - (a core gone has nothing left to abort)
+                    logger.warning("aborting on engine core %s failed: %s", name, e)
+            self._resubmit(name, batch, RuntimeError("it was counted lost before it answered"), core)
             return
         self._answered(name, batch, answers)
 
-    def _resubmit(self, name: str, batch: list[tuple], error: Exception) -> None:
+    def _resubmit(self, name: str, batch: list[tuple], error: Exception, core=None) -> None:
         """The core went away before it answered: the batch goes to another core (each request at most
         MAX_RESUBMITS times), or its requests get a 503. An item no longer waiting on that core (answered, or sent
-        elsewhere already: ``_lost`` and a failed send both resubmit) is left as it is."""
-        self._lost(name, error)
+        elsewhere already: ``_lost`` and a failed send both resubmit) is left as it is. ``core``: the handle the
+        batch went to (a core of the same name that joined since is not the one lost)."""
+        self._lost(name, error, core)
         for item in batch:
             if self._unanswered.get(item[0]) is not item or self._where.get(item[0]) != name:
                 continue

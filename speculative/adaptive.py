@@ -63,6 +63,10 @@ class DepthPolicy(Protocol):
     def observe(self, depth: int, accepted: list[int]) -> None:
         """A round's verdicts: its depth and each request's accepted drafts."""
 
+    def lost(self) -> None:
+        """The oldest chosen step whose verdicts are still to come failed: none will (the next ``observe`` is for
+        the step after it)."""
+
     def sync_lag(self, lag: int) -> None:
         """The batch about to be chosen for has run ``lag`` plain steps since its draft last caught up (the most of
         its requests'), told where no decode step is in flight (so the engine's counts are the worker's)."""
@@ -484,7 +488,8 @@ class DepthChooser:
         complete, or the pairs in so far all decide it by ``check_early`` (most often the first)."""
         del self._pending[step]
         check = self.check
-        check.add(rec[0], rec[4], rec[2] + rec[3] if rec[2] >= 0 and rec[3] >= 0 else -1.0)
+        own, wait = rec[2], rec[3]  # (own None: its launch was not on the clock, as a structured-output step's)
+        check.add(rec[0], rec[4], own + wait if own is not None and own >= 0 and wait >= 0 else -1.0)
         if check.complete():
             self._conclude()
         elif rec[0] % 2 == 0 and rec[0] and not check.waiting[rec[0]]:  # (a pair is in)
@@ -525,6 +530,18 @@ class DepthChooser:
             rec[4] = len(accepted) + (sum(accepted) if depth else 0)
             if rec[3] is not None:
                 self._measured(self._observed, rec)
+
+    def lost(self) -> None:
+        """A chosen step failed: its verdicts never come, so the verdicts after it pair with the steps after it (the
+        n-th ``observe`` or ``lost`` is the n-th step chosen). A check's step among them discards its block."""
+        self._observed += 1
+        rec = self._pending.pop(self._observed, None) if self._pending else None
+        if rec is not None:
+            check = self.check
+            check.cross(rec[0])
+            check.add(rec[0], 0, -1.0)
+            if check.complete():
+                self._conclude()
 
     def sync_lag(self, lag: int) -> None:
         """The count of plain steps is the batch's own: a new batch's requests start with none behind, and one
@@ -723,6 +740,9 @@ class DepthSchedule:
         return self.last_depth
 
     def observe(self, depth: int, accepted: list[int]) -> None:
+        pass
+
+    def lost(self) -> None:
         pass
 
     def sync_lag(self, lag: int) -> None:

@@ -487,6 +487,8 @@ class Engine:
 
     def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The step failed: its requests fail, their KV is freed, the engine goes on."""
+        if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+            self.depth_policy.lost()  # (chosen, no verdicts to come: the next ones are for the steps after it)
         self.scheduler.landed(plan)
         self.scheduler.clear_prefix_cache()  # pages indexed when it was planned may hold garbage
         outputs = []

@@ -126,3 +126,57 @@ def test_a_live_core_counted_lost_over_ray_calls_aborts_its_requests(core):
         assert not errors, errors
 
     asyncio.run(run())
+
+
+def test_a_submission_answered_after_its_core_was_counted_lost_goes_to_another(core, tiny_models):
+    """Over Ray calls (poll): core "a" accepts a request only after it was counted lost (its poll failed while the
+    submit call ran; "a" runs on). As over the intake, the request is aborted on "a" and sent to core "b"; taken as
+    accepted on "a", it would wait here for outputs no poll reads and run there to its 240 tokens."""
+    from deployments.engine_client import EngineClient
+
+    cfg = EngineConfig(model=str(tiny_models["llama"]), device="cpu", page_size=4, max_model_len=256,
+                       max_num_seqs=8, max_queue_len=8)
+    other = EngineCore(cfg, "tiny", engine=Engine(cfg, detokenize=False))
+    taken = threading.Event()
+
+    def handle(target, hold: bool):
+        class Handle:  # the actor handle's call shape over an in-process core (a call starts at once, as Ray's)
+            class submit:
+                @staticmethod
+                def remote(client_id, batch):
+                    def call():
+                        assert not hold or taken.wait(30), "never released"
+                        return target.submit(client_id, batch)
+
+                    return asyncio.ensure_future(asyncio.to_thread(call))
+
+            class abort:
+                @staticmethod
+                def remote(rids):
+                    return asyncio.ensure_future(asyncio.to_thread(target.abort, rids))
+
+        return Handle()
+
+    async def run():
+        errors = _loop_errors()
+        client = EngineClient(None, "tiny", output_channel="poll")
+        a = client._cores["a"] = handle(core, True)
+        client.router.add_replica("a")
+        moved, stream = _routed(client, "moved", [5, 6, 8], LONG)
+        await asyncio.sleep(0.1)  # (its submit call waits to be answered)
+        assert client._where["moved"] == "a" and not moved.done()
+        client._cores["b"] = handle(other, False)
+        client.router.add_replica("b")
+        client._lost("a", RuntimeError("its poll failed"), a)  # ("a" runs on)
+        taken.set()
+        assert await asyncio.wait_for(moved, 30) is None and client._where.get("moved") == "b", client._where
+        await _ended_unfinished(core, "accepted on core a after it was counted lost: never aborted there")
+        assert core.num_accepted == 1 and core.engine.scheduler.kv_usage == 0.0
+        assert other.num_accepted == 1
+        assert not errors, errors
+
+    try:
+        asyncio.run(run())
+    finally:
+        taken.set()
+        other.shutdown()

@@ -930,3 +930,41 @@ def test_plain_steps_move_their_lengths_on_a_copy(spec_models):
         behind_pending += int(shift.sum())
         mixed += bool(run.any() and ((run == 0) & (ints[5] > 0)).any())  # rows behind, and pending rows not
     assert behind_pending > 10 and mixed and {0, 1} <= set(eng.steps_by_depth)
+
+
+def test_a_failed_decode_step_is_reported_lost(spec_models):
+    """The depth policy pairs the n-th verdicts with the n-th step it chose: a decode step that fails (injected in
+    the worker, with the step before it in flight) is reported to it as ``lost``, so every step chosen is answered
+    once, in order, and the engine serves on."""
+    eng = engine(spec_models["target"], SpeculativeConfig(method="draft", model=str(spec_models["draft"]),
+                                                          num_steps=3))
+    events = []
+
+    class Recorded(DepthSchedule):
+        def choose(self, batch_size):
+            events.append("chosen")
+            return super().choose(batch_size)
+
+        def observe(self, depth, accepted):
+            events.append("observed")
+
+        def lost(self):
+            events.append("lost")
+
+    eng.depth_policy = Recorded([0, 2, 0, 1])
+    worker = eng.executor.worker
+    real_launch, launches = worker._launch, [0]
+
+    def flaky(step):
+        launches[0] += 1
+        if launches[0] == 5:  # (a decode step after the prefill)
+            raise RuntimeError("injected worker failure")
+        return real_launch(step)
+
+    worker._launch = flaky
+    out = eng.generate(mixed_prompts(2), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert all(o.finish_reason == "error" for o in out)
+    assert events.count("lost") == 1 and events.count("chosen") == events.count("observed") + 1, events
+    again = eng.generate(mixed_prompts(2), GREEDY)
+    assert all(o.finish_reason == "length" for o in again)
+    assert events.count("chosen") == events.count("observed") + events.count("lost"), events

@@ -151,3 +151,59 @@ def test_check_is_off_with_no_pairs():
     loop = Loop(c, {0: PLAIN_HOST, 1: ROUND_HOST}, {0: 0.0, 1: 0.8})
     _learn(c, loop)
     assert set(loop.run(100)) == {1} and c.check is None and not c.verdicts
+
+
+class GappedLoop(Loop):
+    """``Loop`` where some steps are not launched by the decode loop's clock (``unlaunched``: a structured-output
+    step, launched by its own path) or fail (``failed``: no verdicts; the engine reports it as ``lost``)."""
+
+    def __init__(self, *args, unlaunched=(), failed=()):
+        super().__init__(*args)
+        self.unlaunched, self.failed = set(unlaunched), set(failed)
+
+    def step(self, bs: int = 256) -> int:
+        d = self.c.choose(bs)
+        n = self.c._step
+        waited = self.wait[self.depths[-2]] if len(self.depths) >= 2 else 0.0
+        if self.depths:
+            self.now += self.host[self.depths[-1]] + waited
+        if n not in self.unlaunched:
+            self.c.launched(self.now, waited, True)
+        if self.depths:
+            prev, k = self.depths[-1], self.sizes[-1]
+            if n - 1 in self.failed:
+                self.c.lost()
+            else:
+                self.c.observe(prev, [i % 2 for i in range(k)] if prev else [0] * k)
+        self.depths.append(d)
+        self.sizes.append(bs)
+        return d
+
+
+def test_a_step_launched_off_the_clock_inside_a_check():
+    """A check's step whose launch the clock never saw (a structured-output step) has no interval of its own: the
+    step before it is still measured on its wait, and the check reaches its verdict."""
+    c = _chooser()
+    loop = GappedLoop(c, {0: PLAIN_HOST, 1: ROUND_HOST}, {0: 0.0, 1: 0.8})
+    _learn(c, loop)
+    while c.check is None:
+        loop.step()
+    loop.unlaunched = {c._step + 4}  # (the check's fifth step: the fourth's interval never comes)
+    loop.run(60)
+    assert c.verdicts[256]["kept"] is False, c.stats()
+
+
+def test_a_failed_step_keeps_verdicts_paired_with_their_steps():
+    """A decode step that failed (no verdicts for it, ``lost``) before and during checks: later verdicts still go
+    to the steps they are for, so checks conclude (a step's tokens paired with the step after it would cross every
+    block at its end, every check inconclusive, and the bucket would alternate its depths for good)."""
+    c = _chooser()
+    loop = GappedLoop(c, {0: PLAIN_HOST, 1: ROUND_HOST}, {0: 0.0, 1: 0.8}, failed={3})
+    _learn(c, loop)
+    while c.check is None:
+        loop.step()
+    loop.failed.add(c._step + 10)  # (one of the check's own: its block is discarded)
+    loop.run(60)
+    assert c.verdicts[256]["kept"] is False and not c._pending, c.stats()
+    assert c.check_counts["inconclusive"] == 0, c.check_counts
+    assert set(loop.run(200)) == {0}

@@ -158,9 +158,10 @@ if triton is not None:
 
     @triton.jit
     def _ordered_key(s):
-        """fp32 -> int32 whose signed order is the floats' order."""
+        """fp32 -> int32 whose signed order is the floats' order: +-magnitude, so -0.0 and 0.0 are both 0 (equal, as
+        the reference's comparisons have them: the lower position wins); never -2^31 (a sentinel)."""
         bits = s.to(tl.int32, bitcast=True)
-        return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) - (bits >> 31)
 
     @triton.jit
     def _round_e4m3(x):
