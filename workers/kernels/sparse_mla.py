@@ -408,15 +408,9 @@ if triton is not None:
             tl.store(out_row + j, tl.full([BLOCK], -1, tl.int32), mask=(j >= n) & (j < topk))
 
     @triton.jit
-    def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-        """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
-        largest key T and how many keys equal to T to take (the lowest positions), then one pass writes the slots
-        of the keys above T and of those, in position order, and -1 after them."""
-        pdl_start(PDL)
-        r = tl.program_id(0)
-        row_len = tl.load(RowLen + r)
-        row = Scores + r.to(tl.int64) * stride_sr
+    def _row_select(row, row_len, topk, BLOCK: tl.constexpr):
+        """The radix select over a whole row in one program: (the k-th largest key, how many keys equal to it to
+        take, the row's finite keys)."""
         k_rem = topk
         prefix = 0
         n_valid = 0
@@ -426,10 +420,34 @@ if triton is not None:
                 n_valid = tl.sum(hist, 0)
                 k_rem = tl.minimum(k_rem, n_valid)
             d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+        return prefix, k_rem, n_valid
+
+    @triton.jit
+    def _topk_select(Scores, PageTable, RowReq, RowLen, Out, topk, page_size, stride_sr, stride_pt, stride_or,
+                     BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program per row: an exact radix select (4 passes of 8 bits over the row's finite scores) finds the k-th
+        largest key T and how many keys equal to T to take (the lowest positions), then one pass writes the slots
+        of the keys above T and of those, in position order, and -1 after them."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        row_len = tl.load(RowLen + r)
+        row = Scores + r.to(tl.int64) * stride_sr
+        prefix, k_rem, n_valid = _row_select(row, row_len, topk, BLOCK)
         table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
         out_row = Out + r.to(tl.int64) * stride_or
         _write_selected(row, table_row, out_row, 0, row_len, prefix, k_rem, 0, 0, page_size, BLOCK)
         _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
+    def _split_span(RowLen, num_splits, BLOCK: tl.constexpr):
+        """(row, split, the row's length, the split's chunk, its first and past-last positions) of program (row,
+        split): a row's positions in ``num_splits`` chunks of whole blocks, the same in every pass over it."""
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        row_len = tl.load(RowLen + r)
+        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
+        lo = sp * chunk
+        return r, sp, row_len, chunk, lo, tl.minimum(lo + chunk, row_len)
 
     @triton.jit
     def _topk_split_pass(Scores, RowLen, HistTot, HistLoc, GtPart, topk, num_splits, stride_sr,
@@ -438,12 +456,7 @@ if triton is not None:
         matching the digits chosen by passes < P (from the row's totals), added to the row's total. The last pass
         also keeps its histogram and its count of keys above the chosen prefix for the write."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        sp = tl.program_id(1)
-        row_len = tl.load(RowLen + r)
-        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, row_len)
+        r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
         prefix, k_rem, d_prev, n_valid = _row_state(HistTot, r, topk, P)
         row = Scores + r.to(tl.int64) * stride_sr
         hist = _pass_histogram(row, lo, hi, prefix, P, BLOCK)
@@ -467,12 +480,7 @@ if triton is not None:
         above the k-th, and their share of the equal ones, lowest positions first), so the row's slots come out in
         position order whatever the split count; split 0 pads with -1."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        sp = tl.program_id(1)
-        row_len = tl.load(RowLen + r)
-        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, row_len)
+        r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
         threshold, k_rem, d3, n_valid = _row_state(HistTot, r, topk, 4)
         bins = tl.arange(0, 256)
         before = tl.arange(0, SPLITS_P2)
@@ -520,12 +528,7 @@ if triton is not None:
         appended to the row's candidates (in no order; the count runs on past ``cand_max``, which marks an
         overflow)."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        sp = tl.program_id(1)
-        row_len = tl.load(RowLen + r)
-        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, row_len)
+        r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
         tau = tl.load(Tau + r)
         row = Scores + r.to(tl.int64) * stride_sr
         base_out = r.to(tl.int64) * cand_max
@@ -574,13 +577,7 @@ if triton is not None:
                 eq += tl.histogram(sp, SPLITS_P2, mask=m & (key == prefix))
         else:  # the sample misled (or the row is short of finite keys): the whole row, as one program
             row = Scores + r.to(tl.int64) * stride_sr
-            n_valid = 0
-            for p in tl.static_range(4):
-                hist = _pass_histogram(row, 0, row_len, prefix, p, BLOCK)
-                if p == 0:
-                    n_valid = tl.sum(hist, 0)
-                    k_rem = tl.minimum(k_rem, n_valid)
-                d, k_rem, prefix = _choose_digit(hist, k_rem, prefix, p)
+            prefix, k_rem, n_valid = _row_select(row, row_len, topk, BLOCK)
             for start in range(0, row_len, BLOCK):
                 t = start + tl.arange(0, BLOCK)
                 s = tl.load(row + t, mask=t < row_len, other=float("-inf"))
@@ -601,12 +598,7 @@ if triton is not None:
                          PDL: tl.constexpr = False):
         """Program (row, split): ``_topk_split_write`` from the selection's threshold and per-split counts."""
         pdl_start(PDL)
-        r = tl.program_id(0)
-        sp = tl.program_id(1)
-        row_len = tl.load(RowLen + r)
-        chunk = tl.cdiv(tl.cdiv(row_len, num_splits), BLOCK) * BLOCK
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, row_len)
+        r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
         threshold = tl.load(Sel + r * 3)
         k_rem = tl.load(Sel + r * 3 + 1)
         n_valid = tl.load(Sel + r * 3 + 2)
