@@ -77,7 +77,7 @@ def check_topk(g) -> None:
     scores = torch.randn(2, 5000, generator=g)
     table = torch.arange(1, 5000 // 50 + 1, dtype=torch.int32).view(1, -1)
     row_req, row_len = torch.zeros(2, dtype=torch.int32), torch.tensor([5000, 3333], dtype=torch.int32)
-    for splits, sampled in itertools.product((1, 4), (False, True)):
+    for splits, sampled in ((1, False), (4, False), (4, True)):
         got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits, sampled=sampled)
         for i in range(2):
             idx = torch.topk(scores[i, :row_len[i]], 700).indices
@@ -92,10 +92,8 @@ def check_topk(g) -> None:
     row_req, row_len = torch.zeros(3, dtype=torch.int32), torch.full((3,), n, dtype=torch.int32)
     for k in (100, 300):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, k), table, row_req, 50)
-        for splits in (1, 4):
-            got = topk_slots(scores, table, row_req, row_len, 50, k, block=512, num_splits=splits, sampled=True,
-                             sample=sample)
-            assert torch.equal(got, ref), (k, splits)
+        got = topk_slots(scores, table, row_req, row_len, 50, k, block=512, num_splits=3, sampled=True, sample=sample)
+        assert torch.equal(got, ref), k
 
 
 def check_indexer(g) -> None:
