@@ -523,10 +523,7 @@ class EngineClient:
             taken = [item[0] for item, a in zip(batch, answers)
                      if a is None and self._unanswered.get(item[0]) is item and self._where.get(item[0]) == name]
             if taken:  # (over this handle: an intake of that name now would be a core that joined since)
-                try:
-                    detached(settled(core.abort.remote(taken), self.CONNECT_TIMEOUT_S))
-                except Exception as e:  # noqa: BLE001 - (a core gone has nothing left to abort)
-                    logger.warning("aborting on engine core %s failed: %s", name, e)
+                self._send_aborts(name, core, taken, intake=False)
             self._resubmit(name, batch, RuntimeError("it was counted lost before it answered"), core)
             return
         self._answered(name, batch, answers)
@@ -613,17 +610,17 @@ class EngineClient:
         if core is not None and rids:
             self._send_aborts(name, core, rids)
 
-    def _send_aborts(self, name: str, core, rids: list[str]):
-        """``rids`` aborted on core ``name`` (handle ``core``): over its intake if open, else a Ray call, whose
-        reference is returned (nothing to wait for). Never raises: a core gone has nothing left to abort."""
+    def _send_aborts(self, name: str, core, rids: list[str], intake: bool = True) -> None:
+        """``rids`` aborted on core ``name`` (handle ``core``): over its intake if open (``intake``), else a Ray call,
+        whose answer is read in the background (so that Ray does not log a dead core's failed call as unhandled).
+        Never raises: a core gone has nothing left to abort."""
         try:
-            if name in self._intakes:  # (after the submissions sent there: in order)
+            if intake and name in self._intakes:  # (after the submissions sent there: in order)
                 self._send_intake(name, "abort", rids)
-                return None
-            return core.abort.remote(rids)
+            else:
+                detached(settled(core.abort.remote(rids), self.CONNECT_TIMEOUT_S))
         except Exception as e:  # noqa: BLE001 - (the core was lost meanwhile)
             logger.warning("aborting on engine core %s failed: %s", name, e)
-            return None
 
     # ---- the intake (push): submissions and aborts over ZMQ -----------------------------------------------------
     def _open_intake(self, name: str, address: str, limit: int) -> None:
@@ -890,9 +887,7 @@ class EngineClient:
         # still this core's (their answer comes, or their submit fails and sends them on)
         rids = self._aborts.pop(name, []) + failed + ([item[0] for item in unanswered] if intake is not None else [])
         if rids and not dropped:
-            ref = self._send_aborts(name, handle, rids)
-            if ref is not None:  # (read, so that Ray does not log a dead core's failed call as unhandled)
-                detached(settled(ref, self.CONNECT_TIMEOUT_S))
+            self._send_aborts(name, handle, rids)
         self._close_intake(name, linger_ms=self.ABORT_LINGER_MS)
         if intake is not None and unanswered:
             asyncio.get_running_loop().call_soon(self._resubmit, name, unanswered, error)
