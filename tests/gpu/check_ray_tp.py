@@ -92,9 +92,15 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
 
 
 def save_partial(path: str, runs: dict) -> None:
-    """Each run as it ends (a call cut short keeps what it measured)."""
-    Path(path).with_suffix(".partial.json").write_text(json.dumps(
-        {f"tp{tp}_{mode}": {k: v for k, v in r.items() if k != "tokens"} for (tp, mode), r in runs.items()}, indent=2))
+    """Each run as it ends, with its first token differing from the TP=1 reference's where that has run (a call cut
+    short keeps what it measured)."""
+    ref = runs.get((1, "none"))
+    rows = {}
+    for (tp, mode), r in runs.items():
+        rows[f"tp{tp}_{mode}"] = row = {k: v for k, v in r.items() if k != "tokens"}
+        if ref is not None:
+            row["first_difference_from_tp1"] = first_difference(ref["tokens"], r["tokens"])
+    Path(path).with_suffix(".partial.json").write_text(json.dumps(rows, indent=2))
 
 
 def report(result: dict, out: Path) -> None:
@@ -169,18 +175,22 @@ def main() -> None:
     result = {"device": device, "commit": commit(), "command": " ".join(sys.argv), "checkpoint": args.ckpt,
               "dtype": args.dtype, "simulated_accept_length": simulated, "runs": {}}
     runs = {}  # (TP size, mode) -> run
-    for mode, (spec, fuse_round) in configs.items():
-        print(f"== ray tp{args.tp} {mode}", flush=True)
-        runs[args.tp, mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round,
-                                  args.device)
-        save_partial(args.json, runs)
-    ray.shutdown()  # the in-process engine takes the first GPU
+    # the TP=1 reference first, so that each TP run's comparison is saved as it ends (a call cut short keeps it);
+    # the in-process engine's memory goes back before the worker actors take the GPUs
     local_modes = ["none"] + [m for m in modes if args.tp1_spec and m not in ("none", "draft-tp1")]
     for mode in local_modes:
         print(f"== local tp1 {mode}", flush=True)
         spec, fuse_round = spec_config(mode, args.ckpt, head, 1, simulated)
         runs[1, mode] = run(args.ckpt, 1, args.new_tokens, args.backend, args.dtype, spec, fuse_round, args.device)
         save_partial(args.json, runs)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    for mode, (spec, fuse_round) in configs.items():
+        print(f"== ray tp{args.tp} {mode}", flush=True)
+        runs[args.tp, mode] = run(args.ckpt, args.tp, args.new_tokens, args.backend, args.dtype, spec, fuse_round,
+                                  args.device)
+        save_partial(args.json, runs)
+    ray.shutdown()
     if made_head:
         shutil.rmtree(head)
     reference = runs[1, "none"]
