@@ -5,8 +5,9 @@ length) at batch 1 / 8 / 32, so 1 to 160 rows.
 
 Each path (``--methods``: "radix", "sampled", "ordered", and "auto", the launcher's default for the shape) is timed
 as one CUDA graph replay captured with PDL, the L2 flushed before each (triton's do_bench), as
-``bench.sparse_attention`` times its kernels; "ordered" also at the split counts of ``--ordered-splits`` and the
-select warps of ``--select-warps``. Every result is checked against the stable-sort reference on the same scores
+``bench.sparse_attention`` times its kernels; "ordered" also at the split counts of ``--ordered-splits``, the
+select warps of ``--select-warps`` and with its threshold drawn by each split or by a kernel of its own
+(``--fused``). Every result is checked against the stable-sort reference on the same scores
 (``equal``). Writes <out>.json (after every case) and <out>.md with device, commit and command.
 
     python3 -m bench.topk --out bench/results/sparse_attention/topk_h100
@@ -22,7 +23,7 @@ if "--cpu" in sys.argv:  # Triton's interpreter must be on before triton is firs
     os.environ["TRITON_INTERPRET"] = "1"
 
 import argparse  # noqa: E402
-import json  # noqa: E402
+import itertools  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -56,18 +57,19 @@ def scores_case(shape: dict, ctx: int, bs: int, rows_per_req: int, device: str, 
             "slots": torch.empty(r, shape["topk"], dtype=torch.int32, device=device)}
 
 
-def variants(methods: list[str], ordered_splits: list[str], select_warps: list[int]) -> list[tuple[str, dict]]:
+def variants(methods: list[str], ordered_splits: list[str], select_warps: list[int],
+             fused: list[str]) -> list[tuple[str, dict]]:
     """(label, topk_slots keywords) per timed path."""
     out = []
     for m in methods:
         if m == "auto":
             out.append(("auto", {}))
         elif m == "ordered":
-            for sp in ordered_splits:
-                for wp in select_warps:
-                    kw = {"method": "ordered", "select_warps": wp, **({} if sp == "auto" else {"num_splits": int(sp)})}
-                    out.append((f"ordered s={sp} w={wp}" if len(ordered_splits) * len(select_warps) > 1
-                                else "ordered", kw))
+            for sp, wp, fu in itertools.product(ordered_splits, select_warps, fused):
+                kw = {"method": "ordered", "select_warps": wp, **({} if sp == "auto" else {"num_splits": int(sp)}),
+                      **({} if fu == "auto" else {"fused_threshold": fu == "1"})}
+                many = len(ordered_splits) * len(select_warps) * len(fused) > 1
+                out.append((f"ordered s={sp} w={wp} f={fu}" if many else "ordered", kw))
         else:
             out.append((m, {"method": m}))
     return out
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--methods", default="auto,radix,sampled,ordered")
     ap.add_argument("--ordered-splits", default="auto", help="split counts for 'ordered' (auto: topk_splits)")
     ap.add_argument("--select-warps", default="8", help="warps of the 'ordered' select program")
+    ap.add_argument("--fused", default="auto", help="'ordered': threshold drawn by each split (1), by its own "
+                                                   "kernel (0), or as the launcher decides (auto); e.g. auto,0,1")
     args = ap.parse_args()
     out = out_path(args.out)
     device = "cpu" if args.cpu else "cuda"
@@ -91,7 +95,7 @@ def main() -> None:
     contexts = [int(x) for x in (args.contexts or ("300" if args.cpu else "16384,65536,131072")).split(",")]
     batch_sizes = [int(x) for x in (args.batch_sizes or ("2" if args.cpu else "1,8,32")).split(",")]
     vs = variants(args.methods.split(","), args.ordered_splits.split(","),
-                  [int(x) for x in args.select_warps.split(",")])
+                  [int(x) for x in args.select_warps.split(",")], args.fused.split(","))
     graph, _ = timer(device)
     meta = {"device": device_name(device), "commit": commit(), "command": command(), "shape": shape,
             "timing": "CUDA graph replay captured with PDL, L2 flushed before each (do_bench)" if device == "cuda"
@@ -104,9 +108,11 @@ def main() -> None:
                 r = c["scores"].shape[0]
                 want = sm.positions_to_slots(sm.topk_positions_reference(c["scores"], c["row_len"], shape["topk"]),
                                              c["table"], c["row_req"], shape["page"])
+                cap = c["scores"].shape[1]
+                splits = sm.topk_splits(r, cap, 2048, sm._num_sms(c["scores"]), 8)  # topk_slots' defaults
                 row = {"context": ctx, "mode": mode, "batch_size": bs, "rows": r,
-                       "auto_method": sm.topk_method(r, c["scores"].shape[1], shape["topk"]), "ms": {},
-                       "equal": {}}
+                       "auto_method": sm.topk_method(r, cap, shape["topk"]), "auto_splits": splits,
+                       "auto_fused": r * splits <= sm._num_sms(c["scores"]), "ms": {}, "equal": {}}
                 for label, kw in vs:
                     def fn(kw=kw):
                         return sm.topk_slots(c["scores"], c["table"], c["row_req"], c["row_len"], shape["page"],
@@ -123,16 +129,19 @@ def main() -> None:
 def report(meta: dict, out, labels: list[str]) -> None:
     md = [f"# Sparse top-k paths, {meta['device']}", "",
           f"commit {meta['commit']}; `{meta['command']}`; {meta['timing']}. Top-k {meta['shape']['topk']} over the "
-          "indexer's scores; ms per call; `auto` is the launcher's default (its path in brackets); a cell marked "
+          "indexer's scores; ms per call; `auto` is the launcher's default (its path in brackets); `splits`: the "
+          "launcher's split count for the shape (and whether 'ordered' then fuses its threshold); a cell marked "
           "`!` differs from the stable-sort reference.", "",
-          "| context | mode | bs | rows | " + " | ".join(labels) + " |",
-          "|---|---|---|---|" + "---|" * len(labels)]
+          "| context | mode | bs | rows | splits | " + " | ".join(labels) + " |",
+          "|---|---|---|---|---|" + "---|" * len(labels)]
     for r in meta["rows"]:
         cells = []
         for lb in labels:
             cell = f"{r['ms'][lb]}" + ("" if r["equal"][lb] else " !")
             cells.append(cell + (f" ({r['auto_method']})" if lb == "auto" else ""))
-        md.append(f"| {r['context']} | {r['mode']} | {r['batch_size']} | {r['rows']} | " + " | ".join(cells) + " |")
+        fused = " fused" if r["auto_fused"] else ""
+        md.append(f"| {r['context']} | {r['mode']} | {r['batch_size']} | {r['rows']} | {r['auto_splits']}{fused} | "
+                  + " | ".join(cells) + " |")
     write_markdown(out, md)
 
 

@@ -73,13 +73,17 @@ def check(cases: int = CASES, seed: int = 0, device: str = "cpu") -> None:
         want = positions_to_slots(topk_positions_reference(scores, row_len, o["topk"]), table, row_req, o["page"])
         # every case through the ordered candidates (the default for long rows) and one other path in turn (the
         # interpreter's time); on the GPU every path every case
-        others = [("sampled", o["splits"]), ("radix", 1), ("radix", o["splits"])]
-        paths = [("ordered", o["splits"])] + (others if device != "cpu" else [others[n % 3]])
-        for method, splits in paths:
+        # (its threshold drawn by a kernel of its own, or by each split, in turn)
+        others = [("sampled", o["splits"], {}), ("radix", 1, {}), ("radix", o["splits"], {})]
+        paths = [("ordered", o["splits"], {"fused_threshold": n % 2 == 0})] + (others if device != "cpu"
+                                                                               else [others[n % 3]])
+        if device != "cpu":
+            paths.append(("ordered", o["splits"], {"fused_threshold": n % 2 == 1}))
+        for method, splits, kw in paths:
             got = topk_slots(scores, table, row_req, row_len, o["page"], o["topk"], block=o["block"],
-                             num_splits=splits, method=method, sample=o["sample"])
+                             num_splits=splits, method=method, sample=o["sample"], **kw)
             bad = (got != want).any(1).nonzero().flatten().tolist()
-            assert not bad, (f"case {n} method={method} splits={splits} {o}: rows {bad} differ\n"
+            assert not bad, (f"case {n} method={method} splits={splits} {kw} {o}: rows {bad} differ\n"
                              f"got {got[bad].tolist()}\nwant {want[bad].tolist()}\nscores {scores[bad].tolist()}")
     print("topk differential ok")
 

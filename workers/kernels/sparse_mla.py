@@ -501,23 +501,26 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
-    def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        """Program per row: a threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores
-        spread over it (the smallest key, i.e. every finite one, where the row has at most ``cand_max``), and the
-        row's candidate count reset."""
-        pdl_start(PDL)
-        r = tl.program_id(0)
-        row_len = tl.load(RowLen + r)
+    def _sample_tau(row, row_len, topk, cand_max, SAMPLE: tl.constexpr):
+        """A threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores spread over it (the
+        smallest key, i.e. every finite one, where the row has at most ``cand_max``)."""
         j = tl.arange(0, SAMPLE)
         t = (j.to(tl.int64) * row_len) // SAMPLE  # (distinct: a sampled row is longer than cand_max >= SAMPLE)
         n = tl.where(row_len > cand_max, SAMPLE, 0)
-        s = tl.load(Scores + r.to(tl.int64) * stride_sr + t, mask=j < n, other=float("-inf"))
+        s = tl.load(row + t, mask=j < n, other=float("-inf"))
         key = tl.where(s > float("-inf"), _ordered_key(s), -2147483648)
         ranked = tl.sort(key, descending=True)
         m = tl.cdiv(3 * topk * SAMPLE, 2 * tl.maximum(row_len, 1)) + 8  # the rank of about 1.5 top-k, with slack
         tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
-        tau = tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
+        return tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
+
+    @triton.jit
+    def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
+                        PDL: tl.constexpr = False):
+        """Program per row: the row's sampled threshold (``_sample_tau``), and its candidate count reset."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        tau = _sample_tau(Scores + r.to(tl.int64) * stride_sr, tl.load(RowLen + r), topk, cand_max, SAMPLE)
         tl.store(Tau + r, tau)
         tl.store(Count + r, 0)
 
@@ -618,16 +621,24 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
-    def _topk_compact_ordered(Scores, RowLen, Tau, SplitCnt, CandPos, num_splits, stride_sr, region,
-                              BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    def _topk_compact_ordered(Scores, RowLen, Tau, SplitCnt, CandPos, topk, num_splits, stride_sr, cand_max, region,
+                              SAMPLE: tl.constexpr, FUSED: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = False):
         """Program (row, split): the positions of the split's finite scores at or above the row's threshold, in
         position order, into the split's own region of ``region`` entries, and their count (no atomics: the
         regions end to end in split order are the row's candidates in position order). A count past ``region``
-        means more than cand_max candidates: the row's select then reads the whole row."""
+        means more than cand_max candidates: the row's select then reads the whole row. ``FUSED``: each split
+        draws the row's threshold itself (the same sample, so the same threshold; split 0 stores it), instead of
+        reading ``_topk_threshold``'s: one launch fewer for a sort a split."""
         pdl_start(PDL)
         r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
-        tau = tl.load(Tau + r)
         row = Scores + r.to(tl.int64) * stride_sr
+        if FUSED:
+            tau = _sample_tau(row, row_len, topk, cand_max, SAMPLE)
+            if sp == 0:
+                tl.store(Tau + r, tau)
+        else:
+            tau = tl.load(Tau + r)
         out = CandPos + (r * num_splits + sp).to(tl.int64) * region
         n = tl.zeros([], tl.int32)
         for start in range(lo, hi, BLOCK):
@@ -936,7 +947,7 @@ def topk_method(rows: int, capacity: int, topk: int) -> str:
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
                num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=8,
-               out=None):
+               fused_threshold=None, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. Every path gives the same slots; ``method`` picks one
     (default: ``topk_method`` from the shapes; ``sampled`` True / False, the older keyword, means "sampled" /
@@ -955,7 +966,8 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     order (one read of the row, no atomics); then one program a row holds its candidates in registers, finds the
     k-th largest by counting (a bit a step) and writes the slots itself, in candidate order = position order:
     three launches, one read of the row. A misleading sample falls back as in "sampled". ``select_warps``: that
-    program's warps (the candidates, up to 4 top-k, live in its registers)."""
+    program's warps (the candidates, up to 4 top-k, live in its registers). ``fused_threshold``: each split draws
+    the threshold itself (two launches; default where rows x splits programs fit the GPU at once)."""
     rows, cap = scores.shape
     if not use_triton(scores):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
@@ -976,6 +988,9 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     if method in ("sampled", "ordered"):
         cand_max = max(4 * topk, sample)
         tau, count = torch.empty(rows, dtype=torch.int32, device=dev), torch.empty(rows, dtype=torch.int32, device=dev)
+    if fused_threshold is None:  # a sort a split is worth a launch only while the splits fit the GPU at once
+        fused_threshold = rows * num_splits <= _num_sms(scores)
+    if method == "sampled" or (method == "ordered" and not fused_threshold):
         _topk_threshold[(rows,)](scores, row_len, tau, count, topk, scores.stride(0), cand_max, SAMPLE=sample,
                                  num_warps=num_warps, **pdl)
     if method == "ordered":
@@ -983,9 +998,9 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         region = min(triton.cdiv(triton.cdiv(cap, num_splits), block) * block, cand_max)
         split_cnt = torch.empty(rows, num_splits, dtype=torch.int32, device=dev)
         cand_pos = torch.empty(rows, num_splits, region, dtype=torch.int32, device=dev)
-        _topk_compact_ordered[(rows, num_splits)](scores, row_len, tau, split_cnt, cand_pos, num_splits,
-                                                  scores.stride(0), region, BLOCK=block, num_warps=num_warps,
-                                                  **pdl)
+        _topk_compact_ordered[(rows, num_splits)](scores, row_len, tau, split_cnt, cand_pos, topk, num_splits,
+                                                  scores.stride(0), cand_max, region, SAMPLE=sample,
+                                                  FUSED=fused_threshold, BLOCK=block, num_warps=num_warps, **pdl)
         _topk_ordered_select[(rows,)](scores, page_table, row_req, row_len, tau, split_cnt, cand_pos, slots, topk,
                                       page_size, num_splits, scores.stride(0), page_table.stride(0),
                                       slots.stride(0), cand_max, region, CAND=triton.next_power_of_2(cand_max),
