@@ -319,6 +319,10 @@ def test_launch_helpers_fall_back_to_the_references_off_cuda():
     assert sm.indexer_topk(q, w, keys, table, req, ln, 16, 8, out=out) is out
     assert torch.equal(out, sm.indexer_topk_reference(q, w, keys, table, req, ln, 16, 8))
     assert ((out >= 0).sum(1) == torch.tensor([8, 8, 8])).all()
+    # the top-k's path by shape (rows of at least 8 top-k: the ordered candidates), and a misspelt one refused
+    assert sm.topk_method(8, 65536, 2048) == "ordered" and sm.topk_method(8, 9088, 2048) == "radix"
+    with pytest.raises(ValueError, match="top-k method"):
+        sm.topk_slots(torch.zeros(3, 64), table, req, ln, 16, 8, method="order")
     cache = torch.randn(9 * 16, 48, generator=g)
     ql, qr = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 16, generator=g)
     o = torch.empty(3, 2, 32)

@@ -969,13 +969,13 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     program's warps (the candidates, up to 4 top-k, live in its registers). ``fused_threshold``: each split draws
     the threshold itself (two launches; default where rows x splits programs fit the GPU at once)."""
     rows, cap = scores.shape
-    if not use_triton(scores):
-        ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
-        return ref if out is None else out.copy_(ref)
     if method is None:
         method = topk_method(rows, cap, topk) if sampled is None else ("sampled" if sampled else "radix")
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method {method!r}: one of {TOPK_METHODS}")
+    if not use_triton(scores):
+        ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
+        return ref if out is None else out.copy_(ref)
     slots = out if out is not None else torch.empty(rows, topk, dtype=torch.int32, device=scores.device)
     if rows == 0:
         return slots
