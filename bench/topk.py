@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--methods", default="auto,radix,sampled,ordered")
     ap.add_argument("--ordered-splits", default="auto", help="split counts for 'ordered' (auto: topk_splits)")
     ap.add_argument("--select-warps", default="8", help="warps of the 'ordered' select program")
+    ap.add_argument("--sort-sample", action="store_true", help="the sampled paths' threshold from a sort of the "
+                                                                 "sample (default: by counts)")
     ap.add_argument("--fused", default="auto", help="'ordered': threshold drawn by each split (1), by its own "
                                                    "kernel (0), or as the launcher decides (auto); e.g. auto,0,1")
     args = ap.parse_args()
@@ -116,7 +118,8 @@ def main() -> None:
                 for label, kw in vs:
                     def fn(kw=kw):
                         return sm.topk_slots(c["scores"], c["table"], c["row_req"], c["row_len"], shape["page"],
-                                             shape["topk"], out=c["slots"], sample=shape["sample"], **kw)
+                                             shape["topk"], out=c["slots"], sample=shape["sample"],
+                                             sort_sample=args.sort_sample, **kw)
                     row["equal"][label] = bool(torch.equal(fn(), want))
                     row["ms"][label] = round(graph(fn), 4)
                 meta["rows"].append(row)

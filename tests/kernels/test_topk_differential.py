@@ -73,12 +73,13 @@ def check(cases: int = CASES, seed: int = 0, device: str = "cpu") -> None:
         want = positions_to_slots(topk_positions_reference(scores, row_len, o["topk"]), table, row_req, o["page"])
         # every case through the ordered candidates (the default for long rows) and one other path in turn (the
         # interpreter's time); on the GPU every path every case
-        # (its threshold drawn by a kernel of its own, or by each split, in turn)
-        others = [("sampled", o["splits"], {}), ("radix", 1, {}), ("radix", o["splits"], {})]
-        paths = [("ordered", o["splits"], {"fused_threshold": n % 2 == 0})] + (others if device != "cpu"
-                                                                               else [others[n % 3]])
+        # (its threshold drawn by a kernel of its own or by each split, from a sort of the sample or by counts, in
+        # turn)
+        others = [("sampled", o["splits"], {"sort_sample": n % 2 == 1}), ("radix", 1, {}), ("radix", o["splits"], {})]
+        ordered = {"fused_threshold": n % 2 == 0, "sort_sample": n // 2 % 2 == 0}
+        paths = [("ordered", o["splits"], ordered)] + (others if device != "cpu" else [others[n % 3]])
         if device != "cpu":
-            paths.append(("ordered", o["splits"], {"fused_threshold": n % 2 == 1}))
+            paths.append(("ordered", o["splits"], {k: not v for k, v in ordered.items()}))
         for method, splits, kw in paths:
             got = topk_slots(scores, table, row_req, row_len, o["page"], o["topk"], block=o["block"],
                              num_splits=splits, method=method, sample=o["sample"], **kw)

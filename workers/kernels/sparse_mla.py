@@ -501,26 +501,34 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
-    def _sample_tau(row, row_len, topk, cand_max, SAMPLE: tl.constexpr):
+    def _sample_tau(row, row_len, topk, cand_max, SAMPLE: tl.constexpr, SORT: tl.constexpr):
         """A threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores spread over it (the
-        smallest key, i.e. every finite one, where the row has at most ``cand_max``)."""
+        smallest key, i.e. every finite one, where the row has at most ``cand_max``): the m-th largest sampled key,
+        from a sort (``SORT``) or, cheaper, its top 16 bits built by counting (16 sums over the sample instead of a
+        bitonic sort's stages; a few more candidates at or above the rounded-down key)."""
         j = tl.arange(0, SAMPLE)
         t = (j.to(tl.int64) * row_len) // SAMPLE  # (distinct: a sampled row is longer than cand_max >= SAMPLE)
         n = tl.where(row_len > cand_max, SAMPLE, 0)
         s = tl.load(row + t, mask=j < n, other=float("-inf"))
         key = tl.where(s > float("-inf"), _ordered_key(s), -2147483648)
-        ranked = tl.sort(key, descending=True)
         m = tl.cdiv(3 * topk * SAMPLE, 2 * tl.maximum(row_len, 1)) + 8  # the rank of about 1.5 top-k, with slack
-        tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
+        if SORT:
+            ranked = tl.sort(key, descending=True)
+            tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
+        else:  # the largest multiple of 2^16 with m sampled keys at or above it (-2^31, every key, if none)
+            tau = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= m, 0, -2147483648)
+            for b in tl.static_range(15):
+                t_try = tau + (1 << (30 - b))
+                tau = tl.where(tl.sum((key >= t_try).to(tl.int32), 0) >= m, t_try, tau)
         return tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
 
     @triton.jit
     def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
-                        PDL: tl.constexpr = False):
+                        SORT: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program per row: the row's sampled threshold (``_sample_tau``), and its candidate count reset."""
         pdl_start(PDL)
         r = tl.program_id(0)
-        tau = _sample_tau(Scores + r.to(tl.int64) * stride_sr, tl.load(RowLen + r), topk, cand_max, SAMPLE)
+        tau = _sample_tau(Scores + r.to(tl.int64) * stride_sr, tl.load(RowLen + r), topk, cand_max, SAMPLE, SORT)
         tl.store(Tau + r, tau)
         tl.store(Count + r, 0)
 
@@ -623,7 +631,7 @@ if triton is not None:
     @triton.jit
     def _topk_compact_ordered(Scores, RowLen, Tau, SplitCnt, CandPos, topk, num_splits, stride_sr, cand_max, region,
                               SAMPLE: tl.constexpr, FUSED: tl.constexpr, BLOCK: tl.constexpr,
-                              PDL: tl.constexpr = False):
+                              SORT: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row, split): the positions of the split's finite scores at or above the row's threshold, in
         position order, into the split's own region of ``region`` entries, and their count (no atomics: the
         regions end to end in split order are the row's candidates in position order). A count past ``region``
@@ -634,7 +642,7 @@ if triton is not None:
         r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
         row = Scores + r.to(tl.int64) * stride_sr
         if FUSED:
-            tau = _sample_tau(row, row_len, topk, cand_max, SAMPLE)
+            tau = _sample_tau(row, row_len, topk, cand_max, SAMPLE, SORT)
             if sp == 0:
                 tl.store(Tau + r, tau)
         else:
@@ -947,7 +955,7 @@ def topk_method(rows: int, capacity: int, topk: int) -> str:
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
                num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=8,
-               fused_threshold=None, out=None):
+               fused_threshold=None, sort_sample=False, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. Every path gives the same slots; ``method`` picks one
     (default: ``topk_method`` from the shapes; ``sampled`` True / False, the older keyword, means "sampled" /
@@ -967,7 +975,8 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     k-th largest by counting (a bit a step) and writes the slots itself, in candidate order = position order:
     three launches, one read of the row. A misleading sample falls back as in "sampled". ``select_warps``: that
     program's warps (the candidates, up to 4 top-k, live in its registers). ``fused_threshold``: each split draws
-    the threshold itself (two launches; default where rows x splits programs fit the GPU at once)."""
+    the threshold itself (two launches; default where rows x splits programs fit the GPU at once).
+    ``sort_sample``: the sampled paths' threshold from a sort of the sample (as first written) instead of counts."""
     rows, cap = scores.shape
     if method is None:
         method = topk_method(rows, cap, topk) if sampled is None else ("sampled" if sampled else "radix")
@@ -992,7 +1001,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         fused_threshold = rows * num_splits <= _num_sms(scores)
     if method == "sampled" or (method == "ordered" and not fused_threshold):
         _topk_threshold[(rows,)](scores, row_len, tau, count, topk, scores.stride(0), cand_max, SAMPLE=sample,
-                                 num_warps=num_warps, **pdl)
+                                 SORT=sort_sample, num_warps=num_warps, **pdl)
     if method == "ordered":
         # a split's region holds its whole chunk or cand_max positions, whichever is fewer (more: the fallback)
         region = min(triton.cdiv(triton.cdiv(cap, num_splits), block) * block, cand_max)
@@ -1000,7 +1009,8 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         cand_pos = torch.empty(rows, num_splits, region, dtype=torch.int32, device=dev)
         _topk_compact_ordered[(rows, num_splits)](scores, row_len, tau, split_cnt, cand_pos, topk, num_splits,
                                                   scores.stride(0), cand_max, region, SAMPLE=sample,
-                                                  FUSED=fused_threshold, BLOCK=block, num_warps=num_warps, **pdl)
+                                                  FUSED=fused_threshold, BLOCK=block, SORT=sort_sample,
+                                                  num_warps=num_warps, **pdl)
         _topk_ordered_select[(rows,)](scores, page_table, row_req, row_len, tau, split_cnt, cand_pos, slots, topk,
                                       page_size, num_splits, scores.stride(0), page_table.stride(0),
                                       slots.stride(0), cand_max, region, CAND=triton.next_power_of_2(cand_max),
