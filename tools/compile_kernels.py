@@ -145,6 +145,9 @@ def sparse_shapes() -> None:
                             topk_splits=16)
         sm.topk_slots(scores, table, req, ln, page, topk)
         sm.topk_slots(scores, table, req, ln, page, topk, num_splits=1)
+        long_scores = torch.empty(rows, 8 * topk)  # rows long enough for the sampled threshold's paths
+        for method in ("ordered", "sampled"):
+            sm.topk_slots(long_scores, table, req, ln, page, topk, method=method)
         slots = torch.zeros(rows, topk, dtype=torch.int32)
         ql, qr = torch.empty(rows, 128, 512, dtype=torch.bfloat16), torch.empty(rows, 128, 64, dtype=torch.bfloat16)
         for splits in (1, 16):

@@ -3,8 +3,8 @@ PyTorch references, at the model's shapes (indexer 64 heads x 128, top-k 2048, M
 
 - indexer scores over bf16 keys and over FP8 keys (against the reference on the same FP8 values, and on the bf16
   keys by tolerance), decode and verify rows;
-- the top-k, one program a row and split over programs, equal to the reference's slots on the kernel's own scores
-  (exact), and the whole ``indexer_topk``;
+- the top-k, each path (radix passes in one program a row and split over programs, the sampled and the ordered
+  candidates), equal to the reference's slots on the kernel's own scores (exact), and the whole ``indexer_topk``;
 - sparse MLA in bf16 and fp32 against the fp32 reference, one split and several, -1 slots;
 - the whole layer replayed from a CUDA graph equal to its eager run, bit for bit, with new lengths written in place.
 
@@ -79,11 +79,15 @@ def main() -> int:
                              and err8b < 0.1, f"rel {err8:.2e} vs the same FP8, {err8b:.2e} vs bf16 keys"))
         want = sm.positions_to_slots(sm.topk_positions_reference(got, c["row_len"], topk), c["table"], c["row_req"],
                                      page)
-        # (sampled: the threshold from a sample, small enough at the tiny shapes that their long rows are sampled)
-        for splits, sampled in ((1, False), (None, False), (7, False), (1, True), (None, True), (7, True)):
+        # (sampled, ordered: the threshold from a sample, small enough at the tiny shapes that their long rows are
+        # sampled; ordered with its threshold from its own kernel and drawn by each split)
+        for splits, method, kw in ((1, "radix", {}), (None, "radix", {}), (7, "radix", {}), (1, "sampled", {}),
+                                   (None, "sampled", {}), (7, "sampled", {}), (1, "ordered", {}),
+                                   (None, "ordered", {}), (7, "ordered", {"fused_threshold": False}),
+                                   (7, "ordered", {"fused_threshold": True})):
             sel = sm.topk_slots(got, c["table"], c["row_req"], c["row_len"], page, topk, num_splits=splits,
-                                sampled=sampled, sample=64 if args.small else 1024)
-            results.append(check(f"top-k {dt} splits={splits} sampled={sampled}", torch.equal(sel, want),
+                                method=method, sample=64 if args.small else 1024, **kw)
+            results.append(check(f"top-k {dt} splits={splits} {method} {kw}", torch.equal(sel, want),
                                  f"{int((sel != want).sum())} slots differ"))
         whole = sm.indexer_topk(q, c["w"], keys, c["table"], c["row_req"], c["row_len"], page, topk)
         results.append(check(f"indexer_topk {dt}", torch.equal(whole, want)))

@@ -44,8 +44,8 @@ def sorted_rows(x):
 def check_topk(g) -> None:
     """The radix top-k against the stable-sort reference on the same scores: rows shorter than, equal to and longer
     than top-k, an empty row, heavy ties (values from a small set: the lower positions win), -inf (masked) entries,
-    negative scores, and page sizes 64 and 24; each also through the sampled threshold (a sample of 64, so rows
-    over 160 are sampled), including rows whose sample misleads it (too few kept, too many) and fall back."""
+    negative scores, and page sizes 64 and 24; each also through the sampled threshold's two paths (a sample of 64, so
+    rows over 160 are sampled), including rows whose sample misleads it (too few kept, too many) and fall back."""
     import torch
 
     from workers.kernels.sparse_mla import positions_to_slots, topk_positions_reference, topk_slots
@@ -65,24 +65,24 @@ def check_topk(g) -> None:
         scores[8, :] = 1.0  # all equal
         scores[:, :] = torch.where(torch.arange(cap)[None, :] < row_len[:, None], scores, torch.nan)  # not read
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), table, row_req, page_size)
-        # one program a row; rows split over programs (their slots in position order too); sampled or not
-        for splits, sampled in itertools.product((1, 3), (False, True)):
+        # one program a row; rows split over programs (their slots in position order too); each path
+        for splits, method in itertools.product((1, 3), ("radix", "sampled", "ordered")):
             got = topk_slots(scores, table, row_req, row_len, page_size, topk, block=64, num_splits=splits,
-                             sampled=sampled, sample=64)
+                             method=method, sample=64)
             assert got.dtype == torch.int32 and got.shape == (r, topk)
-            assert torch.equal(got, ref), (page_size, splits, sampled, got, ref)
+            assert torch.equal(got, ref), (page_size, splits, method, got, ref)
             n = (got >= 0).sum(1)
             assert n.tolist() == [40, 40, 17, 40, 40, 40, 0, 40, 39, 1], n
     # against torch.topk on a long row with no ties, several blocks and k over a block
     scores = torch.randn(2, 5000, generator=g)
     table = torch.arange(1, 5000 // 50 + 1, dtype=torch.int32).view(1, -1)
     row_req, row_len = torch.zeros(2, dtype=torch.int32), torch.tensor([5000, 3333], dtype=torch.int32)
-    for splits, sampled in ((1, False), (4, False), (4, True)):
-        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits, sampled=sampled)
+    for splits, method in ((1, "radix"), (4, "radix"), (4, "sampled"), (4, "ordered")):
+        got = topk_slots(scores, table, row_req, row_len, 50, 700, block=512, num_splits=splits, method=method)
         for i in range(2):
             idx = torch.topk(scores[i, :row_len[i]], 700).indices
             want = positions_to_slots(idx[None], table, row_req[:1], 50)
-            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, sampled, i)
+            assert torch.equal(got[i].sort().values, want[0].sort().values), (splits, method, i)
     # samples that mislead the threshold: the sampled positions high (it keeps them alone: too few for a top-k of
     # 300, so the row's select reads the whole row; enough for 100) or low (it keeps nearly every score: too many)
     n, sample = 5000, 256
@@ -92,8 +92,10 @@ def check_topk(g) -> None:
     row_req, row_len = torch.zeros(3, dtype=torch.int32), torch.full((3,), n, dtype=torch.int32)
     for k in (100, 300):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, k), table, row_req, 50)
-        got = topk_slots(scores, table, row_req, row_len, 50, k, block=512, num_splits=3, sampled=True, sample=sample)
-        assert torch.equal(got, ref), k
+        for method in ("sampled", "ordered"):
+            got = topk_slots(scores, table, row_req, row_len, 50, k, block=512, num_splits=3, method=method,
+                             sample=sample)
+            assert torch.equal(got, ref), (k, method)
 
 
 def check_indexer(g) -> None:
@@ -317,6 +319,10 @@ def test_launch_helpers_fall_back_to_the_references_off_cuda():
     assert sm.indexer_topk(q, w, keys, table, req, ln, 16, 8, out=out) is out
     assert torch.equal(out, sm.indexer_topk_reference(q, w, keys, table, req, ln, 16, 8))
     assert ((out >= 0).sum(1) == torch.tensor([8, 8, 8])).all()
+    # the top-k's path by shape (rows of at least 8 top-k: the ordered candidates), and a misspelt one refused
+    assert sm.topk_method(8, 65536, 2048) == "ordered" and sm.topk_method(8, 9088, 2048) == "radix"
+    with pytest.raises(ValueError, match="top-k method"):
+        sm.topk_slots(torch.zeros(3, 64), table, req, ln, 16, 8, method="order")
     cache = torch.randn(9 * 16, 48, generator=g)
     ql, qr = torch.randn(3, 2, 32, generator=g), torch.randn(3, 2, 16, generator=g)
     o = torch.empty(3, 2, 32)

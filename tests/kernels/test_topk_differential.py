@@ -1,5 +1,6 @@
-"""The sparse top-k's three paths (one program a row, rows split over programs, the sampled threshold) against the
-stable-sort reference on seeded random rows, run through Triton's interpreter in a subprocess: lengths 0, 1, under,
+"""The sparse top-k's paths (the radix passes in one program a row or split over programs, the sampled threshold
+with its atomic candidates, and with its position-ordered candidates selected in registers) against the stable-sort
+reference on seeded random rows, run through Triton's interpreter in a subprocess: lengths 0, 1, under,
 at and over top-k, at and just past the sampled path's candidate capacity and far past it; NaN (never selected, as
 -inf), ±inf, -0.0 beside 0.0 (equal: the lower position wins), all-equal rows, heavy ties, negative-only rows,
 rows mostly -inf (their sample too), denormals and the largest floats; top-k over the row; splits 1 to 7 (not
@@ -70,13 +71,20 @@ def check(cases: int = CASES, seed: int = 0, device: str = "cpu") -> None:
         scores, row_len, table, row_req, o = (x.to(device) if isinstance(x, torch.Tensor) else x
                                               for x in _case(rng, torch))
         want = positions_to_slots(topk_positions_reference(scores, row_len, o["topk"]), table, row_req, o["page"])
-        # every case sampled; two in three also exact, in turn one program a row or split (the interpreter's time)
-        paths = [(True, o["splits"])] + [[(False, 1)], [(False, o["splits"])], []][n % 3]
-        for sampled, splits in paths:
+        # every case through the ordered candidates (the default for long rows) and one other path in turn (the
+        # interpreter's time); on the GPU every path every case
+        # (its threshold drawn by a kernel of its own or by each split, from a sort of the sample or by counts, in
+        # turn)
+        others = [("sampled", o["splits"], {"sort_sample": n % 2 == 1}), ("radix", 1, {}), ("radix", o["splits"], {})]
+        ordered = {"fused_threshold": n % 2 == 0, "sort_sample": n // 2 % 2 == 0}
+        paths = [("ordered", o["splits"], ordered)] + (others if device != "cpu" else [others[n % 3]])
+        if device != "cpu":
+            paths.append(("ordered", o["splits"], {k: not v for k, v in ordered.items()}))
+        for method, splits, kw in paths:
             got = topk_slots(scores, table, row_req, row_len, o["page"], o["topk"], block=o["block"],
-                             num_splits=splits, sampled=sampled, sample=o["sample"])
+                             num_splits=splits, method=method, sample=o["sample"], **kw)
             bad = (got != want).any(1).nonzero().flatten().tolist()
-            assert not bad, (f"case {n} sampled={sampled} splits={splits} {o}: rows {bad} differ\n"
+            assert not bad, (f"case {n} method={method} splits={splits} {kw} {o}: rows {bad} differ\n"
                              f"got {got[bad].tolist()}\nwant {want[bad].tolist()}\nscores {scores[bad].tolist()}")
     print("topk differential ok")
 

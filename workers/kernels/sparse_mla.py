@@ -501,23 +501,34 @@ if triton is not None:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
 
     @triton.jit
-    def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
-                        PDL: tl.constexpr = False):
-        """Program per row: a threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores
-        spread over it (the smallest key, i.e. every finite one, where the row has at most ``cand_max``), and the
-        row's candidate count reset."""
-        pdl_start(PDL)
-        r = tl.program_id(0)
-        row_len = tl.load(RowLen + r)
+    def _sample_tau(row, row_len, topk, cand_max, SAMPLE: tl.constexpr, SORT: tl.constexpr):
+        """A threshold key about 1.5 top-k keys of the row lie at or above, from SAMPLE scores spread over it (the
+        smallest key, i.e. every finite one, where the row has at most ``cand_max``): the m-th largest sampled key,
+        from a sort (``SORT``) or, cheaper, its top 16 bits built by counting (16 sums over the sample instead of a
+        bitonic sort's stages; a few more candidates at or above the rounded-down key)."""
         j = tl.arange(0, SAMPLE)
         t = (j.to(tl.int64) * row_len) // SAMPLE  # (distinct: a sampled row is longer than cand_max >= SAMPLE)
         n = tl.where(row_len > cand_max, SAMPLE, 0)
-        s = tl.load(Scores + r.to(tl.int64) * stride_sr + t, mask=j < n, other=float("-inf"))
+        s = tl.load(row + t, mask=j < n, other=float("-inf"))
         key = tl.where(s > float("-inf"), _ordered_key(s), -2147483648)
-        ranked = tl.sort(key, descending=True)
         m = tl.cdiv(3 * topk * SAMPLE, 2 * tl.maximum(row_len, 1)) + 8  # the rank of about 1.5 top-k, with slack
-        tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
-        tau = tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
+        if SORT:
+            ranked = tl.sort(key, descending=True)
+            tau = tl.sum(tl.where(j == m - 1, ranked, 0), 0)
+        else:  # the largest multiple of 2^16 with m sampled keys at or above it (-2^31, every key, if none)
+            tau = tl.where(tl.sum((key >= 0).to(tl.int32), 0) >= m, 0, -2147483648)
+            for b in tl.static_range(15):
+                t_try = tau + (1 << (30 - b))
+                tau = tl.where(tl.sum((key >= t_try).to(tl.int32), 0) >= m, t_try, tau)
+        return tl.where((row_len <= cand_max) | (m >= SAMPLE), -2147483648, tau)
+
+    @triton.jit
+    def _topk_threshold(Scores, RowLen, Tau, Count, topk, stride_sr, cand_max, SAMPLE: tl.constexpr,
+                        SORT: tl.constexpr = False, PDL: tl.constexpr = False):
+        """Program per row: the row's sampled threshold (``_sample_tau``), and its candidate count reset."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        tau = _sample_tau(Scores + r.to(tl.int64) * stride_sr, tl.load(RowLen + r), topk, cand_max, SAMPLE, SORT)
         tl.store(Tau + r, tau)
         tl.store(Count + r, 0)
 
@@ -616,6 +627,88 @@ if triton is not None:
                         tl.sum(tl.where(earlier, eq, 0), 0), page_size, BLOCK)
         if sp == 0:
             _pad(out_row, tl.minimum(n_valid, topk), topk, BLOCK)
+
+    @triton.jit
+    def _topk_compact_ordered(Scores, RowLen, Tau, SplitCnt, CandPos, topk, num_splits, stride_sr, cand_max, region,
+                              SAMPLE: tl.constexpr, FUSED: tl.constexpr, BLOCK: tl.constexpr,
+                              SORT: tl.constexpr = False, PDL: tl.constexpr = False):
+        """Program (row, split): the positions of the split's finite scores at or above the row's threshold, in
+        position order, into the split's own region of ``region`` entries, and their count (no atomics: the
+        regions end to end in split order are the row's candidates in position order). A count past ``region``
+        means more than cand_max candidates: the row's select then reads the whole row. ``FUSED``: each split
+        draws the row's threshold itself (the same sample, so the same threshold; split 0 stores it), instead of
+        reading ``_topk_threshold``'s: one launch fewer for a sort a split."""
+        pdl_start(PDL)
+        r, sp, row_len, chunk, lo, hi = _split_span(RowLen, num_splits, BLOCK)
+        row = Scores + r.to(tl.int64) * stride_sr
+        if FUSED:
+            tau = _sample_tau(row, row_len, topk, cand_max, SAMPLE, SORT)
+            if sp == 0:
+                tl.store(Tau + r, tau)
+        else:
+            tau = tl.load(Tau + r)
+        out = CandPos + (r * num_splits + sp).to(tl.int64) * region
+        n = tl.zeros([], tl.int32)
+        for start in range(lo, hi, BLOCK):
+            t = start + tl.arange(0, BLOCK)
+            s = tl.load(row + t, mask=t < hi, other=float("-inf"))
+            cand = (s > float("-inf")) & (_ordered_key(s) >= tau)
+            dest = n + tl.cumsum(cand.to(tl.int32), 0) - 1
+            tl.store(out + dest, t, mask=cand & (dest < region))
+            n += tl.sum(cand.to(tl.int32), 0)
+        tl.store(SplitCnt + r * num_splits + sp, n)
+
+    @triton.jit
+    def _topk_ordered_select(Scores, PageTable, RowReq, RowLen, Tau, SplitCnt, CandPos, Out, topk, page_size,
+                             num_splits, stride_sr, stride_pt, stride_or, cand_max, region, CAND: tl.constexpr,
+                             SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """Program per row: the row's candidates (``_topk_compact_ordered``'s regions, in position order) held in
+        registers, the k-th largest key T among them built bit by bit (the largest key with at least k candidates
+        at or above it: a count over the registers a bit, no histogram), then the slots of the keys above T and of
+        the lowest-positioned ones equal to it, written in candidate order, which is position order. Where the
+        candidates do not hold the top-k (fewer than top-k above a sampled threshold, or more than cand_max), the
+        whole row's radix passes and write, as ``_topk_select``."""
+        pdl_start(PDL)
+        r = tl.program_id(0)
+        row_len = tl.load(RowLen + r)
+        row = Scores + r.to(tl.int64) * stride_sr
+        table_row = PageTable + tl.load(RowReq + r).to(tl.int64) * stride_pt
+        out_row = Out + r.to(tl.int64) * stride_or
+        every = tl.load(Tau + r) == -2147483648
+        splits = tl.arange(0, SPLITS_P2)
+        cnt_row = SplitCnt + r * num_splits
+        c = tl.sum(tl.load(cnt_row + splits, mask=splits < num_splits, other=0), 0)
+        n = topk + tl.zeros([], tl.int32)
+        if (c <= cand_max) & ((c >= topk) | every):
+            i = tl.arange(0, CAND)
+            valid = i < c
+            # candidate i is entry i - (candidates of the splits before its own) of its split's region
+            shift = tl.zeros([CAND], tl.int32)
+            end = tl.zeros([], tl.int32)
+            for s in tl.static_range(1, SPLITS_P2):
+                end += tl.load(cnt_row + s - 1, mask=s < num_splits, other=0)
+                shift = tl.where((i >= end) & (s < num_splits), s * region - end, shift)
+            cand = CandPos + r.to(tl.int64) * num_splits * region + i + shift
+            key = _ordered_key(tl.load(row + tl.load(cand, mask=valid, other=0), mask=valid, other=0.0))
+            k = tl.where(every, tl.minimum(c, topk), topk)
+            # T = max{t: #(key >= t) >= k}, the sign first, then bits 30..0 (two's complement: no overflow)
+            t_lo = tl.where(tl.sum((valid & (key >= 0)).to(tl.int32), 0) >= k, 0, -2147483648)
+            for b in tl.static_range(31):
+                t_try = t_lo + (1 << (30 - b))
+                t_lo = tl.where(tl.sum((valid & (key >= t_try)).to(tl.int32), 0) >= k, t_try, t_lo)
+            k_rem = k - tl.sum((valid & (key > t_lo)).to(tl.int32), 0)
+            eq = valid & (key == t_lo)
+            take = (valid & (key > t_lo)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k_rem))
+            dest = tl.cumsum(take.to(tl.int32), 0) - 1
+            pos = tl.load(cand, mask=take, other=0)  # (again: not held through the search)
+            page = tl.load(table_row + pos // page_size, mask=take, other=0)
+            tl.store(out_row + dest, page * page_size + pos % page_size, mask=take)
+            n = k
+        else:  # the sample misled (or the row is short of finite keys): the whole row, as one program
+            prefix, k_rem, n_valid = _row_select(row, row_len, topk, BLOCK)
+            _write_selected(row, table_row, out_row, 0, row_len, prefix, k_rem, 0, 0, page_size, BLOCK)
+            n = tl.minimum(n_valid, topk)
+        _pad(out_row, n, topk, BLOCK)
 
     @triton.jit
     def _mla_dot(a, b, IEEE: tl.constexpr):
@@ -847,20 +940,48 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
     return max(1, min(max_splits, fill, triton.cdiv(capacity, block)))
 
 
-def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
-               num_splits=None, programs_per_sm=8, sampled=None, sample=1024, out=None):
-    """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
-    lower position), in position order, -1 after them.
+TOPK_METHODS = ("radix", "sampled", "ordered")
 
-    ``sampled``: a threshold from ``sample`` scores spread over the row, one pass keeping the scores at or above it
-    (about 1.5 top-k), the exact radix select over those alone, and a pass writing the slots: two reads of the row
-    instead of five. Where the sample misleads (fewer than top-k kept, or more than 4 top-k) that row's select reads
-    the whole row instead; the result is the same either way. Its select is one program a row, so it pays where the
-    passes it saves are long: by default rows of at least 8 top-k and 2M scores in all. Otherwise one
-    program per row (``num_splits`` 1: every radix pass in it), or each row split over programs (from the shapes:
-    few rows fill the GPU): four histogram passes and a write, each a launch, the histograms summed through
-    atomics."""
+
+def topk_method(rows: int, capacity: int, topk: int) -> str:
+    """The top-k path ``topk_slots`` takes by default for these shapes (see its doc for each path)."""
+    if capacity >= 8 * topk:
+        # long rows: one read of the row and a select over a few candidates held in registers, against the radix
+        # passes' four histogram reads (tl.histogram's per-score cost) or the sampled path's second read of the row
+        return "ordered"
+    # short rows: a sample would keep much of the row, and the radix passes over it are few blocks
+    return "radix"
+
+
+def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
+               num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=8,
+               fused_threshold=None, sort_sample=False, out=None):
+    """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
+    lower position), in position order, -1 after them. Every path gives the same slots; ``method`` picks one
+    (default: ``topk_method`` from the shapes; ``sampled`` True / False, the older keyword, means "sampled" /
+    "radix"):
+
+    "radix": the exact radix select over the whole row: one program per row (``num_splits`` 1: every pass in
+    it), or each row split over programs (from the shapes: few rows fill the GPU): four histogram passes and a
+    write, each a launch, the histograms summed through atomics.
+
+    "sampled": a threshold from ``sample`` scores spread over the row, one pass keeping the scores at or above it
+    (about 1.5 top-k, appended through atomics), the radix select over those alone in one program a row, and a
+    pass writing the slots: two reads of the row instead of five. Where the sample misleads (fewer than top-k
+    kept, or more than 4 top-k) that row's select reads the whole row instead.
+
+    "ordered": the same threshold; each split keeps the positions at or above it in its own region, in position
+    order (one read of the row, no atomics); then one program a row holds its candidates in registers, finds the
+    k-th largest by counting (a bit a step) and writes the slots itself, in candidate order = position order:
+    three launches, one read of the row. A misleading sample falls back as in "sampled". ``select_warps``: that
+    program's warps (the candidates, up to 4 top-k, live in its registers). ``fused_threshold``: each split draws
+    the threshold itself (two launches; default where rows x splits programs fit the GPU at once).
+    ``sort_sample``: the sampled paths' threshold from a sort of the sample (as first written) instead of counts."""
     rows, cap = scores.shape
+    if method is None:
+        method = topk_method(rows, cap, topk) if sampled is None else ("sampled" if sampled else "radix")
+    if method not in TOPK_METHODS:
+        raise ValueError(f"top-k method {method!r}: one of {TOPK_METHODS}")
     if not use_triton(scores):
         ref = positions_to_slots(topk_positions_reference(scores, row_len, topk), page_table, row_req, page_size)
         return ref if out is None else out.copy_(ref)
@@ -872,16 +993,34 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     num_warps = num_warps or (8 if rows < 8 else 4)  # few rows: each program's passes are the critical path
     pdl = pdl_launch(scores)
     splits_p2 = max(2, triton.next_power_of_2(num_splits))
-    if sampled if sampled is not None else (cap >= 8 * topk and rows * cap >= 1 << 21):
+    dev = scores.device
+    if method in ("sampled", "ordered"):
         cand_max = max(4 * topk, sample)
-        dev = scores.device
         tau, count = torch.empty(rows, dtype=torch.int32, device=dev), torch.empty(rows, dtype=torch.int32, device=dev)
+    if fused_threshold is None:  # a sort a split is worth a launch only while the splits fit the GPU at once
+        fused_threshold = rows * num_splits <= _num_sms(scores)
+    if method == "sampled" or (method == "ordered" and not fused_threshold):
+        _topk_threshold[(rows,)](scores, row_len, tau, count, topk, scores.stride(0), cand_max, SAMPLE=sample,
+                                 SORT=sort_sample, num_warps=num_warps, **pdl)
+    if method == "ordered":
+        # a split's region holds its whole chunk or cand_max positions, whichever is fewer (more: the fallback)
+        region = min(triton.cdiv(triton.cdiv(cap, num_splits), block) * block, cand_max)
+        split_cnt = torch.empty(rows, num_splits, dtype=torch.int32, device=dev)
+        cand_pos = torch.empty(rows, num_splits, region, dtype=torch.int32, device=dev)
+        _topk_compact_ordered[(rows, num_splits)](scores, row_len, tau, split_cnt, cand_pos, topk, num_splits,
+                                                  scores.stride(0), cand_max, region, SAMPLE=sample,
+                                                  FUSED=fused_threshold, BLOCK=block, SORT=sort_sample,
+                                                  num_warps=num_warps, **pdl)
+        _topk_ordered_select[(rows,)](scores, page_table, row_req, row_len, tau, split_cnt, cand_pos, slots, topk,
+                                      page_size, num_splits, scores.stride(0), page_table.stride(0),
+                                      slots.stride(0), cand_max, region, CAND=triton.next_power_of_2(cand_max),
+                                      SPLITS_P2=splits_p2, BLOCK=block, num_warps=select_warps, **pdl)
+        return slots
+    if method == "sampled":
         cand = torch.empty(rows, cand_max, dtype=scores.dtype, device=dev)
         cand_pos = torch.empty(rows, cand_max, dtype=torch.int32, device=dev)
         sel = torch.empty(rows, 3, dtype=torch.int32, device=dev)
         split_cnt = torch.empty(rows, num_splits, 2, dtype=torch.int32, device=dev)
-        _topk_threshold[(rows,)](scores, row_len, tau, count, topk, scores.stride(0), cand_max, SAMPLE=sample,
-                                 num_warps=num_warps, **pdl)
         _topk_compact[(rows, num_splits)](scores, row_len, tau, count, cand, cand_pos, num_splits, scores.stride(0),
                                           cand_max, BLOCK=block, num_warps=num_warps, **pdl)
         _topk_cand_select[(rows,)](scores, row_len, tau, count, cand, cand_pos, sel, split_cnt, topk, num_splits,
@@ -896,9 +1035,9 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         _topk_select[(rows,)](scores, page_table, row_req, row_len, slots, topk, page_size, scores.stride(0),
                               page_table.stride(0), slots.stride(0), BLOCK=block, num_warps=num_warps, **pdl)
         return slots
-    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=scores.device)
-    hist_loc = torch.empty(rows, num_splits, 256, dtype=torch.int32, device=scores.device)
-    gt_part = torch.empty(rows, num_splits, dtype=torch.int32, device=scores.device)
+    hist_tot = torch.zeros(rows, 4, 256, dtype=torch.int32, device=dev)
+    hist_loc = torch.empty(rows, num_splits, 256, dtype=torch.int32, device=dev)
+    gt_part = torch.empty(rows, num_splits, dtype=torch.int32, device=dev)
     for p in range(4):
         _topk_split_pass[(rows, num_splits)](scores, row_len, hist_tot, hist_loc, gt_part, topk, num_splits,
                                              scores.stride(0), P=p, BLOCK=block, num_warps=num_warps, **pdl)
