@@ -24,10 +24,11 @@ if "--cpu" in sys.argv:  # Triton's interpreter must be on before triton is firs
 
 import argparse  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 
 import torch  # noqa: E402
 
-from bench.common import command, commit, device_name, out_path, write_json, write_markdown  # noqa: E402
+from bench.common import command, commit, device_name, out_path, pyplot, write_json, write_markdown  # noqa: E402,E501
 from bench.sparse_attention import timer  # noqa: E402
 from workers.kernels import sparse_mla as sm  # noqa: E402
 
@@ -85,13 +86,18 @@ def main() -> None:
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--methods", default="auto,radix,sampled,ordered")
     ap.add_argument("--ordered-splits", default="auto", help="split counts for 'ordered' (auto: topk_splits)")
-    ap.add_argument("--select-warps", default="8", help="warps of the 'ordered' select program")
+    ap.add_argument("--select-warps", default="16", help="warps of the 'ordered' select program")
     ap.add_argument("--sort-sample", action="store_true", help="the sampled paths' threshold from a sort of the "
                                                                  "sample (default: by counts)")
     ap.add_argument("--fused", default="auto", help="'ordered': threshold drawn by each split (1), by its own "
                                                    "kernel (0), or as the launcher decides (auto); e.g. auto,0,1")
+    ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
     out = out_path(args.out)
+    if args.report_only:
+        meta = json.loads(out.with_suffix(".json").read_text())
+        report(meta, out, list(meta["rows"][0]["ms"]))
+        return
     device = "cpu" if args.cpu else "cuda"
     shape = SHAPES["cpu" if args.cpu else "gpu"]
     contexts = [int(x) for x in (args.contexts or ("300" if args.cpu else "16384,65536,131072")).split(",")]
@@ -146,6 +152,21 @@ def report(meta: dict, out, labels: list[str]) -> None:
         md.append(f"| {r['context']} | {r['mode']} | {r['batch_size']} | {r['rows']} | {r['auto_splits']}{fused} | "
                   + " | ".join(cells) + " |")
     write_markdown(out, md)
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(8, 0.7 * len(meta["rows"]) * len(labels) / 2), 4.5))
+    width = 0.8 / len(labels)
+    for i, lb in enumerate(labels):
+        ax.bar([j + i * width for j in range(len(meta["rows"]))], [r["ms"][lb] for r in meta["rows"]], width,
+               label=lb)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(meta["rows"]))])
+    ax.set_xticklabels([f"{r['context'] // 1024}k {r['mode'][0]} {r['rows']}r" for r in meta["rows"]], rotation=60,
+                       fontsize=7)
+    ax.set_ylabel("ms per call")
+    ax.set_title(f"{meta['device']}: sparse top-k paths (k {meta['shape']['topk']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -319,8 +319,9 @@ def test_launch_helpers_fall_back_to_the_references_off_cuda():
     assert sm.indexer_topk(q, w, keys, table, req, ln, 16, 8, out=out) is out
     assert torch.equal(out, sm.indexer_topk_reference(q, w, keys, table, req, ln, 16, 8))
     assert ((out >= 0).sum(1) == torch.tensor([8, 8, 8])).all()
-    # the top-k's path by shape (rows of at least 8 top-k: the ordered candidates), and a misspelt one refused
-    assert sm.topk_method(8, 65536, 2048) == "ordered" and sm.topk_method(8, 9088, 2048) == "radix"
+    # the top-k's path by shape (few scores in all: radix; long rows: ordered; else sampled), a misspelt one refused
+    assert [sm.topk_method(r, c, 2048) for r, c in ((8, 65536), (32, 65536), (160, 16384), (8, 9088), (512, 9088))] \
+        == ["radix", "ordered", "sampled", "radix", "radix"]
     with pytest.raises(ValueError, match="top-k method"):
         sm.topk_slots(torch.zeros(3, 64), table, req, ln, 16, 8, method="order")
     cache = torch.randn(9 * 16, 48, generator=g)

@@ -944,17 +944,20 @@ TOPK_METHODS = ("radix", "sampled", "ordered")
 
 
 def topk_method(rows: int, capacity: int, topk: int) -> str:
-    """The top-k path ``topk_slots`` takes by default for these shapes (see its doc for each path)."""
-    if capacity >= 8 * topk:
-        # long rows: one read of the row and a select over a few candidates held in registers, against the radix
-        # passes' four histogram reads (tl.histogram's per-score cost) or the sampled path's second read of the row
+    """The top-k path ``topk_slots`` takes by default for these shapes (see its doc for each path), from the H100
+    sweep of ``bench.topk`` (docs/performance.md)."""
+    if rows * capacity < 1 << 21 or capacity < 8 * topk:
+        # few scores in all: the radix passes are short and the select programs' fixed cost is what shows
+        return "radix"
+    if capacity >= 32 * topk:
+        # long rows: one read of the row and a select over a few candidates in registers
         return "ordered"
-    # short rows: a sample would keep much of the row, and the radix passes over it are few blocks
-    return "radix"
+    # mid rows: a sample keeps a larger share of the row, which the sampled path's split select handles better
+    return "sampled"
 
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
-               num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=8,
+               num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=16,
                fused_threshold=None, sort_sample=False, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. Every path gives the same slots; ``method`` picks one
