@@ -191,6 +191,9 @@ class Request:
     # adaptive speculation: its last positions whose draft KV only a later catch-up writes (plain steps since its
     # last round, bounded as the worker's stash); never indexed, so no cached page holds KV its draft never wrote
     draft_lag: int = 0
+    # adaptive speculation: it ran while the draft was paused, so its draft KV has holes (positions never written):
+    # its rounds' verdicts say little of the draft's acceptance and are kept from the chooser's estimates
+    draft_holes: bool = False
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""

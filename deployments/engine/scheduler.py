@@ -48,6 +48,8 @@ class StepPlan:
     # lowers it once the step's draft depth is chosen: a plain step (depth 0) appends one, as without speculation,
     # so a request near its end is not held back a step as if a full round were in flight
     max_advance: int | None = None
+    # DECODE: a plain step with adaptive speculation's draft paused (the step no speculation runs; no chosen depth)
+    draft_paused: bool = False
     # the requests' values that stay while they run (``step_constants``), when the scheduler had them already
     constants: dict | None = None
 
