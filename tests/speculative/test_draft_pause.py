@@ -6,6 +6,8 @@ enters and leaves the pause as designed."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from deployments.engine.request import SamplingParams
@@ -159,3 +161,19 @@ def test_the_pause_enters_where_plain_steps_are_firm_and_leaves_where_rounds_win
     off = DepthChooser(H100_8B, num_steps=3, pause_after=0)
     _served(off, 256, 400, _bench_acceptance(1.5))
     assert not off.paused and off.pauses == 0
+
+
+def test_structured_output_steps_run_rounds_through_a_pause(tiny_models):
+    """A step with grammar requests runs a full round whatever is chosen (its masks follow its drafts), so it is no
+    paused step; the plain batches between run paused. The tokens are those without the pause (overlap off)."""
+    from tests.engine.test_structured_overlap import drive, make, params
+
+    models = {"target": tiny_models["llama"], "draft": tiny_models["llama"]}
+    # (the requests without a grammar outlive the others: batches of them alone then run paused)
+    ps = [p if p.guided is not None else replace(p, max_tokens=96) for p in params()]
+    ref, _ = drive(make(models, "draft", overlap=False, graphs=False), ps)
+    eng = make(models, "draft", overlap=True, graphs=False)
+    eng.depth_policy = DepthSchedule([PAUSED])
+    reqs, counts = drive(eng, ps)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
+    assert eng.paused_steps > 0 and counts["mask_follows"] >= 10, (eng.paused_steps, counts)
