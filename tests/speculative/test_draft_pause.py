@@ -13,8 +13,8 @@ import pytest
 from deployments.engine.request import SamplingParams
 from speculative.adaptive import PAUSED, DepthChooser, DepthSchedule
 from tests.helpers import mixed_prompts
-from tests.speculative.test_adaptive import (H100_8B, SEEDED, _bench_acceptance, _served, _spec,  # noqa: F401
-                                             references)
+from tests.speculative.test_adaptive import (H100_8B, SEEDED, _bench_acceptance, _per_position,  # noqa: F401
+                                             _served, _spec, references)
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
 from workers.graphs import PAUSED_DEPTH
@@ -161,6 +161,23 @@ def test_the_pause_enters_where_plain_steps_are_firm_and_leaves_where_rounds_win
     off = DepthChooser(H100_8B, num_steps=3, pause_after=0)
     _served(off, 256, 400, _bench_acceptance(1.5))
     assert not off.paused and off.pauses == 0
+
+
+def test_a_pause_ends_after_its_hold_so_a_rise_in_acceptance_is_seen():
+    """At one bucket a pause lasts ``pause_hold`` steps: then the draft is kept in step again, the probe comes
+    after its spacing (for requests admitted since: the running ones' drafts have holes), and a rise in acceptance
+    takes the chooser to rounds; without it the chooser pauses again, once a probe's verdicts are in."""
+    c = DepthChooser(H100_8B, num_steps=3, pause_hold=200)
+    _served(c, 256, 150, _per_position(0.1))
+    assert c.paused and c.pauses == 1
+    high = _served(c, 256, 400, _per_position(0.9), seed=2)
+    assert c.pauses == 1 and sum(d > 0 for d in high[-100:]) >= 95, high
+    low = DepthChooser(H100_8B, num_steps=3, pause_hold=200)
+    depths = _served(low, 256, 800, _per_position(0.1))
+    assert low.pauses >= 3 and depths.count(0) >= 780  # (the probes after each hold, and nothing else)
+    held = DepthChooser(H100_8B, num_steps=3)  # (the default hold: 1024 steps)
+    _served(held, 256, 150, _per_position(0.1))
+    assert held.paused and _served(held, 256, 400, _per_position(0.9)) == [0] * 400
 
 
 def test_structured_output_steps_run_rounds_through_a_pause(tiny_models):
