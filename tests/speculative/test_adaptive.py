@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deployments.engine.request import RequestStatus, SamplingParams
-from speculative.adaptive import PAUSED, AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
+from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
