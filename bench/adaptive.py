@@ -160,6 +160,7 @@ class Bench:
                     started.update(o.rid for o in outs if o.new_token_ids)
                     if len(started) == bs:
                         start, by_depth, last = now, dict(eng.steps_by_depth), now
+                        paused_before = eng.paused_steps
                         gct.reset()
                     continue
                 new = sum(len(o.new_token_ids) for o in outs)
@@ -176,6 +177,8 @@ class Bench:
                "tokens_per_step_per_request": round(tokens / steps / bs, 3)}
         if depths:
             row["steps_by_depth"] = depths
+        if start is not None and eng.paused_steps > paused_before:  # (plain steps with the draft paused)
+            row["paused_steps"] = eng.paused_steps - paused_before
         times = sorted(ms for ms, _ in step_ms)
         row["median_step_ms"] = times[len(times) // 2]
         # the slowest steps: (index after the last first token, ms, depth launched then)

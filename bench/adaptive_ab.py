@@ -22,8 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-# the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it)
-POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0}}
+# the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it;
+# adaptive_nopause: without the draft's pause, as before it). Fixed policies: depthN, and "paused" (every plain step
+# with the draft paused: the step without speculation, run by the speculative engine)
+POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
+            "adaptive_nopause": {"pause_after": 0}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -53,7 +56,7 @@ def _traced(policy, log: list) -> None:
 def run(a) -> None:
     sys.path.insert(0, os.getcwd())  # (the tree run from: a copy of another commit imports its own modules)
     from bench.adaptive import Bench
-    from speculative.adaptive import DepthChooser, DepthSchedule
+    from speculative.adaptive import PAUSED, DepthChooser, DepthSchedule
     from workers.config import SpeculativeConfig
 
     b = Bench(_args(a))
@@ -93,7 +96,8 @@ def run(a) -> None:
             eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:
-            policies[name] = eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
+            policies[name] = eng.depth_policy = DepthSchedule(
+                [PAUSED if name == "paused" else int(name.removeprefix("depth"))])
         b._decode_rate(eng, a.bs, 16)
         if a.interleave:
             continue
@@ -209,7 +213,7 @@ def main() -> None:
     ap.add_argument("--accept-length", type=float, default=1.5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--policies", default="depth0,adaptive", help="depthN and " + ", ".join(POLICIES))
+    ap.add_argument("--policies", default="depth0,adaptive", help="depthN, paused and " + ", ".join(POLICIES))
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
     ap.add_argument("--interleave", action="store_true", help="both engines at once, every policy timed in each "
                     "repeat in turn (a slow spell of the machine then falls on all)")

@@ -47,12 +47,14 @@ def main() -> None:
     for shape, costs, host_name, host, cu_name, cu in cases:
         for length in (float(x) for x in a.accept_lengths.split(",") if x):
             rates: dict[str, dict[int, tuple[float, dict]]] = {}
-            for name in ["adaptive", "no check", "table only"] + [f"depth{d}" for d in range(t.STEPS + 1)]:
+            for name in ["adaptive", "no check", "table only", "no pause"] + [f"depth{d}" for d in range(t.STEPS + 1)]:
                 if name.startswith("depth"):
                     policy = DepthSchedule([int(name[-1])])
-                else:  # (no check: the chooser without its realized-rate check, as before it)
+                else:  # (no check: the chooser without its realized-rate check, as before it; no pause: without
+                    # the draft's pause, as before it)
                     policy = DepthChooser(costs, t.STEPS, host_samples=0 if name == "table only" else 15,
-                                          check_pairs=0 if name == "no check" else 3)
+                                          check_pairs=0 if name == "no check" else 3,
+                                          pause_after=0 if name == "no pause" else None)
                 rep = t.HostReplay(policy, length, costs, host, cu) if host else t.Replay(policy, length, costs)
                 if not name.startswith("depth"):
                     rep.run(16, 16, seed=16)
@@ -66,7 +68,7 @@ def main() -> None:
                 best = max(fixed, key=fixed.get)
                 row = {"shape": shape, "host": host_name, "catch_up_host": cu_name, "accept_length": length,
                        "batch_size": bs, "best_fixed": best}
-                for name in ("adaptive", "no check", "table only"):
+                for name in ("adaptive", "no check", "table only", "no pause"):
                     rate, depths = rates[name][bs]
                     key = name.replace(" ", "_")
                     row[f"{key}_vs_best"] = round(rate / fixed[best], 3)
@@ -85,18 +87,21 @@ def main() -> None:
           "round short of a full stash (8 at bs 256; the table has 0.3-0.5 of device time), 0.05 on a full stash "
           "(its graph); graph = 0.05 for every catch-up (a graph per span); none = 0. adaptive: the chooser with its "
           "host samples and its realized-rate check; no check: without the check (as before it); table only: without "
-          "host samples (host_samples 0). Each ratio is the timed batches' mean decode rate "
+          "host samples (host_samples 0); no pause: without the draft's pause (a paused step is replayed as a plain "
+          "step without the catch-up; the stash's writes and the host's bookkeeping it saves are not modelled). "
+          "Each ratio is the timed batches' mean decode rate "
           f"over the fixed depth's ({meta['new_tokens']} new tokens, {meta['repeats']} batch(es) back to back after "
           "an untimed batch of 16).", "",
           "| shape | host | catch-up host | L | bs | best fixed | adaptive vs best | vs depth 0 | its depths | "
-          "no check vs best | its depths | table only vs best | its depths |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "no check vs best | its depths | table only vs best | its depths | no pause vs best | vs depth 0 |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda d: ", ".join(f"d{k}:{n}" for k, n in d.items())  # noqa: E731
     md += [f"| {r['shape']} | {r['host']} | {r['catch_up_host']} | {r['accept_length']:g} | {r['batch_size']} | "
            f"{r['best_fixed']} | "
            f"**{r['adaptive_vs_best']}x** | {r['adaptive_vs_depth0']}x | {fmt(r['adaptive_depths'])} | "
            f"{r['no_check_vs_best']}x | {fmt(r['no_check_depths'])} | "
-           f"{r['table_only_vs_best']}x | {fmt(r['table_only_depths'])} |" for r in meta["rows"]]
+           f"{r['table_only_vs_best']}x | {fmt(r['table_only_depths'])} | {r['no_pause_vs_best']}x | "
+           f"{r['no_pause_vs_depth0']}x |" for r in meta["rows"]]
     md += spell_table(meta["spell_rows"], a.spell_batches)
     write_markdown(out, md)
     print("\n".join(md))

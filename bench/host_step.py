@@ -49,7 +49,8 @@ the draft's catch-up (eager on a GPU too) is shown apart:
         --out bench/results/host_step/cpu_spec_host_step
 
 ``--spec-depth N`` with ``--spec-head`` times the speculative engine as the rows above time one without it, every
-DECODE step forced to depth N (0: adaptive speculation's plain steps), so the same command with and without it
+DECODE step forced to depth N (0: adaptive speculation's plain steps; ``paused``: plain steps with the draft paused,
+the step without speculation), so the same command with and without it
 compares the two on one machine; on a GPU with ``--profile-batch`` each adds the kernel timeline (busy, idle gaps,
 kernels per step) and the CUDA runtime calls per step (graph launches, copies, and where the host waits for the
 device: synchronizes, blocking copies):
@@ -213,7 +214,7 @@ def measure(eng, batch: int, args, profile: bool = False) -> dict:
         metric_time = eng._metric_time = timed_metrics(eng)
     # (the most tokens a step appends: a forced depth's requests then run as many steps as without speculation)
     depth = args.spec_depth if args.spec_depth is not None else args.spec_steps
-    per_step = 1 if args.spec_head is None else depth + 1
+    per_step = 1 if args.spec_head is None or depth == "paused" else depth + 1
     for _ in range(batch):
         req = eng.add_request([rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)],
                               SamplingParams(max_tokens=args.new_tokens * per_step, temperature=args.temperature,
@@ -406,6 +407,7 @@ def _forced_depth(meta: dict) -> str:
         return ""
     return (f"; speculative engine (EAGLE-3 head, chain of {meta['spec_steps']}), every DECODE step at depth "
             f"{meta['spec_depth']}" + (" (plain steps, the draft catching up lazily)" if meta["spec_depth"] == 0
+                                       else " (plain steps, the draft paused)" if meta["spec_depth"] == "paused"
                                        else f" (simulated accept length {meta['accept_length']})"))
 
 
@@ -543,7 +545,7 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
     import gc
 
     from deployments.engine.request import SamplingParams
-    from speculative.adaptive import DepthChooser, DepthSchedule
+    from speculative.adaptive import PAUSED, DepthChooser, DepthSchedule
 
     vocab = eng.executor.model_config.vocab_size
     recording, timing, timers, unprofiled = [False], [False], {}, {}
@@ -614,6 +616,8 @@ def spec_measure(eng, batch: int, args, policy: str) -> dict:
         run(16, 0)  # untimed: the chooser learns acceptance at this load (as bench.adaptive's warm batch)
     elif policy.startswith("depth"):
         eng.depth_policy = DepthSchedule([int(policy.removeprefix("depth"))])
+    elif policy == "paused":  # (plain steps with the draft paused: the step without speculation)
+        eng.depth_policy = DepthSchedule([PAUSED])
     shapes: list = []
     if worker.proposer is not None:  # the catch-ups of the timed steps: (requests, longest lag, uniform, KV rows)
         def logged(inner):
@@ -735,12 +739,14 @@ def main() -> None:
     ap.add_argument("--profile-batch", type=int, default=None, help="profile the steps at this batch size")
     ap.add_argument("--profile-steps", type=int, default=10)
     ap.add_argument("--spec-head", default=None, help="an EAGLE-3 head: compare speculation policies' host time")
-    ap.add_argument("--policies", default=SPEC_POLICIES, help="with --spec-head: nospec, depthN, adaptive")
+    ap.add_argument("--policies", default=SPEC_POLICIES, help="with --spec-head: nospec, depthN, paused, adaptive")
     ap.add_argument("--accept-length", type=float, default=1.5, help="with --spec-head: simulated accept length")
     ap.add_argument("--spec-steps", type=int, default=3, help="with --spec-head: the chain's depth")
-    ap.add_argument("--spec-depth", type=int, default=None, help="with --spec-head: the engine's steps timed per part "
-                    "as without it (the rows, --profile-batch's kernels and runtime calls), every DECODE step forced "
-                    "to this depth (0: plain steps); compare with the same command without --spec-head")
+    ap.add_argument("--spec-depth", type=lambda x: x if x == "paused" else int(x), default=None,
+                    help="with --spec-head: the engine's steps timed per part as without it (the rows, "
+                    "--profile-batch's kernels and runtime calls), every DECODE step forced to this depth (0: plain "
+                    "steps; paused: plain steps with the draft paused); compare with the same command without "
+                    "--spec-head")
     ap.add_argument("--spec-timed-steps", type=int, default=40, help="with --spec-head: profiled steps per row")
     ap.add_argument("--repeats", type=int, default=1, help="passes over the policies (--spec-head) or the batch sizes")
     ap.add_argument("--out", required=True)

@@ -44,6 +44,13 @@ wins is left to the model as long (a narrow win a quarter of it, or until the ch
 margin). A host median is one spell's reading, and with the decision's margin the size of the machines' noise no
 model of it decides reliably; paired blocks of the two arms do.
 
+Where plain steps are firmly the choice (``pause_after`` of them in a row at the batch's bucket, none a probe or a
+check's, with acceptance measured) the draft is paused: its pending inputs are dropped, and each step runs what an
+engine without speculation runs (no stash, no catch-up, no chooser bookkeeping, no probes) until the batch reaches
+a bucket whose choice is a round, or for ``pause_hold`` steps (then a probe measures acceptance again). Its requests'
+draft KV then has holes (lossless: verification decides every token), and their verdicts are kept from the
+estimates (the engine's ``Request.draft_holes``).
+
 ``DepthSchedule`` forces a depth sequence instead (tests, benchmarks: ``Engine.depth_policy``).
 """
 
@@ -57,8 +64,15 @@ from typing import Protocol
 
 
 class DepthPolicy(Protocol):
+    # whether the draft is paused (``DepthChooser``, "The draft's pause"): read after ``choose``, which then returned
+    # 0; the step runs what no speculation runs, and is no chosen step (no ``observe``, ``lost`` or ``launched``)
+    paused: bool
+
     def choose(self, batch_size: int) -> int:
         """The draft depth of the next speculative step over ``batch_size`` requests."""
+
+    def unpause(self) -> None:
+        """Leave a pause now (the engine runs a round whatever is chosen: a structured-output step)."""
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         """A round's verdicts: its depth and each request's accepted drafts."""
@@ -238,7 +252,8 @@ class DepthChooser:
                  host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
                  check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
-                 check_band: float = 0.35, check_hold: int = 1024):
+                 check_band: float = 0.35, check_hold: int = 1024, pause_after: int | None = None,
+                 pause_hold: int = 1024):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -309,6 +324,21 @@ class DepthChooser:
         self._pending: dict[int, list] = {}
         self._observed = 0
         self._launch_at = (0, 0.0)  # (step, host time) of the last launch
+        # the draft's pause: after ``pause_after`` plain choices in a row (None: twice the stash's size; 0: never),
+        # steps run paused (``paused``) while the batch's bucket chooses plain steps; they are no chosen steps (the
+        # engine sends no verdicts or launches for them) and run no probes (a draft with holes measures little)
+        self.pause_after = 2 * self.window if pause_after is None else pause_after
+        self.paused = False
+        # plain choices in a row (no probe or check step), with acceptance measured since the last pause ended
+        # (the step it ended at: ``_resumed_at``; verdicts of drafts with holes are not sent, so a fresh verdict
+        # is a whole draft's)
+        self._plain_streak = 0
+        self._resumed_at = 0
+        self._paused_at: int | None = None  # the bucket of the last paused step
+        # a pause ends after ``pause_hold`` steps however the batch stays, so that a probe measures acceptance again
+        # (a rise would otherwise go unseen for as long as the batch stays at the bucket)
+        self.pause_hold, self._paused_for = pause_hold, 0
+        self.pauses = 0
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -390,6 +420,8 @@ class DepthChooser:
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int) -> int:
+        if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
+            return 0
         bucket = self.bucket(batch_size)
         self._step += 1
         if self._step % 16 == 0 and self._sampled_at:
@@ -425,7 +457,40 @@ class DepthChooser:
         self.last_depth = depth
         if block is not None and block >= 0:
             self._pending[self._step] = [block, depth, None, None, None]
+        # (measured: on the prior alone, or on verdicts older than the last pause, a pause would keep plain steps
+        # without a probe ever measuring acceptance)
+        measured = self.estimate.at[0] > self._resumed_at
+        self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         return depth
+
+    def _stays_paused(self, batch_size: int) -> bool:
+        """Whether the next step runs paused (entering the pause where the streak of plain choices is long enough):
+        at the bucket of the last paused step, or at one whose choice (no draft lag: its pending inputs are
+        dropped) is a plain step too, for ``pause_hold`` steps at most; else the pause ends."""
+        bucket = self.bucket(batch_size)
+        if bucket != self._paused_at and self._cached_best(batch_size, bucket, 0) != 0:
+            self.unpause()  # (where it had not begun: the streak starts again)
+            return False
+        if self._paused_for >= self.pause_hold:
+            self.unpause()
+            # the running requests' drafts have holes: the probe waits its spacing, for requests admitted since
+            for k in self.tiers:
+                self._seen[k] = self._step
+            return False
+        if not self.paused:
+            self.paused, self.lag = True, 0  # (the worker drops every request's pending draft inputs)
+            self.pauses += 1
+            self._drop_check()
+        self._paused_at = bucket
+        self._paused_for += 1
+        self.last_depth = 0
+        return True
+
+    def unpause(self) -> None:
+        """(The count of plain steps stays 0: the draft was kept in step on none since the pause began.)"""
+        if self.paused:
+            self._resumed_at = self._step
+        self.paused, self._plain_streak, self._paused_at, self._paused_for = False, 0, None, 0
 
     def _rests_on_host(self, batch_size: int, bucket: int) -> tuple:
         """(the choice, the table's) at the bucket (no catch-up due) where the host's medians measured at the
@@ -721,23 +786,35 @@ class DepthChooser:
                                         "recheck_in": max(0, v["until"] - self._step)}
                                for b, v in sorted(self.verdicts.items())},
                 "checking": self.check.stats() if self.check is not None else None,
-                "checks": dict(self.check_counts)}
+                "checks": dict(self.check_counts),
+                # the draft's pause: on now, how many began (the engine counts the steps run paused)
+                "draft_paused": self.paused, "pauses": self.pauses}
+
+
+PAUSED = "paused"  # a ``DepthSchedule`` entry: a plain step with the draft paused
 
 
 class DepthSchedule:
-    """Depths forced in order, cycling (tests and benchmarks: a fixed depth is a one-entry schedule)."""
+    """Depths forced in order, cycling (tests and benchmarks: a fixed depth is a one-entry schedule); an entry
+    ``PAUSED`` is a plain step with the draft paused."""
 
-    def __init__(self, depths: list[int]):
+    def __init__(self, depths: list[int | str]):
         if not depths:
             raise ValueError("an empty depth schedule")
         self.depths = list(depths)
         self._next = 0
         self.last_depth: int | None = None
+        self.paused = False
 
     def choose(self, batch_size: int) -> int:
-        self.last_depth = self.depths[self._next % len(self.depths)]
+        depth = self.depths[self._next % len(self.depths)]
         self._next += 1
+        self.paused = depth == PAUSED
+        self.last_depth = 0 if self.paused else depth
         return self.last_depth
+
+    def unpause(self) -> None:
+        self.paused = False
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         pass
@@ -752,4 +829,4 @@ class DepthSchedule:
         pass
 
     def stats(self) -> dict:
-        return {"policy": "schedule", "depths": self.depths, "last_depth": self.last_depth}
+        return {"policy": "schedule", "depths": self.depths, "last_depth": self.last_depth, "draft_paused": self.paused}

@@ -39,6 +39,11 @@ class SpeculativeConfig(Strict):
     catch_up_window: int = Field(
         16, ge=1, le=256, description="adaptive: the draft's inputs of this many plain steps are kept per request; "
         "when they fill, the draft catches up on all but the newest; a round catches up first anyway")
+    pause_draft_after: int | None = Field(
+        None, ge=0, description="adaptive: after this many plain steps chosen in a row (no probe between, acceptance "
+        "measured) the draft is paused: its pending inputs are dropped and steps run exactly what no speculation runs "
+        "until the batch reaches a size whose choice is a round; requests that lived through a pause accept fewer "
+        "drafts later (their draft KV has holes; outputs are unchanged). Default 2 x catch_up_window; 0: never")
 
     @model_validator(mode="after")
     def _check(self):

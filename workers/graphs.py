@@ -59,6 +59,8 @@ LOGITS_VARIANT = "+logits"
 MASK_VARIANT = "+mask"
 # the phase of a MASK_VARIANT that ends at the logits: the phases after it wait for the masks
 MASK_WAITS_AFTER = ("decode_forward", "verify_forward")
+# a speculative worker's plain step with the draft paused (adaptive speculation): its graphs' depth key
+PAUSED_DEPTH = "paused"
 
 
 def batch_buckets(max_bs: int) -> list[int]:
@@ -315,6 +317,9 @@ class DecodeGraphs(GraphRunner):
         # a speculative worker's depth 0: the plain decode step (``decode``) that also stashes the draft's inputs
         # (``Worker._plain_step``); its graphs are keyed as the "decode" phase at depth 0
         self.plain_step: Callable | None = None
+        # its plain step with the draft paused: ``decode`` alone, no stash (keyed as the "decode" phase at depth
+        # PAUSED_DEPTH); whether its graphs are captured at start-up (else on first use)
+        self.paused_graphs = False
         # the draft's catch-up (a plain step on a full stash, a round after plain steps) replayed from a graph per
         # bucket and span (``_capture_catch_up``), its per-row lags read from ``catch_up_lags``; False: it runs eagerly
         self.catch_up_graphs = False
@@ -343,7 +348,7 @@ class DecodeGraphs(GraphRunner):
         for bucket in tqdm(list(reversed(buckets)), desc="capturing CUDA graphs", disable=self.rank != 0):
             for kind in ("greedy", *self.cfg.cuda_graph_sampling_kinds):
                 self._capture(bucket, kind, top=False)  # (greedy's full round first: it makes the norm-fusion choice)
-                for depth in self._other_depths(self.depth_tiers):
+                for depth in self._other_depths(self.depth_tiers) + ([PAUSED_DEPTH] if self.paused_graphs else []):
                     self._capture(bucket, kind, False, depth)
             if self.catch_up_graphs:
                 self._capture_catch_up(bucket)
@@ -358,7 +363,8 @@ class DecodeGraphs(GraphRunner):
     def replay_step(self, step, bucket: int, kind: str, top: bool, depth: int | None = None,
                     catch_up_lags: np.ndarray | None = None) -> PackedOutputs:
         """Run ``step`` through its bucket's graphs (captured now on first use); returns its rows' packed outputs,
-        valid until the next replay. ``depth``: a speculative round's draft depth (None: num_steps).
+        valid until the next replay. ``depth``: a speculative round's draft depth (None: num_steps; PAUSED_DEPTH: a
+        plain step with the draft paused).
         ``catch_up_lags``: each row's plain steps that the draft catches up on first (``capture_catch_up``)."""
         at = (bucket, kind, top) + _depth_key(depth)
         if at not in self.phases:
@@ -437,6 +443,9 @@ class DecodeGraphs(GraphRunner):
         """What one bucket captures: name → callable over the static inputs, in replay order; the last returns the
         step's outputs packed for the host (``top``: with each token's top logprobs; ``depth``: a round drafting
         that many tokens, None: num_steps)."""
+        if depth == PAUSED_DEPTH:  # (the step without speculation)
+            return {"decode": lambda: PackedOutputs.pack(*self.decode(self.static.round_inputs(
+                bucket, kind, self.advance, self.last_token, drafts=False, logits_state=self.logits_state), top))}
         if self._is_plain(kind, depth):
             def plain():
                 inp = self.static.round_inputs(bucket, kind, self.advance, self.last_token, drafts=False,
@@ -527,8 +536,9 @@ class DecodeGraphs(GraphRunner):
             self._capture_phases(bucket, kind, top, choices.get(bucket, True), depth=depth)
 
     def _is_plain(self, kind: str, depth: int | None) -> bool:
-        """Whether ``depth``'s graphs are a speculative worker's plain decode step (``plain_step``)."""
-        return depth == 0 and self.plain_step is not None and not kind.endswith(MASK_VARIANT)
+        """Whether ``depth``'s graphs are a speculative worker's plain decode step (``plain_step``, or the step
+        without speculation that it runs with the draft paused: the target alone either way)."""
+        return (depth == 0 or depth == PAUSED_DEPTH) and self.plain_step is not None and not kind.endswith(MASK_VARIANT)
 
     def _capture_phases(self, bucket: int, kind: str, top: bool, fused: bool, variant: tuple = (),
                         depth: int | None = None) -> list[tuple]:

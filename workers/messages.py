@@ -121,6 +121,9 @@ class WorkerStep:
     # speculative DECODE: the round's draft depth, 0 = a plain step (adaptive speculation); -1: num_steps. A
     # structured-output round drafts num_steps
     spec_depth: int = -1
+    # speculative DECODE at depth 0 with the draft paused: the step without speculation (no stash, no catch-up); the
+    # first after a round or a kept plain step drops every request's pending draft inputs
+    draft_paused: bool = False
 
     req_slots = _row("ints", "req_slots", INT_FIELDS)
     seq_lens = _row("ints", "seq_lens", INT_FIELDS)

@@ -22,8 +22,8 @@ from speculative.round import SpecRound
 from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import StagedCopies, to_device
-from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, DecodeGraphs, ExtendGraphs, attention_layer_spec,
-                            eager_extend_shapes, graph_refusal, tune_for_graphs)
+from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, PAUSED_DEPTH, DecodeGraphs, ExtendGraphs,
+                            attention_layer_spec, eager_extend_shapes, graph_refusal, tune_for_graphs)
 from workers.kernels.launch import compile_watch
 from workers.kernels.metadata import uniform_token_block
 from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
@@ -136,10 +136,13 @@ class Worker:
         self.plain_run = np.zeros(cfg.max_num_seqs + 1, dtype=np.int64)
         self.catch_ups = [0, 0]  # catch-ups run, positions they covered (tests, stats)
         self._caught_up = False  # whether the last ``_lazy_catch_up`` caught up (its plain step's result says so)
+        self._draft_paused = False  # whether the last DECODE step ran with the draft paused (``_pause_draft``)
         if spec is not None:
             self.graphs.plain_step = self._plain_step
             if self.adaptive and 0 in spec.tiers() and self.proposer.keeps_draft_state:
                 self.proposer.allocate_stash(spec.catch_up_window)
+                # the draft's pause runs the step without speculation: its graphs captured at start-up too
+                self.graphs.paused_graphs = spec.pause_draft_after != 0
         self._page_grants = StagedCopies(self.device)  # each step's page grants to the device
         self._launched: deque[Launched] = deque()  # steps queued on the device whose results are not yet read
         # a ``mask_follows`` step launched up to its logits: its mask → (the copy of its outputs, finish)
@@ -484,6 +487,9 @@ class Worker:
         depth = None
         if self.spec_round is not None and 0 <= step.spec_depth != self.proposer.full_steps and not masked:
             depth = step.spec_depth
+        if step.draft_paused and not masked:
+            return self._paused_step(step, bucket, kind, top)
+        self._draft_paused = False
         catch_up_lags = None  # (the draft's catch-up replayed before the step)
         if self.spec_round is not None:
             replayed = bucket is not None and not masked and self.graphs.catch_up_graphs
@@ -509,6 +515,35 @@ class Worker:
         tree_size = self.proposer.tree_size if depth is None else depth + 1
         finish = partial(round_result, tree_size=tree_size)
         return HostCopy(packed), finish
+
+    def _paused_step(self, step: WorkerStep, bucket: int | None, kind: str, top: bool
+                     ) -> tuple[HostCopy, Callable[[list[list]], StepResult]]:
+        """A plain step with the draft paused: what a worker without speculation launches (``_decode``, eagerly or
+        from the bucket's paused graph) and its result read as one; the first of a pause drops the pending draft
+        inputs first (``_pause_draft``)."""
+        entering = not self._draft_paused
+        if entering:
+            step = self._pause_draft(step)
+        if bucket is None:  # (after the first, every slot's advance is one: read as decoding without speculation)
+            packed = PackedOutputs.pack(*self._decode(self._eager_inputs(step, one_each=not entering), top))
+        else:
+            packed = self.graphs.replay_step(step, bucket, kind, top, PAUSED_DEPTH)
+        if entering:  # (after the step, which read the advance of a round in flight where it follows one)
+            self.advance.fill_(1)
+        return HostCopy(packed), token_result
+
+    def _pause_draft(self, step: WorkerStep) -> WorkerStep:
+        """The draft's pause begins: every request's pending draft inputs are dropped (no catch-up: its draft KV
+        keeps holes there; verification decides every token, so outputs do not change). Its plain steps leave the
+        device's per-slot ``advance`` alone, so from here the step's lengths are moved on the host where a row's last
+        step was plain (as ``_lazy_catch_up``); after the step every slot's advance is one, the next steps appending
+        one token each, and the paused steps read it as decoding without speculation does."""
+        self._draft_paused = True
+        run = self.plain_run[step.req_slots]
+        if run.any():
+            step = _with_host_lengths(step, run)
+        self.plain_run[:] = 0
+        return step
 
     def _launch_masked(self, step: WorkerStep, bucket: int | None, kind: str, top: bool):
         """A DECODE step under structured-output masks, eagerly or through the bucket's ``+mask`` graphs (the masks
@@ -545,9 +580,6 @@ class Worker:
         # a round's drafts now (copied before the verify forward runs), for the host's masks
         return None if proposal is None else (HostCopy(proposal), proposal_result)
 
-    _SEQ, _COUNTERS, _PENDING = (INT_FIELDS.index(f) for f in ("seq_lens", "counters", "pending"))
-    _SEQ_AND_COUNTERS = slice(_SEQ, _COUNTERS + 1, _COUNTERS - _SEQ)
-
     def _lazy_catch_up(self, step: WorkerStep, plain: bool, replayed: bool = False
                        ) -> tuple[WorkerStep, np.ndarray | None]:
         """Adaptive speculation's bookkeeping before a speculative DECODE step (``plain``: depth 0), from the host's
@@ -576,13 +608,7 @@ class Worker:
         # a plain step's catch-up frees one column of the ring, keeping the newest position (``lag_after_plain_step``)
         keep_newest = plain and p.keeps_newest
         if longest:
-            # pending is 0 or 1 (one step in flight at most): it moves where the request is behind. Few whole-row
-            # numpy ops and no dataclasses.replace: this runs on every plain step, over every row
-            moved = np.minimum(step.pending, run)
-            ints = step.ints.copy()
-            ints[self._SEQ_AND_COUNTERS] += moved  # (both rows in one op: a strided view)
-            ints[self._PENDING] -= moved
-            step = _with_ints(step, ints)
+            step = _with_host_lengths(step, run)
             if p.keeps_draft_state and (not plain or longest >= p.catch_up_window):
                 if replayed:
                     lags = run
@@ -614,11 +640,12 @@ class Worker:
         self.proposer.stash(inp, seen["fb"], seen["hidden"], out[0])
         return out
 
-    def _eager_inputs(self, step: WorkerStep) -> RoundInputs:
+    def _eager_inputs(self, step: WorkerStep, one_each: bool = False) -> RoundInputs:
+        """``one_each``: every step in flight appends one token (no speculation's, or the draft's pause's)."""
         slots = to_device(step.req_slots, torch.int64, self.device)
         seq_lens, counters = step.seq_lens, step.counters
         if step.pending.any():  # eager rounds need host lengths: wait for the step in flight
-            ahead = 1 if self.proposer is None else self.advance[slots].cpu().numpy()
+            ahead = 1 if self.proposer is None or one_each else self.advance[slots].cpu().numpy()
             seq_lens, counters = seq_lens + step.pending * ahead, counters + step.pending * ahead
         seq = to_device(seq_lens, torch.int64, self.device)
         drafts = to_device(step.draft_tokens, torch.int64, self.device) if step.draft_tokens is not None else None
@@ -652,6 +679,22 @@ class Worker:
         self._on_device()
         self.graphs = None  # captured graphs hold NCCL kernels: release them before the communicator
         close_distributed(self.tp)
+
+
+_SEQ, _COUNTERS, _PENDING = (INT_FIELDS.index(f) for f in ("seq_lens", "counters", "pending"))
+_SEQ_AND_COUNTERS = slice(_SEQ, _COUNTERS + 1, _COUNTERS - _SEQ)
+
+
+def _with_host_lengths(step: WorkerStep, run: np.ndarray) -> WorkerStep:
+    """``step`` with the lengths and counters of its rows whose last step was plain (``run`` > 0: one token
+    appended, which the device's ``advance`` does not say) moved past the step in flight. Pending is 0 or 1 (one
+    step in flight at most). Few whole-row numpy ops and no dataclasses.replace: this runs on every plain step, over
+    every row."""
+    moved = np.minimum(step.pending, run)
+    ints = step.ints.copy()
+    ints[_SEQ_AND_COUNTERS] += moved  # (both rows in one op: a strided view)
+    ints[_PENDING] -= moved
+    return _with_ints(step, ints)
 
 
 def _with_ints(step: WorkerStep, ints: np.ndarray) -> WorkerStep:

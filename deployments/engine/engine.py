@@ -142,8 +142,13 @@ class Engine:
         self.depth_policy = None
         costs = getattr(self.executor, "depth_costs", None)
         if spec is not None and costs:
-            self.depth_policy = DepthChooser(costs, spec.num_steps)
+            self.depth_policy = DepthChooser(costs, spec.num_steps, pause_after=spec.pause_draft_after)
         self.steps_by_depth: dict[int, int] = {}  # speculative steps applied, by draft depth (0: plain steps)
+        # the draft's pause (``DepthPolicy.paused``): whether the last decode step ran paused, whether any request
+        # has ever run paused (its verdicts are then sorted out of the chooser's), the paused steps launched
+        self._draft_paused = False
+        self._draft_holes = False
+        self.paused_steps = 0
         # the depth policy's host clock (``DepthPolicy.launched``), where decode steps replay CUDA graphs (the cost
         # table then times the device alone; eager, it times the calls, host included): whether the last launch
         # was a decode step it chose, the seconds the host has waited for the device since, and the collections of
@@ -266,13 +271,26 @@ class Engine:
                 for req in plan.requests:  # (a prefill's first plan ends its queue time)
                     if req.scheduled_time is None:
                         req.scheduled_time = now
-            if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
-                if not self._decode_in_flight:  # (a new batch's requests have no lag: the policy's count may be old)
-                    self.depth_policy.sync_lag(max(r.draft_lag for r in plan.requests))
-                step.spec_depth = self.depth_policy.choose(step.batch_size)
-            self._decode_in_flight = bool(keep) and plan.mode == ForwardMode.DECODE
+                if self._draft_paused:  # (the paused steps it joins leave holes in its draft KV)
+                    for req in plan.requests:
+                        req.draft_holes = True
             # (no pass over the batch until a structured-output request has been seen)
-            if self._grammar is not None and any(r.matcher is not None for r in plan.requests):
+            guided = self._grammar is not None and any(r.matcher is not None for r in plan.requests)
+            if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+                policy = self.depth_policy
+                if guided and policy.paused:  # (a structured-output step is a full round whatever is chosen)
+                    policy.unpause()
+                if not self._decode_in_flight and not policy.paused:  # (a new batch's requests have no lag: the
+                    policy.sync_lag(max(r.draft_lag for r in plan.requests))  # policy's count may be old)
+                step.spec_depth = policy.choose(step.batch_size)
+                paused = policy.paused and not guided
+                if paused != self._draft_paused:
+                    self._pause_draft(paused)
+                if paused:
+                    step.draft_paused = plan.draft_paused = True
+                    self.paused_steps += 1
+            self._decode_in_flight = bool(keep) and plan.mode == ForwardMode.DECODE
+            if guided:
                 self._decode_launched = False
                 if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
                     self.depth_policy.sync_lag(0)  # (a full round whatever was chosen: the draft caught up)
@@ -280,8 +298,8 @@ class Engine:
             if step.spec_depth >= 0:  # a plain step appends one token, a round of depth d at most d + 1
                 plan.max_advance = step.spec_depth + 1
         t1 = time.perf_counter()
-        if self.depth_policy is not None and self.host_clock:
-            self._launching(t1, plan is not None and plan.mode == ForwardMode.DECODE)
+        if self.depth_policy is not None and self.host_clock:  # (a paused step is no chosen step: not timed)
+            self._launching(t1, plan is not None and plan.mode == ForwardMode.DECODE and not plan.draft_paused)
         try:
             results = self.executor.step(step, keep)
         except Exception as e:  # noqa: BLE001 - the workers are unreachable: every launched step fails
@@ -292,6 +310,16 @@ class Engine:
         outputs += self._read(results)
         self._count_step_time(t0, t1, t2, results, plan is not None and plan.mode == ForwardMode.EXTEND)
         return outputs
+
+    def _pause_draft(self, paused: bool) -> None:
+        """The draft's pause begins (``paused``) or ends. As it begins, the worker drops every request's pending
+        draft inputs: the running requests' draft KV will have holes, and they count no draft lag (the plain step
+        in flight, read later, may still add its one: above the worker's count, which is safe)."""
+        self._draft_paused = paused
+        if paused:
+            self._draft_holes = True
+            for req in self.scheduler.running:
+                req.draft_holes, req.draft_lag = True, 0
 
     def _launching(self, now: float, decode: bool) -> None:
         """Tell the depth policy a decode step it chose is being launched (its host-time samples: the intervals
@@ -407,7 +435,13 @@ class Engine:
             depth = result.num_drafts
             self.steps_by_depth[depth] = self.steps_by_depth.get(depth, 0) + 1
             if self.depth_policy is not None:  # (a plain step's: none accepted, without a pass over the batch)
-                self.depth_policy.observe(depth, [c - 1 for c in result.counts] if depth else [0] * len(result.counts))
+                if not depth:
+                    accepted = [0] * len(result.counts)
+                elif self._draft_holes:  # (a draft with holes accepts less: its verdicts are not the draft's rate)
+                    accepted = [c - 1 for c, r in zip(result.counts, plan.requests) if not r.draft_holes]
+                else:
+                    accepted = [c - 1 for c in result.counts]
+                self.depth_policy.observe(depth, accepted)
         detokenize, finished, generated = self.detokenize, RequestStatus.FINISHED, 0
         for req, new_ids, spec in self.scheduler.update(plan, result):
             if req.matcher is not None:
@@ -487,7 +521,7 @@ class Engine:
 
     def _fail_plan(self, plan: StepPlan, error: str) -> list[RequestOutput]:
         """The step failed: its requests fail, their KV is freed, the engine goes on."""
-        if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
+        if self.depth_policy is not None and plan.mode == ForwardMode.DECODE and not plan.draft_paused:
             self.depth_policy.lost()  # (chosen, no verdicts to come: the next ones are for the steps after it)
         self.scheduler.landed(plan)
         self.scheduler.clear_prefix_cache()  # pages indexed when it was planned may hold garbage
@@ -527,8 +561,9 @@ class Engine:
             stats["spec_depth"] = result.num_drafts
         if self.cfg.speculative_config is not None and policy:
             shown = self.depth_policy.stats() if self.depth_policy is not None else {"policy": "fixed"}
+            # (steps run with the draft paused are plain steps outside steps_by_depth: paused_steps)
             stats["adaptive"] = {"steps_by_depth": {str(d): n for d, n in sorted(self.steps_by_depth.items())},
-                                 **shown}
+                                 "paused_steps": self.paused_steps, **shown}
         if result is not None and result.counts and result.num_drafts:  # a round: rows append accepted + 1 each
             counts = result.counts
             by_count = Counter(counts)  # (per position: the rows that accepted past it, from a count per length)

@@ -189,8 +189,12 @@ class Request:
     # ``num_computed`` from which its next page can be keyed (a check per step, not a call); NEVER: none to key
     cache_at: int = NEVER
     # adaptive speculation: its last positions whose draft KV only a later catch-up writes (plain steps since its
-    # last round, bounded as the worker's stash); never indexed, so no cached page holds KV its draft never wrote
+    # last round, bounded as the worker's stash); never indexed, so no cached page holds draft KV a catch-up will
+    # still write (the positions of paused steps, which nothing writes, are indexed: design.md, "The draft's pause")
     draft_lag: int = 0
+    # adaptive speculation: it ran while the draft was paused, so its draft KV has holes (positions never written):
+    # its rounds' verdicts say little of the draft's acceptance and are kept from the chooser's estimates
+    draft_holes: bool = False
     seed: int = 0
     spec: SpecStats = field(default_factory=SpecStats)
     text: str = ""

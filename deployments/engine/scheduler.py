@@ -48,6 +48,8 @@ class StepPlan:
     # lowers it once the step's draft depth is chosen: a plain step (depth 0) appends one, as without speculation,
     # so a request near its end is not held back a step as if a full round were in flight
     max_advance: int | None = None
+    # DECODE: a plain step with adaptive speculation's draft paused (the step no speculation runs; no chosen depth)
+    draft_paused: bool = False
     # the requests' values that stay while they run (``step_constants``), when the scheduler had them already
     constants: dict | None = None
 
@@ -271,9 +273,10 @@ class Scheduler:
             req.cache_at = req.num_computed + self.allocator.page_size
 
     def _cache_pages(self, req: Request) -> None:
-        """Index the request's full pages whose KV (target and draft) every launched step has written: those before
-        ``num_computed``; no step writes below it again (a speculative round writes from its root's position on,
-        rejected drafts included), so no indexed page holds an unproven position. Nothing to do until
+        """Index the request's full pages whose KV (target and draft) every launched step has written (the draft's but
+        at the positions of steps run with the draft paused, which nothing writes: design.md, "The draft's pause"):
+        those before ``num_computed``; no step writes below it again (a speculative round writes from its root's
+        position on, rejected drafts included), so no indexed page holds an unproven position. Nothing to do until
         ``num_computed`` reaches ``cache_at`` (the end of its first page not indexed yet; never with the cache off).
 
         Keys are built only until the request makes a node of its own (its first page that no one else computed):

@@ -1,7 +1,8 @@
 """CUDA graphs on the GPU: the engine's tokens with graphs (the round fused in one graph, and split into draft /
 verify / draft-extend graphs) against the same engine run eagerly, for every proposer, greedy and seeded sampling;
 and for the chains, adaptive speculation's depths forced to change (plain steps replaying the decode graph, the
-draft's lazy catch-ups) against no speculation.
+draft's lazy catch-ups, and the draft's pause: the step without speculation's graph, then rounds on a draft with
+holes) against no speculation.
 
     python -m tests.gpu.check_graphs --models models --dtype float32 [--json out.json]
 
@@ -19,7 +20,7 @@ from pathlib import Path
 def main() -> None:
     from deployments.engine.engine import Engine
     from deployments.engine.request import SamplingParams
-    from speculative.adaptive import DepthSchedule
+    from speculative.adaptive import PAUSED, DepthSchedule
     from workers.config import EngineConfig, SpeculativeConfig
 
     ap = argparse.ArgumentParser()
@@ -97,6 +98,16 @@ def main() -> None:
                            "catch_up_graphs": worker.graphs.catch_up_graphs,
                            "forced_accepted_tokens": rows[-1]["forced_accepted_tokens"],
                            "eager_forced_accepted_tokens": ref.get("eager_forced_accepted")}, flush=True)
+                    # the draft's pause forced on and off (after plain steps and right after a round)
+                    paused_steps = eng.paused_steps
+                    eng.depth_policy = DepthSchedule([0, 0, PAUSED, PAUSED, 0, 2, PAUSED, 0, spec.num_steps,
+                                                      PAUSED, PAUSED, 1])
+                    same = [o.token_ids for o in eng.generate(prompts, params)] == plain["eager_tokens"]
+                    eng.depth_policy = None
+                    ok &= same or args.dtype != "float32"
+                    rows[-1]["paused_equal_no_spec"] = same
+                    rows[-1]["paused_steps"] = eng.paused_steps - paused_steps
+                    print({"paused_equal_no_spec": same, "paused_steps": rows[-1]["paused_steps"]}, flush=True)
             del eng
     rows = [r for r in rows if "eager_tokens" not in r]
     if args.json:

@@ -14,6 +14,7 @@ from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
+from workers.graphs import PAUSED_DEPTH
 from workers.messages import ForwardMode
 
 SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
@@ -64,12 +65,14 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [-2, -1, 0, 1, 2, 3] for row in costs.values())
     assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
-    assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2}  # num_steps: the plain round's keys
+    # num_steps: the plain round's keys; the draft's pause: the step without speculation
+    assert {k[3] for k in worker.graphs.phases if len(k) == 4} == {0, 1, 2, PAUSED_DEPTH}
     # every start-up kind at every tier (a sampled batch picks its depth as a greedy one does)
     assert {(k[1], k[3]) for k in worker.graphs.phases if len(k) == 4} == {
-        (kind, d) for kind in ("greedy", "sample", "filter") for d in (0, 1, 2)}
-    # depth 0 replays the plain decode step's graph
-    assert all(worker.graphs.phases[(b, "greedy", False, 0)] == ["decode"] for b in worker.graphs.buckets)
+        (kind, d) for kind in ("greedy", "sample", "filter") for d in (0, 1, 2, PAUSED_DEPTH)}
+    # depth 0 replays the plain decode step's graph, and so does a paused step (without the stash)
+    assert all(worker.graphs.phases[(b, "greedy", False, d)] == ["decode"] for b in worker.graphs.buckets
+               for d in (0, PAUSED_DEPTH))
     eng.depth_policy = DepthSchedule(SCHEDULE + LAZY_SCHEDULE)
     replays = worker.graphs.num_replays
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
@@ -354,7 +357,8 @@ def _served(chooser: DepthChooser, bs: int, steps: int, accepted, seed: int = 0)
         depths.append(d)
         if pending is not None:
             chooser.observe(*pending)
-        pending = (d, [accepted(d, rng) for _ in range(bs)])
+        # (a step with the draft paused is no chosen step: no verdicts)
+        pending = None if chooser.paused else (d, [accepted(d, rng) for _ in range(bs)])
     return depths
 
 
@@ -392,8 +396,8 @@ def test_small_batch_reaches_the_best_depth_at_once(bs, length, best):
 def test_probes_the_next_tier_within_its_budget():
     """Below the deepest tier one step in an interval runs one tier deeper: at bs 256 a round costs several plain
     steps, so probes are spaced to keep their extra time under 1 % of the steps'; a rise in acceptance (0.1 to 0.9
-    per position) is still seen within one interval."""
-    c = DepthChooser(H100_8B, num_steps=3)
+    per position) is still seen within one interval. (Without the draft's pause, which stops probes: below.)"""
+    c = DepthChooser(H100_8B, num_steps=3, pause_after=0)
     every = [c.probe_every(256, 0, 1, lag) for lag in (1, 15, 16)]
     # (a full stash: the plain step would catch up too, so the probe's catch-up is no extra)
     assert every == [math.ceil((14.949 + 0.548 - 9.876) / 0.09876),

@@ -265,3 +265,33 @@ def test_plain_steps_launch_what_no_speculation_launches(spec_models):  # noqa: 
     assert plain.ops[("aten.copy_.default", "graphs.py:_fill_catch_up_lags")] == catch_ups
     for count, steps in ((base, base_steps), (plain, plain_steps)):  # one static inputs' copy a step
         assert count.ops[("aten.copy_.default", "graphs.py:fill")] == steps
+
+
+def test_paused_steps_launch_what_no_speculation_launches(spec_models):  # noqa: F811
+    """With adaptive speculation's draft paused, a plain step on the graph path launches what a step without
+    speculation launches: the same kinds of operations outside its replays and one replay of the step without
+    speculation's graph; no stash inside it, no catch-up, no lags copy. The pause's first step alone adds one
+    operation: every slot's advance set to one (the steps after it append one token each)."""
+    from speculative.adaptive import PAUSED, DepthSchedule
+    from workers.graphs import PAUSED_DEPTH
+
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in range(8)]
+    prompts = mixed_prompts(8, seed=3)
+    kw = dict(cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
+    base, base_steps = _decode_steps_outside_replays(engine(spec_models["target"], **kw), params, prompts)
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, catch_up_window=4,
+                             adaptive=True)
+    eng = engine(spec_models["target"], spec, **kw)
+    eng.depth_policy = DepthSchedule([PAUSED])
+    worker = eng.executor.worker
+    stashes, stash = [], worker.proposer.stash
+    worker.proposer.stash = lambda *a: stashes.append(1) or stash(*a)
+    keys, replay = [], worker.graphs.replay
+    worker.graphs.replay = lambda key: keys.append(key) or replay(key)
+    paused, paused_steps = _decode_steps_outside_replays(eng, params, prompts)
+    assert eng.paused_steps == paused_steps and not eng.steps_by_depth
+    assert paused.replays == {"decode": paused_steps} and all(k[-1] == PAUSED_DEPTH for k in keys)
+    assert not stashes and worker.catch_ups == [0, 0]
+    assert paused.ops.pop(("aten.fill_.Scalar", "worker.py:_paused_step")) == 1
+    assert set(paused.ops) <= set(base.ops), set(paused.ops) - set(base.ops)
+    assert paused.ops[("aten.copy_.default", "graphs.py:fill")] == paused_steps
