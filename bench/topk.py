@@ -117,9 +117,10 @@ def main() -> None:
                 want = sm.positions_to_slots(sm.topk_positions_reference(c["scores"], c["row_len"], shape["topk"]),
                                              c["table"], c["row_req"], shape["page"])
                 cap = c["scores"].shape[1]
-                splits = sm.topk_splits(r, cap, 2048, sm._num_sms(c["scores"]), 8)  # topk_slots' defaults
+                method = sm.topk_method(r, cap, shape["topk"])  # topk_slots' defaults
+                splits = sm.topk_splits(r, cap, 2048, sm._num_sms(c["scores"]), 8, sm.ordered_max_splits(method))
                 row = {"context": ctx, "mode": mode, "batch_size": bs, "rows": r,
-                       "auto_method": sm.topk_method(r, cap, shape["topk"]), "auto_splits": splits,
+                       "auto_method": method, "auto_splits": splits,
                        "auto_fused": r * splits <= sm._num_sms(c["scores"]), "ms": {}, "equal": {}}
                 for label, kw in vs:
                     def fn(kw=kw):

@@ -943,6 +943,12 @@ def topk_splits(rows: int, capacity: int, block: int, num_sms: int, programs_per
 TOPK_METHODS = ("radix", "sampled", "ordered")
 
 
+def ordered_max_splits(method: str) -> int:
+    """The most splits ``topk_slots`` gives a row by default: the ordered select walks its splits' regions one
+    after another, so past 16 the shorter compaction no longer pays for it (H100 sweep, docs/performance.md)."""
+    return 16 if method == "ordered" else 32
+
+
 def topk_method(rows: int, capacity: int, topk: int) -> str:
     """The top-k path ``topk_slots`` takes by default for these shapes (see its doc for each path), from the H100
     sweep of ``bench.topk`` (docs/performance.md)."""
@@ -992,7 +998,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
     if rows == 0:
         return slots
     if num_splits is None:
-        num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm)
+        num_splits = topk_splits(rows, cap, block, _num_sms(scores), programs_per_sm, ordered_max_splits(method))
     num_warps = num_warps or (8 if rows < 8 else 4)  # few rows: each program's passes are the critical path
     pdl = pdl_launch(scores)
     splits_p2 = max(2, triton.next_power_of_2(num_splits))
