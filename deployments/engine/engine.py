@@ -278,8 +278,8 @@ class Engine:
             guided = self._grammar is not None and any(r.matcher is not None for r in plan.requests)
             if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
                 policy = self.depth_policy
-                if guided and policy.paused:  # (a structured-output step is a full round whatever is chosen)
-                    policy.unpause()
+                if guided:  # (a full round whatever is chosen: it ends a pause, and begins none, whose steps are
+                    policy.unpause()  # no chosen steps, while this one sends verdicts)
                 if not self._decode_in_flight and not policy.paused:  # (a new batch's requests have no lag: the
                     policy.sync_lag(max(r.draft_lag for r in plan.requests))  # policy's count may be old)
                 step.spec_depth = policy.choose(step.batch_size)
