@@ -491,7 +491,10 @@ class Engine:
                 rows = next((i for i, t in enumerate(ids) if t != -1), len(ids))
                 prompt_tokens = sum(lens) - rows
             self.metrics.record_generated(generated, prompt_tokens)
-            self.metrics.record_step(self.step_stats(result, policy=False))
+            stats = self.step_stats(result, policy=False)
+            if plan.draft_paused:  # (a plain step the depth policy did not choose: counted apart)
+                stats["spec_depth"] = "paused"
+            self.metrics.record_step(stats)
         return outputs
 
     def _count_phases(self, req: Request) -> None:

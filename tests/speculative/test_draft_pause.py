@@ -221,3 +221,19 @@ def test_a_structured_output_step_does_not_begin_a_pause(tiny_models):
     assert eng.paused_steps > 0 and chooser.pauses >= 1
     assert chooser._observed == chooser._step, (chooser._observed, chooser._step)
     assert chooser.pauses == begun.count(True), (chooser.pauses, begun)
+
+
+def test_paused_steps_are_counted_in_the_steps_metric(spec_models):
+    """``spec_decode_num_steps{depth}`` counts every decode step of a speculative engine: the paused ones under
+    depth "paused" (plain steps the chooser did not choose), so the metric's steps are the engine's."""
+    from deployments.engine.metrics import EngineMetrics
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", catch_up_window=2))
+    eng.depth_policy = DepthSchedule(PAUSE_SCHEDULE)
+    eng.metrics = EngineMetrics("pause-test")
+    depths = []
+    record = eng.metrics.record_step
+    eng.metrics.record_step = lambda stats: (depths.append(stats.get("spec_depth")), record(stats))
+    eng.generate(mixed_prompts(4), GREEDY)
+    assert depths.count("paused") == eng.paused_steps > 0
+    assert {d: depths.count(d) for d in set(depths) - {None, "paused"}} == eng.steps_by_depth
