@@ -72,7 +72,8 @@ class DepthPolicy(Protocol):
         """The draft depth of the next speculative step over ``batch_size`` requests."""
 
     def unpause(self) -> None:
-        """Leave a pause now (the engine runs a round whatever is chosen: a structured-output step)."""
+        """Leave a pause now, and begin none at the next ``choose`` (the engine runs a round whatever is chosen, a
+        structured-output step, which then sends verdicts: a pause begun on it would count no chosen step)."""
 
     def observe(self, depth: int, accepted: list[int]) -> None:
         """A round's verdicts: its depth and each request's accepted drafts."""

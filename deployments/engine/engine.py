@@ -278,8 +278,8 @@ class Engine:
             guided = self._grammar is not None and any(r.matcher is not None for r in plan.requests)
             if self.depth_policy is not None and plan.mode == ForwardMode.DECODE:
                 policy = self.depth_policy
-                if guided and policy.paused:  # (a structured-output step is a full round whatever is chosen)
-                    policy.unpause()
+                if guided:  # (a full round whatever is chosen: it ends a pause, and begins none, whose steps are
+                    policy.unpause()  # no chosen steps, while this one sends verdicts)
                 if not self._decode_in_flight and not policy.paused:  # (a new batch's requests have no lag: the
                     policy.sync_lag(max(r.draft_lag for r in plan.requests))  # policy's count may be old)
                 step.spec_depth = policy.choose(step.batch_size)
@@ -491,7 +491,10 @@ class Engine:
                 rows = next((i for i, t in enumerate(ids) if t != -1), len(ids))
                 prompt_tokens = sum(lens) - rows
             self.metrics.record_generated(generated, prompt_tokens)
-            self.metrics.record_step(self.step_stats(result, policy=False))
+            stats = self.step_stats(result, policy=False)
+            if plan.draft_paused:  # (a plain step the depth policy did not choose: counted apart)
+                stats["spec_depth"] = "paused"
+            self.metrics.record_step(stats)
         return outputs
 
     def _count_phases(self, req: Request) -> None:

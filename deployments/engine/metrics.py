@@ -47,7 +47,8 @@ class EngineMetrics:
         self.accepted_per_pos = c("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens per position",
                                   _TAGS + ("position",))
         self.steps_by_depth = c("spec_decode_num_steps", "Speculative steps by draft depth (adaptive speculation; "
-                                "depth 0: a plain step)", _TAGS + ("depth",))
+                                "depth 0: a plain step; paused: a plain step with the draft paused)",
+                                _TAGS + ("depth",))
         self.mean_accept_length = g("spec_decode_mean_accept_length", "1 + accepted / drafts over the last step")
         self.generation_tokens = c("generation_tokens", "Generated tokens")
         self.iteration_tokens = Histogram("vllm_iteration_tokens_total", "Tokens per engine step: prompt tokens "

@@ -88,7 +88,11 @@ def run(ckpt: str, tp: int, new_tokens: int, backend: str, dtype: str, spec: dic
         return result
     finally:
         eng.shutdown()
+        del eng
         gc.unfreeze()  # the dropped engine's objects go back to the collector
+        # ... and are collected now: the engine sits in reference cycles, and an in-process one holds the GPU's
+        # weights, KV cache and graphs (``torch.cuda.empty_cache`` releases only blocks nothing holds)
+        gc.collect()
 
 
 def save_partial(path: str, runs: dict) -> None:

@@ -194,3 +194,46 @@ def test_structured_output_steps_run_rounds_through_a_pause(tiny_models):
     reqs, counts = drive(eng, ps)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in ref]
     assert eng.paused_steps > 0 and counts["mask_follows"] >= 10, (eng.paused_steps, counts)
+
+
+def test_a_structured_output_step_does_not_begin_a_pause(tiny_models):
+    """A structured-output step runs a full round whatever is chosen, so the chooser must not begin a pause on it:
+    the pause would count a step the engine then runs (and observes) as a chosen round, and every later verdict
+    would pair with the step after its own (the n-th ``observe`` is the n-th chosen step's: the rate check's
+    records). Steps chosen and verdicts observed stay equal, and a pause begins only on a step that runs paused."""
+    from tests.engine.test_structured_overlap import drive, make, params
+
+    models = {"target": tiny_models["llama"], "draft": tiny_models["llama"]}
+    ps = [p if p.guided is not None else replace(p, max_tokens=96) for p in params()]
+    eng = make(models, "draft", overlap=True, graphs=False)
+    # (rounds cost many plain steps at every batch: plain steps are the choice, and the guided rounds' verdicts
+    # measure acceptance, so the streak of plain choices reaches pause_after while guided steps still run)
+    costs = {8: {0: 1.0, 1: 5.0, 2: 10.0, 3: 15.0, -1: 0.1, -2: 0.2}}
+    chooser = eng.depth_policy = DepthChooser(costs, num_steps=3, pause_after=2)
+    begun, pause = [], eng._pause_draft
+
+    def counted(paused):  # (the pauses the engine's steps ran)
+        begun.append(paused)
+        pause(paused)
+
+    eng._pause_draft = counted
+    drive(eng, ps)
+    assert eng.paused_steps > 0 and chooser.pauses >= 1
+    assert chooser._observed == chooser._step, (chooser._observed, chooser._step)
+    assert chooser.pauses == begun.count(True), (chooser.pauses, begun)
+
+
+def test_paused_steps_are_counted_in_the_steps_metric(spec_models):
+    """``spec_decode_num_steps{depth}`` counts every decode step of a speculative engine: the paused ones under
+    depth "paused" (plain steps the chooser did not choose), so the metric's steps are the engine's."""
+    from deployments.engine.metrics import EngineMetrics
+
+    eng = engine(spec_models["target"], _spec(spec_models, "eagle3", catch_up_window=2))
+    eng.depth_policy = DepthSchedule(PAUSE_SCHEDULE)
+    eng.metrics = EngineMetrics("pause-test")
+    depths = []
+    record = eng.metrics.record_step
+    eng.metrics.record_step = lambda stats: (depths.append(stats.get("spec_depth")), record(stats))
+    eng.generate(mixed_prompts(4), GREEDY)
+    assert depths.count("paused") == eng.paused_steps > 0
+    assert {d: depths.count(d) for d in set(depths) - {None, "paused"}} == eng.steps_by_depth
