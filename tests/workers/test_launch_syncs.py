@@ -237,6 +237,22 @@ def _decode_steps_outside_replays(eng, params, prompts) -> tuple[OutsideReplays,
     return count, steps[0]
 
 
+def _beside_no_speculation(spec_models, depth):  # noqa: F811
+    """(the step without speculation's launches and steps, an adaptive EAGLE-3 engine forced to ``depth`` every
+    step, a call running it on the same requests and returning its launches and steps)."""
+    from speculative.adaptive import DepthSchedule
+
+    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in range(8)]
+    prompts = mixed_prompts(8, seed=3)
+    kw = dict(cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
+    base = _decode_steps_outside_replays(engine(spec_models["target"], **kw), params, prompts)
+    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, catch_up_window=4,
+                             adaptive=True)
+    eng = engine(spec_models["target"], spec, **kw)
+    eng.depth_policy = DepthSchedule([depth])
+    return base, eng, lambda: _decode_steps_outside_replays(eng, params, prompts)
+
+
 def test_plain_steps_launch_what_no_speculation_launches(spec_models):  # noqa: F811
     """A speculative engine's plain step (adaptive depth 0) on the graph path launches what a step without
     speculation launches: the same kinds of operations outside its replays (the static inputs' copy, the page
@@ -244,17 +260,8 @@ def test_plain_steps_launch_what_no_speculation_launches(spec_models):  # noqa: 
     one replay, plus on a full stash the catch-up's lags copy and its graph's replay. Anything else there is host
     work on a GPU that the step without speculation does not pay (an eager kernel, a copy, a second replay), which
     the CPU's timings of the host path cannot tell from noise."""
-    from speculative.adaptive import DepthSchedule
-
-    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in range(8)]
-    prompts = mixed_prompts(8, seed=3)
-    kw = dict(cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
-    base, base_steps = _decode_steps_outside_replays(engine(spec_models["target"], **kw), params, prompts)
-    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, catch_up_window=4,
-                             adaptive=True)
-    eng = engine(spec_models["target"], spec, **kw)
-    eng.depth_policy = DepthSchedule([0])
-    plain, plain_steps = _decode_steps_outside_replays(eng, params, prompts)
+    (base, base_steps), eng, run = _beside_no_speculation(spec_models, 0)
+    plain, plain_steps = run()
     catch_ups = eng.executor.worker.catch_ups[0]
     assert set(eng.steps_by_depth) == {0} and catch_ups >= 2, (eng.steps_by_depth, catch_ups)
     assert base.replays == {"decode": base_steps}
@@ -272,23 +279,16 @@ def test_paused_steps_launch_what_no_speculation_launches(spec_models):  # noqa:
     speculation launches: the same kinds of operations outside its replays and one replay of the step without
     speculation's graph; no stash inside it, no catch-up, no lags copy. The pause's first step alone adds one
     operation: every slot's advance set to one (the steps after it append one token each)."""
-    from speculative.adaptive import PAUSED, DepthSchedule
+    from speculative.adaptive import PAUSED
     from workers.graphs import PAUSED_DEPTH
 
-    params = [SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True) for _ in range(8)]
-    prompts = mixed_prompts(8, seed=3)
-    kw = dict(cuda_graph_max_bs=8, page_size=4, max_prefill_tokens=24)
-    base, base_steps = _decode_steps_outside_replays(engine(spec_models["target"], **kw), params, prompts)
-    spec = SpeculativeConfig(method="eagle3", model=str(spec_models["eagle3"]), num_steps=3, catch_up_window=4,
-                             adaptive=True)
-    eng = engine(spec_models["target"], spec, **kw)
-    eng.depth_policy = DepthSchedule([PAUSED])
+    (base, base_steps), eng, run = _beside_no_speculation(spec_models, PAUSED)
     worker = eng.executor.worker
     stashes, stash = [], worker.proposer.stash
     worker.proposer.stash = lambda *a: stashes.append(1) or stash(*a)
     keys, replay = [], worker.graphs.replay
     worker.graphs.replay = lambda key: keys.append(key) or replay(key)
-    paused, paused_steps = _decode_steps_outside_replays(eng, params, prompts)
+    paused, paused_steps = run()
     assert eng.paused_steps == paused_steps and not eng.steps_by_depth
     assert paused.replays == {"decode": paused_steps} and all(k[-1] == PAUSED_DEPTH for k in keys)
     assert not stashes and worker.catch_ups == [0, 0]
