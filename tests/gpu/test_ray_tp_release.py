@@ -15,7 +15,8 @@ from workers.worker import Worker
 def test_the_tp1_reference_engine_is_freed_when_its_run_returns(tmp_path):
     # (the script's prompt is ids 1000..1127)
     ckpt = make_tiny("llama", tmp_path / "llama", layers=2, hidden=64, vocab=2048, max_position=4096)
-    before = sum(isinstance(o, Worker) for o in gc.get_objects())  # (other tests' engines, alive or garbage)
+    gc.collect()  # (other tests' engines left as garbage: ``run`` collects, which would count them as freed)
+    before = sum(isinstance(o, Worker) for o in gc.get_objects())  # (other tests' engines still alive)
     result = run(str(ckpt), 1, 4, "torch_native", "float32", device="cpu")
     assert len(result["tokens"]) == 4 and result["error"] is None
     left = sum(isinstance(o, Worker) for o in gc.get_objects())  # (garbage not yet collected is listed too)
