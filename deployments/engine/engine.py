@@ -283,7 +283,7 @@ class Engine:
                 if not self._decode_in_flight and not policy.paused:  # (a new batch's requests have no lag: the
                     policy.sync_lag(max(r.draft_lag for r in plan.requests))  # policy's count may be old)
                 step.spec_depth = policy.choose(step.batch_size)
-                paused = policy.paused and not guided
+                paused = policy.paused  # (never on a structured-output step: unpaused above)
                 if paused != self._draft_paused:
                     self._pause_draft(paused)
                 if paused:
