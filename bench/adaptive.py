@@ -220,17 +220,21 @@ class Bench:
         spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=a.steps, topk=1, adaptive=True,
                                  simulated_accept_length=None if family else self.accept_lengths[0], **window)
         eng = self.engine(ckpt, spec)
-        costs = eng.executor.depth_costs
+        costs, per_token = eng.executor.depth_costs, eng.executor.context_costs
         res["cost_ms"] = {str(b): {str(d): round(ms, 4) for d, ms in row.items()} for b, row in costs.items()}
+        res["cost_ms_per_1k_context"] = {str(b): {str(d): round(1e3 * ms, 4) for d, ms in row.items()}
+                                         for b, row in (per_token or {}).items()}
         rnd = eng.executor.worker.spec_round
-        policies = ["adaptive"] + [f"depth{d}" for d in range(a.steps + 1)]
+        # (``adaptive_no_context``: the chooser without the context's table, an A/B of it in the same run)
+        policies = ["adaptive"] + ["adaptive_no_context"] * a.ab_context + [f"depth{d}" for d in range(a.steps + 1)]
         for length in [None] if family else self.accept_lengths:
             if length is not None:
                 rnd.set_simulated_accept_length(length)
             runs = res.setdefault("spec", {}).setdefault("real" if length is None else f"{length:g}", {})
             for name in policies:
-                if name == "adaptive":
-                    eng.depth_policy = DepthChooser(costs, a.steps)
+                if name.startswith("adaptive"):
+                    eng.depth_policy = DepthChooser(costs, a.steps,
+                                                    context_costs=per_token if name == "adaptive" else None)
                     self.decode_rate(eng, min(16, max(self.sizes)), 16)  # untimed: the chooser learns acceptance
                 else:
                     eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
@@ -241,7 +245,7 @@ class Bench:
                     print(shape, f"L={length}", name, runs[name][str(bs)], flush=True)
                     self.save()
         if not family:
-            res["change"] = self.change_run(eng, DepthChooser(costs, a.steps))
+            res["change"] = self.change_run(eng, DepthChooser(costs, a.steps, context_costs=per_token))
             self.save()
         del eng, rnd
         self.free()
@@ -297,7 +301,7 @@ class Bench:
         for length, runs in res.get("spec", {}).items():
             for bs, row in runs.get("adaptive", {}).items():
                 base = res["no_spec"][bs]["decode_tok_s"]
-                fixed = {n: r[bs]["decode_tok_s"] for n, r in runs.items() if n != "adaptive" and bs in r}
+                fixed = {n: r[bs]["decode_tok_s"] for n, r in runs.items() if n.startswith("depth") and bs in r}
                 best = max(fixed, key=fixed.get) if fixed else None
                 out.setdefault(length, {})[bs] = {
                     "vs_no_spec": round(row["decode_tok_s"] / base, 3),
@@ -383,6 +387,14 @@ class Bench:
                           "| bucket | " + " | ".join(f"depth {d}" if int(d) >= 0 else f"catch-up {-int(d)}" for d in depths)
                           + " |", "|---|" + "---|" * len(depths)]
                 lines += [f"| {b} | " + " | ".join(f"{res['cost_ms'][b][d]:.3f}" for d in depths) + " |" for b in shown]
+                lines.append("")
+            per_k = res.get("cost_ms_per_1k_context")
+            if per_k and any(per_k.values()):
+                tiers = sorted(next(r for r in per_k.values() if r), key=int)
+                lines += ["### start-up cost model: ms a step grows by per 1,000 tokens of the batch's context", "",
+                          "| bucket | " + " | ".join(f"depth {d}" for d in tiers) + " |", "|---|" + "---|" * len(tiers)]
+                lines += [f"| {b} | " + " | ".join(f"{per_k[b].get(d, 0.0):.4f}" for d in tiers) + " |"
+                          for b in sorted(per_k, key=int) if per_k[b]]
                 lines.append("")
             ch = res.get("change")
             if ch:
@@ -473,6 +485,8 @@ def main() -> None:
                     "the engine core's, deployments.engine.tune_gc_for_steps)")
     ap.add_argument("--tuning-cache-dir", default=None, help="EngineConfig.tuning_cache_dir (default: the engine's)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ab-context", action="store_true",
+                    help="also time the chooser without the context's cost table (adaptive_no_context)")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     ap.add_argument("--merge", action="store_true", help="add to <out>.json's shapes (the top stamp is this run's, "
                     "each shape keeps its own)")

@@ -26,7 +26,7 @@ from pathlib import Path
 # adaptive_nopause: without the draft's pause, as before it). Fixed policies: depthN, and "paused" (every plain step
 # with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
-            "adaptive_nopause": {"pause_after": 0}}
+            "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -92,7 +92,7 @@ def run(a) -> None:
     policies = {}
     for name in a.policies.split(","):
         if name in POLICIES:
-            policies[name] = DepthChooser(costs, 3, **POLICIES[name])
+            policies[name] = DepthChooser(costs, 3, **{"context_costs": eng.executor.context_costs, **POLICIES[name]})
             eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:

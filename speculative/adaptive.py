@@ -7,7 +7,10 @@ expected tokens per second of the batch it is about to run, from
 - a cost model: the time of a step at each depth per batch-size bucket, measured by the worker at start-up
   (``workers.graphs.DecodeGraphs.depth_costs``: graph replays on a GPU, eager calls otherwise), and the time of the
   draft's catch-up over L plain steps' tokens per request (negative keys -L of the same table), which a round after
-  L plain steps pays first;
+  L plain steps pays first; and per bucket and depth the time a step gains per token of the batch's context
+  (``context_costs``, timed at start-up with every row at a longer context): the table's padding rows hold one token
+  each, while a loaded server's steps read the whole batch's KV, a cost every depth pays (the verify reads a
+  request's KV once for its rows) that makes a round's share of a step smaller, as the context grows;
 - live acceptance estimates (``AcceptanceEstimate``): per draft position i, the chance that draft i is accepted
   given that the i - 1 before it were, as decayed averages over the verdicts the host reads anyway;
 - the host's time per step: the table times the device alone, but where the host's work per step outlasts the
@@ -23,9 +26,9 @@ expected tokens per second of the batch it is about to run, from
   device alone.
 
 Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
-cost being max(table, host), a round's cost including the catch-up the plain steps before it left (so a marginal
+cost being max(table + context, host), a round's cost including the catch-up the plain steps before it left (so a marginal
 gain does not leave depth 0 only to come back: the catch-up is paid on leaving), and weighed up by ``margin``
-against depth 0: the table leaves out the context's attention, and a batch's requests finish apart, so a round it
+against depth 0: a batch's requests finish apart, so a round it
 shows barely ahead is a coin flip whose losing side costs a round; speculation must win clearly to be chosen.
 Before any verdict the estimates are the prior (0.5: a neutral guess, which at a large batch, where a round costs
 1.5 plain steps or more, keeps plain steps until a probe measures acceptance).
@@ -68,8 +71,9 @@ class DepthPolicy(Protocol):
     # 0; the step runs what no speculation runs, and is no chosen step (no ``observe``, ``lost`` or ``launched``)
     paused: bool
 
-    def choose(self, batch_size: int) -> int:
-        """The draft depth of the next speculative step over ``batch_size`` requests."""
+    def choose(self, batch_size: int, context_tokens: int = 0) -> int:
+        """The draft depth of the next speculative step over ``batch_size`` requests holding ``context_tokens``
+        tokens of context in all."""
 
     def unpause(self) -> None:
         """Leave a pause now, and begin none at the next ``choose`` (the engine runs a round whatever is chosen, a
@@ -115,6 +119,13 @@ def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -
     if not caught_up:
         return lag + 1
     return 2 if lag and keeps_newest(window) else 1
+
+
+def context_level(tokens: int) -> int:
+    """``tokens`` with its four leading bits kept (within 6.25 % below it): the context the choice is cached for, so
+    that a batch whose context grows by a token a step reuses its choices."""
+    shift = max(0, tokens.bit_length() - 4)
+    return tokens >> shift << shift
 
 
 def expected_tokens(p: list[float], depth: int) -> float:
@@ -246,9 +257,11 @@ class DepthChooser:
     """The adaptive policy. ``costs``: batch bucket → {depth: seconds (or ms) of one step at that depth}; its
     depths are the tiers it chooses among (each bucket has every tier). Negative keys -L: the draft's catch-up over
     L plain steps per request (measured at a few L, interpolated; the largest L is the stash's size, where a plain
-    step catches up too)."""
+    step catches up too). ``context_costs``: bucket → {depth: what a step's time grows by per token of the batch's
+    context} (None or a missing entry: 0)."""
 
     def __init__(self, costs: dict[int, dict[int, float]], num_steps: int, decay: float = 0.8, prior: float = 0.5,
+                 context_costs: dict[int, dict[int, float]] | None = None,
                  probe_interval: int = 50, probe_budget: float = 0.01, margin: float = 0.05,
                  host_unit: float = 1e3, host_samples: int = 15, host_min_samples: int = 3,
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
@@ -267,6 +280,10 @@ class DepthChooser:
         self.tiers = sorted(self.costs[self.buckets[0]])
         if any(sorted(self.costs[b]) != self.tiers for b in self.buckets):
             raise ValueError("every bucket needs a cost at every depth tier")
+        context_costs = context_costs or {}
+        self.context_costs = {b: {d: max(0.0, float(context_costs.get(b, {}).get(d, 0.0))) for d in self.tiers}
+                              for b in self.buckets}
+        self._context = 0  # the batch's context tokens at the last ``choose``, coarsened (``context_level``)
         self.estimate = AcceptanceEstimate(num_steps, decay, prior)
         self.probe_interval = probe_interval
         self.probe_budget = probe_budget
@@ -354,7 +371,7 @@ class DepthChooser:
         if state != self._best_state:
             self._best.clear()
             self._best_state = state
-        key = (bucket, lag)
+        key = (bucket, lag, self._context)
         depth = self._best.get(key)
         if depth is None:
             depth = self._best[key] = self.best(batch_size, lag=lag)
@@ -381,15 +398,15 @@ class DepthChooser:
         return max(table, self.catch_up_host[at] * min(1.0, bucket / at))
 
     def best(self, batch_size: int, p: list[float] | None = None, lag: int | None = None, table: bool = False) -> int:
-        """argmax_d E(d) / cost(d) at the batch's bucket (ties: the shallower), after ``lag`` plain steps (default:
-        the steps since the last round): a round first catches the draft up on them, and so does a plain step whose
-        stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
+        """argmax_d E(d) / cost(d) at the batch's bucket and context (ties: the shallower), after ``lag`` plain steps
+        (default: the steps since the last round): a round first catches the draft up on them, and so does a plain
+        step whose stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
         p = self.estimate.p if p is None else p
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
-        totals = None if table else self._totals.get((bucket, lag))
+        totals = None if table else self._totals.get((bucket, lag, self._context))
         if totals is None:
-            cost = self.costs[bucket] if table else self.step_cost[bucket]
+            cost = self.cost_at(bucket, table)
             # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
@@ -397,7 +414,7 @@ class DepthChooser:
             catch_up = 0.0 if full else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
             totals = [(cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
             if not table:
-                self._totals[(bucket, lag)] = totals
+                self._totals[(bucket, lag, self._context)] = totals
         # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
         best, best_rate, e, run, at = self.tiers[0], -math.inf, 1.0, 1.0, 0
@@ -410,6 +427,17 @@ class DepthChooser:
                 best, best_rate = d, e / total
         return best
 
+    def cost_at(self, bucket: int, table: bool = False) -> dict[int, float]:
+        """Each tier's step cost at the bucket and the last chosen batch's context: the table's plus the context's
+        share, or (not ``table``) max(that, the host's), since ``step_cost`` = max(table, host) and the context only
+        adds to the table."""
+        ctx, per = self._context, self.context_costs[bucket]
+        base = self.costs[bucket] if table else self.step_cost[bucket]
+        if not ctx:
+            return base
+        row = self.costs[bucket]
+        return {d: max(base[d], row[d] + per[d] * ctx) for d in self.tiers}
+
     def probe_every(self, bucket: int, depth: int, probe: int, lag: int) -> int:
         """Steps between probes at ``probe`` while ``depth`` is the choice: the probe's extra time (its catch-up
         included) over ``probe_budget`` of the shallowest tier's step (a plain one where 0 is a tier; the cheapest,
@@ -420,7 +448,8 @@ class DepthChooser:
         extra = cost[probe] + (self.catch_up_charge(bucket, lag) if due else 0.0) - cost[depth]
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context_tokens: int = 0) -> int:
+        self._context = context_level(context_tokens)
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
             return 0
         bucket = self.bucket(batch_size)
@@ -500,7 +529,7 @@ class DepthChooser:
         wall (up to ~10 % less); a gain past both is no misreading. A verdict at the bucket ends here where it no
         longer holds: a pin where the estimates would carry its measured ratio past the margin, a narrow win where
         the choice's host median moved by the margin (a slow spell began or ended)."""
-        p, cost = self.estimate.p, self.step_cost[bucket]
+        p, cost = self.estimate.p, self.cost_at(bucket)
         v = self.verdicts.get(bucket)
         if v is not None and (
                 v["ratio"] * expected_tokens(p, v["depth"]) / expected_tokens(p, v["base"]) / v["q"]
@@ -772,6 +801,7 @@ class DepthChooser:
     def stats(self) -> dict:
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
                 "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag,
+                "context_tokens": self._context,  # (the last chosen batch's, coarsened)
                 # per bucket with host samples: the host's median per depth, and the costs the choice reads
                 "host_ms": {str(b): {str(d): round(h, 4) for d, h in sorted(o.items())}
                             for b, o in self.host.items() if o},
@@ -807,7 +837,7 @@ class DepthSchedule:
         self.last_depth: int | None = None
         self.paused = False
 
-    def choose(self, batch_size: int) -> int:
+    def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         depth = self.depths[self._next % len(self.depths)]
         self._next += 1
         self.paused = depth == PAUSED

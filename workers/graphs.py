@@ -620,30 +620,38 @@ class DecodeGraphs(GraphRunner):
 
     # ---- adaptive speculation's cost model -----------------------------------------------------------------------
     @torch.inference_mode()
-    def depth_costs(self, tiers: list[int], passes: int = 3, replays: int = 3) -> dict[int, dict[int, float]]:
+    def depth_costs(self, tiers: list[int], page_table=None, context: int = 0, passes: int = 3,
+                    replays: int = 3) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]]]:
         """Milliseconds of a greedy step per batch bucket and draft depth in ``tiers`` (``speculative.adaptive``):
         with graphs captured, their replays (alternating depths, ``passes`` rounds of ``replays``, the median),
         read from the tuning cache when it has them; otherwise eager calls of the same callables on padding rows,
-        at power-of-two buckets up to max_num_seqs. Padding rows have one token of context, so attention's share,
-        the same at every depth but the verify's extra rows, is left out. Depth 0 is the plain decode step; each
-        bucket also gets the draft's lazy catch-up over L plain steps per request at L = 1 and the stash's size,
-        under key -L (``_catch_up_ms``)."""
+        at power-of-two buckets up to max_num_seqs. Depth 0 is the plain decode step; each bucket also gets the
+        draft's lazy catch-up over L plain steps per request at L = 1 and the stash's size, under key -L
+        (``_catch_up_ms``). Padding rows have one token of context; with ``page_table`` and ``context`` > 1 the
+        same steps are timed again with every row at ``context`` tokens (``_context_rows``), which gives the second
+        table: per bucket and depth, ms per token of the batch's context (empty without)."""
         full = self.spec_round.proposer.full_steps
         depth_of = {d: None if d == full else d for d in tiers}
+        context = context if page_table is not None and context > 1 else 0
         if not self.buckets:
-            return self._eager_depth_costs(tiers, depth_of)
+            return self._eager_depth_costs(tiers, depth_of, page_table, context)
         lags = self._catch_up_lags()
         # (a table timed with the other catch-up is not reused)
         kv_only = " kv-only" if getattr(self.spec_round.proposer, "kv_only_catch_up", False) else ""
         key = self.norm_fusion_key(self.buckets[-1]).replace(
             "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up{kv_only} at {lags}", 1)
-        cached = self.tuning_cache.get_step_costs(key) if self.tuning_cache is not None else None
+        ctx_key = f"{key}, ms per context token at {context}"
+        cached = cached_ctx = None
+        if self.tuning_cache is not None:
+            cached = self.tuning_cache.get_step_costs(key)
+            cached_ctx = self.tuning_cache.get_step_costs(ctx_key) if context else {b: {} for b in self.buckets}
         if self.tp.size > 1:  # every rank times (replays all-reduces) or none does
-            (has,) = self.tp.all_reduce_host([cached is not None], op=dist.ReduceOp.MIN)
+            (has,) = self.tp.all_reduce_host([cached is not None and cached_ctx is not None], op=dist.ReduceOp.MIN)
             cached = cached if has else None
-        if cached is not None and sorted(cached) == self.buckets:
-            return cached
+        if cached is not None and cached_ctx is not None and sorted(cached) == self.buckets == sorted(cached_ctx):
+            return cached, cached_ctx
         costs: dict[int, dict[int, float]] = {}
+        per_token: dict[int, dict[int, float]] = {}
         for bucket in self.buckets:
             keys = {}
             for d in tiers:
@@ -651,24 +659,66 @@ class DecodeGraphs(GraphRunner):
                 if at not in self.phases:
                     self._capture(bucket, "greedy", False, depth_of[d])
                 keys[d] = [(name,) + at for name in self.phases[at]]
+
+            def timed() -> list[float]:  # each tier's median ms on the rows the static inputs hold now
+                self.replay_ms([k for d in tiers for k in keys[d]], 1)  # warm-up
+                times: dict[int, list[float]] = {d: [] for d in tiers}
+                for _ in range(passes):
+                    for d in tiers:
+                        times[d].append(self.replay_ms(keys[d], replays))
+                return [sorted(times[d])[len(times[d]) // 2] for d in tiers]
+
             self.static.reset()
-            self.replay_ms([k for d in tiers for k in keys[d]], 1)  # warm-up
-            times: dict[int, list[float]] = {d: [] for d in tiers}
-            for _ in range(passes):
-                for d in tiers:
-                    times[d].append(self.replay_ms(keys[d], replays))
-            medians = [sorted(times[d])[len(times[d]) // 2] for d in tiers]
+            medians = timed()
+            if context:
+                with self._context_rows(page_table, bucket, context):
+                    medians += timed()
             medians += [self._catch_up_ms(bucket, lag) for lag in lags]
             medians = [t / self.tp.size for t in self.tp.all_reduce_host(medians)]  # the ranks' mean
-            costs[bucket] = dict(zip(tiers + [-lag for lag in lags], medians))
+            n = len(tiers)
+            costs[bucket] = dict(zip(tiers + [-lag for lag in lags], medians[:n] + medians[2 * n if context else n:]))
+            per_token[bucket] = self._per_token(tiers, medians[:n], medians[n:2 * n], bucket, context)
         if self.tuning_cache is not None:
             self.tuning_cache.put_step_costs(key, costs)
+            if context:
+                self.tuning_cache.put_step_costs(ctx_key, per_token)
             self.tuning_cache.save()
         logger.info("step ms by draft depth %s: %s", tiers,
                     "; ".join(f"bs {b}: " + " ".join(f"{ms:.3f}" for ms in row.values()) for b, row in costs.items()))
-        return costs
+        if context:
+            logger.info("step ms per 1k tokens of context by draft depth %s: %s", tiers, "; ".join(
+                f"bs {b}: " + " ".join(f"{1e3 * ms:.3f}" for ms in row.values()) for b, row in per_token.items()))
+        return costs, per_token
 
-    def _eager_depth_costs(self, tiers: list[int], depth_of: dict) -> dict[int, dict[int, float]]:
+    @staticmethod
+    def _per_token(tiers: list[int], short: list[float], long: list[float], bucket: int,
+                   context: int) -> dict[int, float]:
+        """ms per token of context per tier, from the times at one token and at ``context`` tokens a row (none
+        below 0: at a small bucket the difference can be within the timing's noise)."""
+        if not context:
+            return {}
+        return {d: max(0.0, (b - a) / (bucket * (context - 1))) for d, a, b in zip(tiers, short, long)}
+
+    @contextlib.contextmanager
+    def _context_rows(self, page_table, bucket: int, context: int):
+        """The static inputs' ``bucket`` rows as requests in slots 0 .. bucket - 1 at ``context`` tokens each, over
+        distinct pages from page 1 (the pool is still empty at start-up: what a step writes there is overwritten
+        before any request reads it, as on any page's reuse), so that a step reads ``bucket`` x ``context`` tokens
+        of KV from memory; back to padding rows after."""
+        # (``Worker.cost_context`` picks a context whose pages fit the pool and the table's width)
+        width = -(-(context + self.spec_round.proposer.lookahead) // page_table.page_size)
+        pages = torch.arange(1, 1 + bucket * width, dtype=torch.int32, device=self.device).view(bucket, width)
+        page_table.table[:bucket, :width] = pages
+        self.static.column("req_slots", bucket).copy_(torch.arange(bucket, device=self.device))
+        self.static.column("seq_lens", bucket).fill_(context)
+        try:
+            yield
+        finally:
+            page_table.table[:bucket].zero_()
+            self.static.reset()
+
+    def _eager_depth_costs(self, tiers: list[int], depth_of: dict, page_table, context: int
+                           ) -> tuple[dict[int, dict[int, float]], dict[int, dict[int, float]]]:
         max_bs = min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
         buckets = sorted({min(1 << i, max_bs) for i in range(max_bs.bit_length() + 1)})
         if self.static is None:
@@ -677,21 +727,32 @@ class DecodeGraphs(GraphRunner):
         self.static.reset()
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         costs: dict[int, dict[int, float]] = {}
+        per_token: dict[int, dict[int, float]] = {}
         with torch.inference_mode():
             for bucket in buckets:
                 fns = {d: list(self._callables(bucket, "greedy", False, depth_of[d]).values()) for d in tiers}
-                times: dict[int, list[float]] = {d: [] for d in tiers}
-                for _ in range(3):
-                    for d in tiers:
-                        sync()
-                        t0 = time.perf_counter()
-                        for fn in fns[d]:
-                            fn()
-                        sync()
-                        times[d].append(1e3 * (time.perf_counter() - t0))
-                costs[bucket] = {d: sorted(times[d][1:])[0] for d in tiers}  # (the first pass warms up)
+
+                def timed() -> list[float]:  # (the fastest of the passes after the first, which warms up)
+                    times: dict[int, list[float]] = {d: [] for d in tiers}
+                    for _ in range(3):
+                        for d in tiers:
+                            sync()
+                            t0 = time.perf_counter()
+                            for fn in fns[d]:
+                                fn()
+                            sync()
+                            times[d].append(1e3 * (time.perf_counter() - t0))
+                    return [sorted(times[d][1:])[0] for d in tiers]
+
+                short = timed()
+                costs[bucket] = dict(zip(tiers, short))
+                if context:
+                    with self._context_rows(page_table, bucket, context):
+                        per_token[bucket] = self._per_token(tiers, short, timed(), bucket, context)
+                else:
+                    per_token[bucket] = {}
                 costs[bucket].update({-lag: self._catch_up_ms(bucket, lag) for lag in self._catch_up_lags()})
-        return costs
+        return costs, per_token
 
     def _catch_up_lags(self) -> list[int]:
         """The catch-up lengths timed: one plain step's token, and a full stash (none without a draft to keep)."""

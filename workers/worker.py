@@ -127,6 +127,7 @@ class Worker:
         # at start-up (``allocate_kv`` returns the table, which the engine's chooser reads)
         self.adaptive = spec is not None and spec.resolved_adaptive(self.graph_refusal is None)
         self.depth_costs: dict[int, dict[int, float]] | None = None
+        self.context_costs: dict[int, dict[int, float]] | None = None
         if self.adaptive:
             self.graphs.depth_tiers = spec.tiers()
         # adaptive speculation's depth 0 is the plain decode step (``_plain_step``): per request slot, the plain
@@ -194,9 +195,19 @@ class Worker:
     def kv_bytes_per_token(self) -> int:
         return self.target.kv_bytes_per_token + (self.proposer.kv_bytes_per_token() if self.proposer else 0)
 
-    def allocate_kv(self, num_pages: int) -> dict[int, dict[int, float]] | None:
-        """Allocate the KV caches and capture the graphs. Returns adaptive speculation's cost model (ms of a step
-        per batch bucket and draft depth), or None without it."""
+    def cost_context(self, num_pages: int, longest: int = 512) -> int:
+        """The context per row at which the start-up cost model times each step a second time (its growth per token
+        of context is the model's second table): ``longest`` tokens, or what the pool's pages hold for the largest
+        batch bucket and a request's page-table row (0: too short to time, the context left out)."""
+        page, rows = self.cfg.page_size, min(self.cfg.cuda_graph_max_bs, self.cfg.max_num_seqs)
+        pages = min((num_pages - 1) // rows, self.page_table.table.shape[1])  # (page 0 is not used)
+        context = min(longest, pages * page - self.lookahead, self.max_model_len)
+        return context if context >= 64 else 0
+
+    def allocate_kv(self, num_pages: int) -> tuple[dict, dict] | None:
+        """Allocate the KV caches and capture the graphs. Returns adaptive speculation's cost model, or None
+        without it: ms of a step per batch bucket and draft depth, and per bucket and depth the ms a step grows by
+        per token of the batch's context (``DecodeGraphs.depth_costs``)."""
         self._on_device()
         page = self.cfg.page_size
         self.target.allocate_kv_cache(num_pages, page)
@@ -211,7 +222,8 @@ class Worker:
         elif self.device.type == "cuda" and not self.cfg.disable_cuda_graph:
             logger.warning("CUDA graphs are off: %s", self.graph_refusal)
         if self.adaptive:
-            self.depth_costs = self.graphs.depth_costs(self.cfg.speculative_config.tiers())
+            self.depth_costs, self.context_costs = self.graphs.depth_costs(
+                self.cfg.speculative_config.tiers(), self.page_table, self.cost_context(num_pages))
             if self.device.type == "cuda":  # the eager catch-up's Triton compiles now, not in a server's first steps
                 self.graphs.warm_catch_up()
         if self.device.type == "cuda":
@@ -228,7 +240,7 @@ class Worker:
             for runner in (self.graphs, self.extend_graphs):  # and so is a graph captured on first use
                 if runner is not None:
                     runner.serving = True
-        return self.depth_costs
+        return None if self.depth_costs is None else (self.depth_costs, self.context_costs)
 
     @torch.inference_mode()
     def warm_eager_extend(self) -> list[tuple[int, int, bool]]:

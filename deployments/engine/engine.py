@@ -47,6 +47,7 @@ class Executor(Protocol):
     max_advance: int
     decode_graphs: bool  # DECODE steps replay CUDA graphs (else they run eagerly)
     depth_costs: dict | None  # adaptive speculation: ms of a step per batch bucket and draft depth (None: off)
+    context_costs: dict | None  # and per bucket and depth, ms per token of the batch's context
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         """Launch ``step`` on every rank; rank 0's results of the oldest launched steps until ``keep`` are left."""
@@ -69,8 +70,8 @@ class LocalExecutor:
         self.max_advance = self.worker.max_advance
         self.decode_graphs = self.worker.graph_refusal is None
         self.num_pages = self.worker.kv_capacity_pages()
-        # adaptive speculation's cost model (ms per batch bucket and draft depth), or None
-        self.depth_costs = self.worker.allocate_kv(self.num_pages)
+        # adaptive speculation's cost model (ms per batch bucket and draft depth; per token of context), or None
+        self.depth_costs, self.context_costs = self.worker.allocate_kv(self.num_pages) or (None, None)
 
     def step(self, step: WorkerStep | None, keep: int) -> list[StepResult]:
         if self.failure is not None:
@@ -142,7 +143,8 @@ class Engine:
         self.depth_policy = None
         costs = getattr(self.executor, "depth_costs", None)
         if spec is not None and costs:
-            self.depth_policy = DepthChooser(costs, spec.num_steps, pause_after=spec.pause_draft_after)
+            self.depth_policy = DepthChooser(costs, spec.num_steps, pause_after=spec.pause_draft_after,
+                                             context_costs=getattr(self.executor, "context_costs", None))
         self.steps_by_depth: dict[int, int] = {}  # speculative steps applied, by draft depth (0: plain steps)
         # the draft's pause (``DepthPolicy.paused``): whether the last decode step ran paused, whether any request
         # has ever run paused (its verdicts are then sorted out of the chooser's), the paused steps launched
@@ -282,7 +284,8 @@ class Engine:
                     policy.unpause()  # no chosen steps, while this one sends verdicts)
                 if not self._decode_in_flight and not policy.paused:  # (a new batch's requests have no lag: the
                     policy.sync_lag(max(r.draft_lag for r in plan.requests))  # policy's count may be old)
-                step.spec_depth = policy.choose(step.batch_size)
+                # (the context each row's step reads: a round's share of a step shrinks as the batch's KV grows)
+                step.spec_depth = policy.choose(step.batch_size, int(step.seq_lens.sum()))
                 paused = policy.paused  # (never on a structured-output step: unpaused above)
                 if paused != self._draft_paused:
                     self._pause_draft(paused)

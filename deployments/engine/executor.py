@@ -111,7 +111,8 @@ class RayExecutor:
         self.decode_graphs = infos[0]["decode_graphs"]
         self.num_pages = min(i["kv_pages"] for i in infos)
         # (rank 0's answer: adaptive speculation's cost model, timed by every rank together, or None)
-        self.depth_costs = ray.get([w.allocate_kv.remote(self.num_pages) for w in self.workers])[0]
+        self.depth_costs, self.context_costs = (
+            ray.get([w.allocate_kv.remote(self.num_pages) for w in self.workers])[0] or (None, None))
         self._dag = None
         if use_compiled_graph:
             from ray.dag import InputNode, MultiOutputNode

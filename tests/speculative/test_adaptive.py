@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from deployments.engine.request import RequestStatus, SamplingParams
-from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, expected_tokens
+from speculative.adaptive import AcceptanceEstimate, DepthChooser, DepthSchedule, context_level, expected_tokens
 from tests.helpers import mixed_prompts
 from tests.speculative.test_speculative import GREEDY, engine, spec_models  # noqa: F401  (fixture)
 from workers.config import SpeculativeConfig
@@ -63,6 +63,14 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     costs = eng.executor.depth_costs
     # every tier, and the catch-up over one plain step's token and over a full stash (-L)
     assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [-2, -1, 0, 1, 2, 3] for row in costs.values())
+    # and timed again with every row at a longer context (512 tokens here): what a step grows by per token, which
+    # reading 8 x 512 tokens of KV makes more than nothing; the rows' pages are given back after
+    per_token = eng.executor.context_costs
+    assert worker.cost_context(eng.executor.num_pages) == 512
+    assert sorted(per_token) == sorted(costs) and all(sorted(r) == [0, 1, 2, 3] for r in per_token.values())
+    assert min(min(r.values()) for r in per_token.values()) >= 0 and max(per_token[8].values()) > 0
+    assert not worker.page_table.table.any()
+    assert eng.depth_policy.context_costs == per_token
     assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
     # num_steps: the plain round's keys; the draft's pause: the step without speculation
@@ -346,14 +354,14 @@ H100_8B = {1: {0: 5.467, 1: 5.911, 2: 6.201, 3: 6.504, -1: 0.380, -16: 0.393},
            256: {0: 9.876, 1: 14.949, 2: 22.993, 3: 28.453, -1: 0.548, -16: 3.533}}
 
 
-def _served(chooser: DepthChooser, bs: int, steps: int, accepted, seed: int = 0) -> list[int]:
-    """``steps`` steps at batch ``bs``, each round's verdicts observed one step late (the overlap schedule);
-    ``accepted(depth, rng)``: one request's accepted drafts."""
+def _served(chooser: DepthChooser, bs: int, steps: int, accepted, seed: int = 0, context: int = 0) -> list[int]:
+    """``steps`` steps at batch ``bs`` holding ``context`` tokens of context, each round's verdicts observed one step
+    late (the overlap schedule); ``accepted(depth, rng)``: one request's accepted drafts."""
     import random
 
     rng, depths, pending = random.Random(seed), [], None
     for _ in range(steps):
-        d = chooser.choose(bs)
+        d = chooser.choose(bs, context)
         depths.append(d)
         if pending is not None:
             chooser.observe(*pending)
@@ -382,6 +390,32 @@ def test_large_batch_does_not_pay_for_the_prior():
     assert at_128[-20:].count(1) >= 18  # (bs 128: depth 1 wins, as it measured there)
     after = _served(c, 256, 34, _bench_acceptance(1.5), seed=1)
     assert sum(d > 0 for d in after) <= 2
+
+
+# what a step grows by per token of context where it reads the 8B's KV (128 KiB a token) at ~3.35 TB/s, every depth
+KV_8B = {b: {d: 131072 / 3.35e9 for d in range(4)} for b in H100_8B}
+
+
+def test_the_batch_context_moves_the_choice():
+    """The start-up table times padding rows of one token; a loaded server's step also reads the batch's KV, which
+    every depth pays alike, so a round's share of the step shrinks as the context grows. At bs 256 and accept length
+    3 (two drafts always accepted) the table alone keeps depth 1; with 512 tokens a request the chooser runs depth 2,
+    which is then 7% ahead. At accept length 1.5 plain steps win on the table; at 1024 tokens a request depth 1
+    (1.5 tokens for 25.1 against 20.1 ms)."""
+    def settled(chooser, length, context=0):  # (acceptance learnt at bs 16 first, as bench.adaptive does)
+        _served(chooser, 16, 20, _bench_acceptance(length))
+        depths = _served(chooser, 256, 60, _bench_acceptance(length), seed=1, context=context)
+        return max(set(depths[-30:]), key=depths[-30:].count)
+
+    long = 256 * 512
+    assert settled(DepthChooser(H100_8B, 3), 3.0, context=long) == 1
+    assert settled(DepthChooser(H100_8B, 3, context_costs=KV_8B), 3.0) == 1
+    c = DepthChooser(H100_8B, 3, context_costs=KV_8B)
+    assert settled(c, 3.0, context=long) == 2 and c.stats()["context_tokens"] == long
+    assert settled(DepthChooser(H100_8B, 3, context_costs=KV_8B), 1.5) == 0
+    assert settled(DepthChooser(H100_8B, 3, context_costs=KV_8B), 1.5, context=2 * long) == 1
+    # a context level holds the leading four bits: a growing batch reuses its cached choices
+    assert [context_level(n) for n in (0, 15, 17, 1000, 1023, 131072 + 5000)] == [0, 15, 16, 960, 960, 131072]
 
 
 @pytest.mark.parametrize("bs", [1, 16])
@@ -838,7 +872,7 @@ def _record_counts(eng, chooser) -> tuple[list[int], list[int]]:
     worker = eng.executor.worker
     counted, behind = [], []
     choose, lazy = chooser.choose, worker._lazy_catch_up
-    chooser.choose = lambda bs: counted.append(chooser.lag) or choose(bs)
+    chooser.choose = lambda bs, context=0: counted.append(chooser.lag) or choose(bs, context)
     worker._lazy_catch_up = lambda step, **kw: behind.append(int(np.max(worker.plain_run[step.req_slots]))) or lazy(
         step, **kw)
     return counted, behind
@@ -936,6 +970,27 @@ def test_plain_steps_move_their_lengths_on_a_copy(spec_models):
     assert behind_pending > 10 and mixed and {0, 1} <= set(eng.steps_by_depth)
 
 
+def test_each_decode_step_is_chosen_for_its_batch_context(spec_models):
+    """The engine tells the policy each decode step's context, the sum of its requests' lengths (prompt and the
+    tokens known so far), which grows as the requests decode: the cost model charges a step for it."""
+    eng = engine(spec_models["target"], SpeculativeConfig(method="draft", model=str(spec_models["draft"]),
+                                                          num_steps=3))
+    seen = []
+
+    class Recorded(DepthSchedule):
+        def choose(self, batch_size, context_tokens=0):
+            seen.append((batch_size, context_tokens))
+            return super().choose(batch_size, context_tokens)
+
+    eng.depth_policy = Recorded([0, 2, 0, 1])
+    prompts = mixed_prompts(3)
+    eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    full = [c for b, c in seen if b == 3]
+    prompt_tokens = sum(len(p) for p in prompts)
+    assert len(full) > 4 and prompt_tokens <= full[0] < full[-1] <= prompt_tokens + 3 * 12
+    assert all(b >= a for a, b in zip(full, full[1:]))
+
+
 def test_a_failed_decode_step_is_reported_lost(spec_models):
     """The depth policy pairs the n-th verdicts with the n-th step it chose: a decode step that fails (injected in
     the worker, with the step before it in flight) is reported to it as ``lost``, so every step chosen is answered
@@ -945,9 +1000,9 @@ def test_a_failed_decode_step_is_reported_lost(spec_models):
     events = []
 
     class Recorded(DepthSchedule):
-        def choose(self, batch_size):
+        def choose(self, batch_size, context_tokens=0):
             events.append("chosen")
-            return super().choose(batch_size)
+            return super().choose(batch_size, context_tokens)
 
         def observe(self, depth, accepted):
             events.append("observed")
