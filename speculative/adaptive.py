@@ -26,10 +26,10 @@ expected tokens per second of the batch it is about to run, from
   device alone.
 
 Expected tokens of a round at depth d: 1 + sum_{j<=d} prod_{i<=j} p_i; the choice is argmax_d E(d) / cost(d, bucket),
-cost being max(table + context, host), a round's cost including the catch-up the plain steps before it left (so a marginal
-gain does not leave depth 0 only to come back: the catch-up is paid on leaving), and weighed up by ``margin``
-against depth 0: a batch's requests finish apart, so a round it
-shows barely ahead is a coin flip whose losing side costs a round; speculation must win clearly to be chosen.
+cost being max(table + context, host), a round's cost including the catch-up the plain steps before it left (so a
+marginal gain does not leave depth 0 only to come back: the catch-up is paid on leaving), and weighed up by
+``margin`` against depth 0: a batch's requests finish apart, so a round it shows barely ahead is a coin flip whose
+losing side costs a round; speculation must win clearly to be chosen.
 Before any verdict the estimates are the prior (0.5: a neutral guess, which at a large batch, where a round costs
 1.5 plain steps or more, keeps plain steps until a probe measures acceptance).
 Positions deeper than the chosen depth get no verdicts, so one step at the next tier above the choice (a probe)
