@@ -311,8 +311,12 @@ class DepthChooser:
         self.host_ttl = host_ttl
         self._sampled_at: dict[tuple[int, int], int] = {}  # (bucket, depth) → the step of its last sample
         self.host_per_depth = 0.0  # host increment per request and draft depth, from buckets with two depths seen
-        # the costs the choice reads: max(the table's, the host's) per bucket and depth (``_refresh``)
+        # the costs the choice reads: max(the table's, the host's) per bucket and depth (``_refresh``), brought up to
+        # date lazily: a host median that moves may move every bucket's (those not measured borrow it), so it bumps
+        # ``_host_gen`` and a bucket is refreshed when next chosen for (``_fresh``), not all of them at every move
         self.step_cost: dict[int, dict[int, float]] = {b: dict(self.costs[b]) for b in self.buckets}
+        self._host_gen = 0
+        self._fresh_at: dict[int, int] = {}  # bucket → the generation its step costs were refreshed at
         # (bucket, depth, caught the draft up, the lag of a round's catch-up short of a full stash else 0) of the
         # last choice
         self._chosen: tuple[int, int, bool, int] | None = None
@@ -404,6 +408,7 @@ class DepthChooser:
         p = self.estimate.p if p is None else p
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
+        self._fresh(bucket)
         totals = None if table else self._totals.get((bucket, lag, self._context))
         if totals is None:
             cost = self.cost_at(bucket, table)
@@ -431,6 +436,8 @@ class DepthChooser:
         """Each tier's step cost at the bucket and the last chosen batch's context: the table's plus the context's
         share, or (not ``table``) max(that, the host's), since ``step_cost`` = max(table, host) and the context only
         adds to the table."""
+        if not table:
+            self._fresh(bucket)
         ctx, per = self._context, self.context_costs[bucket]
         base = self.costs[bucket] if table else self.step_cost[bucket]
         if not ctx:
@@ -443,6 +450,7 @@ class DepthChooser:
         included) over ``probe_budget`` of the shallowest tier's step (a plain one where 0 is a tier; the cheapest,
         so that where a choice flips between depths, as at a full stash, probes stay within budget of the steps
         around them), and at least ``probe_interval``."""
+        self._fresh(bucket)
         cost = self.step_cost[bucket]
         due = depth == 0 and not (self.window and lag >= self.window)  # (a full stash catches up either way)
         extra = cost[probe] + (self.catch_up_charge(bucket, lag) if due else 0.0) - cost[depth]
@@ -450,6 +458,7 @@ class DepthChooser:
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         self._context = context_level(context_tokens)
+        self._fresh(self.bucket(batch_size))
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
             return 0
         bucket = self.bucket(batch_size)
@@ -700,6 +709,7 @@ class DepthChooser:
         recent.append(max(0.0, host_ms - own))
         median = statistics.median(recent)
         old = self.catch_up_host.get(bucket)
+        self._fresh(bucket)
         if old is not None and abs(median - old) <= self.host_change * max(old, self.step_cost[bucket][0]):
             return
         self.catch_up_host[bucket] = median
@@ -725,8 +735,7 @@ class DepthChooser:
             return
         host[depth] = median
         self._learn_increment()
-        for b in self.buckets:  # (buckets not measured borrow the nearest measured one's)
-            self._refresh(b)
+        self._host_gen += 1  # (every bucket's costs may move: buckets not measured borrow the nearest measured one's)
 
     def _expire(self) -> None:
         """Drop the host medians above the table that were last sampled over ``host_ttl`` steps ago: such a depth
@@ -740,8 +749,7 @@ class DepthChooser:
             del self.host[b][d], self._sampled_at[b, d]
             self._host_runs.pop((b, d), None)
         self._learn_increment()
-        for b in self.buckets:
-            self._refresh(b)
+        self._host_gen += 1
 
     def _learn_increment(self) -> None:
         """The host's increment per request and draft depth, the median over buckets where a plain step and a
@@ -780,6 +788,12 @@ class DepthChooser:
         less = max(0.0, host[d] - self.host_per_depth * at * (d - depth))
         return min(host[d] * table[depth] / table[d], less) * scale
 
+    def _fresh(self, bucket: int) -> None:
+        """The bucket's step costs as of the host's latest medians (``_refresh`` where one moved since)."""
+        if self._fresh_at.get(bucket) != self._host_gen:
+            self._fresh_at[bucket] = self._host_gen
+            self._refresh(bucket)
+
     def _refresh(self, bucket: int) -> None:
         """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a
         shallower one (a probe's sample, two intervals less a third, is the noisiest); its cached choices are
@@ -799,6 +813,9 @@ class DepthChooser:
                 del cache[key]
 
     def stats(self) -> dict:
+        for b, o in self.host.items():
+            if o:
+                self._fresh(b)
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
                 "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag,
                 "context_tokens": self._context,  # (the last chosen batch's, coarsened)

@@ -330,8 +330,8 @@ def test_gpu_bound_8b_choices_unchanged(bs, length, choice):
     assert all(d in (choice, choice + 1) for d in depths) and depths.count(choice) >= 0.95 * len(depths), depths
     fixed, _ = _host_run(DepthSchedule([choice]), H100_8B, bs, length, heavy_host)
     assert rate >= 0.99 * fixed, rate / fixed
-    assert chooser.step_cost[bs] == H100_8B[bs] or all(
-        chooser.step_cost[bs][d] == H100_8B[bs][d] for d in chooser.tiers)
+    assert chooser.cost_at(bs) == H100_8B[bs] or all(
+        chooser.cost_at(bs)[d] == H100_8B[bs][d] for d in chooser.tiers)
 
 
 def lean_host(bs: int, depth: int) -> float:
