@@ -418,6 +418,19 @@ def test_the_batch_context_moves_the_choice():
     assert [context_level(n) for n in (0, 15, 17, 1000, 1023, 131072 + 5000)] == [0, 15, 16, 960, 960, 131072]
 
 
+def test_a_pause_ends_where_the_context_makes_a_round_the_choice():
+    """The draft's pause lasts while the step's choice is a plain step. At bs 256 and accept length 1.5 the chooser
+    pauses at 128 tokens a request; as the batch's context grows to 1024 tokens a request depth 1 is the choice at
+    the same bucket (a fresh chooser runs it), so the pause ends within a step and rounds run, not another 1024
+    plain steps until ``pause_hold``."""
+    c = DepthChooser(H100_8B, 3, context_costs=KV_8B)
+    _served(c, 16, 20, _bench_acceptance(1.5))
+    short = _served(c, 256, 80, _bench_acceptance(1.5), seed=1, context=256 * 128)
+    assert c.paused and c.pauses == 1 and set(short[-10:]) == {0}
+    long = _served(c, 256, 30, _bench_acceptance(1.5), seed=2, context=2 * 256 * 512)
+    assert not c.paused and long[0] == 1 and long[-10:].count(1) >= 8, long
+
+
 @pytest.mark.parametrize("bs", [1, 16])
 @pytest.mark.parametrize("length, best", [(2.0, 1), (3.0, 2)])
 def test_small_batch_reaches_the_best_depth_at_once(bs, length, best):
