@@ -63,13 +63,20 @@ def test_forced_depths_on_the_graph_path(spec_models, references, fused):
     costs = eng.executor.depth_costs
     # every tier, and the catch-up over one plain step's token and over a full stash (-L)
     assert sorted(costs) == [1, 2, 4, 8] and all(sorted(row) == [-2, -1, 0, 1, 2, 3] for row in costs.values())
-    # and timed again with every row at a longer context (512 tokens here): what a step grows by per token, which
-    # reading 8 x 512 tokens of KV makes more than nothing; the rows' pages are given back after
+    # and timed again with every row at a longer context (512 tokens here): what a step grows by per token (the
+    # timings' difference, which on a loaded CPU can be noise: none below 0); the rows' pages are given back after
     per_token = eng.executor.context_costs
     assert worker.cost_context(eng.executor.num_pages) == 512
     assert sorted(per_token) == sorted(costs) and all(sorted(r) == [0, 1, 2, 3] for r in per_token.values())
-    assert min(min(r.values()) for r in per_token.values()) >= 0 and max(per_token[8].values()) > 0
+    assert min(min(r.values()) for r in per_token.values()) >= 0
     assert not worker.page_table.table.any()
+    # the rows were requests at 512 tokens on pages of their own (not timing noise: where the steps wrote): each
+    # row's root (position 511) on its own page, and no page past the 8 rows' (1 .. 8 x width, within the pool)
+    page, width = 16, -(-(512 + worker.lookahead) // 16)
+    k = worker.target.kv_cache.k[0].view(eng.executor.num_pages, page, -1)
+    written = set((k != 0).any(dim=2).any(dim=1).nonzero().flatten().tolist()) - {0}  # (page 0: padding rows')
+    assert {1 + r * width + 511 // page for r in range(8)} <= written
+    assert max(written) <= 8 * width < eng.executor.num_pages
     assert eng.depth_policy.context_costs == per_token
     assert isinstance(eng.depth_policy, DepthChooser) and eng.depth_policy.window == 2
     worker.capture_graphs()
