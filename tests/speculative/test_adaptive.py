@@ -353,6 +353,27 @@ def test_plain_step_graphs_make_their_own_norm_fusion_choice(spec_models, refere
     assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref[id(GREEDY)]
 
 
+def test_a_cached_cost_table_is_read_back_only_for_the_same_steps(tiny_models, tmp_path):
+    """The start-up tables (step costs, and ms per context token) kept in the tuning cache are read back by a start
+    that runs the same steps, and not by one with another target (the key named only the models whose norms are
+    folded, none in fp32: every model read the first one's tables) or pages of another size (the context's table is
+    mostly attention)."""
+    from workers.kernels.tuning import TuningCache
+
+    def tables(model, **kw):  # (n-gram: no draft model to build; a small pool: a short context at start-up)
+        eng = engine(model, SpeculativeConfig(method="ngram", num_steps=2, adaptive=True), cuda_graph_max_bs=2,
+                     kv_cache_tokens=256, **kw)
+        worker = eng.executor.worker
+        worker.graphs.capture_all(TuningCache(tmp_path / "small_m_linear.json", "cpu"))
+        return worker.graphs.depth_costs([0, 1, 2], worker.page_table, 64)
+
+    first = tables(tiny_models["llama"])
+    assert all(first[1].values())  # (both tables stored)
+    assert tables(tiny_models["llama"]) == first  # the same steps: read back (no timing repeats to the last bit)
+    assert tables(tiny_models["qwen3"]) != first
+    assert tables(tiny_models["llama"], page_size=8) != first
+
+
 # ---- the chooser on an H100's start-up cost table (8B target, EAGLE-3 chain of 3; ms; -L: catch-up over L) ---------
 H100_8B = {1: {0: 5.467, 1: 5.911, 2: 6.201, 3: 6.504, -1: 0.380, -16: 0.393},
            16: {0: 5.697, 1: 6.720, 2: 7.069, 3: 7.389, -1: 0.379, -16: 0.476},
