@@ -122,7 +122,7 @@ def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -
 
 
 def context_level(tokens: int) -> int:
-    """``tokens`` with its four leading bits kept (within 6.25 % below it): the context the choice is cached for, so
+    """``tokens`` with its four leading bits kept (at most 12.5 % below it): the context the choice is cached for, so
     that a batch whose context grows by a token a step reuses its choices."""
     shift = max(0, tokens.bit_length() - 4)
     return tokens >> shift << shift
@@ -356,7 +356,6 @@ class DepthChooser:
         # is a whole draft's)
         self._plain_streak = 0
         self._resumed_at = 0
-        self._paused_at: int | None = None  # the bucket of the last paused step
         # a pause ends after ``pause_hold`` steps however the batch stays, so that a probe measures acceptance again
         # (a rise would otherwise go unseen for as long as the batch stays at the bucket)
         self.pause_hold, self._paused_for = pause_hold, 0
@@ -504,10 +503,11 @@ class DepthChooser:
 
     def _stays_paused(self, batch_size: int) -> bool:
         """Whether the next step runs paused (entering the pause where the streak of plain choices is long enough):
-        at the bucket of the last paused step, or at one whose choice (no draft lag: its pending inputs are
-        dropped) is a plain step too, for ``pause_hold`` steps at most; else the pause ends."""
+        while the step's choice at its bucket and context (no draft lag: its pending inputs are dropped) is a plain
+        step, for ``pause_hold`` steps at most; else the pause ends. (Checked at the pause's own bucket too: its
+        estimates stand still while paused, but a growing context can make a round the choice there.)"""
         bucket = self.bucket(batch_size)
-        if bucket != self._paused_at and self._cached_best(batch_size, bucket, 0) != 0:
+        if self._cached_best(batch_size, bucket, 0) != 0:
             self.unpause()  # (where it had not begun: the streak starts again)
             return False
         if self._paused_for >= self.pause_hold:
@@ -520,7 +520,6 @@ class DepthChooser:
             self.paused, self.lag = True, 0  # (the worker drops every request's pending draft inputs)
             self.pauses += 1
             self._drop_check()
-        self._paused_at = bucket
         self._paused_for += 1
         self.last_depth = 0
         return True
@@ -529,7 +528,7 @@ class DepthChooser:
         """(The count of plain steps stays 0: the draft was kept in step on none since the pause began.)"""
         if self.paused:
             self._resumed_at = self._step
-        self.paused, self._plain_streak, self._paused_at, self._paused_for = False, 0, None, 0
+        self.paused, self._plain_streak, self._paused_for = False, 0, 0
 
     def _rests_on_host(self, batch_size: int, bucket: int) -> tuple:
         """(the choice, the table's) at the bucket (no catch-up due) where the host's medians measured at the

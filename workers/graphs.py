@@ -639,7 +639,8 @@ class DecodeGraphs(GraphRunner):
         # (a table timed with the other catch-up is not reused)
         kv_only = " kv-only" if getattr(self.spec_round.proposer, "kv_only_catch_up", False) else ""
         key = self.norm_fusion_key(self.buckets[-1]).replace(
-            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up{kv_only} at {lags}", 1)
+            "norms in linears", f"step ms at depths {tiers}, plain depth 0, catch-up{kv_only} at {lags}", 1
+        ) + self._steps_timed()
         ctx_key = f"{key}, ms per context token at {context}"
         cached = cached_ctx = None
         if self.tuning_cache is not None:
@@ -689,6 +690,17 @@ class DecodeGraphs(GraphRunner):
             logger.info("step ms per 1k tokens of context by draft depth %s: %s", tiers, "; ".join(
                 f"bs {b}: " + " ".join(f"{1e3 * ms:.3f}" for ms in row.values()) for b, row in per_token.items()))
         return costs, per_token
+
+    def _steps_timed(self) -> str:
+        """What the cost tables' tuning-cache key adds to the norm-fusion key's: every model's shape (that key names
+        only the models whose norms are folded, none in fp32 or of an architecture that folds none, where another
+        model's table would be read) and the attention the steps run (the context's table is mostly attention)."""
+        shapes = [tuple(getattr(m.cfg, f, None) for f in ("architecture", "hidden_size", "intermediate_size",
+                                                          "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                                          "vocab_size")) for m in self.models]
+        decode = self.cfg.resolved_attention_backends(self.device.type)[1]
+        return (f" | models {shapes} | attention {decode}, verify {self.cfg.verify_attention_mode}, pages of "
+                f"{self.cfg.page_size}, indexer keys {self.cfg.indexer_key_dtype}")
 
     @staticmethod
     def _per_token(tiers: list[int], short: list[float], long: list[float], bucket: int,
