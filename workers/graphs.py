@@ -695,9 +695,9 @@ class DecodeGraphs(GraphRunner):
         """What the cost tables' tuning-cache key adds to the norm-fusion key's: every model's shape (that key names
         only the models whose norms are folded, none in fp32 or of an architecture that folds none, where another
         model's table would be read) and the attention the steps run (the context's table is mostly attention)."""
-        shapes = [tuple(getattr(m.cfg, f, None) for f in ("architecture", "hidden_size", "intermediate_size",
-                                                          "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                                                          "vocab_size")) for m in self.models]
+        fields = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "head_dim", "vocab_size")
+        shapes = [tuple(getattr(getattr(m, "cfg", None), f, None) for f in fields) for m in self.models]
         decode = self.cfg.resolved_attention_backends(self.device.type)[1]
         return (f" | models {shapes} | attention {decode}, verify {self.cfg.verify_attention_mode}, pages of "
                 f"{self.cfg.page_size}, indexer keys {self.cfg.indexer_key_dtype}")
