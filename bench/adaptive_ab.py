@@ -41,8 +41,8 @@ def _traced(policy, log: list) -> None:
     """Record each choice, launch and host sample the policy sees (the chooser's own methods, wrapped)."""
     choose, launched = policy.choose, policy.launched
 
-    def on_choose(bs):
-        d = choose(bs)
+    def on_choose(bs, context_tokens=0):
+        d = choose(bs, context_tokens)
         log.append(["choose", time.perf_counter(), bs, d, getattr(policy, "lag", None)])
         return d
 
@@ -55,14 +55,21 @@ def _traced(policy, log: list) -> None:
 
 def run(a) -> None:
     sys.path.insert(0, os.getcwd())  # (the tree run from: a copy of another commit imports its own modules)
-    from bench.adaptive import Bench
+    from bench.adaptive import FAMILY, Bench
     from speculative.adaptive import PAUSED, DepthChooser, DepthSchedule
     from workers.config import SpeculativeConfig
 
     b = Bench(_args(a))
     ckpt, head = b.checkpoint(a.shape)
+    family = a.shape == FAMILY  # (the shipped family at its real acceptance, on held-out text)
+    if family:
+        from transformers import AutoTokenizer
+
+        from bench.common import held_out_prompts
+
+        b._text_prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(ckpt)), 64, 128)
     res = {"tag": a.tag, "device": b.results["device"], "commit": b.results["commit"], "command": b.results["command"],
-           "shape": a.shape, "batch_size": a.bs, "accept_length": a.accept_length, "new_tokens": a.new_tokens,
+           "shape": a.shape, "batch_size": a.bs, "accept_length": None if family else a.accept_length, "new_tokens": a.new_tokens,
            "rows": {}}
 
     def keep(name, row):
@@ -84,11 +91,12 @@ def run(a) -> None:
         del plain
         b.free()
     spec = SpeculativeConfig(method="eagle3", model=str(head), num_steps=3, topk=1, adaptive=True,
-                             simulated_accept_length=a.accept_length)
+                             simulated_accept_length=None if family else a.accept_length)
     eng = b.engine(ckpt, spec, **mem)
     costs = eng.executor.depth_costs
     res["cost_ms"] = {str(k): {str(d): round(v, 4) for d, v in row.items()} for k, row in costs.items()}
-    eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
+    if not family:
+        eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
     policies = {}
     for name in a.policies.split(","):
         if name in POLICIES:
@@ -120,9 +128,32 @@ def time_policy(b, eng, a, res: dict, keep, name: str, policy, last: bool) -> No
     log: list = []
     if a.trace and last:
         _traced(policy, log)
-    keep(name, b._decode_rate(eng, a.bs))
+    prof = None
+    if a.profile and last:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    row = b._decode_rate(eng, a.bs)
+    if prof is not None:
+        prof.disable()
+        res.setdefault("profile", {})[name] = _top_functions(prof, row["decode_steps"])
+    keep(name, row)
     if log:
         res.setdefault("trace", {})[name] = log
+    for k in ("choose", "launched"):  # (the wrappers go: the policy's next batch runs as it was built)
+        policy.__dict__.pop(k, None)
+
+
+def _top_functions(prof, steps: int, n: int = 25) -> list:
+    """The functions of a profiled batch by own time: [name, calls, own µs per decode step, cumulative µs per step]
+    (its prefill included: a comparison between policies, not an absolute)."""
+    import pstats
+
+    stats = pstats.Stats(prof).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [[f"{Path(f).name}:{line}({fn})", calls, round(1e6 * tt / steps, 2), round(1e6 * ct / steps, 2)]
+            for (f, line, fn), (_, calls, tt, ct, _) in rows]
 
 
 def summary(res: dict) -> dict:
@@ -167,7 +198,9 @@ def report(out: str, files: list[str]) -> None:
         order = "; policies interleaved in each repeat" if r.get("interleaved") else ""
         lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`{order}"]
     r0 = results[0]
-    lines += ["", f"{r0['shape']}, bs {r0['batch_size']}, simulated accept length {r0['accept_length']}, "
+    accept = ("its real acceptance (held-out text)" if r0["accept_length"] is None
+              else f"simulated accept length {r0['accept_length']}")
+    lines += ["", f"{r0['shape']}, bs {r0['batch_size']}, {accept}, "
               f"{r0['new_tokens']} new tokens; median of the repeats (decode tok/s, ratio to no speculation in the "
               "same run, median step ms).", "",
               "| tree | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
@@ -185,6 +218,11 @@ def report(out: str, files: list[str]) -> None:
             for d, v in s["launches_by_depth"].items():
                 lines.append(f"| {r['tag']} | {n} | {d} | {v['n']} | {v['interval_ms']} | {v['waited_ms']} | "
                              f"{v['host_ms']} |")
+    for r in results:
+        for n, top in r.get("profile", {}).items():
+            lines += ["", f"`{r['tag']}`, {n}: functions by own time in the last repeat (cProfile; µs per decode step, "
+                      "own / cumulative):", "", "| function | calls | own | cumulative |", "|---|---|---|---|"]
+            lines += [f"| `{f}` | {c} | {own} | {cum} |" for f, c, own, cum in top[:15]]
     write_markdown(path, lines)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -210,11 +248,12 @@ def main() -> None:
     ap.add_argument("--shape", default=None, help="default llama-3.2-1b (--cpu: llama-smoke)")
     ap.add_argument("--ckpt-dir", default="/tmp")
     ap.add_argument("--bs", type=int, default=256)
-    ap.add_argument("--accept-length", type=float, default=1.5)
+    ap.add_argument("--accept-length", type=float, default=1.5, help="simulated (--shape family: its real one)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policies", default="depth0,adaptive", help="depthN, paused and " + ", ".join(POLICIES))
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
+    ap.add_argument("--profile", action="store_true", help="cProfile each policy's last repeat (own µs per step)")
     ap.add_argument("--interleave", action="store_true", help="both engines at once, every policy timed in each "
                     "repeat in turn (a slow spell of the machine then falls on all)")
     a = ap.parse_args()
