@@ -128,21 +128,19 @@ def time_policy(b, eng, a, res: dict, keep, name: str, policy, last: bool) -> No
     log: list = []
     if a.trace and last:
         _traced(policy, log)
-    prof = None
-    if a.profile and last:
-        import cProfile
-
-        prof = cProfile.Profile()
-        prof.enable()
-    row = b._decode_rate(eng, a.bs)
-    if prof is not None:
-        prof.disable()
-        res.setdefault("profile", {})[name] = _top_functions(prof, row["decode_steps"])
-    keep(name, row)
+    keep(name, b._decode_rate(eng, a.bs))
     if log:
         res.setdefault("trace", {})[name] = log
     for k in ("choose", "launched"):  # (the wrappers go: the policy's next batch runs as it was built)
         policy.__dict__.pop(k, None)
+    if a.profile and last:  # (one more batch, not timed: the profiler slows every step)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+        row = b._decode_rate(eng, a.bs)
+        prof.disable()
+        res.setdefault("profile", {})[name] = _top_functions(prof, row["decode_steps"])
 
 
 def _top_functions(prof, steps: int, n: int = 25) -> list:
@@ -220,7 +218,7 @@ def report(out: str, files: list[str]) -> None:
                              f"{v['host_ms']} |")
     for r in results:
         for n, top in r.get("profile", {}).items():
-            lines += ["", f"`{r['tag']}`, {n}: functions by own time in the last repeat (cProfile; µs per decode step, "
+            lines += ["", f"`{r['tag']}`, {n}: functions by own time in a batch after the repeats (cProfile; µs per decode step, "
                       "own / cumulative):", "", "| function | calls | own | cumulative |", "|---|---|---|---|"]
             lines += [f"| `{f}` | {c} | {own} | {cum} |" for f, c, own, cum in top[:15]]
     write_markdown(path, lines)
@@ -253,7 +251,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policies", default="depth0,adaptive", help="depthN, paused and " + ", ".join(POLICIES))
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
-    ap.add_argument("--profile", action="store_true", help="cProfile each policy's last repeat (own µs per step)")
+    ap.add_argument("--profile", action="store_true", help="cProfile one more batch of each policy after its last repeat (own µs per step)")
     ap.add_argument("--interleave", action="store_true", help="both engines at once, every policy timed in each "
                     "repeat in turn (a slow spell of the machine then falls on all)")
     a = ap.parse_args()
