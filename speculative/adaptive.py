@@ -60,10 +60,13 @@ estimates (the engine's ``Request.draft_holes``).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import statistics
 from collections import Counter, deque
 from typing import Protocol
+
+_VERSIONS = itertools.count()  # (``AcceptanceEstimate.version``)
 
 
 class DepthPolicy(Protocol):
@@ -121,6 +124,13 @@ def lag_after_plain_step(lag: int, window: int, caught_up: bool | None = None) -
     return 2 if lag and keeps_newest(window) else 1
 
 
+def _median(values) -> float:
+    """``statistics.median`` of numbers, without its type checks (a host sample's median is taken every step)."""
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
 def context_level(tokens: int) -> int:
     """``tokens`` with its four leading bits kept (at most 12.5 % below it): the context the choice is cached for, so
     that a batch whose context grows by a token a step reuses its choices."""
@@ -148,38 +158,70 @@ class AcceptanceEstimate:
     def __init__(self, num_positions: int, decay: float = 0.8, prior: float = 0.5, full_round: int = 4):
         self.decay = decay
         self.full_round = full_round
-        self.accepted = [prior] * num_positions
-        self.tried = [1.0] * num_positions
+        self._accepted = [prior] * num_positions
+        self._tried = [1.0] * num_positions
         self.at = [0] * num_positions  # the step of each position's last update
+        self.version = next(_VERSIONS)  # (new at every change: a cache key unique across estimates)
+        self._p: tuple[int, list[float]] = (-1, [])
+        # ``hold``: whether any position's estimate has moved by more than ``tol`` from ``anchor`` since
+        self.moved, self.anchor, self.tol = True, [], 0.0
+
+    @property
+    def accepted(self) -> list[float]:
+        return self._accepted
+
+    @accepted.setter
+    def accepted(self, value: list[float]) -> None:
+        self._accepted, self.version, self.moved = list(value), next(_VERSIONS), True
+
+    @property
+    def tried(self) -> list[float]:
+        return self._tried
+
+    @tried.setter
+    def tried(self, value: list[float]) -> None:
+        self._tried, self.version, self.moved = list(value), next(_VERSIONS), True
+
+    def hold(self, tol: float) -> None:
+        """Watch for a move of more than ``tol`` in any position's estimate from now on (``moved``)."""
+        self.anchor, self.tol, self.moved = list(self.p), tol, False
 
     @property
     def p(self) -> list[float]:
-        return [a / t if t > 0 else 0.0 for a, t in zip(self.accepted, self.tried)]
+        """(Computed once per change: the chooser reads it several times a step.)"""
+        if self._p[0] != self.version:
+            self._p = (self.version, [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)])
+        return self._p[1]
 
-    def state(self) -> tuple:
-        """What ``p`` is computed from (a cache key)."""
-        return (*self.accepted, *self.tried)
+    def state(self) -> int:
+        """What ``p`` is computed from, as a cache key."""
+        return self.version
 
     def update(self, depth: int, accepted: list[int], step: int | None = None) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
         1..a. ``step``: the round's step number, where positions are seen only now and then (probes): their sums
         decay once per step since their last update, so a probe's verdicts are not outweighed by stale ones."""
-        if depth <= 0 or not accepted:
+        if depth <= 0 or not len(accepted):
             return
-        hist = Counter(accepted)  # (counted in C: a batch of 256 costs microseconds per step)
-        at_least = [0] * (depth + 2)  # at_least[i]: requests that accepted i drafts or more
-        for a, n in hist.items():
-            at_least[min(a, depth)] += n
-        for i in range(depth, -1, -1):
-            at_least[i] += at_least[i + 1]
-        tried, acc = at_least[:depth], at_least[1:depth + 1]  # position i + 1: reached by a >= i, passed by a > i
-        weight = min(1.0, len(accepted) / self.full_round)
+        if not isinstance(accepted, (list, tuple)):
+            accepted = list(accepted)
+        # position i + 1 is reached by the requests that accepted i drafts or more (``reached``) and passed by those
+        # of them that accepted more than i: counted by ``list.count`` (in C: a batch of 256 costs a microsecond)
+        reached = len(accepted)
+        weight = min(1.0, reached / self.full_round)
+        acc, tried, at = self._accepted, self._tried, self.at
         for i in range(depth):
-            if tried[i]:
-                keep = self.decay ** (weight * (1 if step is None else max(1, step - self.at[i])))
-                self.accepted[i] = keep * self.accepted[i] + acc[i]
-                self.tried[i] = keep * self.tried[i] + tried[i]
-                self.at[i] = self.at[i] + 1 if step is None else step
+            if not reached:  # (no request got this far, nor further)
+                break
+            passed = reached - accepted.count(i)
+            keep = self.decay ** (weight * (1 if step is None else max(1, step - at[i])))
+            acc[i] = keep * acc[i] + passed
+            tried[i] = keep * tried[i] + reached
+            at[i] = at[i] + 1 if step is None else step
+            if not self.moved and abs(acc[i] / tried[i] - self.anchor[i]) > self.tol:
+                self.moved = True
+            reached = passed
+        self.version = next(_VERSIONS)
 
 
 class RateCheck:
@@ -267,7 +309,7 @@ class DepthChooser:
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
                  check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
                  check_band: float = 0.35, check_hold: int = 1024, pause_after: int | None = None,
-                 pause_hold: int = 1024):
+                 pause_hold: int = 1024, steady_steps: int = 4, steady_tol: float = 0.03):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -295,7 +337,7 @@ class DepthChooser:
         # per step the choice reads only (bucket, lag) and the estimates: ``choose`` keeps its answers until the
         # estimates change (a round's verdicts), so a run of plain steps costs a dict lookup each, not the argmax
         self._best: dict[tuple[int, int], int] = {}
-        self._best_state: tuple = ()
+        self._best_state = -1  # (the estimate's version the cached choices were made at)
         self._probe_every: dict[tuple[int, int, int, int], int] = {}  # (costs only: kept)
         self._totals: dict[tuple[int, int], list[float]] = {}  # (bucket, lag) → each tier's cost (costs only: kept)
         self._buckets: dict[int, int] = {}
@@ -360,6 +402,13 @@ class DepthChooser:
         # (a rise would otherwise go unseen for as long as the batch stays at the bucket)
         self.pause_hold, self._paused_for = pause_hold, 0
         self.pauses = 0
+        # a round that wins clearly is chosen again without the full choice for up to ``steady_steps`` steps: while
+        # the batch's bucket and the host medians stay, no estimate moves by over ``steady_tol``, and no draft lag,
+        # check, probe or pause is due (on a host-bound engine the full choice at every step cost a tenth of a small
+        # model's step; 1: every step chooses anew). ``_steady``: (bucket, context level, the first step that
+        # chooses anew, the choice's ``_chosen``, its depth, the host medians' generation)
+        self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
+        self._steady: tuple | None = None
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -370,7 +419,7 @@ class DepthChooser:
 
     def _cached_best(self, batch_size: int, bucket: int, lag: int) -> int:
         """``best(batch_size, lag=lag)`` for the current estimates (which, at a bucket and lag, is all it reads)."""
-        state = self.estimate.state()
+        state = self.estimate.version
         if state != self._best_state:
             self._best.clear()
             self._best_state = state
@@ -456,7 +505,19 @@ class DepthChooser:
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
-        self._context = context_level(context_tokens)
+        context = context_level(context_tokens)
+        steady = self._steady
+        if (steady is not None and self._step + 1 < steady[2]
+                and not self.estimate.moved and self._buckets.get(batch_size) == steady[0]):
+            self._step += 1
+            self._context = context  # (read at the next full choice: a context grows by a few % a step)
+            for k in self.tiers:  # (the depth's tiers were seen: as below)
+                if k <= steady[4]:
+                    self._seen[k] = self._step
+            self._chosen = steady[3]
+            return steady[4]
+        self._steady = None
+        self._context = context
         self._fresh(self.bucket(batch_size))
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
             return 0
@@ -471,6 +532,7 @@ class DepthChooser:
         # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder);
         # a check's steps run its blocks' depths alone
         base = min(depth, self._cached_best(batch_size, bucket, 0))
+        chosen = depth  # (before a probe)
         i = self.tiers.index(base)
         if block is None and i + 1 < len(self.tiers):
             probe = self.tiers[i + 1]
@@ -479,7 +541,7 @@ class DepthChooser:
             if every is None:
                 every = self._probe_every[key] = self.probe_every(bucket, base, probe, self.lag)
             if self._step - self._seen[probe] >= every:
-                depth = max(depth, probe)
+                chosen, depth = depth, max(depth, probe)
         for k in self.tiers:
             if k <= depth:
                 self._seen[k] = self._step
@@ -499,7 +561,45 @@ class DepthChooser:
         # without a probe ever measuring acceptance)
         measured = self.estimate.at[0] > self._resumed_at
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
+        if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
+                and self.check is None and self._clear_win(bucket, depth)):
+            self._steady = (bucket, self._context, self._steady_until(bucket, depth), self._chosen, depth,
+                            self._host_gen)
+            self.estimate.hold(self.steady_tol)
         return depth
+
+    def _clear_win(self, bucket: int, depth: int) -> bool:
+        """Whether ``depth`` (the choice at no lag) beats every other tier by over ``steady_tol`` in rate: a choice
+        near a tie is made anew each step (estimates that move by less than the tolerance could flip it)."""
+        totals = self._totals.get((bucket, 0, self._context))
+        if totals is None:
+            return False
+        p, rates, e, run, at = self.estimate.p, [], 1.0, 1.0, 0
+        for d, total in zip(self.tiers, totals):
+            while at < d:
+                run *= p[at]
+                e += run
+                at += 1
+            rates.append(e / total)
+        own = rates[self.tiers.index(depth)]
+        return all(own > r * (1.0 + self.steady_tol) for d, r in zip(self.tiers, rates) if d != depth)
+
+    def _steady_until(self, bucket: int, depth: int) -> int:
+        """The first step after this round that chooses anew: within ``steady_steps``, and no later than the next
+        step of ``choose``'s own schedules (host medians expired, the bucket's check read again, a verdict's end,
+        a probe above the depth)."""
+        step = self._step
+        until = min(step + self.steady_steps, (step // 16 + 1) * 16)
+        got = self._rests.get(bucket)
+        if got is not None:
+            until = min(until, got[0] + 16)
+        v = self.verdicts.get(bucket)
+        if v is not None and step < v["until"]:
+            until = min(until, v["until"])
+        for (b, base, probe, lag), every in self._probe_every.items():
+            if b == bucket and lag == 0 and base <= depth < probe:
+                until = min(until, self._seen[probe] + every)
+        return until
 
     def _stays_paused(self, batch_size: int) -> bool:
         """Whether the next step runs paused (entering the pause where the streak of plain choices is long enough):
@@ -706,7 +806,7 @@ class DepthChooser:
         if recent is None:
             recent = self._catch_up_runs[bucket] = deque(maxlen=self.host_samples)
         recent.append(max(0.0, host_ms - own))
-        median = statistics.median(recent)
+        median = _median(recent)
         old = self.catch_up_host.get(bucket)
         self._fresh(bucket)
         if old is not None and abs(median - old) <= self.host_change * max(old, self.step_cost[bucket][0]):
@@ -727,7 +827,7 @@ class DepthChooser:
             return
         # the median: a step's own outliers (a collection of the youngest generation, a joining request's catch-up,
         # the machine's other load) move it little
-        median = statistics.median(recent)
+        median = _median(recent)
         host = self.host[bucket]
         old = host.get(depth)
         if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed rarely)

@@ -407,6 +407,92 @@ def _per_position(p: float):
     return lambda d, rng: next((i for i in range(d) if rng.random() >= p), d)
 
 
+def _histogram_update(est: AcceptanceEstimate, depth: int, accepted: list[int], step: int | None) -> None:
+    """The estimate's update as a histogram of the verdicts (what ``AcceptanceEstimate.update`` computed before it
+    counted with ``list.count``): the oracle of the test below."""
+    from collections import Counter
+
+    at_least = [0] * (depth + 2)
+    for a, n in Counter(accepted).items():
+        at_least[min(a, depth)] += n
+    for i in range(depth, -1, -1):
+        at_least[i] += at_least[i + 1]
+    weight = min(1.0, len(accepted) / est.full_round)
+    for i in range(depth):
+        if at_least[i]:
+            keep = est.decay ** (weight * (1 if step is None else max(1, step - est.at[i])))
+            est.accepted[i] = keep * est.accepted[i] + at_least[i + 1]
+            est.tried[i] = keep * est.tried[i] + at_least[i]
+            est.at[i] = est.at[i] + 1 if step is None else step
+
+
+def test_estimate_counts_the_verdicts_as_a_histogram_does():
+    """Random rounds (depths 1-3, batches of 1-300, verdicts up to the depth, steps in order or none): the counted
+    update leaves every position's sums and step where the histogram's does."""
+    import random
+
+    rng = random.Random(7)
+    fast, oracle = AcceptanceEstimate(3), AcceptanceEstimate(3)
+    step = 0
+    for _ in range(400):
+        depth = rng.randint(1, 3)
+        accepted = [min(depth, int(rng.expovariate(0.7))) for _ in range(rng.choice([1, 2, 5, 64, 300]))]
+        step += rng.randint(1, 3)
+        when = None if rng.random() < 0.3 else step
+        fast.update(depth, accepted, when)
+        _histogram_update(oracle, depth, accepted, when)
+        assert fast.accepted == pytest.approx(oracle.accepted, rel=1e-12)
+        assert fast.tried == pytest.approx(oracle.tried, rel=1e-12)
+        assert fast.at == oracle.at
+
+
+def _counting_best(c: DepthChooser) -> list[int]:
+    calls, full = [0], c.best
+
+    def best(*a, **kw):
+        calls[0] += 1
+        return full(*a, **kw)
+
+    c.best = best
+    return calls
+
+
+@pytest.mark.parametrize("bs, acceptance", [(64, _per_position(0.8)), (128, _bench_acceptance(1.5))])
+def test_a_steady_round_skips_the_full_choice_not_a_depth(bs, acceptance):
+    """A stationary acceptance (a round's depth winning clearly; bs 128 with a probe every 50 steps): the chooser
+    that repeats a steady round for up to 4 steps chooses the same depths, probes included, as the one that makes
+    the full choice every step, with under half the full choices."""
+    runs = {}
+    for steady in (1, 4):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        calls = _counting_best(c)
+        runs[steady] = (_served(c, bs, 200, acceptance), calls[0])
+    assert runs[4][0] == runs[1][0]
+    assert len(set(runs[1][0])) > 1  # (a probe above the choice is in the run)
+    assert runs[4][1] < runs[1][1] / 2, (runs[4][1], runs[1][1])
+
+
+def test_a_steady_round_ends_where_the_acceptance_moves():
+    """Steady at depth 3 (every draft accepted, bs 64), then every draft rejected: the first such verdicts move the
+    estimate past the tolerance, the next step makes the full choice, and the depths come down on the same steps as
+    the chooser's that makes it every step."""
+    runs = {}
+    for steady in (1, 4):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        before = _served(c, 64, 40, lambda d, rng: d)
+        assert before[-8:] == [3] * 8
+        calls = _counting_best(c)
+        depths, pending = [], (3, [3] * 64)
+        for i in range(12):
+            depths.append(c.choose(64))
+            c.observe(*pending)
+            if i == 1:
+                assert c.estimate.moved and calls[0] > 0
+            pending = (depths[-1], [0] * 64)
+        runs[steady] = depths
+    assert runs[4] == runs[1] and runs[1][-1] < 3, runs
+
+
 def test_large_batch_does_not_pay_for_the_prior():
     """At bs 256 a round of 1 costs 1.5 plain steps (and 0.56 ms of catch-up after plain steps): at accept length
     1.5 (half the requests accept one draft) depth 0 is the best fixed depth on the H100, and the chooser, fresh
