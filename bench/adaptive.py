@@ -227,6 +227,8 @@ class Bench:
         rnd = eng.executor.worker.spec_round
         # (``adaptive_no_context``: the chooser without the context's table, an A/B of it in the same run)
         policies = ["adaptive"] + ["adaptive_no_context"] * a.ab_context + [f"depth{d}" for d in range(a.steps + 1)]
+        if a.policies:  # (their order: the first runs on the freshest engine)
+            policies = a.policies.split(",")
         for length in [None] if family else self.accept_lengths:
             if length is not None:
                 rnd.set_simulated_accept_length(length)
@@ -485,6 +487,8 @@ def main() -> None:
                     "the engine core's, deployments.engine.tune_gc_for_steps)")
     ap.add_argument("--tuning-cache-dir", default=None, help="EngineConfig.tuning_cache_dir (default: the engine's)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--policies", default=None, help="comma list in the order to run (default: adaptive, then "
+                    "depth0..steps; adaptive_no_context: the chooser without the context's table)")
     ap.add_argument("--ab-context", action="store_true",
                     help="also time the chooser without the context's cost table (adaptive_no_context)")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")

@@ -36,7 +36,7 @@ def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape an
         cpu=a.cpu, shapes=a.shape, ckpt_dir=a.ckpt_dir, steps=3, accept_lengths=str(a.accept_length),
         batch_sizes=str(a.bs), prompt_len=16 if a.cpu else 128, new_tokens=a.new_tokens, warm_rounds=16,
         catch_up_window=None, repeats=1, change="3.0,1.2", change_bs=4, change_steps=60, default_gc=False,
-        tuning_cache_dir=None, out=a.out + "_bench", report_only=False, merge=False)
+        tuning_cache_dir=None, out=a.out + "_bench", report_only=False, merge=False, policies=None)
 
 
 def _traced(policy, log: list) -> None:
