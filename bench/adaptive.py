@@ -233,19 +233,32 @@ class Bench:
             if length is not None:
                 rnd.set_simulated_accept_length(length)
             runs = res.setdefault("spec", {}).setdefault("real" if length is None else f"{length:g}", {})
+            made = {}
             for name in policies:
                 if name.startswith("adaptive"):
-                    eng.depth_policy = DepthChooser(costs, a.steps,
-                                                    context_costs=per_token if name == "adaptive" else None)
+                    made[name] = eng.depth_policy = DepthChooser(
+                        costs, a.steps, context_costs=per_token if name == "adaptive" else None)
                     self.decode_rate(eng, min(16, max(self.sizes)), 16)  # untimed: the chooser learns acceptance
                 else:
-                    eng.depth_policy = DepthSchedule([int(name.removeprefix("depth"))])
-                for bs in self.sizes:
-                    if a.warm_rounds:  # untimed: the same load first (the chooser's steady state, shapes compiled)
-                        self.decode_rate(eng, bs, a.warm_rounds)
-                    runs.setdefault(name, {})[str(bs)] = self.decode_rate(eng, bs)
-                    print(shape, f"L={length}", name, runs[name][str(bs)], flush=True)
-                    self.save()
+                    made[name] = DepthSchedule([int(name.removeprefix("depth"))])
+            for bs in self.sizes:
+                # every policy in turn in each repeat (policy by policy, the first ran on an engine still warming
+                # up, its steps up to 2x longer on the shipped family, whose steps are the host's alone)
+                timed: dict[str, list] = {}
+                for rep in range(max(1, a.repeats)):
+                    for name in policies:
+                        eng.depth_policy = made[name]
+                        if a.warm_rounds and not rep:  # untimed: the same load first (the chooser's steady state)
+                            self.decode_rate(eng, bs, a.warm_rounds)
+                        timed.setdefault(name, []).append(self._decode_rate(eng, bs))
+                for name, rows in timed.items():
+                    rows.sort(key=lambda r: r["decode_tok_s"])
+                    row = rows[len(rows) // 2]
+                    if len(rows) > 1:
+                        row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in rows]
+                    runs.setdefault(name, {})[str(bs)] = row
+                    print(shape, f"L={length}", name, row, flush=True)
+                self.save()
         if not family:
             res["change"] = self.change_run(eng, DepthChooser(costs, a.steps, context_costs=per_token))
             self.save()
@@ -325,7 +338,8 @@ class Bench:
                   "plain steps is full); cost table: `catch-up L` = the draft's catch-up over L plain steps per request.",
                   ""]
         if r.get("warm_rounds"):
-            lines += [f"Each timed batch follows an untimed batch of {r['warm_rounds']} new tokens at the same accept "
+            lines += [f"At each batch size the policies take turns in every repeat, each first after an untimed batch "
+                      f"of {r['warm_rounds']} new tokens at the same accept "
                       "length and batch size on the same engine and policy: the adaptive rows are the chooser's steady "
                       "state under that load (a loaded server), not its start. The change run below starts from the "
                       "first acceptance's steady state and shows re-adaptation.", ""]
@@ -477,8 +491,9 @@ def main() -> None:
                     "one, at the same accept length, batch size and policy (0: none)")
     ap.add_argument("--catch-up-window", type=int, default=None, help="speculative_config.catch_up_window (default: "
                     "the config's)")
-    ap.add_argument("--repeats", type=int, default=1, help="timed batches per point, back to back; the one of "
-                    "median tok/s is kept (a host-bound step passes the host's run-to-run noise straight on)")
+    ap.add_argument("--repeats", type=int, default=1, help="timed batches per point, every policy in turn at a "
+                    "batch size; the one of median tok/s is kept (a host-bound step passes the host's run-to-run "
+                    "noise straight on)")
     ap.add_argument("--change", default="3.0,1.2", help="accept length before and after the change")
     ap.add_argument("--change-bs", type=int, default=None, help="default 64 (--cpu: 4)")
     ap.add_argument("--change-steps", type=int, default=None, help="decode steps of the change run (default 120, "
