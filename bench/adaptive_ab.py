@@ -71,8 +71,8 @@ def run(a) -> None:
 
         b._text_prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(ckpt)), 64, 128)
     res = {"tag": a.tag, "device": b.results["device"], "commit": b.results["commit"], "command": b.results["command"],
-           "shape": a.shape, "batch_size": a.bs, "accept_length": None if family else a.accept_length, "new_tokens": a.new_tokens,
-           "rows": {}}
+           "shape": a.shape, "batch_size": a.bs, "accept_length": None if family else a.accept_length,
+           "new_tokens": a.new_tokens, "rows": {}}
 
     def keep(name, row):
         res["rows"].setdefault(name, []).append(row)
@@ -220,8 +220,8 @@ def report(out: str, files: list[str]) -> None:
                              f"{v['host_ms']} |")
     for r in results:
         for n, top in r.get("profile", {}).items():
-            lines += ["", f"`{r['tag']}`, {n}: functions by own time in a batch after the repeats (cProfile; µs per decode step, "
-                      "own / cumulative):", "", "| function | calls | own | cumulative |", "|---|---|---|---|"]
+            lines += ["", f"`{r['tag']}`, {n}: functions by own time in a batch after the repeats (cProfile; µs per "
+                      "decode step, own / cumulative):", "", "| function | calls | own | cumulative |", "|---|---|---|---|"]
             lines += [f"| `{f}` | {c} | {own} | {cum} |" for f, c, own, cum in top[:15]]
     write_markdown(path, lines)
     plt = pyplot()
@@ -253,7 +253,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policies", default="depth0,adaptive", help="depthN, paused and " + ", ".join(POLICIES))
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
-    ap.add_argument("--profile", action="store_true", help="cProfile one more batch of each policy after its last repeat (own µs per step)")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile one more batch of each policy after its last repeat (own µs per step)")
     ap.add_argument("--interleave", action="store_true", help="both engines at once, every policy timed in each "
                     "repeat in turn (a slow spell of the machine then falls on all)")
     a = ap.parse_args()

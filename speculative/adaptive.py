@@ -336,10 +336,12 @@ class DepthChooser:
         self.last_depth: int | None = None
         # per step the choice reads only (bucket, lag) and the estimates: ``choose`` keeps its answers until the
         # estimates change (a round's verdicts), so a run of plain steps costs a dict lookup each, not the argmax
-        self._best: dict[tuple[int, int], int] = {}
+        # (per bucket, so that a bucket whose costs move drops its own in one step: keyed by lag and context level,
+        # they would otherwise be scanned whole, and they grow with every context level a long run passes)
+        self._best: dict[int, dict[tuple[int, int], int]] = {}  # bucket → {(lag, context): depth}
         self._best_state = -1  # (the estimate's version the cached choices were made at)
-        self._probe_every: dict[tuple[int, int, int, int], int] = {}  # (costs only: kept)
-        self._totals: dict[tuple[int, int], list[float]] = {}  # (bucket, lag) → each tier's cost (costs only: kept)
+        self._probe_every: dict[int, dict[tuple[int, int, int], int]] = {}  # bucket → {(base, probe, lag): steps}
+        self._totals: dict[int, dict[tuple[int, int], list[float]]] = {}  # bucket → {(lag, context): tier costs}
         self._buckets: dict[int, int] = {}
         # the host's cost per step (``launched``): table units per second of host clock; the window of recent
         # samples per (bucket, depth) whose median it is (once it has ``host_min_samples``); how far a bucket's
@@ -403,12 +405,13 @@ class DepthChooser:
         self.pause_hold, self._paused_for = pause_hold, 0
         self.pauses = 0
         # a round that wins clearly is chosen again without the full choice for up to ``steady_steps`` steps: while
-        # the batch's bucket and the host medians stay, no estimate moves by over ``steady_tol``, and no draft lag,
-        # check, probe or pause is due (on a host-bound engine the full choice at every step cost a tenth of a small
-        # model's step; 1: every step chooses anew). ``_steady``: (bucket, context level, the first step that
-        # chooses anew, the choice's ``_chosen``, its depth, the host medians' generation)
+        # the batch's bucket stays, no estimate moves by over ``steady_tol``, and no draft lag, check, probe or
+        # pause is due; host medians and the context wait for the next full choice (on a host-bound engine the full
+        # choice at every step cost a tenth of a small model's step; 1: every step chooses anew). ``_steady``:
+        # (bucket, the first step that chooses anew, the choice's ``_chosen``, its depth)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
+        self._won_clearly = False  # (the last ``best``'s)
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -423,11 +426,14 @@ class DepthChooser:
         if state != self._best_state:
             self._best.clear()
             self._best_state = state
-        key = (bucket, lag, self._context)
-        depth = self._best.get(key)
-        if depth is None:
-            depth = self._best[key] = self.best(batch_size, lag=lag)
-        return depth
+        cached = self._best.get(bucket)
+        if cached is None:
+            cached = self._best[bucket] = {}
+        key = (lag, self._context)
+        got = cached.get(key)
+        if got is None:
+            got = cached[key] = (self.best(batch_size, lag=lag), self._won_clearly)
+        return got[0]
 
     def catch_up_cost(self, bucket: int, lag: int) -> float:
         """The draft's catch-up over ``lag`` plain steps' tokens per request (linear through the measured points)."""
@@ -457,7 +463,7 @@ class DepthChooser:
         lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
         self._fresh(bucket)
-        totals = None if table else self._totals.get((bucket, lag, self._context))
+        totals = None if table else self._totals.get(bucket, {}).get((lag, self._context))
         if totals is None:
             cost = self.cost_at(bucket, table)
             # on a full stash a plain step catches up as well: the catch-up is due whatever the choice, so it weighs
@@ -467,17 +473,22 @@ class DepthChooser:
             catch_up = 0.0 if full else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
             totals = [(cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
             if not table:
-                self._totals[(bucket, lag, self._context)] = totals
+                self._totals.setdefault(bucket, {})[(lag, self._context)] = totals
         # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
-        best, best_rate, e, run, at = self.tiers[0], -math.inf, 1.0, 1.0, 0
+        best, best_rate, second, e, run, at = self.tiers[0], -math.inf, -math.inf, 1.0, 1.0, 0
         for d, total in zip(self.tiers, totals):
             while at < d:
                 run *= p[at]
                 e += run
                 at += 1
-            if e / total > best_rate:
-                best, best_rate = d, e / total
+            rate = e / total
+            if rate > best_rate:
+                best, best_rate, second = d, rate, best_rate
+            elif rate > second:
+                second = rate
+        # (whether it wins by over ``steady_tol``: a steady round's condition, ``_clear``)
+        self._won_clearly = best_rate > second * (1.0 + self.steady_tol)
         return best
 
     def cost_at(self, bucket: int, table: bool = False) -> dict[int, float]:
@@ -505,19 +516,17 @@ class DepthChooser:
         return max(self.probe_interval, math.ceil(extra / (self.probe_budget * cost[self.tiers[0]])))
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
-        context = context_level(context_tokens)
         steady = self._steady
-        if (steady is not None and self._step + 1 < steady[2]
+        if (steady is not None and self._step + 1 < steady[1]
                 and not self.estimate.moved and self._buckets.get(batch_size) == steady[0]):
-            self._step += 1
-            self._context = context  # (read at the next full choice: a context grows by a few % a step)
+            self._step += 1  # (the context is read at the next full choice: it grows by a few % a step)
             for k in self.tiers:  # (the depth's tiers were seen: as below)
-                if k <= steady[4]:
+                if k <= steady[3]:
                     self._seen[k] = self._step
-            self._chosen = steady[3]
-            return steady[4]
+            self._chosen = steady[2]
+            return steady[3]
         self._steady = None
-        self._context = context
+        self._context = context_level(context_tokens)
         self._fresh(self.bucket(batch_size))
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
             return 0
@@ -536,10 +545,11 @@ class DepthChooser:
         i = self.tiers.index(base)
         if block is None and i + 1 < len(self.tiers):
             probe = self.tiers[i + 1]
-            key = (bucket, base, probe, self.lag)
-            every = self._probe_every.get(key)
+            cached = self._probe_every.setdefault(bucket, {})
+            key = (base, probe, self.lag)
+            every = cached.get(key)
             if every is None:
-                every = self._probe_every[key] = self.probe_every(bucket, base, probe, self.lag)
+                every = cached[key] = self.probe_every(bucket, base, probe, self.lag)
             if self._step - self._seen[probe] >= every:
                 chosen, depth = depth, max(depth, probe)
         for k in self.tiers:
@@ -563,26 +573,15 @@ class DepthChooser:
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
-            self._steady = (bucket, self._context, self._steady_until(bucket, depth), self._chosen, depth,
-                            self._host_gen)
+            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth)
             self.estimate.hold(self.steady_tol)
         return depth
 
     def _clear_win(self, bucket: int, depth: int) -> bool:
-        """Whether ``depth`` (the choice at no lag) beats every other tier by over ``steady_tol`` in rate: a choice
-        near a tie is made anew each step (estimates that move by less than the tolerance could flip it)."""
-        totals = self._totals.get((bucket, 0, self._context))
-        if totals is None:
-            return False
-        p, rates, e, run, at = self.estimate.p, [], 1.0, 1.0, 0
-        for d, total in zip(self.tiers, totals):
-            while at < d:
-                run *= p[at]
-                e += run
-                at += 1
-            rates.append(e / total)
-        own = rates[self.tiers.index(depth)]
-        return all(own > r * (1.0 + self.steady_tol) for d, r in zip(self.tiers, rates) if d != depth)
+        """Whether ``depth``, the choice at no lag, beats every other tier by over ``steady_tol`` in rate (``best``):
+        a choice near a tie is made anew each step (estimates that move by less than the tolerance could flip it)."""
+        got = self._best.get(bucket, {}).get((0, self._context))
+        return got is not None and got[0] == depth and got[1]
 
     def _steady_until(self, bucket: int, depth: int) -> int:
         """The first step after this round that chooses anew: within ``steady_steps``, and no later than the next
@@ -596,8 +595,8 @@ class DepthChooser:
         v = self.verdicts.get(bucket)
         if v is not None and step < v["until"]:
             until = min(until, v["until"])
-        for (b, base, probe, lag), every in self._probe_every.items():
-            if b == bucket and lag == 0 and base <= depth < probe:
+        for (base, probe, lag), every in self._probe_every.get(bucket, {}).items():
+            if lag == 0 and base <= depth < probe:
                 until = min(until, self._seen[probe] + every)
         return until
 
@@ -861,31 +860,36 @@ class DepthChooser:
     def host_cost(self, bucket: int, depth: int) -> float:
         """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
         at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
-        else the nearest deeper one's scaled down (below). Never raised from another depth's excess over the table:
-        a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch
+        else the nearest deeper one's scaled down (``_host_row``). Never raised from another depth's excess over the
+        table: a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch
         shrinking as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled
         too: under the truth below it, so the table keeps more say there)."""
+        return self._host_row(bucket)[self.tiers.index(depth)]
+
+    def _host_row(self, bucket: int) -> list[float]:
+        """``host_cost`` at every tier, in one pass (a bucket's costs are refreshed whenever a host median moves)."""
         host, at = self.host[bucket], bucket
         if not host:
             measured = [b for b in self.buckets if self.host[b]]
             if not measured:
-                return 0.0
+                return [0.0] * len(self.tiers)
             at = min(measured, key=lambda b: (abs(math.log(b / bucket)), -b))
             host = self.host[at]
-        scale = bucket / at
-        if depth in host:
-            return host[depth] * scale
-        below = [d for d in host if d < depth]
-        if below:
-            d = max(below)
-            return (host[d] + self.host_per_depth * at * (depth - d)) * scale
-        # a shallower depth not yet run here: the deeper one's time scaled by the table's ratio (or less the learnt
-        # increment, whichever is less). Optimistic on purpose: a depth the chooser picks gets measured and corrects
-        # itself, while one it never picks would keep an overestimate for good
-        d = min(d for d in host if d > depth)
-        table = self.costs[at]
-        less = max(0.0, host[d] - self.host_per_depth * at * (d - depth))
-        return min(host[d] * table[depth] / table[d], less) * scale
+        scale, inc, table = bucket / at, self.host_per_depth * at, self.costs[at]
+        lowest = min(host)
+        row, below = [], None  # (below: the deepest depth measured under the tier)
+        for d in self.tiers:
+            if d in host:
+                cost, below = host[d], d
+            elif below is not None:
+                cost = host[below] + inc * (d - below)
+            else:
+                # a shallower depth not yet run here: the deeper one's time scaled by the table's ratio (or less the
+                # learnt increment, whichever is less). Optimistic on purpose: a depth the chooser picks gets
+                # measured and corrects itself, while one it never picks would keep an overestimate for good
+                cost = min(host[lowest] * table[d] / table[lowest], max(0.0, host[lowest] - inc * (lowest - d)))
+            row.append(cost * scale)
+        return row
 
     def _fresh(self, bucket: int) -> None:
         """The bucket's step costs as of the host's latest medians (``_refresh`` where one moved since)."""
@@ -899,17 +903,15 @@ class DepthChooser:
         dropped only when one moved by more than ``host_change``."""
         table = self.costs[bucket]
         new, host = {}, 0.0
-        for d in self.tiers:
-            host = max(host, self.host_cost(bucket, d))
+        for d, cost in zip(self.tiers, self._host_row(bucket)):
+            host = max(host, cost)
             new[d] = max(table[d], host)
         cur = self.step_cost[bucket]
         if all(abs(new[d] - cur[d]) <= self.host_change * cur[d] for d in self.tiers):
             return
         self.step_cost[bucket] = new
-        self._rests.pop(bucket, None)
-        for cache in (self._best, self._totals, self._probe_every):
-            for key in [k for k in cache if k[0] == bucket]:
-                del cache[key]
+        for cache in (self._rests, self._best, self._totals, self._probe_every):
+            cache.pop(bucket, None)
 
     def stats(self) -> dict:
         for b, o in self.host.items():

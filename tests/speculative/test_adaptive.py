@@ -968,6 +968,24 @@ def test_a_moving_host_median_refreshes_the_chosen_bucket_alone():
     assert c.cost_at(64) == own and c.cost_at(128) == other
 
 
+def test_a_bucket_whose_costs_move_drops_its_own_cached_choices_alone():
+    """The choices cached per bucket, lag and context level: a bucket whose step costs move drops its own, and the
+    other buckets keep theirs (a long run passes many context levels: scanned whole at each move, the caches cost
+    more the longer the server ran)."""
+    c = DepthChooser(H100_8B, num_steps=3, pause_after=0)
+    for bs in (64, 256):
+        for ctx in range(1000, 60000, 3000):  # (many context levels at each bucket)
+            c.choose(bs, ctx * bs // 64)
+            c.observe(1, [1] * bs)
+    assert len(c._totals[64]) > 5 and 256 in c._totals and 256 in c._best
+    kept = {k: dict(v) for k, v in c._totals.items() if k != 256}
+    c.host[256] = {d: 10 * cost for d, cost in H100_8B[256].items()}  # (its host far above the table: costs move)
+    c._host_gen += 1
+    c._fresh(256)
+    assert 256 not in c._totals and 256 not in c._best and 256 not in c._probe_every
+    assert {k: v for k, v in c._totals.items() if k != 256} == kept
+
+
 def test_host_samples():
     """The chooser's host costs from launch times (ms here): consecutive steps at one depth and bucket sample it
     (the interval less the wait for the device), an interval across a non-contiguous launch does not, a probe
