@@ -163,7 +163,7 @@ class AcceptanceEstimate:
         self.at = [0] * num_positions  # the step of each position's last update
         self.version = next(_VERSIONS)  # (new at every change: a cache key unique across estimates)
         self._p: tuple[int, list[float]] = (-1, [])
-        # ``hold``: whether any position's estimate has moved by more than ``tol`` from ``anchor`` since
+        # whether any position's estimate has moved by more than ``tol`` from ``anchor`` since the last ``hold``
         self.moved, self.anchor, self.tol = True, [], 0.0
 
     @property
@@ -338,7 +338,8 @@ class DepthChooser:
         # estimates change (a round's verdicts), so a run of plain steps costs a dict lookup each, not the argmax
         # (per bucket, so that a bucket whose costs move drops its own in one step: keyed by lag and context level,
         # they would otherwise be scanned whole, and they grow with every context level a long run passes)
-        self._best: dict[int, dict[tuple[int, int], int]] = {}  # bucket → {(lag, context): depth}
+        # bucket → {(lag, context level): (depth, whether it won clearly)}
+        self._best: dict[int, dict[tuple[int, int], tuple[int, bool]]] = {}
         self._best_state = -1  # (the estimate's version the cached choices were made at)
         self._probe_every: dict[int, dict[tuple[int, int, int], int]] = {}  # bucket → {(base, probe, lag): steps}
         self._totals: dict[int, dict[tuple[int, int], list[float]]] = {}  # bucket → {(lag, context): tier costs}
@@ -487,7 +488,7 @@ class DepthChooser:
                 best, best_rate, second = d, rate, best_rate
             elif rate > second:
                 second = rate
-        # (whether it wins by over ``steady_tol``: a steady round's condition, ``_clear``)
+        # (whether it wins by over ``steady_tol``: a steady round's condition, ``_clear_win``)
         self._won_clearly = best_rate > second * (1.0 + self.steady_tol)
         return best
 
@@ -517,7 +518,7 @@ class DepthChooser:
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         steady = self._steady
-        if (steady is not None and self._step + 1 < steady[1]
+        if (steady is not None and self._step + 1 < steady[1] and not self.lag
                 and not self.estimate.moved and self._buckets.get(batch_size) == steady[0]):
             self._step += 1  # (the context is read at the next full choice: it grows by a few % a step)
             for k in self.tiers:  # (the depth's tiers were seen: as below)
@@ -861,9 +862,9 @@ class DepthChooser:
         """The host's time of a step at ``depth`` (0: unknown): measured, else the nearest shallower depth measured
         at the bucket plus the learnt increment per request and depth (a deeper round never costs the host less),
         else the nearest deeper one's scaled down (``_host_row``). Never raised from another depth's excess over the
-        table: a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a batch
-        shrinking as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part scaled
-        too: under the truth below it, so the table keeps more say there)."""
+        table: a device estimate plus one bucket's noisy walls overshot that way. A bucket with no depth measured (a
+        batch shrinking as its requests end) takes the nearest measured bucket's, scaled by the batch (its fixed part
+        scaled too: under the truth below it, so the table keeps more say there)."""
         return self._host_row(bucket)[self.tiers.index(depth)]
 
     def _host_row(self, bucket: int) -> list[float]:

@@ -1198,3 +1198,19 @@ def test_a_failed_decode_step_is_reported_lost(spec_models):
     again = eng.generate(mixed_prompts(2), GREEDY)
     assert all(o.finish_reason == "length" for o in again)
     assert events.count("chosen") == events.count("observed") + events.count("lost"), events
+
+
+def test_a_steady_round_ends_where_the_batch_has_run_plain_steps():
+    """A new batch whose requests ran plain steps (the engine's ``sync_lag``) needs its draft caught up first: the
+    steady round is not repeated then, and the full choice charges the catch-up (``_chosen`` says so)."""
+    c = DepthChooser(H100_8B, num_steps=3)
+    _served(c, 64, 40, lambda d, rng: d)
+    for _ in range(8):  # (to a full choice that begins a steady run)
+        d = c.choose(64)
+        c.observe(d, [d] * 64)
+        if c._steady is not None and c._steady[1] - c._step >= 3:
+            break
+    assert c._steady is not None and c._steady[1] - c._step >= 3
+    c.sync_lag(3)
+    d = c.choose(64)
+    assert d > 0 and c._chosen[2] and c._chosen[3] == 3 and c.lag == 0
