@@ -493,6 +493,36 @@ def test_a_steady_round_ends_where_the_acceptance_moves():
     assert runs[4] == runs[1] and runs[1][-1] < 3, runs
 
 
+@pytest.mark.parametrize("lag", [1, 5, 16])
+def test_a_lag_told_during_a_steady_round_is_counted(lag):
+    """Steady at depth 3 (bs 64, every draft accepted) with steps to go, then ``sync_lag``: the next step makes the
+    full choice, and at every step the count of plain steps and what the step catches up are those of the chooser
+    that makes the full choice every step (repeated, the steady round left the lag counted after its rounds, and
+    the next full choice charged, and sampled as a catch-up, one that no round ran). The engine tells a lag at a
+    batch's first decode step, none but 0 after rounds today: this holds the chooser to its ``sync_lag``."""
+    runs = {}
+    for steady in (1, 4):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        twin = DepthChooser(H100_8B, num_steps=3)  # (steady_steps 4: finds a step where a steady round has 2 to go)
+        for _ in range(60):
+            d = c.choose(64)
+            assert twin.choose(64) == d
+            c.observe(d, [d] * 64)
+            twin.observe(d, [d] * 64)
+            if twin._steady is not None and twin._steady[1] > twin._step + 2 and not twin.estimate.moved:
+                break
+        assert twin._steady is not None and not twin.estimate.moved
+        c.sync_lag(lag)
+        rows = []
+        for _ in range(6):
+            d = c.choose(64)
+            rows.append((d, c.lag, c._chosen))
+            c.observe(d, [d] * 64)
+        runs[steady] = rows
+    assert runs[4] == runs[1], runs
+    assert runs[1][0][2][2]  # (the first round catches the draft up)
+
+
 def test_large_batch_does_not_pay_for_the_prior():
     """At bs 256 a round of 1 costs 1.5 plain steps (and 0.56 ms of catch-up after plain steps): at accept length
     1.5 (half the requests accept one draft) depth 0 is the best fixed depth on the H100, and the chooser, fresh
