@@ -751,6 +751,8 @@ class DepthChooser:
         counted on from the last batch put the chooser's full stashes (where a catch-up is due whatever the
         choice, and most probes fall) where the worker's are not."""
         self.lag = lag
+        if lag:  # (a steady round runs at none: repeated, it would neither charge the catch-up nor count it done)
+            self._steady = None
 
     def launched(self, now: float, waited: float, contiguous: bool) -> None:
         """Host-time samples from consecutive launches (no sync). Under the overlap schedule the interval from

@@ -493,6 +493,36 @@ def test_a_steady_round_ends_where_the_acceptance_moves():
     assert runs[4] == runs[1] and runs[1][-1] < 3, runs
 
 
+@pytest.mark.parametrize("lag", [1, 5, 16])
+def test_a_lag_told_during_a_steady_round_is_counted(lag):
+    """Steady at depth 3 (bs 64, every draft accepted) with steps to go, then ``sync_lag``: the next step makes the
+    full choice, and at every step the count of plain steps and what the step catches up are those of the chooser
+    that makes the full choice every step (repeated, the steady round left the lag counted after its rounds, and
+    the next full choice charged, and sampled as a catch-up, one that no round ran). The engine tells a lag at a
+    batch's first decode step, none but 0 after rounds today: this holds the chooser to its ``sync_lag``."""
+    runs = {}
+    for steady in (1, 4):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        twin = DepthChooser(H100_8B, num_steps=3)  # (steady_steps 4: finds a step where a steady round has 2 to go)
+        for _ in range(60):
+            d = c.choose(64)
+            assert twin.choose(64) == d
+            c.observe(d, [d] * 64)
+            twin.observe(d, [d] * 64)
+            if twin._steady is not None and twin._steady[1] > twin._step + 2 and not twin.estimate.moved:
+                break
+        assert twin._steady is not None and not twin.estimate.moved
+        c.sync_lag(lag)
+        rows = []
+        for _ in range(6):
+            d = c.choose(64)
+            rows.append((d, c.lag, c._chosen))
+            c.observe(d, [d] * 64)
+        runs[steady] = rows
+    assert runs[4] == runs[1], runs
+    assert runs[1][0][2][2]  # (the first round catches the draft up)
+
+
 def test_large_batch_does_not_pay_for_the_prior():
     """At bs 256 a round of 1 costs 1.5 plain steps (and 0.56 ms of catch-up after plain steps): at accept length
     1.5 (half the requests accept one draft) depth 0 is the best fixed depth on the H100, and the chooser, fresh
@@ -966,6 +996,58 @@ def test_a_moving_host_median_refreshes_the_chosen_bucket_alone():
     for b in buckets:  # (every bucket refreshed at once, as at every move before)
         real(b)
     assert c.cost_at(64) == own and c.cost_at(128) == other
+
+
+def _host_cost_per_depth(c: DepthChooser, bucket: int, depth: int) -> float:
+    """``host_cost`` as it was computed depth by depth (before ``_host_row``): the oracle of the test below."""
+    host, at = c.host[bucket], bucket
+    if not host:
+        measured = [b for b in c.buckets if c.host[b]]
+        if not measured:
+            return 0.0
+        at = min(measured, key=lambda b: (abs(math.log(b / bucket)), -b))
+        host = c.host[at]
+    scale = bucket / at
+    if depth in host:
+        return host[depth] * scale
+    below = [d for d in host if d < depth]
+    if below:
+        d = max(below)
+        return (host[d] + c.host_per_depth * at * (depth - d)) * scale
+    d = min(d for d in host if d > depth)
+    table = c.costs[at]
+    less = max(0.0, host[d] - c.host_per_depth * at * (d - depth))
+    return min(host[d] * table[depth] / table[d], less) * scale
+
+
+def test_host_costs_of_a_bucket_in_one_pass_equal_them_depth_by_depth():
+    """Random tables (tiers with and without 0, gaps between them), host medians at random tiers of random buckets
+    (none at some, none at all now and then) and increments per request and depth (0, small, large enough to clamp
+    at 0): every bucket's row and each ``host_cost`` equal, to the bit, what the depth-by-depth computation gave."""
+    import random
+
+    rng = random.Random(3)
+    for trial in range(300):
+        tiers = rng.choice([[0, 1, 2, 3], [0, 1, 2, 4, 8], [1, 2, 3], [0, 3], [0, 1, 2, 3, 4, 5]])
+        buckets = sorted(rng.sample([1, 2, 4, 8, 16, 32, 64, 128, 256], rng.randint(1, 6)))
+        table = {}
+        for b in buckets:
+            cost, row = rng.uniform(0.5, 10.0), {}
+            for d in tiers:
+                cost += rng.uniform(0.01, 3.0)  # (rising with the depth, as the start-up table does)
+                row[d] = cost
+            table[b] = row
+        c = DepthChooser(table, num_steps=max(tiers) or 1)
+        none = rng.random() < 0.1
+        for b in buckets:
+            if none or rng.random() < 0.35:
+                continue
+            c.host[b] = {d: rng.uniform(0.1, 20.0) for d in rng.sample(tiers, rng.randint(1, len(tiers)))}
+        c.host_per_depth = rng.choice([0.0, rng.uniform(0.0, 0.01), rng.uniform(0.0, 1.0)])
+        for b in buckets:
+            want = [_host_cost_per_depth(c, b, d) for d in tiers]
+            assert c._host_row(b) == want, (trial, b, c.host, c.host_per_depth)
+            assert [c.host_cost(b, d) for d in tiers] == want
 
 
 def test_a_bucket_whose_costs_move_drops_its_own_cached_choices_alone():
