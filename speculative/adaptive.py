@@ -138,6 +138,12 @@ def context_level(tokens: int) -> int:
     return tokens >> shift << shift
 
 
+def context_range(tokens: int) -> tuple[int, int]:
+    """The contexts of ``tokens``'s level: [level, next level)."""
+    shift = max(0, tokens.bit_length() - 4)
+    return tokens >> shift << shift, (tokens >> shift) + 1 << shift
+
+
 def expected_tokens(p: list[float], depth: int) -> float:
     """1 + sum_{j<=depth} prod_{i<=j} p_i: the tokens a chain round of ``depth`` drafts emits on average."""
     total, run = 1.0, 1.0
@@ -406,10 +412,10 @@ class DepthChooser:
         self.pause_hold, self._paused_for = pause_hold, 0
         self.pauses = 0
         # a round that wins clearly is chosen again without the full choice for up to ``steady_steps`` steps: while
-        # the batch's bucket stays, no estimate moves by over ``steady_tol``, and no draft lag, check, probe or
-        # pause is due; host medians and the context wait for the next full choice (on a host-bound engine the full
+        # the batch's bucket and context level stay, no estimate moves by over ``steady_tol``, and no draft lag,
+        # check, probe or pause is due; host medians wait for the next full choice (on a host-bound engine the full
         # choice at every step cost a tenth of a small model's step; 1: every step chooses anew). ``_steady``:
-        # (bucket, the first step that chooses anew, the choice's ``_chosen``, its depth)
+        # (bucket, the first step that chooses anew, the choice's ``_chosen``, its depth, its context level's range)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
         self._won_clearly = False  # (the last ``best``'s)
@@ -518,9 +524,9 @@ class DepthChooser:
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         steady = self._steady
-        if (steady is not None and self._step + 1 < steady[1] and not self.lag
-                and not self.estimate.moved and self._buckets.get(batch_size) == steady[0]):
-            self._step += 1  # (the context is read at the next full choice: it grows by a few % a step)
+        if (steady is not None and self._step + 1 < steady[1] and not self.estimate.moved
+                and self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens < steady[5]):
+            self._step += 1
             for k in self.tiers:  # (the depth's tiers were seen: as below)
                 if k <= steady[3]:
                     self._seen[k] = self._step
@@ -574,7 +580,8 @@ class DepthChooser:
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
-            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth)
+            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth,
+                            *context_range(context_tokens))
             self.estimate.hold(self.steady_tol)
         return depth
 

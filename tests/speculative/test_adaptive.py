@@ -1296,3 +1296,29 @@ def test_a_steady_round_ends_where_the_batch_has_run_plain_steps():
     c.sync_lag(3)
     d = c.choose(64)
     assert d > 0 and c._chosen[2] and c._chosen[3] == 3 and c.lag == 0
+
+
+def test_a_steady_round_ends_where_the_context_jumps_within_its_bucket():
+    """Steady at bs 128 with 200k tokens of context (the 8B's KV read per step: deeper rounds win), then the batch's
+    requests turn over and hold 1k: the bucket stays, the context level does not, and the next step makes the full
+    choice, as the chooser that makes it every step does."""
+    import random
+
+    def served(c, steps, context, rng, stop=None):
+        depths = []
+        for _ in range(steps):
+            depths.append(c.choose(128, context))
+            c.observe(depths[-1], [_per_position(0.7)(depths[-1], rng) for _ in range(128)])
+            if stop is not None and stop(c):
+                break
+        return depths
+
+    steady = DepthChooser(H100_8B, num_steps=3, context_costs=KV_8B)
+    before = served(steady, 200, 200_000, random.Random(0),
+                    stop=lambda c: c._steady is not None and c._steady[1] > c._step + 1 and not c.estimate.moved)
+    assert steady._steady is not None and len(before) < 200  # (steps to go at the jump)
+    every = DepthChooser(H100_8B, num_steps=3, context_costs=KV_8B, steady_steps=1)
+    assert served(every, len(before), 200_000, random.Random(0)) == before
+    after = [served(c, 4, 1_000, random.Random(1)) for c in (steady, every)]
+    assert after[0] == after[1], after
+    assert after[1][0] != before[-1]  # (the jump moves the choice)
