@@ -41,6 +41,15 @@ from bench.common import (ROOT, SHAPES, command, commit, device_name, held_out_p
 FAMILY = "family"  # the shipped trained tiny family, at its real acceptance
 
 
+def median_row(rows: list[dict]) -> dict:
+    """The timed batch of median tok/s among repeats (the others' tok/s listed beside it)."""
+    rows = sorted(rows, key=lambda r: r["decode_tok_s"])
+    row = rows[len(rows) // 2]
+    if len(rows) > 1:
+        row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in rows]
+    return row
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -131,12 +140,7 @@ class Bench:
         when the last token came back, and the steps by depth in that time; with ``--repeats`` n, n batches back to
         back, the one of median tok/s kept (the others' tok/s listed)."""
         repeats = max(1, self.args.repeats) if new_tokens is None else 1
-        rows = sorted((self._decode_rate(eng, bs, new_tokens) for _ in range(repeats)),
-                      key=lambda r: r["decode_tok_s"])
-        row = rows[len(rows) // 2]
-        if repeats > 1:
-            row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in rows]
-        return row
+        return median_row([self._decode_rate(eng, bs, new_tokens) for _ in range(repeats)])
 
     def _decode_rate(self, eng, bs: int, new_tokens: int | None = None) -> dict:
         from deployments.engine.request import SamplingParams
@@ -252,11 +256,7 @@ class Bench:
                             self.decode_rate(eng, bs, a.warm_rounds)
                         timed.setdefault(name, []).append(self._decode_rate(eng, bs))
                 for name, rows in timed.items():
-                    rows.sort(key=lambda r: r["decode_tok_s"])
-                    row = rows[len(rows) // 2]
-                    if len(rows) > 1:
-                        row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in rows]
-                    runs.setdefault(name, {})[str(bs)] = row
+                    row = runs.setdefault(name, {})[str(bs)] = median_row(rows)
                     print(shape, f"L={length}", name, row, flush=True)
                 self.save()
         if not family:

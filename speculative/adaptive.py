@@ -199,10 +199,6 @@ class AcceptanceEstimate:
             self._p = (self.version, [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)])
         return self._p[1]
 
-    def state(self) -> int:
-        """What ``p`` is computed from, as a cache key."""
-        return self.version
-
     def update(self, depth: int, accepted: list[int], step: int | None = None) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
         1..a. ``step``: the round's step number, where positions are seen only now and then (probes): their sums
