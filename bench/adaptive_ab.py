@@ -24,11 +24,13 @@ from pathlib import Path
 
 # the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it;
 # adaptive_nopause: without the draft's pause, as before it; adaptive_every_step: the full choice at every step, as
-# before the steady rounds). Fixed policies: depthN, and "paused" (every plain step
+# before the steady rounds; adaptive_steady16: steady rounds of up to 16 steps; adaptive_no_host: the start-up
+# table alone, no host samples). Fixed policies: depthN, and "paused" (every plain step
 # with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
             "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None},
-            "adaptive_every_step": {"steady_steps": 1}}
+            "adaptive_every_step": {"steady_steps": 1}, "adaptive_steady16": {"steady_steps": 16},
+            "adaptive_no_host": {"host_samples": 0}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -40,19 +42,28 @@ def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape an
 
 
 def _traced(policy, log: list) -> None:
-    """Record each choice, launch and host sample the policy sees (the chooser's own methods, wrapped)."""
-    choose, launched = policy.choose, policy.launched
+    """Record each choice, launch and host sample the policy sees (the chooser's own methods, wrapped), and the
+    time spent in each of its per-step calls (the wrappers' own cost falls on every policy alike)."""
+    choose, launched, observe = policy.choose, policy.launched, policy.observe
+    clock = time.perf_counter
 
     def on_choose(bs, context_tokens=0):
+        t = clock()
         d = choose(bs, context_tokens)
-        log.append(["choose", time.perf_counter(), bs, d, getattr(policy, "lag", None)])
+        log.append(["choose", time.perf_counter(), bs, d, getattr(policy, "lag", None), clock() - t])
         return d
 
     def on_launch(now, waited, contiguous):
-        log.append(["launch", now, waited, contiguous])
-        return launched(now, waited, contiguous)
+        t = clock()
+        launched(now, waited, contiguous)
+        log.append(["launch", now, waited, contiguous, clock() - t])
 
-    policy.choose, policy.launched = on_choose, on_launch
+    def on_observe(depth, accepted):
+        t = clock()
+        observe(depth, accepted)
+        log.append(["observe", clock() - t])
+
+    policy.choose, policy.launched, policy.observe = on_choose, on_launch, on_observe
 
 
 def run(a) -> None:
@@ -133,7 +144,7 @@ def time_policy(b, eng, a, res: dict, keep, name: str, policy, last: bool) -> No
     keep(name, b._decode_rate(eng, a.bs))
     if log:
         res.setdefault("trace", {})[name] = log
-    for k in ("choose", "launched"):  # (the wrappers go: the policy's next batch runs as it was built)
+    for k in ("choose", "launched", "observe"):  # (the wrappers go: the policy's next batch runs as it was built)
         policy.__dict__.pop(k, None)
     if a.profile and last:  # (one more batch, not timed: the profiler slows every step)
         import cProfile
@@ -177,6 +188,11 @@ def summary(res: dict) -> dict:
         for (d, t0, _, _), (_, t1, waited, contiguous) in zip(launches, launches[1:]):
             if contiguous:
                 per.setdefault(d, []).append(((t1 - t0) * 1e3, waited * 1e3))
+        # the policy's own calls: mean µs per chosen step (choose, launched, observe and their sum)
+        calls = {k: [e[-1] for e in log if e[0] == k] for k in ("choose", "launch", "observe")}
+        n = max(1, len(calls["choose"]))
+        us = {k: round(1e6 * sum(v) / n, 2) for k, v in calls.items()}
+        out[name]["policy_us_per_step"] = {**us, "total": round(sum(us.values()), 2)}
         out[name]["launches_by_depth"] = {str(d): {
             "n": len(v), "interval_ms": round(statistics.median(x for x, _ in v), 3),
             "waited_ms": round(statistics.median(w for _, w in v), 3),
@@ -218,6 +234,12 @@ def report(out: str, files: list[str]) -> None:
             for d, v in s["launches_by_depth"].items():
                 lines.append(f"| {r['tag']} | {n} | {d} | {v['n']} | {v['interval_ms']} | {v['waited_ms']} | "
                              f"{v['host_ms']} |")
+        lines += ["", "The policy's own calls in that repeat (mean µs per chosen step):", "",
+                  "| tree | policy | choose | launched | observe | total |", "|---|---|---|---|---|---|"]
+        for r, n, s in traced:
+            u = s.get("policy_us_per_step")
+            if u:
+                lines.append(f"| {r['tag']} | {n} | {u['choose']} | {u['launch']} | {u['observe']} | {u['total']} |")
     for r in results:
         for n, top in r.get("profile", {}).items():
             lines += ["", f"`{r['tag']}`, {n}: functions by own time in a batch after the repeats (cProfile; µs per "
