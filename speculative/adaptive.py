@@ -169,8 +169,6 @@ class AcceptanceEstimate:
         self.at = [0] * num_positions  # the step of each position's last update
         self.version = next(_VERSIONS)  # (new at every change: a cache key unique across estimates)
         self._p: tuple[int, list[float]] = (-1, [])
-        # whether any position's estimate has moved by more than ``tol`` from ``anchor`` since the last ``hold``
-        self.moved, self.anchor, self.tol = True, [], 0.0
 
     @property
     def accepted(self) -> list[float]:
@@ -178,7 +176,7 @@ class AcceptanceEstimate:
 
     @accepted.setter
     def accepted(self, value: list[float]) -> None:
-        self._accepted, self.version, self.moved = list(value), next(_VERSIONS), True
+        self._accepted, self.version = list(value), next(_VERSIONS)
 
     @property
     def tried(self) -> list[float]:
@@ -186,11 +184,7 @@ class AcceptanceEstimate:
 
     @tried.setter
     def tried(self, value: list[float]) -> None:
-        self._tried, self.version, self.moved = list(value), next(_VERSIONS), True
-
-    def hold(self, tol: float) -> None:
-        """Watch for a move of more than ``tol`` in any position's estimate from now on (``moved``)."""
-        self.anchor, self.tol, self.moved = list(self.p), tol, False
+        self._tried, self.version = list(value), next(_VERSIONS)
 
     @property
     def p(self) -> list[float]:
@@ -220,8 +214,6 @@ class AcceptanceEstimate:
             acc[i] = keep * acc[i] + passed
             tried[i] = keep * tried[i] + reached
             at[i] = at[i] + 1 if step is None else step
-            if not self.moved and abs(acc[i] / tried[i] - self.anchor[i]) > self.tol:
-                self.moved = True
             reached = passed
         self.version = next(_VERSIONS)
 
@@ -311,7 +303,7 @@ class DepthChooser:
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
                  check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
                  check_band: float = 0.35, check_hold: int = 1024, pause_after: int | None = None,
-                 pause_hold: int = 1024, steady_steps: int = 4, steady_tol: float = 0.03):
+                 pause_hold: int = 1024, steady_steps: int = 8, steady_tol: float = 0.03):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -407,13 +399,18 @@ class DepthChooser:
         # (a rise would otherwise go unseen for as long as the batch stays at the bucket)
         self.pause_hold, self._paused_for = pause_hold, 0
         self.pauses = 0
-        # a round that wins clearly is chosen again without the full choice for up to ``steady_steps`` steps: while
-        # the batch's bucket and context level stay, no estimate moves by over ``steady_tol``, and no draft lag,
-        # check, probe or pause is due; host medians wait for the next full choice (on a host-bound engine the full
-        # choice at every step cost a tenth of a small model's step; 1: every step chooses anew). ``_steady``:
-        # (bucket, the first step that chooses anew, the choice's ``_chosen``, its depth, its context level's range)
+        # a steady run: a round that wins clearly is chosen again without the full choice for up to
+        # ``steady_steps`` steps, while the batch's bucket stays, its context stays over levels where the same
+        # round wins clearly, the run's rounds accept within ``steady_tol`` a draft of what the estimate expected,
+        # and no draft lag, check, probe or pause is due. The run's verdicts, launches and lost steps wait in
+        # ``_deferred`` and the next full choice takes them in, in order: on a GPU host the chooser's calls cost
+        # ~60 µs a step, a tenth of a small model's step, most of it in code run once a step (1: every step
+        # chooses anew). ``_steady``: (bucket, the first step that chooses anew, the choice's ``_chosen``, its
+        # depth, the contexts [lo, hi) it holds over)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
+        self._deferred: list[tuple] = []  # (method, its arguments)
+        self._expect, self._drift, self._drifted = 0.0, 0.0, False  # (the run's drafts accepted a request)
         self._won_clearly = False  # (the last ``best``'s)
 
     def bucket(self, batch_size: int) -> int:
@@ -520,15 +517,15 @@ class DepthChooser:
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         steady = self._steady
-        if (steady is not None and self._step + 1 < steady[1] and not self.estimate.moved
+        if (steady is not None and self._step + 1 < steady[1] and not self._drifted
                 and self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens < steady[5]):
             self._step += 1
-            for k in self.tiers:  # (the depth's tiers were seen: as below)
-                if k <= steady[3]:
-                    self._seen[k] = self._step
             self._chosen = steady[2]
             return steady[3]
-        self._steady = None
+        if steady is not None:
+            self._end_run()
+        if self._deferred:
+            self._flush()
         self._context = context_level(context_tokens)
         self._fresh(self.bucket(batch_size))
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
@@ -537,6 +534,7 @@ class DepthChooser:
         self._step += 1
         if self._step % 16 == 0 and self._sampled_at:
             self._expire()
+            self._fresh(bucket)  # (a median dropped moves the bucket's costs: its cached choices go)
         depth = self._cached_best(batch_size, bucket, self.lag)
         block = None
         if self.check_pairs:
@@ -576,10 +574,36 @@ class DepthChooser:
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
-            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth,
-                            *context_range(context_tokens))
-            self.estimate.hold(self.steady_tol)
+            until = self._steady_until(bucket, depth)
+            lo, hi = context_range(context_tokens)
+            # (the context the run can reach: every request of the batch appending a whole round a step)
+            hi = self._steady_reach(batch_size, bucket, depth, hi,
+                                    context_tokens + batch_size * (depth + 1) * (until - self._step))
+            self._steady = (bucket, until, self._chosen, depth, lo, hi)
+            self._expect = expected_tokens(self.estimate.p, depth) - 1.0
+            self._drift, self._drifted = 0.0, False
         return depth
+
+    def _end_run(self) -> None:
+        """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""
+        depth, self._steady = self._steady[3], None
+        for k in self.tiers:
+            if k <= depth:
+                self._seen[k] = self._step
+
+    def _steady_reach(self, batch_size: int, bucket: int, depth: int, hi: int, reach: int) -> float:
+        """Where a steady run's contexts end: past ``hi`` (its own level's end) over the next levels whose choice
+        at no lag is the same clear win, as the full choice would find there, up to the level holding ``reach``."""
+        if not any(self.context_costs[bucket].values()):  # (the context moves no cost here)
+            return math.inf
+        level = self._context
+        while hi <= reach:
+            self._context = hi  # (a level's first context is its level)
+            if self._cached_best(batch_size, bucket, 0) != depth or not self._clear_win(bucket, depth):
+                break
+            hi = context_range(hi)[1]
+        self._context = level
+        return hi
 
     def _clear_win(self, bucket: int, depth: int) -> bool:
         """Whether ``depth``, the choice at no lag, beats every other tier by over ``steady_tol`` in rate (``best``):
@@ -661,7 +685,8 @@ class DepthChooser:
         check = self.check
         got = self._rests.get(bucket)
         if got is None or self._step - got[0] >= (1 if check is not None and check.bucket == bucket else 16):
-            got = self._rests[bucket] = (self._step, self._rests_on_host(batch_size, bucket))
+            # (dated at the last multiple of 16, as the host medians' expiry is: one due step ends a steady run)
+            got = self._rests[bucket] = (self._step & ~15, self._rests_on_host(batch_size, bucket))
         rest = got[1]
         if check is not None and check.bucket != bucket:
             check.cross()
@@ -727,7 +752,26 @@ class DepthChooser:
             "q": expected_tokens(p, check.depth) / expected_tokens(p, check.base)}
 
     def observe(self, depth: int, accepted: list[int]) -> None:
-        self.estimate.update(depth, accepted, self._step)
+        if self._steady is None and not self._deferred:
+            return self._observe(depth, accepted, self._step)
+        self._deferred.append((self._observe, (depth, accepted, self._step)))
+        n = len(accepted)
+        if n and depth == self._steady[3] if self._steady is not None else False:
+            # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
+            # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
+            keep = self.estimate.decay ** min(1.0, n / self.estimate.full_round)
+            self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / n - self._expect)
+            if abs(self._drift) > self.steady_tol * depth:
+                self._drifted = True
+
+    def _flush(self) -> None:
+        """The verdicts, launches and lost steps deferred during a steady run, in the order they came."""
+        events, self._deferred = self._deferred, []
+        for fn, args in events:
+            fn(*args)
+
+    def _observe(self, depth: int, accepted: list[int], step: int) -> None:
+        self.estimate.update(depth, accepted, step)
         self._observed += 1
         rec = self._pending.get(self._observed) if self._pending else None
         if rec is not None:  # a check's step: the tokens it appended (one each, and a round's accepted drafts)
@@ -740,6 +784,12 @@ class DepthChooser:
     def lost(self) -> None:
         """A chosen step failed: its verdicts never come, so the verdicts after it pair with the steps after it (the
         n-th ``observe`` or ``lost`` is the n-th step chosen). A check's step among them discards its block."""
+        if self._steady is not None or self._deferred:
+            self._deferred.append((self._lost, ()))
+        else:
+            self._lost()
+
+    def _lost(self) -> None:
         self._observed += 1
         rec = self._pending.pop(self._observed, None) if self._pending else None
         if rec is not None:
@@ -754,10 +804,17 @@ class DepthChooser:
         counted on from the last batch put the chooser's full stashes (where a catch-up is due whatever the
         choice, and most probes fall) where the worker's are not."""
         self.lag = lag
-        if lag:  # (a steady round runs at none: repeated, it would neither charge the catch-up nor count it done)
-            self._steady = None
+        if lag and self._steady is not None:  # (a steady round runs at none: repeated, it would neither charge the
+            self._end_run()  # catch-up nor count it done)
 
     def launched(self, now: float, waited: float, contiguous: bool) -> None:
+        chosen, self._chosen = self._chosen, None
+        if self._steady is None and not self._deferred:
+            self._launched(now, waited, contiguous, chosen, self._step)
+        else:
+            self._deferred.append((self._launched, (now, waited, contiguous, chosen, self._step)))
+
+    def _launched(self, now: float, waited: float, contiguous: bool, chosen: tuple | None, step: int) -> None:
         """Host-time samples from consecutive launches (no sync). Under the overlap schedule the interval from
         launching step n to launching step n + 1 holds step n's launch, reading and applying step n - 1's results
         (the read waits for the device where it is behind: ``waited``, left out) and planning step n + 1. So the
@@ -767,17 +824,16 @@ class DepthChooser:
         of a full stash samples the catch-up's host time: its interval (its launch, the catch-up's included) less
         the host cost of its depth."""
         if self._pending:  # a check's steps: the host time of the step launched last, the wait for the one before
-            contiguous = contiguous and self._launch_at[0] == self._step - 1
-            rec = self._pending.get(self._step - 1)
+            contiguous = contiguous and self._launch_at[0] == step - 1
+            rec = self._pending.get(step - 1)
             if rec is not None:
                 rec[2] = now - self._launch_at[1] - waited if contiguous else -1.0
-            rec = self._pending.get(self._step - 2)
+            rec = self._pending.get(step - 2)
             if rec is not None and rec[3] is None:
                 rec[3] = waited if contiguous else -1.0
                 if rec[4] is not None:
-                    self._measured(self._step - 2, rec)
-        self._launch_at = (self._step, now)
-        chosen, self._chosen = self._chosen, None
+                    self._measured(step - 2, rec)
+        self._launch_at = (step, now)
         if chosen is None or not self.host_samples:  # (host_samples 0: the table alone)
             return
         runs = self._launches
@@ -793,13 +849,13 @@ class DepthChooser:
         a, s = runs[-3], runs[-2]
         bucket = s[0]
         if a[0] == bucket and a[1] == s[1] and not a[2] and not s[2] and s[5] is not None:
-            self._sample(bucket, s[1], s[5])
+            self._sample(bucket, s[1], s[5], step)
         elif len(runs) == 4:
             base, p = runs[0], a
             base_host = self.host[bucket].get(s[1])
             if (base[0] == p[0] == bucket and base[1] == s[1] != p[1] and not (base[2] or p[2] or s[2])
                     and p[5] is not None and s[5] is not None and base_host is not None):
-                self._sample(bucket, p[1], p[5] + s[5] - base_host)
+                self._sample(bucket, p[1], p[5] + s[5] - base_host, step)
 
     def _sample_catch_up(self, run: list) -> None:
         """A round's catch-up short of a full stash: its interval less its depth's host cost (where one is known)."""
@@ -820,10 +876,10 @@ class DepthChooser:
         for cache in (self._best, self._totals, self._probe_every, self._rests):  # (buckets not observed borrow it)
             cache.clear()
 
-    def _sample(self, bucket: int, depth: int, ms: float) -> None:
+    def _sample(self, bucket: int, depth: int, ms: float, step: int) -> None:
         if ms <= 0:
             return
-        self._sampled_at[bucket, depth] = self._step
+        self._sampled_at[bucket, depth] = step
         recent = self._host_runs.get((bucket, depth))
         if recent is None:
             recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
@@ -920,6 +976,8 @@ class DepthChooser:
             cache.pop(bucket, None)
 
     def stats(self) -> dict:
+        """(As of the last full choice: what a steady run deferred is taken in by the next one, in the engine's
+        thread; /v1/stats calls this from another.)"""
         for b, o in self.host.items():
             if o:
                 self._fresh(b)
