@@ -199,22 +199,23 @@ class AcceptanceEstimate:
         decay once per step since their last update, so a probe's verdicts are not outweighed by stale ones."""
         if depth <= 0 or not len(accepted):
             return
-        if not isinstance(accepted, (list, tuple)):
+        if not isinstance(accepted, list):
             accepted = list(accepted)
         # position i + 1 is reached by the requests that accepted i drafts or more (``reached``) and passed by those
         # of them that accepted more than i: counted by ``list.count`` (in C: a batch of 256 costs a microsecond)
         reached = len(accepted)
-        weight = min(1.0, reached / self.full_round)
+        decay = self.decay if reached >= self.full_round else self.decay ** (reached / self.full_round)
         acc, tried, at = self._accepted, self._tried, self.at
         for i in range(depth):
-            if not reached:  # (no request got this far, nor further)
-                break
             passed = reached - accepted.count(i)
-            keep = self.decay ** (weight * (1 if step is None else max(1, step - at[i])))
+            gap = 1 if step is None else step - at[i]
+            keep = decay if gap <= 1 else decay ** gap  # (a step's decay per step since the position's last)
             acc[i] = keep * acc[i] + passed
             tried[i] = keep * tried[i] + reached
             at[i] = at[i] + 1 if step is None else step
             reached = passed
+            if not reached:  # (no request got further)
+                break
         self.version = next(_VERSIONS)
 
 
@@ -303,7 +304,7 @@ class DepthChooser:
                  host_change: float = 0.03, host_ttl: int = 256, check_block: int = 8, check_pairs: int = 3,
                  check_settle: int = 1, check_margin: float = 0.05, check_early: float = 0.1,
                  check_band: float = 0.35, check_hold: int = 1024, pause_after: int | None = None,
-                 pause_hold: int = 1024, steady_steps: int = 8, steady_tol: float = 0.03):
+                 pause_hold: int = 1024, steady_steps: int = 16, steady_tol: float = 0.03):
         if not costs:
             raise ValueError("adaptive speculation needs step costs")
         self.buckets = sorted(costs)
@@ -409,9 +410,14 @@ class DepthChooser:
         # depth, the contexts [lo, hi) it holds over)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
-        self._deferred: list[tuple] = []  # (method, its arguments)
-        self._expect, self._drift, self._drifted = 0.0, 0.0, False  # (the run's drafts accepted a request)
-        self._won_clearly = False  # (the last ``best``'s)
+        self._deferred: list[tuple] = []  # verdicts (depth, accepted, step), a lost step (None, None, step)
+        self._run_launches: list[tuple] = []  # ``_launched``'s arguments
+        self._unsettled: set[tuple[int, int]] = set()  # (bucket, depth)s sampled since their medians were taken
+        # (the run's watch, ``_watch``: the drafts a request is expected to accept, their decayed drift from it,
+        # its decay and its bound)
+        self._expect, self._drift, self._drifted, self._drift_keep, self._drift_tol = 0.0, 0.0, False, 1.0, 0.0
+        # (the last ``best``'s: its rate over the runner-up's, and its step cost; a steady run's conditions)
+        self._won: tuple[float, float] = (1.0, 0.0)
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -432,7 +438,7 @@ class DepthChooser:
         key = (lag, self._context)
         got = cached.get(key)
         if got is None:
-            got = cached[key] = (self.best(batch_size, lag=lag), self._won_clearly)
+            got = cached[key] = (self.best(batch_size, lag=lag), *self._won)
         return got[0]
 
     def catch_up_cost(self, bucket: int, lag: int) -> float:
@@ -476,7 +482,7 @@ class DepthChooser:
                 self._totals.setdefault(bucket, {})[(lag, self._context)] = totals
         # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
-        best, best_rate, second, e, run, at = self.tiers[0], -math.inf, -math.inf, 1.0, 1.0, 0
+        best, best_rate, best_total, second, e, run, at = self.tiers[0], -math.inf, 0.0, -math.inf, 1.0, 1.0, 0
         for d, total in zip(self.tiers, totals):
             while at < d:
                 run *= p[at]
@@ -484,11 +490,11 @@ class DepthChooser:
                 at += 1
             rate = e / total
             if rate > best_rate:
-                best, best_rate, second = d, rate, best_rate
+                best, best_rate, best_total, second = d, rate, total, best_rate
             elif rate > second:
                 second = rate
-        # (whether it wins by over ``steady_tol``: a steady round's condition, ``_clear_win``)
-        self._won_clearly = best_rate > second * (1.0 + self.steady_tol)
+        # (by how much it wins, and its cost: a steady run's conditions, ``_clear_win`` and ``_steady_reach``)
+        self._won = (best_rate / second if second > 0 else math.inf, best_total)
         return best
 
     def cost_at(self, bucket: int, table: bool = False) -> dict[int, float]:
@@ -524,7 +530,7 @@ class DepthChooser:
             return steady[3]
         if steady is not None:
             self._end_run()
-        if self._deferred:
+        if self._deferred or self._run_launches:
             self._flush()
         self._context = context_level(context_tokens)
         self._fresh(self.bucket(batch_size))
@@ -574,15 +580,26 @@ class DepthChooser:
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
-            until = self._steady_until(bucket, depth)
             lo, hi = context_range(context_tokens)
-            # (the context the run can reach: every request of the batch appending a whole round a step)
-            hi = self._steady_reach(batch_size, bucket, depth, hi,
-                                    context_tokens + batch_size * (depth + 1) * (until - self._step))
-            self._steady = (bucket, until, self._chosen, depth, lo, hi)
-            self._expect = expected_tokens(self.estimate.p, depth) - 1.0
-            self._drift, self._drifted = 0.0, False
+            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth, lo,
+                            self._steady_reach(bucket, depth, lo, hi))
+            self._watch(batch_size, depth)
         return depth
+
+    def _watch(self, batch_size: int, depth: int) -> None:
+        """The run's watch on acceptance: the drafts a request is expected to accept at ``depth`` (mean, and the
+        spread of one request's), and how far their decayed drift may go before the full choice: ``steady_tol`` a
+        draft, or three times the drift's spread on a stationary acceptance, whichever is more (a batch of 16
+        would otherwise end most runs on its own noise)."""
+        p, mean, sq, run = self.estimate.p, 0.0, 0.0, 1.0
+        for i in range(depth):  # (P(accepted > i) = p_1 ... p_{i+1}; E[a^2] = sum over i of (2i + 1) P(a > i))
+            run *= p[i]
+            mean += run
+            sq += (2 * i + 1) * run
+        keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
+        spread = math.sqrt(max(0.0, sq - mean * mean) / batch_size * (1.0 - keep) / (1.0 + keep))
+        self._expect, self._drift, self._drifted, self._drift_keep = mean, 0.0, False, keep
+        self._drift_tol = max(self.steady_tol * depth, 3.0 * spread)
 
     def _end_run(self) -> None:
         """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""
@@ -591,25 +608,49 @@ class DepthChooser:
             if k <= depth:
                 self._seen[k] = self._step
 
-    def _steady_reach(self, batch_size: int, bucket: int, depth: int, hi: int, reach: int) -> float:
-        """Where a steady run's contexts end: past ``hi`` (its own level's end) over the next levels whose choice
-        at no lag is the same clear win, as the full choice would find there, up to the level holding ``reach``."""
-        if not any(self.context_costs[bucket].values()):  # (the context moves no cost here)
+    def _steady_reach(self, bucket: int, depth: int, lo: int, hi: int) -> float:
+        """Where a steady run's contexts end: past ``hi`` (its level's end) while its round surely stays the best.
+        Each tier's cost is max(a base, the table's + its slope * context) (``cost_at``): as the context grows from
+        ``lo`` (the level chosen at), the round's cost is at most that, and another tier's at least its cost at
+        ``lo`` and at least its table's + slope * context; the round wins while its rate at that most beats the
+        other's at that least (``_outlasts``). Halfway there: ties go to the shallower tier."""
+        per = self.context_costs[bucket]
+        if per[depth] <= 0:  # (the context moves no cost here)
             return math.inf
-        level = self._context
-        while hi <= reach:
-            self._context = hi  # (a level's first context is its level)
-            if self._cached_best(batch_size, bucket, 0) != depth or not self._clear_win(bucket, depth):
-                break
-            hi = context_range(hi)[1]
-        self._context = level
-        return hi
+        totals, p = self._totals[bucket][0, self._context], self.estimate.p
+        gain = [expected_tokens(p, d) for d in self.tiers]
+        i, row, base = self.tiers.index(depth), self.costs[bucket], self.step_cost[bucket]
+        mine = (gain[i], 1.0 + self.margin, row[depth], per[depth], base[depth])
+        end = min(self._outlasts(*mine, gain[j], totals[j], 1.0 + self.margin if d else 1.0, row[d], per[d])
+                  for j, d in enumerate(self.tiers) if j != i)
+        return max(hi, lo + 0.5 * (end - lo))
+
+    @staticmethod
+    def _outlasts(e: float, s: float, row: float, per: float, base: float,
+                  e2: float, t2: float, s2: float, row2: float, per2: float) -> float:
+        """The context up to which a tier of ``e`` tokens a step, cost s * max(base, row + per * x), beats one of
+        ``e2``, cost at least max(t2, s2 * (row2 + per2 * x)): where the other's first bound alone ensures it (x1),
+        extended by the interval [a, b] where the second does, if that interval begins by x1."""
+        x1 = (e * t2 / e2 / s - row) / per
+        a, b = -math.inf, math.inf
+        if per2 > 0:  # e * s2 * (row2 + per2 x) >= e2 * s * base
+            a = (e2 * s * base / (e * s2) - row2) / per2
+        elif e * s2 * row2 < e2 * s * base:
+            return x1
+        k, r = e * s2 * per2 - e2 * s * per, e2 * s * row - e * s2 * row2  # e s2 (row2 + per2 x) >= e2 s (row + per x)
+        if k > 0:
+            a = max(a, r / k)
+        elif k < 0:
+            b = r / k
+        elif r > 0:
+            return x1
+        return max(x1, b) if a <= x1 and a <= b else x1
 
     def _clear_win(self, bucket: int, depth: int) -> bool:
         """Whether ``depth``, the choice at no lag, beats every other tier by over ``steady_tol`` in rate (``best``):
         a choice near a tie is made anew each step (estimates that move by less than the tolerance could flip it)."""
         got = self._best.get(bucket, {}).get((0, self._context))
-        return got is not None and got[0] == depth and got[1]
+        return got is not None and got[0] == depth and got[1] > 1.0 + self.steady_tol
 
     def _steady_until(self, bucket: int, depth: int) -> int:
         """The first step after this round that chooses anew: within ``steady_steps``, and no later than the next
@@ -754,21 +795,29 @@ class DepthChooser:
     def observe(self, depth: int, accepted: list[int]) -> None:
         if self._steady is None and not self._deferred:
             return self._observe(depth, accepted, self._step)
-        self._deferred.append((self._observe, (depth, accepted, self._step)))
-        n = len(accepted)
-        if n and depth == self._steady[3] if self._steady is not None else False:
+        self._deferred.append((depth, accepted, self._step))
+        if depth and self._steady is not None:
             # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
-            keep = self.estimate.decay ** min(1.0, n / self.estimate.full_round)
-            self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / n - self._expect)
-            if abs(self._drift) > self.steady_tol * depth:
+            keep = self._drift_keep
+            self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / len(accepted) - self._expect)
+            if abs(self._drift) > self._drift_tol:
                 self._drifted = True
 
     def _flush(self) -> None:
-        """The verdicts, launches and lost steps deferred during a steady run, in the order they came."""
+        """What a steady run deferred, in the order it came: its verdicts and lost steps, then its launches, whose
+        host samples are taken in together (``_settle``)."""
         events, self._deferred = self._deferred, []
-        for fn, args in events:
-            fn(*args)
+        for depth, accepted, step in events:
+            if depth is None:
+                self._lost()
+            else:
+                self._observe(depth, accepted, step)
+        launches, self._run_launches = self._run_launches, []
+        for args in launches:
+            self._launched(*args)
+        if self._unsettled:
+            self._settle()
 
     def _observe(self, depth: int, accepted: list[int], step: int) -> None:
         self.estimate.update(depth, accepted, step)
@@ -785,7 +834,7 @@ class DepthChooser:
         """A chosen step failed: its verdicts never come, so the verdicts after it pair with the steps after it (the
         n-th ``observe`` or ``lost`` is the n-th step chosen). A check's step among them discards its block."""
         if self._steady is not None or self._deferred:
-            self._deferred.append((self._lost, ()))
+            self._deferred.append((None, None, self._step))
         else:
             self._lost()
 
@@ -809,10 +858,12 @@ class DepthChooser:
 
     def launched(self, now: float, waited: float, contiguous: bool) -> None:
         chosen, self._chosen = self._chosen, None
-        if self._steady is None and not self._deferred:
-            self._launched(now, waited, contiguous, chosen, self._step)
-        else:
-            self._deferred.append((self._launched, (now, waited, contiguous, chosen, self._step)))
+        if self._steady is not None:
+            self._run_launches.append((now, waited, contiguous, chosen, self._step))
+            return
+        self._launched(now, waited, contiguous, chosen, self._step)
+        if self._unsettled:
+            self._settle()
 
     def _launched(self, now: float, waited: float, contiguous: bool, chosen: tuple | None, step: int) -> None:
         """Host-time samples from consecutive launches (no sync). Under the overlap schedule the interval from
@@ -884,18 +935,28 @@ class DepthChooser:
         if recent is None:
             recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
         recent.append(ms)
-        if len(recent) < self.host_min_samples:
-            return
-        # the median: a step's own outliers (a collection of the youngest generation, a joining request's catch-up,
-        # the machine's other load) move it little
-        median = _median(recent)
-        host = self.host[bucket]
-        old = host.get(depth)
-        if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed rarely)
-            return
-        host[depth] = median
-        self._learn_increment()
-        self._host_gen += 1  # (every bucket's costs may move: buckets not measured borrow the nearest measured one's)
+        self._unsettled.add((bucket, depth))
+
+    def _settle(self) -> None:
+        """The host medians of the (bucket, depth)s sampled since the last call (a steady run's, together)."""
+        moved = False
+        for bucket, depth in self._unsettled:
+            recent = self._host_runs[bucket, depth]
+            if len(recent) < self.host_min_samples:
+                continue
+            # the median: a step's own outliers (a collection of the youngest generation, a joining request's
+            # catch-up, the machine's other load) move it little
+            median = _median(recent)
+            host = self.host[bucket]
+            old = host.get(depth)
+            if old is not None and abs(median - old) <= self.host_change * old:  # (kept: choices are recomputed
+                continue  # rarely)
+            host[depth], moved = median, True
+        self._unsettled.clear()
+        if moved:
+            self._learn_increment()
+            # (every bucket's costs may move: buckets not measured borrow the nearest measured one's)
+            self._host_gen += 1
 
     def _expire(self) -> None:
         """Drop the host medians above the table that were last sampled over ``host_ttl`` steps ago: such a depth
