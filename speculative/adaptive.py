@@ -193,10 +193,12 @@ class AcceptanceEstimate:
             self._p = (self.version, [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)])
         return self._p[1]
 
-    def update(self, depth: int, accepted: list[int], step: int | None = None) -> None:
+    def update(self, depth: int, accepted: list[int], step: int | None = None, rounds: int = 1) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
         1..a. ``step``: the round's step number, where positions are seen only now and then (probes): their sums
-        decay once per step since their last update, so a probe's verdicts are not outweighed by stale ones."""
+        decay once per step since their last update, so a probe's verdicts are not outweighed by stale ones.
+        ``rounds``: the verdicts of that many rounds of one batch size in a row, one step apart (the last at
+        ``step``), as one: their counts weighted so that rounds alike leave the sums where updates one by one do."""
         if depth <= 0 or not len(accepted):
             return
         if not isinstance(accepted, list):
@@ -204,17 +206,21 @@ class AcceptanceEstimate:
         # position i + 1 is reached by the requests that accepted i drafts or more (``reached``) and passed by those
         # of them that accepted more than i: counted by ``list.count`` (in C: a batch of 256 costs a microsecond)
         reached = len(accepted)
-        decay = self.decay if reached >= self.full_round else self.decay ** (reached / self.full_round)
+        size = reached / rounds
+        decay = self.decay if size >= self.full_round else self.decay ** (size / self.full_round)
+        if rounds > 1:  # (sum over the rounds of decay ** age, over rounds: each round's share of the counts)
+            scale = (1.0 - decay ** rounds) / ((1.0 - decay) * rounds) if decay < 1.0 else 1.0
+            reached = scale * reached
         acc, tried, at = self._accepted, self._tried, self.at
         for i in range(depth):
-            passed = reached - accepted.count(i)
-            gap = 1 if step is None else step - at[i]
+            passed = reached - accepted.count(i) * (scale if rounds > 1 else 1)
+            gap = rounds if step is None else step - at[i]
             keep = decay if gap <= 1 else decay ** gap  # (a step's decay per step since the position's last)
             acc[i] = keep * acc[i] + passed
             tried[i] = keep * tried[i] + reached
-            at[i] = at[i] + 1 if step is None else step
+            at[i] = at[i] + rounds if step is None else step
             reached = passed
-            if not reached:  # (no request got further)
+            if reached <= 0:  # (no request got further)
                 break
         self.version = next(_VERSIONS)
 
@@ -410,6 +416,7 @@ class DepthChooser:
         # depth, the contexts [lo, hi) it holds over)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
+        self._last_bucket = -1  # (the bucket of the last full choice)
         self._deferred: list[tuple] = []  # verdicts (depth, accepted, step), a lost step (None, None, step)
         self._run_launches: list[tuple] = []  # ``_launched``'s arguments
         self._unsettled: set[tuple[int, int]] = set()  # (bucket, depth)s sampled since their medians were taken
@@ -578,7 +585,10 @@ class DepthChooser:
         # without a probe ever measuring acceptance)
         measured = self.estimate.at[0] > self._resumed_at
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
-        if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
+        # (a run begins at a bucket chosen for at the step before too: a batch draining a bucket a step, as a
+        # batch's last requests do, would pay for setting up runs that end at the next step)
+        settled, self._last_bucket = self._last_bucket == bucket, bucket
+        if (self.steady_steps > 1 and settled and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
             lo, hi = context_range(context_tokens)
             self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth, lo,
@@ -805,23 +815,36 @@ class DepthChooser:
                 self._drifted = True
 
     def _flush(self) -> None:
-        """What a steady run deferred, in the order it came: its verdicts and lost steps, then its launches, whose
-        host samples are taken in together (``_settle``)."""
+        """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike
+        as one update, ``AcceptanceEstimate.update``'s ``rounds``; the last two each on its own, as they may be
+        what ended the run), then its launches, whose host samples are taken in together (``_settle``)."""
         events, self._deferred = self._deferred, []
-        for depth, accepted, step in events:
+        i, n = 0, len(events)
+        while i < n:
+            depth, accepted, step = events[i]
+            j = i + 1  # (rounds of one depth and batch size in a row, one step apart, before the last two)
+            while (j < n - 2 and depth is not None and events[j][0] == depth and events[j][2] == events[j - 1][2] + 1
+                   and len(events[j][1]) == len(accepted)):
+                j += 1
             if depth is None:
                 self._lost()
+            elif j - i > 1:
+                verdicts = []
+                for e in events[i:j]:
+                    verdicts += e[1]
+                self._observe(depth, verdicts, events[j - 1][2], j - i)
             else:
                 self._observe(depth, accepted, step)
+            i = j
         launches, self._run_launches = self._run_launches, []
         for args in launches:
             self._launched(*args)
         if self._unsettled:
             self._settle()
 
-    def _observe(self, depth: int, accepted: list[int], step: int) -> None:
-        self.estimate.update(depth, accepted, step)
-        self._observed += 1
+    def _observe(self, depth: int, accepted: list[int], step: int, rounds: int = 1) -> None:
+        self.estimate.update(depth, accepted, step, rounds)
+        self._observed += rounds
         rec = self._pending.get(self._observed) if self._pending else None
         if rec is not None:  # a check's step: the tokens it appended (one each, and a round's accepted drafts)
             if depth != rec[1]:  # (not the depth chosen: a structured round)
