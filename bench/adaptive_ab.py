@@ -176,6 +176,15 @@ def summary(res: dict) -> dict:
         tok = statistics.median(r["decode_tok_s"] for r in rows)
         out[name] = {"tok_s": tok, "vs_no_spec": round(tok / base, 4),
                      "median_step_ms": statistics.median(r["median_step_ms"] for r in rows)}
+    # interleaved: per repeat, each policy against the best fixed depth's batch of the same repeat (on a host whose
+    # speed moves between repeats, up to 2x on some, a ratio of medians mixes repeats of different speeds)
+    fixed = [n for n in out if n.startswith("depth")]
+    if res.get("interleaved") and fixed:
+        best = max(fixed, key=lambda n: out[n]["tok_s"])
+        for name, rows in res["rows"].items():
+            pairs = [r["decode_tok_s"] / b["decode_tok_s"] for r, b in zip(rows, res["rows"][best])]
+            out[name]["paired_vs_best_fixed"] = round(statistics.median(pairs), 4)
+            out[name]["best_fixed"] = best
     for name, log in res.get("trace", {}).items():
         launches, depth = [], None
         for e in log:
@@ -225,6 +234,16 @@ def report(out: str, files: list[str]) -> None:
         cells = [f"{s[n]['tok_s']:,.0f} ({s[n]['vs_no_spec']:.3f}x, {s[n]['median_step_ms']:.3f})" if n in s else ""
                  for n in names]
         lines.append(f"| {r['tag']} | " + " | ".join(cells) + " |")
+    paired = [r for r in results if any("paired_vs_best_fixed" in v for v in r["summary"].values())]
+    if paired:
+        lines += ["", "Interleaved runs: per repeat, tok/s over the best fixed depth's in the same repeat (its name in "
+                  "brackets); median of the repeats.", "", "| tree | " + " | ".join(names) + " |",
+                  "|---" * (len(names) + 1) + "|"]
+        for r in paired:
+            s = r["summary"]
+            cells = [f"{s[n]['paired_vs_best_fixed']:.3f}x ({s[n]['best_fixed']})"
+                     if "paired_vs_best_fixed" in s.get(n, {}) else "" for n in names]
+            lines.append(f"| {r['tag']} | " + " | ".join(cells) + " |")
     traced = [(r, n, s) for r in results for n, s in r["summary"].items() if "launches_by_depth" in s]
     if traced:
         lines += ["", "Launches of the last repeat by depth (interval between launches, wait for the device, host "

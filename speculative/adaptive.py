@@ -413,10 +413,10 @@ class DepthChooser:
         # ``_deferred`` and the next full choice takes them in, in order: on a GPU host the chooser's calls cost
         # ~60 µs a step, a tenth of a small model's step, most of it in code run once a step (1: every step
         # chooses anew). ``_steady``: (bucket, the first step that chooses anew, the choice's ``_chosen``, its
-        # depth, the contexts [lo, hi) it holds over)
+        # depth, the contexts [lo, hi) it holds over, whether hi was extended past its level)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
-        self._last_bucket = -1  # (the bucket of the last full choice)
+        self._last_size = 0  # (the batch size of the last full choice)
         self._deferred: list[tuple] = []  # verdicts (depth, accepted, step), a lost step (None, None, step)
         self._run_launches: list[tuple] = []  # ``_launched``'s arguments
         self._unsettled: set[tuple[int, int]] = set()  # (bucket, depth)s sampled since their medians were taken
@@ -531,7 +531,8 @@ class DepthChooser:
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         steady = self._steady
         if (steady is not None and self._step + 1 < steady[1] and not self._drifted
-                and self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens < steady[5]):
+                and self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens
+                and (context_tokens < steady[5] or not steady[6] and context_tokens < self._extend_run())):
             self._step += 1
             self._chosen = steady[2]
             return steady[3]
@@ -585,14 +586,14 @@ class DepthChooser:
         # without a probe ever measuring acceptance)
         measured = self.estimate.at[0] > self._resumed_at
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
-        # (a run begins at a bucket chosen for at the step before too: a batch draining a bucket a step, as a
-        # batch's last requests do, would pay for setting up runs that end at the next step)
-        settled, self._last_bucket = self._last_bucket == bucket, bucket
-        if (self.steady_steps > 1 and settled and chosen == depth > 0 and not self._chosen[2] and block is None
+        # (no run begins where the batch shrank since the last full choice: a batch draining a bucket or more a
+        # step, as a batch's last requests do, would pay for setting up runs that end at the next step)
+        draining, self._last_size = batch_size < self._last_size, batch_size
+        if (self.steady_steps > 1 and not draining and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
-            lo, hi = context_range(context_tokens)
-            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth, lo,
-                            self._steady_reach(bucket, depth, lo, hi))
+            # (its contexts: its level's, extended past it when a step reaches there, ``_extend_run``)
+            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth,
+                            *context_range(context_tokens), False)
             self._watch(batch_size, depth)
         return depth
 
@@ -617,6 +618,15 @@ class DepthChooser:
         for k in self.tiers:
             if k <= depth:
                 self._seen[k] = self._step
+
+    def _extend_run(self) -> float:
+        """The run's contexts past its level (``_steady_reach``; at the run's estimate and level, which stand still
+        while it runs), once: its new end."""
+        bucket, _, _, depth, lo, hi, _ = self._steady
+        if (0, self._context) in self._totals.get(bucket, {}):  # (else its costs were refreshed: the run ends there)
+            hi = self._steady_reach(bucket, depth, lo, hi)
+        self._steady = (*self._steady[:5], hi, True)
+        return hi
 
     def _steady_reach(self, bucket: int, depth: int, lo: int, hi: int) -> float:
         """Where a steady run's contexts end: past ``hi`` (its level's end) while its round surely stays the best.
@@ -837,10 +847,50 @@ class DepthChooser:
                 self._observe(depth, accepted, step)
             i = j
         launches, self._run_launches = self._run_launches, []
-        for args in launches:
-            self._launched(*args)
+        self._take_launches(launches)
         if self._unsettled:
             self._settle()
+
+    def _take_launches(self, launches: list[tuple]) -> None:
+        """``_launched`` for each of a run's launches, in order, but where launches follow two of their own bucket
+        and depth without a catch-up, each contiguous with the one before (most of a run's), as a block: each
+        interval samples the launch before it, and the block's samples enter their window together."""
+        runs, i, n = self._launches, 0, len(launches)
+        while i < n:
+            now, waited, contiguous, chosen, step = launches[i]
+            if (contiguous and chosen is not None and self.host_samples and not self._pending and len(runs) >= 2
+                    and runs[-2][0] == runs[-1][0] == chosen[0] and runs[-2][1] == runs[-1][1] == chosen[1]
+                    and not (runs[-2][2] or runs[-1][2] or runs[-1][3] or chosen[2] or chosen[3])):
+                j = i + 1
+                while j < n and launches[j][2] and launches[j][3] is chosen:
+                    j += 1
+                block, prev = launches[i:j], runs[-1]
+                unit, t0 = self.host_unit, prev[4]
+                ms = []
+                for e in block:  # (each interval less its wait: a sample of the launch before it)
+                    ms.append(max(0.0, e[0] - t0 - e[1]) * unit)
+                    t0 = e[0]
+                prev[5] = ms[0]
+                if len(block) > 1:
+                    runs.append([*chosen, block[-2][0], ms[-1]])
+                runs.append([*chosen, block[-1][0], None])
+                self._launch_at = (block[-1][4], block[-1][0])
+                ms = [m for m in ms if m > 0]
+                if ms:
+                    self._samples(chosen[0], chosen[1], block[-1][4], ms)
+                i = j
+            else:
+                self._launched(now, waited, contiguous, chosen, step)
+                i += 1
+
+    def _samples(self, bucket: int, depth: int, step: int, ms: list[float]) -> None:
+        """``_sample`` of each of ``ms`` (all > 0), the last at ``step``."""
+        self._sampled_at[bucket, depth] = step
+        recent = self._host_runs.get((bucket, depth))
+        if recent is None:
+            recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
+        recent.extend(ms)
+        self._unsettled.add((bucket, depth))
 
     def _observe(self, depth: int, accepted: list[int], step: int, rounds: int = 1) -> None:
         self.estimate.update(depth, accepted, step, rounds)

@@ -1327,10 +1327,11 @@ def test_a_steady_round_ends_where_the_context_jumps_within_its_bucket():
 
 
 def _full_choices(c: DepthChooser, bs: int, context: int) -> tuple[int, bool]:
-    """``c.choose``, and whether it made the full choice (a steady run's step leaves its record as it was)."""
+    """``c.choose``, and whether it made the full choice (a steady run's step chooses the run's record's own
+    ``_chosen``; a full choice makes a new one)."""
     run = c._steady
     d = c.choose(bs, context)
-    return d, not (run is not None and c._steady is run)
+    return d, not (run is not None and c._chosen is run[2])
 
 
 def test_a_steady_run_holds_over_context_levels_where_its_round_still_wins():
@@ -1422,7 +1423,7 @@ def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
         if c._steady is None:
             continue
         runs += 1
-        lo, hi = c._steady[4], c._steady[5]
+        lo, hi = c._steady[4], c._extend_run()
         beyond += hi > context_level(context) * 2
         level = c._context
         for x in sorted(rng.uniform(lo, min(hi, 64 * lo)) for _ in range(20)):
