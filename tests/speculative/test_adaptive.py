@@ -1456,3 +1456,15 @@ def test_rounds_alike_update_the_estimate_as_one_as_they_do_one_by_one():
         by_one.update(3, r, 1 + j)
     as_one.update(3, [a for r in rounds for a in r], 8, rounds=8)
     assert as_one.p == pytest.approx(by_one.p, abs=0.03)
+
+
+def test_a_steady_run_halves_the_choosers_own_work_where_the_batch_stays():
+    """``bench.adaptive_calls``'s count: a batch that stays at its bucket costs the chooser (its defaults) under
+    half the bytecodes a step of the one that makes the full choice every step, and a batch whose last requests
+    drain a bucket a step no more than it (the deterministic measure of its host work: #41's host-bound steps)."""
+    from bench.adaptive_calls import drive
+
+    flat = [sum(drive(s, 64, "flat", 8, 2, True).values()) for s in (None, 1)]
+    tail = [sum(drive(s, 64, "tail", 8, 2, True).values()) for s in (None, 1)]
+    assert flat[0] < flat[1] / 2, flat
+    assert tail[0] <= tail[1], tail
