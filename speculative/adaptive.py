@@ -725,17 +725,21 @@ class DepthChooser:
         wall (up to ~10 % less); a gain past both is no misreading. A verdict at the bucket ends here where it no
         longer holds: a pin where the estimates would carry its measured ratio past the margin, a narrow win where
         the choice's host median moved by the margin (a slow spell began or ended)."""
-        p, cost = self.estimate.p, self.cost_at(bucket)
+        p = self.estimate.p
         v = self.verdicts.get(bucket)
         if v is not None and (
                 v["ratio"] * expected_tokens(p, v["depth"]) / expected_tokens(p, v["base"]) / v["q"]
                 > 1.0 + self.check_margin if not v["kept"] else
                 v["close"] and abs(self.host[bucket].get(v["depth"], 0.0) / v["host"] - 1.0) > self.check_margin):
             del self.verdicts[bucket]
+        measured = self.host[bucket]
+        if len(measured) < 2:  # (no two depths measured here: below, neither choice would be; a batch draining a
+            return ()  # bucket a step samples none)
         deep = self._cached_best(batch_size, bucket, 0)
         base = self.best(batch_size, lag=0, table=True)
-        if deep <= base or deep not in self.host[bucket] or base not in self.host[bucket]:
+        if deep <= base or deep not in measured or base not in measured:
             return ()  # (where either is estimated, not measured here, the model's own tries come first)
+        cost = self.cost_at(bucket)
         gain = expected_tokens(p, deep) / expected_tokens(p, base) * cost[base] / cost[deep]
         return (deep, base) if gain < 1.0 + self.check_band else ()
 
