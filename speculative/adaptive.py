@@ -820,7 +820,8 @@ class DepthChooser:
         if self._steady is None and not self._deferred:
             return self._observe(depth, accepted, self._step)
         self._deferred.append((depth, accepted, self._step))
-        if depth and self._steady is not None:
+        # (no verdicts: every request's draft has holes, and the engine sends []; the estimate skips them too)
+        if depth and accepted and self._steady is not None:
             # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep

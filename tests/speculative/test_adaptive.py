@@ -495,6 +495,25 @@ def test_a_steady_round_ends_where_the_acceptance_moves():
     assert runs[8] == runs[1] and runs[1][-1] < 3, runs
 
 
+def test_a_steady_round_takes_verdicts_of_holed_drafts_alone():
+    """After a draft's pause every running request's draft has holes, and the engine sends a round's verdicts as []
+    (``Engine._apply``): a steady run takes them as the every-step chooser does (the estimate skips them), not as a
+    division by no requests in its watch on acceptance."""
+    runs = {}
+    for steady in (1, 16):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        depths, pending = [], None
+        for i in range(60):
+            depths.append(c.choose(64))
+            if pending is not None:
+                c.observe(*pending)
+            if steady > 1 and i == 30:
+                assert c._steady is not None  # (the [] below falls in a run)
+            pending = (depths[-1], [] if 30 <= i < 40 else [depths[-1]] * 64)
+        runs[steady] = depths
+    assert runs[16] == runs[1] and runs[1][-1] == 3, runs
+
+
 @pytest.mark.parametrize("lag", [1, 5, 16])
 def test_a_lag_told_during_a_steady_round_is_counted(lag):
     """Steady at depth 3 (bs 64, every draft accepted) with steps to go, then ``sync_lag``: the next step makes the
