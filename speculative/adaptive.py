@@ -214,8 +214,10 @@ class AcceptanceEstimate:
         acc, tried, at = self._accepted, self._tried, self.at
         for i in range(depth):
             passed = reached - accepted.count(i) * (scale if rounds > 1 else 1)
-            gap = rounds if step is None else step - at[i]
-            keep = decay if gap <= 1 else decay ** gap  # (a step's decay per step since the position's last)
+            # (a step's decay per step since the position's last; at least one per round, as one by one: a round at
+            # the step of the last update decays once)
+            gap = rounds if step is None else max(step - at[i], rounds)
+            keep = decay if gap <= 1 else decay ** gap
             acc[i] = keep * acc[i] + passed
             tried[i] = keep * tried[i] + reached
             at[i] = at[i] + rounds if step is None else step

@@ -1469,6 +1469,14 @@ def test_rounds_alike_update_the_estimate_as_one_as_they_do_one_by_one():
             as_one.update(3, one * k, 10 + k, rounds=k)
             assert as_one.accepted == pytest.approx(by_one.accepted, rel=1e-12)
             assert as_one.tried == pytest.approx(by_one.tried, rel=1e-12) and as_one.at == by_one.at
+            # (the first of the rounds at the step of the update before, as where two verdicts came at one step)
+            by_one.update(3, one, 10 + k)
+            for j in range(k):
+                by_one.update(3, one, 10 + k + j)
+            as_one.update(3, one, 10 + k)
+            as_one.update(3, one * k, 10 + 2 * k - 1, rounds=k)
+            assert as_one.accepted == pytest.approx(by_one.accepted, rel=1e-12)
+            assert as_one.tried == pytest.approx(by_one.tried, rel=1e-12) and as_one.at == by_one.at
     rounds = [[min(3, int(rng.expovariate(0.8))) for _ in range(64)] for _ in range(8)]
     by_one, as_one = AcceptanceEstimate(3), AcceptanceEstimate(3)
     for j, r in enumerate(rounds):
