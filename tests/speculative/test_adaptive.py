@@ -1452,6 +1452,30 @@ def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
     assert runs > 50 and beyond > 10, (runs, beyond)
 
 
+def test_stats_reads_only():
+    """/v1/stats calls ``stats`` from another thread than the engine's: it changes nothing the choice reads (a
+    refresh there dropped the caches under the engine thread, as a run's ``_extend_run`` reads its totals), and shows
+    each bucket's step costs as its next choice reads them."""
+    import copy
+
+    c = DepthChooser(H100_8B, num_steps=3, host_unit=1.0, context_costs=KV_8B)
+    now = 0.0
+    for _ in range(40):
+        d = c.choose(64, 64 * 500)
+        c.launched(now, 0.0, True)
+        now += 12.0 + d  # (host-bound: the host medians move the step costs)
+        c.observe(d, [d] * 64)
+    assert c.host[64] and c._fresh_at.get(64) == c._host_gen
+    c.host[64] = {d: ms * 1.5 for d, ms in c.host[64].items()}  # (a median moved: the bucket's costs are stale)
+    c._host_gen += 1
+    state = ("_fresh_at", "step_cost", "_totals", "_best", "_rests", "_probe_every", "_steady")
+    before = {k: copy.deepcopy(getattr(c, k)) for k in state}
+    shown = c.stats()["step_cost_ms"]["64"]
+    assert {k: getattr(c, k) for k in state} == before
+    c._fresh(64)
+    assert shown == {str(d): round(c.step_cost[64][d], 4) for d in c.tiers} and c.step_cost != before["step_cost"]
+
+
 def test_rounds_alike_update_the_estimate_as_one_as_they_do_one_by_one():
     """``update(..., rounds=k)`` with the verdicts of k rounds alike, one step apart, leaves every position's sums and
     step where k updates one by one do (full batches and a batch under ``full_round``); rounds that differ land near."""
