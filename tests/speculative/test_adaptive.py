@@ -1519,3 +1519,21 @@ def test_a_steady_run_halves_the_choosers_own_work_where_the_batch_stays():
     tail = [sum(drive(s, 64, "tail", 8, 2, True).values()) for s in (None, 1)]
     assert flat[0] < flat[1] / 2, flat
     assert tail[0] <= tail[1], tail
+
+
+def test_steady_and_every_step_choosers_fuzzed_alike():
+    """``tests/speculative/fuzz_steady.py`` on a few seeds (batches that stay, drain and grow, context jumps, lost
+    steps, structured rounds, non-contiguous launches, lags told, verdicts of holed drafts, host clock on): no
+    exception, nothing deferred after a full choice, and the two choosers' depths apart on few steps."""
+    import argparse
+
+    from tests.speculative.fuzz_steady import run_seed
+
+    opts = argparse.Namespace(steps=600, host=True, context=True, holes=True, alike=True, p_change=0.004,
+                              p_jump=0.003, p_lost=0.003, p_guided=0.003, p_holes=0.01, p_gap=0.01, host_noise=0.1)
+    apart = 0
+    for seed in range(6):
+        r = run_seed(seed, opts)
+        assert r["error"] is None, r["error"]
+        apart += sum(n for _, n, _ in r["stretches"])
+    assert apart < 6 * 600 // 20, apart
