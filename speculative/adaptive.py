@@ -214,8 +214,10 @@ class AcceptanceEstimate:
         acc, tried, at = self._accepted, self._tried, self.at
         for i in range(depth):
             passed = reached - accepted.count(i) * (scale if rounds > 1 else 1)
-            gap = rounds if step is None else step - at[i]
-            keep = decay if gap <= 1 else decay ** gap  # (a step's decay per step since the position's last)
+            # (a step's decay per step since the position's last; at least one per round, as one by one: a round at
+            # the step of the last update decays once)
+            gap = rounds if step is None else max(step - at[i], rounds)
+            keep = decay if gap <= 1 else decay ** gap
             acc[i] = keep * acc[i] + passed
             tried[i] = keep * tried[i] + reached
             at[i] = at[i] + rounds if step is None else step
@@ -820,7 +822,8 @@ class DepthChooser:
         if self._steady is None and not self._deferred:
             return self._observe(depth, accepted, self._step)
         self._deferred.append((depth, accepted, self._step))
-        if depth and self._steady is not None:
+        # (no verdicts: every request's draft has holes, and the engine sends []; the estimate skips them too)
+        if depth and accepted and self._steady is not None:
             # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep
@@ -1101,6 +1104,15 @@ class DepthChooser:
         """The bucket's step costs, max(table, host) per depth, the host's never less at a deeper tier than at a
         shallower one (a probe's sample, two intervals less a third, is the noisiest); its cached choices are
         dropped only when one moved by more than ``host_change``."""
+        new = self._refreshed(bucket)
+        if new is None:
+            return
+        self.step_cost[bucket] = new
+        for cache in (self._rests, self._best, self._totals, self._probe_every):
+            cache.pop(bucket, None)
+
+    def _refreshed(self, bucket: int) -> dict[int, float] | None:
+        """``_refresh``'s new step costs of the bucket, None where they stay (reads only)."""
         table = self.costs[bucket]
         new, host = {}, 0.0
         for d, cost in zip(self.tiers, self._host_row(bucket)):
@@ -1108,25 +1120,24 @@ class DepthChooser:
             new[d] = max(table[d], host)
         cur = self.step_cost[bucket]
         if all(abs(new[d] - cur[d]) <= self.host_change * cur[d] for d in self.tiers):
-            return
-        self.step_cost[bucket] = new
-        for cache in (self._rests, self._best, self._totals, self._probe_every):
-            cache.pop(bucket, None)
+            return None
+        return new
 
     def stats(self) -> dict:
         """(As of the last full choice: what a steady run deferred is taken in by the next one, in the engine's
         thread; /v1/stats calls this from another.)"""
-        for b, o in self.host.items():
-            if o:
-                self._fresh(b)
+        # (reads only: ``_fresh`` here dropped the engine thread's cached choices under it, e.g. between
+        # ``_extend_run``'s check of its totals and its read; a bucket's costs shown as its next choice reads them)
+        gen, check = self._host_gen, self.check
+        cost = {b: (self.step_cost[b] if self._fresh_at.get(b) == gen else self._refreshed(b) or self.step_cost[b])
+                for b, o in self.host.items() if o}
         return {"policy": "adaptive", "acceptance": [round(x, 4) for x in self.estimate.p],
                 "last_depth": self.last_depth, "tiers": self.tiers, "draft_lag": self.lag,
                 "context_tokens": self._context,  # (the last chosen batch's, coarsened)
                 # per bucket with host samples: the host's median per depth, and the costs the choice reads
                 "host_ms": {str(b): {str(d): round(h, 4) for d, h in sorted(o.items())}
                             for b, o in self.host.items() if o},
-                "step_cost_ms": {str(b): {str(d): round(self.step_cost[b][d], 4) for d in self.tiers}
-                                 for b, o in self.host.items() if o},
+                "step_cost_ms": {str(b): {str(d): round(c[d], 4) for d in self.tiers} for b, c in cost.items()},
                 "host_ms_per_request_depth": round(self.host_per_depth, 6),
                 # per bucket observed: the host's ms of a round's catch-up short of a full stash
                 "catch_up_host_ms": {str(b): round(h, 4) for b, h in sorted(self.catch_up_host.items())},
@@ -1136,7 +1147,7 @@ class DepthChooser:
                                         "base": v["base"], "rate_vs_base": round(v["ratio"], 4),
                                         "recheck_in": max(0, v["until"] - self._step)}
                                for b, v in sorted(self.verdicts.items())},
-                "checking": self.check.stats() if self.check is not None else None,
+                "checking": check.stats() if check is not None else None,
                 "checks": dict(self.check_counts),
                 # the draft's pause: on now, how many began (the engine counts the steps run paused)
                 "draft_paused": self.paused, "pauses": self.pauses}

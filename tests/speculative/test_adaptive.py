@@ -495,6 +495,25 @@ def test_a_steady_round_ends_where_the_acceptance_moves():
     assert runs[8] == runs[1] and runs[1][-1] < 3, runs
 
 
+def test_a_steady_round_takes_verdicts_of_holed_drafts_alone():
+    """After a draft's pause every running request's draft has holes, and the engine sends a round's verdicts as []
+    (``Engine._apply``): a steady run takes them as the every-step chooser does (the estimate skips them), not as a
+    division by no requests in its watch on acceptance."""
+    runs = {}
+    for steady in (1, 16):
+        c = DepthChooser(H100_8B, num_steps=3, steady_steps=steady)
+        depths, pending = [], None
+        for i in range(60):
+            depths.append(c.choose(64))
+            if pending is not None:
+                c.observe(*pending)
+            if steady > 1 and i == 30:
+                assert c._steady is not None  # (the [] below falls in a run)
+            pending = (depths[-1], [] if 30 <= i < 40 else [depths[-1]] * 64)
+        runs[steady] = depths
+    assert runs[16] == runs[1] and runs[1][-1] == 3, runs
+
+
 @pytest.mark.parametrize("lag", [1, 5, 16])
 def test_a_lag_told_during_a_steady_round_is_counted(lag):
     """Steady at depth 3 (bs 64, every draft accepted) with steps to go, then ``sync_lag``: the next step makes the
@@ -1433,6 +1452,30 @@ def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
     assert runs > 50 and beyond > 10, (runs, beyond)
 
 
+def test_stats_reads_only():
+    """/v1/stats calls ``stats`` from another thread than the engine's: it changes nothing the choice reads (a
+    refresh there dropped the caches under the engine thread, as a run's ``_extend_run`` reads its totals), and shows
+    each bucket's step costs as its next choice reads them."""
+    import copy
+
+    c = DepthChooser(H100_8B, num_steps=3, host_unit=1.0, context_costs=KV_8B)
+    now = 0.0
+    for _ in range(40):
+        d = c.choose(64, 64 * 500)
+        c.launched(now, 0.0, True)
+        now += 12.0 + d  # (host-bound: the host medians move the step costs)
+        c.observe(d, [d] * 64)
+    assert c.host[64] and c._fresh_at.get(64) == c._host_gen
+    c.host[64] = {d: ms * 1.5 for d, ms in c.host[64].items()}  # (a median moved: the bucket's costs are stale)
+    c._host_gen += 1
+    state = ("_fresh_at", "step_cost", "_totals", "_best", "_rests", "_probe_every", "_steady")
+    before = {k: copy.deepcopy(getattr(c, k)) for k in state}
+    shown = c.stats()["step_cost_ms"]["64"]
+    assert {k: getattr(c, k) for k in state} == before
+    c._fresh(64)
+    assert shown == {str(d): round(c.step_cost[64][d], 4) for d in c.tiers} and c.step_cost != before["step_cost"]
+
+
 def test_rounds_alike_update_the_estimate_as_one_as_they_do_one_by_one():
     """``update(..., rounds=k)`` with the verdicts of k rounds alike, one step apart, leaves every position's sums and
     step where k updates one by one do (full batches and a batch under ``full_round``); rounds that differ land near."""
@@ -1448,6 +1491,14 @@ def test_rounds_alike_update_the_estimate_as_one_as_they_do_one_by_one():
             for j in range(k):
                 by_one.update(3, one, 11 + j)
             as_one.update(3, one * k, 10 + k, rounds=k)
+            assert as_one.accepted == pytest.approx(by_one.accepted, rel=1e-12)
+            assert as_one.tried == pytest.approx(by_one.tried, rel=1e-12) and as_one.at == by_one.at
+            # (the first of the rounds at the step of the update before, as where two verdicts came at one step)
+            by_one.update(3, one, 10 + k)
+            for j in range(k):
+                by_one.update(3, one, 10 + k + j)
+            as_one.update(3, one, 10 + k)
+            as_one.update(3, one * k, 10 + 2 * k - 1, rounds=k)
             assert as_one.accepted == pytest.approx(by_one.accepted, rel=1e-12)
             assert as_one.tried == pytest.approx(by_one.tried, rel=1e-12) and as_one.at == by_one.at
     rounds = [[min(3, int(rng.expovariate(0.8))) for _ in range(64)] for _ in range(8)]
@@ -1468,3 +1519,21 @@ def test_a_steady_run_halves_the_choosers_own_work_where_the_batch_stays():
     tail = [sum(drive(s, 64, "tail", 8, 2, True).values()) for s in (None, 1)]
     assert flat[0] < flat[1] / 2, flat
     assert tail[0] <= tail[1], tail
+
+
+def test_steady_and_every_step_choosers_fuzzed_alike():
+    """``tests/speculative/fuzz_steady.py`` on a few seeds (batches that stay, drain and grow, context jumps, lost
+    steps, structured rounds, non-contiguous launches, lags told, verdicts of holed drafts, host clock on): no
+    exception, nothing deferred after a full choice, and the two choosers' depths apart on few steps."""
+    import argparse
+
+    from tests.speculative.fuzz_steady import run_seed
+
+    opts = argparse.Namespace(steps=600, host=True, context=True, holes=True, alike=True, p_change=0.004,
+                              p_jump=0.003, p_lost=0.003, p_guided=0.003, p_holes=0.01, p_gap=0.01, host_noise=0.1)
+    apart = 0
+    for seed in range(6):
+        r = run_seed(seed, opts)
+        assert r["error"] is None, r["error"]
+        apart += sum(n for _, n, _ in r["stretches"])
+    assert apart < 6 * 600 // 20, apart
