@@ -1,5 +1,5 @@
 """Fuzz: ``DepthChooser`` with steady runs (its defaults) against the one that makes the full choice every step
-(``steady_steps=1``), driven with identical random inputs as the engine drives them (review31).
+(``steady_steps=1``), driven with identical random inputs as the engine drives them.
 
 Per step, as ``deployments/engine/engine.py``: ``sync_lag`` (where no step is in flight), ``choose``, ``launched``,
 then the verdicts of the step before (``observe``, or ``lost``; the overlap schedule). Inputs are exogenous (they do
