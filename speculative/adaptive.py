@@ -890,7 +890,7 @@ class DepthChooser:
                 self._launched(now, waited, contiguous, chosen, step)
                 i += 1
 
-    def _samples(self, bucket: int, depth: int, step: int, ms: list[float]) -> None:
+    def _samples(self, bucket: int, depth: int, step: int, ms) -> None:
         """``_sample`` of each of ``ms`` (all > 0), the last at ``step``."""
         self._sampled_at[bucket, depth] = step
         recent = self._host_runs.get((bucket, depth))
@@ -1008,14 +1008,8 @@ class DepthChooser:
             cache.clear()
 
     def _sample(self, bucket: int, depth: int, ms: float, step: int) -> None:
-        if ms <= 0:
-            return
-        self._sampled_at[bucket, depth] = step
-        recent = self._host_runs.get((bucket, depth))
-        if recent is None:
-            recent = self._host_runs[bucket, depth] = deque(maxlen=self.host_samples)
-        recent.append(ms)
-        self._unsettled.add((bucket, depth))
+        if ms > 0:
+            self._samples(bucket, depth, step, (ms,))
 
     def _settle(self) -> None:
         """The host medians of the (bucket, depth)s sampled since the last call (a steady run's, together)."""
