@@ -409,12 +409,12 @@ class DepthChooser:
         self.pause_hold, self._paused_for = pause_hold, 0
         self.pauses = 0
         # a steady run: a round that wins clearly is chosen again without the full choice for up to
-        # ``steady_steps`` steps, while the batch's bucket stays, its context stays over levels where the same
-        # round wins clearly, the run's rounds accept within ``steady_tol`` a draft of what the estimate expected,
-        # and no draft lag, check, probe or pause is due. The run's verdicts, launches and lost steps wait in
-        # ``_deferred`` and the next full choice takes them in, in order: on a GPU host the chooser's calls cost
-        # ~60 µs a step, a tenth of a small model's step, most of it in code run once a step (1: every step
-        # chooses anew). ``_steady``: (bucket, the first step that chooses anew, the choice's ``_chosen``, its
+        # ``steady_steps`` steps, while the batch's bucket stays, its context stays where the same round surely
+        # stays the best, the drafts its rounds accept stay near what the estimate expected (``_watch``), and no
+        # draft lag, check, probe or pause is due. The run's verdicts, launches and lost steps wait in
+        # ``_deferred`` / ``_run_launches`` and the next full choice takes them in, in order: on a GPU host the
+        # chooser's calls cost ~60 µs a step, most of it in code run cold once a step (1: every step chooses
+        # anew). ``_steady``: (bucket, the first step that chooses anew, the choice's ``_chosen``, its
         # depth, the contexts [lo, hi) it holds over, whether hi was extended past its level)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
@@ -1015,8 +1015,8 @@ class DepthChooser:
         """The host medians of the (bucket, depth)s sampled since the last call (a steady run's, together)."""
         moved = False
         for bucket, depth in self._unsettled:
-            recent = self._host_runs[bucket, depth]
-            if len(recent) < self.host_min_samples:
+            recent = self._host_runs.get((bucket, depth))
+            if recent is None or len(recent) < self.host_min_samples:
                 continue
             # the median: a step's own outliers (a collection of the youngest generation, a joining request's
             # catch-up, the machine's other load) move it little
