@@ -48,7 +48,8 @@ def _traced(policy, log: list) -> None:
     def on_choose(bs, context_tokens=0):
         t = clock()
         d = choose(bs, context_tokens)
-        log.append(["choose", time.perf_counter(), bs, d, getattr(policy, "lag", None), clock() - t])
+        done = clock()
+        log.append(["choose", done, bs, d, getattr(policy, "lag", None), done - t])
         return d
 
     def on_launch(now, waited, contiguous):
@@ -260,7 +261,8 @@ def report(out: str, files: list[str]) -> None:
     for r in results:
         for n, top in r.get("profile", {}).items():
             lines += ["", f"`{r['tag']}`, {n}: functions by own time in a batch after the repeats (cProfile; µs per "
-                      "decode step, own / cumulative):", "", "| function | calls | own | cumulative |", "|---|---|---|---|"]
+                      "decode step, own / cumulative):", "", "| function | calls | own | cumulative |",
+                      "|---|---|---|---|"]
             lines += [f"| `{f}` | {c} | {own} | {cum} |" for f, c, own, cum in top[:15]]
     write_markdown(path, lines)
     plt = pyplot()

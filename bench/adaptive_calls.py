@@ -1,14 +1,14 @@
 """The adaptive chooser's own work per decode step, counted in Python bytecodes (#41, CPU, deterministic).
 
 On a GPU host a small model's steps are host-bound, and there every bytecode the chooser runs between two launches
-is the step's: timed on an H200 in the engine, its calls took 40-80 µs a step, ten times what the same calls take
-in a loop on their own (each runs once a step, with its code and data evicted by the rest of the step). Wall time
-here moves by more than the effects measured, so this counts what runs instead: the chooser (``DepthChooser``, its
-defaults; ``--steady-steps 1`` for the full choice at every step) is driven as the engine drives it, choose,
-launched and observe a step, the verdicts one step late, over batches of a bucket's size that either stay
-(``flat``) or drain a bucket a step at their end, as a benchmark batch's last requests do (``tail``); a synthetic
-cost table of the shipped family's shape (23 buckets, a context slope), 0.8 acceptance per position. Per step:
-bytecodes in each call and in all, and a wall time with the caches evicted between steps (noisy: a guide only).
+is the step's; in the engine its calls cost several times what they cost in a loop on their own (each runs once a
+step, with its code and data evicted by the rest of the step; the measurements are in docs/performance.md). Wall
+time here moves by more than the effects measured, so this counts what runs instead: the chooser
+(``DepthChooser``, its defaults, beside ``steady_steps=1``: the full choice at every step) is driven as the engine
+drives it, choose, launched and observe a step, the verdicts one step late, over batches of a bucket's size that
+either stay (``flat``) or drain a bucket a step at their end, as a benchmark batch's last requests do (``tail``); a
+synthetic cost table of the shipped family's shape (23 buckets, a context slope), 0.8 acceptance per position. Per
+step: bytecodes in each call and in all, and a wall time with the caches evicted between steps (noisy: a guide only).
 
     python3 -m bench.adaptive_calls --out bench/results/adaptive/host/adaptive_calls_cpu
     cd COPY_OF_AN_OLDER_COMMIT && PYTHONPATH=. python3 PATH/TO/bench/adaptive_calls.py --out OUT   (its chooser)

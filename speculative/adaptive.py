@@ -412,10 +412,10 @@ class DepthChooser:
         # ``steady_steps`` steps, while the batch's bucket stays, its context stays where the same round surely
         # stays the best, the drafts its rounds accept stay near what the estimate expected (``_watch``), and no
         # draft lag, check, probe or pause is due. The run's verdicts, launches and lost steps wait in
-        # ``_deferred`` / ``_run_launches`` and the next full choice takes them in, in order: on a GPU host the
-        # chooser's calls cost ~60 µs a step, most of it in code run cold once a step (1: every step chooses
-        # anew). ``_steady``: (bucket, the first step that chooses anew, the choice's ``_chosen``, its
-        # depth, the contexts [lo, hi) it holds over, whether hi was extended past its level)
+        # ``_deferred`` / ``_run_launches`` and the next full choice takes them in, in order: on a host-bound
+        # engine what the chooser runs each step, cold, is the step's (1: every step chooses anew). ``_steady``:
+        # (bucket, the first step that chooses anew, the choice's ``_chosen``, its depth, the contexts [lo, hi) it
+        # holds over, whether hi was extended past its level)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
         self._last_size = 0  # (the batch size of the last full choice)
