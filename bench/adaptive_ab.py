@@ -68,6 +68,7 @@ def _traced(policy, log: list) -> None:
 def run(a) -> None:
     sys.path.insert(0, os.getcwd())  # (the tree run from: a copy of another commit imports its own modules)
     from bench.adaptive import FAMILY, Bench
+    from bench.adaptive_calls import adaptive_of
     from speculative.adaptive import PAUSED, DepthChooser, DepthSchedule
     from workers.config import SpeculativeConfig
 
@@ -111,8 +112,10 @@ def run(a) -> None:
         eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
     policies = {}
     for name in a.policies.split(","):
-        if name in POLICIES:
-            policies[name] = DepthChooser(costs, 3, **{"context_costs": eng.executor.context_costs, **POLICIES[name]})
+        if name in POLICIES or name == "adaptive_compared":
+            # (adaptive_compared: the chooser of another commit's tree, --compare, its defaults)
+            cls = adaptive_of(a.compare).DepthChooser if name == "adaptive_compared" else DepthChooser
+            policies[name] = cls(costs, 3, **{"context_costs": eng.executor.context_costs, **POLICIES.get(name, {})})
             eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:
@@ -292,7 +295,9 @@ def main() -> None:
     ap.add_argument("--accept-length", type=float, default=1.5, help="simulated (--shape family: its real one)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--policies", default="depth0,adaptive", help="depthN, paused and " + ", ".join(POLICIES))
+    ap.add_argument("--policies", default="depth0,adaptive",
+                    help="depthN, paused and " + ", ".join(POLICIES) + "; adaptive_compared (--compare)")
+    ap.add_argument("--compare", default=None, help="a checkout of another commit: adaptive_compared is its chooser")
     ap.add_argument("--trace", action="store_true", help="record the launches of each policy's last repeat")
     ap.add_argument("--profile", action="store_true",
                     help="cProfile one more batch of each policy after its last repeat (own µs per step)")

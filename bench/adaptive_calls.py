@@ -1,26 +1,30 @@
-"""The adaptive chooser's own work per decode step, counted in Python bytecodes (#41, CPU, deterministic).
+"""The adaptive chooser's own work per decode step (#41, CPU): Python bytecodes (deterministic) and cold wall time.
 
 On a GPU host a small model's steps are host-bound, and there every bytecode the chooser runs between two launches
 is the step's; in the engine its calls cost several times what they cost in a loop on their own (each runs once a
-step, with its code and data evicted by the rest of the step; the measurements are in docs/performance.md). Wall
-time here moves by more than the effects measured, so this counts what runs instead: the chooser
-(``DepthChooser``, its defaults, beside ``steady_steps=1``: the full choice at every step) is driven as the engine
-drives it, choose, launched and observe a step, the verdicts one step late, over batches of a bucket's size that
-either stay (``flat``) or drain a bucket a step at their end, as a benchmark batch's last requests do (``tail``); a
-synthetic cost table of the shipped family's shape (23 buckets, a context slope), 0.8 acceptance per position. Per
-step: bytecodes in each call and in all, and a wall time with the caches evicted between steps (noisy: a guide only).
+step, with its code and data evicted by the rest of the step; the measurements are in docs/performance.md). The
+chooser (``DepthChooser``, its defaults, beside ``steady_steps=1``: the full choice at every step) is driven as the
+engine drives it, choose, launched and observe a step, the verdicts one step late, over batches of a bucket's size
+that either stay (``flat``) or drain a bucket a step at their end, as a benchmark batch's last requests do
+(``tail``); a synthetic cost table of the shipped family's shape (23 buckets, a context slope), 0.8 acceptance per
+position. Per step: the bytecodes of each call, counted; and the wall time of a step's calls with the caches evicted
+between steps (a pass over a few MB, sized so that a fixed depth's calls cost about what they cost in the engine on
+a GPU host), the policies interleaved batch by batch, a fixed depth beside them as the reference, the mean over the
+steps of a batch of each step's median.
 
     python3 -m bench.adaptive_calls --out bench/results/adaptive/host/adaptive_calls_cpu
-    cd COPY_OF_AN_OLDER_COMMIT && PYTHONPATH=. python3 PATH/TO/bench/adaptive_calls.py --out OUT   (its chooser)
+    python3 -m bench.adaptive_calls --compare COPY_OF_AN_OLDER_COMMIT --out OUT   (its chooser beside, interleaved)
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 import random
+import statistics
 import sys
 import time
+from pathlib import Path
 
 from bench.common import command, commit, device_name, out_path, pyplot, write_json, write_markdown
 
@@ -29,101 +33,175 @@ BUCKETS = [1, 2, 4, 8] + list(range(16, 257, 16))
 TAIL = (0.9, 0.77, 0.6, 0.53, 0.48, 0.45, 0.34, 0.23, 0.19, 0.12, 0.08, 0.05, 0.05, 0.02, 0.03, 0.02, 0.03)
 
 
-def drive(steady_steps: int | None, bs: int, shape: str, batches: int, warm: int, count: bool) -> dict:
-    from speculative.adaptive import DepthChooser
-
+def _table() -> tuple[dict, dict]:
     table = {b: {0: 0.2 + b * 0.002, 1: 0.28 + b * 0.003, 2: 0.33 + b * 0.004, 3: 0.37 + b * 0.0045,
                  -1: 0.06, -16: 0.1} for b in BUCKETS}
-    kw = {} if steady_steps is None else {"steady_steps": steady_steps}
-    c = DepthChooser(table, 3, context_costs={b: {d: 1.5e-5 for d in range(4)} for b in table}, **kw)
-    rng, junk = random.Random(0), list(range(300_000))
-    sizes = [bs] * 16 + ([max(1, int(bs * f)) for f in TAIL] if shape == "tail" else [bs] * len(TAIL))
-    ops = {"choose": 0, "launched": 0, "observe": 0}
-    wall = {k: [] for k in ops}
-    where = ["choose"]
+    return table, {b: {d: 1.5e-5 for d in range(4)} for b in table}
 
-    def tracer(frame, event, arg):  # (every bytecode run under the call, in the chooser's own frames)
+
+def policy(module, steady_steps: int | None):
+    """The chooser of ``module`` (``speculative.adaptive``, or another tree's), its defaults or ``steady_steps``;
+    ``steady_steps`` 0: a fixed depth of 3 (``DepthSchedule``)."""
+    if steady_steps == 0:
+        return module.DepthSchedule([3])
+    table, context = _table()
+    kw = {} if steady_steps is None else {"steady_steps": steady_steps}
+    return module.DepthChooser(table, 3, context_costs=context, **kw)
+
+
+class Engine:
+    """A policy driven as the engine drives it: per step ``choose``, ``launched``, then the step before's verdicts
+    (random, 0.8 acceptance per position; a seeded stream of its own, so that every policy sees the same)."""
+
+    def __init__(self, c, bs: int, shape: str):
+        self.c, self.now, self.pending, self.rng = c, 0.0, None, random.Random(0)
+        self.sizes = [bs] * 16 + ([max(1, int(bs * f)) for f in TAIL] if shape == "tail" else [bs] * len(TAIL))
+
+    def calls(self, i: int):
+        """The calls of the batch's ``i``-th step: (name, function, arguments), and a function that ends the step."""
+        n = self.sizes[i]
+        out = [("choose", self.c.choose, (n, n * 128 + (i + 1) * n * 3)),
+               ("launched", self.c.launched, (self.now, 1e-5, i > 0))]
+        if self.pending is not None:
+            out.append(("observe", self.c.observe, self.pending))
+
+        def done(depth: int) -> None:
+            rng = self.rng
+            self.pending = (depth, [next((k for k in range(depth) if rng.random() >= 0.8), depth) for _ in range(n)])
+            self.now += 0.0006 * (1 + 0.05 * rng.random())
+        return out, done
+
+
+def bytecodes(steady_steps: int | None, bs: int, shape: str, batches: int, warm: int) -> dict:
+    """Bytecodes a step in each call (the chooser's own frames and those it calls), after ``warm`` batches."""
+    from speculative import adaptive
+
+    e = Engine(policy(adaptive, steady_steps), bs, shape)
+    ops = {"choose": 0, "launched": 0, "observe": 0}
+    where, steps = ["choose"], 0
+
+    def tracer(frame, event, arg):
         frame.f_trace_opcodes = True
         if event == "opcode":
             ops[where[0]] += 1
         return tracer
 
-    now, pending, steps = 0.0, None, 0
     for rep in range(batches):
-        for i, n in enumerate(sizes):
-            on = rep >= warm
-            context = n * 128 + (i + 1) * n * 3
-            calls = (("choose", c.choose, (n, context)), ("launched", c.launched, (now, 1e-5, i > 0)),
-                     ("observe", c.observe, pending))
-            d = None
+        for i in range(len(e.sizes)):
+            calls, done = e.calls(i)
+            depth = None
             for name, fn, args in calls:
-                if args is None:
-                    continue
                 where[0] = name
-                if on and count:
+                if rep >= warm:
                     sys.settrace(tracer)
-                t = time.perf_counter()
                 got = fn(*args)
-                t = time.perf_counter() - t
-                if on and count:
+                if rep >= warm:
                     sys.settrace(None)
-                if on and not count:
-                    wall[name].append(t)
-                d = got if name == "choose" else d
-            steps += on
-            pending = (d, [next((k for k in range(d) if rng.random() >= 0.8), d) for _ in range(n)])
-            now += 0.0006 * (1 + 0.05 * rng.random())
-            if not count:
-                s = 0
-                for j in range(0, len(junk), 16):  # (evict the chooser's state, as the rest of a step does)
-                    s += junk[j]
-    if count:
-        return {k: round(v / steps, 1) for k, v in ops.items()}
-    return {k: round(1e6 * sum(v) / steps, 2) for k, v in wall.items()}
+                depth = got if name == "choose" else depth
+            steps += rep >= warm
+            done(depth)
+    return {k: round(v / steps, 1) for k, v in ops.items()}
+
+
+def cold(policies: dict, bs: int, shape: str, batches: int, warm: int) -> dict:
+    """Per policy: the mean over a batch's steps of each step's median wall µs (all its calls), the caches evicted
+    between steps; the policies interleaved batch by batch, each starting in turn, so that they share the machine's
+    moods."""
+    engines = {name: Engine(c, bs, shape) for name, c in policies.items()}
+    junk = [float(i) for i in range(100_000)]  # (a pass over its pointers and an eighth of its floats: ~1.4 MB)
+    names = list(engines)
+    per = {name: [[] for _ in engines[name].sizes] for name in names}
+    for rep in range(batches):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            e = engines[name]
+            for i in range(len(e.sizes)):
+                calls, done = e.calls(i)
+                t = time.perf_counter()
+                depth = calls[0][1](*calls[0][2])
+                for _, fn, args in calls[1:]:
+                    fn(*args)
+                t = time.perf_counter() - t
+                if rep >= warm:
+                    per[name][i].append(t * 1e6)
+                done(depth)
+                s = 0.0
+                for x in junk[::8]:
+                    s += x
+    out = {}
+    for name in names:
+        med = [statistics.median(v) for v in per[name]]
+        out[name] = {"us_per_step": round(sum(med) / len(med), 2), "first_16": round(sum(med[:16]) / 16, 2),
+                     "last_17": round(sum(med[16:]) / len(med[16:]), 2)}
+    return out
+
+
+def adaptive_of(tree: str):
+    """Another tree's ``speculative/adaptive.py`` (a copy of an older commit), as a module of its own."""
+    spec = importlib.util.spec_from_file_location("adaptive_compared", Path(tree) / "speculative" / "adaptive.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="16,64,256")
-    ap.add_argument("--batches", type=int, default=30)
+    ap.add_argument("--batches", type=int, default=30, help="batches for the bytecode count")
+    ap.add_argument("--cold-batches", type=int, default=60, help="batches per policy for the cold wall time")
+    ap.add_argument("--compare", default=None, help="a checkout of another commit: its chooser beside, interleaved")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    sys.path.insert(0, os.getcwd())  # (the tree run from: a copy of another commit measures its own chooser)
+    from speculative import adaptive
+
+    other = adaptive_of(a.compare) if a.compare else None
     out = out_path(a.out)
     res = {"device": device_name("cpu"), "commit": commit(), "command": command(), "rows": []}
-    policies = {"adaptive": None, "adaptive_every_step": 1}
     for shape in ("flat", "tail"):
         for bs in [int(x) for x in a.batch_sizes.split(",")]:
-            for name, steady in policies.items():
-                ops = drive(steady, bs, shape, a.batches, 5, True)
-                us = drive(steady, bs, shape, a.batches, 5, False)
+            pols = {"fixed_depth3": policy(adaptive, 0), "adaptive": policy(adaptive, None),
+                    "adaptive_every_step": policy(adaptive, 1)}
+            if other is not None:
+                pols["adaptive (compared)"] = policy(other, None)
+            walls = cold(pols, bs, shape, a.cold_batches, 5)
+            for name in pols:
+                steady = {"fixed_depth3": 0, "adaptive": None, "adaptive_every_step": 1}.get(name)
+                ops = bytecodes(steady, bs, shape, a.batches, 5) if name in ("adaptive", "adaptive_every_step") else None
                 row = {"shape": shape, "batch_size": bs, "policy": name, "bytecodes": ops,
-                       "bytecodes_per_step": round(sum(ops.values())), "wall_us": us,
-                       "wall_us_per_step": round(sum(us.values()), 1)}
+                       "bytecodes_per_step": round(sum(ops.values())) if ops else None, "cold_us": walls[name],
+                       "vs_fixed": round(walls[name]["us_per_step"] / walls["fixed_depth3"]["us_per_step"], 2)}
                 res["rows"].append(row)
                 print(row, flush=True)
+    if other is not None:
+        res["compared"] = a.compare
     write_json(out, res)
-    lines = ["# The adaptive chooser's own work per step (CPU, Python bytecodes)", "",
-             f"{res['device']}; commit `{res['commit']}`; `{res['command']}`", "",
+    lines = ["# The adaptive chooser's own work per step (CPU)", "",
+             f"{res['device']}; commit `{res['commit']}`; `{res['command']}`"
+             + (f"; compared: the chooser of `{a.compare}`" if other is not None else ""), "",
              "The chooser driven as the engine drives it (choose, launched, observe a step), 16 steps of a batch, then "
-             "17 more that stay (`flat`) or drain a bucket a step (`tail`); bytecodes a step in each call (the "
-             "deterministic measure) and the wall µs a step with the caches evicted between steps (noisy).", "",
-             "| shape | bs | policy | bytecodes a step | choose / launched / observe | wall µs a step (noisy) |",
-             "|---|---|---|---|---|---|"]
+             "17 more that stay (`flat`) or drain a bucket a step (`tail`). Bytecodes a step in each call (the "
+             "deterministic measure); cold wall µs a step, the caches evicted between steps and the policies "
+             "interleaved (the mean over a batch's steps of each step's median; in all, over its first 16 and its "
+             "last 17 steps), and its ratio to a fixed depth's calls.", "",
+             "| shape | bs | policy | bytecodes a step (choose / launched / observe) | cold µs a step (first 16 / last 17) "
+             "| vs fixed |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        o = r["bytecodes"]
-        lines.append(f"| {r['shape']} | {r['batch_size']} | {r['policy']} | {r['bytecodes_per_step']} | "
-                     f"{o['choose']} / {o['launched']} / {o['observe']} | {r['wall_us_per_step']} |")
+        o, w = r["bytecodes"], r["cold_us"]
+        ops = f"{r['bytecodes_per_step']} ({o['choose']} / {o['launched']} / {o['observe']})" if o else ""
+        lines.append(f"| {r['shape']} | {r['batch_size']} | {r['policy']} | {ops} | {w['us_per_step']} "
+                     f"({w['first_16']} / {w['last_17']}) | {r['vs_fixed']}x |")
     write_markdown(out, lines)
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    labels = [f"{r['shape']} {r['batch_size']}" for r in res["rows"] if r["policy"] == "adaptive"]
-    for k, name in enumerate(policies):
-        vals = [r["bytecodes_per_step"] for r in res["rows"] if r["policy"] == name]
-        ax.bar([i + 0.4 * k for i in range(len(vals))], vals, 0.4, label=name)
-    ax.set_xticks([i + 0.2 for i in range(len(labels))], labels, fontsize=7)
-    ax.set_ylabel("bytecodes a step")
-    ax.set_title(f"the chooser's own work a step ({res['commit']})")
+    labels = sorted({(r["shape"], r["batch_size"]) for r in res["rows"]}, key=lambda k: (k[0], k[1]))
+    names = list(dict.fromkeys(r["policy"] for r in res["rows"]))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        vals = [next(r["cold_us"]["us_per_step"] for r in res["rows"] if (r["shape"], r["batch_size"]) == lab
+                     and r["policy"] == name) for lab in labels]
+        ax.bar([i + width * k for i in range(len(labels))], vals, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))], [f"{s} {b}" for s, b in labels], fontsize=7)
+    ax.set_ylabel("cold µs a step")
+    ax.set_title(f"the chooser's own time a step, caches evicted ({res['commit']})")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out.with_suffix(".png"), dpi=110)

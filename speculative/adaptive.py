@@ -168,7 +168,7 @@ class AcceptanceEstimate:
         self._tried = [1.0] * num_positions
         self.at = [0] * num_positions  # the step of each position's last update
         self.version = next(_VERSIONS)  # (new at every change: a cache key unique across estimates)
-        self._p: tuple[int, list[float]] = (-1, [])
+        self._p = self._ratios()
 
     @property
     def accepted(self) -> list[float]:
@@ -177,6 +177,7 @@ class AcceptanceEstimate:
     @accepted.setter
     def accepted(self, value: list[float]) -> None:
         self._accepted, self.version = list(value), next(_VERSIONS)
+        self._p = self._ratios()
 
     @property
     def tried(self) -> list[float]:
@@ -185,13 +186,15 @@ class AcceptanceEstimate:
     @tried.setter
     def tried(self, value: list[float]) -> None:
         self._tried, self.version = list(value), next(_VERSIONS)
+        self._p = self._ratios()
 
     @property
     def p(self) -> list[float]:
-        """(Computed once per change: the chooser reads it several times a step.)"""
-        if self._p[0] != self.version:
-            self._p = (self.version, [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)])
-        return self._p[1]
+        """(Kept up to date by each change, a new list each time: the chooser reads it several times a step.)"""
+        return self._p
+
+    def _ratios(self) -> list[float]:
+        return [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)]
 
     def update(self, depth: int, accepted: list[int], step: int | None = None, rounds: int = 1) -> None:
         """One round at ``depth``: a request that accepted a drafts tried positions 1..min(a + 1, depth) and passed
@@ -211,20 +214,22 @@ class AcceptanceEstimate:
         if rounds > 1:  # (sum over the rounds of decay ** age, over rounds: each round's share of the counts)
             scale = (1.0 - decay ** rounds) / ((1.0 - decay) * rounds) if decay < 1.0 else 1.0
             reached = scale * reached
-        acc, tried, at = self._accepted, self._tried, self.at
+        acc, tried, at, p = self._accepted, self._tried, self.at, list(self._p)
+        count = 1 if rounds == 1 else scale
         for i in range(depth):
-            passed = reached - accepted.count(i) * (scale if rounds > 1 else 1)
+            passed = reached - accepted.count(i) * count
             # (a step's decay per step since the position's last; at least one per round, as one by one: a round at
             # the step of the last update decays once)
             gap = rounds if step is None else max(step - at[i], rounds)
             keep = decay if gap <= 1 else decay ** gap
-            acc[i] = keep * acc[i] + passed
-            tried[i] = keep * tried[i] + reached
+            a = acc[i] = keep * acc[i] + passed
+            t = tried[i] = keep * tried[i] + reached
+            p[i] = a / t if t > 0 else 0.0
             at[i] = at[i] + rounds if step is None else step
             reached = passed
             if reached <= 0:  # (no request got further)
                 break
-        self.version = next(_VERSIONS)
+        self.version, self._p = next(_VERSIONS), p
 
 
 class RateCheck:
@@ -341,8 +346,8 @@ class DepthChooser:
         # estimates change (a round's verdicts), so a run of plain steps costs a dict lookup each, not the argmax
         # (per bucket, so that a bucket whose costs move drops its own in one step: keyed by lag and context level,
         # they would otherwise be scanned whole, and they grow with every context level a long run passes)
-        # bucket → {(lag, context level): (depth, whether it won clearly)}
-        self._best: dict[int, dict[tuple[int, int], tuple[int, bool]]] = {}
+        # bucket → {(lag, context level): (depth, its rate over the runner-up's, its cost: ``_argmax``)}
+        self._best: dict[int, dict[tuple[int, int], tuple[int, float, float]]] = {}
         self._best_state = -1  # (the estimate's version the cached choices were made at)
         self._probe_every: dict[int, dict[tuple[int, int, int], int]] = {}  # bucket → {(base, probe, lag): steps}
         self._totals: dict[int, dict[tuple[int, int], list[float]]] = {}  # bucket → {(lag, context): tier costs}
@@ -418,15 +423,16 @@ class DepthChooser:
         # holds over, whether hi was extended past its level)
         self.steady_steps, self.steady_tol = max(1, steady_steps), steady_tol
         self._steady: tuple | None = None
-        self._last_size = 0  # (the batch size of the last full choice)
+        self.full_choices = 0  # (steps chosen by the full choice: the rest were a run's)
         self._deferred: list[tuple] = []  # verdicts (depth, accepted, step), a lost step (None, None, step)
         self._run_launches: list[tuple] = []  # ``_launched``'s arguments
         self._unsettled: set[tuple[int, int]] = set()  # (bucket, depth)s sampled since their medians were taken
         # (the run's watch, ``_watch``: the drafts a request is expected to accept, their decayed drift from it,
         # its decay and its bound)
-        self._expect, self._drift, self._drifted, self._drift_keep, self._drift_tol = 0.0, 0.0, False, 1.0, 0.0
-        # (the last ``best``'s: its rate over the runner-up's, and its step cost; a steady run's conditions)
-        self._won: tuple[float, float] = (1.0, 0.0)
+        self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
+        self._drift_keep, self._drift_tol = 1.0, 0.0
+        self._gains_at: tuple[list[float] | None, list[float]] = (None, [])  # (``_gains``: the p it was read from)
+        self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
     def bucket(self, batch_size: int) -> int:
         b = self._buckets.get(batch_size)
@@ -447,7 +453,7 @@ class DepthChooser:
         key = (lag, self._context)
         got = cached.get(key)
         if got is None:
-            got = cached[key] = (self.best(batch_size, lag=lag), *self._won)
+            got = cached[key] = self._argmax(bucket, self.estimate.p, lag, False)
         return got[0]
 
     def catch_up_cost(self, bucket: int, lag: int) -> float:
@@ -474,10 +480,13 @@ class DepthChooser:
         """argmax_d E(d) / cost(d) at the batch's bucket and context (ties: the shallower), after ``lag`` plain steps
         (default: the steps since the last round): a round first catches the draft up on them, and so does a plain
         step whose stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
-        p = self.estimate.p if p is None else p
-        lag = self.lag if lag is None else lag
         bucket = self.bucket(batch_size)
         self._fresh(bucket)
+        return self._argmax(bucket, self.estimate.p if p is None else p, self.lag if lag is None else lag, table)[0]
+
+    def _argmax(self, bucket: int, p: list[float], lag: int, table: bool) -> tuple[int, float, float]:
+        """``best`` at a bucket whose costs are fresh: the depth, by how much its rate beats the runner-up's, and
+        its cost (a steady run's conditions, ``_clear_win`` and ``_steady_reach``)."""
         totals = None if table else self._totals.get(bucket, {}).get((lag, self._context))
         if totals is None:
             cost = self.cost_at(bucket, table)
@@ -485,26 +494,35 @@ class DepthChooser:
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
             full = self.window and lag >= self.window
-            catch_up = 0.0 if full else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
+            catch_up = 0.0 if full or lag <= 0 else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
             totals = [(cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
             if not table:
                 self._totals.setdefault(bucket, {})[(lag, self._context)] = totals
-        # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
-        best, best_rate, best_total, second, e, run, at = self.tiers[0], -math.inf, 0.0, -math.inf, 1.0, 1.0, 0
-        for d, total in zip(self.tiers, totals):
-            while at < d:
-                run *= p[at]
-                e += run
-                at += 1
+        best, best_rate, best_total, second = self.tiers[0], -math.inf, 0.0, -math.inf
+        for d, e, total in zip(self.tiers, self._gains(p), totals):
             rate = e / total
             if rate > best_rate:
                 best, best_rate, best_total, second = d, rate, total, best_rate
             elif rate > second:
                 second = rate
-        # (by how much it wins, and its cost: a steady run's conditions, ``_clear_win`` and ``_steady_reach``)
-        self._won = (best_rate / second if second > 0 else math.inf, best_total)
-        return best
+        return best, best_rate / second if second > 0 else math.inf, best_total
+
+    def _gains(self, p: list[float]) -> list[float]:
+        """E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``), once
+        per estimate: every bucket and lag chosen at reads the same."""
+        got = self._gains_at
+        if got[0] is p:
+            return got[1]
+        gains, e, run, at = [], 1.0, 1.0, 0
+        for d in self.tiers:
+            while at < d:
+                run *= p[at]
+                e += run
+                at += 1
+            gains.append(e)
+        self._gains_at = (p, gains)
+        return gains
 
     def cost_at(self, bucket: int, table: bool = False) -> dict[int, float]:
         """Each tier's step cost at the bucket and the last chosen batch's context: the table's plus the context's
@@ -532,34 +550,37 @@ class DepthChooser:
 
     def choose(self, batch_size: int, context_tokens: int = 0) -> int:
         steady = self._steady
-        if (steady is not None and self._step + 1 < steady[1] and not self._drifted
-                and self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens
-                and (context_tokens < steady[5] or not steady[6] and context_tokens < self._extend_run())):
-            self._step += 1
-            self._chosen = steady[2]
-            return steady[3]
         if steady is not None:
+            if self._step + 1 < steady[1] and not self._drifted:
+                if (self._buckets.get(batch_size) == steady[0] and steady[4] <= context_tokens
+                        and (context_tokens < steady[5] or not steady[6] and context_tokens < self._extend_run())):
+                    self._step += 1
+                    self._chosen = steady[2]
+                    return steady[3]
+                if self._carry_run(batch_size, context_tokens):
+                    return steady[3]
             self._end_run()
+        self.full_choices += 1
         if self._deferred or self._run_launches:
             self._flush()
         self._context = context_level(context_tokens)
-        self._fresh(self.bucket(batch_size))
+        bucket = self.bucket(batch_size)
+        self._fresh(bucket)
         if (self.paused or self._plain_streak >= self.pause_after > 0) and self._stays_paused(batch_size):
             return 0
-        bucket = self.bucket(batch_size)
         self._step += 1
         if self._step % 16 == 0 and self._sampled_at:
             self._expire()
             self._fresh(bucket)  # (a median dropped moves the bucket's costs: its cached choices go)
-        depth = self._cached_best(batch_size, bucket, self.lag)
+        depth = best = self._cached_best(batch_size, bucket, self.lag)
         block = None
         if self.check_pairs:
             depth, block = self._verify(batch_size, bucket, depth)
         # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder);
         # a check's steps run its blocks' depths alone
-        base = min(depth, self._cached_best(batch_size, bucket, 0))
+        base = min(depth, best if not self.lag else self._cached_best(batch_size, bucket, 0))
         chosen = depth  # (before a probe)
-        i = self.tiers.index(base)
+        i = self._tier_at[base]
         if block is None and i + 1 < len(self.tiers):
             probe = self.tiers[i + 1]
             cached = self._probe_every.setdefault(bucket, {})
@@ -588,10 +609,7 @@ class DepthChooser:
         # without a probe ever measuring acceptance)
         measured = self.estimate.at[0] > self._resumed_at
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
-        # (no run begins where the batch shrank since the last full choice: a batch draining a bucket or more a
-        # step, as a batch's last requests do, would pay for setting up runs that end at the next step)
-        draining, self._last_size = batch_size < self._last_size, batch_size
-        if (self.steady_steps > 1 and not draining and chosen == depth > 0 and not self._chosen[2] and block is None
+        if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
             # (its contexts: its level's, extended past it when a step reaches there, ``_extend_run``)
             self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth,
@@ -599,20 +617,74 @@ class DepthChooser:
             self._watch(batch_size, depth)
         return depth
 
+    def _carry_run(self, batch_size: int, context_tokens: int) -> bool:
+        """The run carried on at another bucket or context level (a batch draining as its last requests end, its
+        context with it; or grown), where the full choice there would choose its round, clearly, at the run's
+        estimates (its verdicts stay deferred), with no check, probe or verdict's end due: its end, contexts and
+        watch set anew there, its drift kept. Such a step costs the choice at the bucket (cached per estimate)
+        and none of a full choice's taking in of verdicts and launches, a step's most: done together when the run
+        ends, they run warm. (Written out, as ``_steady_until`` and ``context_range``: every call a step makes,
+        cold, is the step's.)"""
+        depth, step = self._steady[3], self._step + 1
+        bucket = self._buckets.get(batch_size) or self.bucket(batch_size)
+        shift = max(0, context_tokens.bit_length() - 4)
+        lo = context_tokens >> shift << shift
+        self._context = lo
+        if self._fresh_at.get(bucket) != self._host_gen:
+            self._fresh(bucket)
+        got = self._best.get(bucket, {}).get((0, lo)) if self._best_state == self.estimate.version else None
+        if got is None:
+            self._cached_best(batch_size, bucket, 0)
+            got = self._best[bucket][0, lo]
+        if got[0] != depth or got[1] <= 1.0 + self.steady_tol:  # (``_clear_win``)
+            return False
+        until = self._steady[1]
+        if self.check_pairs:  # (``_verify``'s reading at the bucket: none where the choice rests on host medians)
+            rest = self._rests.get(bucket)
+            if rest is None or step - rest[0] >= 16:  # (no verdict and under two depths measured there: none)
+                rest = self._rests[bucket] = (step & ~15, () if bucket not in self.verdicts and len(self.host[bucket])
+                                              < 2 else self._rests_on_host(batch_size, bucket))
+            if rest[1]:
+                return False
+            until = min(until, rest[0] + 16)
+        v = self.verdicts.get(bucket)
+        if v is not None and step < v["until"]:
+            until = min(until, v["until"])
+        i = self._tier_at[depth] + 1
+        if i < len(self.tiers):  # (the probe above the round, at its spacing there, as the full choice keeps it)
+            probe = self.tiers[i]
+            cached = self._probe_every.setdefault(bucket, {})
+            every = cached.get((depth, probe, 0))
+            if every is None:
+                every = cached[depth, probe, 0] = self.probe_every(bucket, depth, probe, 0)
+            until = min(until, self._seen[probe] + every)
+        if until <= step:  # (due now)
+            return False
+        self._step = step
+        self._chosen = (bucket, depth, False, 0)
+        self._steady = (bucket, until, self._chosen, depth, lo, (context_tokens >> shift) + 1 << shift, False)
+        keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
+        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+        return True
+
     def _watch(self, batch_size: int, depth: int) -> None:
         """The run's watch on acceptance: the drafts a request is expected to accept at ``depth`` (mean, and the
-        spread of one request's), and how far their decayed drift may go before the full choice: ``steady_tol`` a
-        draft, or three times the drift's spread on a stationary acceptance, whichever is more (a batch of 16
-        would otherwise end most runs on its own noise)."""
+        variance of one request's), and how far their decayed drift may go before the full choice
+        (``_tolerance``)."""
         p, mean, sq, run = self.estimate.p, 0.0, 0.0, 1.0
         for i in range(depth):  # (P(accepted > i) = p_1 ... p_{i+1}; E[a^2] = sum over i of (2i + 1) P(a > i))
             run *= p[i]
             mean += run
             sq += (2 * i + 1) * run
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
-        spread = math.sqrt(max(0.0, sq - mean * mean) / batch_size * (1.0 - keep) / (1.0 + keep))
-        self._expect, self._drift, self._drifted, self._drift_keep = mean, 0.0, False, keep
-        self._drift_tol = max(self.steady_tol * depth, 3.0 * spread)
+        self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
+        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+
+    def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
+        """``steady_tol`` a draft, or three times the drift's spread on a stationary acceptance at the batch size,
+        whichever is more (a batch of 16 would otherwise end most runs on its own noise)."""
+        return max(self.steady_tol * depth,
+                   3.0 * math.sqrt(self._variance / batch_size * (1.0 - keep) / (1.0 + keep)))
 
     def _end_run(self) -> None:
         """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""

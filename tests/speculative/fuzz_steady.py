@@ -58,9 +58,9 @@ class Sim:
             c.unpause()
         if self.pending is None and not c.paused:  # (no decode in flight: the batch's own lag)
             c.sync_lag(w["lag"])
-        run = c._steady
+        before = c.full_choices
         d = c.choose(w["bs"], w["context"])
-        full = not (run is not None and c._chosen is run[2])
+        full = c.full_choices != before
         if full or c.paused:
             assert not c._deferred and not c._run_launches, ("deferred left after a full choice", c._deferred)
         self.depths.append(-1 if c.paused else d)
