@@ -163,9 +163,9 @@ def main() -> None:
             if other is not None:
                 pols["adaptive (compared)"] = policy(other, None)
             walls = cold(pols, bs, shape, a.cold_batches, 5)
+            counted = {"adaptive": None, "adaptive_every_step": 1}  # (this tree's choosers: their steady_steps)
             for name in pols:
-                steady = {"fixed_depth3": 0, "adaptive": None, "adaptive_every_step": 1}.get(name)
-                ops = bytecodes(steady, bs, shape, a.batches, 5) if name in ("adaptive", "adaptive_every_step") else None
+                ops = bytecodes(counted[name], bs, shape, a.batches, 5) if name in counted else None
                 row = {"shape": shape, "batch_size": bs, "policy": name, "bytecodes": ops,
                        "bytecodes_per_step": round(sum(ops.values())) if ops else None, "cold_us": walls[name],
                        "vs_fixed": round(walls[name]["us_per_step"] / walls["fixed_depth3"]["us_per_step"], 2)}
@@ -182,8 +182,8 @@ def main() -> None:
              "deterministic measure); cold wall µs a step, the caches evicted between steps and the policies "
              "interleaved (the mean over a batch's steps of each step's median; in all, over its first 16 and its "
              "last 17 steps), and its ratio to a fixed depth's calls.", "",
-             "| shape | bs | policy | bytecodes a step (choose / launched / observe) | cold µs a step (first 16 / last 17) "
-             "| vs fixed |", "|---|---|---|---|---|---|"]
+             "| shape | bs | policy | bytecodes a step (choose / launched / observe) "
+             "| cold µs a step (first 16 / last 17) | vs fixed |", "|---|---|---|---|---|---|"]
     for r in res["rows"]:
         o, w = r["bytecodes"], r["cold_us"]
         ops = f"{r['bytecodes_per_step']} ({o['choose']} / {o['launched']} / {o['observe']})" if o else ""

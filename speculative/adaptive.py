@@ -612,9 +612,10 @@ class DepthChooser:
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
             # (its contexts: its level's, extended past it when a step reaches there, ``_extend_run``)
-            self._steady = (bucket, self._steady_until(bucket, depth), self._chosen, depth,
+            self._steady = (bucket, self._steady_until(bucket, depth, self._step, self._step + self.steady_steps),
+                            self._chosen, depth,
                             *context_range(context_tokens), False)
-            self._watch(batch_size, depth)
+            self._watch(batch_size, depth, self._best[bucket][0, self._context][1])
         return depth
 
     def _carry_run(self, batch_size: int, context_tokens: int) -> bool:
@@ -623,8 +624,8 @@ class DepthChooser:
         estimates (its verdicts stay deferred), with no check, probe or verdict's end due: its end, contexts and
         watch set anew there, its drift kept. Such a step costs the choice at the bucket (cached per estimate)
         and none of a full choice's taking in of verdicts and launches, a step's most: done together when the run
-        ends, they run warm. (Written out, as ``_steady_until`` and ``context_range``: every call a step makes,
-        cold, is the step's.)"""
+        ends, they run warm. (``context_range`` and ``_clear_win`` written out: every call a step makes, cold, is
+        the step's.)"""
         depth, step = self._steady[3], self._step + 1
         bucket = self._buckets.get(batch_size) or self.bucket(batch_size)
         shift = max(0, context_tokens.bit_length() - 4)
@@ -638,7 +639,6 @@ class DepthChooser:
             got = self._best[bucket][0, lo]
         if got[0] != depth or got[1] <= 1.0 + self.steady_tol:  # (``_clear_win``)
             return False
-        until = self._steady[1]
         if self.check_pairs:  # (``_verify``'s reading at the bucket: none where the choice rests on host medians)
             rest = self._rests.get(bucket)
             if rest is None or step - rest[0] >= 16:  # (no verdict and under two depths measured there: none)
@@ -646,31 +646,20 @@ class DepthChooser:
                                               < 2 else self._rests_on_host(batch_size, bucket))
             if rest[1]:
                 return False
-            until = min(until, rest[0] + 16)
-        v = self.verdicts.get(bucket)
-        if v is not None and step < v["until"]:
-            until = min(until, v["until"])
-        i = self._tier_at[depth] + 1
-        if i < len(self.tiers):  # (the probe above the round, at its spacing there, as the full choice keeps it)
-            probe = self.tiers[i]
-            cached = self._probe_every.setdefault(bucket, {})
-            every = cached.get((depth, probe, 0))
-            if every is None:
-                every = cached[depth, probe, 0] = self.probe_every(bucket, depth, probe, 0)
-            until = min(until, self._seen[probe] + every)
-        if until <= step:  # (due now)
+        until = self._steady_until(bucket, depth, step, self._steady[1])
+        if until <= step:  # (a probe due now, or a verdict's end)
             return False
         self._step = step
         self._chosen = (bucket, depth, False, 0)
         self._steady = (bucket, until, self._chosen, depth, lo, (context_tokens >> shift) + 1 << shift, False)
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
-        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep, got[1])
         return True
 
-    def _watch(self, batch_size: int, depth: int) -> None:
+    def _watch(self, batch_size: int, depth: int, won: float) -> None:
         """The run's watch on acceptance: the drafts a request is expected to accept at ``depth`` (mean, and the
         variance of one request's), and how far their decayed drift may go before the full choice
-        (``_tolerance``)."""
+        (``_tolerance``; ``won``: the round's rate over the runner-up's)."""
         p, mean, sq, run = self.estimate.p, 0.0, 0.0, 1.0
         for i in range(depth):  # (P(accepted > i) = p_1 ... p_{i+1}; E[a^2] = sum over i of (2i + 1) P(a > i))
             run *= p[i]
@@ -678,13 +667,16 @@ class DepthChooser:
             sq += (2 * i + 1) * run
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
         self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
-        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep, won)
 
-    def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
+    def _tolerance(self, depth: int, batch_size: int, keep: float, won: float) -> float:
         """``steady_tol`` a draft, or three times the drift's spread on a stationary acceptance at the batch size,
-        whichever is more (a batch of 16 would otherwise end most runs on its own noise)."""
-        return max(self.steady_tol * depth,
-                   3.0 * math.sqrt(self._variance / batch_size * (1.0 - keep) / (1.0 + keep)))
+        whichever is more (a batch of 16 would otherwise end most runs on its own noise); but no more than would
+        take the round's win: its expected tokens down by that much, the runner-up's kept, tie them (the drift moves
+        with the estimate, both decayed alike, so a run whose estimate moves past its win ends, as a full choice
+        would turn; a narrow win's run then ends on noise, as it should)."""
+        noise = max(self.steady_tol * depth, 3.0 * math.sqrt(self._variance / batch_size * (1.0 - keep) / (1.0 + keep)))
+        return min(noise, (1.0 + self._expect) * (1.0 - 1.0 / won))
 
     def _end_run(self) -> None:
         """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""
@@ -746,21 +738,26 @@ class DepthChooser:
         got = self._best.get(bucket, {}).get((0, self._context))
         return got is not None and got[0] == depth and got[1] > 1.0 + self.steady_tol
 
-    def _steady_until(self, bucket: int, depth: int) -> int:
-        """The first step after this round that chooses anew: within ``steady_steps``, and no later than the next
-        step of ``choose``'s own schedules (host medians expired, the bucket's check read again, a verdict's end,
-        a probe above the depth)."""
-        step = self._step
-        until = min(step + self.steady_steps, (step // 16 + 1) * 16)
+    def _steady_until(self, bucket: int, depth: int, step: int, until: int) -> int:
+        """The first step after ``step`` (a round at ``depth`` at the bucket) that chooses anew: ``until`` at the
+        latest, and no later than the next step of ``choose``'s own schedules: host medians expired (at multiples
+        of 16 steps), the bucket's check read again, a verdict's end, a probe above the depth (its spacing at the
+        bucket, as the full choice keeps it)."""
+        until = min(until, (step // 16 + 1) * 16)
         got = self._rests.get(bucket)
         if got is not None:
             until = min(until, got[0] + 16)
         v = self.verdicts.get(bucket)
         if v is not None and step < v["until"]:
             until = min(until, v["until"])
-        for (base, probe, lag), every in self._probe_every.get(bucket, {}).items():
-            if lag == 0 and base <= depth < probe:
-                until = min(until, self._seen[probe] + every)
+        i = self._tier_at[depth] + 1
+        if i < len(self.tiers):
+            probe = self.tiers[i]
+            cached = self._probe_every.setdefault(bucket, {})
+            every = cached.get((depth, probe, 0))
+            if every is None:
+                every = cached[depth, probe, 0] = self.probe_every(bucket, depth, probe, 0)
+            until = min(until, self._seen[probe] + every)
         return until
 
     def _stays_paused(self, batch_size: int) -> bool:

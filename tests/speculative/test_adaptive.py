@@ -1529,14 +1529,14 @@ def test_a_run_carried_over_a_draining_batch_chooses_as_the_full_choice_does():
 def test_a_steady_run_halves_the_choosers_own_work_where_the_batch_stays():
     """``bench.adaptive_calls``'s count: a batch that stays at its bucket costs the chooser (its defaults) under
     half the bytecodes a step of the one that makes the full choice every step, and a batch whose last requests
-    drain a bucket a step under 77% of it (its run carried on over the buckets; the deterministic measure of its host
+    drain a bucket a step under 80% of it (its run carried on over the buckets; the deterministic measure of its host
     work: #41's host-bound steps)."""
     from bench.adaptive_calls import bytecodes
 
     flat = [sum(bytecodes(s, 64, "flat", 8, 2).values()) for s in (None, 1)]
     tail = [sum(bytecodes(s, 64, "tail", 8, 2).values()) for s in (None, 1)]
     assert flat[0] < flat[1] / 2, flat
-    assert tail[0] < 0.77 * tail[1], tail
+    assert tail[0] < 0.8 * tail[1], tail
 
 
 def test_steady_and_every_step_choosers_fuzzed_alike():
