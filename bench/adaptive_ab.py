@@ -24,11 +24,13 @@ from pathlib import Path
 
 # the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it;
 # adaptive_nopause: without the draft's pause, as before it; adaptive_every_step: the full choice at every step, as
-# before the steady rounds; adaptive_no_host: the start-up table alone, no host samples). Fixed policies: depthN,
+# before the steady rounds; adaptive_no_host: the start-up table alone, no host samples; adaptive_steady32: runs of up to
+# 32 steps). Fixed policies: depthN,
 # and "paused" (every plain step with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
             "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None},
-            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0}}
+            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0},
+            "adaptive_steady32": {"steady_steps": 32}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -112,10 +114,13 @@ def run(a) -> None:
         eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
     policies = {}
     for name in a.policies.split(","):
-        if name in POLICIES or name == "adaptive_compared":
-            # (adaptive_compared: the chooser of another commit's tree, --compare, its defaults)
-            cls = adaptive_of(a.compare).DepthChooser if name == "adaptive_compared" else DepthChooser
-            policies[name] = cls(costs, 3, **{"context_costs": eng.executor.context_costs, **POLICIES.get(name, {})})
+        if name in POLICIES or name.startswith("adaptive_compared"):
+            # (adaptive_compared: the chooser of another commit's tree, --compare, its defaults; with a suffix, as the
+            # variants of POLICIES: adaptive_compared_every_step is that tree's chooser with steady_steps 1)
+            compared = name.startswith("adaptive_compared")
+            cls = adaptive_of(a.compare).DepthChooser if compared else DepthChooser
+            variant = POLICIES["adaptive" + name.removeprefix("adaptive_compared")] if compared else POLICIES[name]
+            policies[name] = cls(costs, 3, **{"context_costs": eng.executor.context_costs, **variant})
             eng.depth_policy = policies[name]
             b._decode_rate(eng, min(16, a.bs), 16)  # (untimed: the chooser learns acceptance, as bench.adaptive)
         else:
