@@ -84,6 +84,7 @@ def run(a) -> None:
 
         b._text_prompts = held_out_prompts(AutoTokenizer.from_pretrained(str(ckpt)), 64, 128)
     res = {"tag": a.tag, "device": b.results["device"], "commit": b.results["commit"], "command": b.results["command"],
+           "compared": a.compare,
            "shape": a.shape, "batch_size": a.bs, "accept_length": None if family else a.accept_length,
            "new_tokens": a.new_tokens, "rows": {}}
 
@@ -228,7 +229,8 @@ def report(out: str, files: list[str]) -> None:
     lines = ["# Adaptive speculation at one batch size, per tree (#41)", ""]
     for r in results:
         order = "; policies interleaved in each repeat" if r.get("interleaved") else ""
-        lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`{order}"]
+        compared = f"; adaptive_compared: {r['compared']}" if r.get("compared") else ""
+        lines += [f"- `{r['tag']}`: {r['device']}, commit `{r['commit']}`, `{r['command']}`{order}{compared}"]
     r0 = results[0]
     accept = ("its real acceptance (held-out text)" if r0["accept_length"] is None
               else f"simulated accept length {r0['accept_length']}")
