@@ -315,6 +315,8 @@ def main() -> None:
         return report(a.report[0], a.report[1:])
     if a.out is None:
         ap.error("--out is required to run")
+    if "adaptive_compared" in a.policies and not a.compare:
+        ap.error("--policies adaptive_compared* needs --compare (a checkout of the tree whose chooser it runs)")
     a.shape = a.shape or ("llama-smoke" if a.cpu else "llama-3.2-1b")
     run(a)
 

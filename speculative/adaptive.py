@@ -482,7 +482,9 @@ class DepthChooser:
         step whose stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
         bucket = self.bucket(batch_size)
         self._fresh(bucket)
-        return self._argmax(bucket, self.estimate.p if p is None else p, self.lag if lag is None else lag, table)[0]
+        # (a caller's p copied: ``_gains`` keeps E(d) per p list, by identity, and a caller may change its list)
+        return self._argmax(bucket, self.estimate.p if p is None else list(p), self.lag if lag is None else lag,
+                            table)[0]
 
     def _argmax(self, bucket: int, p: list[float], lag: int, table: bool) -> tuple[int, float, float]:
         """``best`` at a bucket whose costs are fresh: the depth, by how much its rate beats the runner-up's, and
@@ -611,9 +613,10 @@ class DepthChooser:
         self._plain_streak = self._plain_streak + 1 if depth == 0 and block is None and measured else 0
         if (self.steady_steps > 1 and chosen == depth > 0 and not self._chosen[2] and block is None
                 and self.check is None and self._clear_win(bucket, depth)):
+            got = self._rests.get(bucket)  # (the check's next reading there ends the run)
+            until = self._step + self.steady_steps if got is None else min(self._step + self.steady_steps, got[0] + 16)
             # (its contexts: its level's, extended past it when a step reaches there, ``_extend_run``)
-            self._steady = (bucket, self._steady_until(bucket, depth, self._step, self._step + self.steady_steps),
-                            self._chosen, depth,
+            self._steady = (bucket, self._steady_until(bucket, depth, self._step, until), self._chosen, depth,
                             *context_range(context_tokens), False)
             self._watch(batch_size, depth)
         return depth
@@ -639,16 +642,23 @@ class DepthChooser:
             got = self._best[bucket][0, lo]
         if got[0] != depth or got[1] <= 1.0 + self.steady_tol:  # (``_clear_win``)
             return False
-        if self.check_pairs:  # (``_verify``'s reading at the bucket: none where the choice rests on host medians)
-            rest = self._rests.get(bucket)
-            if rest is None or step - rest[0] >= 16:  # (no verdict and under two depths measured there: none)
-                rest = self._rests[bucket] = (step & ~15, () if bucket not in self.verdicts and len(self.host[bucket])
-                                              < 2 else self._rests_on_host(batch_size, bucket))
-            if rest[1]:
+        until, rest, read = self._steady[1], self._rests.get(bucket), False
+        if self.check_pairs:
+            if rest is None or step - rest[0] >= 16:  # (``_verify``'s reading at the bucket is due)
+                # a carry takes only the plain reading (no verdict there, under two depths measured: no check); any
+                # other it leaves to the full choice, which reads it with the run's verdicts and launches taken in
+                # (on the run's estimates it could start a check the full choice would not, or end a verdict)
+                if bucket in self.verdicts or len(self.host[bucket]) >= 2:
+                    return False
+                rest, read = (step & ~15, ()), True
+            elif rest[1]:  # (the choice there rests on host medians: the full choice checks it)
                 return False
-        until = self._steady_until(bucket, depth, step, self._steady[1])
+            until = min(until, rest[0] + 16)
+        until = self._steady_until(bucket, depth, step, until)
         if until <= step:  # (a probe due now, or a verdict's end)
             return False
+        if read:
+            self._rests[bucket] = rest
         self._step = step
         self._chosen = (bucket, depth, False, 0)
         self._steady = (bucket, until, self._chosen, depth, lo, (context_tokens >> shift) + 1 << shift, False)
@@ -740,12 +750,9 @@ class DepthChooser:
     def _steady_until(self, bucket: int, depth: int, step: int, until: int) -> int:
         """The first step after ``step`` (a round at ``depth`` at the bucket) that chooses anew: ``until`` at the
         latest, and no later than the next step of ``choose``'s own schedules: host medians expired (at multiples
-        of 16 steps), the bucket's check read again, a verdict's end, a probe above the depth (its spacing at the
-        bucket, as the full choice keeps it)."""
+        of 16 steps), a verdict's end, a probe above the depth (its spacing at the bucket, as the full choice keeps
+        it). (The bucket's check reading is the caller's: ``until`` is no later than its next.)"""
         until = min(until, (step // 16 + 1) * 16)
-        got = self._rests.get(bucket)
-        if got is not None:
-            until = min(until, got[0] + 16)
         v = self.verdicts.get(bucket)
         if v is not None and step < v["until"]:
             until = min(until, v["until"])

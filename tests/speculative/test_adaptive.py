@@ -225,6 +225,16 @@ def test_chooser_math():
         assert all(expected_tokens(p, d) / COSTS[bs][d] >= expected_tokens(p, e) / COSTS[bs][e] for e in range(4))
 
 
+def test_best_reads_a_callers_acceptance_as_it_is_now():
+    """``best`` with the caller's acceptance list, changed in place between two calls: the second reads its new
+    values (the expected tokens are cached per acceptance list)."""
+    c = DepthChooser(COSTS, num_steps=3)
+    p = [0.3, 0.3, 0.3]
+    assert c.best(256, p) == 0
+    p[:] = [0.95, 0.95, 0.95]
+    assert c.best(256, p) == c.best(256, [0.95, 0.95, 0.95]) == 3
+
+
 def test_chooser_pays_the_catch_up_on_leaving_depth_0():
     """A round after L plain steps first catches the draft up on them (costs key -L, interpolated): a marginal
     gain does not leave depth 0 with a long catch-up due, a round right after a round is chosen as before, and

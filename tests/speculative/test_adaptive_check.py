@@ -208,3 +208,27 @@ def test_a_failed_step_keeps_verdicts_paired_with_their_steps():
     assert c.verdicts[256]["kept"] is False and not c._pending, c.stats()
     assert c.check_counts["inconclusive"] == 0, c.check_counts
     assert set(loop.run(200)) == {0}
+
+
+def test_a_run_not_carried_leaves_the_check_reading_to_the_full_choice():
+    """A run of rounds at bucket 64 (the table's choice there), the batch then grown to bucket 256, where the host's
+    medians alone make a round the choice, its expected gain over plain steps (1.5 * 2.7 / 3.02 at the run's
+    acceptance 0.5) just under ``check_band``: the carry reads the check there at the run's estimates, and is not
+    carried. The full choice that follows takes the run's verdict in (acceptance 0.55: a gain past the band) and
+    starts no check, as the chooser that makes the full choice every step: the reading the carry took is not
+    left for it."""
+    table = {64: {0: 1.2, 1: 1.6}, 256: {0: 2.0, 1: 2.9}}
+    for steady in (16, 1):
+        c = DepthChooser(table, num_steps=1, host_unit=1.0, probe_interval=10**6, steady_steps=steady)
+        c.host[256] = {0: 2.7, 1: 3.02}
+        c._host_gen += 1
+        c.estimate.accepted = [0.5]
+        for i in range(2):
+            assert c.choose(64) == 1
+            c.launched(i + 1.0, 0.0, True)
+            if i:
+                c.observe(1, [1] * 35 + [0] * 29)
+        assert (c._steady is not None) == (steady > 1)
+        full = c.full_choices
+        assert c.choose(256) == 1 and c.full_choices == full + 1
+        assert c.check is None and c._rests[256][1] == (), (steady, c._rests[256], c.check and c.check.stats())
