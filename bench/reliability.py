@@ -84,10 +84,20 @@ junk = st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) | st.diction
 
 
 def either(*options) -> st.SearchStrategy:
-    """One of ``options``: strategies as they are, plain values as they are."""
+    """One of ``options``: strategies as they are, plain values as they are (a strategy inside a plain value is
+    refused: it would be sent as the object, not drawn, and only on the run that draws it)."""
     values = [v for v in options if not isinstance(v, st.SearchStrategy)]
     strategies = [v for v in options if isinstance(v, st.SearchStrategy)]
+    for v in values:
+        _plain(v)
     return st.one_of([st.sampled_from(values)] * bool(values) + strategies)
+
+
+def _plain(value) -> None:
+    if isinstance(value, st.SearchStrategy):
+        raise TypeError(f"a strategy inside a plain value: {value!r} (build the value with st.builds)")
+    for v in value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ():
+        _plain(v)
 
 
 def bad(*odd) -> st.SearchStrategy:
@@ -161,7 +171,7 @@ def prompts(vocab: int) -> tuple[st.SearchStrategy, st.SearchStrategy]:
                      {"text": "hi"}, lone, st.builds(lambda t: [t], lone), [vocab - 1] * 300, "a " * 2000,
                      st.lists(st.integers(), min_size=1, max_size=4),
                      # batches with a bad member, mixed kinds, too many prompts
-                     ["a", [1, 2]], [[1, 2], "a"], [[1], []], ["a", ""], [[1], [vocab]], [[1], [-1]], ["a", lone],
+                     ["a", [1, 2]], [[1, 2], "a"], [[1], []], ["a", ""], [[1], [vocab]], [[1], [-1]], st.builds(lambda t: ["a", t], lone),
                      [[1, 2], [[3]]], ["a", None], ["a"] * 1025)
 
 

@@ -59,6 +59,24 @@ def _report(bad: list[Outcome]) -> str:
                      for k, o in first.items())
 
 
+def test_the_fuzzers_hostile_values_hold_no_strategy_inside_a_plain_value():
+    """A strategy written inside a literal list (``["a", lone]``) is sent as the object, and only on the run that
+    draws it (a TypeError in the fuzzer then, not a finding): every table of values is built with the check on, and
+    the check itself refuses one."""
+    import hypothesis.strategies as st
+
+    from bench import reliability
+
+    for chat in (False, True):
+        reliability.fields(chat, 512)
+    reliability.prompts(512)
+    reliability.messages()
+    with pytest.raises(TypeError, match="strategy inside a plain value"):
+        reliability.bad(["a", st.just("x")])
+    with pytest.raises(TypeError, match="strategy inside a plain value"):
+        reliability.either({"k": [1, st.none()]})
+
+
 def test_fuzzed_requests_get_a_valid_answer_or_an_openai_error(fuzz_app):
     """2,000 distinct hostile requests (derandomized: the same every run), 32 at a time: each is answered, within the
     client's timeout, with a valid response or stream or an OpenAI-shaped 4xx that leaks nothing; never a 5xx.
