@@ -213,10 +213,10 @@ def test_a_failed_step_keeps_verdicts_paired_with_their_steps():
 def test_a_run_not_carried_leaves_the_check_reading_to_the_full_choice():
     """A run of rounds at bucket 64 (the table's choice there), the batch then grown to bucket 256, where the host's
     medians alone make a round the choice, its expected gain over plain steps (1.5 * 2.7 / 3.02 at the run's
-    acceptance 0.5) just under ``check_band``: the carry reads the check there at the run's estimates, and is not
-    carried. The full choice that follows takes the run's verdict in (acceptance 0.55: a gain past the band) and
-    starts no check, as the chooser that makes the full choice every step: the reading the carry took is not
-    left for it."""
+    acceptance 0.5) just under ``check_band``: the run is not carried (two depths measured there: the check's
+    reading is the full choice's). The full choice that follows takes the run's verdict in (acceptance 0.55: a gain
+    past the band) and starts no check, as the chooser that makes the full choice every step (a reading taken at
+    the run's estimates would have started one)."""
     table = {64: {0: 1.2, 1: 1.6}, 256: {0: 2.0, 1: 2.9}}
     for steady in (16, 1):
         c = DepthChooser(table, num_steps=1, host_unit=1.0, probe_interval=10**6, steady_steps=steady)
