@@ -24,13 +24,11 @@ from pathlib import Path
 
 # the chooser's variants, by their keyword arguments (adaptive_nocheck: without the realized-rate check, as before it;
 # adaptive_nopause: without the draft's pause, as before it; adaptive_every_step: the full choice at every step, as
-# before the steady rounds; adaptive_no_host: the start-up table alone, no host samples; adaptive_steady32: runs of up to
-# 32 steps). Fixed policies: depthN,
+# before the steady rounds; adaptive_no_host: the start-up table alone, no host samples). Fixed policies: depthN,
 # and "paused" (every plain step with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
             "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None},
-            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0},
-            "adaptive_steady32": {"steady_steps": 32}}
+            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
