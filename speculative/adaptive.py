@@ -431,7 +431,6 @@ class DepthChooser:
         # its decay and its bound)
         self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
         self._drift_keep, self._drift_tol = 1.0, 0.0
-        self._gains_at: tuple[list[float] | None, list[float]] = (None, [])  # (``_gains``: the p it was read from)
         self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
     def bucket(self, batch_size: int) -> int:
@@ -482,9 +481,7 @@ class DepthChooser:
         step whose stash is full. ``table``: from the start-up table's costs alone (no host time; not cached)."""
         bucket = self.bucket(batch_size)
         self._fresh(bucket)
-        # (a caller's p copied: ``_gains`` keeps E(d) per p list, by identity, and a caller may change its list)
-        return self._argmax(bucket, self.estimate.p if p is None else list(p), self.lag if lag is None else lag,
-                            table)[0]
+        return self._argmax(bucket, self.estimate.p if p is None else p, self.lag if lag is None else lag, table)[0]
 
     def _argmax(self, bucket: int, p: list[float], lag: int, table: bool) -> tuple[int, float, float]:
         """``best`` at a bucket whose costs are fresh: the depth, by how much its rate beats the runner-up's, and
@@ -496,35 +493,24 @@ class DepthChooser:
             # on neither (added to both, it would dilute the margin: a round barely ahead won there and again on the
             # smaller batches its accepted drafts leave at the end)
             full = self.window and lag >= self.window
-            catch_up = 0.0 if full or lag <= 0 else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
+            catch_up = 0.0 if full else (self.catch_up_cost if table else self.catch_up_charge)(bucket, lag)
             totals = [(cost[d] * (1.0 + self.margin) + catch_up) if d > 0 else cost[d] for d in self.tiers]
             if not table:
                 self._totals.setdefault(bucket, {})[(lag, self._context)] = totals
+        # E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``);
         # ties go to the shallower tier
-        best, best_rate, best_total, second = self.tiers[0], -math.inf, 0.0, -math.inf
-        for d, e, total in zip(self.tiers, self._gains(p), totals):
+        best, best_rate, best_total, second, e, run, at = self.tiers[0], -math.inf, 0.0, -math.inf, 1.0, 1.0, 0
+        for d, total in zip(self.tiers, totals):
+            while at < d:
+                run *= p[at]
+                e += run
+                at += 1
             rate = e / total
             if rate > best_rate:
                 best, best_rate, best_total, second = d, rate, total, best_rate
             elif rate > second:
                 second = rate
         return best, best_rate / second if second > 0 else math.inf, best_total
-
-    def _gains(self, p: list[float]) -> list[float]:
-        """E(d) for the tiers in ascending order, one pass (the same products and sums as ``expected_tokens``), once
-        per estimate: every bucket and lag chosen at reads the same."""
-        got = self._gains_at
-        if got[0] is p:
-            return got[1]
-        gains, e, run, at = [], 1.0, 1.0, 0
-        for d in self.tiers:
-            while at < d:
-                run *= p[at]
-                e += run
-                at += 1
-            gains.append(e)
-        self._gains_at = (p, gains)
-        return gains
 
     def cost_at(self, bucket: int, table: bool = False) -> dict[int, float]:
         """Each tier's step cost at the bucket and the last chosen batch's context: the table's plus the context's
@@ -574,13 +560,13 @@ class DepthChooser:
         if self._step % 16 == 0 and self._sampled_at:
             self._expire()
             self._fresh(bucket)  # (a median dropped moves the bucket's costs: its cached choices go)
-        depth = best = self._cached_best(batch_size, bucket, self.lag)
+        depth = self._cached_best(batch_size, bucket, self.lag)
         block = None
         if self.check_pairs:
             depth, block = self._verify(batch_size, bucket, depth)
         # probes climb from the choice without a catch-up due (a round at a full stash is no step up the ladder);
         # a check's steps run its blocks' depths alone
-        base = min(depth, best if not self.lag else self._cached_best(batch_size, bucket, 0))
+        base = min(depth, self._cached_best(batch_size, bucket, 0))
         chosen = depth  # (before a probe)
         i = self._tier_at[base]
         if block is None and i + 1 < len(self.tiers):
@@ -627,20 +613,13 @@ class DepthChooser:
         estimates (its verdicts stay deferred), with no check, probe or verdict's end due: its end, contexts and
         watch set anew there, its drift kept. Such a step costs the choice at the bucket (cached per estimate)
         and none of a full choice's taking in of verdicts and launches, a step's most: done together when the run
-        ends, they run warm. (``context_range`` and ``_clear_win`` written out: every call a step makes, cold, is
-        the step's.)"""
+        ends, they run warm."""
         depth, step = self._steady[3], self._step + 1
-        bucket = self._buckets.get(batch_size) or self.bucket(batch_size)
-        shift = max(0, context_tokens.bit_length() - 4)
-        lo = context_tokens >> shift << shift
+        bucket = self.bucket(batch_size)
+        lo, hi = context_range(context_tokens)
         self._context = lo
-        if self._fresh_at.get(bucket) != self._host_gen:
-            self._fresh(bucket)
-        got = self._best.get(bucket, {}).get((0, lo)) if self._best_state == self.estimate.version else None
-        if got is None:
-            self._cached_best(batch_size, bucket, 0)
-            got = self._best[bucket][0, lo]
-        if got[0] != depth or got[1] <= 1.0 + self.steady_tol:  # (``_clear_win``)
+        self._fresh(bucket)
+        if self._cached_best(batch_size, bucket, 0) != depth or not self._clear_win(bucket, depth):
             return False
         until, rest, read = self._steady[1], self._rests.get(bucket), False
         if self.check_pairs:
@@ -661,7 +640,7 @@ class DepthChooser:
             self._rests[bucket] = rest
         self._step = step
         self._chosen = (bucket, depth, False, 0)
-        self._steady = (bucket, until, self._chosen, depth, lo, (context_tokens >> shift) + 1 << shift, False)
+        self._steady = (bucket, until, self._chosen, depth, lo, hi, False)
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
         self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
         return True

@@ -227,7 +227,7 @@ def test_chooser_math():
 
 def test_best_reads_a_callers_acceptance_as_it_is_now():
     """``best`` with the caller's acceptance list, changed in place between two calls: the second reads its new
-    values (the expected tokens are cached per acceptance list)."""
+    values (nothing the chooser keeps is read from the caller's list)."""
     c = DepthChooser(COSTS, num_steps=3)
     p = [0.3, 0.3, 0.3]
     assert c.best(256, p) == 0
