@@ -28,7 +28,8 @@ from pathlib import Path
 # and "paused" (every plain step with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
             "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None},
-            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0}}
+            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0},
+            "adaptive_long": {"steady_steps": 128}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
@@ -49,7 +50,9 @@ def _traced(policy, log: list) -> None:
         t = clock()
         d = choose(bs, context_tokens)
         done = clock()
-        log.append(["choose", done, bs, d, getattr(policy, "lag", None), done - t])
+        # (then the context and the full choices so far: with the verdicts below, what an offline replay needs)
+        log.append(["choose", done, bs, d, getattr(policy, "lag", None), done - t, context_tokens,
+                    getattr(policy, "full_choices", None)])
         return d
 
     def on_launch(now, waited, contiguous):
@@ -60,7 +63,7 @@ def _traced(policy, log: list) -> None:
     def on_observe(depth, accepted):
         t = clock()
         observe(depth, accepted)
-        log.append(["observe", clock() - t])
+        log.append(["observe", clock() - t, depth, accepted])
 
     policy.choose, policy.launched, policy.observe = on_choose, on_launch, on_observe
 
@@ -109,6 +112,8 @@ def run(a) -> None:
     eng = b.engine(ckpt, spec, **mem)
     costs = eng.executor.depth_costs
     res["cost_ms"] = {str(k): {str(d): round(v, 4) for d, v in row.items()} for k, row in costs.items()}
+    res["context_cost_ms"] = {str(k): {str(d): v for d, v in row.items()}
+                              for k, row in (eng.executor.context_costs or {}).items()}
     if not family:
         eng.executor.worker.spec_round.set_simulated_accept_length(a.accept_length)
     policies = {}
@@ -204,7 +209,8 @@ def summary(res: dict) -> dict:
             if contiguous:
                 per.setdefault(d, []).append(((t1 - t0) * 1e3, waited * 1e3))
         # the policy's own calls: mean µs per chosen step (choose, launched, observe and their sum)
-        calls = {k: [e[-1] for e in log if e[0] == k] for k in ("choose", "launch", "observe")}
+        at = {"choose": 5, "launch": 4, "observe": 1}  # (each entry's own time)
+        calls = {k: [e[i] for e in log if e[0] == k] for k, i in at.items()}
         n = max(1, len(calls["choose"]))
         us = {k: round(1e6 * sum(v) / n, 2) for k, v in calls.items()}
         out[name]["policy_us_per_step"] = {**us, "total": round(sum(us.values()), 2)}

@@ -14,12 +14,19 @@ steps of a batch of each step's median.
 
     python3 -m bench.adaptive_calls --out bench/results/adaptive/host/adaptive_calls_cpu
     python3 -m bench.adaptive_calls --compare COPY_OF_AN_OLDER_COMMIT --out OUT   (its chooser beside, interleaved)
+
+``--replay A.json [B.json ...]``: instead, the calls a GPU run of ``bench.adaptive_ab --trace`` recorded for a policy
+(its last batch: each choice's batch size and context, each launch's times, each round's verdicts) replayed through
+this tree's chooser (and ``--compare``'s) built on that run's cost tables: its bytecodes a step and where it made
+the full choice, the batch replayed twice first so that its estimate and host medians are the run's. The recorded
+rounds are the engine's at the depths it ran, so the replay is faithful where the chooser picks those depths.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import random
 import statistics
 import sys
@@ -135,6 +142,74 @@ def cold(policies: dict, bs: int, shape: str, batches: int, warm: int) -> dict:
     return out
 
 
+def replay(module, run: dict, policy: str) -> dict:
+    """``run``'s recorded calls of ``policy`` through ``module``'s chooser (its defaults), the third pass counted."""
+    costs = {int(b): {int(d): c for d, c in row.items()} for b, row in run["cost_ms"].items()}
+    context = {int(b): {int(d): c for d, c in row.items()} for b, row in run.get("context_cost_ms", {}).items()}
+    c = module.DepthChooser(costs, 3, context_costs=context or None)
+    count, per_step, full, departed = [0], [], [], 0
+
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            count[0] += 1
+        return tracer
+
+    for rep in range(3):
+        i = -1
+        for e in run["trace"][policy]:
+            if rep == 2:
+                sys.settrace(tracer)
+            if e[0] == "choose":
+                i, before = i + 1, c.full_choices
+                if rep == 2 and i:
+                    per_step.append(count[0])
+                    count[0] = 0
+                d = c.choose(e[2], e[6])
+                sys.settrace(None)
+                if rep == 2:
+                    departed += d != e[3]
+                    if c.full_choices > before:
+                        full.append(i)
+            elif e[0] == "launch":
+                c.launched(e[1], e[2], e[3])
+            else:
+                c.observe(e[2], e[3])
+            sys.settrace(None)
+    per_step.append(count[0])
+    return {"bytecodes_per_step": round(sum(per_step) / len(per_step)), "per_step": per_step, "full_choices_at": full,
+            "steps": len(per_step), "depths_unlike_the_run": departed}
+
+
+def replay_main(a) -> None:
+    from speculative import adaptive
+
+    out = out_path(a.out)
+    choosers = {"this tree": adaptive, **({"compared": adaptive_of(a.compare)} if a.compare else {})}
+    res = {"device": device_name("cpu"), "commit": commit(), "command": command(), "compared": a.compare, "rows": []}
+    for path in a.replay:
+        run = json.loads(Path(path).read_text())
+        for name, module in choosers.items():
+            row = {"run": f"{run['tag']} ({run['commit']}, {run['device']})", "file": path, "chooser": name,
+                   **replay(module, run, a.policy)}
+            res["rows"].append(row)
+            print({k: v for k, v in row.items() if k != "per_step"}, flush=True)
+    write_json(out, res)
+    lines = ["# The adaptive chooser on a GPU run's recorded calls (CPU replay)", "",
+             f"{res['device']}; commit `{res['commit']}`; `{res['command']}`"
+             + (f"; compared: the chooser of `{a.compare}`" if a.compare else ""), "",
+             f"Each run's last batch of `{a.policy}` as the engine drove it (batch sizes, contexts, launch times, "
+             "verdicts), replayed through each chooser on the run's cost tables, the third pass counted: bytecodes a "
+             "step of its calls (choose, launched, observe), the steps where it made the full choice, and the steps "
+             "where it chose another depth than the run did (its verdicts then are not that depth's).", "",
+             "| run | chooser | bytecodes a step | full choices at step | depths unlike the run's |",
+             "|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['run']} | {r['chooser']} | {r['bytecodes_per_step']} | {r['full_choices_at']} "
+                     f"| {r['depths_unlike_the_run']} of {r['steps']} |")
+    write_markdown(out, lines)
+
+
 def adaptive_of(tree: str):
     """Another tree's ``speculative/adaptive.py`` (a copy of an older commit), as a module of its own."""
     spec = importlib.util.spec_from_file_location("adaptive_compared", Path(tree) / "speculative" / "adaptive.py")
@@ -149,8 +224,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=30, help="batches for the bytecode count")
     ap.add_argument("--cold-batches", type=int, default=60, help="batches per policy for the cold wall time")
     ap.add_argument("--compare", default=None, help="a checkout of another commit: its chooser beside, interleaved")
+    ap.add_argument("--replay", nargs="+", default=None, help="bench.adaptive_ab --trace runs: replay their calls")
+    ap.add_argument("--policy", default="adaptive", help="--replay: whose recorded calls")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.replay:
+        return replay_main(a)
     from speculative import adaptive
 
     other = adaptive_of(a.compare) if a.compare else None

@@ -62,6 +62,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import operator
 import statistics
 from collections import Counter, deque
 from typing import Protocol
@@ -100,6 +101,27 @@ class DepthPolicy(Protocol):
 
     def stats(self) -> dict:
         """What /v1/stats shows of the policy."""
+
+
+_FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
+
+
+def _size(verdicts) -> int:
+    return -1 if verdicts is None else len(verdicts)
+
+
+def stretches(events: list[tuple]) -> list[tuple[int, int]]:
+    """(start, length) of each stretch of ``events`` ((depth, verdicts, step) in order) alike: of one depth and
+    batch size, one step apart, or lost steps (depth and verdicts None) one step apart. Found in C, as a run's
+    verdicts are most of what a full choice takes in: along a stretch, step less index stays."""
+    sizes = map(_size, map(_SECOND, events)) if None in map(_FIRST, events) else map(len, map(_SECOND, events))
+    out, at = [], 0
+    for _, group in itertools.groupby(zip(map(_FIRST, events), sizes,
+                                          map(operator.sub, map(_THIRD, events), itertools.count()))):
+        k = len(list(group))
+        out.append((at, k))
+        at += k
+    return out
 
 
 def keeps_newest(window: int) -> bool:
@@ -430,7 +452,8 @@ class DepthChooser:
         # (the run's watch, ``_watch``: the drafts a request is expected to accept, their decayed drift from it,
         # its decay and its bound)
         self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
-        self._drift_keep, self._drift_tol = 1.0, 0.0
+        self._drift_keep, self._drift_tol, self._drift_rise = 1.0, 0.0, 0.0
+        self._watch_next: tuple[float, float] | None = None  # (a carry's keep and bound, from its step's verdicts)
         self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
     def bucket(self, batch_size: int) -> int:
@@ -642,7 +665,8 @@ class DepthChooser:
         self._chosen = (bucket, depth, False, 0)
         self._steady = (bucket, until, self._chosen, depth, lo, hi, False)
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
-        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+        # (from this step's verdicts on, which come after the step before's: ``observe``)
+        self._watch_next = (keep, self._tolerance(depth, batch_size, keep))
         return True
 
     def _watch(self, batch_size: int, depth: int) -> None:
@@ -656,7 +680,16 @@ class DepthChooser:
             sq += (2 * i + 1) * run
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
         self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
+        self._watch_next = None
         self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
+        self._drift_rise = self._rise_bound(self._drift_tol)
+
+    def _rise_bound(self, tol: float) -> float:
+        """How far the drift may rise: ``tol``, but without bound for a run at the deepest tier, which more
+        acceptance cannot unseat (each tier's expected tokens over a shallower one's grow with every position's
+        acceptance). A batch's acceptance climbs as its requests go on (the shipped family's from about 1.8 to 2.4
+        drafts at bs 64): bound, that ended its runs every few steps, each end a full choice."""
+        return math.inf if self._steady is not None and self._steady[3] == self.tiers[-1] else tol
 
     def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
         """``steady_tol`` a draft, or three times the drift's spread on a stationary acceptance at the batch size,
@@ -882,31 +915,38 @@ class DepthChooser:
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep
             self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / len(accepted) - self._expect)
-            if abs(self._drift) > self._drift_tol:
+            if not -self._drift_tol <= self._drift <= self._drift_rise:
                 self._drifted = True
+            if self._watch_next is not None:  # (a carry's batch size: where its bound narrows, its drift shrinks with
+                # it, so that the noise of a drained batch's last requests, inside their wide bound, ends no run at
+                # the next batch's first step; where it widens, the drift stays)
+                keep, tol = self._watch_next
+                if tol < self._drift_tol:
+                    self._drift *= tol / self._drift_tol
+                self._drift_keep, self._drift_tol, self._watch_next = keep, tol, None
+                self._drift_rise = self._rise_bound(tol)
 
     def _flush(self) -> None:
         """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike
         as one update, ``AcceptanceEstimate.update``'s ``rounds``; the last two each on its own, as they may be
         what ended the run), then its launches, whose host samples are taken in together (``_settle``)."""
         events, self._deferred = self._deferred, []
-        i, n = 0, len(events)
-        while i < n:
-            depth, accepted, step = events[i]
-            j = i + 1  # (rounds of one depth and batch size in a row, one step apart, before the last two)
-            while (j < n - 2 and depth is not None and events[j][0] == depth and events[j][2] == events[j - 1][2] + 1
-                   and len(events[j][1]) == len(accepted)):
-                j += 1
+        head = events[:-2]
+        for at, k in stretches(head):
+            depth = head[at][0]
+            if depth is None:
+                for _ in range(k):
+                    self._lost()
+            elif k > 1:
+                stretch = head[at:at + k]
+                self._observe(depth, list(itertools.chain.from_iterable(map(_SECOND, stretch))), stretch[-1][2], k)
+            else:
+                self._observe(depth, head[at][1], head[at][2])
+        for depth, accepted, step in events[-2:]:
             if depth is None:
                 self._lost()
-            elif j - i > 1:
-                verdicts = []
-                for e in events[i:j]:
-                    verdicts += e[1]
-                self._observe(depth, verdicts, events[j - 1][2], j - i)
             else:
                 self._observe(depth, accepted, step)
-            i = j
         launches, self._run_launches = self._run_launches, []
         self._take_launches(launches)
         if self._unsettled:
@@ -922,23 +962,33 @@ class DepthChooser:
             if (contiguous and chosen is not None and self.host_samples and not self._pending and len(runs) >= 2
                     and runs[-2][0] == runs[-1][0] == chosen[0] and runs[-2][1] == runs[-1][1] == chosen[1]
                     and not (runs[-2][2] or runs[-1][2] or runs[-1][3] or chosen[2] or chosen[3])):
-                j = i + 1
-                while j < n and launches[j][2] and launches[j][3] is chosen:
-                    j += 1
+                j = i + 1  # (the block's end, found in C: contiguous launches of this very choice)
+                if j < n:
+                    rest = launches[j:]
+                    key, group = next(itertools.groupby(zip(map(_THIRD, rest), map(id, map(_FOURTH, rest)))))
+                    if key == (True, id(chosen)):
+                        j += len(list(group))
                 block, prev = launches[i:j], runs[-1]
-                unit, t0 = self.host_unit, prev[4]
-                ms = []
-                for e in block:  # (each interval less its wait: a sample of the launch before it)
-                    ms.append(max(0.0, e[0] - t0 - e[1]) * unit)
-                    t0 = e[0]
-                prev[5] = ms[0]
-                if len(block) > 1:
-                    runs.append([*chosen, block[-2][0], ms[-1]])
+                unit, k = self.host_unit, len(block)
+                # (each interval less its wait: a sample of the launch before it; of a long block only the newest
+                # ``host_samples`` above 0 can stay in the window, so they are all that is worked out)
+                prev[5] = max(0.0, block[0][0] - prev[4] - block[0][1]) * unit
+                ms, t, want, last = [], k - 1, self.host_samples, None
+                while t >= 0 and len(ms) < want:
+                    e = block[t]
+                    m = max(0.0, e[0] - (block[t - 1][0] if t else prev[4]) - e[1]) * unit
+                    if m > 0:
+                        ms.append(m)
+                        if last is None:  # (the step of the newest sample, as one by one)
+                            last = e[4]
+                    t -= 1
+                if k > 1:
+                    runs.append([*chosen, block[-2][0], max(0.0, block[-1][0] - block[-2][0] - block[-1][1]) * unit])
                 runs.append([*chosen, block[-1][0], None])
                 self._launch_at = (block[-1][4], block[-1][0])
-                ms = [m for m in ms if m > 0]
                 if ms:
-                    self._samples(chosen[0], chosen[1], block[-1][4], ms)
+                    ms.reverse()
+                    self._samples(chosen[0], chosen[1], last, ms)
                 i = j
             else:
                 self._launched(now, waited, contiguous, chosen, step)

@@ -1415,6 +1415,122 @@ def test_a_steady_runs_deferred_verdicts_and_launches_are_taken_in_as_they_came(
     assert every.host[64] and not steady._deferred and full < 300 / 3, full
 
 
+def test_stretches_are_the_runs_of_rounds_alike():
+    """A run's deferred verdicts are taken in by stretch (``stretches``, found in C): on random event lists (depths,
+    batch sizes, lost steps, gaps between steps) the stretches are those a plain loop finds: one depth and batch
+    size, or lost steps, each one step after the one before."""
+    import random
+
+    from speculative.adaptive import stretches
+
+    rng = random.Random(2)
+    for _ in range(300):
+        events, step = [], 0
+        for _ in range(rng.randint(0, 40)):
+            step += 1 if rng.random() < 0.9 else rng.randint(2, 4)
+            if rng.random() < 0.1:
+                events.append((None, None, step))
+            else:
+                d = rng.choice([1, 3]) if rng.random() < 0.3 else 3
+                events.append((d, [d] * rng.choice([16, 16, 16, 5]), step))
+        want, i = [], 0
+        while i < len(events):
+            j = i + 1
+            while (j < len(events) and events[j][0] == events[i][0] and events[j][2] == events[j - 1][2] + 1
+                   and (events[j][1] is None) == (events[i][1] is None)
+                   and (events[i][1] is None or len(events[j][1]) == len(events[i][1]))):
+                j += 1
+            want.append((i, j - i))
+            i = j
+        assert stretches(events) == want, events
+
+
+def test_a_runs_launches_taken_in_as_a_block_sample_as_one_by_one():
+    """A run's launches of one choice, each contiguous with the one before, are taken in as a block that works out
+    only the intervals that can stay in the host window (the newest ``host_samples`` above 0): the window, the
+    sample steps, the last launches kept and the medians are those of taking each launch in on its own."""
+    import random
+
+    rng = random.Random(4)
+    for case in range(200):
+        samples = rng.choice([3, 5, 15])
+        twins = [DepthChooser(H100_8B, num_steps=3, host_unit=1.0, host_samples=samples) for _ in range(2)]
+        chosen, now, step = (64, 3, False, 0), 0.0, 0
+        launches = []
+        for i in range(rng.randint(3, 60)):
+            # (zero-length intervals now and then: a wait as long as the interval samples nothing)
+            gap = 0.0 if rng.random() < 0.1 else rng.uniform(1.0, 3.0)
+            waited = gap if gap == 0.0 or rng.random() < 0.1 else rng.uniform(0.0, 0.5)
+            now, step = now + gap + (waited if gap else 0.0), step + 1
+            launches.append((now, waited, True, chosen, step))
+        for c in twins:
+            for e in launches[:2]:  # (the block follows two launches of its choice)
+                c._launched(*e)
+        twins[0]._take_launches(launches[2:])
+        for e in launches[2:]:
+            twins[1]._launched(*e)
+        for c in twins:
+            c._settle()
+        block, one = twins
+        assert block._host_runs == one._host_runs, case
+        assert block._sampled_at == one._sampled_at and block.host == one.host, case
+        assert list(block._launches)[-2:] == list(one._launches)[-2:] and block._launch_at == one._launch_at, case
+
+
+def _run_begun(c: DepthChooser, bs: int, accepted, steps_left: int = 6) -> None:
+    """Steps at ``bs`` until a full choice begins a steady run with ``steps_left`` steps or more to go."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(60):
+        d = c.choose(bs)
+        c.observe(d, [accepted(d, rng) for _ in range(bs)])
+        if c._steady is not None and c._steady[1] - c._step >= steps_left:
+            return
+    raise AssertionError("no steady run began")
+
+
+@pytest.mark.parametrize("bs, p, rise", [(16, 0.6, True), (64, 0.5, True), (16, 0.6, False)])
+def test_rising_acceptance_ends_no_run_at_the_deepest_tier(bs, p, rise):
+    """A run's watch ends it where its rounds' acceptance drifts past its bound, both ways, but not up where it runs
+    the deepest tier: more acceptance only widens a deeper round's lead (the shipped family's batches accept more as
+    they go on, and bound up, their runs at depth 3 ended every few steps). 8B table: depth 3 at bs 16, 2 at bs 64,
+    acceptance then every draft (rise) or none (fall)."""
+    c = DepthChooser(H100_8B, num_steps=3)
+    _served(c, bs, 40, _per_position(p))
+    _run_begun(c, bs, _per_position(p))
+    depth, full = c._steady[3], c.full_choices
+    assert depth == (3 if bs == 16 else 2)
+    for _ in range(5):
+        d = c.choose(bs)
+        c.observe(d, [d if rise else 0] * bs)
+    ended = c.full_choices > full
+    assert ended == (not rise or depth < 3), (depth, rise, c.full_choices - full)
+
+
+def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size():
+    """The engine observes a step's verdicts after choosing the next step: where the next step carries the run to
+    another bucket, the verdicts just in are still the last bucket's batch. Draining to one request, whose single
+    verdicts swing within the wide bound of a batch of 1 (it accepts none of its drafts), and then grown back to 64
+    requests (the next batch, the run carried on), the run is not ended at the grown batch's first step by the last
+    request's verdict, weighed as if it were a batch of 64's."""
+    table = {b: {d: 1.0 + 0.2 * d + 0.001 * b * d for d in range(4)} for b in (1, 2, 4, 8, 16, 32, 64)}
+    c = DepthChooser(table, num_steps=3)
+    accepted = [3, 3, 2, 3, 3, 1, 3, 3]  # (a batch's mix; its last request accepts 1 then none below)
+    for i in range(40):  # (to a settled estimate)
+        d = c.choose(64)
+        c.observe(d, [min(d, accepted[(i + j) % 8]) for j in range(64)])
+    _run_begun(c, 64, lambda d, rng: min(d, accepted[rng.randrange(8)]), steps_left=7)
+    full, pending = c.full_choices, None
+    for n, a in [(64, 3), (8, 3), (1, 1), (1, 0), (64, 3), (64, 3)]:
+        d = c.choose(n)
+        assert d == 3
+        if pending is not None:
+            c.observe(*pending)
+        pending = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [a])
+    assert c.full_choices == full and c._steady is not None and not c._drifted
+
+
 def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
     """Random cost tables (a host base over some tiers, a slope per token of context per tier) and acceptances: where
     a full choice begins a steady run, the round it repeats is what the full choice would choose at every context
