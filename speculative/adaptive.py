@@ -103,7 +103,7 @@ class DepthPolicy(Protocol):
         """What /v1/stats shows of the policy."""
 
 
-_FIRST, _SECOND, _THIRD, _FOURTH = (operator.itemgetter(i) for i in range(4))
+_FIRST, _SECOND, _THIRD = operator.itemgetter(0), operator.itemgetter(1), operator.itemgetter(2)
 
 
 def _size(verdicts) -> int:
@@ -962,33 +962,26 @@ class DepthChooser:
             if (contiguous and chosen is not None and self.host_samples and not self._pending and len(runs) >= 2
                     and runs[-2][0] == runs[-1][0] == chosen[0] and runs[-2][1] == runs[-1][1] == chosen[1]
                     and not (runs[-2][2] or runs[-1][2] or runs[-1][3] or chosen[2] or chosen[3])):
-                j = i + 1  # (the block's end, found in C: contiguous launches of this very choice)
-                if j < n:
-                    rest = launches[j:]
-                    key, group = next(itertools.groupby(zip(map(_THIRD, rest), map(id, map(_FOURTH, rest)))))
-                    if key == (True, id(chosen)):
-                        j += len(list(group))
+                j = i + 1
+                while j < n and launches[j][2] and launches[j][3] is chosen:
+                    j += 1
                 block, prev = launches[i:j], runs[-1]
-                unit, k = self.host_unit, len(block)
-                # (each interval less its wait: a sample of the launch before it; of a long block only the newest
-                # ``host_samples`` above 0 can stay in the window, so they are all that is worked out)
-                prev[5] = max(0.0, block[0][0] - prev[4] - block[0][1]) * unit
-                ms, t, want, last = [], k - 1, self.host_samples, None
-                while t >= 0 and len(ms) < want:
-                    e = block[t]
-                    m = max(0.0, e[0] - (block[t - 1][0] if t else prev[4]) - e[1]) * unit
-                    if m > 0:
-                        ms.append(m)
-                        if last is None:  # (the step of the newest sample, as one by one)
-                            last = e[4]
-                    t -= 1
-                if k > 1:
-                    runs.append([*chosen, block[-2][0], max(0.0, block[-1][0] - block[-2][0] - block[-1][1]) * unit])
+                unit, t0 = self.host_unit, prev[4]
+                ms = []
+                for e in block:  # (each interval less its wait: a sample of the launch before it)
+                    ms.append(max(0.0, e[0] - t0 - e[1]) * unit)
+                    t0 = e[0]
+                prev[5] = ms[0]
+                if len(block) > 1:
+                    runs.append([*chosen, block[-2][0], ms[-1]])
                 runs.append([*chosen, block[-1][0], None])
                 self._launch_at = (block[-1][4], block[-1][0])
+                last = len(ms) - 1  # (the step of the newest sample above 0, as one by one)
+                while last >= 0 and ms[last] <= 0:
+                    last -= 1
+                ms = [m for m in ms if m > 0]
                 if ms:
-                    ms.reverse()
-                    self._samples(chosen[0], chosen[1], last, ms)
+                    self._samples(chosen[0], chosen[1], block[last][4], ms)
                 i = j
             else:
                 self._launched(now, waited, contiguous, chosen, step)
