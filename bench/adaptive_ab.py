@@ -28,8 +28,7 @@ from pathlib import Path
 # and "paused" (every plain step with the draft paused: the step without speculation, run by the speculative engine)
 POLICIES = {"adaptive": {}, "adaptive_p005": {"probe_budget": 0.005}, "adaptive_nocheck": {"check_pairs": 0},
             "adaptive_nopause": {"pause_after": 0}, "adaptive_no_context": {"context_costs": None},
-            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0},
-            "adaptive_long": {"steady_steps": 128}}
+            "adaptive_every_step": {"steady_steps": 1}, "adaptive_no_host": {"host_samples": 0}}
 
 
 def _args(a) -> argparse.Namespace:  # bench.adaptive's options for one shape and batch size
