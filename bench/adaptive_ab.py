@@ -208,8 +208,8 @@ def summary(res: dict) -> dict:
             if contiguous:
                 per.setdefault(d, []).append(((t1 - t0) * 1e3, waited * 1e3))
         # the policy's own calls: mean µs per chosen step (choose, launched, observe and their sum)
-        at = {"choose": 5, "launch": 4, "observe": 1}  # (each entry's own time)
-        calls = {k: [e[i] for e in log if e[0] == k] for k, i in at.items()}
+        at = {"choose": 5, "launch": 4, "observe": 1}  # (each entry's own time; traces before it had none)
+        calls = {k: [e[i] for e in log if e[0] == k and len(e) > i] for k, i in at.items()}
         n = max(1, len(calls["choose"]))
         us = {k: round(1e6 * sum(v) / n, 2) for k, v in calls.items()}
         out[name]["policy_us_per_step"] = {**us, "total": round(sum(us.values()), 2)}

@@ -701,7 +701,7 @@ class DepthChooser:
 
     def _end_run(self) -> None:
         """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""
-        depth, self._steady = self._steady[3], None
+        depth, self._steady, self._watch_next = self._steady[3], None, None
         for k in self.tiers:
             if k <= depth:
                 self._seen[k] = self._step
@@ -917,14 +917,19 @@ class DepthChooser:
             self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / len(accepted) - self._expect)
             if not -self._drift_tol <= self._drift <= self._drift_rise:
                 self._drifted = True
-            if self._watch_next is not None:  # (a carry's batch size: where its bound narrows, its drift shrinks with
-                # it, so that the noise of a drained batch's last requests, inside their wide bound, ends no run at
-                # the next batch's first step; where it widens, the drift stays)
-                keep, tol = self._watch_next
-                if tol < self._drift_tol:
-                    self._drift *= tol / self._drift_tol
-                self._drift_keep, self._drift_tol, self._watch_next = keep, tol, None
-                self._drift_rise = self._rise_bound(tol)
+        if self._watch_next is not None:
+            self._carried_watch()
+
+    def _carried_watch(self) -> None:
+        """A carry's batch size, for the watch from the next verdicts on (the step before the carry's are in, or
+        lost): where its bound narrows, the drift shrinks with it, so that the noise of a drained batch's last
+        requests, inside their wide bound, ends no run at the next batch's first step; where it widens, the drift
+        stays."""
+        keep, tol = self._watch_next
+        if tol < self._drift_tol:
+            self._drift *= tol / self._drift_tol
+        self._drift_keep, self._drift_tol, self._watch_next = keep, tol, None
+        self._drift_rise = self._rise_bound(tol)
 
     def _flush(self) -> None:
         """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike
@@ -1012,6 +1017,8 @@ class DepthChooser:
         n-th ``observe`` or ``lost`` is the n-th step chosen). A check's step among them discards its block."""
         if self._steady is not None or self._deferred:
             self._deferred.append((None, None, self._step))
+            if self._watch_next is not None:
+                self._carried_watch()
         else:
             self._lost()
 

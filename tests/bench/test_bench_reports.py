@@ -165,3 +165,19 @@ def test_adaptive_ab_summary_from_a_trace():
     by = got["adaptive"]["launches_by_depth"]
     assert by["0"] == {"n": 2, "interval_ms": 3.0, "waited_ms": 0.75, "host_ms": 2.25}
     assert by["1"] == {"n": 1, "interval_ms": 5.0, "waited_ms": 2.0, "host_ms": 3.0}
+
+
+def test_adaptive_ab_summary_sums_each_calls_own_time():
+    """A trace's entries as ``_traced`` writes them (each call's own time at a fixed place, a choice's context and
+    full choices and a round's verdicts after it): the policy's µs a chosen step per call; traces from before the
+    own times (shorter entries) count none."""
+    from bench.adaptive_ab import summary
+
+    trace = [["choose", 1.0, 8, 3, 0, 2e-6, 100, 1], ["launch", 1.0, 0.0, True, 1e-6],
+             ["choose", 1.001, 8, 3, 0, 4e-6, 108, 1], ["launch", 1.001, 0.0, True, 1e-6],
+             ["observe", 3e-6, 3, [1, 2, 3, 0, 1, 2, 3, 3]]]
+    res = {"rows": {"no_spec": [{"decode_tok_s": 100.0, "median_step_ms": 2.0}],
+                    "adaptive": [{"decode_tok_s": 95.0, "median_step_ms": 2.1}]},
+           "trace": {"adaptive": trace}}
+    assert summary(res)["adaptive"]["policy_us_per_step"] == {"choose": 3.0, "launch": 1.0, "observe": 1.5,
+                                                              "total": 5.5}
