@@ -452,7 +452,7 @@ class DepthChooser:
         # (the run's watch, ``_watch``: the drafts a request is expected to accept, their decayed drift from it,
         # its decay and its bound)
         self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
-        self._drift_keep, self._drift_tol, self._drift_rise = 1.0, 0.0, 0.0
+        self._drift_keep, self._drift_tol = 1.0, 0.0
         self._watch_next: tuple[float, float] | None = None  # (a carry's keep and bound, from its step's verdicts)
         self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
@@ -682,14 +682,6 @@ class DepthChooser:
         self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
         self._watch_next = None
         self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
-        self._drift_rise = self._rise_bound(self._drift_tol)
-
-    def _rise_bound(self, tol: float) -> float:
-        """How far the drift may rise: ``tol``, but without bound for a run at the deepest tier, which more
-        acceptance cannot unseat (each tier's expected tokens over a shallower one's grow with every position's
-        acceptance). A batch's acceptance climbs as its requests go on (the shipped family's from about 1.8 to 2.4
-        drafts at bs 64): bound, that ended its runs every few steps, each end a full choice."""
-        return math.inf if self._steady is not None and self._steady[3] == self.tiers[-1] else tol
 
     def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
         """``steady_tol`` a draft, or three times the drift's spread on a stationary acceptance at the batch size,
@@ -915,7 +907,9 @@ class DepthChooser:
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep
             self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / len(accepted) - self._expect)
-            if not -self._drift_tol <= self._drift <= self._drift_rise:
+            # (both ways at every tier, the deepest too: a rising mean can hide a falling position, the first
+            # ones up and the last down, where a shallower tier's expected tokens gain on the deepest's)
+            if abs(self._drift) > self._drift_tol:
                 self._drifted = True
             if self._watch_next is not None:  # (a carry's batch size: where its bound narrows, its drift shrinks with
                 # it, so that the noise of a drained batch's last requests, inside their wide bound, ends no run at
@@ -924,7 +918,6 @@ class DepthChooser:
                 if tol < self._drift_tol:
                     self._drift *= tol / self._drift_tol
                 self._drift_keep, self._drift_tol, self._watch_next = keep, tol, None
-                self._drift_rise = self._rise_bound(tol)
 
     def _flush(self) -> None:
         """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike
