@@ -1558,6 +1558,35 @@ def test_a_rising_mean_that_hides_a_falling_position_ends_a_run_at_the_deepest_t
         assert sum(a != b for a, b in zip(steady, every)) <= 2, (shift, steady[shift:], every[shift:])
 
 
+@pytest.mark.parametrize("order", ["no overlap", "overlap, lost", "overlap, holed"])
+def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size_in_any_order(order):
+    """As above, where the verdict observed right after a carry is not the step before's: an engine without the
+    overlap schedule (n-gram drafting, ``disable_overlap_schedule``) observes each step's own verdicts right after
+    choosing it; under overlap, the step before the carry may have failed (``lost``) or sent no verdicts (``[]``).
+    The last request's verdict of none is weighed at its own batch size of 1, not the batch of 64's."""
+    table = {b: {d: 1.0 + 0.2 * d + 0.001 * b * d for d in range(4)} for b in (1, 2, 4, 8, 16, 32, 64)}
+    c = DepthChooser(table, num_steps=3)
+    accepted = [3, 3, 2, 3, 3, 1, 3, 3]
+    for i in range(40):
+        d = c.choose(64)
+        c.observe(d, [min(d, accepted[(i + j) % 8]) for j in range(64)])
+    _run_begun(c, 64, lambda d, rng: min(d, accepted[rng.randrange(8)]), steps_left=7)
+    full, pending = c.full_choices, None
+    for k, n in enumerate([64, 64, 1, 64, 64]):
+        d = c.choose(n)
+        assert d == 3
+        verdicts = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [0])
+        if order == "no overlap":
+            c.observe(*verdicts)
+            continue
+        if pending == "lost":
+            c.lost()
+        elif pending is not None:
+            c.observe(*pending)
+        pending = verdicts if k != 1 else ("lost" if order == "overlap, lost" else (d, []))
+    assert c.full_choices == full and c._steady is not None and not c._drifted
+
+
 def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
     """Random cost tables (a host base over some tiers, a slope per token of context per tier) and acceptances: where
     a full choice begins a steady run, the round it repeats is what the full choice would choose at every context
