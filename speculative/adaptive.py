@@ -452,8 +452,9 @@ class DepthChooser:
         # (the run's watch, ``_watch``: the drafts a request is expected to accept, their decayed drift from it,
         # its decay and its bound)
         self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
-        self._drift_keep, self._drift_tol, self._drift_rise = 1.0, 0.0, 0.0
-        self._watch_next: tuple[float, float] | None = None  # (a carry's keep and bound, from its step's verdicts)
+        self._drift_keep, self._drift_tol = 1.0, 0.0
+        # (the carries' (step, keep, bound) whose steps' verdicts are still to come: each applies from its own)
+        self._watch_next: list[tuple[int, float, float]] = []
         self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
     def bucket(self, batch_size: int) -> int:
@@ -665,8 +666,10 @@ class DepthChooser:
         self._chosen = (bucket, depth, False, 0)
         self._steady = (bucket, until, self._chosen, depth, lo, hi, False)
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
-        # (from this step's verdicts on, which come after the step before's: ``observe``)
-        self._watch_next = (keep, self._tolerance(depth, batch_size, keep))
+        # (from this step's verdicts on: ``observe``, which tells a verdict's step by the count of verdicts and
+        # lost steps, the n-th for the n-th step chosen; after the step before's under overlap, right after it
+        # without)
+        self._watch_next.append((step, keep, self._tolerance(depth, batch_size, keep)))
         return True
 
     def _watch(self, batch_size: int, depth: int) -> None:
@@ -680,16 +683,8 @@ class DepthChooser:
             sq += (2 * i + 1) * run
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
         self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
-        self._watch_next = None
+        self._watch_next.clear()
         self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
-        self._drift_rise = self._rise_bound(self._drift_tol)
-
-    def _rise_bound(self, tol: float) -> float:
-        """How far the drift may rise: ``tol``, but without bound for a run at the deepest tier, which more
-        acceptance cannot unseat (each tier's expected tokens over a shallower one's grow with every position's
-        acceptance). A batch's acceptance climbs as its requests go on (the shipped family's from about 1.8 to 2.4
-        drafts at bs 64): bound, that ended its runs every few steps, each end a full choice."""
-        return math.inf if self._steady is not None and self._steady[3] == self.tiers[-1] else tol
 
     def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
         """``steady_tol`` a draft, or three times the drift's spread on a stationary acceptance at the batch size,
@@ -701,7 +696,7 @@ class DepthChooser:
 
     def _end_run(self) -> None:
         """(The run's tiers were seen at its last step, as the full choice marks a choice's.)"""
-        depth, self._steady, self._watch_next = self._steady[3], None, None
+        depth, self._steady = self._steady[3], None
         for k in self.tiers:
             if k <= depth:
                 self._seen[k] = self._step
@@ -911,25 +906,27 @@ class DepthChooser:
         self._deferred.append((depth, accepted, self._step))
         # (no verdicts: every request's draft has holes, and the engine sends []; the estimate skips them too)
         if depth and accepted and self._steady is not None:
+            if self._watch_next and self._watch_next[0][0] <= self._observed + len(self._deferred):
+                self._carry_watch()  # (this verdict's step, the n-th verdict's, is a carry's or after it)
             # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep
             self._drift = keep * self._drift + (1.0 - keep) * (sum(accepted) / len(accepted) - self._expect)
-            if not -self._drift_tol <= self._drift <= self._drift_rise:
+            # (both ways at every tier, the deepest too: a rising mean can hide a falling position, the first
+            # ones up and the last down, where a shallower tier's expected tokens gain on the deepest's)
+            if abs(self._drift) > self._drift_tol:
                 self._drifted = True
-        if self._watch_next is not None:
-            self._carried_watch()
 
-    def _carried_watch(self) -> None:
-        """A carry's batch size, for the watch from the next verdicts on (the step before the carry's are in, or
-        lost): where its bound narrows, the drift shrinks with it, so that the noise of a drained batch's last
-        requests, inside their wide bound, ends no run at the next batch's first step; where it widens, the drift
-        stays."""
-        keep, tol = self._watch_next
-        if tol < self._drift_tol:
-            self._drift *= tol / self._drift_tol
-        self._drift_keep, self._drift_tol, self._watch_next = keep, tol, None
-        self._drift_rise = self._rise_bound(tol)
+    def _carry_watch(self) -> None:
+        """The bound of the newest carry whose step's verdicts have come (the n-th verdict or lost step is the n-th
+        step's): where it narrows, the drift shrinks with it, so that the noise of a drained batch's last requests,
+        inside their wide bound, ends no run at the next batch's first step; where it widens, the drift stays."""
+        at, pending = self._observed + len(self._deferred), self._watch_next
+        while pending and pending[0][0] <= at:
+            _, keep, tol = pending.pop(0)
+            if tol < self._drift_tol:
+                self._drift *= tol / self._drift_tol
+            self._drift_keep, self._drift_tol = keep, tol
 
     def _flush(self) -> None:
         """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike
@@ -1017,8 +1014,6 @@ class DepthChooser:
         n-th ``observe`` or ``lost`` is the n-th step chosen). A check's step among them discards its block."""
         if self._steady is not None or self._deferred:
             self._deferred.append((None, None, self._step))
-            if self._watch_next is not None:
-                self._carried_watch()
         else:
             self._lost()
 

@@ -1491,10 +1491,9 @@ def _run_begun(c: DepthChooser, bs: int, accepted, steps_left: int = 6) -> None:
 
 
 @pytest.mark.parametrize("bs, p, rise", [(16, 0.6, True), (64, 0.5, True), (16, 0.6, False)])
-def test_rising_acceptance_ends_no_run_at_the_deepest_tier(bs, p, rise):
-    """A run's watch ends it where its rounds' acceptance drifts past its bound, both ways, but not up where it runs
-    the deepest tier: more acceptance only widens a deeper round's lead (the shipped family's batches accept more as
-    they go on, and bound up, their runs at depth 3 ended every few steps). 8B table: depth 3 at bs 16, 2 at bs 64,
+def test_drifting_acceptance_ends_a_run_both_ways_at_every_tier(bs, p, rise):
+    """A run's watch ends it where its rounds' acceptance drifts past its bound, both ways, at the deepest tier too
+    (a rising mean can hide a falling position: the test below). 8B table: depth 3 at bs 16, 2 at bs 64,
     acceptance then every draft (rise) or none (fall)."""
     c = DepthChooser(H100_8B, num_steps=3)
     _served(c, bs, 40, _per_position(p))
@@ -1504,8 +1503,7 @@ def test_rising_acceptance_ends_no_run_at_the_deepest_tier(bs, p, rise):
     for _ in range(5):
         d = c.choose(bs)
         c.observe(d, [d if rise else 0] * bs)
-    ended = c.full_choices > full
-    assert ended == (not rise or depth < 3), (depth, rise, c.full_choices - full)
+    assert c.full_choices > full, (depth, rise)
 
 
 def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size():
@@ -1528,6 +1526,64 @@ def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size():
         if pending is not None:
             c.observe(*pending)
         pending = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [a])
+    assert c.full_choices == full and c._steady is not None and not c._drifted
+
+
+def test_a_rising_mean_that_hides_a_falling_position_ends_a_run_at_the_deepest_tier():
+    """More acceptance at every position only widens the deepest round's lead, but a rising mean need not be that:
+    here the first two positions rise to ~0.98 while the third falls from 0.8 to 0.45 (mean accepted 1.95 -> 2.4),
+    and depth 3's lead over depth 2 (E(3) / E(2): 1.21 -> 1.15 against a cost ratio of 1.17) turns into a loss.
+    The every-step chooser moves to depth 2 a few steps after the shift; the run must end as soon, not hold depth
+    3 to its 16th step."""
+    table = {64: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.404}}
+    before = [0] * 13 + [1] * 10 + [2] * 8 + [3] * 33
+    after = [0] + [1] + [2] * 34 + [3] * 28
+
+    def drive(steady: int, shift: int) -> list[int]:
+        c = DepthChooser(table, num_steps=3, steady_steps=steady, host_samples=0)
+        for _ in range(30):  # (a settled estimate of about 0.8 at every position: depth 3 clearly the best)
+            c.observe(3, before)
+        depths, pending = [], None
+        for i in range(shift + 24):
+            d = c.choose(64)
+            depths.append(d)
+            if pending is not None:
+                c.observe(*pending)
+            pending = (d, [min(d, a) for a in (before if i < shift else after)])
+        return depths
+
+    for shift in range(17, 34):  # (the shift at every step of a run)
+        steady, every = drive(16, shift), drive(1, shift)
+        assert steady[:shift] == every[:shift] == [3] * shift
+        assert sum(a != b for a, b in zip(steady, every)) <= 2, (shift, steady[shift:], every[shift:])
+
+
+@pytest.mark.parametrize("order", ["no overlap", "overlap, lost", "overlap, holed"])
+def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size_in_any_order(order):
+    """As above, where the verdict observed right after a carry is not the step before's: an engine without the
+    overlap schedule (n-gram drafting, ``disable_overlap_schedule``) observes each step's own verdicts right after
+    choosing it; under overlap, the step before the carry may have failed (``lost``) or sent no verdicts (``[]``).
+    The last request's verdict of none is weighed at its own batch size of 1, not the batch of 64's."""
+    table = {b: {d: 1.0 + 0.2 * d + 0.001 * b * d for d in range(4)} for b in (1, 2, 4, 8, 16, 32, 64)}
+    c = DepthChooser(table, num_steps=3)
+    accepted = [3, 3, 2, 3, 3, 1, 3, 3]
+    for i in range(40):
+        d = c.choose(64)
+        c.observe(d, [min(d, accepted[(i + j) % 8]) for j in range(64)])
+    _run_begun(c, 64, lambda d, rng: min(d, accepted[rng.randrange(8)]), steps_left=7)
+    full, pending = c.full_choices, None
+    for k, n in enumerate([64, 64, 1, 64, 64]):
+        d = c.choose(n)
+        assert d == 3
+        verdicts = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [0])
+        if order == "no overlap":
+            c.observe(*verdicts)
+            continue
+        if pending == "lost":
+            c.lost()
+        elif pending is not None:
+            c.observe(*pending)
+        pending = verdicts if k != 1 else ("lost" if order == "overlap, lost" else (d, []))
     assert c.full_choices == full and c._steady is not None and not c._drifted
 
 
