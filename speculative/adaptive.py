@@ -453,8 +453,6 @@ class DepthChooser:
         # its decay and its bound)
         self._expect, self._variance, self._drift, self._drifted = 0.0, 0.0, 0.0, False
         self._drift_keep, self._drift_tol = 1.0, 0.0
-        # (the carries' (step, keep, bound) whose steps' verdicts are still to come: each applies from its own)
-        self._watch_next: list[tuple[int, float, float]] = []
         self._tier_at = {d: i for i, d in enumerate(self.tiers)}
 
     def bucket(self, batch_size: int) -> int:
@@ -666,10 +664,7 @@ class DepthChooser:
         self._chosen = (bucket, depth, False, 0)
         self._steady = (bucket, until, self._chosen, depth, lo, hi, False)
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
-        # (from this step's verdicts on: ``observe``, which tells a verdict's step by the count of verdicts and
-        # lost steps, the n-th for the n-th step chosen; after the step before's under overlap, right after it
-        # without)
-        self._watch_next.append((step, keep, self._tolerance(depth, batch_size, keep)))
+        self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
         return True
 
     def _watch(self, batch_size: int, depth: int) -> None:
@@ -683,7 +678,6 @@ class DepthChooser:
             sq += (2 * i + 1) * run
         keep = self.estimate.decay ** min(1.0, batch_size / self.estimate.full_round)
         self._expect, self._variance, self._drift, self._drifted = mean, max(0.0, sq - mean * mean), 0.0, False
-        self._watch_next.clear()
         self._drift_keep, self._drift_tol = keep, self._tolerance(depth, batch_size, keep)
 
     def _tolerance(self, depth: int, batch_size: int, keep: float) -> float:
@@ -906,8 +900,6 @@ class DepthChooser:
         self._deferred.append((depth, accepted, self._step))
         # (no verdicts: every request's draft has holes, and the engine sends []; the estimate skips them too)
         if depth and accepted and self._steady is not None:
-            if self._watch_next and self._watch_next[0][0] <= self._observed + len(self._deferred):
-                self._carry_watch()  # (this verdict's step, the n-th verdict's, is a carry's or after it)
             # the run's watch on acceptance: its drafts accepted a request, decayed as the estimate decays, against
             # what the estimate expected when the run began; past ``steady_tol`` a draft, the full choice is made
             keep = self._drift_keep
@@ -916,17 +908,6 @@ class DepthChooser:
             # ones up and the last down, where a shallower tier's expected tokens gain on the deepest's)
             if abs(self._drift) > self._drift_tol:
                 self._drifted = True
-
-    def _carry_watch(self) -> None:
-        """The bound of the newest carry whose step's verdicts have come (the n-th verdict or lost step is the n-th
-        step's): where it narrows, the drift shrinks with it, so that the noise of a drained batch's last requests,
-        inside their wide bound, ends no run at the next batch's first step; where it widens, the drift stays."""
-        at, pending = self._observed + len(self._deferred), self._watch_next
-        while pending and pending[0][0] <= at:
-            _, keep, tol = pending.pop(0)
-            if tol < self._drift_tol:
-                self._drift *= tol / self._drift_tol
-            self._drift_keep, self._drift_tol = keep, tol
 
     def _flush(self) -> None:
         """What a steady run deferred, in the order it came: its verdicts and lost steps (a stretch of rounds alike

@@ -1506,29 +1506,6 @@ def test_drifting_acceptance_ends_a_run_both_ways_at_every_tier(bs, p, rise):
     assert c.full_choices > full, (depth, rise)
 
 
-def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size():
-    """The engine observes a step's verdicts after choosing the next step: where the next step carries the run to
-    another bucket, the verdicts just in are still the last bucket's batch. Draining to one request, whose single
-    verdicts swing within the wide bound of a batch of 1 (it accepts none of its drafts), and then grown back to 64
-    requests (the next batch, the run carried on), the run is not ended at the grown batch's first step by the last
-    request's verdict, weighed as if it were a batch of 64's."""
-    table = {b: {d: 1.0 + 0.2 * d + 0.001 * b * d for d in range(4)} for b in (1, 2, 4, 8, 16, 32, 64)}
-    c = DepthChooser(table, num_steps=3)
-    accepted = [3, 3, 2, 3, 3, 1, 3, 3]  # (a batch's mix; its last request accepts 1 then none below)
-    for i in range(40):  # (to a settled estimate)
-        d = c.choose(64)
-        c.observe(d, [min(d, accepted[(i + j) % 8]) for j in range(64)])
-    _run_begun(c, 64, lambda d, rng: min(d, accepted[rng.randrange(8)]), steps_left=7)
-    full, pending = c.full_choices, None
-    for n, a in [(64, 3), (8, 3), (1, 1), (1, 0), (64, 3), (64, 3)]:
-        d = c.choose(n)
-        assert d == 3
-        if pending is not None:
-            c.observe(*pending)
-        pending = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [a])
-    assert c.full_choices == full and c._steady is not None and not c._drifted
-
-
 def test_a_rising_mean_that_hides_a_falling_position_ends_a_run_at_the_deepest_tier():
     """More acceptance at every position only widens the deepest round's lead, but a rising mean need not be that:
     here the first two positions rise to ~0.98 while the third falls from 0.8 to 0.45 (mean accepted 1.95 -> 2.4),
@@ -1556,35 +1533,6 @@ def test_a_rising_mean_that_hides_a_falling_position_ends_a_run_at_the_deepest_t
         steady, every = drive(16, shift), drive(1, shift)
         assert steady[:shift] == every[:shift] == [3] * shift
         assert sum(a != b for a, b in zip(steady, every)) <= 2, (shift, steady[shift:], every[shift:])
-
-
-@pytest.mark.parametrize("order", ["no overlap", "overlap, lost", "overlap, holed"])
-def test_a_carried_runs_watch_takes_each_verdict_at_its_own_batch_size_in_any_order(order):
-    """As above, where the verdict observed right after a carry is not the step before's: an engine without the
-    overlap schedule (n-gram drafting, ``disable_overlap_schedule``) observes each step's own verdicts right after
-    choosing it; under overlap, the step before the carry may have failed (``lost``) or sent no verdicts (``[]``).
-    The last request's verdict of none is weighed at its own batch size of 1, not the batch of 64's."""
-    table = {b: {d: 1.0 + 0.2 * d + 0.001 * b * d for d in range(4)} for b in (1, 2, 4, 8, 16, 32, 64)}
-    c = DepthChooser(table, num_steps=3)
-    accepted = [3, 3, 2, 3, 3, 1, 3, 3]
-    for i in range(40):
-        d = c.choose(64)
-        c.observe(d, [min(d, accepted[(i + j) % 8]) for j in range(64)])
-    _run_begun(c, 64, lambda d, rng: min(d, accepted[rng.randrange(8)]), steps_left=7)
-    full, pending = c.full_choices, None
-    for k, n in enumerate([64, 64, 1, 64, 64]):
-        d = c.choose(n)
-        assert d == 3
-        verdicts = (d, [accepted[j % 8] for j in range(n)] if n > 1 else [0])
-        if order == "no overlap":
-            c.observe(*verdicts)
-            continue
-        if pending == "lost":
-            c.lost()
-        elif pending is not None:
-            c.observe(*pending)
-        pending = verdicts if k != 1 else ("lost" if order == "overlap, lost" else (d, []))
-    assert c.full_choices == full and c._steady is not None and not c._drifted
 
 
 def test_a_steady_runs_contexts_are_those_where_its_round_stays_the_best():
