@@ -19,7 +19,9 @@ steps of a batch of each step's median.
 (its last batch: each choice's batch size and context, each launch's times, each round's verdicts) replayed through
 this tree's chooser (and ``--compare``'s) built on that run's cost tables: its bytecodes a step and where it made
 the full choice, the batch replayed twice first so that its estimate and host medians are the run's. The recorded
-rounds are the engine's at the depths it ran, so the replay is faithful where the chooser picks those depths.
+rounds are the engine's at the depths it ran, so the replay is faithful where the chooser picks those depths (the
+trace keeps no draft lags told, lost or paused steps; a pass's first launch follows the last pass's, backwards in
+time, so it samples nothing).
 """
 
 from __future__ import annotations
