@@ -86,30 +86,33 @@ def bytecodes(steady_steps: int | None, bs: int, shape: str, batches: int, warm:
     from speculative import adaptive
 
     e = Engine(policy(adaptive, steady_steps), bs, shape)
-    ops = {"choose": 0, "launched": 0, "observe": 0}
-    where, steps = ["choose"], 0
-
-    def tracer(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            ops[where[0]] += 1
-        return tracer
-
+    ops, steps = {"choose": 0, "launched": 0, "observe": 0}, 0
     for rep in range(batches):
         for i in range(len(e.sizes)):
             calls, done = e.calls(i)
             depth = None
             for name, fn, args in calls:
-                where[0] = name
-                if rep >= warm:
-                    sys.settrace(tracer)
-                got = fn(*args)
-                if rep >= warm:
-                    sys.settrace(None)
+                got = counted(ops, name, fn, *args) if rep >= warm else fn(*args)
                 depth = got if name == "choose" else depth
             steps += rep >= warm
             done(depth)
     return {k: round(v / steps, 1) for k, v in ops.items()}
+
+
+def counted(ops: dict, key, fn, *args):
+    """``fn(*args)``, the bytecodes it runs (its frames and those it calls) added to ``ops[key]``."""
+    def tracer(frame, event, arg):
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            ops[key] += 1
+        return tracer
+
+    ops.setdefault(key, 0)
+    sys.settrace(tracer)
+    try:
+        return fn(*args)
+    finally:
+        sys.settrace(None)
 
 
 def cold(policies: dict, bs: int, shape: str, batches: int, warm: int) -> dict:
@@ -149,36 +152,21 @@ def replay(module, run: dict, policy: str) -> dict:
     costs = {int(b): {int(d): c for d, c in row.items()} for b, row in run["cost_ms"].items()}
     context = {int(b): {int(d): c for d, c in row.items()} for b, row in run.get("context_cost_ms", {}).items()}
     c = module.DepthChooser(costs, 3, context_costs=context or None)
-    count, per_step, full, departed = [0], [], [], 0
-
-    def tracer(frame, event, arg):
-        frame.f_trace_opcodes = True
-        if event == "opcode":
-            count[0] += 1
-        return tracer
-
+    ops, full, departed = {}, [], 0  # (ops: step → the bytecodes of its choice and the calls up to the next)
     for rep in range(3):
         i = -1
         for e in run["trace"][policy]:
-            if rep == 2:
-                sys.settrace(tracer)
             if e[0] == "choose":
                 i, before = i + 1, c.full_choices
-                if rep == 2 and i:
-                    per_step.append(count[0])
-                    count[0] = 0
-                d = c.choose(e[2], e[6])
-                sys.settrace(None)
-                if rep == 2:
-                    departed += d != e[3]
-                    if c.full_choices > before:
-                        full.append(i)
-            elif e[0] == "launch":
-                c.launched(e[1], e[2], e[3])
+                call, args = c.choose, (e[2], e[6])
             else:
-                c.observe(e[2], e[3])
-            sys.settrace(None)
-    per_step.append(count[0])
+                call, args = (c.launched, e[1:4]) if e[0] == "launch" else (c.observe, e[2:4])
+            got = counted(ops, max(i, 0), call, *args) if rep == 2 else call(*args)
+            if rep == 2 and e[0] == "choose":
+                departed += got != e[3]
+                if c.full_choices > before:
+                    full.append(i)
+    per_step = [ops[k] for k in sorted(ops)]
     return {"bytecodes_per_step": round(sum(per_step) / len(per_step)), "per_step": per_step, "full_choices_at": full,
             "steps": len(per_step), "depths_unlike_the_run": departed}
 
