@@ -171,8 +171,8 @@ def prompts(vocab: int) -> tuple[st.SearchStrategy, st.SearchStrategy]:
                      {"text": "hi"}, lone, st.builds(lambda t: [t], lone), [vocab - 1] * 300, "a " * 2000,
                      st.lists(st.integers(), min_size=1, max_size=4),
                      # batches with a bad member, mixed kinds, too many prompts
-                     ["a", [1, 2]], [[1, 2], "a"], [[1], []], ["a", ""], [[1], [vocab]], [[1], [-1]], st.builds(lambda t: ["a", t], lone),
-                     [[1, 2], [[3]]], ["a", None], ["a"] * 1025)
+                     ["a", [1, 2]], [[1, 2], "a"], [[1], []], ["a", ""], [[1], [vocab]], [[1], [-1]],
+                     st.builds(lambda t: ["a", t], lone), [[1, 2], [[3]]], ["a", None], ["a"] * 1025)
 
 
 @functools.lru_cache
