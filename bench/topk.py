@@ -6,10 +6,9 @@ length) at batch 1 / 8 / 32, so 1 to 160 rows.
 Each path (``--methods``: "radix", "sampled", "ordered", and "auto", the launcher's default for the shape) is timed
 as one CUDA graph replay captured with PDL, the L2 flushed before each (triton's do_bench), as
 ``bench.sparse_attention`` times its kernels; "ordered" also at the split counts of ``--ordered-splits``, the
-select warps of ``--select-warps``, with its threshold drawn by each split or by a kernel of its own
-(``--fused``) and its select searching bit by bit or digit by digit (``--select``). Every result is checked
-against the stable-sort reference on the same scores (``equal``). Writes <out>.json (after every case) and <out>.md
-with device, commit and command.
+select warps of ``--select-warps`` and with its threshold drawn by each split or by a kernel of its own
+(``--fused``). Every result is checked against the stable-sort reference on the same scores
+(``equal``). Writes <out>.json (after every case) and <out>.md with device, commit and command.
 
     python3 -m bench.topk --out bench/results/sparse_attention/topk_h100
     python3 -m bench.topk --cpu --out /tmp/topk_smoke     # tiny shapes through Triton's interpreter (smoke)
@@ -60,20 +59,18 @@ def scores_case(shape: dict, ctx: int, bs: int, rows_per_req: int, device: str, 
 
 
 def variants(methods: list[str], ordered_splits: list[str], select_warps: list[int],
-             fused: list[str], selects: tuple[str, ...] = ("auto",)) -> list[tuple[str, dict]]:
+             fused: list[str]) -> list[tuple[str, dict]]:
     """(label, topk_slots keywords) per timed path."""
     out = []
     for m in methods:
         if m == "auto":
             out.append(("auto", {}))
         elif m == "ordered":
-            for sp, wp, fu, se in itertools.product(ordered_splits, select_warps, fused, selects):
+            for sp, wp, fu in itertools.product(ordered_splits, select_warps, fused):
                 kw = {"method": "ordered", "select_warps": wp, **({} if sp == "auto" else {"num_splits": int(sp)}),
-                      **({} if fu == "auto" else {"fused_threshold": fu == "1"}),
-                      **({} if se == "auto" else {"select_radix": se == "digits"})}
-                many = len(ordered_splits) * len(select_warps) * len(fused) * len(selects) > 1
-                label = f"ordered s={sp} w={wp} f={fu}" + ("" if se == "auto" else f" {se}")
-                out.append((label if many else "ordered", kw))
+                      **({} if fu == "auto" else {"fused_threshold": fu == "1"})}
+                many = len(ordered_splits) * len(select_warps) * len(fused) > 1
+                out.append((f"ordered s={sp} w={wp} f={fu}" if many else "ordered", kw))
         else:
             out.append((m, {"method": m}))
     return out
@@ -94,8 +91,6 @@ def main() -> None:
                                                                  "sample (default: by counts)")
     ap.add_argument("--fused", default="auto", help="'ordered': threshold drawn by each split (1), by its own "
                                                    "kernel (0), or as the launcher decides (auto); e.g. auto,0,1")
-    ap.add_argument("--select", default="auto", help="'ordered': its select's search, 'bits' (a count a bit), "
-                                                    "'digits' (a histogram a byte) or the launcher's (auto)")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
     args = ap.parse_args()
     out = out_path(args.out)
@@ -108,7 +103,7 @@ def main() -> None:
     contexts = [int(x) for x in (args.contexts or ("300" if args.cpu else "16384,65536,131072")).split(",")]
     batch_sizes = [int(x) for x in (args.batch_sizes or ("2" if args.cpu else "1,8,32")).split(",")]
     vs = variants(args.methods.split(","), args.ordered_splits.split(","),
-                  [int(x) for x in args.select_warps.split(",")], args.fused.split(","), tuple(args.select.split(",")))
+                  [int(x) for x in args.select_warps.split(",")], args.fused.split(","))
     graph, _ = timer(device)
     meta = {"device": device_name(device), "commit": commit(), "command": command(), "shape": shape,
             "timing": "CUDA graph replay captured with PDL, L2 flushed before each (do_bench)" if device == "cuda"

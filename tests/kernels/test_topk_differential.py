@@ -73,10 +73,10 @@ def check(cases: int = CASES, seed: int = 0, device: str = "cpu") -> None:
         want = positions_to_slots(topk_positions_reference(scores, row_len, o["topk"]), table, row_req, o["page"])
         # every case through the ordered candidates (the default for long rows) and one other path in turn (the
         # interpreter's time); on the GPU every path every case
-        # (its threshold drawn by a kernel of its own or by each split, from a sort of the sample or by counts, its
-        # select by bits or by digits, in turn)
+        # (its threshold drawn by a kernel of its own or by each split, from a sort of the sample or by counts, in
+        # turn)
         others = [("sampled", o["splits"], {"sort_sample": n % 2 == 1}), ("radix", 1, {}), ("radix", o["splits"], {})]
-        ordered = {"fused_threshold": n % 2 == 0, "sort_sample": n // 2 % 2 == 0, "select_radix": n // 4 % 2 == 0}
+        ordered = {"fused_threshold": n % 2 == 0, "sort_sample": n // 2 % 2 == 0}
         paths = [("ordered", o["splits"], ordered)] + (others if device != "cpu" else [others[n % 3]])
         if device != "cpu":
             paths.append(("ordered", o["splits"], {k: not v for k, v in ordered.items()}))

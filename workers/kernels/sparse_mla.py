@@ -661,15 +661,13 @@ if triton is not None:
     @triton.jit
     def _topk_ordered_select(Scores, PageTable, RowReq, RowLen, Tau, SplitCnt, CandPos, Out, topk, page_size,
                              num_splits, stride_sr, stride_pt, stride_or, cand_max, region, CAND: tl.constexpr,
-                             SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr, RADIX: tl.constexpr = False,
-                             PDL: tl.constexpr = False):
+                             SPLITS_P2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
         """Program per row: the row's candidates (``_topk_compact_ordered``'s regions, in position order) held in
-        registers, the k-th largest key T among them (the largest key with at least k candidates at or above it),
-        then the slots of the keys above T and of the lowest-positioned ones equal to it, written in candidate
-        order, which is position order. T is built bit by bit (a count over the registers a bit: 32 reductions,
-        each a barrier) or, ``RADIX``, a digit at a time (four histograms of 8-bit digits over the registers). Where
-        the candidates do not hold the top-k (fewer than top-k above a sampled threshold, or more than cand_max),
-        the whole row's radix passes and write, as ``_topk_select``."""
+        registers, the k-th largest key T among them built bit by bit (the largest key with at least k candidates
+        at or above it: a count over the registers a bit, no histogram), then the slots of the keys above T and of
+        the lowest-positioned ones equal to it, written in candidate order, which is position order. Where the
+        candidates do not hold the top-k (fewer than top-k above a sampled threshold, or more than cand_max), the
+        whole row's radix passes and write, as ``_topk_select``."""
         pdl_start(PDL)
         r = tl.program_id(0)
         row_len = tl.load(RowLen + r)
@@ -693,24 +691,12 @@ if triton is not None:
             cand = CandPos + r.to(tl.int64) * num_splits * region + i + shift
             key = _ordered_key(tl.load(row + tl.load(cand, mask=valid, other=0), mask=valid, other=0.0))
             k = tl.where(every, tl.minimum(c, topk), topk)
-            if RADIX:  # (as ``_pass_histogram`` / ``_choose_digit`` over a row, here over the registers)
-                k_rem = k
-                t_lo = tl.zeros([], tl.int32)
-                for p in tl.static_range(4):
-                    m = valid
-                    if p > 0:
-                        m = m & (((key ^ t_lo) >> (32 - 8 * p)) == 0)
-                    digit = (key >> (24 - 8 * p)) & 0xFF
-                    if p == 0:
-                        digit = digit ^ 0x80
-                    _, k_rem, t_lo = _choose_digit(tl.histogram(digit, 256, mask=m), k_rem, t_lo, p)
-            else:
-                # T = max{t: #(key >= t) >= k}, the sign first, then bits 30..0 (two's complement: no overflow)
-                t_lo = tl.where(tl.sum((valid & (key >= 0)).to(tl.int32), 0) >= k, 0, -2147483648)
-                for b in tl.static_range(31):
-                    t_try = t_lo + (1 << (30 - b))
-                    t_lo = tl.where(tl.sum((valid & (key >= t_try)).to(tl.int32), 0) >= k, t_try, t_lo)
-                k_rem = k - tl.sum((valid & (key > t_lo)).to(tl.int32), 0)
+            # T = max{t: #(key >= t) >= k}, the sign first, then bits 30..0 (two's complement: no overflow)
+            t_lo = tl.where(tl.sum((valid & (key >= 0)).to(tl.int32), 0) >= k, 0, -2147483648)
+            for b in tl.static_range(31):
+                t_try = t_lo + (1 << (30 - b))
+                t_lo = tl.where(tl.sum((valid & (key >= t_try)).to(tl.int32), 0) >= k, t_try, t_lo)
+            k_rem = k - tl.sum((valid & (key > t_lo)).to(tl.int32), 0)
             eq = valid & (key == t_lo)
             take = (valid & (key > t_lo)) | (eq & (tl.cumsum(eq.to(tl.int32), 0) - 1 < k_rem))
             dest = tl.cumsum(take.to(tl.int32), 0) - 1
@@ -978,7 +964,7 @@ def topk_method(rows: int, capacity: int, topk: int) -> str:
 
 def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2048, num_warps=None,
                num_splits=None, programs_per_sm=8, method=None, sampled=None, sample=1024, select_warps=16,
-               fused_threshold=None, sort_sample=False, select_radix=False, out=None):
+               fused_threshold=None, sort_sample=False, out=None):
     """[R, topk] int32 slots of each row's ``topk`` highest finite scores among positions t < row_len (ties to the
     lower position), in position order, -1 after them. Every path gives the same slots; ``method`` picks one
     (default: ``topk_method`` from the shapes; ``sampled`` True / False, the older keyword, means "sampled" /
@@ -1037,8 +1023,7 @@ def topk_slots(scores, page_table, row_req, row_len, page_size, topk, *, block=2
         _topk_ordered_select[(rows,)](scores, page_table, row_req, row_len, tau, split_cnt, cand_pos, slots, topk,
                                       page_size, num_splits, scores.stride(0), page_table.stride(0),
                                       slots.stride(0), cand_max, region, CAND=triton.next_power_of_2(cand_max),
-                                      SPLITS_P2=splits_p2, BLOCK=block, RADIX=select_radix, num_warps=select_warps,
-                                      **pdl)
+                                      SPLITS_P2=splits_p2, BLOCK=block, num_warps=select_warps, **pdl)
         return slots
     if method == "sampled":
         cand = torch.empty(rows, cand_max, dtype=scores.dtype, device=dev)
