@@ -334,6 +334,45 @@ def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: st
     return out
 
 
+INDEXER_TILES = [(bn, nw) for bn in (64, 128, 256) for nw in (4, 8)]  # (keys a tile, warps)
+INDEXER_FILL = (4, 8, 16, 32)  # programs an SM the splits aim at
+
+
+def indexer_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
+    """The indexer alone over ``INDEXER_TILES`` x ``INDEXER_FILL``, decode and verify rows at ``ctx`` (graph
+    replays), each one's scores checked against the launch default's (largest difference over the largest score)."""
+    tiles = INDEXER_TILES if device == "cuda" else [(16, 4)]
+    fills = INDEXER_FILL if device == "cuda" else (8,)
+    out = []
+    for bs in batch_sizes:
+        for mode, per_req in (("decode", 1), ("verify", nd + 1)):
+            case = Case(shape, ctx, bs, per_req, fp8, device)
+            case.indexer({})
+            visible = torch.arange(case.scores.shape[1], device=case.scores.device)[None, :] < case.row_len[:, None]
+            ref = torch.where(visible, case.scores, 0.0).clone()
+            top = float(ref.abs().max()) or 1.0
+            default = graph(lambda: case.indexer({}))
+            best = None
+            for (bn, nw), fill in itertools.product(tiles, fills):
+                kn = {"indexer": dict(block_n=bn, num_warps=nw, programs_per_sm=fill)}
+                try:
+                    ms = graph(lambda: case.indexer(kn))
+                    err, fail = float((torch.where(visible, case.scores, 0.0) - ref).abs().max()) / top, None
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile / fit is recorded, not fatal
+                    ms, err, fail = float("inf"), None, f"{type(e).__name__}: {str(e)[:120]}"
+                rec = {"batch_size": bs, "mode": mode, "rows": case.rows, **kn["indexer"], "ms": round(ms, 4),
+                       "max_rel_diff": err, "error": fail}
+                out.append(rec)
+                if fail is None and err < 1e-2 and (best is None or ms < best["ms"]):
+                    best = rec
+            print(f"indexer sweep bs={bs} {mode}: default {default:.4f} ms, best {best}", flush=True)
+            out.append({"batch_size": bs, "mode": mode, "rows": case.rows, "default": True, "ms": round(default, 4)})
+            case = ref = visible = None
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return out
+
+
 def knobs_for(chosen: dict, bs: int) -> dict:
     if not chosen:
         return {}
@@ -428,6 +467,9 @@ def main() -> None:
     ap.add_argument("--mla-sweep", action="store_true",
                     help="first the sparse MLA alone over tiles x splits at the dense context; the table's rows then "
                          "use each (batch, mode)'s fastest")
+    ap.add_argument("--indexer-sweep", action="store_true",
+                    help="first the indexer alone over tiles x programs an SM at the dense context; the table's rows "
+                         "then use each (batch, mode)'s fastest")
     ap.add_argument("--bandwidth-tbps", type=float, default=None,
                     help="HBM bandwidth for the floor instead of measuring a device copy")
     ap.add_argument("--report-only", action="store_true", help="re-render <out>.md/.png from <out>.json")
@@ -475,13 +517,24 @@ def main() -> None:
     if args.mla_sweep:
         meta["mla_sweep"] = mla_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, timer(device, rep=20)[0])
         write_json(out, meta)
+    if args.indexer_sweep:
+        meta["indexer_sweep"] = indexer_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
+                                              timer(device, rep=20)[0])
+        write_json(out, meta)
     chosen = meta["sweep"]["chosen"] if meta["sweep"] else {}
-    mla_best = {}  # (bs, mode) -> the MLA sweep's fastest knobs, which the table's rows then use
+    # (bs, mode) -> the MLA (indexer) sweep's fastest knobs, which the table's rows then use
+    mla_best, indexer_best = {}, {}
     for r in meta.get("mla_sweep") or []:
         key = (r["batch_size"], r["mode"])
         if (not r.get("default") and not r.get("row_fast") and r["error"] is None
                 and r["ms"] < mla_best.get(key, (float("inf"),))[0]):
             mla_best[key] = (r["ms"], {k: r[k] for k in MLA_KNOBS if k in r})
+    for r in meta.get("indexer_sweep") or []:  # (the launch's default where nothing beat it)
+        key = (r["batch_size"], r["mode"])
+        if ((r.get("default") or r["error"] is None and r["max_rel_diff"] < 1e-2)
+                and r["ms"] < indexer_best.get(key, (float("inf"),))[0]):
+            indexer_best[key] = (r["ms"], {} if r.get("default") else
+                                 {k: r[k] for k in ("block_n", "num_warps", "programs_per_sm")})
     rows = meta["rows"] = []
     for ctx in contexts:
         for bs in batch_sizes:
@@ -489,6 +542,8 @@ def main() -> None:
                 knobs = knobs_for(chosen, bs)
                 if (bs, mode) in mla_best:
                     knobs = {**knobs, "mla": mla_best[(bs, mode)][1]}
+                if (bs, mode) in indexer_best:
+                    knobs = {**knobs, "indexer": indexer_best[(bs, mode)][1]}
                 case = Case(shape, ctx, bs, per_req, fp8, device)
                 ref_check = None
                 case.layer(knobs)
@@ -634,6 +689,20 @@ def report(meta: dict, out: Path) -> None:
                     + ", ".join(f"{k} {r[k]}" for k in ("programs_per_sm", "num_splits") if k in r)
                     + f"; diff {r['max_abs_diff']:.1e})" for r in top]
             md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + f" | {former} |")
+    ix = meta.get("indexer_sweep") or []
+    if ix:
+        md += ["", "## Indexer alone: tiles x programs an SM", "",
+               "Graph replays of the indexer alone at the dense context; the default launch and the three fastest "
+               "settings whose scores match the default's (largest difference over the largest score beside "
+               "each). The tables above use each (bs, mode)'s fastest at every context.", "",
+               "| bs | mode | rows | default | fastest | 2nd | 3rd |", "|---|---|---|---|---|---|---|"]
+        for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in ix):
+            sel = [r for r in ix if r["batch_size"] == bs and r["mode"] == mode]
+            dflt = next(r for r in sel if r.get("default"))
+            top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
+            cell = ["{ms} ({block_n} keys, w {num_warps}, {programs_per_sm} an SM; diff {max_rel_diff:.1e})"
+                    .format(**r) for r in top]
+            md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + " |")
     checks = [r for r in rows if "reference_check" in r]
     if checks:
         md += ["", "Reference checks (first case of each mode): "
