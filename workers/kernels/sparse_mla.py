@@ -242,6 +242,22 @@ if triton is not None:
         return k, scale
 
     @triton.jit
+    def _prefetch_key_tile(K, table_row, start, hi, page_size, stride_k, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                           FP8: tl.constexpr, INTERPRETER: tl.constexpr):
+        """Each key row of the tile at ``start`` fetched into L2 (``prefetch.global.L2``; nothing under the
+        interpreter)."""
+        if not INTERPRETER:
+            t = start + tl.arange(0, BLOCK_N)
+            ok = t < hi
+            page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
+            if FP8:
+                row = K + page * page_size * (DIM + 4) + (t % page_size) * DIM
+            else:
+                row = K + (page * page_size + t % page_size) * stride_k
+            tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l,b", [row, ok],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
     def _index_piece(k, scale, q, w, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
                      NR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
                      HAS_TREE: tl.constexpr, IEEE: tl.constexpr):
@@ -285,7 +301,7 @@ if triton is not None:
         GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded once and scored for
         every row of the group, each row up to its own length, with its own tree bits. The group's queries are
         loaded once, in pieces of NA, NB, NC, ND rows (powers of two, 0: none), each piece one dot a tile.
-        PREFETCH: key tiles in flight while one is scored (1 or 2)."""
+        PREFETCH: see ``indexer_scores``'s ``prefetch``."""
         pdl_start(PDL)
         r0 = tl.program_id(0) * GROUP
         split = tl.program_id(1)
@@ -309,18 +325,26 @@ if triton is not None:
         if ND > 0:
             qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
                                     BLOCK_H, DIM, FP8, IEEE, ROUND)
-        # the next tiles' keys are loaded while this one's are scored (a prefetch by hand: Triton's pipeliner leaves
-        # this loop alone); a streaming kernel whose few programs an SM (registers) each keep one FP8 tile in flight
-        # reads at about half the copy bandwidth, so a second tile ahead
-        k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
-                                   PAGE_TILES, IEEE)
-        if PREFETCH > 1:
-            k1, scale1 = _index_key_tile(K, KScale, table_row, lo + BLOCK_N, hi, page_size, stride_k, d, DIM,
-                                         BLOCK_N, FP8, PAGE_TILES, IEEE)
+        # PREFETCH 1: the next tile's keys are loaded while this one's are scored (a prefetch by hand: Triton's
+        # pipeliner leaves this loop alone); 0: each tile loaded where it is scored; 2: that, with the tile two
+        # ahead fetched into L2 first
+        if PREFETCH == 1:
+            k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
+                                       PAGE_TILES, IEEE)
+        if PREFETCH == 2:
+            _prefetch_key_tile(K, table_row, lo, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
+            _prefetch_key_tile(K, table_row, lo + BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
-            k_next, scale_next = _index_key_tile(K, KScale, table_row, start + PREFETCH * BLOCK_N, hi, page_size,
-                                                 stride_k, d, DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
+            if PREFETCH == 1:
+                k_next, scale_next = _index_key_tile(K, KScale, table_row, start + BLOCK_N, hi, page_size, stride_k,
+                                                     d, DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
+            else:
+                if PREFETCH == 2:
+                    _prefetch_key_tile(K, table_row, start + 2 * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N,
+                                       FP8, ROUND)
+                k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N,
+                                           FP8, PAGE_TILES, IEEE)
             if NA > 0:
                 _index_piece(k, scale, qa, wa, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
                              BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
@@ -333,9 +357,7 @@ if triton is not None:
             if ND > 0:
                 _index_piece(k, scale, qd, wd, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
                              tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
-            if PREFETCH > 1:
-                k, scale, k1, scale1 = k1, scale1, k_next, scale_next
-            else:
+            if PREFETCH == 1:
                 k, scale = k_next, scale_next
 
     @triton.jit
@@ -892,7 +914,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
     ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
     batch 1): one row a program instead, more programs to fill the GPU. Splits per group
-    from the shapes only (``num_splits`` overrides). ``prefetch``: key tiles a program loads ahead (1 or 2)."""
+    from the shapes only (``num_splits`` overrides). ``prefetch``: 1, the next key tile loaded while one is scored;
+    0, none; 2, none but the tile two ahead fetched into L2."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
@@ -903,8 +926,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     if rows_per_req < 1:
         raise ValueError(f"rows_per_req {rows_per_req} must be >= 1")
-    if prefetch not in (1, 2):
-        raise ValueError(f"prefetch {prefetch} must be 1 or 2")
+    if prefetch not in (0, 1, 2):
+        raise ValueError(f"prefetch {prefetch} must be 0, 1 or 2")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     block_h = _p2(heads)
