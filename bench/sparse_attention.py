@@ -334,16 +334,16 @@ def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: st
     return out
 
 
-INDEXER_TILES = [(64, 4, 1), (64, 4, 0), (64, 4, 2), (64, 8, 0), (128, 4, 0), (128, 8, 0)]  # (keys a tile, warps,
-# prefetch)
+# (keys a tile, warps, tiles fetched into L2 ahead)
+INDEXER_TILES = [(64, 4, 2), (64, 4, 0), (64, 4, 4), (128, 4, 0), (128, 4, 2), (64, 8, 2)]
 INDEXER_FILL = (4, 8, 16)  # programs an SM the splits aim at
-INDEXER_KNOBS = ("block_n", "num_warps", "prefetch", "programs_per_sm")
+INDEXER_KNOBS = ("block_n", "num_warps", "l2_ahead", "programs_per_sm")
 
 
 def indexer_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
     """The indexer alone over ``INDEXER_TILES`` x ``INDEXER_FILL``, decode and verify rows at ``ctx`` (graph
     replays), each one's scores checked against the launch default's (largest difference over the largest score)."""
-    tiles = INDEXER_TILES if device == "cuda" else [(16, 4, 1), (16, 4, 0), (16, 4, 2)]
+    tiles = INDEXER_TILES if device == "cuda" else [(16, 4, 2), (16, 4, 0)]
     fills = INDEXER_FILL if device == "cuda" else (8,)
     out = []
     for bs in batch_sizes:
@@ -355,8 +355,8 @@ def indexer_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device
             top = float(ref.abs().max()) or 1.0
             default = graph(lambda: case.indexer({}))
             best = None
-            for (bn, nw, pf), fill in itertools.product(tiles, fills):
-                kn = {"indexer": dict(block_n=bn, num_warps=nw, prefetch=pf, programs_per_sm=fill)}
+            for (bn, nw, ahead), fill in itertools.product(tiles, fills):
+                kn = {"indexer": dict(block_n=bn, num_warps=nw, l2_ahead=ahead, programs_per_sm=fill)}
                 try:
                     ms = graph(lambda: case.indexer(kn))
                     err, fail = float((torch.where(visible, case.scores, 0.0) - ref).abs().max()) / top, None
@@ -702,7 +702,7 @@ def report(meta: dict, out: Path) -> None:
             sel = [r for r in ix if r["batch_size"] == bs and r["mode"] == mode]
             dflt = next(r for r in sel if r.get("default"))
             top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
-            cell = ["{ms} ({block_n} keys, w {num_warps}, prefetch {prefetch}, {programs_per_sm} an SM; diff "
+            cell = ["{ms} ({block_n} keys, w {num_warps}, {l2_ahead} into L2 ahead, {programs_per_sm} an SM; diff "
                     "{max_rel_diff:.1e})"
                     .format(**r) for r in top]
             md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + " |")

@@ -295,13 +295,12 @@ if triton is not None:
                         DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr,
                         HAS_TREE: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                         NA: tl.constexpr, NB: tl.constexpr, NC: tl.constexpr, ND: tl.constexpr,
-                        PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, PREFETCH: tl.constexpr = 1,
+                        PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
                         PDL: tl.constexpr = False):
         """Program (row group, split): scores of the split's share of the group's visible positions. A group is
         GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded once and scored for
         every row of the group, each row up to its own length, with its own tree bits. The group's queries are
-        loaded once, in pieces of NA, NB, NC, ND rows (powers of two, 0: none), each piece one dot a tile.
-        PREFETCH: see ``indexer_scores``'s ``prefetch``."""
+        loaded once, in pieces of NA, NB, NC, ND rows (powers of two, 0: none), each piece one dot a tile."""
         pdl_start(PDL)
         r0 = tl.program_id(0) * GROUP
         split = tl.program_id(1)
@@ -325,26 +324,18 @@ if triton is not None:
         if ND > 0:
             qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
                                     BLOCK_H, DIM, FP8, IEEE, ROUND)
-        # PREFETCH 1: the next tile's keys are loaded while this one's are scored (a prefetch by hand: Triton's
-        # pipeliner leaves this loop alone); 0: each tile loaded where it is scored; 2: that, with the tile two
-        # ahead fetched into L2 first
-        if PREFETCH == 1:
-            k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
-                                       PAGE_TILES, IEEE)
-        if PREFETCH == 2:
-            _prefetch_key_tile(K, table_row, lo, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
-            _prefetch_key_tile(K, table_row, lo + BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
+        # each tile is loaded where it is scored, which Triton's pipeliner copies ahead into shared memory (a tile
+        # carried in registers from one iteration to the next instead had its FP8 bytes unpacked and repacked
+        # there, and read at half the copy bandwidth); the tiles L2_AHEAD further on are fetched into L2 first
+        for i in tl.static_range(L2_AHEAD):
+            _prefetch_key_tile(K, table_row, lo + i * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
         for start in range(lo, hi, BLOCK_N):
             t = start + tl.arange(0, BLOCK_N)
-            if PREFETCH == 1:
-                k_next, scale_next = _index_key_tile(K, KScale, table_row, start + BLOCK_N, hi, page_size, stride_k,
-                                                     d, DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
-            else:
-                if PREFETCH == 2:
-                    _prefetch_key_tile(K, table_row, start + 2 * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N,
-                                       FP8, ROUND)
-                k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N,
-                                           FP8, PAGE_TILES, IEEE)
+            if L2_AHEAD > 0:
+                _prefetch_key_tile(K, table_row, start + L2_AHEAD * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N,
+                                   FP8, ROUND)
+            k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
+                                       PAGE_TILES, IEEE)
             if NA > 0:
                 _index_piece(k, scale, qa, wa, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
                              BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
@@ -357,8 +348,6 @@ if triton is not None:
             if ND > 0:
                 _index_piece(k, scale, qd, wd, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
                              tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
-            if PREFETCH == 1:
-                k, scale = k_next, scale_next
 
     @triton.jit
     def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -904,8 +893,8 @@ def indexer_group(rows_per_req: int, piece: int, max_rows: int) -> int:
 
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
-                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=8,
-                   num_warps=None, num_stages=None, prefetch=1, min_groups=8, out=None):
+                   tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=None,
+                   num_warps=None, num_stages=None, l2_ahead=2, min_groups=8, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
     ``quantize_index_keys`` (the queries are then quantized per row and head in the kernel: an FP8 x FP8 dot).
@@ -914,8 +903,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
     ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
     batch 1): one row a program instead, more programs to fill the GPU. Splits per group
-    from the shapes only (``num_splits`` overrides). ``prefetch``: 1, the next key tile loaded while one is scored;
-    0, none; 2, none but the tile two ahead fetched into L2."""
+    from the shapes only (``num_splits`` overrides), aiming at ``programs_per_sm`` (default: 4 up to 8 groups, else
+    8). ``l2_ahead``: key tiles a program fetches into L2 ahead of the one it loads (0: none)."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
@@ -926,8 +915,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     if rows_per_req < 1:
         raise ValueError(f"rows_per_req {rows_per_req} must be >= 1")
-    if prefetch not in (0, 1, 2):
-        raise ValueError(f"prefetch {prefetch} must be 0, 1 or 2")
+    if l2_ahead < 0:
+        raise ValueError(f"l2_ahead {l2_ahead} must be >= 0")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
     ieee = q.dtype == torch.float32
     block_h = _p2(heads)
@@ -941,6 +930,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     group = indexer_group(rows_per_req, piece, max(1, 81920 // (block_h * dim * q_bytes)))
     pieces = _query_pieces(group, piece) + [0] * 4
     groups = triton.cdiv(rows, group)
+    if programs_per_sm is None:  # (the H200 sweep at 64k, docs/performance.md: fewer, longer splits for few groups)
+        programs_per_sm = 4 if groups <= 8 else 8
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
                                 triton.cdiv(programs_per_sm * _num_sms(q), max(groups, 1))))
@@ -960,7 +951,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
             q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
             BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None, IEEE=ieee, GROUP=group,
             GROUP_P2=max(2, triton.next_power_of_2(group)), NA=pieces[0], NB=pieces[1], NC=pieces[2], ND=pieces[3],
-            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, PREFETCH=prefetch,
+            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, L2_AHEAD=l2_ahead,
             num_warps=num_warps or (8 if ieee else 4),
             **extra, **pdl_launch(q))
     return scores
