@@ -104,6 +104,13 @@ if triton is not None:
             "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
             "=r,l,r", [ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
+    @triton.jit
+    def prefetch_lines_to_l2(ptrs, mask):
+        """Bring the cache line of each pointer where ``mask`` holds into L2 without waiting (a streaming kernel's
+        tiles ahead: one line a row, rows anywhere)."""
+        tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l,b", [ptrs, mask],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
 
 def l2_prefetch_bytes(weight: torch.Tensor, block_k: int) -> int:
     """Bytes of each weight row a linear kernel's program prefetches before it waits (its first K tile), 0 where

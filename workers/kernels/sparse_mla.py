@@ -24,7 +24,7 @@ from workers.kernels.launch import _INTERPRETER, pdl_launch, triton, use_triton
 if triton is not None:
     import triton.language as tl
 
-    from workers.kernels.launch import pdl_start
+    from workers.kernels.launch import pdl_start, prefetch_lines_to_l2
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 
@@ -254,8 +254,7 @@ if triton is not None:
                 row = K + page * page_size * (DIM + 4) + (t % page_size) * DIM
             else:
                 row = K + (page * page_size + t % page_size) * stride_k
-            tl.inline_asm_elementwise("@$2 prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l,b", [row, ok],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+            prefetch_lines_to_l2(row, ok)
 
     @triton.jit
     def _index_piece(k, scale, q, w, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
