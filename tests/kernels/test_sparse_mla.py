@@ -119,9 +119,10 @@ def check_indexer(g) -> None:
         q = torch.randn(r, heads, dim, generator=g)
         w = torch.randn(r, heads, generator=g) * dim ** -0.5
         ref = indexer_scores_reference(q, w, keys, table, row_req, row_len, page_size)
-        for splits, ahead in ((None, 2), (1, 2), (3, 0), (3, 5)):
+        # (each tile loaded where scored, or the next carried in registers: the FP8 and the bf16 defaults)
+        for splits, carry in ((None, None), (1, False), (3, True), (3, False)):
             got = indexer_scores(q, w, keys, table, row_req, row_len, page_size, num_splits=splits, block_n=32,
-                                 l2_ahead=ahead)
+                                 carry=carry)
             vis = torch.arange(ref.shape[1])[None, :] < row_len[:, None]
             torch.testing.assert_close(got[vis], ref[vis], rtol=1e-5, atol=1e-5)
         # tree rows: the last 4 positions are a tree block, each row sees its own nodes
@@ -141,8 +142,8 @@ def check_indexer(g) -> None:
         got8 = indexer_scores(q, w, packed, table, row_req, row_len, page_size, fp8=True, block_n=32)
         ref8 = indexer_scores_reference(q, w, packed, table, row_req, row_len, page_size, fp8=True)
         torch.testing.assert_close(got8[vis], ref8[vis], rtol=1e-5, atol=1e-5)
-        none = indexer_scores(q, w, packed, table, row_req, row_len, page_size, fp8=True, block_n=32, l2_ahead=0)
-        assert torch.equal(none[vis], got8[vis])
+        carried = indexer_scores(q, w, packed, table, row_req, row_len, page_size, fp8=True, block_n=32, carry=True)
+        assert torch.equal(carried[vis], got8[vis])
         scale = ref[vis].abs().max()
         assert (got8[vis] - ref[vis]).abs().max() < 0.1 * scale, (got8[vis] - ref[vis]).abs().max() / scale
         # the whole selection
@@ -189,10 +190,10 @@ def check_grouped(g) -> None:
                                                tree_len=3)
                 one = indexer_scores(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
                                      tree_len=3, block_n=16)
-                for splits, piece, ahead in ((None, None, 2), (4, 1, 2), (None, 2, 0)):
+                for splits, piece, carry in ((None, None, None), (4, 1, not fp8), (None, 2, not fp8)):
                     got = indexer_scores(q, w, k, table, row_req, row_len, page_size, fp8=fp8, tree_bits=tree,
                                          tree_len=3, rows_per_req=3, num_splits=splits, block_n=16, piece=piece,
-                                         min_groups=1, l2_ahead=ahead)
+                                         min_groups=1, carry=carry)
                     fin = vis & torch.isfinite(ref)
                     assert torch.equal(torch.isinf(got[vis]), torch.isinf(ref[vis]))
                     assert torch.equal(torch.isinf(got[vis]), torch.isinf(one[vis]))

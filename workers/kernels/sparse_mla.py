@@ -295,7 +295,7 @@ if triton is not None:
                         HAS_TREE: tl.constexpr, IEEE: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr,
                         NA: tl.constexpr, NB: tl.constexpr, NC: tl.constexpr, ND: tl.constexpr,
                         PAGE_TILES: tl.constexpr, ROUND: tl.constexpr, L2_AHEAD: tl.constexpr = 0,
-                        PDL: tl.constexpr = False):
+                        CARRY: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row group, split): scores of the split's share of the group's visible positions. A group is
         GROUP consecutive rows of one request (a verify's draft rows): each key tile is loaded once and scored for
         every row of the group, each row up to its own length, with its own tree bits. The group's queries are
@@ -323,9 +323,13 @@ if triton is not None:
         if ND > 0:
             qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
                                     BLOCK_H, DIM, FP8, IEEE, ROUND)
-        # each tile is loaded where it is scored, which Triton's pipeliner copies ahead into shared memory (a tile
-        # carried in registers from one iteration to the next instead had its FP8 bytes unpacked and repacked
-        # there, and read at half the copy bandwidth); the tiles L2_AHEAD further on are fetched into L2 first
+        # FP8 keys: each tile is loaded where it is scored, which Triton's pipeliner copies ahead into shared memory
+        # (a tile carried in registers to the next iteration had its FP8 bytes unpacked and repacked there, and read
+        # at half the copy bandwidth), the tiles L2_AHEAD further on fetched into L2 first. Other keys (CARRY): the
+        # next tile loaded while this one is scored, carried in registers, which measured faster for bf16 keys.
+        if CARRY:
+            k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
+                                       PAGE_TILES, IEEE)
         for i in tl.static_range(L2_AHEAD):
             _prefetch_key_tile(K, table_row, lo + i * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N, FP8, ROUND)
         for start in range(lo, hi, BLOCK_N):
@@ -333,8 +337,12 @@ if triton is not None:
             if L2_AHEAD > 0:
                 _prefetch_key_tile(K, table_row, start + L2_AHEAD * BLOCK_N, hi, page_size, stride_k, DIM, BLOCK_N,
                                    FP8, ROUND)
-            k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
-                                       PAGE_TILES, IEEE)
+            if CARRY:
+                k_next, scale_next = _index_key_tile(K, KScale, table_row, start + BLOCK_N, hi, page_size, stride_k,
+                                                     d, DIM, BLOCK_N, FP8, PAGE_TILES, IEEE)
+            else:
+                k, scale = _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d, DIM, BLOCK_N,
+                                           FP8, PAGE_TILES, IEEE)
             if NA > 0:
                 _index_piece(k, scale, qa, wa, r0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len, NA,
                              BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
@@ -347,6 +355,8 @@ if triton is not None:
             if ND > 0:
                 _index_piece(k, scale, qd, wd, r0 + NA + NB + NC, rows, RowLen, TreeBits, Scores, stride_sr, t, hi,
                              tree_len, ND, BLOCK_H, BLOCK_N, FP8, HAS_TREE, IEEE)
+            if CARRY:
+                k, scale = k_next, scale_next
 
     @triton.jit
     def _pass_histogram(row, lo, hi, prefix, P: tl.constexpr, BLOCK: tl.constexpr):
@@ -893,7 +903,7 @@ def indexer_group(rows_per_req: int, piece: int, max_rows: int) -> int:
 
 def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp8=False, tree_bits=None,
                    tree_len=0, rows_per_req=1, num_splits=None, block_n=None, piece=None, programs_per_sm=None,
-                   num_warps=None, num_stages=None, l2_ahead=2, min_groups=8, out=None):
+                   num_warps=None, num_stages=None, l2_ahead=None, carry=None, min_groups=8, out=None):
     """[R, capacity] fp32 scores (see ``indexer_scores_reference``); only positions t < row_len are written (the
     top-k reads no further). ``index_k``: [slots, dim] keys, or with ``fp8`` the uint8 page buffer of
     ``quantize_index_keys`` (the queries are then quantized per row and head in the kernel: an FP8 x FP8 dot).
@@ -902,8 +912,10 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     a verify's draft rows do: each group reads its keys once (a program takes a divisor of it, ``indexer_group``).
     ``piece``: most rows in one dot (its N side: piece x heads). Fewer than ``min_groups`` groups (a verify at
     batch 1): one row a program instead, more programs to fill the GPU. Splits per group
-    from the shapes only (``num_splits`` overrides), aiming at ``programs_per_sm`` (default: 4 up to 8 groups, else
-    8). ``l2_ahead``: key tiles a program fetches into L2 ahead of the one it loads (0: none)."""
+    from the shapes only (``num_splits`` overrides), aiming at ``programs_per_sm``. ``carry``: the next key tile
+    loaded while one is scored and carried in registers (default: for bf16 / fp32 keys), else each tile loaded where
+    it is scored and ``l2_ahead`` tiles fetched into L2 ahead (default 2). The defaults are the H200 sweep's
+    (docs/performance.md): FP8 keys pipelined, 4 programs an SM up to 8 groups, else 8; other keys as before it."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
@@ -914,6 +926,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
         raise ValueError(f"indexer head dim {dim} must be a power of two >= 16")
     if rows_per_req < 1:
         raise ValueError(f"rows_per_req {rows_per_req} must be >= 1")
+    carry = not fp8 if carry is None else carry
+    l2_ahead = (0 if carry else 2) if l2_ahead is None else l2_ahead
     if l2_ahead < 0:
         raise ValueError(f"l2_ahead {l2_ahead} must be >= 0")
     scores = out if out is not None else torch.empty(rows, cap, dtype=torch.float32, device=q.device)
@@ -929,8 +943,8 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     group = indexer_group(rows_per_req, piece, max(1, 81920 // (block_h * dim * q_bytes)))
     pieces = _query_pieces(group, piece) + [0] * 4
     groups = triton.cdiv(rows, group)
-    if programs_per_sm is None:  # (the H200 sweep at 64k, docs/performance.md: fewer, longer splits for few groups)
-        programs_per_sm = 4 if groups <= 8 else 8
+    if programs_per_sm is None:  # (FP8: fewer, longer splits for few groups)
+        programs_per_sm = 4 if fp8 and groups <= 8 else 8
     if num_splits is None:
         num_splits = max(1, min(triton.cdiv(cap, block_n),
                                 triton.cdiv(programs_per_sm * _num_sms(q), max(groups, 1))))
@@ -950,7 +964,7 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
             q.stride(0), q.stride(1), w.stride(0), stride_k, page_table.stride(0), scores.stride(0), DIM=dim,
             BLOCK_H=block_h, BLOCK_N=block_n, FP8=fp8, HAS_TREE=tree_bits is not None, IEEE=ieee, GROUP=group,
             GROUP_P2=max(2, triton.next_power_of_2(group)), NA=pieces[0], NB=pieces[1], NC=pieces[2], ND=pieces[3],
-            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, L2_AHEAD=l2_ahead,
+            PAGE_TILES=page_size % block_n == 0, ROUND=_INTERPRETER, L2_AHEAD=l2_ahead, CARRY=bool(carry),
             num_warps=num_warps or (8 if ieee else 4),
             **extra, **pdl_launch(q))
     return scores
