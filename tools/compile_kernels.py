@@ -5,8 +5,9 @@ the compiler rejects (a loop-carried variable that changes type, a shape the lay
 shared-memory budget), and those would otherwise first show on a scarce GPU. This tool runs a workload under the
 interpreter, records each launch (kernel, argument types, constexpr values, num_warps / num_stages), then compiles
 each distinct one through Triton's own compiler and ptxas for ``--arch`` (PDL on where a kernel has it, as in the
-CUDA graphs), and reports each one's registers and stack bytes per thread (``cuobjdump -res-usage``; a STACK line
-lists the launches that spill). Those are what this machine's Triton makes of the kernels: another Triton version
+CUDA graphs; aligned pointers and integers divisible by 16 specialized as the GPU's launches specialize them), and
+reports each one's registers and stack bytes per thread (``cuobjdump -res-usage``; a STACK line lists the launches
+that spill). Those are what this machine's Triton makes of the kernels: another Triton version
 (the GPU machine's) allocates registers differently, so a spill here is a lead to check there, not a verdict.
 
     python3 -m tools.compile_kernels                     # the default workloads, report on stdout
@@ -54,11 +55,12 @@ LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_line
 
 
 def describe(value):
-    """A launch argument as the compiler sees it: a tensor by its element type, scalars by value."""
+    """A launch argument as the compiler sees it: a tensor by its element type and whether its address is 16-byte
+    aligned, scalars by value."""
     import torch
 
     if isinstance(value, torch.Tensor):
-        return {"tensor": str(value.dtype).removeprefix("torch.")}
+        return {"tensor": str(value.dtype).removeprefix("torch."), "aligned": value.data_ptr() % 16 == 0}
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     return {"value": repr(value)}
@@ -218,13 +220,16 @@ def record(workloads, out_path: str, outcomes_path: str | None = None) -> None:
         Path(outcomes_path).write_text(json.dumps(outcomes))
 
 
-def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
-    """(signature, constexprs) for ``triton.compile`` from a recorded launch; parameters left at their defaults
-    take them, and ``PDL`` is on when asked."""
+def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attributes) for ``triton.compile`` from a recorded launch; parameters left at their
+    defaults take them, and ``PDL`` is on when asked. A 16-byte aligned tensor and an integer divisible by 16 are
+    marked so, as Triton's launches specialize them on the GPU: without it a kernel's loads do not vectorize and
+    its register count reads far above the GPU's."""
+    divisible = [["tt.divisibility", 16]]
     dtypes = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
               "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
     defaults = inspect.signature(kernel.fn).parameters
-    sig, const = {}, {}
+    sig, const, attrs = {}, {}, {}
     for i, param in enumerate(kernel.params):
         name = param.name
         arg = entry["args"].get(name)
@@ -238,6 +243,8 @@ def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
             raise ValueError(f"{entry['name']}: no value for {name}")
         elif "tensor" in arg:
             sig[name] = "*" + dtypes[arg["tensor"]]
+            if arg.get("aligned"):
+                attrs[(i,)] = divisible
         elif arg["value"] is None:
             sig[name] = "constexpr"
             const[(i,)] = None
@@ -245,9 +252,11 @@ def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict]:
             sig[name] = "i1"
         elif isinstance(arg["value"], int):
             sig[name] = "i64" if abs(arg["value"]) >= 2 ** 31 else "i32"
+            if arg["value"] % 16 == 0:
+                attrs[(i,)] = divisible
         else:
             sig[name] = "fp32"
-    return sig, const
+    return sig, const, attrs
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -278,12 +287,14 @@ def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
         kernel = getattr(importlib.import_module(e["module"]), e["name"])
         t0 = time.perf_counter()
         try:
-            sig, const = signature_of(kernel, e, pdl)
-            key = (e["module"], e["name"], json.dumps(sig), repr(sorted(const.items())), repr(e["options"]))
+            sig, const, attrs = signature_of(kernel, e, pdl)
+            key = (e["module"], e["name"], json.dumps(sig), repr(sorted(const.items())), repr(sorted(attrs)),
+                   repr(e["options"]))
             if key in done:  # launches differing only in scalar values compile to the same kernel
                 continue
             done.add(key)
-            compiled = triton.compile(ASTSource(kernel, sig, const), target=target, options=dict(e["options"]))
+            compiled = triton.compile(ASTSource(kernel, sig, const, attrs), target=target,
+                                      options=dict(e["options"]))
             res = {"ok": True, "shared_bytes": compiled.metadata.shared, "num_warps": compiled.metadata.num_warps,
                    **resource_usage(compiled.asm["cubin"])}
         except Exception as exc:  # noqa: BLE001 - reported per launch
