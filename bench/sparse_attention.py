@@ -710,9 +710,11 @@ def report(meta: dict, out: Path) -> None:
             sel = [r for r in ix if r["batch_size"] == bs and r["mode"] == mode]
             dflt = next(r for r in sel if r.get("default"))
             top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
-            cell = ["{ms} ({block_n} keys, w {num_warps}, {l2_ahead} into L2 ahead, {programs_per_sm} an SM; diff "
-                    "{max_rel_diff:.1e})"
-                    .format(**r) for r in top]
+            # (the sweeps before l2_ahead: none, or a ``prefetch`` knob)
+            cell = [f"{r['ms']} ({r['block_n']} keys, w {r['num_warps']}, "
+                    + (f"{r['l2_ahead']} into L2 ahead, " if "l2_ahead" in r else
+                       f"prefetch {r['prefetch']}, " if "prefetch" in r else "")
+                    + f"{r['programs_per_sm']} an SM; diff {r['max_rel_diff']:.1e})" for r in top]
             md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + " |")
     checks = [r for r in rows if "reference_check" in r]
     if checks:
