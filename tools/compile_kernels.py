@@ -49,6 +49,9 @@ KERNEL_MODULES = ("workers.kernels.launch", "workers.kernels.norm_rope", "worker
                   "workers.kernels.verdict", "workers.kernels.small_m_linear", "workers.kernels.all_reduce",
                   "workers.kernels.sparse_mla", "attention.triton_backend")  # every kernel is here
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# constexprs a launch takes from ``_INTERPRETER`` (the indexer's ROUND: e4m3 rounding in arithmetic, and no inline
+# assembly), compiled at the GPU's value: the recorded launches ran under the interpreter
+DEVICE_CONSTEXPRS = {"ROUND": False}
 # ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
 # forward batch's metadata kernels) run
 LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_linear", "workers.kernels.sparse_mla")
@@ -222,9 +225,9 @@ def record(workloads, out_path: str, outcomes_path: str | None = None) -> None:
 
 def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attributes) for ``triton.compile`` from a recorded launch; parameters left at their
-    defaults take them, and ``PDL`` is on when asked. A 16-byte aligned tensor and an integer divisible by 16 are
-    marked so, as Triton's launches specialize them on the GPU: without it a kernel's loads do not vectorize and
-    its register count reads far above the GPU's."""
+    defaults take them, ``PDL`` is on when asked, and ``DEVICE_CONSTEXPRS`` take the GPU's values. A 16-byte
+    aligned tensor and an integer divisible by 16 are marked so, as Triton's launches specialize them on the GPU:
+    without it a kernel's loads do not vectorize and its register count reads far above the GPU's."""
     divisible = [["tt.divisibility", 16]]
     dtypes = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64", "int8": "i8",
               "uint8": "u8", "int16": "i16", "int32": "i32", "int64": "i64", "bool": "i1"}
@@ -237,6 +240,7 @@ def signature_of(kernel, entry: dict, pdl: bool) -> tuple[dict, dict, dict]:
             value = arg["value"] if arg is not None else defaults[name].default
             if name == "PDL" and pdl:
                 value = True
+            value = DEVICE_CONSTEXPRS.get(name, value)
             sig[name] = "constexpr"
             const[(i,)] = value
         elif arg is None:
@@ -301,7 +305,8 @@ def compile_all(entries: list[dict], arch: int, pdl: bool) -> list[dict]:
             res = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[-1500:]}"}
         constexpr_names = {p.name for p in kernel.params if p.is_constexpr}
         res.update(kernel=f"{e['module']}.{e['name']}", seconds=round(time.perf_counter() - t0, 2),
-                   constexprs={k: v["value"] for k, v in e["args"].items() if k in constexpr_names})
+                   constexprs={k: DEVICE_CONSTEXPRS.get(k, v["value"]) for k, v in e["args"].items()
+                               if k in constexpr_names})
         results.append(res)
     return results
 

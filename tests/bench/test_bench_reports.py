@@ -181,3 +181,21 @@ def test_adaptive_ab_summary_sums_each_calls_own_time():
            "trace": {"adaptive": trace}}
     assert summary(res)["adaptive"]["policy_us_per_step"] == {"choose": 3.0, "launch": 1.0, "observe": 1.5,
                                                               "total": 5.5}
+
+
+def test_indexer_sweep_choice_keeps_the_default_unless_beaten():
+    """The table's indexer knobs: the fastest setting whose scores match, and the launch's default ({}) where none
+    is faster than the default's own timing, a tie included (the sweep also times the default's own setting)."""
+    from bench.sparse_attention import indexer_choice
+
+    def row(bs, ms, bn=64, err=None, diff=0.0):
+        return {"batch_size": bs, "mode": "decode", "rows": bs, "block_n": bn, "num_warps": 4, "l2_ahead": 2,
+                "programs_per_sm": 8, "ms": ms, "max_rel_diff": None if err else diff, "error": err}
+
+    records = [row(1, 0.0106), row(1, 0.0110, bn=128), {"batch_size": 1, "mode": "decode", "rows": 1,
+                                                          "default": True, "ms": 0.0106},
+               row(32, 0.1035, bn=128), row(32, 0.09, bn=256, diff=0.5), row(32, 0.08, bn=32, err="OutOfResources"),
+               row(32, 0.1090), {"batch_size": 32, "mode": "decode", "rows": 32, "default": True, "ms": 0.1089}]
+    got = indexer_choice(records)
+    assert got[(1, "decode")] == {}
+    assert got[(32, "decode")] == {"block_n": 128, "num_warps": 4, "l2_ahead": 2, "programs_per_sm": 8}

@@ -22,3 +22,18 @@ def test_every_kernel_compiles_for_sm90(interpreter_checks):
     assert res.returncode == 0 and summary, res.stdout[-4000:] + res.stderr[-3000:]
     compiled = int(summary[0].split()[1])
     assert compiled >= 100 and " 0 FAIL" in summary[0] and summary[0].endswith("never launched: none"), summary
+
+
+def test_interpreter_only_constexprs_compile_as_on_the_device():
+    # the launches are recorded under the interpreter, where the indexer's ROUND is on (e4m3 rounding in arithmetic,
+    # no inline assembly: its L2 prefetch skipped); the GPU runs it off, and that is what must compile
+    from tools.compile_kernels import signature_of
+    from workers.kernels import sparse_mla as sm
+
+    kernel = sm._indexer_scores
+    entry = {"name": "_indexer_scores",
+             "args": {p.name: {"value": True} if p.is_constexpr else {"tensor": "float32"} for p in kernel.params}}
+    _, const = signature_of(kernel, entry, pdl=False)
+    names = [p.name for p in kernel.params]
+    assert const[(names.index("ROUND"),)] is False
+    assert const[(names.index("FP8"),)] is True

@@ -211,12 +211,10 @@ if triton is not None:
         return q, w
 
     @triton.jit
-    def _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d,
-                        DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGE_TILES: tl.constexpr,
-                        IEEE: tl.constexpr):
-        """Keys [BLOCK_N, DIM] (FP8 as e4m3, else as stored; fp32 when IEEE) and their FP8 scales (unused for plain
-        keys) of the positions start.. start + BLOCK_N (zeros past ``hi``). PAGE_TILES: a tile never crosses a
-        page, so one page lookup and contiguous addresses."""
+    def _key_rows(table_row, start, hi, page_size, stride_k, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  FP8: tl.constexpr, PAGE_TILES: tl.constexpr):
+        """Where the keys of positions start.. start + BLOCK_N are: each one's first element (offset into the keys),
+        page, offset in its page, and t < ``hi``. PAGE_TILES: a tile never crosses a page, so one page lookup."""
         n = tl.arange(0, BLOCK_N)
         t = start + n
         ok = t < hi
@@ -227,15 +225,27 @@ if triton is not None:
             page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
             off = t % page_size
         if FP8:  # page: page_size * DIM e4m3 bytes, then page_size fp32 scales
-            base = page * page_size * (DIM + 4)  # masked keys are never stored: left unset
-            k = tl.load(K + (base + off * DIM)[:, None] + d[None, :], mask=ok[:, None])
+            row = page * page_size * (DIM + 4) + off * DIM
+        else:
+            row = (page * page_size + off) * stride_k
+        return row, page, off, ok
+
+    @triton.jit
+    def _index_key_tile(K, KScale, table_row, start, hi, page_size, stride_k, d,
+                        DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, PAGE_TILES: tl.constexpr,
+                        IEEE: tl.constexpr):
+        """Keys [BLOCK_N, DIM] (FP8 as e4m3, else as stored; fp32 when IEEE) and their FP8 scales (unused for plain
+        keys) of the positions start.. start + BLOCK_N (zeros past ``hi``)."""
+        row, page, off, ok = _key_rows(table_row, start, hi, page_size, stride_k, DIM, BLOCK_N, FP8, PAGE_TILES)
+        if FP8:  # masked keys are never stored: left unset
+            k = tl.load(K + row[:, None] + d[None, :], mask=ok[:, None])
             if K.dtype.element_ty != tl.float8e4nv:  # bytes (the interpreter): e4m3 through a bitcast
                 k = k.to(tl.float8e4nv, bitcast=True)
             # in fp32 units, without a division (which would hide the scales' alignment from vectorized loads)
             scale = tl.load(KScale + page * page_size * ((DIM + 4) // 4) + page_size * (DIM // 4) + off, mask=ok,
                             other=0.0)
         else:
-            k = tl.load(K + (page * page_size + off)[:, None] * stride_k + d[None, :], mask=ok[:, None], other=0.0)
+            k = tl.load(K + row[:, None] + d[None, :], mask=ok[:, None], other=0.0)
             scale = tl.full([BLOCK_N], 1.0, tl.float32)
         if IEEE:
             k = k.to(tl.float32)
@@ -244,17 +254,11 @@ if triton is not None:
     @triton.jit
     def _prefetch_key_tile(K, table_row, start, hi, page_size, stride_k, DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                            FP8: tl.constexpr, INTERPRETER: tl.constexpr):
-        """Each key row of the tile at ``start`` fetched into L2 (``prefetch.global.L2``; nothing under the
-        interpreter)."""
-        if not INTERPRETER:
-            t = start + tl.arange(0, BLOCK_N)
-            ok = t < hi
-            page = tl.load(table_row + t // page_size, mask=ok, other=0).to(tl.int64)
-            if FP8:
-                row = K + page * page_size * (DIM + 4) + (t % page_size) * DIM
-            else:
-                row = K + (page * page_size + t % page_size) * stride_k
-            prefetch_lines_to_l2(row, ok)
+        """The first cache line of each key row of the tile at ``start`` fetched into L2 (nothing under the
+        interpreter, which has no inline assembly; the rows are the ones ``_index_key_tile`` loads)."""
+        if not INTERPRETER:  # a page lookup a row (one a tile held more registers)
+            row, page, off, ok = _key_rows(table_row, start, hi, page_size, stride_k, DIM, BLOCK_N, FP8, False)
+            prefetch_lines_to_l2(K + row, ok)
 
     @triton.jit
     def _index_piece(k, scale, q, w, row0, rows, RowLen, TreeBits, Scores, stride_sr, t, hi, tree_len,
@@ -323,10 +327,9 @@ if triton is not None:
         if ND > 0:
             qd, wd = _index_queries(Q, W, r0 + NA + NB + NC, rows, heads, stride_qr, stride_qh, stride_wr, ND,
                                     BLOCK_H, DIM, FP8, IEEE, ROUND)
-        # FP8 keys: each tile is loaded where it is scored, which Triton's pipeliner copies ahead into shared memory
-        # (a tile carried in registers to the next iteration had its FP8 bytes unpacked and repacked there, and read
-        # at half the copy bandwidth), the tiles L2_AHEAD further on fetched into L2 first. Other keys (CARRY): the
-        # next tile loaded while this one is scored, carried in registers, which measured faster for bf16 keys.
+        # FP8 keys: each tile loaded where it is scored, so Triton's pipeliner copies the next ones into shared memory
+        # (a tile carried over in registers had its FP8 bytes repacked each iteration), the tile L2_AHEAD on fetched
+        # into L2. Other keys (CARRY): the next tile carried in registers, which stayed faster for bf16 keys.
         if CARRY:
             k, scale = _index_key_tile(K, KScale, table_row, lo, hi, page_size, stride_k, d, DIM, BLOCK_N, FP8,
                                        PAGE_TILES, IEEE)
