@@ -388,6 +388,16 @@ def indexer_choice(records: list[dict]) -> dict:
     return {key: knobs for key, (_, knobs) in best.items()}
 
 
+def sweep_cases(records: list[dict]):
+    """Per (batch size, mode) of a sweep's records: (bs, mode, its records, the default's, the three fastest
+    settings that ran, not the default nor an A/B rerun of the fastest)."""
+    for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in records):
+        sel = [r for r in records if r["batch_size"] == bs and r["mode"] == mode]
+        top = sorted((r for r in sel if not r.get("default") and not r.get("row_fast") and r["error"] is None),
+                     key=lambda r: r["ms"])[:3]
+        yield bs, mode, sel, next(r for r in sel if r.get("default")), top
+
+
 def knobs_for(chosen: dict, bs: int) -> dict:
     if not chosen:
         return {}
@@ -688,11 +698,7 @@ def report(meta: dict, out: Path) -> None:
                "(bs, mode)'s fastest at every context (their rows' `knobs` in the JSON).", "",
                "| bs | mode | rows | default | fastest | 2nd | 3rd | fastest, rows fastest in the grid (former order) |",
                "|---|---|---|---|---|---|---|---|"]
-        for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in ms):
-            sel = [r for r in ms if r["batch_size"] == bs and r["mode"] == mode]
-            dflt = next(r for r in sel if r.get("default"))
-            top = sorted((r for r in sel if not r.get("default") and not r.get("row_fast") and r["error"] is None),
-                         key=lambda r: r["ms"])[:3]
+        for bs, mode, sel, dflt, top in sweep_cases(ms):
             former = next((r["ms"] for r in sel if r.get("row_fast")), "")
             cell = ["{ms} ({block_h}x{block_n}, ls {lat_split}, w {num_warps}, ".format(**r)
                     + ("heads on N, " if r.get("heads_n") else "")
@@ -706,10 +712,7 @@ def report(meta: dict, out: Path) -> None:
                "settings whose scores match the default's (largest difference over the largest score beside "
                "each). The tables above use each (bs, mode)'s fastest at every context.", "",
                "| bs | mode | rows | default | fastest | 2nd | 3rd |", "|---|---|---|---|---|---|---|"]
-        for bs, mode in dict.fromkeys((r["batch_size"], r["mode"]) for r in ix):
-            sel = [r for r in ix if r["batch_size"] == bs and r["mode"] == mode]
-            dflt = next(r for r in sel if r.get("default"))
-            top = sorted((r for r in sel if not r.get("default") and r["error"] is None), key=lambda r: r["ms"])[:3]
+        for bs, mode, _, dflt, top in sweep_cases(ix):
             # (the sweeps before l2_ahead: none, or a ``prefetch`` knob)
             cell = [f"{r['ms']} ({r['block_n']} keys, w {r['num_warps']}, "
                     + (f"{r['l2_ahead']} into L2 ahead, " if "l2_ahead" in r else
