@@ -917,8 +917,9 @@ def indexer_scores(q, w, index_k, page_table, row_req, row_len, page_size, *, fp
     batch 1): one row a program instead, more programs to fill the GPU. Splits per group
     from the shapes only (``num_splits`` overrides), aiming at ``programs_per_sm``. ``carry``: the next key tile
     loaded while one is scored and carried in registers (default: for bf16 / fp32 keys), else each tile loaded where
-    it is scored and ``l2_ahead`` tiles fetched into L2 ahead (default 2). The defaults are the H200 sweep's
-    (docs/performance.md): FP8 keys pipelined, 4 programs an SM up to 8 groups, else 8; other keys as before it."""
+    it is scored and ``l2_ahead`` tiles fetched into L2 ahead (default 2). Defaults from the H200 sweep
+    (docs/performance.md): FP8 keys pipelined at 4 programs an SM up to 8 groups, else 8; bf16 / fp32 keys carried
+    at 8."""
     rows, heads, dim = q.shape
     cap = page_table.shape[1] * page_size
     if not use_triton(q):
