@@ -33,7 +33,28 @@ def test_interpreter_only_constexprs_compile_as_on_the_device():
     kernel = sm._indexer_scores
     entry = {"name": "_indexer_scores",
              "args": {p.name: {"value": True} if p.is_constexpr else {"tensor": "float32"} for p in kernel.params}}
-    _, const = signature_of(kernel, entry, pdl=False)
+    _, const, _ = signature_of(kernel, entry, pdl=False)
     names = [p.name for p in kernel.params]
     assert const[(names.index("ROUND"),)] is False
     assert const[(names.index("FP8"),)] is True
+
+
+def test_aligned_pointers_and_ints_divisible_by_16_are_specialized_as_on_the_device():
+    # Triton's GPU launches mark a 16-byte aligned pointer and an integer divisible by 16 (tt.divisibility 16); a
+    # compile without the marks does not vectorize the loads and reads far more registers than the GPU uses
+    from tools.compile_kernels import signature_of
+    from workers.kernels import sparse_mla as sm
+
+    kernel = sm._indexer_scores
+    names = [p.name for p in kernel.params]
+    args = {p.name: {"value": True} for p in kernel.params if p.is_constexpr}
+    args.update(Q={"tensor": "bfloat16", "aligned": True}, W={"tensor": "float32", "aligned": False},
+                page_size={"value": 64}, tree_len={"value": 4}, stride_k={"value": 0})
+    args.update({n: {"tensor": "int32", "aligned": True} for n in ("K", "KScale", "PageTable", "RowReq", "RowLen",
+                                                                  "TreeBits", "Scores")})
+    args.update({n: {"value": 3} for n in names if n not in args})
+    sig, _, attrs = signature_of(kernel, {"name": "_indexer_scores", "args": args}, pdl=False)
+    marked = {names[i[0]] for i in attrs}
+    assert {"Q", "page_size", "stride_k", "K"} <= marked, marked
+    assert not {"W", "tree_len", "rows"} & marked, marked
+    assert sig["page_size"] == "i32" and sig["Q"] == "*bf16"
