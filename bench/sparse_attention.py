@@ -443,18 +443,24 @@ def draft_metadata(device: str, batch_sizes, steps: int, k: int, ctx: int, page:
         for i in range(steps):  # the same rows either way
             a, b = once()[i], per_step()[i]
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and torch.equal(rows.pages, b[2])
-        times = {}
+        times, done = {}, {}
         for name, fn in (("once_per_round", once), ("per_step", per_step),
                          ("backend_round", backend_round)) * 2:  # interleaved, second pass counts
-            blocks = []
+            # host: the calls alone, each round from an idle device (the goal's host time); done: until the device
+            # has run them too (a synchronisation's own latency included)
+            host, total = [], []
             for _ in range(5):
-                sync()
-                t0 = time.perf_counter()
+                h = t = 0.0
                 for _ in range(rounds):
-                    fn()
                     sync()
-                blocks.append((time.perf_counter() - t0) / rounds * 1e6)
-            times[name] = statistics.median(blocks)
+                    t0 = time.perf_counter()
+                    fn()
+                    t1 = time.perf_counter()
+                    sync()
+                    h, t = h + t1 - t0, t + time.perf_counter() - t0
+                host.append(h / rounds * 1e6)
+                total.append(t / rounds * 1e6)
+            times[name], done[name] = statistics.median(host), statistics.median(total)
         captured = None
         if device == "cuda":  # the once-per-round fill replays from a graph with new base lengths
             g = torch.cuda.CUDAGraph()
@@ -473,6 +479,7 @@ def draft_metadata(device: str, batch_sizes, steps: int, k: int, ctx: int, page:
                     "once_per_round_us": round(times["once_per_round"], 1), "per_step_us": round(times["per_step"], 1),
                     "speedup": round(times["per_step"] / times["once_per_round"], 2),
                     "backend_round_us": round(times["backend_round"], 1),
+                    "done_us": {n: round(v, 1) for n, v in done.items()},
                     "graph_replay_equal": captured})
         print(out[-1], flush=True)
     return out
@@ -683,12 +690,20 @@ def report(meta: dict, out: Path) -> None:
         md += ["", "## Draft-round row metadata: once per round vs per step (host µs a round)", "",
                "`SparseDraftRows.fill` (static buffers, every step's rows at once) vs `draft_rows_per_step` for each "
                "step (row_req, row_len, expanded page rows); the engine's round: the sparse backend's "
-               "`init_round_metadata` over the round's stacked batch; device synchronised after each round.", "",
+               "`init_round_metadata` over the round's stacked batch. Host: the calls alone, each round from an idle "
+               "device; in brackets, until the device has run them too (a synchronisation included; runs before "
+               "this column measured only that, and called it host time).", "",
                "| bs | steps | once per round | per step | speedup | engine's round (backend) | "
                "fill replayed from a graph equal |",
                "|---|---|---|---|---|---|---|"]
-        md += [f"| {d['batch_size']} | {d['steps']} | {d['once_per_round_us']} | {d['per_step_us']} | "
-               f"**{d['speedup']}x** | {d.get('backend_round_us', '-')} | {d['graph_replay_equal']} |" for d in dm]
+
+        def cell(d, name, key):
+            done = d.get("done_us", {}).get(name)
+            return f"{d[key]}" + ("" if done is None else f" ({done})")
+        md += [f"| {d['batch_size']} | {d['steps']} | {cell(d, 'once_per_round', 'once_per_round_us')} | "
+               f"{cell(d, 'per_step', 'per_step_us')} | **{d['speedup']}x** | "
+               f"{cell(d, 'backend_round', 'backend_round_us') if 'backend_round_us' in d else '-'} | "
+               f"{d['graph_replay_equal']} |" for d in dm]
     ms = meta.get("mla_sweep") or []
     if ms:
         md += ["", "## Sparse MLA alone: tiles x splits", "",
