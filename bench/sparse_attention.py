@@ -291,22 +291,15 @@ MLA_TILES = [(16, 64, 1, 4, False), (16, 128, 1, 4, False), (32, 64, 1, 4, False
              (64, 32, 1, 8, False), (64, 64, 1, 8, False), (128, 32, 2, 8, False),
              (16, 32, 1, 4, True), (16, 64, 1, 4, True), (32, 32, 1, 4, True), (32, 64, 1, 4, True),
              (32, 64, 2, 4, True),
-             (64, 32, 1, 8, True), (64, 64, 2, 8, True),
-             (64, 32, 1, 8, False, True), (64, 64, 1, 8, False, True)]
-# (heads, slots, latent split, warps, heads on the N side[, the probabilities through scratch memory])
+             (64, 32, 1, 8, True), (64, 64, 2, 8, True)]  # (heads, slots, latent split, warps, heads on the N side)
 MLA_SPLITS = [dict(programs_per_sm=1), dict(programs_per_sm=2), dict(programs_per_sm=4)]
-MLA_KNOBS = ("block_h", "block_n", "lat_split", "num_warps", "heads_n", "p_mem", "programs_per_sm", "num_splits")
+MLA_KNOBS = ("block_h", "block_n", "lat_split", "num_warps", "heads_n", "programs_per_sm", "num_splits")
 
 
-def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph,
-              tiles: list[int] | None = None) -> list[dict]:
-    """The sparse MLA alone over every tile of ``MLA_TILES`` (or those at the indices ``tiles``) x split choice of
-    ``MLA_SPLITS``, decode and verify rows at ``ctx`` (graph replays), each output checked against the fp32
-    reference (max abs diff)."""
-    if device == "cuda":
-        tiles = MLA_TILES if tiles is None else [MLA_TILES[i] for i in tiles]
-    else:
-        tiles = [(16, 16, 1, 4, False), (16, 16, 2, 4, True), (16, 16, 1, 4, False, True)]
+def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: str, graph) -> list[dict]:
+    """The sparse MLA alone over every tile of ``MLA_TILES`` x split choice of ``MLA_SPLITS``, decode
+    and verify rows at ``ctx`` (graph replays), each output checked against the fp32 reference (max abs diff)."""
+    tiles = MLA_TILES if device == "cuda" else [(16, 16, 1, 4, False), (16, 16, 2, 4, True)]
     out = []
     for bs in batch_sizes:
         for mode, per_req in (("decode", 1), ("verify", nd + 1)):
@@ -316,9 +309,8 @@ def mla_sweep(shape: dict, ctx: int, batch_sizes, nd: int, fp8: bool, device: st
                                           case.scale)
             default = graph(lambda: case.mla({}))
             best = None
-            for (bh, bn, ls, nw, hn, *pm), split in itertools.product(tiles, MLA_SPLITS):
-                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, heads_n=hn,
-                                  **({"p_mem": True} if pm and pm[0] else {}), **split)}
+            for (bh, bn, ls, nw, hn), split in itertools.product(tiles, MLA_SPLITS):
+                kn = {"mla": dict(block_h=bh, block_n=bn, lat_split=ls, num_warps=nw, heads_n=hn, **split)}
                 try:
                     ms = graph(lambda: case.mla(kn))
                     err = float((case.out.float() - ref).abs().max())
@@ -506,7 +498,6 @@ def main() -> None:
     ap.add_argument("--mla-sweep", action="store_true",
                     help="first the sparse MLA alone over tiles x splits at the dense context; the table's rows then "
                          "use each (batch, mode)'s fastest")
-    ap.add_argument("--mla-tiles", default=None, help="--mla-sweep: only these indices of MLA_TILES (comma-separated)")
     ap.add_argument("--indexer-sweep", action="store_true",
                     help="first the indexer alone over tiles x programs an SM at the dense context; the table's rows "
                          "then use each (batch, mode)'s fastest")
@@ -555,8 +546,7 @@ def main() -> None:
     meta["sweep"] = None if args.no_sweep else sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
                                                      timer(device, rep=20)[0])
     if args.mla_sweep:
-        meta["mla_sweep"] = mla_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, timer(device, rep=20)[0],
-                                      None if args.mla_tiles is None else [int(x) for x in args.mla_tiles.split(",")])
+        meta["mla_sweep"] = mla_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device, timer(device, rep=20)[0])
         write_json(out, meta)
     if args.indexer_sweep:
         meta["indexer_sweep"] = indexer_sweep(shape, dense_ctx, batch_sizes, nd, fp8, device,
@@ -725,7 +715,7 @@ def report(meta: dict, out: Path) -> None:
         for bs, mode, sel, dflt, top in sweep_cases(ms):
             former = next((r["ms"] for r in sel if r.get("row_fast")), "")
             cell = ["{ms} ({block_h}x{block_n}, ls {lat_split}, w {num_warps}, ".format(**r)
-                    + ("heads on N, " if r.get("heads_n") else "") + ("P via memory, " if r.get("p_mem") else "")
+                    + ("heads on N, " if r.get("heads_n") else "")
                     + ", ".join(f"{k} {r[k]}" for k in ("programs_per_sm", "num_splits") if k in r)
                     + f"; diff {r['max_abs_diff']:.1e})" for r in top]
             md.append(f"| {bs} | {mode} | {dflt['rows']} | {dflt['ms']} | " + " | ".join(cell) + f" | {former} |")

@@ -51,7 +51,7 @@ KERNEL_MODULES = ("workers.kernels.launch", "workers.kernels.norm_rope", "worker
 LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # constexprs a launch takes from ``_INTERPRETER`` (the indexer's ROUND: e4m3 rounding in arithmetic, and no inline
 # assembly), compiled at the GPU's value: the recorded launches ran under the interpreter
-DEVICE_CONSTEXPRS = {"ROUND": False, "INTERPRETER": False}
+DEVICE_CONSTEXPRS = {"ROUND": False}
 # ``model_shapes`` runs these modules' kernels only as launches (their outputs feed nothing there); the rest (the
 # forward batch's metadata kernels) run
 LAUNCH_ONLY_MODULES = ("attention.triton_backend", "workers.kernels.small_m_linear", "workers.kernels.sparse_mla")
@@ -161,10 +161,6 @@ def sparse_shapes() -> None:
             sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits, block_h=16, block_n=64, heads_n=True)
             sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits, block_h=32, block_n=64, lat_split=2,
                           heads_n=True)
-            # the probabilities through scratch memory (the sweep's 64-head tiles on two warpgroups)
-            for block_n in (32, 64):
-                sm.sparse_mla(ql, qr, cache, slots, 0.1, num_splits=splits, block_h=64, block_n=block_n, num_warps=8,
-                              p_mem=True)
 
 
 def record(workloads, out_path: str, outcomes_path: str | None = None) -> None:

@@ -124,19 +124,12 @@ def main() -> int:
         tiles = [dict()] + ([dict(block_h=16, block_n=64, lat_split=1), dict(block_h=32, block_n=64, lat_split=2),
                              dict(block_h=64, block_n=32, lat_split=1), dict(block_h=128, block_n=32, lat_split=2),
                              dict(block_h=16, block_n=64, lat_split=1, heads_n=True),
-                             dict(block_h=32, block_n=64, lat_split=2, heads_n=True),
-                             dict(block_h=64, block_n=32, num_warps=8, p_mem=True),
-                             dict(block_h=64, block_n=64, num_warps=8, p_mem=True)]
-                            if wide else [dict(heads_n=True), dict(p_mem=True)])
+                             dict(block_h=32, block_n=64, lat_split=2, heads_n=True)]
+                            if wide else [dict(heads_n=True)])
         for splits, kw in [(s, kw) for s in (1, None) for kw in tiles]:
             out = sm.sparse_mla(ql, qr, cache, slots, 0.07, num_splits=splits, **kw)
             err = float((out.float() - mref).abs().max())
-            # p_mem's programs pass their probabilities through memory between warps: a missing barrier shows as
-            # runs that differ
-            same = all(torch.equal(out, sm.sparse_mla(ql, qr, cache, slots, 0.07, num_splits=splits, **kw))
-                       for _ in range(10 if kw.get("p_mem") else 0))
-            results.append(check(f"sparse MLA {dt} splits={splits} {kw}", err < tol and same,
-                                 f"max abs {err:.2e}, repeats equal {same}"))
+            results.append(check(f"sparse MLA {dt} splits={splits} {kw}", err < tol, f"max abs {err:.2e}"))
     if args.device == "cuda":  # the layer in a CUDA graph: same bits as eager, lengths read on the device
         keys, q = c["keys"].bfloat16(), c["q"].bfloat16()
         ql, qr, cache = c["ql"].bfloat16(), c["qr"].bfloat16(), c["cache"].bfloat16()

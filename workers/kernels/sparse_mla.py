@@ -742,36 +742,24 @@ if triton is not None:
         _pad(out_row, n, topk, BLOCK)
 
     @triton.jit
-    def _cta_barrier(like):
-        """``like`` (int32), once every thread of the program is here (bar.sync: the writes before it are visible to
-        all after it). Inline assembly, not ``tl.debug_barrier``: a loop holding that is not software-pipelined;
-        loads addressed by the result cannot be issued before it."""
-        return tl.inline_asm_elementwise("bar.sync 0; mov.u32 $0, $1;", "=r,r", [like], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-
-    @triton.jit
     def _mla_dot(a, b, IEEE: tl.constexpr):
         if IEEE:  # fp32: no TF32 rounding
             return tl.dot(a, b, input_precision="ieee")
         return tl.dot(a, b).to(tl.float32)
 
     @triton.jit
-    def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, PScratch, AScratch, scale, heads, topk, num_splits,
+    def _sparse_mla(QL, QR, Cache, Slots, PartO, PartLSE, Out, scale, heads, topk, num_splits,
                     stride_qlr, stride_qlh, stride_qrr, stride_qrh, stride_c, stride_sr,
                     stride_po_r, stride_po_h, stride_po_s, stride_pl_r, stride_pl_h, stride_or, stride_oh,
                     DL: tl.constexpr, DR: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                     LAT_SPLIT: tl.constexpr, DIRECT: tl.constexpr, IEEE: tl.constexpr, HEADS_N: tl.constexpr = False,
-                    ROW_FAST: tl.constexpr = False, P_MEM: tl.constexpr = False, INTERPRETER: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
+                    ROW_FAST: tl.constexpr = False, PDL: tl.constexpr = False):
         """Program (row x head block x latent part, split) over the split's share of the row's slot list: online
         softmax of (q_latent·c + q_rope·k_rope)·scale, accumulating p·c for its part of the latent (LAT_SPLIT 2: two
         programs share a head block, each scoring the whole latent but keeping half of the output, so the
         accumulator fits in registers at wide head blocks). One split writes the output (DIRECT), else partial
         (output, log-sum-exp) for ``_merge_mla``. HEADS_N: the dots transposed (slots x heads scores, latent x
-        heads accumulator), the same arithmetic. P_MEM: the probabilities reach the PV dot through a per-program
-        scratch (two buffers, a barrier between store and load): Triton lays out a dot whose result feeds another
-        dot with every warp along M, so at 64 heads on 8 warps both warpgroups computed the whole score tile;
-        through memory the score dot can split its slots over the warpgroups, as FlashMLA's does."""
+        heads accumulator), the same arithmetic."""
         pdl_start(PDL)
         # a row's head blocks (and latent parts) are consecutive programs, so they run together and the slot tiles
         # they all read come from L2 (with the row fastest, a row's head blocks ran waves apart, each reading them
@@ -787,7 +775,6 @@ if triton is not None:
         hb = hp // LAT_SPLIT
         part = hp % LAT_SPLIT
         split = tl.program_id(1)
-        pid = split * tl.num_programs(0) + tl.program_id(0)  # (its P_MEM scratch)
         chunk = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, topk)
@@ -838,11 +825,7 @@ if triton is not None:
                 l_i = l_i * alpha + tl.sum(p, 0)
                 acc = acc * alpha[None, :] + _mla_dot(tl.trans(c), p.to(c.dtype), IEEE)
             else:
-                if P_MEM:  # (the wide dot last: the one a chained dot leaves on every warp along M is the RoPE's)
-                    s = _mla_dot(qr, tl.trans(kr), IEEE)
-                    s += _mla_dot(ql, tl.trans(c), IEEE)
-                else:
-                    s = _mla_dot(ql, tl.trans(c), IEEE) + _mla_dot(qr, tl.trans(kr), IEEE)
+                s = _mla_dot(ql, tl.trans(c), IEEE) + _mla_dot(qr, tl.trans(kr), IEEE)
                 if LAT_SPLIT == 2:
                     s += _mla_dot(ql_other, tl.trans(c2), IEEE)
                 s = tl.where(ok[None, :], s * scale_log2, float("-inf"))
@@ -851,25 +834,7 @@ if triton is not None:
                 p = tl.exp2(s - m_safe[:, None])
                 alpha = tl.exp2(m_i - m_safe)
                 l_i = l_i * alpha + tl.sum(p, 1)
-                if P_MEM:  # (the rescale too: through it the PV dot would depend on the scores' dot again)
-                    buf = pid * 2 + (start // BLOCK_N) % 2
-                    hs = tl.arange(0, BLOCK_H)
-                    pn = buf * BLOCK_H * BLOCK_N + hs[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                    tl.store(PScratch + pn, p.to(c.dtype))
-                    tl.store(AScratch + buf * BLOCK_H + hs, alpha)
-                    if not INTERPRETER:  # (which has no inline assembly, and runs a program's lanes as one)
-                        _cta_barrier(hs)
-                    # (in a branch, always taken, that the pipeliner leaves in place: it would issue a load of the
-                    # loop's own an iteration early, before the store)
-                    if start >= lo:
-                        p_in = tl.load(PScratch + pn)
-                        alpha_in = tl.load(AScratch + buf * BLOCK_H + hs)
-                    else:
-                        p_in = p.to(c.dtype)
-                        alpha_in = alpha
-                else:
-                    p_in, alpha_in = p.to(c.dtype), alpha
-                acc = acc * alpha_in[:, None] + _mla_dot(p_in, c, IEEE)
+                acc = acc * alpha[:, None] + _mla_dot(p.to(c.dtype), c, IEEE)
             m_i = m_new
         if HEADS_N:
             acc = tl.trans(acc)
@@ -1159,7 +1124,7 @@ def mla_splits(rows: int, heads: int, topk: int, block_h: int, block_n: int, num
 
 def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_splits=None, block_h=None,
                block_n=None, lat_split=None, heads_n=None, programs_per_sm=None, max_splits=None, num_warps=None,
-               num_stages=None, row_fast=False, p_mem=False, rows_per_req=1, out=None):
+               num_stages=None, row_fast=False, rows_per_req=1, out=None):
     """Absorbed MLA over each row's selected slots: q_latent [R, H, Dl], q_rope [R, H, Dr], latent_cache
     [slots, Dl + Dr] (latent then RoPE key), slots [R, topk] int32 (-1: none) -> [R, H, Dl]. Split-KV over the slot
     list (from the shapes only) and a merge; one split writes the output directly. ``lat_split`` 2: two programs
@@ -1216,17 +1181,12 @@ def sparse_mla(q_latent, q_rope, latent_cache, slots, sm_scale: float, *, num_sp
         po_strides, pl_strides = part_o.stride()[:3], part_lse.stride()[:2]
     # one warpgroup up to 32 heads: at 32 x 64 it spills a little (sm_90, 512-wide latent) yet beats 8 warps
     num_warps = num_warps or (8 if block_h >= 64 else 4)
-    programs = rows * triton.cdiv(heads, block_h) * lat_split
-    p_mem = bool(p_mem) and not heads_n
-    bufs = programs * num_splits * 2 if p_mem else 0
-    scratch = torch.empty(bufs * block_h * block_n, dtype=q_latent.dtype, device=q_latent.device) if bufs else out
-    alphas = torch.empty(bufs * block_h, dtype=torch.float32, device=q_latent.device) if bufs else out
-    _sparse_mla[(programs, num_splits)](
-        q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, scratch, alphas, sm_scale, heads, topk, num_splits,
+    _sparse_mla[(rows * triton.cdiv(heads, block_h) * lat_split, num_splits)](
+        q_latent, q_rope, latent_cache, slots, part_o, part_lse, out, sm_scale, heads, topk, num_splits,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent_cache.stride(0),
         slots.stride(0), *po_strides, *pl_strides, out.stride(0), out.stride(1),
         DL=dl, DR=dr, BLOCK_H=block_h, BLOCK_N=block_n, LAT_SPLIT=lat_split, DIRECT=direct, IEEE=fp32,
-        HEADS_N=bool(heads_n), ROW_FAST=bool(row_fast), P_MEM=p_mem, INTERPRETER=_INTERPRETER,
+        HEADS_N=bool(heads_n), ROW_FAST=bool(row_fast),
         num_warps=num_warps,
         num_stages=num_stages or (1 if fp32 else 2), **pdl_launch(q_latent))
     if not direct:
