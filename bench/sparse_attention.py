@@ -409,7 +409,8 @@ def draft_metadata(device: str, batch_sizes, steps: int, k: int, ctx: int, page:
     page-row gather into static buffers; each step takes views) vs every step built from scratch
     (``draft_rows_per_step``: row_req, row_len, expanded page rows); and what the engine runs each eager round, the
     sparse backend's ``init_round_metadata`` over the round's stacked batch (``DraftSteps``, built outside the
-    timing). The device is synchronised after each round."""
+    timing). Host time: the calls alone, each round started on an idle device; beside it the time until the device
+    has run them too."""
     from attention.sparse_torch_native import SparseTorchNativeBackend
     from workers.forward_batch import DraftSteps
     from workers.kv_cache import MLAKVCache, PageTable
@@ -691,8 +692,8 @@ def report(meta: dict, out: Path) -> None:
                "`SparseDraftRows.fill` (static buffers, every step's rows at once) vs `draft_rows_per_step` for each "
                "step (row_req, row_len, expanded page rows); the engine's round: the sparse backend's "
                "`init_round_metadata` over the round's stacked batch. Host: the calls alone, each round from an idle "
-               "device; in brackets, until the device has run them too (a synchronisation included; runs before "
-               "this column measured only that, and called it host time).", "",
+               "device; in brackets, until the device has run them too, a synchronisation included (files without "
+               "the brackets measured that alone).", "",
                "| bs | steps | once per round | per step | speedup | engine's round (backend) | "
                "fill replayed from a graph equal |",
                "|---|---|---|---|---|---|---|"]
