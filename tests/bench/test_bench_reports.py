@@ -199,3 +199,21 @@ def test_indexer_sweep_choice_keeps_the_default_unless_beaten():
     got = indexer_choice(records)
     assert got[(1, "decode")] == {}
     assert got[(32, "decode")] == {"block_n": 128, "num_warps": 4, "l2_ahead": 2, "programs_per_sm": 8}
+
+
+def test_draft_metadata_table_renders_old_and_new_files(tmp_path):
+    """The draft rows' table: host time with the time to completion in brackets where a file has it (``done_us``);
+    files from before that column (no ``done_us``, the oldest without the engine's round) render their one figure."""
+    from bench.sparse_attention import report
+
+    new = {"batch_size": 1, "steps": 4, "tokens_per_step": 1, "once_per_round_us": 21.7, "per_step_us": 720.5,
+           "speedup": 33.18, "backend_round_us": 30.9,
+           "done_us": {"once_per_round": 31.5, "per_step": 737.8, "backend_round": 41.0}, "graph_replay_equal": True}
+    old = {k: v for k, v in new.items() if k != "done_us"}
+    oldest = {k: v for k, v in old.items() if k != "backend_round_us"}
+    meta = {"device": "x", "commit": "c", "command": "cmd", "rows": [], "draft_metadata": [new, old, oldest]}
+    report(meta, tmp_path / "dm")
+    lines = [ln for ln in (tmp_path / "dm.md").read_text().splitlines() if ln.startswith("| 1 | 4 |")]
+    assert lines == ["| 1 | 4 | 21.7 (31.5) | 720.5 (737.8) | **33.18x** | 30.9 (41.0) | True |",
+                     "| 1 | 4 | 21.7 | 720.5 | **33.18x** | 30.9 | True |",
+                     "| 1 | 4 | 21.7 | 720.5 | **33.18x** | - | True |"]
