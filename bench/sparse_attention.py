@@ -698,12 +698,12 @@ def report(meta: dict, out: Path) -> None:
                "fill replayed from a graph equal |",
                "|---|---|---|---|---|---|---|"]
 
-        def cell(d, name, key):
+        def with_done(d, name, key):  # (host time, and in brackets the time to completion where the file has it)
             done = d.get("done_us", {}).get(name)
             return f"{d[key]}" + ("" if done is None else f" ({done})")
-        md += [f"| {d['batch_size']} | {d['steps']} | {cell(d, 'once_per_round', 'once_per_round_us')} | "
-               f"{cell(d, 'per_step', 'per_step_us')} | **{d['speedup']}x** | "
-               f"{cell(d, 'backend_round', 'backend_round_us') if 'backend_round_us' in d else '-'} | "
+        md += [f"| {d['batch_size']} | {d['steps']} | {with_done(d, 'once_per_round', 'once_per_round_us')} | "
+               f"{with_done(d, 'per_step', 'per_step_us')} | **{d['speedup']}x** | "
+               f"{with_done(d, 'backend_round', 'backend_round_us') if 'backend_round_us' in d else '-'} | "
                f"{d['graph_replay_equal']} |" for d in dm]
     ms = meta.get("mla_sweep") or []
     if ms:
