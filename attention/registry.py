@@ -19,6 +19,7 @@ BACKENDS = {
 SPARSE_BACKENDS = {
     "torch_native": "attention.sparse_torch_native:SparseTorchNativeBackend",
     "triton": "attention.sparse_triton:SparseTritonBackend",
+    "flashinfer": "attention.sparse_flashinfer:SparseFlashInferBackend",
 }
 FAMILIES = {"dense": BACKENDS, "sparse_mla": SPARSE_BACKENDS}
 VERIFY_ATTENTION_MODES = ("decode", "prefill")
@@ -76,8 +77,8 @@ def create_attention_backend(prefill: str, decode: str, verify_attention_mode: s
     """``family``: "dense" (paged K/V attention) or "sparse_mla" (the model's ``attention_family``)."""
     if verify_attention_mode not in VERIFY_ATTENTION_MODES:
         raise ValueError(f"verify_attention_mode must be one of {VERIFY_ATTENTION_MODES}, got {verify_attention_mode!r}")
-    if family == "sparse_mla" and "flashinfer" in (prefill, decode):  # (no sparse kernels there)
-        prefill, decode = ("triton" if x == "flashinfer" else x for x in (prefill, decode))
+    if family == "sparse_mla" and prefill == "flashinfer":  # (its MLA kernel runs rows of a whole top-k: decode)
+        prefill = "triton"
     if prefill == decode:
         return _make(prefill, verify_attention_mode, device, family)
     return HybridBackend(_make(prefill, verify_attention_mode, device, family),

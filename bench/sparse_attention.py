@@ -68,7 +68,8 @@ class Case:
     the query rows (decode: 1 a request at ctx; verify: 1 + draft tokens at ctx - draft .. ctx), and preallocated
     outputs, so the layer captures into a CUDA graph."""
 
-    def __init__(self, shape: dict, ctx: int, bs: int, rows_per_req: int, fp8: bool, device: str, seed: int = 0):
+    def __init__(self, shape: dict, ctx: int, bs: int, rows_per_req: int, fp8: bool, device: str, seed: int = 0,
+                 mla_kernel: str = "triton"):
         s = shape
         # its own generator: the process's default one may be unusable after foreign kernel libraries load
         g = torch.Generator(device=device).manual_seed(seed)
@@ -100,6 +101,13 @@ class Case:
         self.scores = torch.empty(r, pages_per * page, device=device)
         self.slots = torch.empty(r, s["topk"], dtype=torch.int32, device=device)
         self.out = torch.empty(r, s["mla_heads"], s["latent"], device=device, dtype=dt)
+        self.planned = None  # FlashInfer's MLA (``mla_kernel``): its wrapper, planned once; the top-k writes its buffer
+        if mla_kernel == "flashinfer":
+            from attention.sparse_torch_native import SparseMLALayerSpec
+
+            spec = SparseMLALayerSpec(0, s["mla_heads"], s["latent"], s["rope"], s["index_heads"], s["index_dim"],
+                                      s["topk"], self.scale)
+            self.planned, self.slots = flashinfer_backend().plan(r, spec, torch.device(device))
 
     def indexer(self, knobs: dict, bf16_keys: bool = False, per_row: bool = False):
         keys, fp8 = (self.keys_bf16, False) if bf16_keys else (self.keys, self.fp8)
@@ -112,6 +120,9 @@ class Case:
                              self.shape["topk"], out=self.slots, **knobs.get("topk", {}))
 
     def mla(self, knobs: dict, slots=None):
+        if self.planned is not None and slots is None:
+            self.out = flashinfer_backend().attend(self.planned, self.slots, self.ql, self.qr, self.cache)
+            return self.out
         return sm.sparse_mla(self.ql, self.qr, self.cache, self.slots if slots is None else slots, self.scale,
                              rows_per_req=self.rows_per_req, out=self.out, **knobs.get("mla", {}))
 
@@ -145,6 +156,18 @@ class Case:
         pos = torch.arange(cap, device=self.table.device).expand(self.rows, cap)
         pos = torch.where(pos < self.row_len[:, None], pos, -1)
         return sm.positions_to_slots(pos, self.table, self.row_req, self.shape["page"])
+
+
+_FLASHINFER = []
+
+
+def flashinfer_backend():
+    """One ``SparseFlashInferBackend`` for the run (its workspace shared by the cases' plans)."""
+    if not _FLASHINFER:
+        from attention.sparse_flashinfer import SparseFlashInferBackend
+
+        _FLASHINFER.append(SparseFlashInferBackend())
+    return _FLASHINFER[0]
 
 
 def matmul_rates(n: int = 8192) -> dict:
@@ -494,6 +517,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default=None, help="default 1,8,32 (--cpu: 1,2)")
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--keys", choices=("fp8", "bf16"), default="fp8", help="indexer key cache of the main table")
+    ap.add_argument("--mla-kernel", choices=("triton", "flashinfer"), default="triton",
+                    help="the main table's MLA: ours, or FlashInfer's over the selected slots (the sparse_flashinfer "
+                         "backend's long rows)")
     ap.add_argument("--dense-context", type=int, default=None, help="sparse vs dense verify here (default 65536)")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--mla-sweep", action="store_true",
@@ -534,7 +560,7 @@ def main() -> None:
     else:
         bw, bw_note = H100_SXM_TBPS * 1e12, f"nominal H100 SXM {H100_SXM_TBPS} TB/s (CPU smoke run)"
     meta = {"device": device_name(device), "commit": commit(), "command": command(), "shape": shape,
-            "keys": args.keys, "draft_tokens": nd, "bandwidth_GBps": round(bw / 1e9, 1), "bandwidth": bw_note,
+            "keys": args.keys, "mla_kernel": args.mla_kernel, "draft_tokens": nd, "bandwidth_GBps": round(bw / 1e9, 1), "bandwidth": bw_note,
             "timing": "graph: CUDA graph replay (captured with PDL), L2 flushed before each (do_bench); eager: "
                       "Python launches"
             if device == "cuda" else "CPU interpreter wall time (smoke: not a measurement)"}
@@ -571,7 +597,7 @@ def main() -> None:
                     knobs = {**knobs, "mla": mla_best[(bs, mode)][1]}
                 if (bs, mode) in indexer_best:
                     knobs = {**knobs, "indexer": indexer_best[(bs, mode)]}
-                case = Case(shape, ctx, bs, per_req, fp8, device)
+                case = Case(shape, ctx, bs, per_req, fp8, device, mla_kernel=args.mla_kernel)
                 ref_check = None
                 case.layer(knobs)
                 if ctx == contexts[0] and bs == batch_sizes[0]:  # the kernels against the references once per mode
@@ -637,7 +663,10 @@ def report(meta: dict, out: Path) -> None:
     md = [f"# DeepSeek-V3.2 sparse attention, one layer ({meta['device']})", "",
           f"commit `{meta['commit']}`, command `{meta['command']}`", ""]
     if rows:
-        md += [f"Shape {meta['shape']}; indexer keys {meta['keys']}; {meta['draft_tokens']} draft tokens (verify: "
+        mla = meta.get("mla_kernel", "triton")
+        md += [f"Shape {meta['shape']}; indexer keys {meta['keys']}; MLA kernel "
+               f"{'FlashInfer (its MLA over the selected slots, planned once per row count)' if mla == 'flashinfer' else 'ours (Triton)'}; "
+               f"{meta['draft_tokens']} draft tokens (verify: "
                f"{meta['draft_tokens'] + 1} query rows a request, decode: 1). Bandwidth {meta['bandwidth_GBps']} "
                f"GB/s ({meta['bandwidth']}). Timing: {meta['timing']}.", "",
                "Floor: every request's indexer keys up to its longest row + the latents its rows selected (the "

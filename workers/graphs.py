@@ -9,7 +9,9 @@ start-up: see ``workers.sampling``), and with or without top logprobs (on first 
 draft loop + TARGET_VERIFY + acceptance + KV compaction + DRAFT_EXTEND) or its three phases as separate graphs
 replayed back to back. All graphs share one memory pool. Batches are padded to the bucket with rows that write
 their K/V into the reserved page 0. Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are
-captured both ways, timed, and the faster kept (``DecodeGraphs._capture_faster_fusion``). ``graph_refusal`` says
+captured both ways, timed, and the faster kept (``DecodeGraphs._capture_faster_fusion``). A sparse-MLA model whose
+decode backend has a kernel for rows that each select their whole top-k (``SelectionVariant``) gets every decode
+graph twice, and a step replays the long-rows variant when its contexts guarantee such rows. ``graph_refusal`` says
 when graphs are off; ``tune_for_graphs`` sets up the small-M kernels they run.
 """
 
@@ -285,6 +287,52 @@ def tune_for_graphs(models: list[torch.nn.Module], cache_dir: str | None, device
     return cache
 
 
+# the graph key's suffix of SelectionVariant's long-rows graphs
+LONG_ROWS = "long rows"
+# positions a sparse row of a decode step may sit before the newest token the host counts (a verify's, a draft
+# step's, a catch-up's rows): a step's rows all select their whole top-k when its shortest context exceeds the
+# top-k by this much
+ROW_MARGIN = 64
+
+
+class SelectionVariant:
+    """Sparse-MLA backends (``supports_full_selection``) that run a faster kernel where every row of a forward
+    selects exactly ``topk`` slots, a mode (``full_selection``) set around such forwards: ``DecodeGraphs``
+    captures each graph in both modes and replays the long-rows one when ``long_rows`` holds for the step."""
+
+    def __init__(self, backends: list, topk: int):
+        self.backends, self.topk = backends, topk
+
+    @classmethod
+    def of(cls, runners: list) -> SelectionVariant | None:
+        """The runners' backends with the mode (a hybrid's children included); None where there are none."""
+        backends, topk = [], 0
+        for runner in runners:
+            backend = runner.attn_backend
+            for b in (backend, getattr(backend, "prefill", None), getattr(backend, "decode", None)):
+                if getattr(b, "supports_full_selection", False) and b not in backends:
+                    backends.append(b)
+                    topk = max(topk, max(spec.topk for spec in runner.attention_specs))
+        return cls(backends, topk) if backends else None
+
+    def long_rows(self, seq_lens) -> bool:
+        """Whether every sparse row of a decode step over requests of ``seq_lens`` (the host's lengths, never above
+        the device's) selects its whole top-k."""
+        return len(seq_lens) > 0 and int(min(seq_lens)) - ROW_MARGIN >= self.topk
+
+    def wrap(self, fn: Callable[[], object]) -> Callable[[], object]:
+        """``fn`` run with the backends in the long-rows mode."""
+        def run():
+            for b in self.backends:
+                b.full_selection = True
+            try:
+                return fn()
+            finally:
+                for b in self.backends:
+                    b.full_selection = False
+        return run
+
+
 class DecodeGraphs(GraphRunner):
     """The DECODE step's graphs, per batch bucket, sampling kind and top logprobs: a plain step (``decode``: forward
     and sampling) or a speculative round (``spec_round``: in one graph, or its three phases), each returning its
@@ -325,6 +373,31 @@ class DecodeGraphs(GraphRunner):
         self.catch_up_graphs = False
         self.catch_up_lags: torch.Tensor | None = None
         self._lag_images: PinnedRing | None = None  # the host images ``_fill_catch_up_lags`` copies from
+        # sparse MLA: each graph also captured in the backends' long-rows mode (``SelectionVariant``), and whether
+        # the step being replayed takes those graphs
+        self.selection: SelectionVariant | None = None
+        self.long_rows = False
+        self.long_replays = 0  # graphs replayed in the long-rows mode (checks, stats)
+
+    def capture(self, key: tuple, fn: Callable[[], object]) -> None:
+        super().capture(key, fn)
+        if self.selection is not None:
+            super().capture(key + (LONG_ROWS,), self.selection.wrap(fn))
+
+    def replay(self, key: tuple):
+        if self.long_rows:
+            self.long_replays += 1
+            key += (LONG_ROWS,)
+        return super().replay(key)
+
+    def keep(self, keys: list[tuple], as_keys: list[tuple], drop: list[tuple]) -> None:
+        super().keep(keys, as_keys, drop)
+        if self.selection is not None:
+            long = lambda ks: [k + (LONG_ROWS,) for k in ks]  # noqa: E731
+            super().keep(long(keys), long(as_keys), long(drop))
+
+    def _choose_rows(self, step) -> None:
+        self.long_rows = self.selection is not None and self.selection.long_rows(step.seq_lens)
 
     @torch.inference_mode()
     def capture_all(self, tuning_cache=None) -> None:
@@ -370,6 +443,7 @@ class DecodeGraphs(GraphRunner):
         if at not in self.phases:
             self._capture(bucket, kind, top, depth)
         self.static.fill(step, bucket)
+        self._choose_rows(step)
         if catch_up_lags is not None:
             self._fill_catch_up_lags(catch_up_lags, bucket)
             self.replay(self._catch_up_key(bucket, int(catch_up_lags.max()), plain=depth == 0))
@@ -384,6 +458,7 @@ class DecodeGraphs(GraphRunner):
         if (bucket, kind, top) not in self.phases:
             self._capture_every_bucket(kind, top)
         self.static.fill(step, bucket)
+        self._choose_rows(step)  # (``replay_after_mask`` goes on with the same step's graphs)
         names = self.phases[(bucket, kind, top)]
         drafts = None
         for name in names[:self._mask_split(names)]:

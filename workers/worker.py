@@ -23,7 +23,8 @@ from workers.config import EngineConfig
 from workers.distributed import close_distributed, init_distributed, rank_device
 from workers.forward_batch import StagedCopies, to_device
 from workers.graphs import (LOGITS_VARIANT, MASK_VARIANT, PAUSED_DEPTH, DecodeGraphs, ExtendGraphs,
-                            attention_layer_spec, eager_extend_shapes, graph_refusal, tune_for_graphs)
+                            SelectionVariant, attention_layer_spec, eager_extend_shapes, graph_refusal,
+                            tune_for_graphs)
 from workers.kernels.launch import compile_watch
 from workers.kernels.metadata import uniform_token_block
 from workers.kernels.small_m_linear import MAX_ROWS, row_bucket
@@ -116,6 +117,7 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank, logits_state=self.logits_state,
             decode_phases=(self._decode_logits, self._decode_sample))
+        self.graphs.selection = SelectionVariant.of(self._runners())  # (sparse MLA: its long-rows graphs)
         # short prefills replay graphs too (with the draft's prefill over the same tokens)
         self.extend_graphs: ExtendGraphs | None = None
         if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):

@@ -1,0 +1,113 @@
+"""Sparse MLA's long-rows graphs (``workers.graphs.SelectionVariant``) on the CPU graph path: every decode graph is
+captured twice, and a step replays the long-rows one only where its contexts guarantee that every real row of every
+sparse forward (plain decode, draft steps, verify, the draft's catch-up) selects its whole top-k, which is what the
+FlashInfer MLA kernel of ``attention.sparse_flashinfer`` needs. The long-rows mode here runs the reference kernels
+and checks each such forward's selections; tokens equal the eager engine's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from attention.sparse_torch_native import SparseTorchNativeBackend
+from deployments.engine.engine import Engine
+from deployments.engine.request import SamplingParams
+from deployments.make_tiny import make_tiny
+from speculative.adaptive import PAUSED, DepthSchedule
+from workers.config import EngineConfig, SpeculativeConfig
+from workers.graphs import LONG_ROWS, ROW_MARGIN, SelectionVariant
+
+TOPK = 8
+GREEDY = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+
+class WatchedSelection(SparseTorchNativeBackend):
+    """The reference backend with the long-rows mode: a long-rows forward fails unless each real row (not a graph's
+    padding row, whose page-table row is the pad slot) selected ``topk`` slots."""
+
+    supports_full_selection = True
+
+    def __init__(self):
+        super().__init__()
+        self.full_selection, self.pad_slot, self.forwards = False, None, Counter()
+
+    def forward_sparse(self, q_latent, q_rope, index_q, index_w, layer, fb):
+        if self.full_selection:
+            m, cache = fb.attn_metadata, fb.kv_cache
+            slots = self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table,
+                                      m.row_req, m.row_len, fb.page_table.page_size, layer.topk, fp8=cache.index_fp8,
+                                      tree_bits=m.tree_bits, tree_len=m.tree_len, rows_per_req=m.rows_per_req)
+            real = m.row_req != self.pad_slot
+            short = (slots[real] < 0).any(1)
+            assert not short.any(), f"a long-rows {fb.mode.name} forward has rows short of their top-k"
+        self.forwards[(self.full_selection, fb.mode.name)] += 1
+        return super().forward_sparse(q_latent, q_rope, index_q, index_w, layer, fb)
+
+
+@pytest.fixture(scope="module")
+def ds_target(tmp_path_factory):
+    return make_tiny("deepseek_v32", tmp_path_factory.mktemp("ds_sel") / "target", layers=2, hidden=64, vocab=512,
+                     heads=4, max_position=1024, seed=3, deepseek={"index_topk": TOPK, "num_nextn_predict_layers": 1})
+
+
+def _engine(target, spec, graphs: bool) -> tuple[Engine, list]:
+    eng = Engine(EngineConfig(model=str(target), device="cpu", max_model_len=512, page_size=16, kv_cache_tokens=2048,
+                              cuda_graph_max_bs=4, speculative_config=spec))
+    if spec is not None and spec.adaptive:  # depths that change between steps: plain steps, catch-ups, rounds
+        eng.depth_policy = DepthSchedule([0, 0, 3, 0, 2, 1, PAUSED, 3])
+    worker, watched = eng.executor.worker, []
+    if graphs:
+        for runner in worker._runners():
+            runner.attn_backend = WatchedSelection()
+            watched.append(runner.attn_backend)
+        worker.graphs.selection = SelectionVariant.of(worker._runners())
+        worker.capture_graphs()  # (on a CPU the callables are kept: nothing runs before the pad slot is known)
+        for b in watched:
+            b.pad_slot = worker.graphs.static.pad_slot
+    return eng, watched
+
+
+def _prompts() -> list[list[int]]:
+    # contexts that start under the long-rows bound and cross it while decoding, and one that starts over it
+    lengths = [40, 50, 60, ROW_MARGIN + TOPK + 30]
+    return [[(7 * i + 3 * n) % 500 + 4 for i in range(n)] for n in lengths]
+
+
+@pytest.mark.parametrize("spec", [None, SpeculativeConfig(method="mtp", num_steps=3),
+                                  SpeculativeConfig(method="mtp", num_steps=3, topk=2, num_draft_tokens=5),
+                                  SpeculativeConfig(method="mtp", num_steps=3, adaptive=True)],
+                         ids=["plain", "mtp-chain", "mtp-tree", "mtp-adaptive"])
+def test_long_rows_graphs_replay_only_where_every_row_selects_its_whole_topk(ds_target, spec):
+    ref, _ = _engine(ds_target, spec, graphs=False)
+    want = [o.token_ids for o in ref.generate(_prompts(), GREEDY)]
+    eng, watched = _engine(ds_target, spec, graphs=True)
+    graphs = eng.executor.worker.graphs
+    short_keys = [k for k in graphs.graphs if k[-1] != LONG_ROWS]
+    assert short_keys and all(k + (LONG_ROWS,) in graphs.graphs for k in short_keys), "a graph without its twin"
+    assert len(graphs.graphs) == 2 * len(short_keys)
+    got = [o.token_ids for o in eng.generate(_prompts(), GREEDY)]
+    assert got == want
+    forwards = sum((b.forwards for b in watched), Counter())
+    # the batch's shortest context crosses the bound while decoding: both variants ran
+    for mode in ["DECODE"] + ([] if spec is None else ["TARGET_VERIFY"]):
+        assert forwards[(True, mode)] > 0 and forwards[(False, mode)] > 0, (mode, forwards)
+    assert not any(long for long, m in forwards if m == "EXTEND"), forwards  # (prefills run eagerly, short mode)
+
+
+def test_long_rows_need_the_whole_batch_over_the_bound():
+    sel = SelectionVariant([], topk=2048)
+    assert sel.long_rows([2048 + ROW_MARGIN, 10_000])
+    assert not sel.long_rows([2048 + ROW_MARGIN - 1, 10_000])
+    assert not sel.long_rows([])
+
+
+def test_the_check_fails_where_the_margin_is_too_small(ds_target, monkeypatch, caplog):
+    """The check above can fail: with the bound under the top-k, long-rows steps come while rows are short (the
+    worker's step fails, and the engine logs why)."""
+    import workers.graphs
+
+    monkeypatch.setattr(workers.graphs, "ROW_MARGIN", -TOPK)
+    eng, _ = _engine(ds_target, SpeculativeConfig(method="mtp", num_steps=3), graphs=True)
+    eng.generate([[5, 6, 7], [8, 9, 10, 11]], GREEDY)
+    assert "short of their top-k" in caplog.text
