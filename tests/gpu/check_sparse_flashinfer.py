@@ -81,7 +81,7 @@ def engine_check(base: Path) -> tuple[list[dict], bool]:
     prompts = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (60, 100, 140, 200, 300, 90, 120, 250)]
     params = SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True, logprobs=True)
     cfg = dict(model=str(target), device="cuda", dtype="bfloat16", max_model_len=1024, kv_cache_tokens=16384,
-               page_size=64, prefill_attention_backend="triton")
+               page_size=64, prefill_attention_backend="triton", cuda_graph_max_bs=8)
     rows, ok = [], True
     for name, spec in [("none", None), ("mtp chain", SpeculativeConfig(method="mtp", num_steps=3)),
                        ("mtp tree", SpeculativeConfig(method="mtp", num_steps=3, topk=2, num_draft_tokens=5))]:
