@@ -289,10 +289,11 @@ def tune_for_graphs(models: list[torch.nn.Module], cache_dir: str | None, device
 
 # the graph key's suffix of SelectionVariant's long-rows graphs
 LONG_ROWS = "long rows"
-# positions a sparse row of a decode step may sit before the newest token the host counts (a verify's, a draft
-# step's, a catch-up's rows): a step's rows all select their whole top-k when its shortest context exceeds the
-# top-k by this much
-ROW_MARGIN = 64
+# positions a sparse row of a decode step may sit before the newest token the host counts (a verify's and a draft
+# step's sit at or after it), besides a lagging draft's catch-up rows, up to its stash's size behind
+# (``SelectionVariant.of``: a sparse draft's catch-up runs eagerly today, in the default mode, but a captured one
+# would replay in the step's)
+ROW_MARGIN = 16
 
 
 class SelectionVariant:
@@ -300,12 +301,13 @@ class SelectionVariant:
     selects exactly ``topk`` slots, a mode (``full_selection``) set around such forwards: ``DecodeGraphs``
     captures each graph in both modes and replays the long-rows one when ``long_rows`` holds for the step."""
 
-    def __init__(self, backends: list, topk: int):
-        self.backends, self.topk = backends, topk
+    def __init__(self, backends: list, topk: int, margin: int = ROW_MARGIN):
+        self.backends, self.topk, self.margin = backends, topk, margin
 
     @classmethod
-    def of(cls, runners: list) -> SelectionVariant | None:
-        """The runners' backends with the mode (a hybrid's children included); None where there are none."""
+    def of(cls, runners: list, catch_up_window: int = 0) -> SelectionVariant | None:
+        """The runners' backends with the mode (a hybrid's children included); None where there are none.
+        ``catch_up_window``: the most plain steps a draft's catch-up rows may lag by (adaptive speculation)."""
         backends, topk = [], 0
         for runner in runners:
             backend = runner.attn_backend
@@ -313,12 +315,12 @@ class SelectionVariant:
                 if getattr(b, "supports_full_selection", False) and b not in backends:
                     backends.append(b)
                     topk = max(topk, max(spec.topk for spec in runner.attention_specs))
-        return cls(backends, topk) if backends else None
+        return cls(backends, topk, ROW_MARGIN + catch_up_window) if backends else None
 
     def long_rows(self, seq_lens) -> bool:
         """Whether every sparse row of a decode step over requests of ``seq_lens`` (the host's lengths, never above
         the device's) selects its whole top-k."""
-        return len(seq_lens) > 0 and int(min(seq_lens)) - ROW_MARGIN >= self.topk
+        return len(seq_lens) > 0 and int(min(seq_lens)) - self.margin >= self.topk
 
     def wrap(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the backends in the long-rows mode."""

@@ -117,7 +117,7 @@ class Worker:
             cfg, self.device, self.dtype, self.tp, [r.model for r in self._runners()], self._decode, self.spec_round,
             self.last_token, self.advance, rank, logits_state=self.logits_state,
             decode_phases=(self._decode_logits, self._decode_sample))
-        self.graphs.selection = SelectionVariant.of(self._runners())  # (sparse MLA: its long-rows graphs)
+        self.graphs.selection = self.selection_variant()
         # short prefills replay graphs too (with the draft's prefill over the same tokens)
         self.extend_graphs: ExtendGraphs | None = None
         if cfg.cuda_graph_max_prefill_tokens and all(r.attn_backend.graph_safe_extend for r in self._runners()):
@@ -314,6 +314,12 @@ class Worker:
         return key
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
+    def selection_variant(self) -> SelectionVariant | None:
+        """Sparse MLA's long-rows graphs (for backends with the mode); a lazy catch-up's rows lag the newest token by
+        up to the stash's size."""
+        spec = self.cfg.speculative_config
+        return SelectionVariant.of(self._runners(), spec.catch_up_window if spec is not None else 0)
+
     def capture_graphs(self) -> None:
         self.graphs.capture_all(self.tuning_cache)
         if self.extend_graphs is not None and self.extend_graphs.token_buckets:

@@ -61,7 +61,7 @@ def _engine(target, spec, graphs: bool) -> tuple[Engine, list]:
         for runner in worker._runners():
             runner.attn_backend = WatchedSelection()
             watched.append(runner.attn_backend)
-        worker.graphs.selection = SelectionVariant.of(worker._runners())
+        worker.graphs.selection = worker.selection_variant()
         worker.capture_graphs()  # (on a CPU the callables are kept: nothing runs before the pad slot is known)
         for b in watched:
             b.pad_slot = worker.graphs.static.pad_slot
@@ -69,8 +69,9 @@ def _engine(target, spec, graphs: bool) -> tuple[Engine, list]:
 
 
 def _prompts() -> list[list[int]]:
-    # contexts that start under the long-rows bound and cross it while decoding, and one that starts over it
-    lengths = [40, 50, 60, ROW_MARGIN + TOPK + 30]
+    # contexts that start under the long-rows bound and cross it while decoding (the shortest: 10 + 60 tokens), and
+    # one that starts over it
+    lengths = [10, 20, 30, 120]
     return [[(7 * i + 3 * n) % 500 + 4 for i in range(n)] for n in lengths]
 
 
@@ -100,6 +101,8 @@ def test_long_rows_need_the_whole_batch_over_the_bound():
     assert sel.long_rows([2048 + ROW_MARGIN, 10_000])
     assert not sel.long_rows([2048 + ROW_MARGIN - 1, 10_000])
     assert not sel.long_rows([])
+    lagging = SelectionVariant([], topk=2048, margin=ROW_MARGIN + 16)  # (a draft's catch-up 16 plain steps behind)
+    assert not lagging.long_rows([2048 + ROW_MARGIN + 15]) and lagging.long_rows([2048 + ROW_MARGIN + 16])
 
 
 def test_the_check_fails_where_the_margin_is_too_small(ds_target, monkeypatch, caplog):
@@ -107,7 +110,8 @@ def test_the_check_fails_where_the_margin_is_too_small(ds_target, monkeypatch, c
     worker's step fails, and the engine logs why)."""
     import workers.graphs
 
-    monkeypatch.setattr(workers.graphs, "ROW_MARGIN", -TOPK)
+    monkeypatch.setattr(workers.graphs, "ROW_MARGIN", -TOPK - 64)
     eng, _ = _engine(ds_target, SpeculativeConfig(method="mtp", num_steps=3), graphs=True)
     eng.generate([[5, 6, 7], [8, 9, 10, 11]], GREEDY)
     assert "short of their top-k" in caplog.text
+
