@@ -69,9 +69,10 @@ def _engine(target, spec, graphs: bool) -> tuple[Engine, list]:
 
 
 def _prompts() -> list[list[int]]:
-    # contexts that start under the long-rows bound and cross it while decoding (the shortest: 10 + 60 tokens), and
-    # one that starts over it
-    lengths = [10, 20, 30, 120]
+    # contexts that start under the top-k (their decode rows short of it), cross it and then the long-rows bound
+    # while decoding (the shortest: 3 + 60 tokens), and one that starts over the bound: a bound too low replays the
+    # long-rows graphs over short rows (``test_the_check_fails_where_the_margin_is_too_small``)
+    lengths = [3, 6, 20, 120]
     return [[(7 * i + 3 * n) % 500 + 4 for i in range(n)] for n in lengths]
 
 
@@ -106,12 +107,16 @@ def test_long_rows_need_the_whole_batch_over_the_bound():
 
 
 def test_the_check_fails_where_the_margin_is_too_small(ds_target, monkeypatch, caplog):
-    """The check above can fail: with the bound under the top-k, long-rows steps come while rows are short (the
-    worker's step fails, and the engine logs why)."""
+    """The check above can fail on its own prompts: with the bound under the top-k (here top-k - 4: the long-rows
+    graphs from a shortest context of 4), long-rows steps come while rows are short (the worker's step fails, and
+    the engine logs why)."""
     import workers.graphs
 
-    monkeypatch.setattr(workers.graphs, "ROW_MARGIN", -TOPK - 64)
-    eng, _ = _engine(ds_target, SpeculativeConfig(method="mtp", num_steps=3), graphs=True)
-    eng.generate([[5, 6, 7], [8, 9, 10, 11]], GREEDY)
+    spec = SpeculativeConfig(method="mtp", num_steps=3)
+    monkeypatch.setattr(workers.graphs, "ROW_MARGIN", -4 - spec.catch_up_window)
+    eng, _ = _engine(ds_target, spec, graphs=True)
+    sel = eng.executor.worker.graphs.selection
+    assert sel.long_rows([TOPK - 4]) and not sel.long_rows([TOPK - 5])
+    eng.generate(_prompts(), GREEDY)
     assert "short of their top-k" in caplog.text
 
