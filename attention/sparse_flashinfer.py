@@ -15,6 +15,8 @@ captures each decode graph both ways and replays the long-rows one where the ste
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from attention.flashinfer_wrappers import check_flashinfer_version
@@ -26,6 +28,8 @@ from workers.forward_batch import ForwardBatch
 LATENT_DIM, ROPE_DIM = 512, 64
 WORKSPACE_BYTES = 256 * 1024 * 1024  # intermediate split results, shared by the plans (their forwards run in turn)
 
+logger = logging.getLogger(__name__)
+
 
 class SparseFlashInferBackend(SparseTritonBackend):
     name = "sparse_flashinfer"
@@ -33,24 +37,32 @@ class SparseFlashInferBackend(SparseTritonBackend):
 
     def __init__(self, verify_attention_mode: str = "decode"):
         super().__init__(verify_attention_mode)
-        import flashinfer  # lazily: this module imports on machines without flashinfer
-
+        try:  # (lazily: this module imports on machines without flashinfer)
+            import flashinfer
+            from flashinfer.mla import BatchMLAPagedAttentionWrapper, MLAPlanMetadata
+        except ImportError as e:
+            raise ImportError("the flashinfer decode backend of DeepSeek-V3.2 models needs flashinfer-python >= 0.7.2 "
+                              f"(pip install 'specserve[gpu]'): {e}") from e
         check_flashinfer_version(flashinfer.__version__)
-        from flashinfer.mla import BatchMLAPagedAttentionWrapper
-        from flashinfer.mla._batch_mla import MLAPlanMetadata
-
         self._wrapper_cls, self._metadata_cls = BatchMLAPagedAttentionWrapper, MLAPlanMetadata
         self.full_selection = False
+        self.long_rows_forwards = 0  # forwards that ran FlashInfer's MLA (``SelectionVariant`` reads it)
         self._workspace: torch.Tensor | None = None
         self._plans: dict[tuple, tuple] = {}  # (rows, heads, topk, scale) → (wrapper, its index buffer [rows, topk])
+        self._refused: set[tuple] = set()  # plan keys FlashInfer refused (e.g. past its work items): ours runs them
+
+    @staticmethod
+    def _key(rows: int, layer: SparseMLALayerSpec) -> tuple:
+        return rows, layer.num_heads, layer.topk, layer.scaling
 
     def uses_flashinfer(self, rows: int, layer: SparseMLALayerSpec, dtype: torch.dtype) -> bool:
         return (self.full_selection and rows > 1 and dtype == torch.bfloat16
-                and (layer.kv_lora_rank, layer.rope_dim) == (LATENT_DIM, ROPE_DIM))
+                and (layer.kv_lora_rank, layer.rope_dim) == (LATENT_DIM, ROPE_DIM)
+                and self._key(rows, layer) not in self._refused)
 
     def plan(self, rows: int, layer: SparseMLALayerSpec, device: torch.device) -> tuple:
         """The wrapper planned for ``rows`` rows of ``layer.topk`` one-token pages each, and its index buffer."""
-        key = (rows, layer.num_heads, layer.topk, layer.scaling)
+        key = self._key(rows, layer)
         if key in self._plans:
             return self._plans[key]
         if self._workspace is None:
@@ -75,8 +87,14 @@ class SparseFlashInferBackend(SparseTritonBackend):
         rows = q_latent.shape[0]
         if not self.uses_flashinfer(rows, layer, q_latent.dtype):
             return super().forward_sparse(q_latent, q_rope, index_q, index_w, layer, fb)
+        try:  # (planned at a first forward: a warm-up's, outside any capture)
+            wrapper, indices = self.plan(rows, layer, q_latent.device)
+        except Exception as e:  # noqa: BLE001 - a shape FlashInfer's planner refuses runs on ours, said once
+            self._refused.add(self._key(rows, layer))
+            logger.warning("FlashInfer's MLA refused %d rows (%s): the Triton MLA runs them", rows, e)
+            return super().forward_sparse(q_latent, q_rope, index_q, index_w, layer, fb)
+        self.long_rows_forwards += 1
         m, cache = fb.attn_metadata, fb.kv_cache
-        wrapper, indices = self.plan(rows, layer, q_latent.device)
         self.indexer_topk(index_q, index_w, cache.index_k[layer.layer_id], fb.page_table.table, m.row_req, m.row_len,
                           fb.page_table.page_size, layer.topk, fp8=cache.index_fp8, tree_bits=m.tree_bits,
                           tree_len=m.tree_len, rows_per_req=m.rows_per_req, out=indices)

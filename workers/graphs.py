@@ -289,25 +289,24 @@ def tune_for_graphs(models: list[torch.nn.Module], cache_dir: str | None, device
 
 # the graph key's suffix of SelectionVariant's long-rows graphs
 LONG_ROWS = "long rows"
-# positions a sparse row of a decode step may sit before the newest token the host counts (a verify's and a draft
-# step's sit at or after it), besides a lagging draft's catch-up rows, up to its stash's size behind
-# (``SelectionVariant.of``: a sparse draft's catch-up runs eagerly today, in the default mode, but a captured one
-# would replay in the step's)
+# positions a row of a forward that may run the long-rows kernel (a decode-mode one: DECODE, a draft step, a
+# decode-style TARGET_VERIFY) may sit before the newest token the host counts: none sits before it (a safety margin;
+# a lagging draft's catch-up rows are DRAFT_EXTEND, a prefill-style forward, which the hybrid's Triton child runs)
 ROW_MARGIN = 16
 
 
 class SelectionVariant:
     """Sparse-MLA backends (``supports_full_selection``) that run a faster kernel where every row of a forward
-    selects exactly ``topk`` slots, a mode (``full_selection``) set around such forwards: ``DecodeGraphs``
-    captures each graph in both modes and replays the long-rows one when ``long_rows`` holds for the step."""
+    selects exactly ``topk`` slots, a mode (``full_selection``) set around such forwards, each counting the forwards
+    that ran it (``long_rows_forwards``): ``DecodeGraphs`` captures each graph that runs it in both modes and
+    replays the long-rows one when ``long_rows`` holds for the step."""
 
-    def __init__(self, backends: list, topk: int, margin: int = ROW_MARGIN):
-        self.backends, self.topk, self.margin = backends, topk, margin
+    def __init__(self, backends: list, topk: int, margin: int | None = None):
+        self.backends, self.topk, self.margin = backends, topk, ROW_MARGIN if margin is None else margin
 
     @classmethod
-    def of(cls, runners: list, catch_up_window: int = 0) -> SelectionVariant | None:
-        """The runners' backends with the mode (a hybrid's children included); None where there are none.
-        ``catch_up_window``: the most plain steps a draft's catch-up rows may lag by (adaptive speculation)."""
+    def of(cls, runners: list) -> SelectionVariant | None:
+        """The runners' backends with the mode (a hybrid's children included); None where there are none."""
         backends, topk = [], 0
         for runner in runners:
             backend = runner.attn_backend
@@ -315,12 +314,19 @@ class SelectionVariant:
                 if getattr(b, "supports_full_selection", False) and b not in backends:
                     backends.append(b)
                     topk = max(topk, max(spec.topk for spec in runner.attention_specs))
-        return cls(backends, topk, ROW_MARGIN + catch_up_window) if backends else None
+        return cls(backends, topk) if backends else None
 
     def long_rows(self, seq_lens) -> bool:
         """Whether every sparse row of a decode step over requests of ``seq_lens`` (the host's lengths, never above
         the device's) selects its whole top-k."""
         return len(seq_lens) > 0 and int(min(seq_lens)) - self.margin >= self.topk
+
+    def runs_kernel(self, fn: Callable[[], object]) -> bool:
+        """Whether ``fn`` (a long-rows callable, ``wrap``'s), run once now, runs the long-rows kernel anywhere: a
+        graph without it (one row, dense drafts) is captured once."""
+        before = sum(b.long_rows_forwards for b in self.backends)
+        fn()
+        return sum(b.long_rows_forwards for b in self.backends) > before
 
     def wrap(self, fn: Callable[[], object]) -> Callable[[], object]:
         """``fn`` run with the backends in the long-rows mode."""
@@ -384,19 +390,23 @@ class DecodeGraphs(GraphRunner):
     def capture(self, key: tuple, fn: Callable[[], object]) -> None:
         super().capture(key, fn)
         if self.selection is not None:
-            super().capture(key + (LONG_ROWS,), self.selection.wrap(fn))
+            long = self.selection.wrap(fn)
+            if self.selection.runs_kernel(long):
+                super().capture(key + (LONG_ROWS,), long)
 
     def replay(self, key: tuple):
-        if self.long_rows:
+        if self.long_rows and key + (LONG_ROWS,) in self.graphs:
             self.long_replays += 1
             key += (LONG_ROWS,)
         return super().replay(key)
 
     def keep(self, keys: list[tuple], as_keys: list[tuple], drop: list[tuple]) -> None:
         super().keep(keys, as_keys, drop)
-        if self.selection is not None:
-            long = lambda ks: [k + (LONG_ROWS,) for k in ks]  # noqa: E731
-            super().keep(long(keys), long(as_keys), long(drop))
+        if self.selection is not None:  # (their twins, where captured)
+            twins = [(k + (LONG_ROWS,), a + (LONG_ROWS,)) for k, a in zip(keys, as_keys)
+                     if k + (LONG_ROWS,) in self.graphs]
+            super().keep([k for k, _ in twins], [a for _, a in twins],
+                         [k + (LONG_ROWS,) for k in drop if k + (LONG_ROWS,) in self.graphs])
 
     def _choose_rows(self, step) -> None:
         self.long_rows = self.selection is not None and self.selection.long_rows(step.seq_lens)

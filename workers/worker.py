@@ -315,10 +315,8 @@ class Worker:
 
     # ---- CUDA graphs (``workers.graphs``) --------------------------------------------------------------------
     def selection_variant(self) -> SelectionVariant | None:
-        """Sparse MLA's long-rows graphs (for backends with the mode); a lazy catch-up's rows lag the newest token by
-        up to the stash's size."""
-        spec = self.cfg.speculative_config
-        return SelectionVariant.of(self._runners(), spec.catch_up_window if spec is not None else 0)
+        """Sparse MLA's long-rows graphs, for the runners' backends with the mode (``SelectionVariant``)."""
+        return SelectionVariant.of(self._runners())
 
     def capture_graphs(self) -> None:
         self.graphs.capture_all(self.tuning_cache)

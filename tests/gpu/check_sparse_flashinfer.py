@@ -6,9 +6,10 @@
    nothing (-1, read as slot 0), and a CUDA-graph replay equal to the eager run.
 2. The engine on a tiny DeepSeek-V3.2 with the real MLA widths (16 heads, top-k 64), with CUDA graphs: decode
    backend ``flashinfer`` against ``triton``, no speculation and MTP chain / tree, on prompts whose contexts
-   start under and grow past the long-rows bound: the long-rows graphs must replay, and the greedy tokens and
-   their logprobs agree within bf16's rounding (kernels that sum in another order may part at a near tie: the
-   tokens are compared up to each request's first difference, which is reported).
+   start under and grow past the long-rows bound: the long-rows graphs must replay, and at least 80% of the greedy
+   tokens come before each request's first difference (kernels that sum in another order part at near ties of a
+   random model; the logprobs up to there are reported). Also every MLA call of an eager engine forced into the
+   long-rows mode against the fp32 reference.
 
     python -m tests.gpu.check_sparse_flashinfer [--json F]
 """
@@ -128,8 +129,10 @@ def engine_check(base: Path) -> tuple[list[dict], bool]:
     calls = in_engine_calls(target, long_prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     print(json.dumps({"in-engine calls": calls}), flush=True)
     rows, ok = [{"case": "in-engine MLA calls (eager, long-rows mode forced, MTP chain)", **calls}], calls["ok"]
-    for name, spec in [("none", None), ("mtp chain", SpeculativeConfig(method="mtp", num_steps=3)),
-                       ("mtp tree", SpeculativeConfig(method="mtp", num_steps=3, topk=2, num_draft_tokens=5))]:
+    # (adaptive off: a random MTP layer accepts little, and the chooser would run plain steps, no verify)
+    for name, spec in [("none", None), ("mtp chain", SpeculativeConfig(method="mtp", num_steps=3, adaptive=False)),
+                       ("mtp tree", SpeculativeConfig(method="mtp", num_steps=3, topk=2, num_draft_tokens=5,
+                                                      adaptive=False))]:
         runs = {}
         for backend in ("triton", "flashinfer"):
             eng = Engine(EngineConfig(**cfg, decode_attention_backend=backend, speculative_config=spec))
@@ -148,8 +151,10 @@ def engine_check(base: Path) -> tuple[list[dict], bool]:
                "tokens before the first difference": f"{agree}/{total}",
                "max logprob diff there": round(worst, 4), "replays": replays, "long-rows replays": long_replays,
                "graph_refusal": refusal}
-        good = refusal is None and long_replays > 0  # (the tokens' agreement is reported: kernels that sum in
-        row["ok"] = good                                # another order part at near ties of a random model)
+        # kernels that sum in another order part at near ties of a random model: most tokens, not all, must agree
+        # (a wrong selection or plan would part them from the first long-rows step on)
+        good = refusal is None and long_replays > 0 and agree >= 0.8 * total
+        row["ok"] = good
         ok &= good
         rows.append(row)
         print(json.dumps(row), flush=True)
