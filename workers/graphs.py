@@ -10,8 +10,8 @@ draft loop + TARGET_VERIFY + acceptance + KV compaction + DRAFT_EXTEND) or its t
 replayed back to back. All graphs share one memory pool. Batches are padded to the bucket with rows that write
 their K/V into the reserved page 0. Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are
 captured both ways, timed, and the faster kept (``DecodeGraphs._capture_faster_fusion``). A sparse-MLA model whose
-decode backend has a kernel for rows that each select their whole top-k (``SelectionVariant``) gets every decode
-graph twice, and a step replays the long-rows variant when its contexts guarantee such rows. ``graph_refusal`` says
+decode backend has a kernel for rows that each select their whole top-k (``SelectionVariant``) gets each decode
+graph that runs it twice, and a step replays the long-rows twins when its contexts guarantee such rows. ``graph_refusal`` says
 when graphs are off; ``tune_for_graphs`` sets up the small-M kernels they run.
 """
 
@@ -321,11 +321,12 @@ class SelectionVariant:
         the device's) selects its whole top-k."""
         return len(seq_lens) > 0 and int(min(seq_lens)) - self.margin >= self.topk
 
-    def runs_kernel(self, fn: Callable[[], object]) -> bool:
-        """Whether ``fn`` (a long-rows callable, ``wrap``'s), run once now, runs the long-rows kernel anywhere: a
-        graph without it (one row, dense drafts) is captured once."""
+    def runs_kernel(self, fns: list[Callable[[], object]]) -> bool:
+        """Whether ``fns`` (long-rows callables, ``wrap``'s), run once now in order, run the long-rows kernel
+        anywhere: graphs without it (one row, dense drafts) are captured once."""
         before = sum(b.long_rows_forwards for b in self.backends)
-        fn()
+        for fn in fns:
+            fn()
         return sum(b.long_rows_forwards for b in self.backends) > before
 
     def wrap(self, fn: Callable[[], object]) -> Callable[[], object]:
@@ -388,11 +389,19 @@ class DecodeGraphs(GraphRunner):
         self.long_replays = 0  # graphs replayed in the long-rows mode (checks, stats)
 
     def capture(self, key: tuple, fn: Callable[[], object]) -> None:
-        super().capture(key, fn)
+        self.capture_sequence([key], [fn])
+
+    def capture_sequence(self, keys: list[tuple], fns: list[Callable[[], object]]) -> None:
+        """Graphs that hand tensors to each other in order (a round's phases read the outputs the phase before left
+        at its capture) captured in order; then, where a backend has the long-rows mode and any of them runs its
+        kernel, their twins in order, so that each twin reads the twin before it and each graph the graph before."""
+        for key, fn in zip(keys, fns):
+            super().capture(key, fn)
         if self.selection is not None:
-            long = self.selection.wrap(fn)
-            if self.selection.runs_kernel(long):
-                super().capture(key + (LONG_ROWS,), long)
+            longs = [self.selection.wrap(fn) for fn in fns]
+            if self.selection.runs_kernel(longs):
+                for key, fn in zip(keys, longs):
+                    super().capture(key + (LONG_ROWS,), fn)
 
     def replay(self, key: tuple):
         if self.long_rows and key + (LONG_ROWS,) in self.graphs:
@@ -637,8 +646,8 @@ class DecodeGraphs(GraphRunner):
         phases = self._callables(bucket, kind, top, depth)
         at = (bucket, kind, top) + _depth_key(depth)
         keys = [(name,) + at + variant for name in phases]
-        for key, fn in zip(keys, phases.values()):
-            self.capture(key, self._norms_in_linears(fused)(fn))  # (on a CPU the callable runs each time)
+        # (on a CPU the callables run at each replay)
+        self.capture_sequence(keys, [self._norms_in_linears(fused)(fn) for fn in phases.values()])
         self.phases[at] = list(phases)
         return keys
 

@@ -54,9 +54,9 @@ def ds_target(tmp_path_factory):
                      heads=4, max_position=1024, seed=3, deepseek={"index_topk": TOPK, "num_nextn_predict_layers": 1})
 
 
-def _engine(target, spec, graphs: bool) -> tuple[Engine, list]:
+def _engine(target, spec, graphs: bool, **kw) -> tuple[Engine, list]:
     eng = Engine(EngineConfig(model=str(target), device="cpu", max_model_len=512, page_size=16, kv_cache_tokens=2048,
-                              cuda_graph_max_bs=4, speculative_config=spec))
+                              cuda_graph_max_bs=4, speculative_config=spec, **kw))
     if spec is not None and spec.adaptive:  # depths that change between steps: plain steps, catch-ups, rounds
         eng.depth_policy = DepthSchedule([0, 0, 3, 0, 2, 1, PAUSED, 3])
     worker, watched = eng.executor.worker, []
@@ -122,3 +122,20 @@ def test_the_check_fails_where_the_margin_is_too_small(ds_target, monkeypatch, c
     eng.generate(_prompts(), GREEDY)
     assert "short of their top-k" in caplog.text
 
+
+
+def test_a_rounds_phases_and_their_twins_are_captured_each_in_order(ds_target):
+    """A round in three graphs hands tensors from phase to phase: captured graphs read what the phase before left at
+    its capture, so the twins come after all of their bucket's graphs, in the same order (each twin reads the twin
+    before it). On the CPU the callables run at each replay, so the tokens can only show the path runs."""
+    spec = SpeculativeConfig(method="mtp", num_steps=3, adaptive=False)
+    ref, _ = _engine(ds_target, spec, graphs=False, fuse_speculative_round=False)
+    eng, _ = _engine(ds_target, spec, graphs=True, fuse_speculative_round=False)
+    order = list(eng.executor.worker.graphs.graphs)
+    for bucket in (1, 2, 4):
+        at = [i for i, k in enumerate(order) if k[1] == bucket and k[2] == "greedy"]
+        names = [order[i][0] + (" twin" if order[i][-1] == LONG_ROWS else "") for i in at]
+        assert names == ["draft", "verify", "draft_extend", "draft twin", "verify twin", "draft_extend twin"], names
+        assert at == list(range(at[0], at[0] + 6))  # (one after the other)
+    want = [o.token_ids for o in ref.generate(_prompts(), GREEDY)]
+    assert [o.token_ids for o in eng.generate(_prompts(), GREEDY)] == want
