@@ -92,7 +92,8 @@ case $stage in
     run python3 -m tests.gpu.check_sparse_mla
     run python3 -m tests.gpu.check_sparse_flashinfer --json "$R/check_sparse_flashinfer_$tag.json"  # (flashinfer)
     run python3 -m bench.sparse_attention --out "$R/sparse_attention_$tag"
-    run python3 -m bench.sparse_attention --mla-kernel flashinfer --no-sweep --out "$R/sparse_attention_mla_flashinfer_$tag"
+    run python3 -m bench.sparse_attention --mla-kernel flashinfer --no-sweep \
+        --out "$R/sparse_attention_mla_flashinfer_$tag"
     ;;
   perf8b)
     run python3 -m tests.gpu.check_graphs --dtype float32 --json "$R/graphs_fp32.json"

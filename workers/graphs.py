@@ -11,8 +11,8 @@ replayed back to back. All graphs share one memory pool. Batches are padded to t
 their K/V into the reserved page 0. Where a bucket's forwards can run the RMSNorms inside the linears, its graphs are
 captured both ways, timed, and the faster kept (``DecodeGraphs._capture_faster_fusion``). A sparse-MLA model whose
 decode backend has a kernel for rows that each select their whole top-k (``SelectionVariant``) gets each decode
-graph that runs it twice, and a step replays the long-rows twins when its contexts guarantee such rows. ``graph_refusal`` says
-when graphs are off; ``tune_for_graphs`` sets up the small-M kernels they run.
+graph that runs it twice, and a step replays the long-rows twins when its contexts guarantee such rows.
+``graph_refusal`` says when graphs are off; ``tune_for_graphs`` sets up the small-M kernels they run.
 """
 
 from __future__ import annotations
@@ -301,8 +301,8 @@ class SelectionVariant:
     that ran it (``long_rows_forwards``): ``DecodeGraphs`` captures each graph that runs it in both modes and
     replays the long-rows one when ``long_rows`` holds for the step."""
 
-    def __init__(self, backends: list, topk: int, margin: int | None = None):
-        self.backends, self.topk, self.margin = backends, topk, ROW_MARGIN if margin is None else margin
+    def __init__(self, backends: list, topk: int):
+        self.backends, self.topk, self.margin = backends, topk, ROW_MARGIN
 
     @classmethod
     def of(cls, runners: list) -> SelectionVariant | None:
@@ -319,7 +319,7 @@ class SelectionVariant:
     def long_rows(self, seq_lens) -> bool:
         """Whether every sparse row of a decode step over requests of ``seq_lens`` (the host's lengths, never above
         the device's) selects its whole top-k."""
-        return len(seq_lens) > 0 and int(min(seq_lens)) - self.margin >= self.topk
+        return len(seq_lens) > 0 and int(np.min(seq_lens)) - self.margin >= self.topk  # (numpy: no Python loop)
 
     def runs_kernel(self, fns: list[Callable[[], object]]) -> bool:
         """Whether ``fns`` (long-rows callables, ``wrap``'s), run once now in order, run the long-rows kernel
